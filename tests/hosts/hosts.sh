@@ -1,0 +1,201 @@
+#!/bin/bash
+# Local "hosts" for the real-systemd test tier and the sandbox demo: systemd-nspawn
+# containers on one shared read-only rootfs (overlay per host), each with its own systemd
+# (PID 1), sshd and address 10.213.0.x on a bridge inside the network namespace $HUB,
+# which has no uplink: nothing in there can reach anything but lo and the other hosts.
+#
+#   hosts.sh prepare                    ssh key + base rootfs (cached by a hash of build-rootfs.sh)
+#   hosts.sh net-up                     tmpfs for nspawn, safety route, hub netns + bridge
+#   hosts.sh up NAME:IP [NAME:IP ...]   boot (fresh by default), wait for systemd and sshd
+#   hosts.sh down NAME [NAME ...]       poweroff, then hard-stop and sweep what is left
+#   hosts.sh down-all                   down every host that has state under $STATE
+#   hosts.sh net-down [--force]         remove hub netns/bridge + safety route (refused while hosts run)
+#   hosts.sh list                       running hosts: NAME LEADER-PID
+#   hosts.sh ssh IP [CMD ...]           ssh as root into a host (from inside the hub netns)
+#   hosts.sh env                        print the resolved settings (shell syntax)
+#
+# env: KIT_DIR (/var/tmp/epd-kit), BASE, STATE, SSH_KEY, MODE=hub|host, HUB, BR, NET,
+#      FRESH=1|0 (wipe the host's upper dir on up), SEED=DIR (copied into every host's / on up)
+# Reserved names/addresses: n1-n9 = 10.213.0.11-19 (tests, demo), cp1-cp3 = 10.213.0.21-23.
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+KIT_DIR=${KIT_DIR:-/var/tmp/epd-kit}
+BASE=${BASE:-$KIT_DIR/rootfs-$(sha256sum "$HERE/build-rootfs.sh" | cut -c1-12)}
+STATE=${STATE:-$KIT_DIR/hosts}
+SSH_KEY=${SSH_KEY:-$KIT_DIR/id_ed25519}
+MODE=${MODE:-hub}          # hub: bridge in netns $HUB (no uplink); host: bridge in the host netns
+HUB=${HUB:-kithub}
+BR=${BR:-kitbr0}
+NET=${NET:-10.213.0}       # a /24 that exists only on our bridge
+SSH_OPTS=(-i "$SSH_KEY" -o BatchMode=yes -o StrictHostKeyChecking=no
+          -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o ConnectTimeout=2)
+
+die() { echo "hosts.sh: $*" >&2; exit 1; }
+[ "$(id -u)" = 0 ] || die "must run as root (systemd-nspawn, network namespaces, cgroups)"
+
+in_hub() { if [ "$MODE" = hub ]; then nsenter --net=/run/netns/$HUB "$@"; else "$@"; fi; }
+netns() { if [ "$MODE" = hub ]; then ip -n "$HUB" "$@"; else ip "$@"; fi; }
+leader_alive() {   # the container's PID 1 still runs
+  local l; l=$(cat "$STATE/$1/leader.pid" 2>/dev/null) || return 1
+  [ -n "$l" ] && [ "$(cat /proc/$l/comm 2>/dev/null)" = systemd ]
+}
+
+prepare() {
+  mkdir -p "$KIT_DIR"
+  ( flock 9; [ -f "$SSH_KEY" ] || ssh-keygen -t ed25519 -N '' -q -C epd-kit-test-hosts -f "$SSH_KEY" ) 9>"$SSH_KEY.lock"
+  "$HERE/build-rootfs.sh" "$BASE"
+}
+
+ensure_runtime() {
+  # /run is plain ext4 on these VMs: nspawn refuses to rm -rf its propagate dir there
+  mkdir -p /run/systemd/nspawn /run/systemd/machines
+  findmnt -n /run/systemd/nspawn >/dev/null || mount -t tmpfs -o mode=0755 tmpfs /run/systemd/nspawn
+}
+
+ensure_net() {
+  # safety net: anything for 10.213.0.0/16 that is not on our bridge fails locally
+  # ("No route to host") instead of following the default route out of eth0
+  ip route replace unreachable "${NET%.*}.0.0/16"
+  if [ "$MODE" = hub ] && [ ! -e /run/netns/$HUB ]; then
+    ip netns add "$HUB"; ip -n "$HUB" link set lo up
+    ip -n "$HUB" route replace unreachable "${NET%.*}.0.0/16"
+  fi
+  if ! netns link show "$BR" >/dev/null 2>&1; then
+    netns link add "$BR" type bridge
+    netns addr add "$NET.1/24" dev "$BR"
+    netns link set "$BR" up
+  fi
+}
+
+up_one() {
+  local name=$1 ip=$2 d=$STATE/$1
+  [[ $name =~ ^[a-z][a-z0-9-]{0,30}$ ]] || die "bad host name '$name'"
+  [[ $ip == "$NET".* ]] || die "address $ip is outside $NET.0/24: test hosts live only there"
+  [ -x "$BASE/lib/systemd/systemd" ] || die "no base rootfs at $BASE: run 'hosts.sh prepare' first"
+  [ -f "$SSH_KEY.pub" ] || die "no ssh key $SSH_KEY: run 'hosts.sh prepare' first"
+  leader_alive "$name" && down_all "$name"
+  [ "${FRESH:-1}" = 1 ] && rm -rf "$d/upper" "$d/work"   # default: a pristine host on every boot
+  mkdir -p "$d/upper/etc/systemd/network" "$d/upper/root/.ssh"
+  [ -n "${SEED:-}" ] && cp -a "$SEED/." "$d/upper/"
+  echo "$name" > "$d/upper/etc/hostname"
+  install -m600 "$SSH_KEY.pub" "$d/upper/root/.ssh/authorized_keys"
+  chmod 700 "$d/upper/root/.ssh"
+  cat > "$d/upper/etc/systemd/network/10-host0.network" <<NETWORK
+[Match]
+Name=host0
+[Network]
+Address=$ip/24
+Gateway=$NET.1
+LinkLocalAddressing=no
+IPv6AcceptRA=no
+LLDP=no
+EmitLLDP=no
+NETWORK
+  echo "$ip" > "$d/address"
+  # one cgroup per container: with --keep-unit and no systemd on the host, nspawn splits
+  # its *current* cgroup into payload/ + supervisor/, so two containers started from
+  # the same cgroup would collide
+  for h in systemd unified; do mkdir -p /sys/fs/cgroup/$h/kit-$name; done
+  (
+    echo $BASHPID > /sys/fs/cgroup/systemd/kit-$name/cgroup.procs
+    echo $BASHPID > /sys/fs/cgroup/unified/kit-$name/cgroup.procs
+    pre=(); [ "$MODE" = hub ] && pre=(nsenter --net=/run/netns/$HUB)   # NOT `ip netns exec`: it remounts /sys and hides the cgroup mounts
+    exec setsid "${pre[@]}" systemd-nspawn --quiet --boot --directory="$BASE" \
+      --overlay="$BASE:$d/upper:/" \
+      --machine="$name" --register=no --keep-unit \
+      --network-bridge="$BR" --console=passive --resolv-conf=off --timezone=off \
+      </dev/null >"$d/nspawn.log" 2>&1
+  ) &
+  echo $! > "$d/nspawn.pid"
+}
+
+register() {   # /run/systemd/machines/NAME with LEADER= is all `systemctl -M`/`systemd-run -M` need
+  local name=$1 p l=
+  p=$(cat "$STATE/$1/nspawn.pid")
+  for _ in $(seq 100); do
+    l=$(pgrep -P "$p" -x systemd || true); [ -n "$l" ] && break; sleep 0.1
+  done
+  [ -n "$l" ] || { cat "$STATE/$name/nspawn.log" >&2; die "$name: systemd did not start"; }
+  printf 'NAME=%s\nLEADER=%s\nCLASS=container\nSTATE=running\n' "$name" "$l" > /run/systemd/machines/$name
+  echo "$l" > "$STATE/$name/leader.pid"
+}
+
+wait_up() {
+  local name=$1 ip=$2 s=
+  for _ in $(seq 300); do
+    s=$(systemctl -M "$name" is-system-running 2>/dev/null || true)
+    case "$s" in running|degraded) break;; esac; sleep 0.1
+  done
+  case "$s" in running|degraded) ;; *) die "$name: boot timeout (state '$s'), see $STATE/$name/nspawn.log";; esac
+  for _ in $(seq 50); do
+    in_hub ssh "${SSH_OPTS[@]}" root@"$ip" true 2>/dev/null && { echo "$name $ip: $s, ssh ok"; return 0; }
+    sleep 0.2
+  done
+  die "$name: sshd on $ip did not answer"
+}
+
+down_all() {
+  local name p l pids
+  for name in "$@"; do leader_alive "$name" && { systemctl -M "$name" poweroff 2>/dev/null || true; }; done
+  for name in "$@"; do
+    p=$(cat "$STATE/$name/nspawn.pid" 2>/dev/null || true)
+    if [ -n "$p" ]; then
+      for _ in $(seq 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+    fi
+    # hard stop: SIGKILL the container's PID 1 (takes its whole PID namespace down;
+    # SIGKILL of systemd-nspawn alone would leave the container running, orphaned),
+    # then sweep anything left in the container's cgroup, by PID
+    leader_alive "$name" && kill -KILL "$(cat "$STATE/$name/leader.pid")" 2>/dev/null || true
+    if [ -d /sys/fs/cgroup/systemd/kit-$name ]; then
+      for _ in 1 2 3 4 5; do
+        pids=$(find /sys/fs/cgroup/systemd/kit-$name -name cgroup.procs -exec cat {} + 2>/dev/null)
+        [ -z "$pids" ] && break
+        kill -KILL $pids 2>/dev/null || true; sleep 0.3
+      done
+    fi
+    rm -f /run/systemd/machines/$name "$STATE/$name/nspawn.pid" "$STATE/$name/leader.pid"
+    for h in systemd unified; do
+      [ -d /sys/fs/cgroup/$h/kit-$name ] && find /sys/fs/cgroup/$h/kit-$name -depth -type d -exec rmdir {} \; 2>/dev/null || true
+    done
+  done
+}
+
+running_hosts() {
+  local d
+  for d in "$STATE"/*/; do
+    [ -d "$d" ] || continue
+    d=$(basename "$d"); leader_alive "$d" && echo "$d $(cat "$STATE/$d/leader.pid")"
+  done
+  return 0
+}
+
+net_down() {
+  if [ "${1:-}" != --force ] && [ -n "$(running_hosts)" ]; then
+    echo "hosts.sh: network kept, hosts still running: $(running_hosts | cut -d' ' -f1 | tr '\n' ' ')" >&2
+    return 0
+  fi
+  if [ "$MODE" = hub ]; then ip netns del "$HUB" 2>/dev/null || true; else ip link del "$BR" 2>/dev/null || true; fi
+  ip route del unreachable "${NET%.*}.0.0/16" 2>/dev/null || true
+}
+
+cmd=${1:-help}; shift || true
+case "$cmd" in
+  prepare) prepare ;;
+  up)
+    [ $# -gt 0 ] || die "usage: hosts.sh up NAME:IP [NAME:IP ...]"
+    ensure_runtime; ensure_net; mkdir -p "$STATE"
+    for spec in "$@"; do up_one "${spec%%:*}" "${spec##*:}"; done
+    for spec in "$@"; do register "${spec%%:*}"; done
+    for spec in "$@"; do wait_up "${spec%%:*}" "${spec##*:}"; done ;;
+  down) down_all "$@" ;;
+  down-all)
+    names=(); for d in "$STATE"/*/; do [ -d "$d" ] && names+=("$(basename "$d")"); done
+    [ ${#names[@]} -gt 0 ] && down_all "${names[@]}"; true ;;
+  net-up) ensure_runtime; ensure_net ;;
+  net-down) net_down "${1:-}" ;;
+  list) running_hosts ;;
+  ssh) ip=${1:?usage: hosts.sh ssh IP [CMD ...]}; shift; in_hub ssh "${SSH_OPTS[@]}" root@"$ip" "$@" ;;
+  env) printf 'KIT_DIR=%q\nBASE=%q\nSTATE=%q\nSSH_KEY=%q\nMODE=%q\nHUB=%q\nBR=%q\nNET=%q\n' \
+         "$KIT_DIR" "$BASE" "$STATE" "$SSH_KEY" "$MODE" "$HUB" "$BR" "$NET" ;;
+  *) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; [ "$cmd" = help ]; exit ;;
+esac
