@@ -1,0 +1,35 @@
+#!/bin/bash
+# Install what the kit's controller side, its tests and the sandbox need, from nothing,
+# idempotently (a second run takes about a second):
+#   - Debian packages: systemd-nspawn (systemd-container), mmdebstrap + eatmydata (rootfs
+#     of the test hosts), ssh client, iproute2, python3-venv;
+#   - the Python venv .venv with the kit and its test extras (`pip install -e '.[test]'`),
+#     reinstalled only when pyproject.toml changed (stamp .venv/.bootstrap-stamp).
+# Run as root on Debian 12.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ "$(id -u)" = 0 ] || { echo "bootstrap.sh: run as root (sudo $0)" >&2; exit 1; }
+[ -r /etc/debian_version ] || { echo "bootstrap.sh: needs Debian 12 (apt, systemd 252)" >&2; exit 1; }
+
+APT_PKGS=(systemd-container mmdebstrap eatmydata openssh-client iproute2 util-linux procps
+          python3 python3-venv ca-certificates)
+missing=()
+for p in "${APT_PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q '^install ok installed' || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "bootstrap: apt-get install ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+VENV=.venv
+STAMP=$VENV/.bootstrap-stamp
+want=$( (python3 --version; cat pyproject.toml) | sha256sum | cut -c1-16)
+[ -x $VENV/bin/python ] || python3 -m venv $VENV
+if [ "$(cat $STAMP 2>/dev/null)" != "$want" ]; then
+  echo "bootstrap: pip install -e '.[test]' into $VENV"
+  $VENV/bin/pip install -q --disable-pip-version-check -e '.[test]'
+  echo "$want" > $STAMP
+fi
+echo "bootstrap: ok ($VENV, $(.venv/bin/ansible-playbook --version | head -1))"

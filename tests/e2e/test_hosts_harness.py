@@ -1,0 +1,61 @@
+"""The test hosts themselves: real systemd, sshd, the DLAMI-like base, isolation."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from tests.hosts.harness import ansible_playbook
+
+pytestmark = pytest.mark.systemd
+
+
+def test_host_runs_systemd_and_sshd(test_hosts):
+    (n1,) = test_hosts(1)
+    assert n1.systemctl("is-system-running", check=False).stdout.strip() in {"running", "degraded"}
+    assert n1.is_active("ssh.service") == "active"
+    assert n1.ssh("hostname").stdout.strip() == "n1"
+    assert n1.run("cat /etc/hostname").stdout.strip() == "n1"
+
+
+def test_base_image_is_a_dlami_stand_in_without_the_kit(test_hosts):
+    (n1,) = test_hosts(1)
+    n1.run("python3 -m venv /tmp/probe-venv && /tmp/probe-venv/bin/python -c 'import ssl'")
+    n1.run("test -e /usr/lib/x86_64-linux-gnu/libfabric.so.1 && command -v curl")
+    assert n1.run("test -e /opt/epd || id epd", check=False).returncode != 0, "kit leaked into the base image"
+
+
+def test_hosts_are_isolated(test_hosts):
+    (n1,) = test_hosts(1)
+    # inside the host: only 10.213.0.0/24 exists; the gateway .1 is the hub bridge, no uplink
+    probe = n1.run("curl -sS -m 2 -o /dev/null http://192.0.2.1/ ; echo rc=$?", check=False).stdout
+    assert "rc=0" not in probe
+    # from the test process (inside kithub): an unused 10.213 address fails locally
+    with pytest.raises(OSError):
+        socket.create_connection(("10.213.1.50", 22), timeout=2)
+
+
+def test_ansible_reaches_hosts_over_ssh(test_hosts, tmp_path):
+    hosts = test_hosts(2)
+    key = hosts[0].ssh_key
+    inventory = tmp_path / "hosts.ini"
+    inventory.write_text("[nodes]\n" + "".join(f"{h.name} ansible_host={h.address}\n" for h in hosts) +
+                         "[nodes:vars]\nansible_user=root\n"
+                         f"ansible_ssh_private_key_file={key}\n"
+                         "ansible_ssh_common_args='-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null'\n"
+                         "ansible_python_interpreter=/usr/bin/python3\n")
+    playbook = tmp_path / "ping.yml"
+    playbook.write_text("- hosts: nodes\n  gather_facts: false\n  tasks:\n"
+                        "    - ansible.builtin.ping:\n"
+                        "    - ansible.builtin.command: systemctl is-system-running\n"
+                        "      register: state\n      changed_when: false\n      failed_when: state.stdout not in ['running', 'degraded']\n")
+    result = ansible_playbook(inventory, str(playbook))
+    assert result.returncode == 0, result.describe()
+    assert set(result.recap) == {"n1", "n2"} and result.changed == 0
+
+
+def test_reset_gives_a_pristine_host(host_pool, test_hosts):
+    (n1,) = test_hosts(1)
+    n1.run("touch /root/dirty")
+    n1 = host_pool.reset(n1)
+    assert n1.run("test -e /root/dirty", check=False).returncode != 0

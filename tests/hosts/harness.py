@@ -1,0 +1,237 @@
+"""Drive the local systemd-nspawn test hosts (tests/hosts/hosts.sh) from Python.
+
+The shell script owns booting, networking and teardown; this module only calls it and
+offers the helpers tests need: `systemctl -M`, commands inside a host, ssh, journal,
+and writing Ansible inventories that point at the hosts. Names and addresses reserved
+for tests and the demo: n1-n9 = 10.213.0.11-19 (docs/sandbox.md).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+HOSTS_DIR = Path(__file__).resolve().parent
+HOSTS_SH = HOSTS_DIR / "hosts.sh"
+REPO = HOSTS_DIR.parent.parent
+HUB_NETNS = "kithub"
+NET_PREFIX = "10.213.0"
+# where the sandbox checkpoint lives on every host (inventory/sandbox uses this path)
+HOST_MODEL_DIR = "/models/tiny-qwen3-vl"
+
+
+def host_address(index: int) -> str:
+    """n<index> lives at 10.213.0.(10+index); index 1..9."""
+    if not 1 <= index <= 9:
+        raise ValueError(f"test host index {index} outside the reserved n1-n9")
+    return f"{NET_PREFIX}.{10 + index}"
+
+
+def hosts_env() -> dict[str, str]:
+    """The settings hosts.sh resolves (KIT_DIR, BASE, STATE, SSH_KEY, ...)."""
+    out = subprocess.run([str(HOSTS_SH), "env"], check=True, capture_output=True, text=True).stdout
+    env: dict[str, str] = {}
+    for line in out.splitlines():
+        key, _, value = line.partition("=")
+        env[key] = shlex.split(value)[0] if value else ""
+    return env
+
+
+def in_hub_netns() -> bool:
+    """True when this process runs inside the kithub network namespace."""
+    try:
+        return os.stat("/proc/self/ns/net").st_ino == os.stat(f"/run/netns/{HUB_NETNS}").st_ino
+    except OSError:
+        return False
+
+
+def environment_problem() -> str | None:
+    """Why the real-systemd tier cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "the real-systemd tier needs root"
+    if not in_hub_netns():
+        return (f"pytest is not running inside the '{HUB_NETNS}' network namespace, so the test "
+                "hosts are unreachable (and must stay isolated)")
+    return None
+
+
+def run(argv: list[str], *, check: bool = True, timeout: float = 120, input: str | None = None,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """subprocess.run with text output; on failure the error carries stdout and stderr."""
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, input=input,
+                          env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"command failed (rc={proc.returncode}): {shlex.join(argv)}\n"
+                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@dataclass(frozen=True)
+class TestHost:
+    """One booted test host. Unit-file operations (enable/is-enabled/cat) go through
+    `run()` inside the host: `systemctl -M` would answer them from the controller's
+    /etc (test-hosts.md, "Dangerous gotcha")."""
+
+    __test__ = False  # not a pytest test class
+    name: str
+    address: str
+    ssh_key: str = field(repr=False, default="")
+
+    def leader_pid(self) -> int:
+        for line in Path(f"/run/systemd/machines/{self.name}").read_text().splitlines():
+            if line.startswith("LEADER="):
+                return int(line.split("=", 1)[1])
+        raise AssertionError(f"{self.name}: no LEADER in /run/systemd/machines/{self.name}")
+
+    def path(self, inside: str) -> Path:
+        """A path inside the running host, seen from the controller (read only please)."""
+        return Path(f"/proc/{self.leader_pid()}/root") / inside.lstrip("/")
+
+    def systemctl(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return run(["systemctl", "-M", self.name, "--no-pager", *args], check=check, timeout=timeout)
+
+    def run(self, command: str, *, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """Run a shell command inside the host (all its namespaces, as root)."""
+        return run(["nsenter", "-t", str(self.leader_pid()), "-a", "/bin/sh", "-c", command],
+                   check=check, timeout=timeout)
+
+    def ssh(self, command: str, *, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return run(["ssh", *ssh_options(self.ssh_key), f"root@{self.address}", command],
+                   check=check, timeout=timeout)
+
+    def is_active(self, unit: str) -> str:
+        return self.systemctl("is-active", unit, check=False).stdout.strip()
+
+    def show(self, unit: str, *props: str) -> dict[str, str]:
+        out = self.systemctl("show", unit, *(f"-p{p}" for p in props)).stdout
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def units(self, pattern: str) -> list[str]:
+        """Loaded units matching a glob, e.g. 'epd-engine@*'."""
+        out = self.systemctl("list-units", "--all", "--plain", "--no-legend", pattern).stdout
+        return sorted(line.split()[0] for line in out.splitlines() if line.strip())
+
+    def journal(self, unit: str, lines: int = 200) -> str:
+        return self.run(f"journalctl --no-pager -q -n {lines} -u {shlex.quote(unit)}", check=False).stdout
+
+
+def ssh_options(key: str) -> list[str]:
+    return ["-i", key, "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
+            "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR", "-o", "ConnectTimeout=3"]
+
+
+class HostPool:
+    """Boots and stops hosts n1..n9 through hosts.sh; remembers what it started."""
+
+    def __init__(self, seed: Path | None = None) -> None:
+        self.env = hosts_env()
+        self.seed = seed
+        self.seed_problem: str | None = None
+        self.started: dict[str, TestHost] = {}
+
+    def require_model(self) -> None:
+        """Fail the calling test when the hosts carry no sandbox checkpoint."""
+        if self.seed is None:
+            raise AssertionError(f"the test hosts have no sandbox model: {self.seed_problem}")
+
+    def _script(self, *args: str, timeout: float = 180, extra_env: dict[str, str] | None = None) -> str:
+        env = dict(os.environ, **(extra_env or {}))
+        return run([str(HOSTS_SH), *args], timeout=timeout, env=env).stdout
+
+    def host(self, index: int) -> TestHost:
+        return TestHost(f"n{index}", host_address(index), self.env["SSH_KEY"])
+
+    def up(self, *indexes: int, seed: bool = True) -> list[TestHost]:
+        """Boot fresh hosts (a running one is stopped and wiped first)."""
+        hosts = [self.host(i) for i in indexes]
+        extra = {"FRESH": "1"}
+        if seed and self.seed is not None:
+            extra["SEED"] = str(self.seed)
+        self._script("up", *(f"{h.name}:{h.address}" for h in hosts), extra_env=extra)
+        self.started.update({h.name: h for h in hosts})
+        return hosts
+
+    def ensure(self, count: int) -> list[TestHost]:
+        """Hosts n1..n<count>, booting only the ones not running yet."""
+        missing = [i for i in range(1, count + 1) if not self.is_running(f"n{i}")]
+        if missing:
+            self.up(*missing)
+        return [self.host(i) for i in range(1, count + 1)]
+
+    def is_running(self, name: str) -> bool:
+        listed = self._script("list").split()
+        return name in listed[::2]
+
+    def reset(self, host: TestHost, *, seed: bool = True) -> TestHost:
+        """A pristine host again (wiped overlay, fresh boot): about 1-2 s."""
+        return self.up(int(host.name[1:]), seed=seed)[0]
+
+    def down(self, *hosts: TestHost) -> None:
+        names = [h.name for h in hosts] or list(self.started)
+        if names:
+            self._script("down", *names)
+        for name in names:
+            self.started.pop(name, None)
+
+
+def write_inventory(directory: Path, base: Path, hosts_yml: dict, group_vars: dict | None = None) -> Path:
+    """An inventory directory: `base`'s group_vars (copied), the given hosts.yml and
+    extra group_vars/all overrides (written as group_vars/all/zz-test.yml, so they win)."""
+    import shutil
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if (base / "group_vars").is_dir():
+        shutil.copytree(base / "group_vars", directory / "group_vars", dirs_exist_ok=True)
+    if (base / "host_vars").is_dir():
+        shutil.copytree(base / "host_vars", directory / "host_vars", dirs_exist_ok=True)
+    (directory / "hosts.yml").write_text(yaml.safe_dump(hosts_yml, sort_keys=False))
+    if group_vars:
+        all_dir = directory / "group_vars" / "all"
+        if (directory / "group_vars" / "all.yml").exists():
+            all_dir.mkdir(exist_ok=True)
+            shutil.move(directory / "group_vars" / "all.yml", all_dir / "main.yml")
+        all_dir.mkdir(parents=True, exist_ok=True)
+        (all_dir / "zz-test.yml").write_text(yaml.safe_dump(group_vars, sort_keys=False))
+    return directory
+
+
+@dataclass
+class PlaybookResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    recap: dict[str, dict[str, int]]  # host -> {ok, changed, unreachable, failed, skipped, ...}
+
+    @property
+    def changed(self) -> int:
+        return sum(r.get("changed", 0) for r in self.recap.values())
+
+    def describe(self) -> str:
+        return f"rc={self.returncode}\n--- stdout\n{self.stdout[-6000:]}\n--- stderr\n{self.stderr[-3000:]}"
+
+
+_RECAP_LINE = re.compile(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$")
+
+
+def ansible_playbook(inventory: Path | str, playbook: str, *args: str, timeout: float = 600,
+                     env: dict[str, str] | None = None) -> PlaybookResult:
+    """Run ansible-playbook from the repo root (its ansible.cfg) and parse the recap."""
+    argv = [str(REPO / ".venv/bin/ansible-playbook"), "-i", str(inventory), str(REPO / playbook), *args]
+    full_env = dict(os.environ, ANSIBLE_FORCE_COLOR="0", ANSIBLE_NOCOLOR="1", **(env or {}))
+    full_env["PATH"] = f"{REPO / '.venv/bin'}:{full_env.get('PATH', '/usr/bin:/bin')}"
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env)
+    recap: dict[str, dict[str, int]] = {}
+    in_recap = False
+    for line in proc.stdout.splitlines():
+        if line.startswith("PLAY RECAP"):
+            in_recap = True
+            continue
+        match = _RECAP_LINE.match(line.strip()) if in_recap else None
+        if match:
+            recap[match.group(1)] = {k: int(v) for k, v in (kv.split("=") for kv in match.group(2).split())}
+    return PlaybookResult(proc.returncode, proc.stdout, proc.stderr, recap)
