@@ -1,0 +1,1 @@
+"""Rerunnable benchmarks for epd-kit (docs/benchmarks.md). Each section is `python -m bench.<name>`."""
