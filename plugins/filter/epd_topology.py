@@ -576,7 +576,7 @@ def largest_fits(host: HostSpec, settings: Settings) -> list[tuple[int, int]]:
                 options.append((alone, 0) if role == "ve" else (0, alone))
     unique = []
     for option in options:
-        if option not in unique:
+        if option != (0, 0) and option not in unique:
             unique.append(option)
     return unique
 
@@ -758,12 +758,6 @@ def validate_plan(plan: Mapping[str, Mapping[str, Any]], settings: Settings) -> 
             if eid in ids:
                 raise EpdPlanError(f"duplicate engine id {eid} on {ids[eid]} and {host}: engine ids key NIXL handshakes and must be unique fleet-wide")
             ids[eid] = host
-            if engine["url"] in urls:
-                raise EpdPlanError(
-                    f"{host} and {urls[engine['url']]} both serve {engine['url']}: give each host its "
-                    "own epd_bind_address (its private address)"
-                )
-            urls[engine["url"]] = host
             if len(engine["cores"]) != engine["tp"] or engine["cores"][0] % engine["tp"]:
                 raise EpdPlanError(f"{host}: {eid} cores {format_cores(engine['cores'])} do not form an aligned tp={engine['tp']} slice")
             for core in engine["cores"]:
@@ -782,6 +776,14 @@ def validate_plan(plan: Mapping[str, Mapping[str, Any]], settings: Settings) -> 
                         "epd_router_port so the ranges do not overlap"
                     )
                 ports[port] = what
+    for host, host_plan in plan.items():
+        for engine in host_plan["engines"]:
+            if engine["url"] in urls:
+                raise EpdPlanError(
+                    f"{host} and {urls[engine['url']]} both serve {engine['url']}: give each host its "
+                    "own epd_bind_address (its private address)"
+                )
+            urls[engine["url"]] = host
     if len(hosts_with_engines) > 1:
         for host in hosts_with_engines:
             if _is_loopback(plan[host]["bind_address"]):

@@ -1,0 +1,464 @@
+"""The topology planner (plugins/filter/epd_topology.py): layout rules, argv/env, every error."""
+
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "inventory" / "examples"
+MODEL = "/models/Qwen3-VL-32B-Instruct"
+
+
+def _load_planner():
+    spec = importlib.util.spec_from_file_location("epd_topology", REPO / "plugins" / "filter" / "epd_topology.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("epd_topology", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+planner = _load_planner()
+PlanError = planner.EpdPlanError
+
+
+def load_example(name):
+    """(hostvars, engine hosts) of an example inventory: group_vars/all/*.yml under host vars."""
+    root = EXAMPLES / name
+    common = {}
+    for path in sorted((root / "group_vars" / "all").glob("*.yml")):
+        common.update(yaml.safe_load(path.read_text()) or {})
+    children = yaml.safe_load((root / "hosts.yml").read_text())["all"]["children"]
+    engines = children["epd_engines"]["hosts"]
+    hostvars = {host: {**common, **(values or {})} for host, values in engines.items()}
+    return hostvars, list(engines)
+
+
+def plan_of(host_vars=None, *, hosts=None, faulted=None, **common):
+    """Plan one host n1 (or `hosts`: {name: vars}) with group vars `common`."""
+    common.setdefault("epd_model", MODEL)
+    hosts = hosts if hosts is not None else {"n1": host_vars or {}}
+    hostvars = {name: {**common, **values} for name, values in hosts.items()}
+    return planner.plan_from_hostvars(hostvars, list(hosts), faulted=faulted)
+
+
+def engines(plan, host="n1"):
+    return {e["instance"]: e for e in plan[host]["engines"]}
+
+
+def error_of(*args, **kwargs):
+    with pytest.raises(PlanError) as info:
+        plan_of(*args, **kwargs)
+    return str(info.value)
+
+
+# --------------------------------------------------------------------------- golden: tutorial
+
+TUTORIAL_VE = r"""
+NEURON_VISIBLE_DEVICES=8,9,10,11 vllm serve "$MODEL" \
+    --tensor-parallel-size 4 \
+    --host 127.0.0.1 \
+    --port 18300 \
+    --max-model-len 8192 \
+    --max-num-batched-tokens 8192 \
+    --max-num-seqs 1 \
+    --dtype bfloat16 \
+    --limit-mm-per-prompt '{"image": 30}' \
+    --no-enable-prefix-caching \
+    --mm-encoder-only \
+    --no-async-scheduling \
+    --additional-config '{"neuron_config": {"quantization": "bf16", "num_batched_tokens_buckets": [8192], "on_device_sampling_config": {"all_greedy": true}, "num_seqs_buckets": [1]}, "vision_neuron_config": {"num_vision_tokens_buckets": [30720], "vision_attention_block_size": 1024, "dp_size": 4, "encoder_cache_num_blocks": 128}}' \
+    --ec-transfer-config '{"ec_connector": "NeuronNixlECConnector", "ec_role": "ec_producer", "engine_id": "epd-ve-0", "ec_connector_extra_config": {"backends": ["LIBFABRIC"], "side_channel_host": "127.0.0.1", "side_channel_port": 14600}}'
+"""
+
+TUTORIAL_PD = r"""
+NEURON_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 vllm serve "$MODEL" \
+    --tensor-parallel-size 8 \
+    --host 127.0.0.1 \
+    --port 18100 \
+    --max-model-len 8192 \
+    --max-num-batched-tokens 8192 \
+    --max-num-seqs 8 \
+    --dtype bfloat16 \
+    --limit-mm-per-prompt '{"image": 30}' \
+    --no-enable-prefix-caching \
+    --mm-processor-cache-gb 0 \
+    --additional-config '{"neuron_config": {"quantization": "bf16", "num_batched_tokens_buckets": [8192], "on_device_sampling_config": {"all_greedy": true}}, "vision_neuron_config": {"num_vision_tokens_buckets": [30720], "vision_attention_block_size": 1024, "dp_size": 1, "encoder_cache_num_blocks": 128}, "mm_language_model_only": true}' \
+    --ec-transfer-config '{"ec_connector": "NeuronNixlECConnector", "ec_role": "ec_consumer", "engine_id": "epd-pd-0", "ec_connector_extra_config": {"backends": ["LIBFABRIC"]}}'
+"""
+# "Prepare your environment", in every engine terminal; HF_HUB_OFFLINE because MODEL is local
+TUTORIAL_EXPORTS = {"FI_EFA_ENABLE_SHM_TRANSFER": "0", "FI_EFA_USE_DEVICE_RDMA": "1",
+                    "VLLM_NEURON_COMPILATION_TIMEOUT": "6000", "HF_HUB_OFFLINE": "1"}
+
+
+def tutorial_command(text, model):
+    tokens = shlex.split(text.replace("\\\n", " ").replace('"$MODEL"', shlex.quote(model)))
+    env = {}
+    while "=" in tokens[0]:
+        key, value = tokens.pop(0).split("=", 1)
+        env[key] = value
+    return env, tokens
+
+
+@pytest.mark.parametrize(("instance", "command"), [("ve-0", TUTORIAL_VE), ("pd-0", TUTORIAL_PD)])
+def test_single_node_example_is_the_tutorial_command(instance, command):
+    hostvars, hosts = load_example("single-node-1e1pd")
+    engine = engines(planner.plan_from_hostvars(hostvars, hosts), "trn2-node1")[instance]
+    env, argv = tutorial_command(command, hostvars["trn2-node1"]["epd_model"])
+    assert engine["argv"] == argv  # token by token, JSON strings byte for byte
+    for flag in ("--limit-mm-per-prompt", "--additional-config", "--ec-transfer-config"):
+        ours = engine["argv"][engine["argv"].index(flag) + 1]
+        theirs = argv[argv.index(flag) + 1]
+        assert json.loads(ours) == json.loads(theirs)
+        assert list(json.loads(ours)) == list(json.loads(theirs))  # key order too
+    assert engine["env"] == {**env, **TUTORIAL_EXPORTS}
+
+
+def test_single_node_example_layout_is_the_tutorial_table():
+    hostvars, hosts = load_example("single-node-1e1pd")
+    plan = planner.plan_from_hostvars(hostvars, hosts)
+    host = plan["trn2-node1"]
+    assert [(e["instance"], e["engine_id"], e["role"], e["cores"], e["port"], e["side_channel_port"]) for e in host["engines"]] == [
+        ("pd-0", "epd-pd-0", "pd", list(range(0, 8)), 18100, None),
+        ("ve-0", "epd-ve-0", "ve", list(range(8, 12)), 18300, 14600),
+    ]
+    assert engines(plan, "trn2-node1")["ve-0"]["side_channel_ports"] == [14600, 14601, 14602, 14603]
+    assert (host["bind_address"], host["usable_cores"]) == ("127.0.0.1", 64)
+    settings = planner.fleet_settings(hostvars, hosts).as_dict()
+    assert settings["epd_router_port"] == 18800
+    assert planner.router_endpoints(plan) == {
+        "ve": [{"id": "epd-ve-0", "url": "http://127.0.0.1:18300", "state": "active"}],
+        "pd": [{"id": "epd-pd-0", "url": "http://127.0.0.1:18100", "state": "active"}],
+    }
+
+
+def test_2e7pd_fills_64_cores_widest_first():
+    hostvars, hosts = load_example("trn2-2e7pd")
+    plan = planner.plan_from_hostvars(hostvars, hosts)
+    layout = [(e["instance"], e["cores"][0], e["cores"][-1], e["port"], e["side_channel_port"]) for e in plan["trn2-node1"]["engines"]]
+    assert layout == [(f"pd-{j}", 8 * j, 8 * j + 7, 18100 + j, None) for j in range(7)] + [
+        ("ve-0", 56, 59, 18300, 14600),
+        ("ve-1", 60, 63, 18301, 14604),
+    ]
+    assert [e["start_delay_s"] for e in plan["trn2-node1"]["engines"]] == [10 * i for i in range(9)]
+
+
+def test_multi_node_ids_are_fleet_wide_and_ports_per_host():
+    hostvars, hosts = load_example("multi-node")
+    plan = planner.plan_from_hostvars(hostvars, hosts)
+    assert hosts == ["trn2-a", "trn2-b", "trn2-c"]
+    a, b, c = (engines(plan, h) for h in hosts)
+    assert sorted(a) == [f"pd-{j}" for j in range(6)] + [f"ve-{i}" for i in range(4)]
+    assert sorted(b, key=lambda i: int(i.split("-")[1])) == [f"pd-{j}" for j in range(6, 14)]
+    assert sorted(c, key=lambda i: int(i.split("-")[1])) == [f"pd-{j}" for j in range(14, 22)]
+    assert (b["pd-6"]["port"], c["pd-14"]["port"], c["pd-21"]["port"]) == (18100, 18100, 18107)
+    assert b["pd-6"]["url"] == "http://10.0.1.32:18100"
+    ve3 = json.loads(a["ve-3"]["argv"][a["ve-3"]["argv"].index("--ec-transfer-config") + 1])
+    assert ve3["engine_id"] == "epd-ve-3"
+    assert ve3["ec_connector_extra_config"]["side_channel_host"] == "10.0.1.31"
+    assert ve3["ec_connector_extra_config"]["side_channel_port"] == 14612
+    assert a["ve-3"]["cores"] == [60, 61, 62, 63] and a["pd-5"]["cores"] == list(range(40, 48))
+    endpoints = planner.router_endpoints(plan)
+    assert [e["id"] for e in endpoints["pd"]] == [f"epd-pd-{j}" for j in range(22)]
+    assert len({e["url"] for e in endpoints["pd"] + endpoints["ve"]}) == 26
+
+
+# --------------------------------------------------------------------------- rules
+
+
+def test_derived_vision_bucket_and_block():
+    settings = planner.read_settings({"epd_model": MODEL})
+    assert (settings.vision_tokens_bucket, settings.vision_attention_block_size) == (30720, 1024)
+    other = planner.read_settings({"epd_model": MODEL, "epd_images_per_prompt": 4, "epd_image_edge": 448, "epd_patch_size": 14})
+    assert (other.vision_tokens_bucket, other.vision_attention_block_size) == (4 * 32 * 32, 1024)
+    pd = engines(plan_of({"epd_num_pd": 1}, epd_images_per_prompt=4, epd_image_edge=448, epd_patch_size=14))["pd-0"]
+    config = json.loads(pd["argv"][pd["argv"].index("--additional-config") + 1])
+    assert config["vision_neuron_config"]["num_vision_tokens_buckets"] == [4096]
+    assert pd["argv"][pd["argv"].index("--limit-mm-per-prompt") + 1] == '{"image": 4}'
+
+
+def test_widest_tp_goes_first_even_when_it_is_the_ve():
+    plan = plan_of({"epd_num_ve": 1, "epd_num_pd": 1}, epd_ve_tp=8, epd_ve_dp=2, epd_pd_tp=4)
+    assert engines(plan)["ve-0"]["cores"] == list(range(8)) and engines(plan)["pd-0"]["cores"] == [8, 9, 10, 11]
+
+
+def test_excluded_and_faulted_cores_are_skipped():
+    plan = plan_of({"epd_num_ve": 2, "epd_num_pd": 6, "epd_excluded_cores": ["20-23"]}, faulted={"n1": [4, 5, 6, 7]})
+    got = engines(plan)
+    assert [got[f"pd-{j}"]["cores"][0] for j in range(6)] == [8, 24, 32, 40, 48, 56]
+    assert (got["ve-0"]["cores"], got["ve-1"]["cores"]) == ([0, 1, 2, 3], [16, 17, 18, 19])
+    assert plan["n1"]["usable_cores"] == 56
+    assert (plan["n1"]["excluded_cores"], plan["n1"]["faulted_cores"]) == ([20, 21, 22, 23], [4, 5, 6, 7])
+
+
+def test_faulted_cores_come_from_module_result_or_host_facts():
+    scan = {"faulted_devices": [0], "faulted_cores": [0, 1, 2, 3]}
+    by_result = plan_of({"epd_num_pd": 1}, faulted={"n1": scan})
+    by_facts = plan_of({"epd_num_pd": 1, "ansible_facts": {"epd_neuron": scan}})
+    assert engines(by_result)["pd-0"]["cores"] == engines(by_facts)["pd-0"]["cores"] == list(range(8, 16))
+
+
+def test_hand_pinned_slices_keep_their_order_and_ports():
+    plan = plan_of({"epd_slices": {"ve": [0, 4], "pd": [24, 8, "48-55"]}})
+    got = engines(plan)
+    assert [got[f"pd-{j}"]["cores"][0] for j in range(3)] == [24, 8, 48]
+    assert [got[f"pd-{j}"]["port"] for j in range(3)] == [18100, 18101, 18102]
+    assert got["ve-1"]["side_channel_port"] == 14604
+
+
+def test_pinned_role_and_planned_role_mix():
+    plan = plan_of({"epd_num_ve": 2, "epd_num_pd": 1, "epd_slices": {"pd": [8]}})
+    got = engines(plan)
+    assert got["pd-0"]["cores"][0] == 8 and [got["ve-0"]["cores"][0], got["ve-1"]["cores"][0]] == [0, 4]
+
+
+def test_env_and_backend_and_model_kinds():
+    sim = engines(plan_of({"epd_num_pd": 1}, epd_engine_backend="sim", epd_compilation_timeout_s=900))["pd-0"]
+    real = engines(plan_of({"epd_num_pd": 1}))["pd-0"]
+    assert sim["argv"][0] == "epd-sim" and real["argv"][0] == "vllm" and sim["argv"][1:] == real["argv"][1:]
+    assert sim["env"]["VLLM_NEURON_COMPILATION_TIMEOUT"] == "900"
+    hub = engines(plan_of({"epd_num_pd": 1}, epd_model="Qwen/Qwen3-VL-32B-Instruct"))["pd-0"]
+    assert "HF_HUB_OFFLINE" not in hub["env"] and hub["argv"][2] == "Qwen/Qwen3-VL-32B-Instruct"
+
+
+def test_mxfp8_renders_modules_to_not_convert_in_neuron_config():
+    ve = engines(plan_of({"epd_num_ve": 1}, epd_quantization="mxfp8", epd_modules_to_not_convert=["lm_head"]))["ve-0"]
+    neuron = json.loads(ve["argv"][ve["argv"].index("--additional-config") + 1])["neuron_config"]
+    assert list(neuron) == ["quantization", "num_batched_tokens_buckets", "on_device_sampling_config", "modules_to_not_convert", "num_seqs_buckets"]
+    assert neuron["modules_to_not_convert"] == ["lm_head"] and neuron["quantization"] == "mxfp8"
+    bf16 = engines(plan_of({"epd_num_ve": 1}, epd_modules_to_not_convert=["lm_head"]))["ve-0"]
+    assert "modules_to_not_convert" not in bf16["argv"][bf16["argv"].index("--additional-config") + 1]
+
+
+def test_extra_args_go_last_and_string_numbers_are_accepted():
+    pd = engines(plan_of({"epd_num_pd": "1"}, epd_extra_args=["--seed", 7], epd_pd_tp="8"))["pd-0"]
+    assert pd["argv"][-2:] == ["--seed", "7"] and pd["tp"] == 8
+
+
+def test_host_without_engines_has_an_empty_plan():
+    plan = plan_of(hosts={"n1": {"epd_num_pd": 1}, "n2": {}})
+    assert plan["n2"]["engines"] == [] and len(plan["n1"]["engines"]) == 1
+
+
+def test_settings_filter_exposes_defaults_and_derived_values():
+    settings = planner.fleet_settings({"n1": {"epd_model": MODEL}}, ["n1"]).as_dict()
+    assert settings["epd_ve_tp"] == 4 and settings["vision_tokens_bucket"] == 30720
+    assert settings["executable"] == "vllm" and settings["model_is_local"] is True
+
+
+def test_plan_table_lists_every_engine():
+    hostvars, hosts = load_example("trn2-2e7pd")
+    lines = planner.plan_table(planner.plan_from_hostvars(hostvars, hosts))
+    assert lines[0].split()[:4] == ["host", "engine", "role", "cores"]
+    assert any(line.split()[:5] == ["trn2-node1", "ve-1", "ve", "tp4", "60-63"] for line in lines)
+    assert lines[-1].startswith("trn2-node1: 64/64 usable cores")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_layout_that_does_not_fit_names_usable_cores_and_what_fits():
+    message = error_of({"epd_num_ve": 2, "epd_num_pd": 7, "epd_excluded_cores": [20, 21, 22, 23]})
+    assert "n1: layout does not fit: 60 usable cores (of 64; excluded/faulted: 20-23)" in message
+    assert "2 VE + 6 PD or 1 VE + 7 PD fit, you asked for 2 VE (tp 4) + 7 PD (tp 8)" in message
+    assert "Lower epd_num_ve/epd_num_pd" in message
+
+
+def test_no_fit_without_exclusions_and_when_one_pool_alone_is_too_big():
+    assert "64 usable cores: 0 VE + 8 PD fit, you asked for 0 VE (tp 4) + 9 PD" in error_of({"epd_num_pd": 9})
+    message = error_of({"epd_num_ve": 20, "epd_num_pd": 9})
+    assert "16 VE + 0 PD or 0 VE + 8 PD fit, you asked for 20 VE" in message
+    assert "no engine fits" in error_of({"epd_num_pd": 1, "epd_core_count": 4})
+
+
+@pytest.mark.parametrize(
+    ("slices", "expected"),
+    [
+        ({"pd": [4]}, "epd_slices.pd[0] = 4 (cores 4-11) is misaligned: a tp=8 slice must start at a multiple of 8 (e.g. 0 or 8)"),
+        ({"ve": [2]}, "epd_slices.ve[0] = 2 (cores 2-5) is misaligned"),
+        ({"pd": [0], "ve": [4]}, "epd_slices.pd[0] = 0 (cores 0-7) overlaps epd_slices.ve[0] on core 4; slices must be disjoint"),
+        ({"pd": [0, 0]}, "overlaps epd_slices.pd[0] on core 0"),
+        ({"pd": [64]}, "epd_slices.pd[0] = 64 (cores 64-71) is over budget: the host has 64 cores (0-63)"),
+        ({"pd": [16]}, "epd_slices.pd[0] = 16 (cores 16-23) uses unusable cores (excluded 20-23)"),
+        ({"ve": [[8, 9, 10]]}, "epd_slices.ve[0] has 3 cores (8-10) but the VE tensor-parallel size is 4: TP must equal the number of cores"),
+        ({"ve": [[8, 9, 10, 12]]}, "is not contiguous"),
+        ({"ve": [-4]}, "epd_slices.ve[0] must be >= 0"),
+        ({"ve": [True]}, "epd_slices.ve[0] must be an integer, got True (bool)"),
+        ({"vision": [0]}, "epd_slices has unknown key(s) vision; use ve and pd"),
+        ({"pd": 8}, "epd_slices.pd must be a list of slice starts, got 8 (int)"),
+        ([0, 8], "epd_slices must be a mapping like {ve: [0, 4], pd: [8, 16]}"),
+    ],
+)
+def test_bad_hand_pinned_slices(slices, expected):
+    assert expected in error_of({"epd_slices": slices, "epd_excluded_cores": ["20-23"]})
+
+
+def test_pinned_slice_on_a_faulted_core():
+    message = error_of({"epd_slices": {"pd": [0]}}, faulted={"n1": [4, 5, 6, 7]})
+    assert "uses unusable cores (faulted 4-7)" in message
+
+
+def test_pinned_count_must_agree_with_the_count():
+    assert "epd_num_pd is 7 but epd_slices.pd pins 2 slices" in error_of({"epd_num_pd": 7, "epd_slices": {"pd": [0, 8]}})
+
+
+@pytest.mark.parametrize(
+    ("common", "expected"),
+    [
+        ({"epd_ve_port_base": 18100}, "port 18100 is used by both epd-pd-0 (HTTP) and epd-ve-0 (HTTP)"),
+        ({"epd_side_channel_port_base": 18798}, "port 18800 is used by both the router (epd_router_port) and epd-ve-0 (side channel rank 2)"),
+        ({"epd_pd_port_base": 18800}, "port 18800 is used by both the router (epd_router_port) and epd-pd-0 (HTTP)"),
+        ({"epd_side_channel_port_base": 65534}, "port 65536 of epd-ve-0 (side channel rank 2) is outside 1024-65535"),
+        ({"epd_router_port": 80}, "epd_router_port must be >= 1024, got 80"),
+    ],
+)
+def test_port_collisions(common, expected):
+    assert expected in error_of({"epd_num_ve": 1, "epd_num_pd": 1}, **common)
+
+
+def test_duplicate_engine_ids_are_refused():
+    settings = planner.read_settings({"epd_model": MODEL})
+    plan = plan_of(hosts={"n1": {"epd_num_pd": 1, "epd_bind_address": "10.0.0.1"}, "n2": {"epd_num_pd": 1, "epd_bind_address": "10.0.0.2"}})
+    plan["n2"]["engines"][0]["engine_id"] = "epd-pd-0"
+    with pytest.raises(PlanError, match="duplicate engine id epd-pd-0 on n1 and n2: engine ids key NIXL handshakes"):
+        planner.validate_plan(plan, settings)
+
+
+def test_two_hosts_with_one_address_are_refused():
+    hosts = {"n1": {"epd_num_pd": 1, "epd_bind_address": "10.0.0.1"}, "n2": {"epd_num_pd": 1, "epd_bind_address": "10.0.0.1"}}
+    assert "n2 and n1 both serve http://10.0.0.1:18100: give each host its own epd_bind_address" in error_of(hosts=hosts)
+
+
+def test_loopback_in_a_multi_host_fleet_is_refused():
+    message = error_of(hosts={"n1": {"epd_num_ve": 1}, "n2": {"epd_num_pd": 1, "epd_bind_address": "10.0.0.2"}})
+    assert "n1 binds its engines to 127.0.0.1 in a multi-host fleet" in message
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--enable-prefix-caching"], "epd_extra_args contains '--enable-prefix-caching': prefix caching must stay off on both pools"),
+        (["--enable-prefix-caching=true"], "prefix caching must stay off"),
+        (["--mm-encoder-only"], "gives every PD engine both build roles"),
+        (["--mm-language-model-only"], "there is no such vllm flag"),
+        (["--port", "9000"], "the kit derives --port itself; change epd_ve_port_base / epd_pd_port_base"),
+        (["--tensor-parallel-size=2"], "the kit derives --tensor-parallel-size itself"),
+        (["--additional-config", "{}"], "the kit derives --additional-config itself"),
+        ("--seed 1", "epd_extra_args must be a list of strings, got '--seed 1' (str)"),
+        ([["--seed"]], "epd_extra_args[0] must be a string"),
+    ],
+)
+def test_bad_extra_args(extra, expected):
+    assert expected in error_of({"epd_num_pd": 1}, epd_extra_args=extra)
+
+
+@pytest.mark.parametrize(
+    ("common", "expected"),
+    [
+        ({"epd_model": None}, "epd_model is unset or empty"),
+        ({"epd_model": "  "}, "epd_model is unset or empty"),
+        ({"epd_model": "./models/x"}, "is a relative path"),
+        ({"epd_model": "not a model!"}, "is neither an absolute checkpoint directory nor a Hugging Face id"),
+        ({"epd_model": "/models/a\nb"}, "must not contain control characters"),
+        ({"epd_model": 7}, "epd_model must be a string, got 7 (int)"),
+        ({"epd_pd_tp": "eight"}, "epd_pd_tp must be an integer, got 'eight' (str)"),
+        ({"epd_pd_tp": True}, "epd_pd_tp must be an integer, got True (bool)"),
+        ({"epd_pd_tp": 6}, "epd_pd_tp must be a power of two"),
+        ({"epd_ve_tp": 0}, "epd_ve_tp must be >= 1, got 0"),
+        ({"epd_ve_dp": 3}, "epd_ve_dp (3) must divide epd_ve_tp (4)"),
+        ({"epd_image_edge": 500}, "epd_image_edge (500) must be a multiple of epd_patch_size (16), e.g. 496"),
+        ({"epd_quantization": "fp16"}, "epd_quantization must be one of bf16, mxfp8, got 'fp16'"),
+        ({"epd_engine_backend": "docker"}, "epd_engine_backend must be vllm or sim"),
+        ({"epd_engine_id_prefix": "a b"}, "epd_engine_id_prefix must be letters"),
+        ({"epd_max_model_len": 0}, "epd_max_model_len must be >= 1"),
+        ({"epd_modules_to_not_convert": "lm_head"}, "epd_modules_to_not_convert must be a list of strings"),
+    ],
+)
+def test_bad_global_settings(common, expected):
+    assert expected in error_of({"epd_num_pd": 1}, **common)
+
+
+@pytest.mark.parametrize(
+    ("host_vars", "expected"),
+    [
+        ({"epd_num_pd": -1}, "n1: epd_num_pd must be >= 0, got -1"),
+        ({"epd_num_ve": 1.5}, "n1: epd_num_ve must be an integer, got 1.5 (float)"),
+        ({"epd_core_count": 0}, "n1: epd_core_count must be >= 1"),
+        ({"epd_excluded_cores": [70]}, "n1: epd_excluded_cores lists 70, outside the host's 64 cores (0-63)"),
+        ({"epd_excluded_cores": ["23-20"]}, 'range "23-20" runs backwards'),
+        ({"epd_excluded_cores": {"a": 1}}, "epd_excluded_cores must be a list of core ids"),
+        ({"epd_bind_address": "0.0.0.0"}, "epd_bind_address 0.0.0.0 is a wildcard"),
+        ({"epd_bind_address": "bad address"}, "is neither an IP address nor a host name"),
+    ],
+)
+def test_bad_host_variables(host_vars, expected):
+    assert expected in error_of(host_vars)
+
+
+def test_pool_settings_must_agree_across_hosts():
+    hosts = {"n1": {"epd_pd_tp": 8, "epd_bind_address": "10.0.0.1"}, "n2": {"epd_pd_tp": 4, "epd_bind_address": "10.0.0.2"}}
+    assert "epd_pd_tp differs between engine hosts (n1: 8, n2: 4)" in error_of(hosts=hosts)
+
+
+def test_empty_or_wrong_host_list():
+    with pytest.raises(PlanError, match="no engine hosts: add hosts to the epd_engines group"):
+        planner.plan_from_hostvars({}, [])
+    with pytest.raises(PlanError, match="expects the list of engine hosts"):
+        planner.plan_from_hostvars({}, "n1")
+    with pytest.raises(PlanError, match="host 'n9' is not in the inventory"):
+        planner.plan_from_hostvars({"n1": {"epd_model": MODEL}}, ["n9"])
+
+
+def test_filter_module_raises_ansible_filter_error():
+    from ansible.errors import AnsibleFilterError
+
+    filters = planner.FilterModule().filters()
+    assert set(filters) == {"epd_plan", "epd_settings", "epd_router_endpoints", "epd_plan_table"}
+    with pytest.raises(AnsibleFilterError, match="epd planner: epd_model is unset or empty"):
+        filters["epd_plan"]({"n1": {"epd_num_pd": 1}}, ["n1"])
+    plan = filters["epd_plan"]({"n1": {"epd_model": MODEL, "epd_num_pd": 1}}, ["n1"])
+    assert filters["epd_router_endpoints"](plan)["pd"][0]["url"] == "http://127.0.0.1:18100"
+
+
+# --------------------------------------------------------------------------- plan.yml (real ansible-playbook)
+
+
+def run_plan(inventory, *extra):
+    env = {**os.environ, "ANSIBLE_FILTER_PLUGINS": str(REPO / "plugins" / "filter"), "ANSIBLE_NOCOLOR": "1",
+           "ANSIBLE_STDOUT_CALLBACK": "default", "ANSIBLE_CALLBACK_RESULT_FORMAT": "yaml"}
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory), str(REPO / "playbooks" / "plan.yml"), *extra],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )
+
+
+@pytest.mark.ansible
+@pytest.mark.parametrize(
+    ("example", "expected_rows"),
+    [
+        ("single-node-1e1pd", ["trn2-node1  pd-0    pd tp8  0-7    18100  -             epd-pd-0",
+                               "trn2-node1  ve-0    ve tp4  8-11   18300  14600-14603   epd-ve-0"]),
+        ("trn2-2e7pd", ["pd-6    pd tp8  48-55  18106", "ve-1    ve tp4  60-63  18301  14604-14607   epd-ve-1"]),
+        ("multi-node", ["trn2-c  pd-21   pd tp8  56-63  18107", "url: http://10.0.1.31:18303"]),
+    ],
+)
+def test_plan_playbook_prints_the_table(example, expected_rows):
+    result = run_plan(EXAMPLES / example)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for row in expected_rows:
+        assert row in result.stdout
+    assert "changed=0" in result.stdout and "failed=0" in result.stdout
+
+
+@pytest.mark.ansible
+def test_plan_playbook_fails_with_the_planner_message():
+    result = run_plan(EXAMPLES / "trn2-2e7pd", "-e", json.dumps({"epd_plan_faulted": {"trn2-node1": [20, 21, 22, 23]}}))
+    assert result.returncode != 0
+    output = " ".join((result.stdout + result.stderr).split())
+    assert "trn2-node1: layout does not fit: 60 usable cores (of 64; excluded/faulted: 20-23): 2 VE + 6 PD or 1 VE + 7 PD fit" in output
