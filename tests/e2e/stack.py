@@ -1,0 +1,199 @@
+"""A deployed sandbox stack as the end-to-end tests see it: the inventory, its hosts, the
+router (real HTTP, real openai client) and a bounded load generator."""
+from __future__ import annotations
+
+import base64
+import io
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tests.hosts.harness import TestHost
+from tests.hosts.sandbox import SandboxInventory
+
+
+def wait_for(predicate: Callable[[], object], *, timeout: float, interval: float = 0.3,
+             what: str = "condition") -> object:
+    """Poll until predicate() is truthy; bounded in time. Returns its value."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 (poll again; report the last error)
+            last_error = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}"
+                         + (f" (last error: {last_error!r})" if last_error else ""))
+
+
+def image_data_url(color: tuple[int, int, int], edge: int = 64) -> str:
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (edge, edge), color)
+    ImageDraw.Draw(image).rectangle([edge // 4, edge // 4, edge // 2, edge // 2], fill=(255, 255, 255))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def image_message(text: str, color: tuple[int, int, int]) -> list[dict]:
+    return [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": image_data_url(color)}},
+        {"type": "text", "text": text},
+    ]}]
+
+
+def engines_of(pools: object) -> list[dict]:
+    """Flatten the router's /pools answer into engine entries (dicts with an 'id')."""
+    found: list[dict] = []
+
+    def walk(node: object, role: str | None) -> None:
+        if isinstance(node, dict):
+            if "id" in node and "url" in node:
+                found.append({"role": role, **node})
+                return
+            for key, value in node.items():
+                walk(value, key if key in ("ve", "pd") else role)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item, role)
+
+    walk(pools, None)
+    return found
+
+
+def is_healthy(entry: dict) -> bool:
+    value = entry.get("healthy", entry.get("health"))
+    return value is True or value in ("healthy", "ok", "up")
+
+
+@dataclass
+class Stack:
+    inventory: SandboxInventory
+    hosts: dict[str, TestHost]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def router_url(self) -> str:
+        return self.inventory.router_url
+
+    @property
+    def router_host(self) -> TestHost:
+        return self.hosts[self.inventory.router_hosts[0]]
+
+    def http(self, timeout: float = 30) -> httpx.Client:
+        return httpx.Client(base_url=self.router_url, timeout=timeout)
+
+    def pools(self) -> list[dict]:
+        with self.http(5) as client:
+            reply = client.get("/pools")
+            reply.raise_for_status()
+            return engines_of(reply.json())
+
+    def engine(self, engine_id: str) -> dict:
+        matches = [e for e in self.pools() if e["id"] == engine_id]
+        assert matches, f"{engine_id} not in the router's /pools"
+        return matches[0]
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        def ready() -> bool:
+            with self.http(3) as client:
+                return client.get("/ready").status_code == 200
+        wait_for(ready, timeout=timeout, what=f"router {self.router_url}/ready = 200")
+
+    def wait_engine_health(self, engine_id: str, healthy: bool, timeout: float = 60) -> None:
+        wait_for(lambda: is_healthy(self.engine(engine_id)) == healthy, timeout=timeout,
+                 what=f"{engine_id} healthy={healthy} in /pools")
+
+    def openai(self, timeout: float = 60):
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.router_url}/v1", api_key="sandbox", timeout=timeout, max_retries=0)
+
+    def model_id(self) -> str:
+        return self.openai().models.list().data[0].id
+
+    def chat(self, messages: list[dict], max_tokens: int = 8, **kwargs) -> object:
+        client = self.openai()
+        return client.chat.completions.create(model=self.model_id(), messages=messages,
+                                              max_tokens=max_tokens, **kwargs)
+
+    def engine_host(self, instance_host: str) -> TestHost:
+        return self.hosts[instance_host]
+
+
+@dataclass
+class LoadResult:
+    sent: int = 0
+    ok: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+class LoadGenerator:
+    """Sends chat requests (image + text) at a fixed rate from a background thread,
+    bounded by count and time, and records every failure with its reason."""
+
+    def __init__(self, router_url: str, model: str, *, rate_per_s: float = 12,
+                 max_requests: int = 3000, max_seconds: float = 300) -> None:
+        self.router_url = router_url
+        self.model = model
+        self.interval = 1.0 / rate_per_s
+        self.max_requests = max_requests
+        self.max_seconds = max_seconds
+        self.result = LoadResult()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._workers: list[threading.Thread] = []
+        self._thread = threading.Thread(target=self._run, name="load-generator", daemon=True)
+
+    def __enter__(self) -> "LoadGenerator":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> LoadResult:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        for worker in self._workers:
+            worker.join(timeout=60)
+        return self.result
+
+    def _one(self, client: httpx.Client, n: int) -> None:
+        body = {"model": self.model, "max_tokens": 4,
+                "messages": image_message(f"request {n}: what is in the picture?", (n % 7 * 30, 90, 200))}
+        try:
+            reply = client.post("/v1/chat/completions", json=body)
+            ok = reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] is not None
+            reason = f"HTTP {reply.status_code}: {reply.text[:200]}"
+        except Exception as exc:  # noqa: BLE001 (a failed request is the measurement)
+            ok, reason = False, repr(exc)
+        with self._lock:
+            if ok:
+                self.result.ok += 1
+            else:
+                self.result.failures.append(f"#{n} at {time.strftime('%H:%M:%S')}: {reason}")
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        with httpx.Client(base_url=self.router_url, timeout=60,
+                          limits=httpx.Limits(max_connections=64)) as client:
+            n = 0
+            while (not self._stop.is_set() and n < self.max_requests
+                   and time.monotonic() - start < self.max_seconds):
+                worker = threading.Thread(target=self._one, args=(client, n), daemon=True)
+                worker.start()
+                self._workers.append(worker)
+                n += 1
+                self.result.sent = n
+                self._stop.wait(self.interval)
+            for worker in self._workers:
+                worker.join(timeout=60)

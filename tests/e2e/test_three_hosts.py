@@ -1,0 +1,110 @@
+"""Three hosts (inventory/sandbox/three-host): VEs on n1, PDs on n2, the router on n3,
+engines bound to their private addresses. Tests run in file order on one deployment."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import yaml
+
+from tests.e2e.stack import LoadGenerator, image_message, is_healthy, wait_for
+from tests.hosts.harness import REPO, ansible_playbook, write_inventory
+
+pytestmark = pytest.mark.systemd
+
+# what the planner must derive from inventory/sandbox/three-host (ids fleet-wide, ports per host)
+EXPECTED_VE = {"epd-ve-0": "http://10.213.0.11:18300", "epd-ve-1": "http://10.213.0.11:18301"}
+EXPECTED_PD = {"epd-pd-0": "http://10.213.0.12:18100", "epd-pd-1": "http://10.213.0.12:18101"}
+ENGINE_UNITS = {"n1": ["epd-engine@ve-0.service", "epd-engine@ve-1.service"],
+                "n2": ["epd-engine@pd-0.service", "epd-engine@pd-1.service"]}
+
+
+def main_pids(stack) -> dict[str, str]:
+    pids = {}
+    for host, units in ENGINE_UNITS.items():
+        for unit in units:
+            pids[f"{host}/{unit}"] = stack.hosts[host].show(unit, "MainPID")["MainPID"]
+    return pids
+
+
+def test_router_endpoints_match_the_inventory(three_host_stack):
+    stack = three_host_stack
+    config = yaml.safe_load(stack.hosts["n3"].run("cat /etc/epd/router.yaml").stdout)
+    endpoints = config["endpoints"]
+    assert {e["id"]: e["url"] for e in endpoints["ve"]} == EXPECTED_VE
+    assert {e["id"]: e["url"] for e in endpoints["pd"]} == EXPECTED_PD
+    pools = {e["id"]: e for e in stack.pools()}
+    assert {i: e["url"] for i, e in pools.items()} == EXPECTED_VE | EXPECTED_PD
+    assert all(is_healthy(e) for e in pools.values()), pools
+
+
+def test_engines_bind_their_private_address_and_live_where_planned(three_host_stack):
+    hosts = three_host_stack.hosts
+    listening = {name: hosts[name].run("ss -Hltn").stdout for name in hosts}
+    for port in (18300, 18301, 14600):
+        assert f"10.213.0.11:{port}" in listening["n1"], listening["n1"]
+    for port in (18100, 18101):
+        assert f"10.213.0.12:{port}" in listening["n2"], listening["n2"]
+    assert hosts["n3"].units("epd-engine@*") == []
+    assert hosts["n1"].units("epd-router*") == [] and hosts["n2"].units("epd-router*") == []
+    assert hosts["n3"].is_active("epd-router.service") == "active"
+
+
+def test_pd_reads_embeddings_from_a_ve_on_another_host(three_host_stack):
+    stack = three_host_stack
+    before = {e["id"]: e.get("served", 0) for e in stack.pools()}
+    red = stack.chat(image_message("What is in the picture?", (200, 30, 30)), max_tokens=16)
+    again = stack.chat(image_message("What is in the picture?", (200, 30, 30)), max_tokens=16)
+    blue = stack.chat(image_message("What is in the picture?", (30, 30, 200)), max_tokens=16)
+    assert red.choices[0].message.content == again.choices[0].message.content
+    assert red.choices[0].message.content != blue.choices[0].message.content
+    after = {e["id"]: e.get("served", 0) for e in stack.pools()}
+    # VE work happened on n1 and PD work on n2: the embedding crossed hosts
+    assert sum(after[i] - before[i] for i in EXPECTED_VE) >= 1
+    assert sum(after[i] - before[i] for i in EXPECTED_PD) >= 3
+
+
+def test_rolling_restart_under_load_fails_no_request(three_host_stack, record_timing):
+    stack = three_host_stack
+    before = main_pids(stack)
+    with LoadGenerator(stack.router_url, stack.model_id(), rate_per_s=12,
+                       max_requests=12 * 240, max_seconds=240) as load:
+        time.sleep(2)
+        start = time.monotonic()
+        result = ansible_playbook(stack.inventory.directory, "playbooks/rolling_restart.yml", timeout=400)
+        elapsed = time.monotonic() - start
+        time.sleep(2)
+        outcome = load.stop()
+    record_timing("3 hosts: rolling restart of 4 engines", elapsed)
+    assert result.returncode == 0, result.describe()
+    assert outcome.sent >= 12 * 5 and outcome.ok == outcome.sent, outcome.failures[:10]
+    after = main_pids(stack)
+    assert all(after[k] != before[k] for k in before), (before, after)  # every engine restarted
+    for e in stack.pools():
+        assert is_healthy(e) and e["state"] == "active", e
+
+
+def test_adding_an_engine_host_reloads_the_router_and_restarts_no_engine(three_host_stack, host_pool, tmp_path):
+    stack = three_host_stack
+    (n4,) = host_pool.up(4)
+    try:
+        base = REPO / "inventory/sandbox/three-host"
+        hosts_yml = yaml.safe_load((base / "hosts.yml").read_text())
+        hosts_yml["all"]["children"]["epd_engines"]["hosts"]["n4"] = {
+            "ansible_host": n4.address, "epd_bind_address": n4.address,
+            "epd_num_ve": 0, "epd_num_pd": 1, "epd_core_count": 8}
+        inventory = write_inventory(tmp_path / "four-host", base, hosts_yml)
+        engines_before = main_pids(stack)
+        router_before = stack.hosts["n3"].show("epd-router.service", "MainPID", "NRestarts")
+        result = ansible_playbook(inventory, "playbooks/deploy.yml")
+        assert result.returncode == 0, result.describe()
+        assert n4.is_active("epd-engine@pd-2.service") == "active"
+        assert main_pids(stack) == engines_before, "an existing engine was restarted"
+        assert stack.hosts["n3"].show("epd-router.service", "MainPID", "NRestarts") == router_before, \
+            "the router was restarted instead of reloaded"
+        wait_for(lambda: any(e["id"] == "epd-pd-2" and e["url"] == f"http://{n4.address}:18100" and is_healthy(e)
+                             for e in stack.pools()), timeout=30, what="epd-pd-2 in the router's pools")
+        for i in range(4):
+            assert stack.chat(image_message(f"with a fourth host #{i}", (90, 200, 90)), max_tokens=4).choices
+    finally:
+        host_pool.down(n4)
