@@ -1,0 +1,188 @@
+"""Image decode, Qwen-VL resize rules and pixel_values, in numpy (no torch, no torchvision).
+
+The arithmetic follows transformers' Qwen2-VL image processor (PIL backend), which Qwen3-VL
+uses with patch 16 / merge 2: PIL bicubic resize of the uint8 RGB image to the smart_resize
+size, x * rescale_factor in float64 cast to float32, (x - mean) / std in float32, then the
+patch layout (h/m, w/m, m, m, C, T, p, p) with the frame repeated T = temporal_patch_size
+times. The per-value arithmetic is done once per channel and byte value (a 256-entry lookup
+table), which gives the same floats as the elementwise path, only faster.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from .errors import ImageDimensionsRejected, ImageOverBudget, ImageTooLarge, NotAnImage
+from .model_files import VisionSettings
+from .settings import PreprocessLimits
+
+MAX_ASPECT_RATIO = 200  # smart_resize refuses anything more extreme
+_WHITE = (255, 255, 255)
+
+
+def check_encoded_size(num_bytes: int, limits: PreprocessLimits) -> None:
+    if num_bytes > limits.max_image_bytes:
+        raise ImageTooLarge(
+            f"image is {num_bytes} bytes, above the limit of {limits.max_image_bytes} bytes "
+            "(limits.max_image_bytes); send a smaller or more compressed image"
+        )
+
+
+def decode_image(data: bytes, limits: PreprocessLimits) -> Image.Image:
+    """Encoded bytes -> RGB PIL image (first frame of animations)."""
+    check_encoded_size(len(data), limits)
+    try:
+        # open() reads only the header: check the pixel count before decoding anything.
+        # (No warnings filter here: it is process-global and this runs in worker threads.)
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > limits.max_image_pixels:
+            raise ImageDimensionsRejected(
+                f"image is {width}x{height} = {width * height} pixels, above the decode "
+                f"limit of {limits.max_image_pixels} pixels (limits.max_image_pixels)"
+            )
+        image.load()
+    except ImageDimensionsRejected:
+        raise
+    except Image.DecompressionBombError as exc:
+        raise ImageDimensionsRejected(f"image refused as a decompression bomb: {exc}") from exc
+    except Exception as exc:  # Pillow raises many types for corrupt or unknown data
+        raise NotAnImage(
+            f"the data is not a decodable image ({type(exc).__name__}: {exc}); "
+            "send PNG, JPEG, WebP, GIF or another format Pillow reads"
+        ) from exc
+    if width == 0 or height == 0:
+        raise NotAnImage(f"image has an empty dimension ({width}x{height})")
+    return to_rgb(image)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, with any transparency composited on white (what vLLM's media loader does for RGBA)."""
+    if image.mode == "RGB":
+        return image
+    has_alpha = image.mode in ("RGBA", "LA", "PA") or (
+        image.mode == "P" and "transparency" in image.info
+    )
+    if not has_alpha:
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")
+    out = Image.new("RGB", rgba.size, _WHITE)
+    out.paste(rgba, mask=rgba.getchannel("A"))
+    return out
+
+
+def smart_resize(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen-VL target size: both sides multiples of `factor`, area in [min, max], aspect kept."""
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ImageDimensionsRejected(
+            f"image aspect ratio {width}x{height} is more extreme than {MAX_ASPECT_RATIO}:1"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@dataclass(frozen=True)
+class ResizePlan:
+    height: int
+    width: int
+    grid_thw: tuple[int, int, int]
+    downscaled_for_budget: bool
+
+    @property
+    def num_patches(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
+
+
+def plan_resize(height: int, width: int, vision: VisionSettings, limits: PreprocessLimits) -> ResizePlan:
+    """Target size under the checkpoint's rules, then under the patch budget (downscale or 400)."""
+    factor, patch = vision.factor, vision.patch_size
+    h, w = smart_resize(height, width, factor=factor, min_pixels=vision.min_pixels,
+                        max_pixels=vision.max_pixels)
+    patches = (h // patch) * (w // patch)
+    budget = limits.max_image_patches
+    downscaled = False
+    if patches > budget:
+        if limits.oversized_image == "reject":
+            raise ImageOverBudget(
+                f"image {width}x{height} resizes to {w}x{h} = {patches} patches of "
+                f"{patch}px, above the budget of {budget} (limits.max_image_patches); "
+                f"downscale it to at most about {_fitting_edge(width, height, budget * patch * patch)} "
+                "or ask the operator to set limits.oversized_image: downscale"
+            )
+        # The same rule with max_pixels = budget area; smart_resize floors to the factor, so
+        # it fits except at extreme aspect ratios, where the short side is pinned at one factor.
+        max_pixels = min(budget * patch * patch, vision.max_pixels)
+        for _ in range(32):
+            h, w = smart_resize(height, width, factor=factor, min_pixels=min(vision.min_pixels, max_pixels),
+                                max_pixels=max_pixels)
+            patches = (h // patch) * (w // patch)
+            if patches <= budget:
+                break
+            max_pixels = int(max_pixels * 0.9)
+        else:
+            raise ImageOverBudget(
+                f"image {width}x{height} cannot be downscaled to {budget} patches "
+                "(limits.max_image_patches) at its aspect ratio"
+            )
+        downscaled = True
+    grid = (1, h // patch, w // patch)
+    return ResizePlan(height=h, width=w, grid_thw=grid, downscaled_for_budget=downscaled)
+
+
+def _fitting_edge(width: int, height: int, area: int) -> str:
+    scale = math.sqrt(area / (width * height))
+    return f"{max(1, int(width * scale))}x{max(1, int(height * scale))} pixels"
+
+
+def _value_table(vision: VisionSettings) -> np.ndarray:
+    """(3, 256) float32: the processor's value for each channel and byte, same op order."""
+    values = np.arange(256, dtype=np.float64) * vision.rescale_factor
+    values = values.astype(np.float32)
+    if not vision.do_normalize:
+        return np.stack([values] * 3)
+    mean = np.asarray(vision.image_mean, dtype=np.float32)[:, None]
+    std = np.asarray(vision.image_std, dtype=np.float32)[:, None]
+    return ((values[None, :] - mean) / std).astype(np.float32)
+
+
+class PixelEncoder:
+    """RGB image + plan -> pixel_values (t*h*w, 3*T*p*p) float32, Qwen2-VL patch order."""
+
+    def __init__(self, vision: VisionSettings) -> None:
+        self._vision = vision
+        self._table = _value_table(vision)
+        self._channel = np.arange(3).reshape(1, 1, 1, 1, 3, 1, 1)
+
+    def resize(self, image: Image.Image, plan: ResizePlan) -> Image.Image:
+        if image.size == (plan.width, plan.height):
+            return image
+        return image.resize((plan.width, plan.height), resample=Image.Resampling.BICUBIC)
+
+    def pixel_values(self, resized: Image.Image) -> np.ndarray:
+        v = self._vision
+        p, m, t = v.patch_size, v.merge_size, v.temporal_patch_size
+        hwc = np.asarray(resized, dtype=np.uint8)
+        height, width, _ = hwc.shape
+        gh, gw = height // p, width // p
+        # (C, gh/m, m, p, gw/m, m, p) -> (gh/m, gw/m, m, m, C, p, p), still uint8
+        chw = hwc.transpose(2, 0, 1).reshape(3, gh // m, m, p, gw // m, m, p)
+        blocks = chw.transpose(1, 4, 2, 5, 0, 3, 6)
+        values = self._table[self._channel, blocks]  # gather: float32, same layout
+        frames = np.broadcast_to(values[:, :, :, :, :, None, :, :],
+                                 (*values.shape[:5], t, *values.shape[5:]))
+        return np.ascontiguousarray(frames.reshape(gh * gw, 3 * t * p * p), dtype=np.float32)

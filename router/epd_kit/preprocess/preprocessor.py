@@ -1,0 +1,362 @@
+"""The router's renderer: chat messages -> prompt token ids + prepared image items.
+
+Built once from the checkpoint directory. `render` runs the CPU work (template, tokenizer,
+base64, hashing, decode, resize, pixel_values, serialization) in a thread pool so the event
+loop stays free, and skips all image work for an image it has prepared before (LRU by
+mm_hash) or is preparing right now for another request (single flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .. import wire
+from .cache import LruCache
+from .encoder import ItemEncoder, MmSerdeEncoder
+from .errors import ModelHasNoVision, PreprocessError, PromptMismatch, TooManyImages
+from .hashing import image_hash, settings_bytes
+from .image import PixelEncoder, decode_image, plan_resize
+from .media import MediaFetcher, decode_data_url
+from .messages import ImageRef, parse_messages
+from .model_files import CheckpointFiles, VisionSettings
+from .settings import MediaPolicy, PreprocessLimits
+from .text import IncrementalDetokenizer, TextCodec
+
+T = TypeVar("T")
+
+DEFAULT_CACHE_ITEMS = 256
+DEFAULT_CACHE_BYTES = 1024 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """The request-independent result of preparing one image (what the cache holds)."""
+
+    mm_hash: str
+    grid_thw: tuple[int, int, int]
+    num_patches: int
+    num_tokens: int  # placeholder length = patches / merge_size^2
+    ve_kwargs_b64: str
+    pd_kwargs_b64: str
+    source_size: tuple[int, int]  # (width, height) as sent
+    resized_size: tuple[int, int]  # (width, height) fed to the patcher
+    downscaled_for_budget: bool
+
+
+@dataclass(frozen=True)
+class PreparedItem:
+    """One image of a prompt, where it sits, and its wire payloads."""
+
+    mm_hash: str
+    offset: int  # index of the first <|image_pad|> in token_ids
+    length: int  # number of <|image_pad|> tokens
+    grid_thw: tuple[int, int, int]
+    num_patches: int
+    ve_kwargs_b64: str  # full item for a VE (pixel_values + image_grid_thw)
+    pd_kwargs_b64: str  # LM-only item for a PD (image_grid_thw)
+    downscaled_for_budget: bool = False
+
+    @property
+    def placeholder(self) -> wire.Placeholder:
+        return wire.Placeholder(offset=self.offset, length=self.length)
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    token_ids: list[int]
+    items: list[PreparedItem]  # prompt order, duplicates kept
+
+    def unique_items(self) -> dict[str, PreparedItem]:
+        """First occurrence of each mm_hash, prompt order: what gets encoded."""
+        out: dict[str, PreparedItem] = {}
+        for item in self.items:
+            out.setdefault(item.mm_hash, item)
+        return out
+
+    def pd_features(self) -> wire.Features:
+        """`features` of the PD request (contract §3.1): LM-only kwargs, duplicates kept."""
+        return wire.Features.of_images(
+            [i.mm_hash for i in self.items], [i.placeholder for i in self.items],
+            [i.pd_kwargs_b64 for i in self.items])
+
+
+@dataclass(frozen=True)
+class PreprocessStats:
+    cache_hits: int
+    cache_misses: int
+    cache_evictions: int
+    cache_entries: int
+    cache_bytes: int
+    inflight_joins: int  # misses served by another request's in-progress preparation
+    duplicates_in_request: int  # repeats of an image within one prompt (prepared once)
+    images_prepared: int  # decode+resize+serialize actually run
+    images_downscaled: int
+
+
+class Preprocessor:
+    def __init__(
+        self,
+        files: CheckpointFiles,
+        *,
+        model_id: str,
+        limits: PreprocessLimits,
+        media: MediaPolicy,
+        workers: int = 4,
+        cache_items: int = DEFAULT_CACHE_ITEMS,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        encoder: ItemEncoder | None = None,
+    ) -> None:
+        if workers < 1:
+            raise ValueError("workers must be >= 1")
+        self.files = files
+        self.model_id = model_id
+        self.limits = limits
+        self.media = media
+        self.text = TextCodec(files)
+        self.vision: VisionSettings | None = files.vision
+        if self.vision is not None:
+            _check_budget(self.vision, limits)
+        self._pixels = PixelEncoder(self.vision) if self.vision else None
+        self._settings_blob = settings_bytes(
+            {**(self.vision.pixel_settings() if self.vision else {}),
+             "max_image_patches": limits.max_image_patches})
+        self._encoder: ItemEncoder = encoder or MmSerdeEncoder()
+        self._fetcher = MediaFetcher(media, limits)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="epd-preprocess")
+        self._cache: LruCache[PreparedImage] = LruCache(cache_items, cache_bytes)
+        self._inflight: dict[str, asyncio.Future[PreparedImage]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._joins = self._duplicates = self._prepared = self._downscaled = 0
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        *,
+        model_id: str | None = None,
+        limits: PreprocessLimits | None = None,
+        media: MediaPolicy | None = None,
+        workers: int = 4,
+        cache_items: int = DEFAULT_CACHE_ITEMS,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        encoder: ItemEncoder | None = None,
+    ) -> Preprocessor:
+        """Local files only (never the hub). `model_id` feeds the content hash; it defaults to
+        the path string as given, as vLLM uses its `--model` string."""
+        return cls(
+            CheckpointFiles.load(path),
+            model_id=model_id if model_id is not None else str(path),
+            limits=limits or PreprocessLimits(),
+            media=media or MediaPolicy(),
+            workers=workers,
+            cache_items=cache_items,
+            cache_bytes=cache_bytes,
+            encoder=encoder,
+        )
+
+    # --- text ---------------------------------------------------------------------------
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.text.eos_token_ids
+
+    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.text.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, *, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.text, skip_special_tokens=skip_special_tokens)
+
+    # --- rendering ----------------------------------------------------------------------
+
+    async def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> RenderedPrompt:
+        parsed = parse_messages(messages)
+        refs = parsed.images
+        if refs and self.vision is None:
+            raise ModelHasNoVision(
+                f"model {self.model_id} ({self.files.architecture}) has no vision encoder; "
+                "send text only", param=refs[0].param)
+        if len(refs) > self.limits.images_per_prompt:
+            raise TooManyImages(
+                f"{len(refs)} images in one request, above the limit of "
+                f"{self.limits.images_per_prompt} (limits.images_per_prompt)", param="messages")
+        for ref in refs:  # refuse disallowed URLs before any work or network I/O
+            if not ref.url[:5].lower() == "data:":
+                _with_param(ref, self._fetcher.check_allowed, ref.url)
+
+        text_job = self._run(self._tokenize, parsed.template_messages, add_generation_prompt)
+        images_job = self._prepare_all(refs)
+        results = await asyncio.gather(text_job, images_job, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        token_ids, images = results  # type: ignore[misc]
+        return self._expand(token_ids, images, refs)
+
+    def _tokenize(self, template_messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        text = self.text.render_template(template_messages, add_generation_prompt=add_generation_prompt)
+        return self.text.encode(text)
+
+    def _expand(self, token_ids: list[int], images: list[PreparedImage], refs: list[ImageRef]) -> RenderedPrompt:
+        if self.vision is None:
+            return RenderedPrompt(token_ids=token_ids, items=[])
+        pad = self.vision.image_token_id
+        found = token_ids.count(pad)
+        if found != len(images):
+            raise PromptMismatch(
+                f"the rendered prompt has {found} image placeholder tokens for {len(images)} "
+                "images; message text must not contain the model's image token "
+                "(<|image_pad|>) itself", param="messages")
+        out: list[int] = []
+        items: list[PreparedItem] = []
+        it = iter(images)
+        for tid in token_ids:
+            if tid != pad:
+                out.append(tid)
+                continue
+            image = next(it)
+            items.append(PreparedItem(
+                mm_hash=image.mm_hash, offset=len(out), length=image.num_tokens,
+                grid_thw=image.grid_thw, num_patches=image.num_patches,
+                ve_kwargs_b64=image.ve_kwargs_b64, pd_kwargs_b64=image.pd_kwargs_b64,
+                downscaled_for_budget=image.downscaled_for_budget))
+            out.extend([pad] * image.num_tokens)
+        return RenderedPrompt(token_ids=out, items=items)
+
+    # --- images -------------------------------------------------------------------------
+
+    async def _prepare_all(self, refs: list[ImageRef]) -> list[PreparedImage]:
+        if not refs:
+            return []
+        loaded = await asyncio.gather(*(self._load(ref) for ref in refs), return_exceptions=True)
+        for result in loaded:  # first failing image in prompt order
+            if isinstance(result, BaseException):
+                raise result
+        by_hash: dict[str, asyncio.Future[PreparedImage] | PreparedImage] = {}
+        pending: list[asyncio.Future[PreparedImage]] = []
+        for ref, (mm_hash, data) in zip(refs, loaded, strict=True):  # type: ignore[misc]
+            if mm_hash in by_hash:
+                self._duplicates += 1
+                continue
+            cached = self._cache.get(mm_hash)
+            if cached is not None:
+                by_hash[mm_hash] = cached
+                continue
+            fut = self._inflight.get(mm_hash)
+            if fut is not None:
+                self._joins += 1
+            else:
+                # registered before the first await, so a concurrent request joins it
+                fut = asyncio.get_running_loop().create_future()
+                self._inflight[mm_hash] = fut
+                task = asyncio.create_task(self._prepare_into(fut, mm_hash, data, ref))
+                self._tasks.add(task)  # the loop keeps only weak references to tasks
+                task.add_done_callback(self._tasks.discard)
+            by_hash[mm_hash] = fut
+            pending.append(fut)
+        if pending:
+            done = await asyncio.gather(*(asyncio.shield(f) for f in pending), return_exceptions=True)
+            for result in done:
+                if isinstance(result, BaseException):
+                    raise result
+        out = []
+        for _, (mm_hash, _) in zip(refs, loaded, strict=True):  # type: ignore[misc]
+            entry = by_hash[mm_hash]
+            out.append(entry if isinstance(entry, PreparedImage) else entry.result())
+        return out
+
+    async def _load(self, ref: ImageRef) -> tuple[str, bytes]:
+        """Bytes and content hash of one image reference."""
+        if ref.url[:5].lower() == "data:":
+            data = await self._run(_with_param, ref, decode_data_url, ref.url, self.limits)
+        else:
+            data = await _with_param_async(ref, self._fetcher.fetch(ref.url))
+        mm_hash = await self._run(image_hash, self.model_id, data, self._settings_blob)
+        return mm_hash, data
+
+    async def _prepare_into(self, fut: asyncio.Future[PreparedImage], mm_hash: str, data: bytes,
+                            ref: ImageRef) -> None:
+        """Runs as its own task: a cancelled client request does not cancel work others share."""
+        try:
+            image = await self._run(_with_param, ref, self._prepare, mm_hash, data)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # marked retrieved: the requests awaiting it re-raise it
+            return
+        finally:
+            self._inflight.pop(mm_hash, None)
+        self._cache.put(mm_hash, image, len(image.ve_kwargs_b64) + len(image.pd_kwargs_b64))
+        fut.set_result(image)
+
+    def _prepare(self, mm_hash: str, data: bytes) -> PreparedImage:
+        """Worker thread: decode, resize, pixel_values, serialize."""
+        assert self.vision is not None and self._pixels is not None
+        rgb = decode_image(data, self.limits)
+        width, height = rgb.size
+        plan = plan_resize(height, width, self.vision, self.limits)
+        pixel_values = self._pixels.pixel_values(self._pixels.resize(rgb, plan))
+        merge_area = self.vision.merge_size ** 2
+        image = PreparedImage(
+            mm_hash=mm_hash,
+            grid_thw=plan.grid_thw,
+            num_patches=plan.num_patches,
+            num_tokens=plan.num_patches // merge_area,
+            ve_kwargs_b64=self._encoder.encode_ve(pixel_values, plan.grid_thw),
+            pd_kwargs_b64=self._encoder.encode_pd(plan.grid_thw),
+            source_size=(width, height),
+            resized_size=(plan.width, plan.height),
+            downscaled_for_budget=plan.downscaled_for_budget,
+        )
+        self._prepared += 1  # int += under the GIL from worker threads: counts may lag, never corrupt
+        self._downscaled += plan.downscaled_for_budget
+        return image
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+
+    # --- lifecycle and metrics ----------------------------------------------------------
+
+    @property
+    def stats(self) -> PreprocessStats:
+        c = self._cache.stats
+        return PreprocessStats(
+            cache_hits=c.hits, cache_misses=c.misses, cache_evictions=c.evictions,
+            cache_entries=len(self._cache), cache_bytes=c.bytes, inflight_joins=self._joins,
+            duplicates_in_request=self._duplicates, images_prepared=self._prepared,
+            images_downscaled=self._downscaled)
+
+    async def aclose(self) -> None:
+        await self._fetcher.aclose()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _check_budget(vision: VisionSettings, limits: PreprocessLimits) -> None:
+    min_patches = vision.merge_size ** 2
+    if limits.max_image_patches < min_patches:
+        raise ValueError(f"limits.max_image_patches must be at least {min_patches} "
+                         f"(one merged token of {vision.factor}x{vision.factor} pixels)")
+
+
+def _with_param(ref: ImageRef, fn: Callable[..., T], *args: Any) -> T:
+    """Run fn; label a PreprocessError with the request position of the image."""
+    try:
+        return fn(*args)
+    except PreprocessError as exc:
+        if exc.param is None:
+            exc.param = ref.param
+        raise
+
+
+async def _with_param_async(ref: ImageRef, coro: Any) -> Any:
+    try:
+        return await coro
+    except PreprocessError as exc:
+        if exc.param is None:
+            exc.param = ref.param
+        raise

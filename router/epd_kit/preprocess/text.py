@@ -1,0 +1,132 @@
+"""Tokenizer, chat template and detokenization, from the checkpoint's own files.
+
+Uses the `tokenizers` library on tokenizer.json and jinja2 for the template, configured like
+transformers' `apply_chat_template` (sandboxed, trim_blocks, lstrip_blocks, loopcontrols,
+non-escaping `tojson`, `raise_exception`, `strftime_now`), so the result equals
+`AutoTokenizer.apply_chat_template(..., tokenize=True)` without importing transformers on the
+request path.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from .errors import InvalidMessages
+from .model_files import CheckpointError, CheckpointFiles
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class TextCodec:
+    """Thread-safe after construction: `tokenizers.Tokenizer` encode/decode and a compiled
+    jinja2 template hold no per-call state."""
+
+    def __init__(self, files: CheckpointFiles) -> None:
+        try:
+            self.tokenizer = Tokenizer.from_file(str(files.tokenizer_file))
+        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
+            raise CheckpointError(f"{files.tokenizer_file} is not a tokenizers file: {exc}") from exc
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            self._template = env.from_string(files.chat_template)
+        except jinja2.TemplateError as exc:
+            raise CheckpointError(f"the chat template of {files.path} does not compile: {exc}") from exc
+        self._special = dict(files.special_tokens)
+        eos = set(files.eos_token_ids_config)
+        for text in files.eos_token_strings:
+            if (tid := self.tokenizer.token_to_id(text)) is not None:
+                eos.add(tid)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+
+    def render_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                documents=None, **self._special,
+            )
+        except jinja2.TemplateError as exc:
+            # templates use raise_exception() to reject message sequences (roles, order)
+            raise InvalidMessages(f"the model's chat template rejected the messages: {exc}",
+                                  param="messages") from exc
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def token_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+class IncrementalDetokenizer:
+    """Text deltas for one choice's growing token list (vLLM's prefix/read-offset scheme).
+
+    Each `push` decodes a short window before and after the new tokens and emits the
+    difference; while the window ends in U+FFFD (an incomplete UTF-8 sequence, e.g. half an
+    emoji) the text is held back until the rest arrives. `flush` at the end of the choice
+    releases a tail that never completed. Concatenated deltas equal `decode(all ids)` for
+    every token sequence that decodes to valid UTF-8.
+    """
+
+    def __init__(self, codec: TextCodec, *, skip_special_tokens: bool = True) -> None:
+        self._codec = codec
+        self._skip = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._prefix = 0
+        self._read = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._codec.decode(ids, skip_special_tokens=self._skip)
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        if not new_ids:
+            return ""
+        self.token_ids.extend(new_ids)
+        prefix_text = self._decode(self.token_ids[self._prefix:self._read])
+        full_text = self._decode(self.token_ids[self._prefix:])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            delta = full_text[len(prefix_text):]
+            self._prefix, self._read = self._read, len(self.token_ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        if self._read >= len(self.token_ids):
+            return ""
+        prefix_text = self._decode(self.token_ids[self._prefix:self._read])
+        full_text = self._decode(self.token_ids[self._prefix:])
+        delta = full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
+        self._prefix = self._read = len(self.token_ids)
+        self.text += delta
+        return delta
