@@ -1,0 +1,60 @@
+"""Optional client API keys: Bearer tokens checked in constant time against a 0600 file."""
+
+from __future__ import annotations
+
+import hmac
+import stat
+from pathlib import Path
+
+from epd_kit.router.errors import RouterError
+
+
+class KeyFileError(ValueError):
+    pass
+
+
+def load_api_keys(path: Path) -> tuple[bytes, ...]:
+    """One key per line; blank lines and `#` comments ignored. Refuses a file that group or
+    others can read (the keys would not be secret)."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise KeyFileError(f"api_keys_file {path}: cannot read: {exc.strerror or exc}") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise KeyFileError(
+            f"api_keys_file {path}: mode {stat.S_IMODE(st.st_mode):04o} lets group/others read "
+            f"it; run: chmod 600 {path}"
+        )
+    keys = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keys.append(line.encode())
+    if not keys:
+        raise KeyFileError(f"api_keys_file {path}: contains no keys")
+    return tuple(keys)
+
+
+class ApiKeyChecker:
+    def __init__(self, keys: tuple[bytes, ...] = ()) -> None:
+        self.keys = keys
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    def check(self, authorization: str | None) -> None:
+        if not self.keys:
+            return
+        if not authorization:
+            raise RouterError(401, "missing API key: send 'Authorization: Bearer <key>'")
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise RouterError(401, "malformed Authorization header: expected 'Bearer <key>'")
+        given = token.strip().encode()
+        # compare against every key so timing does not reveal which one matched
+        ok = False
+        for key in self.keys:
+            ok |= hmac.compare_digest(given, key)
+        if not ok:
+            raise RouterError(401, "invalid API key")

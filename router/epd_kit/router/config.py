@@ -1,0 +1,221 @@
+"""The router's configuration: the YAML file Ansible renders (docs/architecture.md "Router
+config file") and the reference router's flags (contract §1.1), both into one typed model.
+
+Unknown keys are errors (a typo must not silently fall back to a default). Every validation
+error names the offending key path so `epd-router check-config` output is actionable.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Listen(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=18800, ge=0, lt=65536)
+
+
+class Timeouts(_Section):
+    connect_s: float = Field(default=5.0, gt=0)
+    ve_s: float = Field(default=600.0, gt=0)
+    pd_s: float = Field(default=600.0, gt=0)
+    total_s: float = Field(default=900.0, gt=0)
+    # extension: how long SIGTERM waits for in-flight requests before exiting
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
+
+
+class Limits(_Section):
+    images_per_prompt: int = Field(default=30, ge=0)
+    max_image_patches: int = Field(default=1024, gt=0)
+    oversized_image: Literal["downscale", "reject"] = "downscale"
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    max_image_bytes: int = Field(default=20 * 1024 * 1024, gt=0)
+
+
+class Media(_Section):
+    allow_http: bool = False
+    allowed_hosts: list[str] = Field(default_factory=list)
+    fetch_timeout_s: float = Field(default=10.0, gt=0)
+
+
+class Health(_Section):
+    interval_s: float = Field(default=2.0, gt=0)
+    timeout_s: float = Field(default=1.0, gt=0)
+    failure_threshold: int = Field(default=2, ge=1)
+    success_threshold: int = Field(default=1, ge=1)
+
+
+class Placement(_Section):
+    ve_load_bound: float = Field(default=1.25, ge=1.0)
+    pd_max_inflight: int = Field(default=64, ge=1)
+    queue_size: int = Field(default=256, ge=0)
+    queue_timeout_s: float = Field(default=30.0, ge=0)
+
+
+class Retries(_Section):
+    max_attempts: int = Field(default=3, ge=1, le=10)
+
+
+class Auth(_Section):
+    api_keys_file: Path | None = None
+    # extension: whether /metrics and /pools need a key when keys are configured
+    protect_metrics: bool = True
+    protect_pools: bool = True
+
+
+class EngineState(str, Enum):
+    active = "active"
+    draining = "draining"
+
+
+class Endpoint(_Section):
+    id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    url: str
+    state: EngineState = EngineState.active
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"{url!r}: URL must start with http:// or https://")
+        if not parts.hostname:
+            raise ValueError(f"{url!r}: URL has no host")
+        try:
+            port = parts.port
+        except ValueError as exc:
+            raise ValueError(f"{url!r}: bad port ({exc})") from None
+        if port is None:
+            raise ValueError(f"{url!r}: URL needs an explicit port (engines have no default port)")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError(f"{url!r}: URL must be scheme://host:port with no path or query")
+        return f"{parts.scheme}://{parts.netloc}"
+
+
+class Endpoints(_Section):
+    ve: list[Endpoint] = Field(min_length=1)
+    pd: list[Endpoint] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> Endpoints:
+        seen: dict[str, str] = {}
+        for role, entries in (("ve", self.ve), ("pd", self.pd)):
+            urls: set[str] = set()
+            for ep in entries:
+                if ep.id in seen:
+                    raise ValueError(
+                        f"duplicate engine id {ep.id!r} (in {seen[ep.id]} and {role}): ids key "
+                        "placement and NIXL handshakes and must be unique across both pools"
+                    )
+                seen[ep.id] = role
+                if ep.url in urls:
+                    raise ValueError(f"duplicate {role} URL {ep.url!r}")
+                urls.add(ep.url)
+        return self
+
+
+class RouterConfig(_Section):
+    model: str = Field(min_length=1)
+    served_model_name: str | None = None
+    quantization: str | None = None
+    listen: Listen = Field(default_factory=Listen)
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    limits: Limits = Field(default_factory=Limits)
+    media: Media = Field(default_factory=Media)
+    health: Health = Field(default_factory=Health)
+    placement: Placement = Field(default_factory=Placement)
+    retries: Retries = Field(default_factory=Retries)
+    auth: Auth = Field(default_factory=Auth)
+    endpoints: Endpoints
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; `str()` is the readable list of problems."""
+
+
+def _format_validation(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: {exc.error_count()} problem(s)"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (typo? see docs/architecture.md 'Router config file')"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_config(data: object, source: str = "config") -> RouterConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level must be a mapping, got {type(data).__name__}")
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation(exc, source)) from None
+
+
+def load_config(path: str | Path) -> RouterConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_config(data, str(path))
+
+
+def parse_host_port(value: str) -> str:
+    """Reference endpoint syntax `host:port` (split on the LAST colon) → base URL."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"endpoint {value!r}: expected host:port")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # bare IPv6
+    return f"http://{host}:{int(port)}"
+
+
+def config_from_flags(
+    *,
+    model: str,
+    ve_endpoints: list[str],
+    pd_endpoints: list[str],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    ve_timeout_s: float = 120.0,
+    pd_timeout_s: float = 600.0,
+    quantization: str | None = None,
+) -> RouterConfig:
+    """The reference router's CLI (contract §1.1): ids ve-0.. / pd-0.. by position."""
+    data = {
+        "model": model,
+        "quantization": quantization,
+        "listen": {"host": host, "port": port},
+        "timeouts": {
+            "ve_s": ve_timeout_s,
+            "pd_s": pd_timeout_s,
+            "total_s": max(900.0, ve_timeout_s + pd_timeout_s),
+        },
+        "endpoints": {
+            "ve": [{"id": f"ve-{i}", "url": parse_host_port(e)} for i, e in enumerate(ve_endpoints)],
+            "pd": [{"id": f"pd-{i}", "url": parse_host_port(e)} for i, e in enumerate(pd_endpoints)],
+        },
+    }
+    return parse_config(data, "command line")

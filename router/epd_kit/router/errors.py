@@ -1,0 +1,102 @@
+"""Router errors and the client-facing error envelope (contract §1.3, with real messages).
+
+Every failure the router can report is a `RouterError` carrying the HTTP status, the OpenAI
+error `type`, a message that says what went wrong and where, and, for pushback statuses, a
+Retry-After value. Anything else reaching the top is a bug and becomes a 500.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "internal_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "upstream_timeout",
+}
+
+
+class RouterError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after: float | None = None,
+        type_: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+        self.type = type_ or TYPES.get(status, "error")
+
+    @property
+    def retryable(self) -> bool:
+        return self.status in (429, 502, 503, 504)
+
+    def envelope(self, request_id: str | None) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.status,
+            },
+            "request_id": request_id,
+        }
+
+    def headers(self, request_id: str | None) -> dict[str, str]:
+        headers = {}
+        if request_id:
+            headers["x-request-id"] = request_id
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, round(self.retry_after)))
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return headers
+
+    def response(self, request_id: str | None) -> JSONResponse:
+        return JSONResponse(
+            self.envelope(request_id), status_code=self.status, headers=self.headers(request_id)
+        )
+
+    def sse_frame(self, request_id: str | None) -> bytes:
+        text = json.dumps(self.envelope(request_id), separators=(",", ":"))
+        return b"data: " + text.encode() + b"\n\n"
+
+
+def bad_request(message: str, param: str | None = None) -> RouterError:
+    return RouterError(400, message, param=param)
+
+
+class UpstreamError(RouterError):
+    """A VE/PD call failed; `engine_failed` says whether it counts against the engine."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        engine_id: str,
+        stage: str,
+        engine_failed: bool,
+        retry_other: bool,
+    ) -> None:
+        super().__init__(status, message)
+        self.engine_id = engine_id
+        self.stage = stage
+        self.engine_failed = engine_failed
+        self.retry_other = retry_other

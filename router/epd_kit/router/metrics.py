@@ -1,0 +1,99 @@
+"""Prometheus metrics on the app's own registry (prefix `epd_router_`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from epd_kit.router.pools import Pools
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0, 600.0,
+)  # fmt: skip
+
+
+class _PoolCollector(Collector):
+    """Per-engine gauges read from the live pool snapshot at scrape time."""
+
+    def __init__(self, pools: Callable[[], Pools]) -> None:
+        self._pools = pools
+
+    def collect(self):
+        inflight = GaugeMetricFamily(
+            "epd_router_engine_inflight", "Requests in flight per engine", labels=["engine", "role"]
+        )
+        healthy = GaugeMetricFamily(
+            "epd_router_engine_healthy", "1 if the engine passes health checks", labels=["engine", "role"]
+        )
+        draining = GaugeMetricFamily(
+            "epd_router_engine_draining", "1 if the engine is draining", labels=["engine", "role"]
+        )
+        for e in self._pools().all():
+            inflight.add_metric([e.id, e.role], e.inflight)
+            healthy.add_metric([e.id, e.role], 1.0 if e.healthy else 0.0)
+            draining.add_metric([e.id, e.role], 1.0 if e.state.value == "draining" else 0.0)
+        yield inflight
+        yield healthy
+        yield draining
+
+
+class RouterMetrics:
+    def __init__(self, pools: Callable[[], Pools]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "epd_router_requests", "Chat requests by final HTTP status", ["status"], registry=r
+        )
+        self.latency = Histogram(
+            "epd_router_request_duration_seconds", "Total request latency",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "epd_router_time_to_first_token_seconds", "Request arrival to first content byte",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.preprocess = Histogram(
+            "epd_router_preprocess_seconds", "Rendering and image preprocessing time",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.encode = Histogram(
+            "epd_router_encode_seconds", "VE stage time per request (all VEs, incl. retries)",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.pd = Histogram(
+            "epd_router_pd_seconds", "PD stage time per request",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.retries = Counter(
+            "epd_router_retries", "Upstream calls retried", ["stage"], registry=r
+        )
+        self.rejections = Counter(
+            "epd_router_rejections", "Requests refused by the router", ["reason"], registry=r
+        )
+        self.engine_failures = Counter(
+            "epd_router_engine_failures", "Upstream failures counted against an engine",
+            ["engine", "role"], registry=r,
+        )  # fmt: skip
+        self.dedupe = Counter(
+            "epd_router_dedupe_items", "Duplicate media items not re-encoded", registry=r
+        )
+        self.items = Counter(
+            "epd_router_encode_items", "Unique media items sent to VEs", registry=r
+        )
+        self.cache_hits = Counter(
+            "epd_router_preprocess_cache_hits", "Preprocess cache hits", registry=r
+        )
+        self.cache_misses = Counter(
+            "epd_router_preprocess_cache_misses", "Preprocess cache misses", registry=r
+        )
+        self.reloads = Counter(
+            "epd_router_config_reloads", "Config reloads by result", ["result"], registry=r
+        )
+        r.register(_PoolCollector(pools))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

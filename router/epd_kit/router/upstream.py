@@ -1,0 +1,181 @@
+"""Calls to the engines (`POST /inference/v1/generate`, contract §2 and §3) and the
+classification of their failures into client statuses and engine-health signals.
+
+Rules (anchors.md (c) 5): connect errors, timeouts, broken connections and 5xx count against
+the engine; a 4xx never does (it is about the request); 429 is pushback: try elsewhere, do not
+mark the engine down.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import httpx
+
+from epd_kit.router.errors import UpstreamError
+from epd_kit.router.pools import Engine
+from epd_kit.router.rendering import PreparedItemLike
+from epd_kit.wire import (
+    GENERATE_PATH,
+    EcLocator,
+    Features,
+    GenerateRequest,
+    GenerateResponse,
+    Placeholder,
+    SamplingParams,
+    StreamOptions,
+)
+
+STAGE_NAMES = {"ve": "encode", "pd": "generate"}
+
+
+def _detail(resp: httpx.Response) -> str:
+    """A short, single-line excerpt of an engine's error body (never request data)."""
+    try:
+        doc = json.loads(resp.content[:4096] or b"null")
+    except ValueError:
+        text = resp.content[:200].decode("utf-8", "replace")
+    else:
+        if isinstance(doc, dict):
+            err = doc.get("error")
+            if isinstance(err, dict):
+                text = str(err.get("message", ""))
+            else:
+                text = str(doc.get("detail", "") or doc.get("message", "") or err or "")
+        else:
+            text = ""
+    text = " ".join(text.split())[:200]
+    return f": {text}" if text else ""
+
+
+def where(engine: Engine) -> str:
+    return f"{STAGE_NAMES[engine.role]} on {engine.role.upper()} {engine.id} ({engine.url})"
+
+
+def classify_exception(exc: httpx.HTTPError, engine: Engine) -> UpstreamError:
+    stage = STAGE_NAMES[engine.role]
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return UpstreamError(
+            502, f"{where(engine)} failed: cannot connect ({type(exc).__name__})",
+            engine_id=engine.id, stage=stage, engine_failed=True, retry_other=True,
+        )  # fmt: skip
+    if isinstance(exc, httpx.PoolTimeout):
+        return UpstreamError(
+            504, f"{where(engine)} timed out waiting for a connection",
+            engine_id=engine.id, stage=stage, engine_failed=False, retry_other=True,
+        )  # fmt: skip
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamError(
+            504, f"{where(engine)} timed out ({type(exc).__name__})",
+            engine_id=engine.id, stage=stage, engine_failed=True, retry_other=True,
+        )  # fmt: skip
+    return UpstreamError(
+        502, f"{where(engine)} failed: connection broken ({type(exc).__name__})",
+        engine_id=engine.id, stage=stage, engine_failed=True, retry_other=True,
+    )  # fmt: skip
+
+
+def classify_status(resp: httpx.Response, engine: Engine) -> UpstreamError:
+    stage = STAGE_NAMES[engine.role]
+    code = resp.status_code
+    detail = _detail(resp)
+    if code == 429:
+        err = UpstreamError(
+            429, f"{where(engine)} is overloaded (HTTP 429){detail}",
+            engine_id=engine.id, stage=stage, engine_failed=False, retry_other=True,
+        )  # fmt: skip
+        err.retry_after = _retry_after(resp)
+        return err
+    if code >= 500:
+        return UpstreamError(
+            502, f"{where(engine)} failed: HTTP {code}{detail}",
+            engine_id=engine.id, stage=stage, engine_failed=True, retry_other=True,
+        )  # fmt: skip
+    return UpstreamError(
+        502, f"{where(engine)} rejected the request: HTTP {code}{detail}",
+        engine_id=engine.id, stage=stage, engine_failed=False, retry_other=False,
+    )  # fmt: skip
+
+
+def _retry_after(resp: httpx.Response) -> float:
+    try:
+        return max(1.0, float(resp.headers.get("retry-after", "1")))
+    except ValueError:
+        return 1.0
+
+
+def bad_body(engine: Engine, what: str) -> UpstreamError:
+    return UpstreamError(
+        502, f"{where(engine)} returned an invalid response: {what}",
+        engine_id=engine.id, stage=STAGE_NAMES[engine.role], engine_failed=True, retry_other=True,
+    )  # fmt: skip
+
+
+def ve_request_body(request_id: str, engine_id: str, items: Sequence[PreparedItemLike]) -> dict:
+    """Contract §2.2: synthetic zero prompt, contiguous placeholders, full kwargs, 1 token."""
+    placeholders, offset = [], 0
+    for item in items:
+        placeholders.append(Placeholder(offset=offset, length=item.length))
+        offset += item.length
+    req = GenerateRequest(
+        request_id=f"{request_id}/enc/{engine_id}" if request_id else f"enc/{engine_id}",
+        token_ids=[0] * offset,
+        features=Features.of_images(
+            [i.mm_hash for i in items], placeholders, [i.ve_kwargs_b64 for i in items]
+        ),
+        sampling_params=SamplingParams(max_tokens=1),
+    )
+    return req.wire_dict()
+
+
+def pd_request_body(
+    request_id: str,
+    token_ids: list[int],
+    items: Sequence[PreparedItemLike],
+    sampling: dict,
+    locators: dict[str, EcLocator],
+    stream: bool,
+) -> dict:
+    """Contract §3.1: real prompt, per-item placeholders with duplicates kept, LM-only
+    kwargs, locators under sampling_params.extra_args.kv_transfer_params.ec_locator."""
+    params = SamplingParams.model_validate(sampling).with_ec_locators(locators)
+    req = GenerateRequest(
+        request_id=request_id,
+        token_ids=token_ids,
+        features=Features.of_images(
+            [i.mm_hash for i in items],
+            [Placeholder(offset=i.offset, length=i.length) for i in items],
+            [i.pd_kwargs_b64 for i in items],
+        ),
+        sampling_params=params,
+        stream=stream,
+        # we always ask for the usage chunk; the client sees it only if it asked (OpenAI rule)
+        stream_options=StreamOptions(include_usage=True) if stream else None,
+    )
+    return req.wire_dict()
+
+
+def generate_url(engine: Engine) -> str:
+    return engine.url + GENERATE_PATH
+
+
+def parse_ve_response(
+    resp: httpx.Response, engine: Engine, hashes: Sequence[str]
+) -> dict[str, EcLocator]:
+    try:
+        body = GenerateResponse.model_validate_json(resp.content)
+        locators = body.ec_locators()
+    except ValueError as exc:
+        raise bad_body(engine, f"not a GenerateResponse with valid ec_locator ({exc.__class__.__name__})") from None
+    missing = [h for h in hashes if h not in locators]
+    if missing:
+        raise bad_body(engine, f"no EC locator for {len(missing)} item(s), e.g. {missing[0][:16]}")
+    return {h: locators[h] for h in hashes}
+
+
+def parse_pd_response(resp: httpx.Response, engine: Engine) -> GenerateResponse:
+    try:
+        return GenerateResponse.model_validate_json(resp.content)
+    except ValueError as exc:
+        raise bad_body(engine, f"not a GenerateResponse ({exc.__class__.__name__})") from None
