@@ -19,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 DEFAULT_VOCAB_SIZE = 1024  # BPE tokens + special tokens; text_config.vocab_size is padded from it
 
@@ -106,7 +106,7 @@ def chat_template() -> str:
 
 def _train_tokenizer(vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
+    # No NFC normalizer (Qwen has one): here decode(encode(s)) == s for every string.
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated", invert=False),
