@@ -1,0 +1,116 @@
+#!/usr/bin/python
+"""Ansible module: which of the given TCP ports are already listened on, and by whom."""
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: epd_listen_probe
+short_description: Find TCP listeners on the ports an EPD host is about to use
+description:
+  - Reads /proc/net/tcp and /proc/net/tcp6 for sockets in LISTEN state on the given ports and
+    maps each to its process through /proc/PID/fd.
+  - Listeners that belong to the kit's own units (epd-engine@*.service, epd-router.service,
+    found through /proc/PID/cgroup) are reported separately, as they are replaced by the deploy.
+  - Read-only; supports check mode.
+options:
+  ports:
+    description: TCP ports to probe.
+    type: list
+    elements: int
+    required: true
+author: epd-kit
+"""
+
+RETURN = r"""
+conflicts:
+  description: Listeners on the ports that belong to something else than the kit.
+  type: list
+  elements: dict
+  returned: always
+  sample: [{"port": 18100, "address": "0.0.0.0", "pid": 4242, "process": "python3 -m http.server 18100"}]
+own:
+  description: Listeners on the ports that belong to the kit's own units.
+  type: list
+  elements: dict
+  returned: always
+"""
+
+import os
+import re
+
+from ansible.module_utils.basic import AnsibleModule
+
+OWN_UNIT = re.compile(r"epd-engine@[^/]*\.service|epd-router\.service")
+LISTEN = "0A"
+
+
+def _address(hex_address: str) -> str:
+    if len(hex_address) == 8:
+        raw = bytes.fromhex(hex_address)[::-1]
+        return ".".join(str(b) for b in raw)
+    words = [bytes.fromhex(hex_address[i:i + 8])[::-1].hex() for i in range(0, 32, 8)]
+    groups = "".join(words)
+    return ":".join(groups[i:i + 4] for i in range(0, 32, 4))
+
+
+def listening_sockets(ports: set[int]) -> dict[str, tuple[int, str]]:
+    """inode -> (port, address) of LISTEN sockets on the wanted ports."""
+    found: dict[str, tuple[int, str]] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as handle:
+                lines = handle.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != LISTEN:
+                continue
+            address, port_hex = fields[1].rsplit(":", 1)
+            port = int(port_hex, 16)
+            if port in ports:
+                found[fields[9]] = (port, _address(address))
+    return found
+
+
+def socket_owners(inodes: set[str]) -> dict[str, int]:
+    """inode -> pid of a process holding it (first found)."""
+    owners: dict[str, int] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    owners.setdefault(target[8:-1], int(pid))
+        except OSError:
+            continue
+    return owners
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def main() -> None:
+    module = AnsibleModule(argument_spec={"ports": {"type": "list", "elements": "int", "required": True}},
+                           supports_check_mode=True)
+    sockets = listening_sockets(set(module.params["ports"]))
+    owners = socket_owners(set(sockets))
+    conflicts, own = [], []
+    for inode, (port, address) in sorted(sockets.items(), key=lambda item: item[1]):
+        pid = owners.get(inode)
+        entry = {"port": port, "address": address, "pid": pid,
+                 "process": _read(f"/proc/{pid}/cmdline") if pid else "unknown (socket owner not visible)"}
+        if pid and OWN_UNIT.search(_read(f"/proc/{pid}/cgroup")):
+            own.append(entry)
+        else:
+            conflicts.append(entry)
+    module.exit_json(changed=False, conflicts=conflicts, own=own)
+
+
+if __name__ == "__main__":
+    main()
