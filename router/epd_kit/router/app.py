@@ -30,9 +30,13 @@ REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:+=@-]{1,128}$")
 def build_renderer(cfg: RouterConfig) -> Renderer:
     """The production renderer: tokenizer, chat template and image processing from the
     checkpoint directory (epd_kit.preprocess)."""
-    from epd_kit.preprocess import Preprocessor  # heavy import: only when really serving
+    from epd_kit.preprocess import MediaPolicy, Preprocessor, PreprocessLimits  # heavy import
 
-    return Preprocessor.from_checkpoint(cfg.model, limits=cfg.limits, media=cfg.media)
+    return Preprocessor.from_checkpoint(
+        cfg.model,
+        limits=PreprocessLimits.model_validate(cfg.limits.model_dump()),
+        media=MediaPolicy.model_validate(cfg.media.model_dump()),
+    )
 
 
 def create_app(

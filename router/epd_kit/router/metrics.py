@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from epd_kit.router.pools import Pools
@@ -41,8 +42,29 @@ class _PoolCollector(Collector):
         yield draining
 
 
+class _PreprocessCollector(Collector):
+    """The preprocessor's own cache counters, read at scrape time (one source of truth)."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self._stats = stats
+
+    def collect(self):
+        stats = self._stats()
+        if stats is None:
+            return
+        for name, attr, doc in (
+            ("epd_router_preprocess_cache_hits", "cache_hits", "Preprocessed-image cache hits"),
+            ("epd_router_preprocess_cache_misses", "cache_misses", "Preprocessed-image cache misses"),
+            ("epd_router_preprocess_inflight_joins", "inflight_joins", "Images shared with a concurrent request"),
+            ("epd_router_preprocess_images_downscaled", "images_downscaled", "Images downscaled to the patch budget"),
+        ):
+            value = getattr(stats, attr, None)
+            if isinstance(value, int):
+                yield CounterMetricFamily(name, doc, value=value)
+
+
 class RouterMetrics:
-    def __init__(self, pools: Callable[[], Pools]) -> None:
+    def __init__(self, pools: Callable[[], Pools], preprocess_stats: Callable[[], Any] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -84,16 +106,11 @@ class RouterMetrics:
         self.items = Counter(
             "epd_router_encode_items", "Unique media items sent to VEs", registry=r
         )
-        self.cache_hits = Counter(
-            "epd_router_preprocess_cache_hits", "Preprocess cache hits", registry=r
-        )
-        self.cache_misses = Counter(
-            "epd_router_preprocess_cache_misses", "Preprocess cache misses", registry=r
-        )
         self.reloads = Counter(
             "epd_router_config_reloads", "Config reloads by result", ["result"], registry=r
         )
         r.register(_PoolCollector(pools))
+        r.register(_PreprocessCollector(preprocess_stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -30,7 +30,7 @@ from epd_kit.router.metrics import RouterMetrics
 from epd_kit.router.openai_api import ChatCompletionRequest, chunk_body, completion_body
 from epd_kit.router.placement import Item, RoundRobin, group_by_ve, place_items
 from epd_kit.router.pools import Engine, HealthProber, Pools, build_pools
-from epd_kit.router.rendering import IncrementalDetokenizer, PreparedItemLike, Renderer
+from epd_kit.router.rendering import DetokenizerLike, PreparedItemLike, Renderer
 from epd_kit.wire import EcLocator, iter_sse_payloads
 
 log = logging.getLogger("epd_router.service")
@@ -85,7 +85,7 @@ class RouterService:
         self.config_path = config_path
         self.renderer = renderer
         self.pools, _ = build_pools(cfg)
-        self.metrics = RouterMetrics(lambda: self.pools)
+        self.metrics = RouterMetrics(lambda: self.pools, lambda: getattr(self.renderer, "stats", None))
         self.auth = ApiKeyChecker(load_api_keys(cfg.auth.api_keys_file) if cfg.auth.api_keys_file else ())
         self.rr = RoundRobin()
         self.draining = False  # SIGTERM received: /ready says 503
@@ -113,6 +113,9 @@ class RouterService:
             await self._prober.stop()
         if self._client:
             await self._client.aclose()
+        aclose = getattr(self.renderer, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -250,7 +253,6 @@ class RouterService:
         self.metrics.preprocess.observe(time.monotonic() - t)
         ctx.token_ids = list(rendered.token_ids)
         ctx.items = list(rendered.items)
-        self._count_cache(rendered)
         if ctx.items:
             t = time.monotonic()
             async with self._deadline(ctx, "encode"):
@@ -260,22 +262,17 @@ class RouterService:
     async def _render(self, ctx: RequestContext):
         messages = [m.model_dump(exclude_none=True) for m in ctx.request.messages]
         try:
-            return await self.renderer.render(messages)
+            return await self.renderer.render(
+                messages, add_generation_prompt=ctx.request.add_generation_prompt
+            )
         except RouterError:
             raise
         except self._preprocess_errors as exc:
             status = int(getattr(exc, "status", 400))
-            raise RouterError(status, getattr(exc, "message", str(exc)), param="messages") from None
+            param = getattr(exc, "param", None) or "messages"
+            raise RouterError(status, f"{param}: {getattr(exc, 'message', exc)}", param=param) from None
         except ValueError as exc:
             raise RouterError(400, f"cannot render the prompt: {exc}", param="messages") from None
-
-    def _count_cache(self, rendered: Any) -> None:
-        hits = getattr(rendered, "cache_hits", None)
-        misses = getattr(rendered, "cache_misses", None)
-        if isinstance(hits, int) and hits:
-            self.metrics.cache_hits.inc(hits)
-        if isinstance(misses, int) and misses:
-            self.metrics.cache_misses.inc(misses)
 
     # --- encode ----------------------------------------------------------------------
 
@@ -591,7 +588,8 @@ class RouterService:
         (including client disconnect, which cancels this generator)."""
         include_usage = ctx.request.include_usage
         skip = ctx.request.skip_special_tokens
-        detoks: dict[int, IncrementalDetokenizer] = {}
+        detoks: dict[int, DetokenizerLike] = {}
+        completion_tokens = 0
         usage_sent = False
         first_sent = False
         ok = False
@@ -601,7 +599,7 @@ class RouterService:
             return b"data: " + json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
         def translate(payload: bytes) -> bytes | None:
-            nonlocal usage_sent
+            nonlocal usage_sent, completion_tokens
             try:
                 doc = json.loads(payload)
             except ValueError:
@@ -617,9 +615,11 @@ class RouterService:
                 det = detoks.get(idx)
                 delta: dict[str, Any] = {}
                 if det is None:
-                    det = detoks[idx] = IncrementalDetokenizer(self.renderer, skip)
+                    det = detoks[idx] = self.renderer.detokenizer(skip_special_tokens=skip)
                     delta["role"] = "assistant"
-                text = det.push(c.get("token_ids") or [])
+                new_ids = c.get("token_ids") or []
+                completion_tokens += len(new_ids)
+                text = det.push(new_ids)
                 finish = c.get("finish_reason")
                 if finish is not None:
                     text += det.flush()
@@ -654,9 +654,8 @@ class RouterService:
                     except StopAsyncIteration:
                         payload = None
             if include_usage and not usage_sent:
-                completion = sum(len(d.token_ids) for d in detoks.values())
-                usage = {"prompt_tokens": len(ctx.token_ids), "completion_tokens": completion,
-                         "total_tokens": len(ctx.token_ids) + completion}  # fmt: skip
+                usage = {"prompt_tokens": len(ctx.token_ids), "completion_tokens": completion_tokens,
+                         "total_tokens": len(ctx.token_ids) + completion_tokens}  # fmt: skip
                 yield frame(chunk_body(
                     completion_id=ctx.completion_id, created=ctx.created, model=ctx.model,
                     choices=[], include_usage=True, usage=usage,

@@ -1,0 +1,157 @@
+"""Router config file + reference flags + `epd-router check-config` (exit codes, messages)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from epd_kit.router.cli import main
+from epd_kit.router.config import ConfigError, config_from_flags, load_config, parse_config
+
+ARCH_EXAMPLE = """
+model: /models/Qwen3-VL-32B-Instruct
+served_model_name: null
+quantization: null
+listen: {host: 127.0.0.1, port: 18800}
+timeouts: {connect_s: 5, ve_s: 600, pd_s: 600, total_s: 900}
+limits:
+  images_per_prompt: 30
+  max_image_patches: 1024
+  oversized_image: downscale
+  max_body_bytes: 67108864
+  max_image_bytes: 20971520
+media: {allow_http: false, allowed_hosts: [], fetch_timeout_s: 10}
+health: {interval_s: 2.0, timeout_s: 1.0, failure_threshold: 2, success_threshold: 1}
+placement: {ve_load_bound: 1.25, pd_max_inflight: 64, queue_size: 256, queue_timeout_s: 30}
+retries: {max_attempts: 3}
+auth: {api_keys_file: null}
+endpoints:
+  ve: [{id: epd-ve-0, url: "http://127.0.0.1:18300", state: active}]
+  pd: [{id: epd-pd-0, url: "http://127.0.0.1:18100", state: draining}]
+"""
+
+
+def minimal(**endpoints):
+    return {
+        "model": "/m",
+        "endpoints": endpoints or {
+            "ve": [{"id": "epd-ve-0", "url": "http://127.0.0.1:18300"}],
+            "pd": [{"id": "epd-pd-0", "url": "http://127.0.0.1:18100"}],
+        },
+    }
+
+
+def test_architecture_example_parses_with_documented_defaults(tmp_path):
+    path = tmp_path / "router.yaml"
+    path.write_text(ARCH_EXAMPLE)
+    cfg = load_config(path)
+    assert cfg.endpoints.pd[0].state.value == "draining"
+    # a file with only the required keys gets exactly the documented defaults
+    defaults = parse_config(minimal())
+    full = yaml.safe_load(ARCH_EXAMPLE)
+    for section in ("listen", "timeouts", "limits", "media", "health", "placement", "retries"):
+        documented = full[section]
+        got = getattr(defaults, section).model_dump()
+        assert {k: got[k] for k in documented} == documented, section
+    assert defaults.auth.api_keys_file is None
+    assert defaults.endpoints.ve[0].state.value == "active"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (lambda d: d.update(bogus=1), "bogus: unknown key"),
+        (lambda d: d["endpoints"]["ve"].append({"id": "epd-ve-0", "url": "http://127.0.0.1:1"}),
+         "duplicate engine id 'epd-ve-0'"),
+        (lambda d: d["endpoints"]["pd"].append({"id": "epd-ve-0", "url": "http://127.0.0.1:1"}),
+         "duplicate engine id 'epd-ve-0'"),
+        (lambda d: d["endpoints"]["ve"][0].update(url="127.0.0.1:18300"), "must start with http://"),
+        (lambda d: d["endpoints"]["ve"][0].update(url="http://127.0.0.1"), "explicit port"),
+        (lambda d: d["endpoints"]["ve"][0].update(url="http://127.0.0.1:99999"), "bad port"),
+        (lambda d: d["endpoints"]["ve"][0].update(url="http://h:1/x"), "no path"),
+        (lambda d: d["endpoints"]["ve"][0].update(state="paused"), "endpoints.ve.0.state"),
+        (lambda d: d["endpoints"].update(pd=[]), "endpoints.pd"),
+        (lambda d: d.pop("model"), "model: required key is missing"),
+        (lambda d: d.update(placement={"ve_load_bound": 0.5}), "placement.ve_load_bound"),
+        (lambda d: d.update(limits={"oversized_image": "crop"}), "limits.oversized_image"),
+    ],
+)
+def test_bad_configs_are_rejected_readably(mutate, expected):
+    data = minimal()
+    mutate(data)
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, "router.yaml")
+    assert expected in str(info.value)
+    assert str(info.value).startswith("router.yaml")
+
+
+def test_reference_flags_map_to_positional_ids():
+    cfg = config_from_flags(
+        model="/m", ve_endpoints=["127.0.0.1:18300", "localhost:18301"],
+        pd_endpoints=["127.0.0.1:18100"], ve_timeout_s=7, quantization="mxfp8",
+    )
+    assert [(e.id, e.url) for e in cfg.endpoints.ve] == [
+        ("ve-0", "http://127.0.0.1:18300"), ("ve-1", "http://localhost:18301")]
+    assert cfg.endpoints.pd[0].id == "pd-0"
+    assert cfg.listen.port == 8000 and cfg.timeouts.ve_s == 7 and cfg.timeouts.pd_s == 600
+    assert cfg.quantization == "mxfp8"
+    with pytest.raises(ConfigError, match="expected host:port"):
+        config_from_flags(model="/m", ve_endpoints=["nohost"], pd_endpoints=["h:1"])
+
+
+def test_check_config_cli(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text(ARCH_EXAMPLE)
+    runner = CliRunner()
+    res = runner.invoke(main, ["check-config", str(good)])
+    assert res.exit_code == 0, res.output
+    assert "OK" in res.output and "epd-pd-0(draining)" in res.output
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(ARCH_EXAMPLE.replace("epd-pd-0", "epd-ve-0").replace("state: draining", "state: off")
+                   + "extra_key: 1\n")
+    res = runner.invoke(main, ["check-config", str(bad)])
+    assert res.exit_code == 1
+    assert "extra_key: unknown key" in res.output
+    assert "endpoints.pd.0.state" in res.output
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [unclosed\n")
+    res = runner.invoke(main, ["check-config", str(broken)])
+    assert res.exit_code == 1 and "not valid YAML" in res.output
+    res = runner.invoke(main, ["check-config", str(tmp_path / "missing.yaml")])
+    assert res.exit_code == 1 and "cannot read" in res.output
+
+
+def test_check_config_refuses_world_readable_key_file(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("secret-key-1\n")
+    keys.chmod(0o644)
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(ARCH_EXAMPLE.replace("api_keys_file: null", f"api_keys_file: {keys}"))
+    res = CliRunner().invoke(main, ["check-config", str(cfg)])
+    assert res.exit_code == 1 and "chmod 600" in res.output
+    assert "secret-key-1" not in res.output
+    keys.chmod(0o600)
+    assert CliRunner().invoke(main, ["check-config", str(cfg)]).exit_code == 0
+
+
+def test_console_script_check_config_exit_code(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: /m\nendpoints: {ve: [], pd: []}\n")
+    exe = Path(sys.executable).parent / "epd-router"
+    proc = subprocess.run([str(exe), "check-config", str(bad)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "endpoints.ve" in proc.stderr
+
+
+def test_serve_flags_usage_errors():
+    runner = CliRunner()
+    res = runner.invoke(main, ["--model", "/m"])
+    assert res.exit_code == 2 and "missing --ve-endpoint, --pd-endpoint" in res.output
+    res = runner.invoke(main, ["serve", "--config", "x.yaml", "--model", "/m"])
+    assert res.exit_code == 2 and "not both" in res.output

@@ -1,0 +1,69 @@
+"""Upstream failure classification and the error envelope (contract §1.3, improved)."""
+
+import httpx
+import pytest
+
+from epd_kit.router import upstream
+from epd_kit.router.errors import RouterError
+from epd_kit.router.pools import Engine
+
+VE = Engine(id="epd-ve-1", url="http://127.0.0.1:18301", role="ve")
+PD = Engine(id="epd-pd-0", url="http://127.0.0.1:18100", role="pd")
+
+
+def response(status, body=b"", headers=None):
+    return httpx.Response(status, content=body, headers=headers or {})
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "engine_failed", "retry"),
+    [
+        (httpx.ConnectError("refused"), 502, True, True),
+        (httpx.ConnectTimeout("slow"), 502, True, True),
+        (httpx.ReadTimeout("slow"), 504, True, True),
+        (httpx.PoolTimeout("pool"), 504, False, True),
+        (httpx.RemoteProtocolError("closed"), 502, True, True),
+        (httpx.ReadError("reset"), 502, True, True),
+    ],
+)
+def test_exceptions(exc, status, engine_failed, retry):
+    err = upstream.classify_exception(exc, VE)
+    assert (err.status, err.engine_failed, err.retry_other) == (status, engine_failed, retry)
+    assert "encode on VE epd-ve-1 (http://127.0.0.1:18301)" in err.message
+    assert err.engine_id == "epd-ve-1" and err.stage == "encode"
+
+
+def test_5xx_counts_against_engine_and_is_retried():
+    err = upstream.classify_status(response(503, b'{"detail":"engine dead"}'), PD)
+    assert err.status == 502 and err.engine_failed and err.retry_other
+    assert "generate on PD epd-pd-0" in err.message and "HTTP 503: engine dead" in err.message
+
+
+def test_4xx_never_counts_and_is_not_retried():
+    body = b'{"error":{"message":"image produces 5000 embedding tokens","type":"BadRequest","code":400}}'
+    err = upstream.classify_status(response(400, body), VE)
+    assert err.status == 502 and not err.engine_failed and not err.retry_other
+    assert "rejected the request: HTTP 400: image produces 5000 embedding tokens" in err.message
+
+
+def test_429_is_pushback():
+    err = upstream.classify_status(response(429, b"", {"retry-after": "7"}), PD)
+    assert err.status == 429 and not err.engine_failed and err.retry_other
+    assert err.retry_after == 7
+
+
+def test_missing_locator_is_a_failure():
+    body = b'{"request_id":"x","choices":[{"index":0,"token_ids":[0]}],"kv_transfer_params":{"ec_locator":{}}}'
+    with pytest.raises(RouterError) as info:
+        upstream.parse_ve_response(response(200, body), VE, ["abcdef0123456789ff"])
+    assert info.value.status == 502 and "no EC locator for 1 item" in info.value.message
+
+
+def test_envelope_shape_and_headers():
+    err = RouterError(503, "not ready: no healthy active PD", retry_after=2.2)
+    env = err.envelope("rid-1")
+    assert env == {"error": {"message": "not ready: no healthy active PD", "type": "service_unavailable",
+                             "param": None, "code": 503}, "request_id": "rid-1"}
+    assert err.headers("rid-1") == {"x-request-id": "rid-1", "Retry-After": "2"}
+    frame = err.sse_frame("rid-1")
+    assert frame.startswith(b"data: {") and frame.endswith(b"\n\n")
