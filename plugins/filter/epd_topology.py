@@ -556,7 +556,8 @@ def largest_fits(host: HostSpec, settings: Settings) -> list[tuple[int, int]]:
     def max_count(fixed_role: str, fixed: int) -> int | None:
         other = "pd" if fixed_role == "ve" else "ve"
         best = None
-        for n in range(host.count(other) + 1):
+        # more engines than cores can never fit: bound the search for huge requests
+        for n in range(min(host.count(other), host.core_count) + 1):
             counts = {fixed_role: fixed, other: n}
             if fits(counts["ve"], counts["pd"]):
                 best = n
