@@ -45,6 +45,9 @@ fi
 step "test-host rootfs (built once, cached under /var/tmp/epd-kit) and the sandbox model"
 "$HOSTS" prepare
 SEED=$($PY tests/hosts/seed.py)
+# deploy.yml builds the kit's offline wheelhouse on the controller; kithub has no route to a
+# package index, so build (or find cached) it here first
+$PY tests/hosts/wheelhouse.py
 SPECS=$($PY tests/hosts/sandbox.py hosts "$INVENTORY")
 
 step "boot sandbox hosts: $SPECS"

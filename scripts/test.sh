@@ -35,6 +35,9 @@ teardown() {
 
 phase bootstrap scripts/bootstrap.sh
 phase rootfs "$HOSTS" prepare
+# the deploy's controller-side wheelhouse needs a package index: build it before entering kithub
+phase wheelhouse .venv/bin/python tests/hosts/wheelhouse.py
+phase sandbox-model .venv/bin/python tests/hosts/seed.py
 # leftovers of an interrupted earlier run (CI kills processes, not namespaces or cgroups)
 "$HOSTS" down "${OUR_HOSTS[@]}" >/dev/null 2>&1 || true
 trap teardown EXIT
