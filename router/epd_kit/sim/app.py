@@ -1,0 +1,266 @@
+"""HTTP surface of a simulated engine: the routes `vllm serve` has that the kit uses."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from ..wire import (
+    GENERATE_PATH,
+    SSE_DONE,
+    ErrorInfo,
+    ErrorResponse,
+    GenerateChoice,
+    GenerateRequest,
+    GenerateResponse,
+    StreamChoice,
+    StreamChunk,
+    Usage,
+    sse_frame,
+)
+from .config import EngineConfig
+from .errors import EngineDeadError, RequestRejected
+from .faults import FaultInjector, Faults
+from .metrics import SimMetrics
+from .pd import PrefillDecodeEngine, Sequence, build_sequence
+from .profile import LatencyProfile
+from .ve import VisionEncoderEngine
+
+log = logging.getLogger("epd_sim.api")
+VLLM_VERSION = "0.24.0"
+
+
+def error_response(message: str, status: int, err_type: str) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=err_type, code=status))
+    return JSONResponse(body.model_dump(exclude={"request_id"}), status_code=status)
+
+
+class SimEngine:
+    """Everything one engine process owns: config, role engine, metrics, faults, liveness."""
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        profile: LatencyProfile,
+        faults: Faults,
+        seed: int = 0,
+        on_dead: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.profile = profile
+        self.metrics = SimMetrics(cfg.served_model_name, cfg.engine_id)
+        self.injector = FaultInjector(faults, seed)
+        self._on_dead = on_dead
+        self.created = int(time.time())
+        self.ve: VisionEncoderEngine | None = None
+        self.pd: PrefillDecodeEngine | None = None
+        if cfg.role == "ve":
+            self.ve = VisionEncoderEngine(cfg, profile, self.metrics, faults)
+        else:
+            self.pd = PrefillDecodeEngine(cfg, profile, self.metrics, self._dead)
+
+    @property
+    def faults(self) -> Faults:
+        return self.injector.faults
+
+    def set_faults(self, faults: Faults) -> None:
+        self.injector.faults = faults
+        if self.ve:
+            self.ve.faults = faults
+
+    @property
+    def is_dead(self) -> bool:
+        return bool(self.pd and self.pd.dead is not None)
+
+    def _dead(self, exc: BaseException) -> None:
+        if self._on_dead:
+            self._on_dead(exc)
+
+    async def start(self) -> None:
+        await (self.ve.start() if self.ve else self.pd.start())  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        await (self.ve.stop() if self.ve else self.pd.stop())  # type: ignore[union-attr]
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body has already been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def create_app(engine: SimEngine) -> FastAPI:
+    app = FastAPI(title="epd-sim", docs_url=None, redoc_url=None, openapi_url=None)
+    cfg = engine.cfg
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if engine.is_dead else 200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": VLLM_VERSION}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": cfg.served_model_name,
+                    "object": "model",
+                    "created": engine.created,
+                    "owned_by": "vllm",
+                    "root": cfg.model,
+                    "parent": None,
+                    "max_model_len": cfg.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/sim/faults")
+    async def get_faults() -> dict[str, Any]:
+        return engine.faults.model_dump()
+
+    @app.put("/sim/faults")
+    async def put_faults(request: Request) -> Response:
+        try:
+            faults = Faults.model_validate_json(await request.body())
+        except ValidationError as exc:
+            return error_response(str(exc), 400, "BadRequestError")
+        engine.set_faults(faults)
+        log.warning("fault injection changed: %s", faults.model_dump(exclude_defaults=True))
+        return JSONResponse(faults.model_dump())
+
+    @app.post(GENERATE_PATH)
+    async def generate(request: Request) -> Response:
+        raw = await request.body()
+        verdict = engine.injector.admit()
+        if verdict:
+            engine.metrics.fault(verdict)
+        if verdict == "crash":
+            log.critical("simulated crash (fault crash_after=%s)", engine.faults.crash_after)
+            logging.shutdown()
+            os._exit(1)
+        if verdict == "hang":
+            await _wait_disconnect(request)
+            return Response(status_code=499)
+        await engine.injector.delay()
+        if verdict == "error":
+            return error_response("simulated internal error (epd-sim fault injection)", 500,
+                                  "InternalServerError")
+        try:
+            req = GenerateRequest.model_validate_json(raw)
+        except ValidationError as exc:
+            return error_response(f"invalid request body: {exc}", 400, "BadRequestError")
+        request_id = req.request_id or uuid.uuid4().hex
+        try:
+            if engine.ve is not None:
+                resp = await engine.ve.generate(req)
+                return Response(resp.model_dump_json(), media_type="application/json")
+            assert engine.pd is not None
+            seq = build_sequence(req, cfg, request_id)
+            engine.pd.submit(seq)
+        except RequestRejected as exc:
+            return error_response(exc.message, exc.status, exc.err_type)
+        except EngineDeadError as exc:
+            return error_response(f"EngineDeadError: {exc}", 500, "InternalServerError")
+        if req.stream:
+            include_usage = req.stream_options is not None and (
+                req.stream_options.include_usage is not False
+            )
+            continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+            return StreamingResponse(
+                _stream(engine.pd, seq, include_usage, continuous),
+                media_type="text/event-stream",
+            )
+        return await _complete(engine.pd, seq, request)
+
+    return app
+
+
+def _engine_error(seq: Sequence) -> tuple[str, int]:
+    exc = seq.error
+    return f"{type(exc).__name__}: {exc}", 500
+
+
+async def _complete(pd: PrefillDecodeEngine, seq: Sequence, request: Request) -> Response:
+    waiter = asyncio.ensure_future(seq.wait_done())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not waiter.done():
+        waiter.cancel()
+        pd.abort(seq)  # client went away: free the slot
+        return Response(status_code=499)
+    if seq.error is not None:
+        message, status = _engine_error(seq)
+        return error_response(message, status, "InternalServerError")
+    if seq.finish_reason == "abort":
+        return error_response("request aborted (engine shutting down)", 503, "ServiceUnavailable")
+    tokens = list(seq.plan.token_ids[: seq.emitted]) if seq.plan else []
+    body = GenerateResponse(
+        request_id=seq.request_id,
+        choices=[GenerateChoice(index=0, finish_reason=seq.finish_reason, token_ids=tokens)],
+        usage=Usage(
+            prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=len(tokens),
+            total_tokens=len(seq.prompt_ids) + len(tokens),
+        ),
+    )
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+async def _stream(
+    pd: PrefillDecodeEngine, seq: Sequence, include_usage: bool, continuous: bool
+) -> AsyncIterator[bytes]:
+    prompt = len(seq.prompt_ids)
+    try:
+        while True:
+            await seq.event.wait()
+            seq.event.clear()
+            tokens = seq.take()
+            if seq.error is not None:
+                message, status = _engine_error(seq)
+                yield sse_frame({"error": {"message": message, "type": "InternalServerError",
+                                           "param": None, "code": status}})
+                break
+            if tokens:
+                finish = seq.finish_reason if seq.done else None
+                usage = None
+                if continuous:
+                    usage = Usage(prompt_tokens=prompt, completion_tokens=seq.emitted,
+                                  total_tokens=prompt + seq.emitted)
+                chunk = StreamChunk(
+                    request_id=seq.request_id,
+                    choices=[StreamChoice(index=0, finish_reason=finish, token_ids=tokens)],
+                    usage=usage,
+                )
+                yield sse_frame(chunk)
+            if seq.done:
+                if include_usage and seq.finish_reason in ("stop", "length"):
+                    usage = Usage(prompt_tokens=prompt, completion_tokens=seq.emitted,
+                                  total_tokens=prompt + seq.emitted)
+                    yield sse_frame(StreamChunk(request_id=seq.request_id, usage=usage),
+                                    exclude_none=True)
+                break
+        yield SSE_DONE
+    finally:
+        pd.abort(seq)  # no-op when finished; frees the slot on client disconnect

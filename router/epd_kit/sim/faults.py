@@ -1,0 +1,51 @@
+"""Fault injection (docs/sim.md): set by --sim-* flags / EPD_SIM_* env, changeable at run time
+through `PUT /sim/faults` so a test can break a running engine without restarting it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SideChannelFault = Literal["ok", "refuse", "slow", "hang"]
+
+
+class Faults(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    crash_after: int | None = Field(None, ge=0, description="hard exit(1) when request N+1 arrives")
+    hang_after: int | None = Field(None, ge=0, description="requests after the Nth never answer")
+    error_rate: float = Field(0.0, ge=0.0, le=1.0, description="share of requests answered 500")
+    extra_latency_ms: float = Field(0.0, ge=0.0)
+    jitter_ms: float = Field(0.0, ge=0.0, description="uniform 0..jitter added per request")
+    side_channel: SideChannelFault = "ok"
+    side_channel_delay_ms: float = Field(0.0, ge=0.0, description="delay per read when 'slow'")
+
+
+class FaultInjector:
+    """Decides, per generate request, what goes wrong. Seeded: runs are reproducible."""
+
+    def __init__(self, faults: Faults, seed: int = 0) -> None:
+        self.faults = faults
+        self._rng = random.Random(seed)
+        self.requests_seen = 0
+
+    def admit(self) -> str | None:
+        """Count one request; return 'crash' | 'hang' | 'error' | None."""
+        self.requests_seen += 1
+        f = self.faults
+        if f.crash_after is not None and self.requests_seen > f.crash_after:
+            return "crash"
+        if f.hang_after is not None and self.requests_seen > f.hang_after:
+            return "hang"
+        if f.error_rate and self._rng.random() < f.error_rate:
+            return "error"
+        return None
+
+    async def delay(self) -> None:
+        f = self.faults
+        ms = f.extra_latency_ms + (self._rng.uniform(0, f.jitter_ms) if f.jitter_ms else 0.0)
+        if ms > 0:
+            await asyncio.sleep(ms / 1000)

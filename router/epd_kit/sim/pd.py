@@ -1,0 +1,286 @@
+"""The prefill+decode role (ec_consumer): contract §3.
+
+One engine loop steps every running sequence together (continuous batching): a step costs
+prefill time for the prompt tokens it processes plus one decode step for the decoders, and
+then every decoder emits one token. Up to --max-num-seqs sequences run; the rest wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .. import mm_serde
+from ..wire import EcLocator, GenerateRequest, Placeholder
+from .config import EngineConfig
+from .ec_loader import BlockLenMismatch, EcLoader
+from .errors import ECLoadFailure, EngineDeadError, RequestRejected
+from .metrics import SimMetrics
+from .model import Generation, plan_generation
+from .prefix_cache import PrefixCache
+from .profile import LatencyProfile
+
+log = logging.getLogger("epd_sim.pd")
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    hashes: list[str]  # prompt order, duplicates kept
+    placeholders: list[Placeholder]
+    locators: dict[str, EcLocator]
+    max_tokens: int
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    arrived: float = field(default_factory=time.monotonic)
+    state: str = "waiting"  # waiting | loading | prefill | decode | done
+    plan: Generation | None = None
+    prefill_left: int = 0
+    emitted: int = 0
+    pending: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def done(self) -> bool:
+        return self.state == "done"
+
+    def take(self) -> list[int]:
+        out, self.pending = self.pending, []
+        return out
+
+    async def wait_done(self) -> None:
+        while not self.done:
+            self.event.clear()
+            await self.event.wait()
+
+
+def build_sequence(req: GenerateRequest, cfg: EngineConfig, request_id: str) -> Sequence:
+    """Validate a PD body (contract §3.1) into a sequence; RequestRejected for a bad body."""
+    prompt = req.token_ids
+    remaining = cfg.max_model_len - len(prompt)
+    if remaining < 1:
+        raise RequestRejected(
+            f"This model's maximum context length is {cfg.max_model_len} tokens. However, your "
+            f"prompt has {len(prompt)} tokens, which leaves no room for the completion."
+        )
+    sp = req.sampling_params
+    # vLLM: absent (or null) max_tokens means "the rest of the context".
+    max_tokens = sp.max_tokens if sp.max_tokens is not None else remaining
+    if max_tokens < 1:
+        raise RequestRejected(f"max_tokens must be at least 1, got {max_tokens}.")
+    if max_tokens > remaining:
+        raise RequestRejected(
+            f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
+            f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or "
+            f"completion."
+        )
+    if sp.n not in (None, 1):
+        raise RequestRejected("epd-sim supports n=1 only")
+    items = req.features.items() if req.features else []
+    if len(items) > cfg.limit_images:
+        raise RequestRejected(
+            f"At most {cfg.limit_images} image(s) may be provided in one prompt "
+            f"(--limit-mm-per-prompt); got {len(items)}."
+        )
+    merge = cfg.vision.merge_factor
+    for i, (_m, mm_hash, ph, kwargs_b64) in enumerate(items):
+        if ph.offset + ph.length > len(prompt):
+            raise RequestRejected(
+                f"item {i}: placeholder [{ph.offset}, {ph.offset + ph.length}) lies outside "
+                f"the {len(prompt)} prompt tokens"
+            )
+        try:
+            t, h, w = mm_serde.grid_thw(mm_serde.decode_item_b64(kwargs_b64))
+        except mm_serde.MMSerdeError as exc:
+            raise RequestRejected(f"item {i} ({mm_hash}): bad kwargs_data: {exc}") from exc
+        if t * h * w != ph.length * merge:
+            raise RequestRejected(
+                f"item {i} ({mm_hash}): placeholder length {ph.length} does not match "
+                f"image_grid_thw {[t, h, w]} (M-RoPE positions need {t * h * w // merge})"
+            )
+    try:
+        locators = sp.ec_locators()
+    except ValueError as exc:
+        raise RequestRejected(f"bad ec_locator: {exc}") from exc
+    return Sequence(
+        request_id=request_id,
+        prompt_ids=list(prompt),
+        hashes=[it[1] for it in items],
+        placeholders=[it[2] for it in items],
+        locators=locators,
+        max_tokens=max_tokens,
+        ignore_eos=bool(sp.ignore_eos),
+        stop_token_ids=tuple(sp.stop_token_ids or ()),
+    )
+
+
+class PrefillDecodeEngine:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        profile: LatencyProfile,
+        metrics: SimMetrics,
+        on_dead: Callable[[BaseException], None],
+    ) -> None:
+        self.cfg = cfg
+        self.profile = profile
+        self.metrics = metrics
+        self.loader = EcLoader(cfg, profile)
+        self.prefix_cache = PrefixCache() if cfg.enable_prefix_caching else None
+        self._on_dead = on_dead
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._loads: set[asyncio.Task[None]] = set()
+        self.dead: BaseException | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="pd-engine-loop")
+
+    async def stop(self) -> None:
+        for seq in [*self.waiting, *self.running]:
+            self._finish(seq, "abort")
+        if self._task:
+            self._task.cancel()
+        for t in list(self._loads):
+            t.cancel()
+
+    # --- request side ---
+
+    def submit(self, seq: Sequence) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"engine core is dead: {self.dead}")
+        self.waiting.append(seq)
+        self._gauges()
+        self._wake.set()
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.done:
+            log.info("Aborted request %s.", seq.request_id)
+            self._finish(seq, "abort")
+
+    # --- engine side ---
+
+    def _gauges(self) -> None:
+        self.metrics.running.set(len(self.running))
+        self.metrics.waiting.set(len(self.waiting))
+
+    def _finish(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
+        if seq.done:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        seq.state, seq.finish_reason, seq.error = "done", reason, error
+        seq.event.set()
+        self.metrics.finished(reason)
+        if reason in ("stop", "length"):
+            self.metrics.e2e.observe(time.monotonic() - seq.arrived)
+        self._gauges()
+        self._wake.set()
+
+    def die(self, exc: BaseException) -> None:
+        if self.dead is not None:
+            return
+        self.dead = exc
+        log.error("EngineCore encountered a fatal error.")
+        log.error("%s: %s", type(exc).__name__, exc)
+        for seq in [*self.running, *self.waiting]:
+            self._finish(seq, "error", exc)
+        self._on_dead(exc)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting.popleft()
+            seq.state = "loading"
+            self.running.append(seq)
+            task = asyncio.create_task(self._load(seq))
+            self._loads.add(task)
+            task.add_done_callback(self._loads.discard)
+        self._gauges()
+
+    async def _load(self, seq: Sequence) -> None:
+        try:
+            cached_tokens, cached = 0, []
+            if self.prefix_cache is not None:
+                cached_tokens, cached = self.prefix_cache.match(seq.prompt_ids, seq.placeholders)
+                if cached_tokens:
+                    self.metrics.prefix_cache_hits.inc(cached_tokens)
+            to_read = seq.hashes[len(cached):]
+            missing = sorted({h for h in to_read if h not in seq.locators})
+            if missing:
+                log.error("no EC locator in kv_transfer_params for mm_hashes %s", missing)
+                raise ECLoadFailure(missing, "missing ec_locator")
+            needed = {h: seq.locators[h] for h in dict.fromkeys(to_read)}
+            loaded = await self.loader.load(needed)
+            self.metrics.ec_loads.inc(len(loaded))
+            embeddings = cached + [loaded[h] for h in to_read]
+            if self.prefix_cache is not None:
+                self.prefix_cache.insert(seq.prompt_ids, seq.placeholders, embeddings)
+        except (ECLoadFailure, BlockLenMismatch) as exc:
+            if isinstance(exc, ECLoadFailure):
+                self.metrics.ec_load_failures.inc()
+            self.die(exc)
+            return
+        if seq.done:  # aborted while loading
+            return
+        seq.plan = plan_generation(
+            seq.prompt_ids, embeddings, seq.max_tokens, self.cfg.vocab,
+            ignore_eos=seq.ignore_eos, stop_token_ids=seq.stop_token_ids,
+        )
+        seq.prefill_left = max(1, len(seq.prompt_ids) - cached_tokens)
+        seq.state = "prefill"
+        self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
+        self._wake.set()
+
+    def _emit(self, seq: Sequence) -> None:
+        assert seq.plan is not None
+        seq.pending.append(seq.plan.token_ids[seq.emitted])
+        seq.emitted += 1
+        self.metrics.generation_tokens.inc()
+        if seq.emitted == len(seq.plan.token_ids):
+            self._finish(seq, seq.plan.finish_reason)
+        else:
+            seq.event.set()
+
+    async def _run(self) -> None:
+        while True:
+            self._admit()
+            decoders = [s for s in self.running if s.state == "decode"]
+            budget = max(1, self.cfg.max_num_batched_tokens - len(decoders))
+            chunks: list[tuple[Sequence, int]] = []
+            for s in self.running:
+                if s.state == "prefill" and budget > 0:
+                    take = min(s.prefill_left, budget)
+                    chunks.append((s, take))
+                    budget -= take
+            if not chunks and not decoders:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            dt = self.profile.step_s(sum(t for _, t in chunks), len(decoders))
+            await asyncio.sleep(dt)
+            for s, take in chunks:
+                if s.done:
+                    continue
+                s.prefill_left -= take
+                if s.prefill_left <= 0:
+                    s.state = "decode"
+                    self.metrics.ttft.observe(time.monotonic() - s.arrived)
+                    self._emit(s)  # prefill samples the first token
+            for s in decoders:
+                if not s.done:
+                    self._emit(s)

@@ -1,0 +1,71 @@
+"""Automatic prefix caching as it misbehaves in EPD (tutorial: "Wrong or empty output on
+repeated images").
+
+Blocks are keyed by token ids only. A prompt whose leading blocks were seen before reuses the
+cached KV, and every image placeholder inside that cached prefix is treated as already
+computed: its embedding is never pulled from the VE and the KV built from the OLD request's
+embedding is used. With `--no-enable-prefix-caching` none of this exists.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+from blake3 import blake3
+
+from ..wire import Placeholder
+
+BLOCK_TOKENS = 16
+
+
+def _block_hashes(prompt_ids: Sequence[int]) -> list[bytes]:
+    arr = np.asarray(prompt_ids, dtype="<i8")
+    out, prev = [], b""
+    for k in range(len(arr) // BLOCK_TOKENS):
+        prev = blake3(prev + arr[k * BLOCK_TOKENS : (k + 1) * BLOCK_TOKENS].tobytes()).digest()
+        out.append(prev)
+    return out
+
+
+class PrefixCache:
+    def __init__(self, capacity_blocks: int = 65536) -> None:
+        self.capacity = capacity_blocks
+        # block-chain hash -> embeddings (prompt order) of the items that end inside the prefix
+        self._store: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
+
+    def match(
+        self, prompt_ids: Sequence[int], placeholders: Sequence[Placeholder]
+    ) -> tuple[int, list[bytes]]:
+        """(cached prefix length in tokens, cached embeddings of the leading items)."""
+        # vLLM always recomputes the last prompt token, so a full-prompt hit is one block short.
+        hashes = _block_hashes(prompt_ids[: max(0, len(prompt_ids) - 1)])
+        hit, cached = 0, ()
+        for k, h in enumerate(hashes, start=1):
+            entry = self._store.get(h)
+            if entry is None:
+                break
+            self._store.move_to_end(h)
+            hit, cached = k * BLOCK_TOKENS, entry
+        # Never split an item: stop the hit where a partly covered placeholder starts.
+        for ph in placeholders:
+            if ph.offset < hit < ph.offset + ph.length:
+                hit = ph.offset
+        n_inside = sum(1 for ph in placeholders if ph.offset + ph.length <= hit)
+        return hit, list(cached[:n_inside])
+
+    def insert(
+        self,
+        prompt_ids: Sequence[int],
+        placeholders: Sequence[Placeholder],
+        embeddings: Sequence[bytes],
+    ) -> None:
+        for k, h in enumerate(_block_hashes(prompt_ids), start=1):
+            end = k * BLOCK_TOKENS
+            inside = tuple(e for ph, e in zip(placeholders, embeddings, strict=True)
+                           if ph.offset + ph.length <= end)
+            self._store[h] = inside
+            self._store.move_to_end(h)
+        while len(self._store) > self.capacity:
+            self._store.popitem(last=False)

@@ -1,0 +1,146 @@
+"""Process lifecycle of one simulated engine, in the real engine's order:
+validate -> load/compile -> warmup -> side channel -> HTTP socket -> serve -> die or drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import uvicorn
+
+from .app import VLLM_VERSION, SimEngine, create_app
+from .config import EngineConfig, ServeArgs, StartupFailure, build_engine_config
+from .faults import Faults
+from .profile import LatencyProfile
+
+log = logging.getLogger("epd_sim.server")
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    profile: LatencyProfile = field(default_factory=LatencyProfile)
+    faults: Faults = field(default_factory=Faults)
+    seed: int = 0
+    dead_linger_s: float = 1.0  # /health answers 503 this long before the process exits
+    grace_s: float = 10.0  # SIGTERM: in-flight requests get this long to finish
+    access_log: bool = True
+
+
+class _VllmFormatter(logging.Formatter):
+    """`INFO 11-30 01:02:03 [logger] message`, like vLLM's log lines."""
+
+    def __init__(self) -> None:
+        super().__init__("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S")
+
+
+def setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(_VllmFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+def _fail(exc_type: str, message: str) -> int:
+    log.error("EngineCore failed to start.")
+    print("Traceback (most recent call last):", file=sys.stderr)
+    print('  File "epd_kit/sim/server.py", in run_engine (simulated)', file=sys.stderr)
+    print(f"{exc_type}: {message}", file=sys.stderr, flush=True)
+    log.error("%s: %s", exc_type, message)
+    return 1
+
+
+def run(args: ServeArgs, sim: SimOptions, env: Mapping[str, str]) -> int:
+    setup_logging()
+    log.info("vLLM API server version %s (epd-sim, simulated Neuron engine)", VLLM_VERSION)
+    log.info("non-default args: %s", {k: v for k, v in vars(args).items() if v})
+    try:
+        cfg = build_engine_config(args, env)
+    except StartupFailure as exc:
+        return _fail(exc.exc_type, exc.message)
+    for warning in cfg.warnings:
+        log.warning("%s", warning)
+    return asyncio.run(_serve(cfg, sim))
+
+
+async def _load_and_warmup(cfg: EngineConfig, sim: SimOptions) -> bool:
+    role = "vision encoder (ec_producer)" if cfg.role == "ve" else "language model (ec_consumer)"
+    log.info("model=%r architecture=%s role=%s engine_id=%s tp=%d cores=%s",
+             cfg.model, cfg.checkpoint.architecture, role, cfg.engine_id, cfg.tp,
+             list(cfg.visible_cores) if cfg.visible_cores else "all")
+    log.info("Loading weights and compiling for Neuron (simulated, %.1f s)...",
+             sim.profile.compile_s)
+    await asyncio.sleep(sim.profile.compile_s)
+    log.info("Compilation finished.")
+    bucket = cfg.max_vision_tokens if cfg.role == "ve" else cfg.max_num_batched_tokens
+    kind = "vision encoder" if cfg.role == "ve" else "prefill"
+    log.info("Warming up %s bucket %d...", kind, bucket)
+    await asyncio.sleep(sim.profile.warmup_s)
+    if cfg.slice_misaligned:
+        cores = cfg.visible_cores or ()
+        log.error(
+            "Collective operation REDUCE_SCATTER with total_size=%d is currently not supported "
+            "for replica group [%d-%d] (tp=%d)",
+            bucket * 8192, cores[0], cores[-1], cfg.tp,
+        )
+        log.error("Failed to schedule neff execution. status=2 message=Invalid")
+        _fail("RuntimeError", f"Model warmup failed for {kind} bucket {bucket}")
+        return False
+    return True
+
+
+async def _serve(cfg: EngineConfig, sim: SimOptions) -> int:
+    if not await _load_and_warmup(cfg, sim):
+        return 1
+    loop = asyncio.get_running_loop()
+    server: uvicorn.Server | None = None
+    exit_code = 0
+
+    def on_dead(exc: BaseException) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        log.error("Engine core is dead; /health answers 503, exiting in %.1f s",
+                  sim.dead_linger_s)
+
+        def _stop() -> None:
+            if server is not None:
+                server.should_exit = True
+
+        loop.call_later(sim.dead_linger_s, _stop)
+
+    engine = SimEngine(cfg, sim.profile, sim.faults, sim.seed, on_dead=on_dead)
+    try:
+        await engine.start()
+    except OSError as exc:
+        return _fail(
+            "RuntimeError",
+            f"EC handshake server did not become ready within 5s ({cfg.side_channel_host}:"
+            f"{cfg.side_channel_port}: {exc})",
+        )
+    config = uvicorn.Config(
+        create_app(engine),
+        host=cfg.host,
+        port=cfg.port,
+        log_config=None,
+        access_log=sim.access_log,
+        lifespan="off",
+        timeout_graceful_shutdown=sim.grace_s,
+        timeout_keep_alive=5,
+    )
+    server = uvicorn.Server(config)
+    # uvicorn re-raises a captured SIGTERM after its graceful shutdown; with a no-op handler
+    # in place the process then exits 0 (a clean stop for systemd) instead of dying by signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        await server.serve()
+    finally:
+        await engine.stop()
+    if not server.started:
+        return 1
+    log.info("Shutdown complete (exit %d).", exit_code)
+    return exit_code

@@ -1,0 +1,223 @@
+"""The vision-encoder role (ec_producer): contract §2."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+
+from .. import mm_serde
+from ..wire import EcLocator, GenerateChoice, GenerateRequest, GenerateResponse, Placeholder
+from .config import EngineConfig
+from .encoder_cache import EncoderCache
+from .errors import RequestRejected
+from .faults import Faults
+from .metrics import SimMetrics
+from .model import embedding_bytes
+from .profile import LatencyProfile
+from .side_channel import SideChannelServer
+
+log = logging.getLogger("epd_sim.ve")
+
+
+@dataclass(frozen=True)
+class EncodeItem:
+    mm_hash: str
+    placeholder: Placeholder
+    grid: tuple[int, int, int]
+
+    @property
+    def patches(self) -> int:
+        t, h, w = self.grid
+        return t * h * w
+
+
+def parse_items(req: GenerateRequest, cfg: EngineConfig) -> list[EncodeItem]:
+    """Validate the VE body far enough to know each item's geometry (contract §2.2, §2.6)."""
+    if len(req.token_ids) > cfg.max_model_len:
+        raise RequestRejected(
+            f"The prompt has {len(req.token_ids)} tokens, more than max_model_len="
+            f"{cfg.max_model_len}."
+        )
+    items = (req.features.items() if req.features else [])
+    if not items:
+        raise RequestRejected("a VE request needs at least one multimodal item in features")
+    if len(items) > cfg.limit_images:
+        raise RequestRejected(
+            f"At most {cfg.limit_images} image(s) may be provided in one prompt "
+            f"(--limit-mm-per-prompt); got {len(items)}."
+        )
+    geo = cfg.vision
+    out = []
+    for i, (_modality, mm_hash, ph, kwargs_b64) in enumerate(items):
+        if ph.offset + ph.length > len(req.token_ids):
+            raise RequestRejected(
+                f"item {i}: placeholder [{ph.offset}, {ph.offset + ph.length}) lies outside "
+                f"the {len(req.token_ids)} prompt tokens"
+            )
+        try:
+            item = mm_serde.decode_item_b64(kwargs_b64)
+            grid = mm_serde.grid_thw(item)
+        except mm_serde.MMSerdeError as exc:
+            raise RequestRejected(f"item {i} ({mm_hash}): bad kwargs_data: {exc}") from exc
+        t, h, w = grid
+        patches = t * h * w
+        pixels = item.get("pixel_values")
+        want = (patches, geo.patch_dim)
+        if pixels is None or pixels.data is None or tuple(pixels.data.shape) != want:
+            got = None if pixels is None or pixels.data is None else tuple(pixels.data.shape)
+            raise RequestRejected(
+                f"item {i} ({mm_hash}): pixel_values shape {got} does not match "
+                f"image_grid_thw {list(grid)} (expected {want})"
+            )
+        tokens = patches // geo.merge_factor
+        if patches % geo.merge_factor or tokens != ph.length:
+            raise RequestRejected(
+                f"item {i} ({mm_hash}): placeholder length {ph.length} does not match "
+                f"image_grid_thw {list(grid)} ({patches} patches / merge "
+                f"{geo.merge_factor} = {patches / geo.merge_factor:g} tokens)"
+            )
+        out.append(EncodeItem(mm_hash, ph, grid))
+    return out
+
+
+def _check_encodable(item: EncodeItem, cfg: EngineConfig) -> None:
+    """The compiled vision encoder's limits (tutorial Common issues; contract §2.6)."""
+    max_embeds = cfg.max_vision_tokens // cfg.vision.merge_factor
+    if item.placeholder.length > max_embeds:
+        raise RequestRejected(
+            f"Image item {item.mm_hash} produces {item.placeholder.length} embedding tokens, "
+            f"which exceeds the maximum supported by the compiled vision encoder "
+            f"({max_embeds} = max(num_vision_tokens_buckets) {cfg.max_vision_tokens} / merge "
+            f"factor {cfg.vision.merge_factor})."
+        )
+    if item.patches > cfg.vision_attention_block_size:
+        raise RequestRejected(
+            f"Failed to encode image {item.mm_hash}: {item.patches} patches (image_grid_thw "
+            f"{list(item.grid)}) exceed vision_attention_block_size="
+            f"{cfg.vision_attention_block_size} of the compiled vision encoder. Downscale the "
+            f"image or raise vision_attention_block_size identically on both pools."
+        )
+
+
+def spread_over_replicas(patches: list[int], replicas: int) -> list[int]:
+    """Greedy longest-first assignment of items to vision DP replicas; load per replica."""
+    load = [0] * max(1, replicas)
+    for p in sorted(patches, reverse=True):
+        load[load.index(min(load))] += p
+    return load
+
+
+class VisionEncoderEngine:
+    def __init__(
+        self, cfg: EngineConfig, profile: LatencyProfile, metrics: SimMetrics, faults: Faults
+    ) -> None:
+        self.cfg = cfg
+        self.profile = profile
+        self.metrics = metrics
+        self.cache = EncoderCache(cfg.encoder_cache_num_blocks, cfg.encoder_cache_min_hold_s)
+        self.side_channel = SideChannelServer(
+            engine_id=cfg.engine_id,
+            block_len=cfg.block_len,
+            cache=self.cache,
+            efa_env_ok=cfg.efa_env_ok,
+            faults=lambda: self.faults,
+        )
+        self.faults = faults
+        self.side_channel_port = cfg.side_channel_port
+        # The Neuron VE runs one scheduled batch at a time (--max-num-seqs 1).
+        self._busy = asyncio.Lock()
+        self._waiting = 0
+        self.dead = False
+
+    async def start(self) -> None:
+        self.side_channel_port = await self.side_channel.start(
+            self.cfg.side_channel_host, self.cfg.side_channel_port
+        )
+        log.info(
+            "EC side channel for engine %s listening on %s:%d (block_len=%d bytes, %d blocks)",
+            self.cfg.engine_id, self.cfg.side_channel_host, self.side_channel_port,
+            self.cfg.block_len, self.cfg.encoder_cache_num_blocks,
+        )
+
+    async def stop(self) -> None:
+        await self.side_channel.close()
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        items = parse_items(req, self.cfg)
+        unique: dict[str, EncodeItem] = {}
+        for it in items:
+            unique.setdefault(it.mm_hash, it)
+        if len(unique) > self.cache.capacity:
+            raise RequestRejected(
+                f"encoder_cache_num_blocks={self.cfg.encoder_cache_num_blocks} is too small: "
+                f"this request has {len(unique)} images and the cache holds "
+                f"{self.cache.capacity} (+1 scratch block)"
+            )
+        for it in unique.values():
+            try:
+                _check_encodable(it, self.cfg)
+            except RequestRejected as exc:
+                log.error("%s", exc.message)
+                raise
+        self._waiting += 1
+        self.metrics.waiting.set(self._waiting)
+        try:
+            async with self._busy:
+                self._waiting -= 1
+                self.metrics.waiting.set(self._waiting)
+                self.metrics.running.set(1)
+                blocks = await self._encode(list(unique.values()))
+        finally:
+            self.metrics.running.set(0 if not self._busy.locked() else 1)
+        self.metrics.prompt_tokens.inc(len(req.token_ids))
+        self.metrics.generation_tokens.inc(1)
+        self.metrics.finished("length")
+        locators = {
+            h: EcLocator(
+                engine_id=self.cfg.engine_id,
+                host=self.cfg.side_channel_host,
+                port=self.side_channel_port,
+                remote_block_ids=[blocks[h]],
+                num_tokens=it.placeholder.length,
+            ).model_dump()
+            for h, it in unique.items()
+        }
+        return GenerateResponse(
+            request_id=req.request_id or uuid.uuid4().hex,
+            choices=[GenerateChoice(index=0, finish_reason="length", token_ids=[0])],
+            kv_transfer_params={"ec_locator": locators},
+        )
+
+    async def _encode(self, items: list[EncodeItem]) -> dict[str, int]:
+        blocks: dict[str, int] = {}
+        misses: list[EncodeItem] = []
+        for it in items:
+            self.metrics.ec_queries.inc()
+            block_id = self.cache.lookup(it.mm_hash)
+            if block_id is None:
+                misses.append(it)
+            else:
+                self.metrics.ec_hits.inc()
+                blocks[it.mm_hash] = block_id
+        keep = set(blocks.values())
+        allocated: list[int] = []
+        try:
+            for it in misses:
+                while (block_id := self.cache.allocate(it.mm_hash, keep)) is None:
+                    # Every evictable block is inside its minimum hold time: wait it out.
+                    await asyncio.sleep(self.cache.wait_hint_s(keep) + 0.001)
+                keep.add(block_id)
+                allocated.append(block_id)
+                blocks[it.mm_hash] = block_id
+            if misses:
+                load = spread_over_replicas([it.patches for it in misses], self.cfg.vision_dp)
+                await asyncio.sleep(self.profile.encode_s(load))
+        except BaseException:
+            for block_id in allocated:
+                self.cache.release_unwritten(block_id)
+            raise
+        for it in misses:
+            self.cache.write(blocks[it.mm_hash], embedding_bytes(it.mm_hash))
+        return blocks
