@@ -1,0 +1,84 @@
+"""Detokenization: full and incremental, multi-byte characters split across tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from epd_kit.preprocess import Preprocessor
+
+CLEF = "\U0001d11e"  # 4 UTF-8 bytes, not in the tiny tokenizer's corpus: one byte per token
+
+
+def test_a_four_byte_character_is_held_back_until_complete(pre: Preprocessor) -> None:
+    ids = pre.text.encode(CLEF)
+    assert len(ids) == 4  # one byte-level token per UTF-8 byte
+    detok = pre.detokenizer()
+    assert [detok.push([i]) for i in ids] == ["", "", "", CLEF]
+    assert detok.flush() == ""
+
+
+def test_text_around_split_characters(pre: Preprocessor) -> None:
+    text = f"ab{CLEF}c 你好{CLEF}{CLEF}!"
+    ids = pre.text.encode(text)
+    detok = pre.detokenizer()
+    deltas = [detok.push([i]) for i in ids]
+    assert "".join(deltas) + detok.flush() == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_special_tokens_skipped_or_kept(pre: Preprocessor) -> None:
+    im_end = pre.text.token_id("<|im_end|>")
+    ids = pre.text.encode("Hello") + [im_end]
+    assert pre.detokenize(ids) == "Hello"
+    assert pre.detokenize(ids, skip_special_tokens=False) == "Hello<|im_end|>"
+    kept = pre.detokenizer(skip_special_tokens=False)
+    assert "".join(kept.push([i]) for i in ids) == "Hello<|im_end|>"
+    skipped = pre.detokenizer()
+    assert "".join(skipped.push([i]) for i in ids) == "Hello"
+
+
+def test_an_incomplete_tail_is_released_by_flush(pre: Preprocessor) -> None:
+    ids = pre.text.encode("ok" + CLEF)[:-1]  # last byte never arrives
+    detok = pre.detokenizer()
+    assert "".join(detok.push([i]) for i in ids) == "ok"
+    assert detok.flush() == pre.detokenize(ids)[2:]  # the replacement character(s)
+    assert detok.text == pre.detokenize(ids)
+
+
+def test_eos_ids(pre: Preprocessor) -> None:
+    assert pre.eos_token_ids == {pre.text.token_id("<|im_end|>"), pre.text.token_id("<|endoftext|>")}
+
+
+def test_full_decode_matches_transformers(pre: Preprocessor, checkpoint: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(checkpoint), local_files_only=True)
+    ids = pre.text.encode(f"<|im_start|>assistant\nHé {CLEF} 你好<|im_end|>")
+    for skip in (True, False):
+        assert pre.detokenize(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(min_size=1, max_size=40).filter(lambda t: "\ufffd" not in t), data=st.data())
+def test_streamed_deltas_equal_the_full_text(checkpoint: Path, text: str, data: st.DataObject) -> None:
+    pre = _shared(checkpoint)
+    ids = pre.text.encode(text)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=6)))
+    chunks = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)])]
+    detok = pre.detokenizer(skip_special_tokens=False)
+    deltas = [detok.push(c) for c in chunks]
+    assert "".join(deltas) + detok.flush() == pre.detokenize(ids, skip_special_tokens=False) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+_PRE: dict[Path, Preprocessor] = {}
+
+
+def _shared(path: Path) -> Preprocessor:
+    # text-only use: no event loop, no images; one instance for all hypothesis examples
+    if path not in _PRE:
+        _PRE[path] = Preprocessor.from_checkpoint(path, workers=1)
+    return _PRE[path]
