@@ -1,0 +1,48 @@
+"""The router's image path (epd_kit.preprocess.Preprocessor.render) as a plain callable.
+
+The bench feeds it the same data URL the client would send, inside a one-image chat
+message, and takes the item's wire strings from the rendered prompt: everything the router
+does for an image (base64, hash, cache, decode, resize, pixel_values, serialization) is
+included, plus a short chat template + tokenization that the plain path does not do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+from dataclasses import dataclass
+
+from epd_kit.preprocess.preprocessor import Preprocessor
+from epd_kit.preprocess.settings import PreprocessLimits
+
+
+@dataclass(frozen=True)
+class Wire:
+    """What a request carries for one image."""
+
+    ve_kwargs: str
+    pd_kwargs: str
+    grid_thw: tuple[int, int, int]
+
+
+def router_image_path(checkpoint: Path, max_image_patches: int, workers: int = 1) -> Callable[[str], Wire]:
+    pre = Preprocessor.from_checkpoint(
+        checkpoint, limits=PreprocessLimits(max_image_patches=max_image_patches), workers=workers
+    )
+    loop = asyncio.new_event_loop()
+
+    def prepare(url: str) -> Wire:
+        messages = [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "Describe the image."},
+        ]}]
+        rendered = loop.run_until_complete(pre.render(messages))
+        item = rendered.items[0]
+        t, h, w = item.grid_thw
+        return Wire(item.ve_kwargs_b64, item.pd_kwargs_b64, (int(t), int(h), int(w)))
+
+    prepare.preprocessor = pre  # type: ignore[attr-defined]
+    return prepare
+
