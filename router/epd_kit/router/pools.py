@@ -49,9 +49,10 @@ class Engine:
         if healthy != self.healthy:
             self.healthy = healthy
             self.last_change = time.monotonic()
-            log.warning(
+            log.log(
+                logging.INFO if healthy else logging.WARNING,
                 "engine %s",
-                "readmitted" if healthy else "ejected",
+                "healthy" if healthy else "ejected",
                 extra={"engine": self.id, "role": self.role, "reason": reason},
             )
 

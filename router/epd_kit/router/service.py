@@ -55,6 +55,7 @@ class RequestContext:
     token_ids: list[int] = field(default_factory=list)
     items: list[PreparedItemLike] = field(default_factory=list)
     locators: dict[str, EcLocator] = field(default_factory=dict)
+    encoded_by: dict[str, str] = field(default_factory=dict)  # mm_hash -> VE id
 
     @property
     def completion_id(self) -> str:
@@ -276,15 +277,25 @@ class RouterService:
 
     # --- encode ----------------------------------------------------------------------
 
-    async def encode(self, ctx: RequestContext) -> dict[str, EcLocator]:
+    async def encode(
+        self,
+        ctx: RequestContext,
+        only: set[str] | None = None,
+        avoid: dict[str, set[str]] | None = None,
+    ) -> dict[str, EcLocator]:
+        """Locators for the request's unique items (or the `only` subset), each on its HRW
+        VE; a failed VE call is retried on each item's next HRW choice."""
         by_hash: dict[str, PreparedItemLike] = {}
         for item in ctx.items:
-            by_hash.setdefault(item.mm_hash, item)
-        if len(by_hash) < len(ctx.items):
-            self.metrics.dedupe.inc(len(ctx.items) - len(by_hash))
-        self.metrics.items.inc(len(by_hash))
+            if only is None or item.mm_hash in only:
+                by_hash.setdefault(item.mm_hash, item)
+        if only is None:
+            if len(by_hash) < len(ctx.items):
+                self.metrics.dedupe.inc(len(ctx.items) - len(by_hash))
+            self.metrics.items.inc(len(by_hash))
         locators: dict[str, EcLocator] = {}
         tried: dict[str, set[str]] = {h: set() for h in by_hash}
+        excluded: dict[str, set[str]] = {h: set((avoid or {}).get(h, ())) for h in by_hash}
         last_error: dict[str, UpstreamError] = {}
         pending = list(by_hash)
         while pending:
@@ -295,7 +306,7 @@ class RouterService:
                     [Item(h, by_hash[h].length) for h in pending],
                     loads,
                     self.cfg.placement.ve_load_bound,
-                    exclude=tried,
+                    exclude=excluded,
                 )
             except LookupError as exc:
                 h = exc.args[0]
@@ -316,6 +327,7 @@ class RouterService:
                 if isinstance(result, UpstreamError):
                     for h in hashes:
                         tried[h].add(ve)
+                        excluded[h].add(ve)
                         last_error[h] = result
                         if not result.retry_other or len(tried[h]) >= self.cfg.retries.max_attempts:
                             raise result
@@ -329,7 +341,46 @@ class RouterService:
                     raise result
                 else:
                     locators.update(result)
+                    for h in hashes:
+                        ctx.encoded_by[h] = ve
         return locators
+
+    async def refresh_locators(self, ctx: RequestContext, err: UpstreamError) -> bool:
+        """After a PD failure: re-encode items whose VE is gone, so the retry on another PD
+        does not read from a dead encoder (a failed EC read kills a PD engine core, §7.2).
+        Returns True if any locator changed."""
+        if not ctx.items:
+            return False
+        encoders = {e.id: e for e in self.pools.ve if e.id in set(ctx.encoded_by.values())}
+        await asyncio.gather(*(self.check_engine(e) for e in encoders.values()))
+        stale = {h for h, ve in ctx.encoded_by.items() if ve not in encoders or not encoders[ve].eligible}
+        ec_failure = any(s in err.message for s in ("ECLoadFailure", "Encoder-cache load", "ec_locator"))
+        if not stale and ec_failure:
+            stale = set(ctx.encoded_by)  # the VE lost the blocks (restart?): encode again
+        if not stale:
+            return False
+        avoid = {h: {ctx.encoded_by[h]} for h in stale if ctx.encoded_by[h] not in encoders or not encoders[ctx.encoded_by[h]].eligible}
+        log.warning(
+            "re-encoding items before retrying on another PD",
+            extra={"request_id": ctx.request_id, "items": len(stale)},
+        )
+        async with self._deadline(ctx, "re-encode"):
+            ctx.locators.update(await self.encode(ctx, only=stale, avoid=avoid))
+        return True
+
+    async def check_engine(self, engine: Engine) -> None:
+        """One immediate /health probe; an engine that refuses connections is ejected now."""
+        health = self.cfg.health
+        try:
+            resp = await self.client.get(f"{engine.url}/health", timeout=health.timeout_s)
+        except httpx.ConnectError as exc:
+            engine.record_passive_failure(f"/health: {type(exc).__name__}", eject_now=True, health=health)
+            return
+        except httpx.HTTPError as exc:
+            engine.record_probe(False, f"/health: {type(exc).__name__}", health)
+            return
+        if resp.status_code != 200:
+            engine.record_passive_failure(f"/health: HTTP {resp.status_code}", eject_now=True, health=health)
 
     async def _encode_on(
         self, engine: Engine, items: list[PreparedItemLike], ctx: RequestContext
@@ -460,6 +511,7 @@ class RouterService:
                 except UpstreamError as err:
                     tried.add(engine.id)
                     last = err
+                    await self.release_pd(engine)
                     if not self._may_retry(err, tried, ctx):
                         raise
                     self.metrics.retries.labels("generate").inc()
@@ -467,9 +519,13 @@ class RouterService:
                         "generate failed, retrying on another PD",
                         extra={"request_id": ctx.request_id, "engine": engine.id, "error": err.message},
                     )
+                    if await self.refresh_locators(ctx, err):
+                        body = self._pd_body(ctx, stream=False)
                     continue
-                finally:
+                except BaseException:
                     await self.release_pd(engine)
+                    raise
+                await self.release_pd(engine)
                 break
         self.metrics.pd.observe(time.monotonic() - t)
         skip = ctx.request.skip_special_tokens
@@ -531,6 +587,8 @@ class RouterService:
                         "generate failed before the first token, retrying on another PD",
                         extra={"request_id": ctx.request_id, "engine": engine.id, "error": err.message},
                     )
+                    if await self.refresh_locators(ctx, err):
+                        body = self._pd_body(ctx, stream=True)
                 except BaseException:
                     await self.release_pd(engine)
                     raise

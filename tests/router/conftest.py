@@ -1,0 +1,61 @@
+"""Fixtures for router end-to-end tests: a tiny checkpoint, the expected-output oracle and
+stacks of `epd-sim` engines + `epd-router` as subprocesses on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from epd_kit.preprocess import Preprocessor
+from epd_kit.sim.checkpoint import load_checkpoint
+from epd_kit.sim.model import expected_tokens
+from epd_kit.testing.checkpoint import build_tiny_checkpoint
+
+from .harness import Stack
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3-vl")
+
+
+@dataclass
+class Oracle:
+    """What a correct EPD deployment answers: the sim's pure model over our own rendering."""
+
+    pre: Preprocessor
+    ckpt: Path
+
+    def __post_init__(self) -> None:
+        self.vocab = load_checkpoint(self.ckpt).vocab
+        self._loop = asyncio.new_event_loop()
+
+    def render(self, messages):
+        return self._loop.run_until_complete(self.pre.render(messages))
+
+    def expect(self, messages, max_tokens: int):
+        rendered = self.render(messages)
+        gen = expected_tokens(rendered.token_ids, [i.mm_hash for i in rendered.items], max_tokens, self.vocab)
+        return rendered, list(gen.token_ids), gen.finish_reason, self.pre.detokenize(gen.token_ids)
+
+    def close(self) -> None:
+        self._loop.run_until_complete(self.pre.aclose())
+        self._loop.close()
+
+
+@pytest.fixture(scope="session")
+def oracle(ckpt) -> Oracle:
+    o = Oracle(Preprocessor.from_checkpoint(str(ckpt)), ckpt)
+    yield o
+    o.close()
+
+
+@pytest.fixture(scope="module")
+def stack(ckpt, tmp_path_factory) -> Stack:
+    """3 VEs + 2 PDs + router, shared by the read-only tests of a module."""
+    s = Stack.start(ckpt, tmp_path_factory.mktemp("stack"), n_ve=3, n_pd=2)
+    yield s
+    s.stop()
