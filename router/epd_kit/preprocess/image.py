@@ -166,7 +166,6 @@ class PixelEncoder:
     def __init__(self, vision: VisionSettings) -> None:
         self._vision = vision
         self._table = _value_table(vision)
-        self._channel = np.arange(3).reshape(1, 1, 1, 1, 3, 1, 1)
 
     def resize(self, image: Image.Image, plan: ResizePlan) -> Image.Image:
         if image.size == (plan.width, plan.height):
@@ -179,10 +178,11 @@ class PixelEncoder:
         hwc = np.asarray(resized, dtype=np.uint8)
         height, width, _ = hwc.shape
         gh, gw = height // p, width // p
-        # (C, gh/m, m, p, gw/m, m, p) -> (gh/m, gw/m, m, m, C, p, p), still uint8
-        chw = hwc.transpose(2, 0, 1).reshape(3, gh // m, m, p, gw // m, m, p)
-        blocks = chw.transpose(1, 4, 2, 5, 0, 3, 6)
-        values = self._table[self._channel, blocks]  # gather: float32, same layout
-        frames = np.broadcast_to(values[:, :, :, :, :, None, :, :],
-                                 (*values.shape[:5], t, *values.shape[5:]))
-        return np.ascontiguousarray(frames.reshape(gh * gw, 3 * t * p * p), dtype=np.float32)
+        chw = np.empty((3, height, width), dtype=np.float32)
+        for c in range(3):  # byte -> normalized float, one table lookup per pixel
+            np.take(self._table[c], hwc[:, :, c], out=chw[c])
+        # (C, gh/m, m, p, gw/m, m, p) -> (gh/m, gw/m, m, m, C, p, p)
+        blocks = chw.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+        out = np.empty((gh // m, gw // m, m, m, 3, t, p, p), dtype=np.float32)
+        out[...] = blocks[:, :, :, :, :, None]  # the still frame repeated t times
+        return out.reshape(gh * gw, 3 * t * p * p)
