@@ -1,0 +1,410 @@
+"""Section 1: router overhead against a direct call and a minimal two-hop proxy (the floor).
+
+The same logical requests go three ways, in one run, interleaved cell by cell:
+  direct  the load generator calls the sim VE (image requests) then the sim PD itself, with
+          bodies rendered beforehand by the router's own Preprocessor (zero sim latency);
+  floor   bench.passthrough_proxy: the same engine hops, nothing else (httpx + uvicorn);
+  router  epd-router with a router.yaml like the one Ansible renders, OpenAI chat requests.
+Request kinds: text-only; one 512x512 JPEG repeated (the router's cache and the VE's encoder
+cache hit); one distinct 512x512 JPEG per request (same pixels, a different JPEG comment, so
+every request is a cache miss and the router preprocesses it in full).
+Added latency = percentile(proxy) - percentile(direct) at the same concurrency.
+Router/floor CPU per 1,000 requests from /proc/<pid>/stat (all threads), peak RSS = VmHWM
+(reset through /proc/<pid>/clear_refs before each cell). Optional py-spy profile of the
+router (all threads) for the text and the distinct-image cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import images
+from bench.common import IMG_DIR, RESULTS_DIR, RunRecord, percentile
+from bench.httpload import Connection, Target, closed_loop, encode_post
+from bench.procs import VENV_BIN, Proc, pin_self
+from bench.stack import engine_proc, floor_proc, router_proc
+from epd_kit import wire
+
+PROMPT = "Describe the picture in one short sentence, then list three colours you see in it."
+MAX_TOKENS = 16
+KINDS = ("text", "image-repeated", "image-distinct")
+CONFIGS = ("direct", "floor", "router")
+
+
+def jpeg_variant(jpeg: bytes, n: int) -> bytes:
+    """Same pixels, different bytes: a COM segment right after SOI carries `n`."""
+    comment = f"bench-{n}".encode()
+    segment = b"\xff\xfe" + (len(comment) + 2).to_bytes(2, "big") + comment
+    return jpeg[:2] + segment + jpeg[2:]
+
+
+def chat_body(url: str | None) -> bytes:
+    content: list | str = PROMPT
+    if url is not None:
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": PROMPT}]
+    return json.dumps({"model": "bench", "messages": [{"role": "user", "content": content}],
+                       "max_tokens": MAX_TOKENS}).encode()
+
+
+@dataclass
+class Bodies:
+    """Pre-encoded engine bodies for one request kind (direct and floor paths)."""
+
+    pd_prefix: bytes  # PD body up to the ec_locator value
+    pd_suffix: bytes
+    pd_plain: bytes  # PD body without locators (floor input; text: the whole PD body)
+    ve_parts: list[bytes] | None  # VE body split at its mm_hash (None for text)
+    pd_plain_parts: list[bytes] | None
+    prefix_parts: list[bytes] | None
+    mm_hash: str | None
+
+
+SENTINEL = "__EC_LOCATOR__"
+
+
+def render_bodies(checkpoint: Path, url: str | None) -> Bodies:
+    from epd_kit.preprocess.preprocessor import Preprocessor
+
+    pre = Preprocessor.from_checkpoint(checkpoint, workers=1)
+    content: list | str = PROMPT
+    if url is not None:
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": PROMPT}]
+    rendered = asyncio.run(pre.render([{"role": "user", "content": content}]))
+    sp = wire.SamplingParams(max_tokens=MAX_TOKENS)
+    pd_req = wire.GenerateRequest(request_id="bench", token_ids=rendered.token_ids,
+                                  features=rendered.pd_features(), sampling_params=sp)
+    pd_plain = json.dumps(pd_req.wire_dict()).encode()
+    with_loc = pd_req.wire_dict()
+    with_loc["sampling_params"]["extra_args"] = {"kv_transfer_params": {"ec_locator": SENTINEL}}
+    prefix, suffix = json.dumps(with_loc).encode().split(json.dumps(SENTINEL).encode())
+    if not rendered.items:
+        return Bodies(prefix, suffix, pd_plain, None, None, None, None)
+    item = rendered.items[0]
+    ve_req = wire.GenerateRequest(
+        request_id="bench/enc", token_ids=[0] * item.length,
+        features=wire.Features.of_images([item.mm_hash], [wire.Placeholder(offset=0, length=item.length)],
+                                         [item.ve_kwargs_b64]),
+        sampling_params=wire.SamplingParams(max_tokens=1))
+    ve_body = json.dumps(ve_req.wire_dict()).encode()
+    h = item.mm_hash.encode()
+    return Bodies(prefix, suffix, pd_plain, ve_body.split(h), pd_plain.split(h), prefix.split(h), item.mm_hash)
+
+
+class Workload:
+    """Scenarios for one kind; a global counter makes distinct requests distinct everywhere."""
+
+    def __init__(self, kind: str, checkpoint: Path) -> None:
+        self.kind = kind
+        self.counter = 0
+        base = images.jpeg(7, 512, 512) if kind != "text" else None
+        self.base_jpeg = base
+        self.bodies = render_bodies(checkpoint, images.data_url(base) if base else None)
+        self.router_same = chat_body(images.data_url(base) if base else None)
+
+    def _hash(self) -> bytes:
+        self.counter += 1
+        if self.kind != "image-distinct":
+            return self.bodies.mm_hash.encode()
+        return f"{self.counter:064x}".encode()
+
+    def router_body(self) -> bytes:
+        if self.kind != "image-distinct":
+            return self.router_same
+        self.counter += 1
+        return chat_body(images.data_url(jpeg_variant(self.base_jpeg, self.counter)))
+
+    def scenario(self, config: str, ports: dict[str, int]):
+        b = self.bodies
+        ok_marker = b'"choices"'
+
+        async def direct(conns: dict[str, Connection], idx: int) -> tuple[bool, float]:
+            if b.ve_parts is None:
+                r = await conns["pd"].request(encode_post(wire.GENERATE_PATH, b.pd_plain, ports["pd"]))
+                return r.status == 200 and ok_marker in r.body, r.first_byte_s
+            h = self._hash()
+            ve = await conns["ve"].request(encode_post(wire.GENERATE_PATH, h.join(b.ve_parts), ports["ve"]))
+            if ve.status != 200:
+                return False, 0.0
+            loc = json.dumps(json.loads(ve.body)["kv_transfer_params"]["ec_locator"]).encode()
+            body = h.join(b.prefix_parts) + loc + b.pd_suffix
+            r = await conns["pd"].request(encode_post(wire.GENERATE_PATH, body, ports["pd"]))
+            return r.status == 200 and ok_marker in r.body, r.first_byte_s
+
+        async def floor(conns: dict[str, Connection], idx: int) -> tuple[bool, float]:
+            if b.ve_parts is None:
+                r = await conns["floor"].request(encode_post("/text", b.pd_plain, ports["floor"]))
+            else:
+                h = self._hash()
+                ve_body = h.join(b.ve_parts)
+                r = await conns["floor"].request(encode_post(
+                    "/image", ve_body + h.join(b.pd_plain_parts), ports["floor"],
+                    {"x-ve-length": str(len(ve_body))}))
+            return r.status == 200 and ok_marker in r.body, r.first_byte_s
+
+        async def router(conns: dict[str, Connection], idx: int) -> tuple[bool, float]:
+            r = await conns["router"].request(encode_post("/v1/chat/completions", self.router_body(),
+                                                          ports["router"]))
+            return r.status == 200 and ok_marker in r.body, r.first_byte_s
+
+        return {"direct": direct, "floor": floor, "router": router}[config]
+
+
+@dataclass
+class Cell:
+    n: int
+    errors: int
+    error_examples: list[str]
+    p50_ms: float
+    p99_ms: float
+    mean_ms: float
+    rps: float
+    proxy_cpu_ms_per_1k: float | None
+    proxy_peak_rss_mib: float | None
+    wall_s: float
+
+
+def run_cell(wl: Workload, config: str, ports: dict[str, int], proxy: Proc | None,
+             concurrency: int, max_requests: int, deadline_s: float) -> Cell:
+    targets = {"direct": ("ve", "pd"), "floor": ("floor",), "router": ("router",)}[config]
+    tgt = {name: Target("127.0.0.1", ports[name]) for name in targets}
+    if proxy is not None:
+        proxy.reset_peak_rss()
+        cpu0 = proxy.cpu_s()
+    res = asyncio.run(closed_loop(tgt, wl.scenario(config, ports), concurrency=concurrency,
+                                  max_requests=max_requests, deadline_s=deadline_s,
+                                  warmup=min(concurrency, 8)))
+    lat = [x * 1e3 for x in res.ok_latencies]
+    n = len(res.samples)
+    cpu = rss = None
+    if proxy is not None:
+        # warmup requests are included in the CPU count: divide by all that were sent
+        sent = n + min(concurrency, 8)
+        cpu = (proxy.cpu_s() - cpu0) * 1e3 / sent * 1000
+        rss = proxy.peak_rss_mib()
+    return Cell(n=n, errors=sum(not s.ok for s in res.samples), error_examples=res.errors[:3],
+                p50_ms=percentile(lat, 50), p99_ms=percentile(lat, 99),
+                mean_ms=sum(lat) / len(lat) if lat else float("nan"), rps=res.throughput_rps,
+                proxy_cpu_ms_per_1k=cpu, proxy_peak_rss_mib=rss, wall_s=res.wall_s)
+
+
+def profile_router(router: Proc, wl: Workload, ports: dict[str, int], concurrency: int,
+                   max_requests: int, deadline_s: float, out: Path) -> dict | None:
+    """py-spy (every thread, native off) on the router while a bounded load runs."""
+    spy = shutil.which("py-spy", path=str(VENV_BIN)) or shutil.which("py-spy")
+    if spy is None:
+        return {"skipped": "py-spy not installed (pip install py-spy)"}
+    raw = out.with_suffix(".txt")
+    proc = subprocess.Popen([spy, "record", "-p", str(router.pid), "-r", "200", "-f", "raw",
+                             "-o", str(raw), "-d", str(int(deadline_s) + 2)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(0.5)
+    tgt = {"router": Target("127.0.0.1", ports["router"])}
+    asyncio.run(closed_loop(tgt, wl.scenario("router", ports), concurrency=concurrency,
+                            max_requests=max_requests, deadline_s=deadline_s))
+    try:
+        proc.wait(timeout=deadline_s + 30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return {"skipped": "py-spy did not finish"}
+    if not raw.exists():
+        return {"skipped": f"py-spy failed: {proc.stderr.read().decode()[-300:] if proc.stderr else ''}"}
+    return summarize_stacks(raw.read_text())
+
+
+# A sample is idle when its leaf frame is a wait: the event loop in epoll, a pool worker
+# blocked on its work queue (py-spy reports those threads as active: the wait is in C).
+IDLE_LEAVES = ("select (selectors.py", "_worker (concurrent/futures/thread.py", "wait (threading.py")
+# A busy sample is charged to the innermost frame (leaf upward) that matches one of these.
+BUCKETS = (
+    ("pixel_values (", "preprocess: pixel_values (numpy)"),
+    ("PixelEncoder.resize (", "preprocess: resize (PIL)"),
+    ("decode_image (", "preprocess: JPEG decode"),
+    ("mm_serde", "preprocess: mm_serde msgpack + base64"),
+    ("image_hash (", "preprocess: blake3 content hash"),
+    ("decode_data_url (", "preprocess: data URL base64 decode"),
+    ("epd_kit/preprocess/text.py", "chat template, tokenize, detokenize"),
+    ("epd_kit/preprocess", "preprocess: other"),
+    ("json/", "JSON encode/decode (stdlib)"),
+    ("pydantic", "pydantic models"),
+    ("prometheus_client", "prometheus metrics"),
+    ("httpx/", "httpx/httpcore client (engine calls)"),
+    ("httpcore/", "httpx/httpcore client (engine calls)"),
+    ("h11/", "uvicorn/h11 HTTP server"),
+    ("uvicorn/", "uvicorn/h11 HTTP server"),
+    ("starlette/", "starlette/fastapi"),
+    ("fastapi/", "starlette/fastapi"),
+    ("epd_kit/router", "router logic (epd_kit.router)"),
+    ("epd_kit/", "epd_kit (wire, hrw, ...)"),
+    ("asyncio/", "asyncio/anyio machinery"),
+    ("anyio/", "asyncio/anyio machinery"),
+)
+
+
+def classify(frames: list[str]) -> str:
+    """Innermost matching frame; the event-loop machinery only when nothing else matches
+    (a socket call made for httpx is httpx's cost, not asyncio's)."""
+    generic = "asyncio/anyio machinery"
+    for frame in reversed(frames):
+        for needle, label in BUCKETS:
+            if label != generic and needle in frame:
+                return label
+    return generic if any("asyncio/" in f or "anyio/" in f for f in frames) else "other"
+
+
+def summarize_stacks(raw: str) -> dict:
+    """Collapsed py-spy stacks -> share of busy samples per bucket and the top leaf frames."""
+    buckets: Counter[str] = Counter()
+    leaves: Counter[str] = Counter()
+    total = busy = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        if any(idle in frames[-1] for idle in IDLE_LEAVES):
+            continue
+        busy += n
+        leaves[frames[-1]] += n
+        buckets[classify(frames)] += n
+    return {
+        "samples": total,
+        "busy_samples": busy,
+        "share_of_busy": {k: v / busy for k, v in buckets.most_common()} if busy else {},
+        "top_leaves": [(k, v / busy) for k, v in leaves.most_common(12)] if busy else [],
+    }
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    kinds = [k for k in KINDS if k in results["cells"]]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4.2), squeeze=False)
+    for ax, kind in zip(axes[0], kinds, strict=True):
+        cells = results["cells"][kind]
+        concs = list(cells)
+        x = np.arange(len(concs))
+        for i, (cfg, color) in enumerate((("floor", "tab:grey"), ("router", "tab:blue"))):
+            p50 = [cells[c]["added"][cfg]["p50_ms"] for c in concs]
+            p99 = [cells[c]["added"][cfg]["p99_ms"] for c in concs]
+            ax.bar(x + (i - 0.5) * 0.38, p50, 0.38, color=color, label=f"{cfg} p50")
+            ax.scatter(x + (i - 0.5) * 0.38, p99, color=color, marker="_", s=300, label=f"{cfg} p99")
+        ax.set_xticks(x, [f"c={c}" for c in concs])
+        ax.set_title(f"{kind}: added latency vs direct (ms)")
+        ax.set_yscale("symlog", linthresh=1)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> RunRecord:
+    ap = argparse.ArgumentParser(prog="python -m bench.router_overhead", description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    ap.add_argument("--text-requests", type=int, default=1500, help="per cell (bounded also by time)")
+    ap.add_argument("--image-requests", type=int, default=150, help="per cell (bounded also by time)")
+    ap.add_argument("--cell-seconds", type=float, default=10.0, help="deadline per cell")
+    ap.add_argument("--loadgen-cpu", default="0", help="CPUs for this process and the engines")
+    ap.add_argument("--proxy-cpu", default="1", help="CPUs for epd-router / the floor proxy")
+    ap.add_argument("--profile", action="store_true", help="py-spy the router (text, image-distinct)")
+    ap.add_argument("--out-dir", type=Path, default=None)
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    rec = RunRecord.start("router_overhead")
+    t_start = time.perf_counter()
+    pin_self(args.loadgen_cpu or None)
+    work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    from epd_kit.testing.checkpoint import build_tiny_checkpoint
+
+    ckpt = build_tiny_checkpoint(work / "checkpoint")
+    eng_cpu = args.loadgen_cpu or None
+    proxy_cpu = args.proxy_cpu or None
+    ve = engine_proc("ve", 0, ckpt, work).start(eng_cpu)
+    pd = engine_proc("pd", 0, ckpt, work).start(eng_cpu)
+    procs: list[Proc] = [ve, pd]
+    try:
+        ve.wait_healthy()
+        pd.wait_healthy()
+        router = router_proc(ckpt, [ve], [pd], work).start(proxy_cpu)
+        floor = floor_proc(ve, pd, work).start(proxy_cpu)
+        procs += [router, floor]
+        router.wait_healthy()
+        floor.wait_healthy()
+        _wait_ready(router)
+        ports = {"ve": ve.port, "pd": pd.port, "router": router.port, "floor": floor.port}
+        cells: dict = {}
+        for kind in args.kinds:
+            wl = Workload(kind, ckpt)
+            n_max = args.text_requests if kind == "text" else args.image_requests
+            cells[kind] = {}
+            for c in args.concurrency:
+                row = {cfg: run_cell(wl, cfg, ports, {"floor": floor, "router": router}.get(cfg), c,
+                                     n_max, args.cell_seconds).__dict__ for cfg in CONFIGS}
+                row["added"] = {cfg: {q: row[cfg][q] - row["direct"][q] for q in ("p50_ms", "p99_ms")}
+                                for cfg in ("floor", "router")}
+                fl, ro = row["added"]["floor"]["p50_ms"], row["added"]["router"]["p50_ms"]
+                row["router_over_floor_p50"] = ro / fl if fl > 0 else None
+                cells[kind][str(c)] = row
+                print(f"{kind:15s} c={c:<3d} " + "  ".join(
+                    f"{cfg} p50 {row[cfg]['p50_ms']:7.2f} p99 {row[cfg]['p99_ms']:7.2f} ms "
+                    f"{row[cfg]['rps']:6.1f}/s err {row[cfg]['errors']}" for cfg in CONFIGS), flush=True)
+        rec.results = {"cells": cells, "pinning": {"loadgen+engines": args.loadgen_cpu,
+                                                     "router/floor": args.proxy_cpu}}
+        rec.results["max_rps"] = {kind: {cfg: max(cells[kind][c][cfg]["rps"] for c in cells[kind])
+                                         for cfg in CONFIGS} for kind in cells}
+        if args.profile:
+            out = (args.out_dir or RESULTS_DIR)
+            out.mkdir(parents=True, exist_ok=True)
+            rec.results["profile"] = {}
+            for kind in ("text", "image-distinct"):
+                if kind in args.kinds:
+                    wl = Workload(kind, ckpt)
+                    n_max = args.text_requests if kind == "text" else args.image_requests
+                    rec.results["profile"][kind] = profile_router(
+                        router, wl, ports, 16, n_max, args.cell_seconds, out / f"profile-router-{kind}")
+        rec.notes.append(
+            f"loadgen + sim engines pinned to CPU {args.loadgen_cpu}, epd-router and the floor proxy "
+            f"to CPU {args.proxy_cpu} (taskset); sim profile 'zero'; non-streaming, max_tokens "
+            f"{MAX_TOKENS}; single run; each cell bounded by count and {args.cell_seconds} s")
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    rec.wall_s = time.perf_counter() - t_start
+    path = rec.save(args.out_dir)
+    if not args.no_plot:
+        IMG_DIR.mkdir(parents=True, exist_ok=True)
+        plot(rec.results, (args.out_dir or IMG_DIR) / "bench-router-overhead.png")
+    print(f"wrote {path} in {rec.wall_s:.1f} s")
+    return rec
+
+
+def _wait_ready(router: Proc, timeout_s: float = 30.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if httpx.get(router.url + "/ready", timeout=2).status_code == 200:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"router not ready after {timeout_s} s:\n{router.log_tail()}")
+
+
+if __name__ == "__main__":
+    main()
