@@ -41,12 +41,13 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
     yield from _launcher(tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def module_launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
+@pytest.fixture(scope="session")
+def session_launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
     yield from _launcher(tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def pair(module_launcher: Launcher, checkpoint: CheckpointInfo) -> Pair:
-    """A healthy 1E1PD started exactly like the tutorial (shared by a test module)."""
-    return start_pair(module_launcher, str(checkpoint.path))
+@pytest.fixture(scope="session")
+def pair(session_launcher: Launcher, checkpoint: CheckpointInfo) -> Pair:
+    """A healthy 1E1PD started exactly like the tutorial, shared by tests that keep it healthy
+    (tests that kill an engine start their own)."""
+    return start_pair(session_launcher, str(checkpoint.path))

@@ -188,3 +188,9 @@ def start_pair(launcher: Launcher, model: str, *, ve_kw: dict | None = None,
     return Pair(ve, pd, side)
 
 
+
+
+def start_pd(launcher: Launcher, model: str, env: dict | None = None, **pd_kw: object) -> Engine:
+    """A fresh PD (for tests that kill it), next to an existing VE."""
+    return launcher.start(pd_argv(model, free_port(), **pd_kw), env or engine_env(PD_CORES),
+                          "pd").wait_ready()

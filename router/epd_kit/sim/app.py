@@ -33,10 +33,10 @@ from .faults import FaultInjector, Faults
 from .metrics import SimMetrics
 from .pd import PrefillDecodeEngine, Sequence, build_sequence
 from .profile import LatencyProfile
+from .server import VLLM_VERSION
 from .ve import VisionEncoderEngine
 
 log = logging.getLogger("epd_sim.api")
-VLLM_VERSION = "0.24.0"
 
 
 def error_response(message: str, status: int, err_type: str) -> JSONResponse:

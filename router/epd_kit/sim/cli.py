@@ -17,7 +17,6 @@ import click
 from .config import ServeArgs
 from .faults import Faults
 from .profile import PROFILES, build_profile
-from .server import SimOptions, run
 
 
 class _Json(click.ParamType):
@@ -166,6 +165,8 @@ def serve(model_tag: str | None, **opts: Any) -> None:
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    from .server import SimOptions, run  # heavy (FastAPI/uvicorn): only once the argv parsed
+
     sim = SimOptions(
         profile=profile,
         faults=faults,

@@ -21,7 +21,7 @@ from .ec_loader import BlockLenMismatch, EcLoader
 from .errors import ECLoadFailure, EngineDeadError, RequestRejected
 from .metrics import SimMetrics
 from .model import Generation, plan_generation
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, blend
 from .profile import LatencyProfile
 
 log = logging.getLogger("epd_sim.pd")
@@ -214,12 +214,15 @@ class PrefillDecodeEngine:
 
     async def _load(self, seq: Sequence) -> None:
         try:
-            cached_tokens, cached = 0, []
+            cached_tokens, cached = 0, ()
             if self.prefix_cache is not None:
-                cached_tokens, cached = self.prefix_cache.match(seq.prompt_ids, seq.placeholders)
+                cached_tokens, cached = self.prefix_cache.match(seq.prompt_ids)
                 if cached_tokens:
                     self.metrics.prefix_cache_hits.inc(cached_tokens)
-            to_read = seq.hashes[len(cached):]
+            # Items wholly inside the cached prefix are never pulled (the EPD APC hazard).
+            n_skip = sum(1 for ph in seq.placeholders[: len(cached)]
+                         if ph.offset + ph.length <= cached_tokens)
+            to_read = seq.hashes[n_skip:]
             missing = sorted({h for h in to_read if h not in seq.locators})
             if missing:
                 log.error("no EC locator in kv_transfer_params for mm_hashes %s", missing)
@@ -227,7 +230,10 @@ class PrefillDecodeEngine:
             needed = {h: seq.locators[h] for h in dict.fromkeys(to_read)}
             loaded = await self.loader.load(needed)
             self.metrics.ec_loads.inc(len(loaded))
-            embeddings = cached + [loaded[h] for h in to_read]
+            embeddings = list(cached[:n_skip])
+            for i, h in enumerate(to_read, start=n_skip):
+                fresh = loaded[h]
+                embeddings.append(blend(cached[i], fresh) if i < len(cached) else fresh)
             if self.prefix_cache is not None:
                 self.prefix_cache.insert(seq.prompt_ids, seq.placeholders, embeddings)
         except (ECLoadFailure, BlockLenMismatch) as exc:

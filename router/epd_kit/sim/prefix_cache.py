@@ -2,9 +2,12 @@
 repeated images").
 
 Blocks are keyed by token ids only. A prompt whose leading blocks were seen before reuses the
-cached KV, and every image placeholder inside that cached prefix is treated as already
-computed: its embedding is never pulled from the VE and the KV built from the OLD request's
-embedding is used. With `--no-enable-prefix-caching` none of this exists.
+cached KV. An image placeholder entirely inside the cached prefix is treated as computed: its
+embedding is never pulled from the VE and the KV built from the OLD request's embedding is
+used. A placeholder that straddles the end of the hit is pulled, but its first part still
+comes from the old KV (`blend`). Same image again: same answer; another image with the same
+prompt tokens: a wrong answer, and no error. With `--no-enable-prefix-caching` none of this
+exists.
 """
 
 from __future__ import annotations
@@ -35,10 +38,8 @@ class PrefixCache:
         # block-chain hash -> embeddings (prompt order) of the items that end inside the prefix
         self._store: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
 
-    def match(
-        self, prompt_ids: Sequence[int], placeholders: Sequence[Placeholder]
-    ) -> tuple[int, list[bytes]]:
-        """(cached prefix length in tokens, cached embeddings of the leading items)."""
+    def match(self, prompt_ids: Sequence[int]) -> tuple[int, tuple[bytes, ...]]:
+        """(cached prefix length in tokens, embeddings of the items that START inside it)."""
         # vLLM always recomputes the last prompt token, so a full-prompt hit is one block short.
         hashes = _block_hashes(prompt_ids[: max(0, len(prompt_ids) - 1)])
         hit, cached = 0, ()
@@ -48,12 +49,7 @@ class PrefixCache:
                 break
             self._store.move_to_end(h)
             hit, cached = k * BLOCK_TOKENS, entry
-        # Never split an item: stop the hit where a partly covered placeholder starts.
-        for ph in placeholders:
-            if ph.offset < hit < ph.offset + ph.length:
-                hit = ph.offset
-        n_inside = sum(1 for ph in placeholders if ph.offset + ph.length <= hit)
-        return hit, list(cached[:n_inside])
+        return hit, cached
 
     def insert(
         self,
@@ -62,10 +58,17 @@ class PrefixCache:
         embeddings: Sequence[bytes],
     ) -> None:
         for k, h in enumerate(_block_hashes(prompt_ids), start=1):
+            if h in self._store:  # a cached block is reused as is, never rewritten
+                self._store.move_to_end(h)
+                continue
             end = k * BLOCK_TOKENS
-            inside = tuple(e for ph, e in zip(placeholders, embeddings, strict=True)
-                           if ph.offset + ph.length <= end)
-            self._store[h] = inside
-            self._store.move_to_end(h)
+            self._store[h] = tuple(
+                e for ph, e in zip(placeholders, embeddings, strict=True) if ph.offset < end
+            )
         while len(self._store) > self.capacity:
             self._store.popitem(last=False)
+
+
+def blend(cached: bytes, fresh: bytes) -> bytes:
+    """An item whose leading rows come from cached KV and the rest from a fresh read."""
+    return cached if cached == fresh else blake3(cached + fresh).digest(length=len(fresh))

@@ -9,13 +9,13 @@ import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-import uvicorn
-
-from .app import VLLM_VERSION, SimEngine, create_app
 from .config import EngineConfig, ServeArgs, StartupFailure, build_engine_config
 from .faults import Faults
 from .profile import LatencyProfile
+
+VLLM_VERSION = "0.24.0"
 
 log = logging.getLogger("epd_sim.server")
 
@@ -96,8 +96,11 @@ async def _load_and_warmup(cfg: EngineConfig, sim: SimOptions) -> bool:
 async def _serve(cfg: EngineConfig, sim: SimOptions) -> int:
     if not await _load_and_warmup(cfg, sim):
         return 1
+    import uvicorn  # the HTTP stack is only loaded by an engine that got this far
+
+    from .app import SimEngine, create_app
     loop = asyncio.get_running_loop()
-    server: uvicorn.Server | None = None
+    server: Any = None
     exit_code = 0
 
     def on_dead(exc: BaseException) -> None:
