@@ -279,3 +279,15 @@ async def test_ve_pixels_equal_the_numpy_pipeline(pre) -> None:
     expected = enc.pixel_values(enc.resize(img, plan_resize(img.height, img.width, pre.vision, pre.limits)))
     got = mm_serde.decode_item_b64(rendered.items[0].ve_kwargs_b64)["pixel_values"].data
     np.testing.assert_array_equal(got, expected)
+
+
+async def test_data_url_variants_accepted(pre) -> None:
+    raw = encode_image(make_image(64, 64, seed=8))
+    import base64
+
+    b64 = base64.b64encode(raw).decode()
+    variants = [f"data:;base64,{b64}", f"DATA:IMAGE/PNG;BASE64,{b64}",
+                f"data:image/png;charset=binary;base64,{b64}"]
+    parts = [image_part(v) for v in variants] + [{"type": "image_url", "image_url": variants[0]}]
+    rendered = await pre.render([user_message(*parts)])
+    assert len({i.mm_hash for i in rendered.items}) == 1 and len(rendered.items) == 4
