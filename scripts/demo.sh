@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 HOSTS=tests/hosts/hosts.sh
 OUR_HOSTS=(n1 n2 n3 n4 n5 n6 n7 n8 n9)
 INVENTORY=inventory/sandbox/one-host
-HUB=(nsenter --net=/run/netns/kithub)
+HUB=(nsenter --net=/run/netns/kithub env PIP_RETRIES=0)
 PY=.venv/bin/python
 
 case "${1:-}" in

@@ -45,7 +45,8 @@ trap 'exit 130' INT TERM
 phase net-up "$HOSTS" net-up
 
 set +e
-phase pytest nsenter --net=/run/netns/kithub env EPD_TEST_HUB=kithub \
+# PIP_RETRIES=0: inside kithub any package-index access fails at once instead of retrying for minutes
+phase pytest nsenter --net=/run/netns/kithub env PIP_RETRIES=0 \
   .venv/bin/python -m pytest -ra "$@"
 rc=$?
 set -e
