@@ -4,6 +4,7 @@ stacks of `epd-sim` engines + `epd-router` as subprocesses on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,9 +33,11 @@ class Oracle:
     def __post_init__(self) -> None:
         self.vocab = load_checkpoint(self.ckpt).vocab
         self._loop = asyncio.new_event_loop()
+        self._lock = threading.Lock()  # load tests call the oracle from many threads
 
     def render(self, messages):
-        return self._loop.run_until_complete(self.pre.render(messages))
+        with self._lock:
+            return self._loop.run_until_complete(self.pre.render(messages))
 
     def expect(self, messages, max_tokens: int):
         rendered = self.render(messages)

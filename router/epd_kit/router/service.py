@@ -731,6 +731,11 @@ class RouterService:
             yield RouterError(500, "internal error in the router while streaming").sse_frame(ctx.request_id)
         finally:
             await self.close_stream(pd)
+            log.info(
+                "stream done" if ok else "stream ended with an error",
+                extra={"request_id": ctx.request_id, "engine": pd.engine.id,
+                       "duration_s": round(time.monotonic() - ctx.t0, 4)},
+            )  # fmt: skip
             self.metrics.pd.observe(time.monotonic() - t)
             self.metrics.requests.labels("200" if ok else "stream_error").inc()
             self.metrics.latency.observe(time.monotonic() - ctx.t0)

@@ -92,8 +92,12 @@ def classify_status(resp: httpx.Response, engine: Engine) -> UpstreamError:
             502, f"{where(engine)} failed: HTTP {code}{detail}",
             engine_id=engine.id, stage=stage, engine_failed=True, retry_other=True,
         )  # fmt: skip
+    # 400/413/422: the engine refused this request's content (e.g. too many tokens for the
+    # context, an image too big for the compiled encoder): the client's to fix, so a 400.
+    # Other 4xx (404, 401, ...) mean the router and engine disagree: an upstream failure.
+    status = 400 if code in (400, 413, 422) else 502
     return UpstreamError(
-        502, f"{where(engine)} rejected the request: HTTP {code}{detail}",
+        status, f"{where(engine)} rejected the request: HTTP {code}{detail}",
         engine_id=engine.id, stage=stage, engine_failed=False, retry_other=False,
     )  # fmt: skip
 

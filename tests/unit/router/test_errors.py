@@ -42,8 +42,14 @@ def test_5xx_counts_against_engine_and_is_retried():
 def test_4xx_never_counts_and_is_not_retried():
     body = b'{"error":{"message":"image produces 5000 embedding tokens","type":"BadRequest","code":400}}'
     err = upstream.classify_status(response(400, body), VE)
-    assert err.status == 502 and not err.engine_failed and not err.retry_other
+    assert err.status == 400 and not err.engine_failed and not err.retry_other
     assert "rejected the request: HTTP 400: image produces 5000 embedding tokens" in err.message
+
+
+def test_other_4xx_is_an_upstream_failure_not_counted():
+    err = upstream.classify_status(response(404, b'{"detail":"Not Found"}'), PD)
+    assert err.status == 502 and not err.engine_failed and not err.retry_other
+    assert "HTTP 404: Not Found" in err.message
 
 
 def test_429_is_pushback():
