@@ -291,3 +291,23 @@ async def test_data_url_variants_accepted(pre) -> None:
     parts = [image_part(v) for v in variants] + [{"type": "image_url", "image_url": variants[0]}]
     rendered = await pre.render([user_message(*parts)])
     assert len({i.mm_hash for i in rendered.items}) == 1 and len(rendered.items) == 4
+
+
+async def test_cpu_work_runs_in_the_worker_pool_not_on_the_event_loop(pre, monkeypatch) -> None:
+    import threading
+
+    seen: list[str] = []
+    real_prepare, real_tokenize = pre._prepare, pre._tokenize
+
+    def prepare(*args):
+        seen.append(threading.current_thread().name)
+        return real_prepare(*args)
+
+    def tokenize(*args):
+        seen.append(threading.current_thread().name)
+        return real_tokenize(*args)
+
+    monkeypatch.setattr(pre, "_prepare", prepare)
+    monkeypatch.setattr(pre, "_tokenize", tokenize)
+    await pre.render([user_message(image_part(png_data_url(128, 128, seed=77)))])
+    assert len(seen) == 2 and all(name.startswith("epd-preprocess") for name in seen)
