@@ -332,6 +332,8 @@ class Preprocessor:
             images_downscaled=self._downscaled)
 
     async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         await self._fetcher.aclose()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
