@@ -65,3 +65,13 @@ async def test_encoding_is_byte_identical_to_vllms(pre) -> None:
     for ours in (item.ve_kwargs_b64, item.pd_kwargs_b64):
         # vLLM reads our string and writes it back unchanged: same layout, same bytes
         assert serde.encode_mm_kwargs_item(serde.decode_mm_kwargs_item(ours)) == ours
+
+
+def test_default_encoder_equals_the_shared_codec() -> None:
+    from epd_kit.preprocess import MmSerdeEncoder
+
+    pixels = np.random.default_rng(1).standard_normal((16, 1536)).astype(np.float32)
+    item = mm_serde.qwen_vl_item(pixels, (1, 4, 4))
+    enc = MmSerdeEncoder()
+    assert enc.encode_ve(pixels, (1, 4, 4)) == mm_serde.encode_item_b64(item)
+    assert enc.encode_pd((1, 4, 4)) == mm_serde.encode_item_b64(mm_serde.lm_only(item))
