@@ -50,14 +50,24 @@ class Response:
 
 
 class Connection:
-    """One keep-alive connection; one request at a time."""
+    """One keep-alive connection; one request at a time.
+
+    A connection idle for longer than `max_idle_s` is replaced before use: uvicorn closes
+    idle keep-alive connections after 5 s, and a request written into a connection the
+    server is closing gets no answer.
+    """
+
+    max_idle_s = 2.0
 
     def __init__(self, target: Target) -> None:
         self.target = target
         self._r: asyncio.StreamReader | None = None
         self._w: asyncio.StreamWriter | None = None
+        self._last_used = 0.0
 
     async def _ensure(self) -> None:
+        if self._w is not None and time.monotonic() - self._last_used > self.max_idle_s:
+            await self.close()
         if self._w is None or self._w.is_closing():
             self._r, self._w = await asyncio.open_connection(
                 self.target.host, self.target.port, limit=1 << 22
@@ -124,6 +134,7 @@ class Connection:
             close = True
         if close:
             await self.close()
+        self._last_used = time.monotonic()
         end = time.perf_counter() - t0
         return Response(status, body, first if first is not None else end)
 
