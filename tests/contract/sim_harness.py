@@ -12,16 +12,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
-
-from epd_kit.sim.checkpoint import CheckpointInfo, load_checkpoint
-from epd_kit.testing.checkpoint import build_tiny_checkpoint
 
 SIM = Path(sys.executable).parent / "epd-sim"
+# Engines run the code of THIS checkout, whatever the shared venv's editable install points at.
+ROUTER_SRC = Path(__file__).resolve().parents[2] / "router"
 HOST = "127.0.0.1"
 IMAGE_TOKEN_ID_KEY = "image_token_id"
 
@@ -97,7 +94,7 @@ def engine_env(cores: str, *, efa: bool = True, **sim: str) -> dict[str, str]:
            if not k.startswith(("EPD_SIM_", "FI_EFA_", "NEURON_"))}
     env.update(NEURON_VISIBLE_DEVICES=cores, VLLM_NEURON_COMPILATION_TIMEOUT="6000",
                HF_HUB_OFFLINE="1", EPD_SIM_PROFILE="zero", EPD_SIM_DEAD_LINGER_S="0.5",
-               EPD_SIM_GRACE_S="3")
+               EPD_SIM_GRACE_S="3", PYTHONPATH=str(ROUTER_SRC))
     if efa:
         env.update(FI_EFA_ENABLE_SHM_TRANSFER="0", FI_EFA_USE_DEVICE_RDMA="1")
     env.update({f"EPD_SIM_{k.upper()}": v for k, v in sim.items()})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -228,10 +229,21 @@ async def _complete(pd: PrefillDecodeEngine, seq: Sequence, request: Request) ->
     return Response(body.model_dump_json(), media_type="application/json")
 
 
+def token_frame(request_id_json: str, tokens: list[int], finish: str | None) -> bytes:
+    """`sse_frame(StreamChunk(...))` for a plain token chunk (contract §3.3), without pydantic."""
+    fin = "null" if finish is None else json.dumps(finish)
+    ids = ",".join(map(str, tokens))
+    return (
+        f'data: {{"request_id":{request_id_json},"choices":[{{"index":0,"logprobs":null,'
+        f'"finish_reason":{fin},"token_ids":[{ids}],"routed_experts":null}}],"usage":null}}\n\n'
+    ).encode()
+
+
 async def _stream(
     pd: PrefillDecodeEngine, seq: Sequence, include_usage: bool, continuous: bool
 ) -> AsyncIterator[bytes]:
     prompt = len(seq.prompt_ids)
+    rid_json = json.dumps(seq.request_id)
     try:
         while True:
             await seq.event.wait()
@@ -244,16 +256,16 @@ async def _stream(
                 break
             if tokens:
                 finish = seq.finish_reason if seq.done else None
-                usage = None
                 if continuous:
                     usage = Usage(prompt_tokens=prompt, completion_tokens=seq.emitted,
                                   total_tokens=prompt + seq.emitted)
-                chunk = StreamChunk(
-                    request_id=seq.request_id,
-                    choices=[StreamChoice(index=0, finish_reason=finish, token_ids=tokens)],
-                    usage=usage,
-                )
-                yield sse_frame(chunk)
+                    yield sse_frame(StreamChunk(
+                        request_id=seq.request_id,
+                        choices=[StreamChoice(index=0, finish_reason=finish, token_ids=tokens)],
+                        usage=usage,
+                    ))
+                else:  # the hot path of a busy PD: same bytes as the model dump, built directly
+                    yield token_frame(rid_json, tokens, finish)
             if seq.done:
                 if include_usage and seq.finish_reason in ("stop", "length"):
                     usage = Usage(prompt_tokens=prompt, completion_tokens=seq.emitted,

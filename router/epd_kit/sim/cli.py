@@ -106,6 +106,8 @@ def _sim(name: str, **kw: Any) -> Any:
 @_sim("prefill-ms-per-1k-tokens", type=float, default=None,
       help="[sim] PD prefill cost per 1000 prompt tokens.")
 @_sim("decode-ms-per-token", type=float, default=None, help="[sim] PD decode step cost.")
+@_sim("decode-ms-per-extra-seq", type=float, default=None,
+      help="[sim] Added to a decode step per extra running sequence.")
 @_sim("transfer-gb-per-s", type=float, default=None,
       help="[sim] Embedding RDMA READ bandwidth (0 = instant).")
 @_sim("crash-after", type=int, default=None,
@@ -152,6 +154,7 @@ def serve(model_tag: str | None, **opts: Any) -> None:
             encode_ms_per_1k_patches=opts["sim_encode_ms_per_1k_patches"],
             prefill_ms_per_1k_tokens=opts["sim_prefill_ms_per_1k_tokens"],
             decode_ms_per_token=opts["sim_decode_ms_per_token"],
+            decode_ms_per_extra_seq=opts["sim_decode_ms_per_extra_seq"],
             transfer_gb_per_s=opts["sim_transfer_gb_per_s"],
         )
         faults = Faults(

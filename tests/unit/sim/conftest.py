@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 
-import pytest
+# Test the code of this checkout even if the shared venv's editable install points elsewhere.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "router"))
 
-from epd_kit.testing.checkpoint import build_tiny_checkpoint
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+from epd_kit.testing.checkpoint import build_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
