@@ -100,7 +100,8 @@ def measure_pair(
     return tp, to
 
 
-def run(checkpoint: Path, n_cold: int, n_warm_distinct: int, min_s: float, budget: int) -> dict:
+def run(checkpoint: Path, n_cold: int, n_warm_distinct: int, min_s: float, budget: int,
+        n_warmup: int = 3) -> dict:
     plain = plain_path(checkpoint, budget)
     out: dict = {"budget_patches": budget, "sizes": {}}
     for width, height in SIZES:
@@ -110,7 +111,7 @@ def run(checkpoint: Path, n_cold: int, n_warm_distinct: int, min_s: float, budge
         warm_inputs = [images.data_url(j) for j in warm_jpegs]
         # wire equality, on every image both paths see
         ours = ours_path(checkpoint, budget)
-        for data in warm_inputs + cold_inputs[:8]:
+        for data in warm_inputs + cold_inputs[:4]:
             a, b = plain(data), ours(data)
             if a != b:
                 raise AssertionError(
@@ -121,7 +122,7 @@ def run(checkpoint: Path, n_cold: int, n_warm_distinct: int, min_s: float, budge
         # cold: fresh router path (empty cache), warmed up on other images, then every image
         # new to it
         ours_cold = ours_path(checkpoint, budget)
-        for i in range(3):
+        for i in range(n_warmup):
             warmup = images.data_url(images.jpeg(30_000 + i, width, height))
             ours_cold(warmup)
             plain(warmup)
@@ -137,7 +138,7 @@ def run(checkpoint: Path, n_cold: int, n_warm_distinct: int, min_s: float, budge
             "jpeg_bytes_mean": sum(map(len, cold_jpegs)) / len(cold_jpegs),
             "grid_thw": sample.grid_thw,
             "ve_kwargs_chars": len(sample.ve_kwargs),
-            "wire_identical_images_checked": len(warm_inputs) + min(8, len(cold_inputs)),
+            "wire_identical_images_checked": len(warm_inputs) + min(4, len(cold_inputs)),
         }
     return out
 
@@ -177,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     ap.add_argument("--warm-images", type=int, default=8, help="distinct images in the warm set")
     ap.add_argument("--min-seconds", type=float, default=3.0, help="CPU seconds per warm measurement")
     ap.add_argument("--budget", type=int, default=1024, help="limits.max_image_patches")
+    ap.add_argument("--warmup-images", type=int, default=3, help="untimed calls before cold")
     ap.add_argument("--cpu", default="1", help="pin this process to these CPUs ('' = no pinning)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out-dir", type=Path, default=None)
@@ -185,7 +187,8 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     rec = RunRecord.start("preprocess")
     t0 = time.perf_counter()
     ckpt = args.checkpoint or _tiny_checkpoint(args.out_dir)
-    rec.results = run(ckpt, args.cold_images, args.warm_images, args.min_seconds, args.budget)
+    rec.results = run(ckpt, args.cold_images, args.warm_images, args.min_seconds, args.budget,
+                      args.warmup_images)
     rec.notes.append(f"pinned to CPU {args.cpu or 'none'}; single run; checkpoint {ckpt}")
     rec.wall_s = time.perf_counter() - t0
     path = rec.save(args.out_dir)
