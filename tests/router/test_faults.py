@@ -20,7 +20,7 @@ from epd_kit.testing.images import image_part, png_data_url, user_message
 
 from .harness import SimEngine, Stack, wait_until
 
-SLOW_PD = {"EPD_SIM_DECODE_MS_PER_TOKEN": "4"}
+SLOW_PD = {"EPD_SIM_DECODE_MS_PER_TOKEN": "8"}
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ def run_one(stack: Stack, expected, i: int, stream: bool, max_tokens: int) -> Ou
 def expectations(oracle, n, max_tokens, offset=0):
     out = []
     for i in range(offset, offset + n):
-        messages = case(i, 1 + i % 3)
+        messages = case(i, 1 + i % 2)
         _, tokens, _, text = oracle.expect(messages, max_tokens)
         out.append((messages, tokens, text))
     return out
@@ -100,7 +100,9 @@ def run_load(stack, oracle, n, workers, stream_every=0, max_tokens=24, during=No
                                max_tokens) for i in range(n)]  # fmt: skip
         event_at = None
         if during is not None:
-            wait_until(when or (lambda: True), 20, "the moment to inject the fault")
+            wait_until(lambda: (when or (lambda: True))() or all(f.done() for f in futures), 30,
+                       "the moment to inject the fault")
+            assert not all(f.done() for f in futures), "the load finished before the fault"
             event_at = time.monotonic()
             during()
         for f in futures:
@@ -111,9 +113,9 @@ def run_load(stack, oracle, n, workers, stream_every=0, max_tokens=24, during=No
 def test_kill_a_pd_under_load(make_stack, oracle):
     stack = make_stack(2, 3, sim_env={f"epd-pd-{i}": SLOW_PD for i in range(3)})
     router = stack.router
-    results, killed_at = run_load(stack, oracle, n=36, workers=6, stream_every=2, max_tokens=40,
+    results, killed_at = run_load(stack, oracle, n=24, workers=6, stream_every=2, max_tokens=40,
                                   during=stack.pds[0].kill,
-                                  when=lambda: router.pools()["epd-pd-0"]["inflight"] >= 2)
+                                  when=lambda: router.pools()["epd-pd-0"]["inflight"] >= 1)
     failed = [r for r in results if r.kind == "failed"]
     assert not failed, failed
     # non-streaming requests are always retryable before the first byte: all succeeded
@@ -129,7 +131,7 @@ def test_kill_a_ve_under_load(make_stack, oracle):
     ve_env = {"EPD_SIM_EXTRA_LATENCY_MS": "15"}
     stack = make_stack(3, 3, sim_env={f"epd-ve-{i}": ve_env for i in range(3)})
     router = stack.router
-    results, _ = run_load(stack, oracle, n=30, workers=6, during=stack.ves[1].kill,
+    results, _ = run_load(stack, oracle, n=20, workers=6, during=stack.ves[1].kill,
                           when=lambda: router.pools()["epd-ve-1"]["inflight"] >= 1)
     failed = [r for r in results if r.kind != "ok"]
     assert not failed, failed
@@ -146,7 +148,7 @@ def test_drain_by_config_reload_under_load(make_stack, oracle):
     outcome: dict = {}
 
     def load():
-        outcome["results"], _ = run_load(stack, oracle, n=40, workers=4, stream_every=3, max_tokens=30)
+        outcome["results"], _ = run_load(stack, oracle, n=28, workers=4, stream_every=3, max_tokens=30)
 
     loader = threading.Thread(target=load)
     loader.start()

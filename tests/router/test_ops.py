@@ -1,0 +1,100 @@
+"""Operations: API keys, the reference router's flags as a drop-in, logs without secrets."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import httpx
+import openai
+import pytest
+
+from .harness import ROUTER, RouterProc, SimEngine, free_port, router_config, wait_until, http_ok
+
+KEY = "sk-test-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def engines(ckpt, tmp_path_factory):
+    d = tmp_path_factory.mktemp("ops")
+    ve = SimEngine("ve", "epd-ve-0", ckpt, d).start()
+    pd = SimEngine("pd", "epd-pd-0", ckpt, d).start()
+    try:
+        ve.wait_healthy()
+        pd.wait_healthy()
+        yield ve, pd, d
+    finally:
+        ve.stop()
+        pd.stop()
+
+
+def test_api_keys(engines, ckpt, oracle):
+    ve, pd, d = engines
+    keys = d / "keys"
+    keys.write_text(f"# client keys\n{KEY}\nsk-other\n")
+    keys.chmod(0o600)
+    router = RouterProc(d / "auth.yaml", d / "auth.log", free_port())
+    router.write_config(router_config(ckpt, [ve], [pd], router.port, auth={"api_keys_file": str(keys)}))
+    router.start()
+    try:
+        url = router.url
+        for path in ("/health", "/ready", "/healthcheck"):
+            assert httpx.get(url + path).status_code == 200, path
+        for path in ("/pools", "/metrics", "/v1/models"):
+            r = httpx.get(url + path)
+            assert r.status_code == 401 and "missing API key" in r.json()["error"]["message"]
+            assert httpx.get(url + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["message"] == "invalid API key"
+        assert r.headers["www-authenticate"] == "Bearer"
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": "Basic abc"})
+        assert r.status_code == 401 and "Bearer" in r.json()["error"]["message"]
+        c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        resp = c.chat.completions.create(model="m", messages=body["messages"], max_tokens=4)
+        assert resp.choices[0].token_ids == oracle.expect(body["messages"], 4)[1]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        router.stop()
+    assert KEY not in router.log() and "sk-other" not in router.log()
+
+
+def test_world_readable_key_file_refused(engines, ckpt):
+    ve, pd, d = engines
+    keys = d / "open-keys"
+    keys.write_text(KEY + "\n")
+    keys.chmod(0o644)
+    cfg_path = d / "open.yaml"
+    cfg_path.write_text(json.dumps(router_config(ckpt, [ve], [pd], free_port(), auth={"api_keys_file": str(keys)})))
+    proc = subprocess.run([ROUTER, "serve", "--config", str(cfg_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "chmod 600" in proc.stderr and KEY not in proc.stderr + proc.stdout
+
+
+def test_reference_flags_drop_in(engines, ckpt, oracle):
+    ve, pd, d = engines
+    port = free_port()
+    log = open(d / "flags.log", "wb")
+    proc = subprocess.Popen(
+        [ROUTER, "--model", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
+         "--ve-timeout-s", "30", "--pd-timeout-s", "30",
+         "--ve-endpoint", f"127.0.0.1:{ve.port}", "--pd-endpoint", f"127.0.0.1:{pd.port}"],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: http_ok(url + "/ready"), 60, "router from flags")
+        assert httpx.get(url + "/healthcheck").json()["ve_instances"] == 1
+        assert {e["id"] for e in httpx.get(url + "/pools").json()["engines"]} == {"ve-0", "pd-0"}
+        messages = [{"role": "user", "content": "The quick brown fox"}]
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        resp = c.chat.completions.create(model="m", messages=messages, max_tokens=6)
+        assert resp.choices[0].token_ids == oracle.expect(messages, 6)[1]
+        # SIGHUP without a config file is logged and ignored, the router keeps serving
+        proc.send_signal(1)
+        wait_until(lambda: b"reload requested" in (d / "flags.log").read_bytes(), 5, "reload log")
+        assert http_ok(url + "/ready")
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0
+        log.close()
