@@ -132,6 +132,26 @@ def policy_ours(bound: float) -> Policy:
     return place
 
 
+def policy_what_if_slack(bound: float, slack_items: float) -> Policy:
+    """NOT the router's code: a what-if variant of the bounded-load rule with an additive
+    slack of `slack_items` x the item's work, so a VE with less than that much extra work
+    in flight keeps its HRW items (at low concurrency the pure ratio spills on any queue)."""
+
+    def place(items: Sequence[tuple[str, int]], loads: Mapping[str, float]) -> dict[str, str]:
+        running = dict(loads)
+        out = {}
+        for h, work in items:
+            ranked = hrw.rank(h, list(running))
+            capacity = bound * (sum(running.values()) + work) / len(ranked) + slack_items * work
+            pick = next((c for c in ranked if running[c] + work <= capacity),
+                        min(ranked, key=lambda c: running[c]))
+            out[h] = pick
+            running[pick] += work
+        return out
+
+    return place
+
+
 def policy_reference_hrw(items: Sequence[tuple[str, int]], loads: Mapping[str, float]) -> dict[str, str]:
     return {h: hrw.pick(h, list(loads)) for h, _ in items}
 
@@ -167,15 +187,18 @@ def policy_random(seed: int) -> Policy:
     return place
 
 
-def policies(p: SimParams, bound: float) -> dict[str, Policy]:
+def policies(p: SimParams, bound: float, what_if: Sequence[float] = ()) -> dict[str, Policy]:
     """Fresh policy objects (some keep a cursor) in the order the docs list them."""
-    return {
+    out = {
         "reference HRW": policy_reference_hrw,
         f"ours (HRW + load bound {bound:g})": policy_ours(bound),
         "round-robin per item": policy_round_robin_per_item(),
         "round-robin from encoder 0 (vllm#52484)": policy_round_robin_restart,
         "random": policy_random(p.seed),
     }
+    for k in what_if:
+        out[f"what-if: bound {bound:g} + {k:g} items slack (not shipped)"] = policy_what_if_slack(bound, k)
+    return out
 
 
 @dataclass
@@ -248,14 +271,15 @@ def simulate(w: Workload, p: SimParams, place: Policy, ceiling: float) -> Policy
     )
 
 
-def run(p: SimParams, zipf_values: Sequence[float], bound: float) -> dict:
-    out: dict = {"params": p.__dict__ | {"bound": bound}, "by_zipf": {}}
+def run(p: SimParams, zipf_values: Sequence[float], bound: float, what_if: Sequence[float] = ()) -> dict:
+    out: dict = {"params": p.__dict__ | {"bound": bound, "what_if_slack_items": list(what_if)},
+                 "by_zipf": {}}
     for s in zipf_values:
         w = make_workload(p, s)
         ceiling = ceiling_hit_rate(w, p)
         w = with_arrivals(w, p, ceiling)
         per_policy = {}
-        for name, pol in policies(p, bound).items():
+        for name, pol in policies(p, bound, what_if).items():
             t0 = time.perf_counter()
             per_policy[name] = simulate(w, p, pol, ceiling)
             per_policy[name].extra["sim_wall_s"] = time.perf_counter() - t0
@@ -275,7 +299,7 @@ def plot(results: dict, path) -> None:
     import matplotlib.pyplot as plt
 
     zipfs = list(results["by_zipf"])
-    names = list(next(iter(results["by_zipf"].values()))["policies"])
+    names = [n for n in next(iter(results["by_zipf"].values()))["policies"] if not n.startswith("what-if")]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
     width = 0.8 / len(names)
     x = np.arange(len(zipfs))
@@ -310,6 +334,8 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     ap.add_argument("--utilisation", type=float, default=SimParams.target_utilisation)
     ap.add_argument("--bound", type=float, default=1.25, help="ours: placement.ve_load_bound")
     ap.add_argument("--zipf", type=float, nargs="+", default=[0.8, 1.2])
+    ap.add_argument("--what-if-slack", type=float, nargs="*", default=[],
+                    help="also run bench-only variants of the bound with this many items of slack")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out-dir", default=None)
@@ -320,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
         n_requests=args.requests, catalogue=args.catalogue, cache_items=args.cache_items,
         target_utilisation=args.utilisation, seed=args.seed,
     )
-    rec.results = run(p, args.zipf, args.bound)
+    rec.results = run(p, args.zipf, args.bound, args.what_if_slack)
     rec.notes.append(
         "Discrete-event simulation: placement decisions are the router's real code "
         "(epd_kit.router.placement.place_items, epd_kit.hrw.pick); clock, arrivals, catalogue, "
@@ -343,10 +369,10 @@ def print_table(results: dict) -> None:
     for z, r in results["by_zipf"].items():
         print(f"\nZipf s={z}: ceiling hit rate {r['ceiling_hit_rate']:.3f}, "
               f"{r['offered_rate_per_s']:.1f} req/s offered, {r['items']} items")
-        print(f"  {'policy':42s} {'hit':>6s} {'%ceil':>6s} {'max/mean':>8s} {'busy m/m':>8s} "
+        print(f"  {'policy':50s} {'hit':>6s} {'%ceil':>6s} {'max/mean':>8s} {'busy m/m':>8s} "
               f"{'p50 ms':>8s} {'p99 ms':>9s} {'spill':>6s}")
         for name, pr in r["policies"].items():
-            print(f"  {name:42s} {pr.hit_rate:6.3f} {100 * pr.hit_rate_vs_ceiling:5.1f}% "
+            print(f"  {name:50s} {pr.hit_rate:6.3f} {100 * pr.hit_rate_vs_ceiling:5.1f}% "
                   f"{pr.max_mean_items:8.3f} {pr.max_mean_busy:8.3f} {pr.encode_wait_p50_ms:8.1f} "
                   f"{pr.encode_wait_p99_ms:9.1f} {pr.spill_fraction:6.3f}")
 
