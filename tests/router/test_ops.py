@@ -98,3 +98,24 @@ def test_reference_flags_drop_in(engines, ckpt, oracle):
         proc.terminate()
         assert proc.wait(timeout=20) == 0
         log.close()
+
+
+def test_upstream_timeout_is_504_naming_stage_and_engine(engines, ckpt):
+    ve, _, d = engines
+    hung = SimEngine("pd", "epd-pd-hung", ckpt, d, {"EPD_SIM_HANG_AFTER": "0"}).start()
+    try:
+        hung.wait_healthy()
+        router = RouterProc(d / "hang.yaml", d / "hang.log", free_port())
+        router.write_config(router_config(ckpt, [ve], [hung], router.port, timeouts={"pd_s": 0.5}))
+        router.start()
+        try:
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            for stream in (False, True):
+                r = httpx.post(router.url + "/v1/chat/completions", json={**body, "stream": stream}, timeout=20)
+                assert r.status_code == 504, r.text
+                msg = r.json()["error"]["message"]
+                assert "generate on PD epd-pd-hung" in msg and "timed out" in msg
+        finally:
+            router.stop()
+    finally:
+        hung.stop()
