@@ -95,7 +95,7 @@ class SideChannelServer:
                 if op == "get_ec_meta":
                     await send_msg(writer, self.meta())
                 elif op == "read":
-                    await self._read(msg, writer)
+                    await self._read(msg, reader, writer)
                 else:
                     await send_msg(writer, {"status": "ERR", "reason": f"unknown op {op!r}"})
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -106,12 +106,16 @@ class SideChannelServer:
             self._peers.discard(writer)
             writer.close()
 
-    async def _read(self, msg: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+    async def _read(
+        self, msg: dict[str, Any], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         faults = self._faults()
         if not self.efa_env_ok or faults.side_channel == "hang":
             # LIBFABRIC picked the shared-memory path (or the transport is wedged): the READ
             # is posted but never completes. Hold the connection until the peer gives up.
-            await asyncio.Event().wait()
+            while await reader.read(4096):
+                pass
+            raise ConnectionResetError("peer gave up on a READ that never completed")
         if faults.side_channel == "refuse":
             await send_msg(writer, {"status": "ERR", "reason": "READ rejected by remote agent"})
             return
