@@ -226,20 +226,6 @@ class RouterService:
         loop = asyncio.get_running_loop()
         return loop.time() + (ctx.deadline - time.monotonic())
 
-    def _check_images_budget(self, ctx: RequestContext) -> None:
-        limit = self.cfg.limits.images_per_prompt
-        count = 0
-        for msg in ctx.request.messages:
-            if isinstance(msg.content, list):
-                count += sum(
-                    1 for p in msg.content if isinstance(p, dict) and p.get("type") in ("image_url", "image")
-                )
-        if count > limit:
-            raise RouterError(
-                400, f"too many images: {count} in this request, the limit is {limit} per prompt",
-                param="messages",
-            )  # fmt: skip
-
     async def prepare(self, ctx: RequestContext) -> None:
         """Admission checks, rendering and encoding: everything before the PD."""
         if not self.pools.eligible_pd():
@@ -247,7 +233,6 @@ class RouterService:
             raise RouterError(
                 503, f"not ready: {self.not_ready_reason()}", retry_after=self.retry_after_s()
             )
-        self._check_images_budget(ctx)
         t = time.monotonic()
         async with self._deadline(ctx, "preprocessing"):
             rendered = await self._render(ctx)
