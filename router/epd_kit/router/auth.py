@@ -25,8 +25,12 @@ def load_api_keys(path: Path) -> tuple[bytes, ...]:
             f"api_keys_file {path}: mode {stat.S_IMODE(st.st_mode):04o} lets group/others read "
             f"it; run: chmod 600 {path}"
         )
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise KeyFileError(f"api_keys_file {path}: cannot read: {exc.strerror or exc}") from None
     keys = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             keys.append(line.encode())
