@@ -94,9 +94,11 @@ class UpstreamError(RouterError):
         stage: str,
         engine_failed: bool,
         retry_other: bool,
+        unreachable: bool = False,
     ) -> None:
         super().__init__(status, message)
         self.engine_id = engine_id
         self.stage = stage
         self.engine_failed = engine_failed
         self.retry_other = retry_other
+        self.unreachable = unreachable  # connection refused: eject without waiting for a probe

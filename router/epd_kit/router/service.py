@@ -96,6 +96,7 @@ class RouterService:
         self._pd_changed = asyncio.Condition()
         self._pd_waiting = 0
         self._transport = transport
+        self._background: set[asyncio.Task] = set()
         self._client: httpx.AsyncClient | None = None
         self._prober: HealthProber | None = None
         self._preprocess_errors = _preprocess_error_types()
@@ -157,7 +158,9 @@ class RouterService:
         )
         if self._prober:
             self._prober.poke()
-        asyncio.get_running_loop().create_task(self._notify_pd_waiters())
+        task = asyncio.get_running_loop().create_task(self._notify_pd_waiters())
+        self._background.add(task)  # the loop keeps only weak references
+        task.add_done_callback(self._background.discard)
         return True
 
     @property
@@ -394,8 +397,7 @@ class RouterService:
 
     def _engine_error(self, err: UpstreamError, engine: Engine) -> UpstreamError:
         if err.engine_failed:
-            connect = "cannot connect" in err.message
-            engine.record_passive_failure(err.message, eject_now=connect, health=self.cfg.health)
+            engine.record_passive_failure(err.message, eject_now=err.unreachable, health=self.cfg.health)
             self.metrics.engine_failures.labels(engine.id, engine.role).inc()
             if self._prober:
                 self._prober.poke()

@@ -58,7 +58,7 @@ def classify_exception(exc: httpx.HTTPError, engine: Engine) -> UpstreamError:
     if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
         return UpstreamError(
             502, f"{where(engine)} failed: cannot connect ({type(exc).__name__})",
-            engine_id=engine.id, stage=stage, engine_failed=True, retry_other=True,
+            engine_id=engine.id, stage=stage, engine_failed=True, retry_other=True, unreachable=True,
         )  # fmt: skip
     if isinstance(exc, httpx.PoolTimeout):
         return UpstreamError(

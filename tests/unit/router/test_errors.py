@@ -29,6 +29,7 @@ def response(status, body=b"", headers=None):
 def test_exceptions(exc, status, engine_failed, retry):
     err = upstream.classify_exception(exc, VE)
     assert (err.status, err.engine_failed, err.retry_other) == (status, engine_failed, retry)
+    assert err.unreachable == isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
     assert "encode on VE epd-ve-1 (http://127.0.0.1:18301)" in err.message
     assert err.engine_id == "epd-ve-1" and err.stage == "encode"
 
