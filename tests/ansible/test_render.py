@@ -1,0 +1,165 @@
+"""render.yml on every example and sandbox inventory: files, argv/env, router config, systemd-analyze."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.ansible.conftest import BIN, INVENTORIES, INVENTORY_IDS, inventory_hostvars, load_planner
+from tests.ansible.systemd_expand import expand_specifiers, parse_unit, service_command
+
+pytestmark = pytest.mark.ansible
+
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze") or "/usr/bin/systemd-analyze"
+HOST_UNIT_DIRS = [Path("/lib/systemd/system"), Path("/usr/lib/systemd/system")]
+
+
+@functools.lru_cache(maxsize=None)
+def resolved(inventory: Path) -> tuple[dict, dict[str, list[str]]]:
+    return inventory_hostvars(inventory)
+
+
+def planned(inventory: Path) -> tuple[dict, dict[str, list[str]]]:
+    hostvars, groups = resolved(inventory)
+    planner = load_planner()
+    return planner.plan_from_hostvars(hostvars, groups["epd_engines"]), groups
+
+
+def engine_files(host_dir: Path, instance: str) -> tuple[str, dict[str, str], dict]:
+    unit = (host_dir / "etc/systemd/system/epd-engine@.service").read_text()
+    env_path = f"/etc/epd/engines/{instance}.env"
+    env_files = {env_path: (host_dir / env_path.lstrip("/")).read_text()}
+    record = json.loads((host_dir / f"engines/{instance}.json").read_text())
+    return unit, env_files, record
+
+
+@pytest.mark.parametrize("inventory", INVENTORIES, ids=INVENTORY_IDS)
+def test_render_writes_every_planned_file(inventory, rendered):
+    out = rendered(inventory)
+    plan, groups = planned(inventory)
+    for host, host_plan in plan.items():
+        host_dir = out / host
+        assert (host_dir / "etc/systemd/system/epd-engine@.service").is_file()
+        assert (host_dir / "etc/systemd/system/epd-engines.target").is_file()
+        assert (host_dir / "etc/systemd/system/epd.target").is_file()
+        instances = sorted(e["instance"] for e in host_plan["engines"])
+        assert sorted(p.stem for p in (host_dir / "etc/epd/engines").glob("*.env")) == instances
+        assert sorted(p.stem for p in (host_dir / "engines").glob("*.json")) == instances
+    for router in groups["epd_router"]:
+        assert (out / router / "etc/epd/router.yaml").is_file()
+        assert (out / router / "etc/systemd/system/epd-router.service").is_file()
+    for path in out.rglob("*"):
+        if path.is_file() and path.suffix != ".json":
+            assert path.read_text().startswith("# Ansible managed"), f"{path} lacks the ansible_managed header"
+
+
+@pytest.mark.parametrize("inventory", INVENTORIES, ids=INVENTORY_IDS)
+def test_unit_plus_env_file_run_exactly_the_planned_argv(inventory, rendered):
+    """Expanding ExecStart with the env file as systemd does gives the planner's argv and env."""
+    out = rendered(inventory)
+    plan, _ = planned(inventory)
+    checked = 0
+    for host, host_plan in plan.items():
+        for engine in host_plan["engines"]:
+            unit, env_files, record = engine_files(out / host, engine["instance"])
+            unit_name = f"epd-engine@{engine['instance']}.service"
+            argv, environment = service_command(unit, unit_name, env_files)
+            assert argv == record["argv"], f"{host} {unit_name}: unit expands to a different argv than the render JSON"
+            assert argv[1:] == [str(t) for t in engine["argv"][1:]], f"{host} {unit_name}: not the planner's argv"
+            assert Path(argv[0]).is_absolute() and Path(argv[0]).name == engine["argv"][0]
+            assert environment == record["environment"]
+            for name, value in engine["env"].items():
+                assert environment[name] == value
+            assert environment["FI_EFA_ENABLE_SHM_TRANSFER"] == "0" and environment["FI_EFA_USE_DEVICE_RDMA"] == "1"
+            checked += 1
+    assert checked == sum(len(p["engines"]) for p in plan.values()) > 0
+
+
+@pytest.mark.parametrize("inventory", INVENTORIES, ids=INVENTORY_IDS)
+def test_readiness_gate_and_stagger_match_the_plan(inventory, rendered):
+    out = rendered(inventory)
+    plan, _ = planned(inventory)
+    for host, host_plan in plan.items():
+        unit = parse_unit((out / host / "etc/systemd/system/epd-engine@.service").read_text())
+        timeout = int(unit.values("Service", "TimeoutStartSec")[0])
+        assert unit.values("Service", "LimitMEMLOCK") == ["infinity"]
+        assert unit.values("Service", "Restart") == ["on-failure"]
+        assert not unit.values("Service", "PrivateDevices"), "PrivateDevices would hide /dev/neuron*"
+        for engine in host_plan["engines"]:
+            unit_text, env_files, _ = engine_files(out / host, engine["instance"])
+            _, environment = service_command(unit_text, f"epd-engine@{engine['instance']}.service", env_files)
+            assert environment["EPD_START_DELAY_S"] == str(engine["start_delay_s"])
+            assert environment["EPD_HEALTH_URL"].endswith(f":{engine['port']}/health")
+            ready = int(environment["EPD_READY_TIMEOUT_S"])
+            assert 0 < ready and ready + engine["start_delay_s"] < timeout, "healthwait must give up before systemd's timeout"
+
+
+@pytest.mark.parametrize("inventory", INVENTORIES, ids=INVENTORY_IDS)
+def test_router_config_lists_every_engine_of_every_host(inventory, rendered):
+    out = rendered(inventory)
+    plan, groups = planned(inventory)
+    expected = load_planner().router_endpoints(plan)
+    for router in groups["epd_router"]:
+        config_path = out / router / "etc/epd/router.yaml"
+        config = yaml.safe_load(config_path.read_text())
+        assert config["endpoints"] == expected
+        assert all(e["state"] == "active" for pool in config["endpoints"].values() for e in pool)
+        settings = load_planner().fleet_settings(resolved(inventory)[0], groups["epd_engines"])
+        assert config["model"] == settings.model
+        assert config["limits"]["max_image_patches"] == settings.vision_attention_block_size
+        assert config["limits"]["images_per_prompt"] == settings.images_per_prompt
+        assert config["listen"]["port"] == settings.router_port
+        check = subprocess.run([str(BIN / "epd-router"), "check-config", str(config_path)],
+                               capture_output=True, text=True, timeout=120, check=False)
+        assert check.returncode == 0, f"epd-router check-config rejected {config_path}: {check.stdout}{check.stderr}"
+
+
+def _stub(root: Path, path: str) -> None:
+    target = root / path.lstrip("/")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.exists():
+        target.write_text("#!/bin/sh\nexit 0\n")
+        target.chmod(target.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+@pytest.mark.parametrize("inventory", INVENTORIES, ids=INVENTORY_IDS)
+def test_systemd_analyze_verify_every_rendered_unit(inventory, rendered, tmp_path):
+    """systemd-analyze verify in a temp root holding systemd's own units and stubs of every
+    command our units run; any output at all (even a warning with rc 0) fails."""
+    if not Path(SYSTEMD_ANALYZE).exists():
+        pytest.fail("systemd-analyze not found: install systemd (tier 2 needs it)")
+    system_units = next((d for d in HOST_UNIT_DIRS if (d / "sysinit.target").exists()), None)
+    assert system_units is not None, "systemd's own units (sysinit.target) not found on this machine"
+    out = rendered(inventory)
+    plan, groups = planned(inventory)
+    hosts = sorted(set(plan) | set(groups["epd_router"]))
+    for host in hosts:
+        root = tmp_path / host
+        shutil.copytree(system_units, root / "usr/lib/systemd/system", symlinks=True)
+        unit_dir = root / "etc/systemd/system"
+        shutil.copytree(out / host / "etc/systemd/system", unit_dir)
+        names = sorted(p.name for p in unit_dir.iterdir())
+        for engine in plan.get(host, {}).get("engines", []):
+            instance = f"epd-engine@{engine['instance']}.service"
+            os.symlink("epd-engine@.service", unit_dir / instance)
+            names.append(instance)
+        if "epd-engine@.service" in names:
+            names.remove("epd-engine@.service")  # a template is verified through its instances
+        for unit_file in unit_dir.iterdir():
+            if unit_file.is_symlink():
+                continue
+            unit = parse_unit(unit_file.read_text())
+            for key in ("ExecStartPre", "ExecStart", "ExecStartPost", "ExecReload", "ExecStop"):
+                for command in unit.values("Service", key):
+                    _stub(root, expand_specifiers(command, "x@y.service").lstrip("-@+!:").split()[0])
+        result = subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", f"--root={root}", *names],
+                                capture_output=True, text=True, timeout=60, check=False)
+        assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), \
+            f"{host}: systemd-analyze verify {names}:\n{result.stdout}{result.stderr}"
