@@ -1,0 +1,74 @@
+"""Golden: the rendered single-node-1e1pd units run exactly the tutorial's VE-0 and PD-0 commands."""
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.ansible.conftest import REPO
+from tests.ansible.systemd_expand import service_command
+
+pytestmark = pytest.mark.ansible
+
+GOLDEN = Path(__file__).parent / "golden"
+INVENTORY = REPO / "inventory/examples/single-node-1e1pd"
+HOST = "trn2-node1"
+MODEL = "/models/Qwen3-VL-32B-Instruct"  # the example's epd_model, the tutorial's local-checkpoint form
+JSON_FLAGS = {"--limit-mm-per-prompt", "--additional-config", "--ec-transfer-config"}
+# "Prepare your environment": exported in every engine terminal (local checkpoint: HF_HUB_OFFLINE=1)
+TUTORIAL_EXPORTS = {"FI_EFA_ENABLE_SHM_TRANSFER": "0", "FI_EFA_USE_DEVICE_RDMA": "1",
+                    "VLLM_NEURON_COMPILATION_TIMEOUT": "6000", "HF_HUB_OFFLINE": "1"}
+
+
+def tutorial_command(name: str) -> tuple[dict[str, str], list[str]]:
+    """(environment prefix, argv) of a tutorial command, parsed as a POSIX shell would."""
+    text = (GOLDEN / name).read_text()
+    lines = [line for line in text.splitlines() if not line.startswith("#")]
+    command = "\n".join(lines).replace("\\\n", " ").replace('"$MODEL"', shlex.quote(MODEL))
+    tokens = shlex.split(command)
+    env = {}
+    while "=" in tokens[0] and not tokens[0].startswith("-"):
+        key, _, value = tokens.pop(0).partition("=")
+        env[key] = value
+    return env, tokens
+
+
+def rendered_command(out: Path, instance: str) -> tuple[list[str], dict[str, str], dict]:
+    host = out / HOST
+    unit = (host / "etc/systemd/system/epd-engine@.service").read_text()
+    env_path = f"/etc/epd/engines/{instance}.env"
+    argv, environment = service_command(unit, f"epd-engine@{instance}.service",
+                                        {env_path: (host / env_path.lstrip("/")).read_text()})
+    return argv, environment, json.loads((host / f"engines/{instance}.json").read_text())
+
+
+@pytest.mark.parametrize(("instance", "golden"), [("ve-0", "tutorial_ve0.sh"), ("pd-0", "tutorial_pd0.sh")])
+def test_rendered_engine_runs_the_tutorial_command(instance, golden, rendered):
+    out = rendered(INVENTORY)
+    tutorial_env, tutorial_argv = tutorial_command(golden)
+    argv, environment, record = rendered_command(out, instance)
+
+    assert record["argv"] == argv, "render JSON and the unit disagree"
+    assert Path(argv[0]).name == tutorial_argv[0] == "vllm"
+    assert len(argv) == len(tutorial_argv), f"{argv[1:]} != {tutorial_argv[1:]}"
+    for position, (ours, theirs) in enumerate(zip(argv[1:], tutorial_argv[1:]), start=1):
+        flag = argv[position - 1]
+        if flag in JSON_FLAGS:
+            assert json.loads(ours) == json.loads(theirs), f"{flag} JSON differs"
+        else:
+            assert ours == theirs, f"token {position} ({flag} ...): {ours!r} != {theirs!r}"
+    for key, value in {**tutorial_env, **TUTORIAL_EXPORTS}.items():
+        assert environment.get(key) == value, f"{key}: {environment.get(key)!r} != {value!r}"
+        assert record["environment"].get(key) == value
+
+
+def test_golden_parser_sees_the_tutorial_layout():
+    """The golden files themselves: the tutorial's 1E1PD table (guards against a broken parse)."""
+    ve_env, ve = tutorial_command("tutorial_ve0.sh")
+    pd_env, pd = tutorial_command("tutorial_pd0.sh")
+    assert ve_env == {"NEURON_VISIBLE_DEVICES": "8,9,10,11"} and pd_env == {"NEURON_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    assert ve[ve.index("--port") + 1] == "18300" and pd[pd.index("--port") + 1] == "18100"
+    assert json.loads(ve[ve.index("--ec-transfer-config") + 1])["ec_connector_extra_config"]["side_channel_port"] == 14600
+    assert ve[2] == pd[2] == MODEL and "--no-enable-prefix-caching" in ve and "--no-enable-prefix-caching" in pd
