@@ -31,7 +31,8 @@ from bench import pd_placement_sim as model
 from bench.common import IMG_DIR, RunRecord, percentile
 from bench.httpload import Connection, LoadError, Target, encode_post
 from bench.procs import Proc, pin_self
-from bench.stack import engine_proc
+from bench.router_overhead import _wait_ready
+from bench.stack import engine_proc, router_proc
 from epd_kit import wire
 from epd_kit.router.config import Placement
 
@@ -56,10 +57,25 @@ class HttpResult:
     tpot_p50_ms: float  # observed decode time per token (sim nominal: --decode-ms)
 
 
-async def drive(p: model.PdParams, chooser: model.Chooser, pds: list[Proc], arrivals: np.ndarray,
-                lengths: np.ndarray, prompt: list[int], deadline_s: float) -> HttpResult:
-    ids = [pd.name for pd in pds]
-    by_id = {pd.name: pd for pd in pds}
+ROUTER = "epd-router"
+ROUTER_FIRST_FRAME = b'"delta"'
+
+
+def chat_body(r: int, max_tokens: int) -> bytes:
+    return json.dumps({
+        "model": "bench", "stream": True, "stream_options": {"include_usage": True},
+        "max_tokens": max_tokens, "ignore_eos": True,
+        "messages": [{"role": "user", "content": f"Request {r}: write a long story about the sea."}],
+    }).encode()
+
+
+async def drive(p: model.PdParams, chooser: model.Chooser | None, pds: list[Proc], arrivals: np.ndarray,
+                lengths: np.ndarray, prompt: list[int], deadline_s: float,
+                router: Proc | None = None) -> HttpResult:
+    """Open-loop Poisson load. With `router`, requests go to epd-router's OpenAI API and the
+    router places them itself (chooser unused); otherwise straight to the PDs."""
+    ids = [pd.name for pd in pds] if router is None else [ROUTER]
+    by_id = {pd.name: pd for pd in pds} if router is None else {ROUTER: router}
     inflight = {i: 0 for i in ids}
     assigned = {i: 0 for i in ids}
     idle: dict[str, list[Connection]] = {i: [] for i in ids}
@@ -80,7 +96,7 @@ async def drive(p: model.PdParams, chooser: model.Chooser, pds: list[Proc], arri
         lag = max(lag, time.perf_counter() - due)
         if time.perf_counter() > stop_at:
             return
-        pd = chooser(ids, inflight)
+        pd = chooser(ids, inflight) if chooser is not None else ROUTER
         while pd is None:  # all PDs at the cap: wait for a completion (router queue)
             fut = asyncio.get_running_loop().create_future()
             waiters.append(fut)
@@ -89,16 +105,19 @@ async def drive(p: model.PdParams, chooser: model.Chooser, pds: list[Proc], arri
         inflight[pd] += 1
         assigned[pd] += 1
         conn = idle[pd].pop() if idle[pd] else Connection(Target("127.0.0.1", by_id[pd].port))
-        body = wire.GenerateRequest(
-            request_id=f"bench-{r}", token_ids=prompt,
-            sampling_params=wire.SamplingParams(max_tokens=int(lengths[r]), ignore_eos=True),
-            stream=True, stream_options=wire.StreamOptions(include_usage=True),
-        ).wire_dict()
+        if router is None:
+            path, marker = wire.GENERATE_PATH, FIRST_TOKEN
+            body = json.dumps(wire.GenerateRequest(
+                request_id=f"bench-{r}", token_ids=prompt,
+                sampling_params=wire.SamplingParams(max_tokens=int(lengths[r]), ignore_eos=True),
+                stream=True, stream_options=wire.StreamOptions(include_usage=True),
+            ).wire_dict()).encode()
+        else:
+            path, marker, body = "/v1/chat/completions", ROUTER_FIRST_FRAME, chat_body(r, int(lengths[r]))
         try:
             sent = time.perf_counter()
             resp = await asyncio.wait_for(
-                conn.request(encode_post(wire.GENERATE_PATH, json.dumps(body).encode(), by_id[pd].port),
-                             first_event=FIRST_TOKEN),
+                conn.request(encode_post(path, body, by_id[pd].port), first_event=marker),
                 timeout=max(1.0, stop_at + 60 - sent))
             done = time.perf_counter()
             if resp.status != 200:
@@ -107,8 +126,8 @@ async def drive(p: model.PdParams, chooser: model.Chooser, pds: list[Proc], arri
             e2e.append(done - due)
             if lengths[r] > 1:
                 tpot.append((done - sent - resp.first_byte_s) / (int(lengths[r]) - 1))
-            n_tokens = sum(len(json.loads(x)["choices"][0]["token_ids"])
-                           for x in _payloads(resp.body) if b'"choices":[{' in x)
+            usage = [json.loads(x)["usage"] for x in _payloads(resp.body) if b'"usage":{' in x]
+            n_tokens = usage[-1]["completion_tokens"] if usage else -1
             wrong += n_tokens != int(lengths[r])
             idle[pd].append(conn)
         except (OSError, LoadError, asyncio.IncompleteReadError, TimeoutError) as exc:
@@ -142,6 +161,13 @@ async def drive(p: model.PdParams, chooser: model.Chooser, pds: list[Proc], arri
     )
 
 
+def _print(name: str, r: HttpResult) -> None:
+    print(f"HTTP {name:26s} TTFT p50 {r.ttft_p50_ms:8.1f} p99 {r.ttft_p99_ms:8.1f} ms "
+          f"{r.throughput_rps:5.1f} req/s {r.tokens_per_s:6.0f} tok/s done {r.completed} "
+          f"tpot {r.tpot_p50_ms:.1f} ms err {r.errors} {r.error_examples[:1]} wrong-len {r.wrong_lengths} "
+          f"lag {r.max_dispatch_lag_ms:.0f} ms per-PD {r.per_pd_requests}", flush=True)
+
+
 def _payloads(body: bytes) -> list[bytes]:
     return [chunk[6:] for chunk in body.split(b"\n\n") if chunk.startswith(b"data: {")]
 
@@ -152,25 +178,26 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    groups = [("real HTTP, 4 sim PDs", results.get("http", {})),
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    n_pd = results.get("params", {}).get("n_pd", 4)
+    groups = [(f"real HTTP, {n_pd} sim PDs", results.get("http", {})),
               ("discrete-event sim (same model)", results.get("des", {}))]
-    names = ["round-robin (reference)", "least-outstanding (ours)"]
-    colors = ["tab:grey", "tab:blue"]
+    colors = ["tab:grey", "tab:blue", "tab:green"]
     for ax, (title, res) in zip(axes, groups, strict=True):
         if not res:
             ax.set_visible(False)
             continue
-        for i, name in enumerate(names):
-            r = res["policies"][name]
+        for i, (name, r) in enumerate(res["policies"].items()):
             p50, p99 = _get(r, "ttft_p50_ms"), _get(r, "ttft_p99_ms")
-            ax.bar([i * 3, i * 3 + 1], [p50, p99], color=colors[i], label=name)
+            ax.bar([i * 3, i * 3 + 1], [p50, p99], color=colors[i % 3], label=name)
             ax.text(i * 3 + 1, p99, f"{p99:.0f}", ha="center", va="bottom", fontsize=8)
             ax.text(i * 3, p50, f"{p50:.0f}", ha="center", va="bottom", fontsize=8)
-        ax.set_xticks([0, 1, 3, 4], ["p50", "p99", "p50", "p99"])
+        n = len(res["policies"])
+        ax.set_xticks([x for i in range(n) for x in (i * 3, i * 3 + 1)], ["p50", "p99"] * n)
         ax.set_ylabel("TTFT (ms)")
         red = res.get("p99_ttft_reduction")
-        ax.set_title(f"{title}\np99 TTFT {100 * red:.0f}% lower" if red is not None else title, fontsize=9)
+        ax.set_title(f"{title}\nleast-outstanding: p99 TTFT {100 * red:.0f}% lower than round-robin"
+                     if red is not None else title, fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -185,11 +212,14 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     ap = argparse.ArgumentParser(prog="python -m bench.pd_placement", description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=1000, help="per policy")
     ap.add_argument("--utilisation", type=float, default=0.9, help="offered load / capacity")
+    ap.add_argument("--pds", type=int, default=4, help="number of sim PDs")
     ap.add_argument("--decode-ms", type=float, default=10.0, help="sim decode step (ms/token)")
     ap.add_argument("--prefill-ms-per-1k", type=float, default=250.0)
     ap.add_argument("--deadline-s", type=float, default=240.0, help="per policy")
     ap.add_argument("--des-requests", type=int, default=20_000, help="0 = skip the DES companion")
     ap.add_argument("--cpu", default=None, help="pin the bench and the engines (default: none)")
+    ap.add_argument("--through-router", action="store_true",
+                    help="third pass: the same load through epd-router (its own PD placement)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out-dir", type=Path, default=None)
@@ -198,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     rec = RunRecord.start("pd_placement")
     t_start = time.perf_counter()
     cap = Placement().pd_max_inflight
-    p = model.PdParams(n_requests=args.requests, utilisation=args.utilisation, seed=args.seed,
+    p = model.PdParams(n_pd=args.pds, n_requests=args.requests, utilisation=args.utilisation, seed=args.seed,
                        decode_ms_per_token=args.decode_ms, decode_ms_per_extra_seq=0.0,
                        prefill_ms_per_1k_tokens=args.prefill_ms_per_1k, cap=cap)
     rng = np.random.default_rng(p.seed)
@@ -213,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     pds = [engine_proc("pd", i, ckpt, work, max_num_seqs=p.max_num_seqs, sim_flags=flags)
            for i in range(p.n_pd)]
     prompt = [11 + (i % 200) for i in range(p.prompt_tokens)]
+    procs: list[Proc] = list(pds)
     try:
         for pd in pds:
             pd.start(args.cpu)
@@ -222,15 +253,23 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
         for name, make in (("round-robin (reference)", model.reference_round_robin),
                            ("least-outstanding (ours)", model.ours_least_outstanding)):
             http[name] = asyncio.run(drive(p, make(cap), pds, arrivals, lengths, prompt, args.deadline_s))
-            r = http[name]
-            print(f"HTTP {name:26s} TTFT p50 {r.ttft_p50_ms:8.1f} p99 {r.ttft_p99_ms:8.1f} ms "
-                  f"{r.throughput_rps:5.1f} req/s {r.tokens_per_s:6.0f} tok/s done {r.completed} "
-                  f"tpot {r.tpot_p50_ms:.1f} ms err {r.errors} {r.error_examples[:1]} lag {r.max_dispatch_lag_ms:.0f} ms per-PD {r.per_pd_requests}", flush=True)
+            _print(name, http[name])
+        if args.through_router:
+            ve = engine_proc("ve", 0, ckpt, work).start(args.cpu)
+            procs.append(ve)
+            ve.wait_healthy()
+            router = router_proc(ckpt, [ve], pds, work).start(args.cpu)
+            procs.append(router)
+            router.wait_healthy()
+            _wait_ready(router)
+            name = "least-outstanding inside epd-router (end to end)"
+            http[name] = asyncio.run(drive(p, None, pds, arrivals, lengths, prompt, args.deadline_s, router))
+            _print(name, http[name])
     finally:
-        for pd in pds:
-            pd.stop()
+        for proc in reversed(procs):
+            proc.stop()
         shutil.rmtree(work, ignore_errors=True)
-    rr, lo = http.values()
+    rr, lo = list(http.values())[:2]
     rec.results = {
         "params": p.__dict__,
         "capacity_rps": model.capacity_rps(p),

@@ -113,8 +113,12 @@ def _pd_rows(policies: dict) -> list[str]:
             "| requests per PD (max/mean) |", "|---|---|---|---|---|---|---|"]
     for name, pr in policies.items():
         spread = pr.get("per_pd_requests")
-        spread_s = (f"{spread} ({max(spread) / (sum(spread) / len(spread)):.2f})" if spread
-                    else f"{pr['max_mean_requests']:.2f}")
+        if spread and len(spread) > 1:
+            spread_s = f"{spread} ({max(spread) / (sum(spread) / len(spread)):.2f})"
+        elif spread:
+            spread_s = "(inside the router)"
+        else:
+            spread_s = f"{pr['max_mean_requests']:.2f}"
         rows.append(f"| {name} | {pr['ttft_p50_ms']:.0f} | {pr['ttft_p99_ms']:.0f} | {pr['e2e_p99_ms']:.0f} "
                     f"| {pr['throughput_rps']:.1f} | {pr['tokens_per_s']:.0f} | {spread_s} |")
     return rows
