@@ -25,7 +25,7 @@ def test_a_port_already_bound_fails_before_any_unit_is_written(host_pool):
     n1.run("for i in $(seq 50); do ss -Hltn | grep -q ':18100 ' && exit 0; sleep 0.1; done; exit 1")
     result = ansible_playbook(ONE_HOST, "playbooks/deploy.yml")
     assert result.returncode != 0, result.describe()
-    assert "18100" in result.stdout, result.describe()
+    assert "18100" in result.stdout + result.stderr, result.describe()
     assert_nothing_written(n1)
 
 
@@ -33,5 +33,5 @@ def test_a_missing_model_directory_fails_before_any_unit_is_written(host_pool):
     (n1,) = host_pool.up(1, seed=False)  # no /models/tiny-qwen3-vl on this host
     result = ansible_playbook(ONE_HOST, "playbooks/deploy.yml")
     assert result.returncode != 0, result.describe()
-    assert "/models/tiny-qwen3-vl" in result.stdout, result.describe()
+    assert "/models/tiny-qwen3-vl" in result.stdout + result.stderr, result.describe()
     assert_nothing_written(n1)
