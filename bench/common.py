@@ -90,6 +90,7 @@ class RunRecord:
     notes: list[str] = field(default_factory=list)
     results: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
+    loadavg_at_end: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     @classmethod
     def start(cls, section: str) -> RunRecord:
@@ -101,6 +102,7 @@ class RunRecord:
         )
 
     def save(self, out_dir: Path | None = None) -> Path:
+        self.loadavg_at_end = os.getloadavg()
         out_dir = out_dir or RESULTS_DIR
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{self.section}.json"

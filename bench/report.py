@@ -18,10 +18,13 @@ SECTIONS = ("router_overhead", "preprocess", "ve_placement", "pd_placement", "pd
 
 def provenance(rec: dict) -> str:
     m = rec["machine"]
-    load = ", ".join(f"{x:.2f}" for x in m["loadavg_at_start"])
+    load = ", ".join(f"{x:.1f}" for x in m["loadavg_at_start"])
+    end = rec.get("loadavg_at_end")
+    if end:
+        load += f" (1-min load {end[0]:.1f} at the end)"
     return (f"Command: `{rec['command']}` · run {rec['started_utc']} · {rec['wall_s']:.0f} s wall · "
             f"machine: {m['nproc']} CPUs ({m['cpu_model']}), Python {m['python']}, "
-            f"load average at start {load} · single run")
+            f"load average at start {load}, {m['other_processes_busy']} other runnable processes · single run")
 
 
 def f(x, nd=1) -> str:

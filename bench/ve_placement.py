@@ -292,6 +292,60 @@ def run(p: SimParams, zipf_values: Sequence[float], bound: float, what_if: Seque
     return out
 
 
+SWEEP_UTILISATION = (0.3, 0.5, 0.7, 0.85)
+
+
+def sweep(p: SimParams, zipf_values: Sequence[float], bound: float, what_if: Sequence[float]) -> dict:
+    """Hit rate (% of ceiling) and balance vs offered load: the bound reacts to in-flight work,
+    so its behaviour depends on how busy the pool is."""
+    out: dict = {}
+    for s in zipf_values:
+        w0 = make_workload(p, s)
+        ceiling = ceiling_hit_rate(w0, p)
+        rows: dict = {}
+        for u in SWEEP_UTILISATION:
+            pu = SimParams(**{**p.__dict__, "target_utilisation": u})
+            w = with_arrivals(w0, pu, ceiling)
+            pols = policies(pu, bound, what_if)
+            for name in list(pols):
+                if name.startswith(("round-robin", "random")):
+                    del pols[name]
+            for name, pol in pols.items():
+                r = simulate(w, pu, pol, ceiling)
+                rows.setdefault(name, []).append(
+                    {"utilisation": u, "hit_rate_vs_ceiling": r.hit_rate_vs_ceiling,
+                     "max_mean_items": r.max_mean_items, "max_mean_busy": r.max_mean_busy,
+                     "encode_wait_p99_ms": r.encode_wait_p99_ms})
+        out[str(s)] = rows
+    return out
+
+
+def plot_sweep(sw: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2 * len(sw), figsize=(6 * len(sw), 3.8), squeeze=False)
+    for j, (z, rows) in enumerate(sw.items()):
+        a_hit, a_bal = axes[0][2 * j], axes[0][2 * j + 1]
+        for name, pts in rows.items():
+            us = [pt["utilisation"] for pt in pts]
+            style = "--" if name.startswith("what-if") else "-"
+            a_hit.plot(us, [100 * pt["hit_rate_vs_ceiling"] for pt in pts], style, marker="o", label=name)
+            a_bal.plot(us, [pt["max_mean_items"] for pt in pts], style, marker="o", label=name)
+        a_hit.axhline(95, color="grey", linestyle=":")
+        a_bal.axhline(1.25, color="grey", linestyle=":")
+        a_hit.set_title(f"Zipf s={z}: hit rate, % of ceiling", fontsize=9)
+        a_bal.set_title(f"Zipf s={z}: max/mean items per VE", fontsize=9)
+        for ax in (a_hit, a_bal):
+            ax.set_xlabel("offered load (fraction of VE capacity)")
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(results: dict, path) -> None:
     import matplotlib
 
@@ -337,6 +391,8 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     ap.add_argument("--what-if-slack", type=float, nargs="*", default=[],
                     help="also run bench-only variants of the bound with this many items of slack")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--sweep", action="store_true",
+                    help=f"also sweep offered load {SWEEP_UTILISATION} (reference, ours, what-ifs)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
@@ -347,6 +403,8 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
         target_utilisation=args.utilisation, seed=args.seed,
     )
     rec.results = run(p, args.zipf, args.bound, args.what_if_slack)
+    if args.sweep:
+        rec.results["sweep"] = sweep(p, args.zipf, args.bound, args.what_if_slack)
     rec.notes.append(
         "Discrete-event simulation: placement decisions are the router's real code "
         "(epd_kit.router.placement.place_items, epd_kit.hrw.pick); clock, arrivals, catalogue, "
@@ -360,6 +418,8 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     if not args.no_plot:
         IMG_DIR.mkdir(parents=True, exist_ok=True)
         plot(rec.results, (out_dir or IMG_DIR) / "bench-ve-placement.png")
+        if args.sweep:
+            plot_sweep(rec.results["sweep"], (out_dir or IMG_DIR) / "bench-ve-placement-load.png")
     print_table(rec.results)
     print(f"wrote {path} in {rec.wall_s:.1f} s")
     return rec
