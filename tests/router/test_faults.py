@@ -126,6 +126,22 @@ def test_kill_a_pd_under_load(make_stack, oracle):
     assert pools["epd-pd-0"]["healthy"] is False and pools["epd-pd-0"]["failures"] >= 1
     assert pools["epd-pd-0"]["inflight"] == 0
 
+    # a stream that already started when its PD dies ends with one error frame, then [DONE]
+    body = {"model": "m", "messages": [{"role": "user", "content": "long story"}], "max_tokens": 300,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert '"role":"assistant"' in first
+        busy = [e for e, p in router.pools().items() if p["role"] == "pd" and p["inflight"] == 1]
+        assert len(busy) == 1
+        next(pd for pd in stack.pds if pd.engine_id == busy[0]).kill()
+        events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])
+    assert error["error"]["code"] == 502 and f"PD {busy[0]}" in error["error"]["message"]
+    assert all("error" not in json.loads(e) for e in events[:-2])
+
 
 def test_kill_a_ve_under_load(make_stack, oracle):
     ve_env = {"EPD_SIM_EXTRA_LATENCY_MS": "15"}

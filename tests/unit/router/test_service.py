@@ -99,6 +99,12 @@ async def test_draining_pd_gets_no_new_work(tmp_path):
     # engines survive the reload with their counters: in-flight work is still accounted
     pd0 = svc.pools.by_id()["epd-pd-0"]
     assert pd0.inflight == (1 if held.id == "epd-pd-0" else 0)
+    cfg["endpoints"]["pd"].append({"id": "epd-pd-2", "url": "http://127.0.0.1:4"})
+    path.write_text(yaml.safe_dump(cfg))
+    assert svc.reload()
+    added = svc.pools.by_id()["epd-pd-2"]
+    assert added.healthy is False  # unknown until its first probe answers
+    assert svc.pools.by_id()["epd-pd-1"].healthy is True  # survivors keep their state
     path.write_text("endpoints: [")
     assert not svc.reload()
     assert svc.pools.by_id()["epd-pd-0"].state.value == "draining"
