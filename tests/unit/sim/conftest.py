@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 # Test the code of this checkout even if the shared venv's editable install points elsewhere.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "router"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "router"))
 
 import json  # noqa: E402
 
