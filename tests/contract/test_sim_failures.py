@@ -3,6 +3,7 @@ sim, with its message and its exit behaviour."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -23,7 +24,7 @@ from sim_harness import (
 
 from epd_kit.sim.client import build_prompt, fake_image, pd_body, ve_body
 from epd_kit.sim.model import expected_tokens
-from epd_kit.wire import GenerateResponse
+from epd_kit.wire import GenerateResponse, split_sse, sse_data
 
 
 def _encode(url: str, images) -> dict:
@@ -183,9 +184,16 @@ def test_missing_locator_is_ec_load_failure(launcher: Launcher, checkpoint,
     pd = start_pd(launcher, str(checkpoint.path))
     a = fake_image((1, 8, 8), 101, checkpoint.vision)
     prompt, phs = build_prompt([a], image_token_id)
-    r = httpx.post(pd.url + "/inference/v1/generate",
-                   json=pd_body(prompt, [a], phs, {}), timeout=10)
-    assert r.status_code == 500 and "ECLoadFailure" in r.text
+    body = pd_body(prompt, [a], phs, {}, stream=True, include_usage=True)
+    with httpx.stream("POST", pd.url + "/inference/v1/generate", json=body, timeout=10) as r:
+        assert r.status_code == 200  # headers go out before the load fails...
+        raw = b"".join(r.iter_bytes())
+    events, _ = split_sse(raw)
+    assert [sse_data(e) for e in events][-1] == b"[DONE]"  # ...then an error frame, [DONE]
+    error = json.loads(sse_data(events[0]))["error"]
+    assert error["code"] == 500
+    assert error["message"] == (f"ECLoadFailure: Encoder-cache load failed for mm_hashes: "
+                                f"['{a.mm_hash}']")
     _assert_died(pd, [f"Encoder-cache load failed for mm_hashes: ['{a.mm_hash}']"])
 
 
