@@ -86,6 +86,45 @@ def test_fuzz_structured_requests(http, body):
     check(http.post("/v1/chat/completions", content=json.dumps(body)))
 
 
+IMAGES = [png_data_url(64 + 48 * i, 48 + 32 * i, seed=i) for i in range(3)]
+valid_part = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=30)}),
+    st.sampled_from(IMAGES).map(lambda u: {"type": "image_url", "image_url": {"url": u}}),
+)
+valid_request = st.fixed_dictionaries(
+    {"messages": st.lists(st.fixed_dictionaries({
+        "role": st.sampled_from(["user", "system", "assistant"]),
+        "content": st.one_of(st.text(max_size=40), st.lists(valid_part, min_size=1, max_size=4)),
+    }), min_size=1, max_size=3)},
+    optional={
+        "max_tokens": st.integers(1, 32),
+        "temperature": st.floats(0, 2),
+        "top_p": st.floats(0.01, 1),
+        "top_k": st.integers(-1, 50),
+        "n": st.just(1),
+        "seed": st.integers(0, 2**31),
+        "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3),
+        "stop_token_ids": st.lists(st.integers(0, 900), max_size=3),
+        "ignore_eos": st.booleans(),
+        "skip_special_tokens": st.booleans(),
+        "add_generation_prompt": st.booleans(),
+        "stream": st.booleans(),
+    },
+).map(lambda b: {**b, "max_tokens": b.get("max_tokens", 8)})
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(body=valid_request)
+def test_fuzz_valid_requests_succeed(http, body):
+    """Well-formed requests (text, images, sampling knobs, streaming) are answered: 200, or a
+    400 only for content the model cannot take (e.g. a system message that is not first)."""
+    resp = http.post("/v1/chat/completions", json=body)
+    check(resp)
+    if resp.status_code == 400:
+        assert "messages" in (resp.json()["error"]["param"] or ""), resp.text
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(raw=st.one_of(st.binary(max_size=200), json_value.map(lambda v: json.dumps(v).encode())))
 def test_fuzz_raw_bodies(http, raw):

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
 from pathlib import Path
 
 import uvicorn
@@ -82,14 +81,3 @@ def make_server(
         timeout_keep_alive=30,
     )
     return RouterServer(uv, app.state.service)
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening socket (port 0 = ephemeral), so callers can learn the port first."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
