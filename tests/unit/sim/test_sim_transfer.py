@@ -117,3 +117,29 @@ def test_items_are_spread_over_dp_replicas() -> None:
     assert spread_over_replicas([1024, 1024, 512, 512], 4) == [1024, 1024, 512, 512]
     assert spread_over_replicas([1024, 512, 512], 2) == [1024, 1024]
     assert spread_over_replicas([], 4) == [0, 0, 0, 0]
+
+
+async def test_ve_encodes_one_request_at_a_time_and_hits_skip_the_encode(tiny_ckpt) -> None:
+    ve = await _ve(tiny_ckpt)
+    ve.profile = dataclasses.replace(ZERO, encode_ms_per_1k_patches=1600.0)  # 16 patches = 25 ms
+    try:
+        a, b = fake_image((1, 4, 4), 7), fake_image((1, 4, 4), 8)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        waiting_seen = []
+
+        async def watch() -> None:
+            while True:
+                waiting_seen.append(ve._waiting)
+                await asyncio.sleep(0.002)
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.gather(_encode(ve, [a]), _encode(ve, [b]))
+        watcher.cancel()
+        assert loop.time() - t0 >= 0.045  # serialized: 2 x 25 ms
+        assert max(waiting_seen) == 1
+        t1 = loop.time()
+        await _encode(ve, [a, b])  # both resident: no encode time at all
+        assert loop.time() - t1 < 0.02
+    finally:
+        await ve.stop()
