@@ -34,8 +34,8 @@ class PdParams:
     max_num_seqs: int = 8
     prompt_tokens: int = 40
     prefill_ms_per_1k_tokens: float = 250.0
-    decode_ms_per_token: float = 2.0
-    decode_ms_per_extra_seq: float = 0.02
+    decode_ms_per_token: float = 10.0
+    decode_ms_per_extra_seq: float = 0.0
     min_tokens: int = 16
     max_tokens: int = 1024
     utilisation: float = 0.9  # offered requests/s / capacity_rps()
