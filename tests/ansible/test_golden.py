@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ansible.conftest import REPO
+from tests.ansible.helpers import REPO
 from tests.ansible.systemd_expand import service_command
 
 pytestmark = pytest.mark.ansible

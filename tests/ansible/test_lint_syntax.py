@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ansible.conftest import BIN, REPO, playbook, run
+from tests.ansible.helpers import BIN, REPO, playbook, run
 
 pytestmark = pytest.mark.ansible
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.ansible.conftest import BIN, INVENTORIES, INVENTORY_IDS, inventory_hostvars, load_planner
+from tests.ansible.helpers import BIN, INVENTORIES, INVENTORY_IDS, inventory_hostvars, load_planner
 from tests.ansible.systemd_expand import expand_specifiers, parse_unit, service_command
 
 pytestmark = pytest.mark.ansible
