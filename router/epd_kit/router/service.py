@@ -426,10 +426,13 @@ class RouterService:
                         503, f"not ready: {self.not_ready_reason()}", retry_after=self.retry_after_s()
                     )
                 by_id = {e.id: e for e in eligible}
+                # all configured ids in config order keep the round-robin cursor stable
+                # while engines come and go; ineligible ones are excluded
                 pick = self.rr.choose_pd(
-                    [e.id for e in pools.pd if e.id in by_id],
-                    {e.id: e.inflight for e in eligible},
+                    [e.id for e in pools.pd],
+                    {e.id: e.inflight for e in pools.pd},
                     placement.pd_max_inflight,
+                    exclude={e.id for e in pools.pd if e.id not in by_id},
                 )
                 if pick is not None:
                     engine = by_id[pick]
@@ -638,6 +641,7 @@ class RouterService:
         usage_sent = False
         first_sent = False
         ok = False
+        client_left = False
         t = time.monotonic()
 
         def frame(doc: dict) -> bytes:
@@ -713,17 +717,21 @@ class RouterService:
             yield err.sse_frame(ctx.request_id)
         except RouterError as err:
             yield err.sse_frame(ctx.request_id)
+        except (asyncio.CancelledError, GeneratorExit):
+            client_left = True  # the client disconnected: Starlette cancels or closes the body
+            raise
         except Exception:
             log.exception("stream translation failed", extra={"request_id": ctx.request_id})
             yield RouterError(500, "internal error in the router while streaming").sse_frame(ctx.request_id)
         finally:
             await self.close_stream(pd)
             log.info(
-                "stream done" if ok else "stream ended with an error",
+                "stream done" if ok else ("client left" if client_left else "stream ended with an error"),
                 extra={"request_id": ctx.request_id, "engine": pd.engine.id,
                        "duration_s": round(time.monotonic() - ctx.t0, 4)},
             )  # fmt: skip
             self.metrics.pd.observe(time.monotonic() - t)
-            self.metrics.requests.labels("200" if ok else "stream_error").inc()
+            status = "200" if ok else ("client_closed" if client_left else "stream_error")
+            self.metrics.requests.labels(status).inc()
             self.metrics.latency.observe(time.monotonic() - ctx.t0)
         yield b"data: [DONE]\n\n"
