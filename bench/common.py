@@ -91,23 +91,33 @@ class RunRecord:
     results: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
     loadavg_at_end: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    revision: str = ""
 
     @classmethod
     def start(cls, section: str) -> RunRecord:
         return cls(
             section=section,
-            command=" ".join([Path(sys.executable).name, "-m", f"bench.{section}", *sys.argv[1:]]),
+            command=" ".join([_python_name(), "-m", f"bench.{section}", *sys.argv[1:]]),
             started_utc=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             machine=Machine.describe(),
         )
 
     def save(self, out_dir: Path | None = None) -> Path:
         self.loadavg_at_end = os.getloadavg()
+        self.revision = git_revision()
         out_dir = out_dir or RESULTS_DIR
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{self.section}.json"
         path.write_text(json.dumps(_plain(self), indent=1) + "\n")
         return path
+
+
+def _python_name() -> str:
+    exe = Path(sys.executable)
+    try:
+        return str(exe.relative_to(REPO))  # .venv/bin/python
+    except ValueError:
+        return exe.name
 
 
 def git_revision() -> str:

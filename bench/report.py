@@ -22,7 +22,8 @@ def provenance(rec: dict) -> str:
     end = rec.get("loadavg_at_end")
     if end:
         load += f" (1-min load {end[0]:.1f} at the end)"
-    return (f"Command: `{rec['command']}` · run {rec['started_utc']} · {rec['wall_s']:.0f} s wall · "
+    return (f"Command: `{rec['command']}` · run {rec['started_utc']} at {rec.get('revision') or '?'} · "
+            f"{rec['wall_s']:.0f} s wall · "
             f"machine: {m['nproc']} CPUs ({m['cpu_model']}), Python {m['python']}, "
             f"load average at start {load}, {m['other_processes_busy']} other runnable processes · single run")
 
