@@ -64,13 +64,17 @@ def _resolve(config_path, model, ve_endpoints, pd_endpoints, host, port, ve_time
 
 
 def _serve(log_level: str, **kwargs) -> None:
+    from epd_kit.router.signals import EarlySignals
+
+    early = EarlySignals().install()  # before the slow imports and checkpoint loading
+
     from epd_kit.router.logs import setup_logging
     from epd_kit.router.server import make_server
 
     setup_logging(log_level.upper())
     try:
         cfg = _resolve(**kwargs)
-        server = make_server(cfg, config_path=kwargs["config_path"])
+        server = make_server(cfg, config_path=kwargs["config_path"], early=early)
     except ConfigError as exc:
         click.echo(f"epd-router: {exc}", err=True)
         sys.exit(2)

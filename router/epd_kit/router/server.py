@@ -19,14 +19,18 @@ from epd_kit.router.app import create_app
 from epd_kit.router.config import RouterConfig
 from epd_kit.router.rendering import Renderer
 from epd_kit.router.service import RouterService
+from epd_kit.router.signals import EarlySignals
 
 log = logging.getLogger("epd_router.server")
 
 
 class RouterServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, service: RouterService) -> None:
+    def __init__(
+        self, config: uvicorn.Config, service: RouterService, early: EarlySignals | None = None
+    ) -> None:
         super().__init__(config)
         self.service = service
+        self.early = early
         self._drain_task: asyncio.Task | None = None
 
     @contextlib.contextmanager
@@ -39,6 +43,12 @@ class RouterServer(uvicorn.Server):
         except (RuntimeError, ValueError):  # not the main thread (tests): no signals
             yield
             return
+        for sig in self.early.received if self.early else ():
+            log.info("replaying a signal received during startup", extra={"signal": signal.Signals(sig).name})
+            if sig == signal.SIGHUP:
+                self.service.reload()
+            else:
+                self.begin_shutdown(sig)
         try:
             yield
         finally:
@@ -68,6 +78,7 @@ def make_server(
     *,
     config_path: Path | None = None,
     renderer: Renderer | None = None,
+    early: EarlySignals | None = None,
 ) -> RouterServer:
     app = create_app(cfg, renderer, config_path=config_path)
     uv = uvicorn.Config(
@@ -80,4 +91,4 @@ def make_server(
         timeout_graceful_shutdown=5,
         timeout_keep_alive=30,
     )
-    return RouterServer(uv, app.state.service)
+    return RouterServer(uv, app.state.service, early)
