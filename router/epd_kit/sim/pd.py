@@ -142,6 +142,7 @@ class PrefillDecodeEngine:
         self._task: asyncio.Task[None] | None = None
         self._loads: set[asyncio.Task[None]] = set()
         self.dead: BaseException | None = None
+        self._warned_kv_params = False
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="pd-engine-loop")
@@ -159,6 +160,12 @@ class PrefillDecodeEngine:
     def submit(self, seq: Sequence) -> None:
         if self.dead is not None:
             raise EngineDeadError(f"engine core is dead: {self.dead}")
+        if seq.locators and not self._warned_kv_params:
+            # vLLM logs this per request (the locators ride in kv_transfer_params, contract
+            # §3.1); the sim logs it once so a busy PD's log stays readable.
+            log.warning("Got kv_transfer_params, but no KVConnector found. Disabling "
+                        "KVTransfer for this request. (logged once)")
+            self._warned_kv_params = True
         self.waiting.append(seq)
         self._gauges()
         self._wake.set()

@@ -143,3 +143,22 @@ async def test_ve_encodes_one_request_at_a_time_and_hits_skip_the_encode(tiny_ck
         assert loop.time() - t1 < 0.02
     finally:
         await ve.stop()
+
+
+async def test_duplicate_engine_id_reads_the_wrong_ve_and_is_detected(tiny_ckpt) -> None:
+    """Two VEs sharing an engine_id: the PD's cached handshake sends every READ to the first."""
+    ve1, ve2 = await _ve(tiny_ckpt), await _ve(tiny_ckpt)
+    try:
+        a, b = fake_image((1, 4, 4), 9), fake_image((1, 4, 4), 10)
+        loc_a, loc_b = await _encode(ve1, [a]), await _encode(ve2, [b])
+        assert loc_a[a.mm_hash].engine_id == loc_b[b.mm_hash].engine_id
+        assert loc_a[a.mm_hash].port != loc_b[b.mm_hash].port
+        loader = _loader(tiny_ckpt)
+        await loader.load(loc_a)
+        with pytest.raises(ECLoadFailure) as err:
+            await loader.load(loc_b)
+        assert "does not hold" in err.value.cause
+        assert ve2.side_channel.reads_served == 0
+    finally:
+        await ve1.stop()
+        await ve2.stop()
