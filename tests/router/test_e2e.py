@@ -176,3 +176,22 @@ def test_unknown_route_and_method_are_enveloped(stack):
     assert r.status_code == 404 and "no route /v1/nothing" in r.json()["error"]["message"]
     r = httpx.get(stack.router.url + "/v1/chat/completions")
     assert r.status_code == 405 and r.json()["error"]["message"]
+
+
+def test_repeated_image_hits_the_same_ve_cache(stack, oracle):
+    """HRW affinity: the same content hash lands on the same VE, whose encoder cache hits."""
+    def hits() -> dict[str, float]:
+        return {ve.engine_id: metric(httpx.get(ve.url + "/metrics").text, "vllm:encoder_cache_hits_total")
+                for ve in stack.ves}
+
+    messages = [user_message("What is this?", image_part(png_data_url(288, 256, seed=77)))]
+    c = client(stack)
+    before = hits()
+    served_before = {k: v["served"] for k, v in stack.router.pools().items()}
+    for _ in range(3):
+        check_completion(c.chat.completions.create(model="tiny", messages=messages, max_tokens=8), oracle, messages, 8)
+    after = hits()
+    served = {k: v["served"] - served_before[k] for k, v in stack.router.pools().items() if k.startswith("epd-ve")}
+    assert sorted(served.values()) == [0, 0, 3]  # one VE did all three encodes
+    owner = max(served, key=served.get)
+    assert after[owner] - before[owner] == 2  # the 2nd and 3rd were cache hits
