@@ -99,7 +99,8 @@ def create_app(
             _auth(request)
             body = await _read_body(request, service.cfg.limits.max_body_bytes)
             try:
-                data = json.loads(body)
+                # big bodies (inline images) parse off the event loop
+                data = await asyncio.to_thread(json.loads, body) if len(body) > 1 << 20 else json.loads(body)
             except (ValueError, UnicodeDecodeError) as exc:
                 raise RouterError(400, f"request body is not valid JSON: {exc}") from None
             chat = parse_request(data)
