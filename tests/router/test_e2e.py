@@ -195,3 +195,10 @@ def test_repeated_image_hits_the_same_ve_cache(stack, oracle):
     assert sorted(served.values()) == [0, 0, 3]  # one VE did all three encodes
     owner = max(served, key=served.get)
     assert after[owner] - before[owner] == 2  # the 2nd and 3rd were cache hits
+
+
+def test_image_over_the_patch_budget_is_downscaled(stack, oracle):
+    messages = [user_message("Big one.", image_part(png_data_url(1400, 900, seed=9)))]
+    resp = client(stack).chat.completions.create(model="tiny", messages=messages, max_tokens=8)
+    rendered = check_completion(resp, oracle, messages, 8)
+    assert rendered.items[0].num_patches <= 1024  # limits.max_image_patches default
