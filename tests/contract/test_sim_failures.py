@@ -106,8 +106,8 @@ def test_missing_efa_env_times_out_the_read_and_kills_pd(launcher: Launcher, pai
                                                         checkpoint, image_token_id, side) -> None:
     model = str(checkpoint.path)
     if side == "ve":  # both engines come up healthy: nothing complains before a request
-        ve_url = start_pair(launcher, model, ve_env=engine_env(VE_CORES, efa=False)).ve.url
-        pd = start_pd(launcher, model)
+        broken = start_pair(launcher, model, ve_env=engine_env(VE_CORES, efa=False))
+        ve_url, pd = broken.ve.url, broken.pd
     else:
         ve_url, pd = pair.ve.url, start_pd(launcher, model, engine_env(PD_CORES, efa=False))
     a = fake_image((1, 8, 8), 61 if side == "ve" else 62, checkpoint.vision)
