@@ -39,6 +39,7 @@ PROMPT = "Describe the picture in one short sentence, then list three colours yo
 MAX_TOKENS = 16
 KINDS = ("text", "image-repeated", "image-distinct")
 CONFIGS = ("direct", "floor", "router")
+EC_TRANSFER_TIMEOUT_S = 30.0
 
 
 def jpeg_variant(jpeg: bytes, n: int) -> bytes:
@@ -335,8 +336,12 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     ckpt = build_tiny_checkpoint(work / "checkpoint")
     eng_cpu = args.loadgen_cpu or None
     proxy_cpu = args.proxy_cpu or None
-    ve = engine_proc("ve", 0, ckpt, work).start(eng_cpu)
-    pd = engine_proc("pd", 0, ckpt, work).start(eng_cpu)
+    # The sim serves embedding READs from the VE's event loop, which also parses the 8 MB
+    # image bodies; on one shared core a READ can wait > 1 s (the connector's default
+    # transfer_timeout_sec) and the PD dies with ECLoadFailure, as a real PD would.
+    ec_extra = {"transfer_timeout_sec": EC_TRANSFER_TIMEOUT_S}
+    ve = engine_proc("ve", 0, ckpt, work, ec_extra=ec_extra).start(eng_cpu)
+    pd = engine_proc("pd", 0, ckpt, work, ec_extra=ec_extra).start(eng_cpu)
     procs: list[Proc] = [ve, pd]
     try:
         ve.wait_healthy()
@@ -380,11 +385,17 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
                         router, wl, ports, 16, n_max, args.cell_seconds, out / f"profile-router-{kind}")
         rec.notes.append(
             f"loadgen + sim engines pinned to CPU {args.loadgen_cpu}, epd-router and the floor proxy "
-            f"to CPU {args.proxy_cpu} (taskset); sim profile 'zero'; non-streaming, max_tokens "
+            f"to CPU {args.proxy_cpu} (taskset); sim profile 'zero'; engines' transfer_timeout_sec "
+            f"{EC_TRANSFER_TIMEOUT_S:g} (default 1); non-streaming, max_tokens "
             f"{MAX_TOKENS}; single run; each cell bounded by count and {args.cell_seconds} s")
     finally:
         for p in reversed(procs):
             p.stop()
+        logs = (args.out_dir or RESULTS_DIR) / "logs-router_overhead"
+        shutil.rmtree(logs, ignore_errors=True)
+        logs.mkdir(parents=True, exist_ok=True)
+        for log in work.glob("*.log"):
+            shutil.copy(log, logs / log.name)
         shutil.rmtree(work, ignore_errors=True)
     rec.wall_s = time.perf_counter() - t_start
     path = rec.save(args.out_dir)

@@ -8,6 +8,7 @@ them), with the `sim` backend and ports from `free_port()`; `--sim-*` flags are 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -33,6 +34,7 @@ def planner() -> ModuleType:
 def engine_proc(
     role: str, index: int, checkpoint: Path, work_dir: Path, *, max_num_seqs: int = 8,
     images_per_prompt: int = 4, sim_flags: list[str] | None = None,
+    ec_extra: dict | None = None,
 ) -> Proc:
     """One sim engine exactly as the kit would run it (planner argv + env), on a free port."""
     topo = planner()
@@ -47,6 +49,11 @@ def engine_proc(
     side = free_port() if role == "ve" else None
     argv = topo.serve_argv(settings, role, engine_id, "127.0.0.1", port, side)
     argv[0] = str(VENV_BIN / "epd-sim")
+    if ec_extra:  # connector knobs (contract §6.3 ec_connector_extra_config), e.g. transfer_timeout_sec
+        i = argv.index("--ec-transfer-config") + 1
+        ec = json.loads(argv[i])
+        ec["ec_connector_extra_config"].update(ec_extra)
+        argv[i] = json.dumps(ec)
     argv += ["--disable-uvicorn-access-log", *(sim_flags or ["--sim-profile", "zero"])]
     tp = settings.tp(role)
     env = topo.engine_env(settings, list(range(index * tp, index * tp + tp)))
