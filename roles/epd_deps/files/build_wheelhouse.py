@@ -53,7 +53,8 @@ def run(argv: list[str]) -> None:
 
 
 def build(repo: Path, target: Path, pins: list[str]) -> None:
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
+    # fail fast without an index (e.g. inside the test network namespace) instead of retrying for minutes
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "--retries", "1", "--timeout", "15"]
     with tempfile.TemporaryDirectory(prefix="epd-wheelhouse-") as tmp:
         wheels = Path(tmp) / "wheels"
         # build from a copy so the repository gets no build/ or egg-info litter
@@ -77,6 +78,7 @@ def main() -> int:
     parser.add_argument("--repo", type=Path, required=True)
     parser.add_argument("--cache", type=Path, required=True)
     parser.add_argument("--pin", action="append", default=[])
+    parser.add_argument("--keep", type=int, default=3, help="archives kept in the cache (newest first)")
     args = parser.parse_args()
     repo = args.repo.resolve()
     key = wheelhouse_key(repo, args.pin)
@@ -89,6 +91,10 @@ def main() -> int:
         if not archive.exists():
             build(repo, archive, args.pin)
             changed = True
+        # keep the cache bounded: the newest few archives (other checkouts may still use them)
+        archives = sorted(args.cache.glob("epd-wheelhouse-*.tar"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in [p for p in archives if p != archive][max(args.keep - 1, 0):]:
+            old.unlink(missing_ok=True)
     print(json.dumps({"key": key, "archive": str(archive), "changed": changed,
                       "python": f"{sys.version_info.major}.{sys.version_info.minor}"}))
     return 0
