@@ -235,5 +235,8 @@ class Stack:
 
     def stop(self) -> None:
         self.router.stop()
-        for engine in self.ves + self.pds:
+        engines = [e for e in self.ves + self.pds if e.proc and e.proc.poll() is None]
+        for engine in engines:  # signal all first, then wait: teardown in parallel
+            engine.proc.terminate()
+        for engine in engines:
             engine.stop()
