@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import subprocess
 
@@ -100,16 +101,25 @@ def test_reference_flags_drop_in(engines, ckpt, oracle):
         log.close()
 
 
-def test_upstream_timeout_is_504_naming_stage_and_engine(engines, ckpt):
+def test_saturation_429_and_upstream_timeout_504(engines, ckpt):
     ve, _, d = engines
     hung = SimEngine("pd", "epd-pd-hung", ckpt, d, {"EPD_SIM_HANG_AFTER": "0"}).start()
     try:
         hung.wait_healthy()
         router = RouterProc(d / "hang.yaml", d / "hang.log", free_port())
-        router.write_config(router_config(ckpt, [ve], [hung], router.port, timeouts={"pd_s": 0.5}))
+        router.write_config(router_config(ckpt, [ve], [hung], router.port, timeouts={"pd_s": 1.5},
+                                          placement={"pd_max_inflight": 1, "queue_size": 0},
+                                          health={"failure_threshold": 10}))  # keep it in rotation
         router.start()
         try:
             body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                first = pool.submit(httpx.post, router.url + "/v1/chat/completions", json=body, timeout=20)
+                wait_until(lambda: router.pools()["epd-pd-hung"]["inflight"] == 1, 10, "PD slot taken")
+                busy = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=20)
+                assert busy.status_code == 429 and int(busy.headers["retry-after"]) >= 1
+                assert "wait queue is full" in busy.json()["error"]["message"]
+                assert first.result(timeout=20).status_code == 504
             for stream in (False, True):
                 r = httpx.post(router.url + "/v1/chat/completions", json={**body, "stream": stream}, timeout=20)
                 assert r.status_code == 504, r.text
