@@ -306,10 +306,19 @@ class RouterService:
                     retry_after=self.retry_after_s(),
                 ) from None  # fmt: skip
             groups = group_by_ve(placement)
-            results = await asyncio.gather(
-                *(self._encode_on(eligible[ve], [by_hash[h] for h in hashes], ctx) for ve, hashes in groups.items()),
-                return_exceptions=True,
-            )  # fmt: skip
+            work = {ve: sum(by_hash[h].length for h in hashes) for ve, hashes in groups.items()}
+            for ve in groups:  # reserve in the same step as the choice (reload/drain see it)
+                eligible[ve].inflight += 1
+                eligible[ve].inflight_work += work[ve]
+            try:
+                results = await asyncio.gather(
+                    *(self._encode_on(eligible[ve], [by_hash[h] for h in hashes], ctx) for ve, hashes in groups.items()),
+                    return_exceptions=True,
+                )  # fmt: skip
+            finally:
+                for ve in groups:
+                    eligible[ve].inflight -= 1
+                    eligible[ve].inflight_work -= work[ve]
             pending = []
             for (ve, hashes), result in zip(groups.items(), results, strict=True):
                 if isinstance(result, UpstreamError):
@@ -373,27 +382,21 @@ class RouterService:
     async def _encode_on(
         self, engine: Engine, items: list[PreparedItemLike], ctx: RequestContext
     ) -> dict[str, EcLocator]:
+        """One encode POST; the caller accounts `engine`'s in-flight work around it."""
         body = upstream.ve_request_body(ctx.request_id, engine.id, items)
-        work = sum(i.length for i in items)
         timeout = httpx.Timeout(self.cfg.timeouts.ve_s, connect=self.cfg.timeouts.connect_s)
-        engine.inflight += 1
-        engine.inflight_work += work
         try:
-            try:
-                resp = await self.client.post(upstream.generate_url(engine), json=body, timeout=timeout)
-            except httpx.HTTPError as exc:
-                raise self._engine_error(upstream.classify_exception(exc, engine), engine) from None
-            if resp.status_code != 200:
-                raise self._engine_error(upstream.classify_status(resp, engine), engine)
-            try:
-                locators = upstream.parse_ve_response(resp, engine, [i.mm_hash for i in items])
-            except UpstreamError as err:
-                raise self._engine_error(err, engine) from None
-            engine.served += 1
-            return locators
-        finally:
-            engine.inflight -= 1
-            engine.inflight_work -= work
+            resp = await self.client.post(upstream.generate_url(engine), json=body, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise self._engine_error(upstream.classify_exception(exc, engine), engine) from None
+        if resp.status_code != 200:
+            raise self._engine_error(upstream.classify_status(resp, engine), engine)
+        try:
+            locators = upstream.parse_ve_response(resp, engine, [i.mm_hash for i in items])
+        except UpstreamError as err:
+            raise self._engine_error(err, engine) from None
+        engine.served += 1
+        return locators
 
     def _engine_error(self, err: UpstreamError, engine: Engine) -> UpstreamError:
         if err.engine_failed:
