@@ -386,7 +386,10 @@ class RouterService:
         body = upstream.ve_request_body(ctx.request_id, engine.id, items)
         timeout = httpx.Timeout(self.cfg.timeouts.ve_s, connect=self.cfg.timeouts.connect_s)
         try:
-            resp = await self.client.post(upstream.generate_url(engine), json=body, timeout=timeout)
+            resp = await self.client.post(
+                upstream.generate_url(engine), content=upstream.encode_body(body),
+                headers=upstream.JSON_HEADERS, timeout=timeout,
+            )  # fmt: skip
         except httpx.HTTPError as exc:
             raise self._engine_error(upstream.classify_exception(exc, engine), engine) from None
         if resp.status_code != 200:

@@ -160,6 +160,40 @@ def pd_request_body(
     return req.wire_dict()
 
 
+def encode_body(body: dict) -> bytes:
+    """JSON bytes of a generate body, with the multi-megabyte `kwargs_data` strings spliced
+    in verbatim instead of scanned by `json.dumps` (~5x cheaper on the event loop). Safe
+    because base64 needs no JSON escaping; any string that would is left to `json.dumps`."""
+    features = body.get("features") or {}
+    kwargs_data = features.get("kwargs_data") or {}
+    blobs: list[str] = []
+    marked: dict[str, list[str]] = {}
+    for modality, values in kwargs_data.items():
+        marked[modality] = []
+        for value in values:
+            if len(value) > 4096 and value.isascii() and '"' not in value and "\\" not in value:
+                marked[modality].append(f"@@epd-blob-{len(blobs)}@@")
+                blobs.append(value)
+            else:
+                marked[modality].append(value)
+    if not blobs:
+        return json.dumps(body, separators=(",", ":")).encode()
+    skeleton = {**body, "features": {**features, "kwargs_data": marked}}
+    text = json.dumps(skeleton, separators=(",", ":")).encode()
+    parts: list[bytes] = []
+    pos = 0
+    for i, blob in enumerate(blobs):
+        mark = f'"@@epd-blob-{i}@@"'.encode()
+        at = text.index(mark, pos)
+        parts += [text[pos:at], b'"', blob.encode("ascii"), b'"']
+        pos = at + len(mark)
+    parts.append(text[pos:])
+    return b"".join(parts)
+
+
+JSON_HEADERS = {"content-type": "application/json"}
+
+
 def generate_url(engine: Engine) -> str:
     return engine.url + GENERATE_PATH
 

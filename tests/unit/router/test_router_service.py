@@ -144,3 +144,19 @@ def test_pd_body_keeps_duplicates_and_carries_locators():
     assert text_only["features"] == {"mm_hashes": {}, "mm_placeholders": {}, "kwargs_data": {}}
     assert "stream" not in text_only
     assert text_only["sampling_params"]["extra_args"] == {"kv_transfer_params": {"ec_locator": {}}}
+
+
+def test_encode_body_splices_blobs_losslessly():
+    import base64
+    import json
+    import os
+
+    big = base64.b64encode(os.urandom(30_000)).decode()
+    odd = 'x"\\' * 2000 + "é"  # needs escaping: must go through json.dumps
+    items = [FakeItem("h1", 0, 4, big, "P"), FakeItem("h2", 4, 4, odd, "P"), FakeItem("h3", 8, 4, "small", "P")]
+    body = upstream.ve_request_body("rid", "epd-ve-0", items)
+    data = upstream.encode_body(body)
+    assert json.loads(data) == body
+    assert big.encode() in data
+    text_only = upstream.pd_request_body("r", [1], [], {"output_kind": 2}, {}, stream=False)
+    assert json.loads(upstream.encode_body(text_only)) == text_only
