@@ -55,6 +55,7 @@ class HttpResult:
     wrong_lengths: int
     error_examples: list[str]
     tpot_p50_ms: float  # observed decode time per token (sim nominal: --decode-ms)
+    router_cpu_ms_per_1k_tokens: float | None = None  # end-to-end pass only
 
 
 ROUTER = "epd-router"
@@ -165,7 +166,9 @@ def _print(name: str, r: HttpResult) -> None:
     print(f"HTTP {name:26s} TTFT p50 {r.ttft_p50_ms:8.1f} p99 {r.ttft_p99_ms:8.1f} ms "
           f"{r.throughput_rps:5.1f} req/s {r.tokens_per_s:6.0f} tok/s done {r.completed} "
           f"tpot {r.tpot_p50_ms:.1f} ms err {r.errors} {r.error_examples[:1]} wrong-len {r.wrong_lengths} "
-          f"lag {r.max_dispatch_lag_ms:.0f} ms per-PD {r.per_pd_requests}", flush=True)
+          f"lag {r.max_dispatch_lag_ms:.0f} ms per-PD {r.per_pd_requests}"
+          + (f" router CPU {r.router_cpu_ms_per_1k_tokens:.0f} ms/1k tokens" if r.router_cpu_ms_per_1k_tokens else ""),
+          flush=True)
 
 
 def _payloads(body: bytes) -> list[bytes]:
@@ -263,7 +266,10 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
             router.wait_healthy()
             _wait_ready(router)
             name = "least-outstanding inside epd-router (end to end)"
+            cpu0 = router.cpu_s()
             http[name] = asyncio.run(drive(p, None, pds, arrivals, lengths, prompt, args.deadline_s, router))
+            tokens = float(lengths[: http[name].completed].sum())
+            http[name].router_cpu_ms_per_1k_tokens = (router.cpu_s() - cpu0) * 1e3 / tokens * 1000
             _print(name, http[name])
     finally:
         for proc in reversed(procs):

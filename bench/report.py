@@ -144,7 +144,9 @@ def pd_placement(rec: dict) -> str:
             f"{100 * r['http']['p50_ttft_reduction']:.0f}%). Errors: "
             f"{sum(x['errors'] for x in h.values())}; observed decode ms/token p50: "
             + ", ".join(f"{x['tpot_p50_ms']:.1f}" for x in h.values())
-            + "; max dispatch lag: " + ", ".join(f"{x['max_dispatch_lag_ms']:.0f} ms" for x in h.values()), ""]
+            + "; max dispatch lag: " + ", ".join(f"{x['max_dispatch_lag_ms']:.0f} ms" for x in h.values())
+            + "".join(f"; epd-router CPU {x['router_cpu_ms_per_1k_tokens']:.0f} ms per 1,000 streamed tokens"
+                      for x in h.values() if x.get("router_cpu_ms_per_1k_tokens")), ""]
     if "des" in r:
         d = r["des"]
         out += [f"Discrete-event companion, same model and load, {d['params']['n_requests']} requests:", ""]
