@@ -35,6 +35,9 @@ from epd_kit.wire import EcLocator, iter_sse_payloads
 
 log = logging.getLogger("epd_router.service")
 
+# settings baked into the listener or the preprocessor at start; a reload keeps the old values
+RESTART_ONLY = ("model", "served_model_name", "quantization", "listen", "limits", "media")
+
 
 def _preprocess_error_types() -> tuple[type[BaseException], ...]:
     try:
@@ -139,12 +142,12 @@ class RouterService:
             self.metrics.reloads.labels("error").inc()
             log.error("config reload failed; keeping the running config", extra={"error": str(exc)})
             return False
-        for key in ("model", "quantization", "listen"):
+        for key in RESTART_ONLY:
             if getattr(new, key) != getattr(self.cfg, key):
                 log.warning(f"config reload: '{key}' changed; it takes effect only on restart")
         pools, removed = build_pools(new, self.pools)
         # one assignment each: a request sees either the old or the new snapshot
-        self.cfg = new.model_copy(update={k: getattr(self.cfg, k) for k in ("model", "quantization", "listen")})
+        self.cfg = new.model_copy(update={k: getattr(self.cfg, k) for k in RESTART_ONLY})
         self.pools = pools
         self.auth = ApiKeyChecker(keys)
         self.metrics.reloads.labels("ok").inc()
