@@ -7,7 +7,8 @@ Runs on the controller. The wheelhouse holds the kit's wheel, every dependency a
 and the pinned packages downloaded without their dependencies (the lean NIXL of
 test-hosts.md section E). It is keyed by a hash of pyproject.toml, the kit's sources, the
 pins and the controller's Python version, cached under --cache, and packed as one tar, so N
-hosts and repeated runs reuse it. Prints one JSON line: {key, archive, python, changed}.
+hosts and repeated runs reuse it. Third-party wheels are cached separately (keyed without the
+kit's sources), so a code change rebuilds offline. Prints one JSON line: {key, archive, python, changed}.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import tomllib
 from pathlib import Path
 
 SOURCE_SUFFIXES = {".py", ".json", ".jinja", ".j2", ".txt", ".typed", ".yaml", ".yml"}
@@ -52,23 +54,65 @@ def run(argv: list[str]) -> None:
         raise SystemExit(f"wheelhouse build failed: {' '.join(argv)} exited {result.returncode}")
 
 
-def build(repo: Path, target: Path, pins: list[str]) -> None:
+def pip_command() -> list[str]:
     # fail fast without an index (e.g. inside the test network namespace) instead of retrying for minutes
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "--retries", "1", "--timeout", "15"]
-    with tempfile.TemporaryDirectory(prefix="epd-wheelhouse-") as tmp:
+    return [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "--retries", "1", "--timeout", "15"]
+
+
+def dependency_key(repo: Path, pins: list[str]) -> str:
+    """What the third-party wheels depend on: pyproject.toml, the pins and the Python version."""
+    digest = hashlib.sha256(f"python{sys.version_info.major}.{sys.version_info.minor}\n".encode())
+    for pin in sorted(pins):
+        digest.update(f"pin {pin}\n".encode())
+    digest.update((repo / "pyproject.toml").read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def copy_source(repo: Path, destination: Path) -> Path:
+    """The kit's sources, copied so the build leaves no build/ or egg-info in the repository."""
+    shutil.copytree(repo / "router", destination / "router", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        if (repo / name).exists():
+            shutil.copy2(repo / name, destination / name)
+    return destination
+
+
+def dependency_wheels(repo: Path, cache: Path, pins: list[str]) -> Path:
+    """Third-party wheels (plus the build backend), downloaded once per dependency_key.
+
+    Only this step needs a package index; a change of the kit's own code rebuilds its wheel
+    offline from here (the air-gapped controller case)."""
+    target = cache / f"deps-{dependency_key(repo, pins)}"
+    if (target / ".complete").exists():
+        return target
+    pip = pip_command()
+    with tempfile.TemporaryDirectory(prefix="epd-deps-") as tmp:
         wheels = Path(tmp) / "wheels"
-        # build from a copy so the repository gets no build/ or egg-info litter
-        source = Path(tmp) / "src"
-        shutil.copytree(repo / "router", source / "router", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
-        for name in ("pyproject.toml", "README.md"):
-            if (repo / name).exists():
-                shutil.copy2(repo / name, source / name)
+        source = copy_source(repo, Path(tmp) / "src")
         run(pip + ["wheel", "--quiet", "--wheel-dir", str(wheels), str(source)])
+        for kit_wheel in wheels.glob("epd_kit-*.whl"):
+            kit_wheel.unlink()
+        backend = tomllib.loads((repo / "pyproject.toml").read_text())["build-system"]["requires"]
+        run(pip + ["download", "--quiet", "--only-binary", ":all:", "--dest", str(wheels), *backend])
         if pins:
             run(pip + ["download", "--quiet", "--no-deps", "--only-binary", ":all:", "--dest", str(wheels), *pins])
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(wheels, target)
+    (target / ".complete").touch()
+    return target
+
+
+def build(repo: Path, target: Path, cache: Path, pins: list[str]) -> None:
+    deps = dependency_wheels(repo, cache, pins)
+    with tempfile.TemporaryDirectory(prefix="epd-wheelhouse-") as tmp:
+        kit = Path(tmp) / "kit"
+        source = copy_source(repo, Path(tmp) / "src")
+        # offline: the build backend comes from the dependency wheels
+        run(pip_command() + ["wheel", "--quiet", "--no-deps", "--no-index", "--find-links", str(deps),
+                            "--wheel-dir", str(kit), str(source)])
         tmp_tar = target.with_suffix(".tmp")
         with tarfile.open(tmp_tar, "w") as archive:
-            for wheel in sorted(wheels.iterdir()):
+            for wheel in sorted(deps.glob("*.whl")) + sorted(kit.glob("*.whl")):
                 archive.add(wheel, arcname=wheel.name)
         os.replace(tmp_tar, target)
 
@@ -89,12 +133,16 @@ def main() -> int:
     with open(args.cache / ".lock", "w", encoding="ascii") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not archive.exists():
-            build(repo, archive, args.pin)
+            build(repo, archive, args.cache, args.pin)
             changed = True
         # keep the cache bounded: the newest few archives (other checkouts may still use them)
         archives = sorted(args.cache.glob("epd-wheelhouse-*.tar"), key=lambda p: p.stat().st_mtime, reverse=True)
         for old in [p for p in archives if p != archive][max(args.keep - 1, 0):]:
             old.unlink(missing_ok=True)
+        current_deps = f"deps-{dependency_key(repo, args.pin)}"
+        for old in args.cache.glob("deps-*"):
+            if old.name != current_deps:
+                shutil.rmtree(old, ignore_errors=True)
     print(json.dumps({"key": key, "archive": str(archive), "changed": changed,
                       "python": f"{sys.version_info.major}.{sys.version_info.minor}"}))
     return 0
