@@ -129,3 +129,49 @@ def test_saturation_429_and_upstream_timeout_504(engines, ckpt):
             router.stop()
     finally:
         hung.stop()
+
+
+def test_http_images_only_from_allowed_hosts(engines, ckpt, oracle):
+    """`media` reaches the preprocessor: an allow-listed http URL works, anything else is a
+    400 before any fetch (the router must not be an SSRF tool)."""
+    import http.server
+    import threading
+
+    from epd_kit.testing.images import encode_image, image_part, make_image, user_message
+
+    png = encode_image(make_image(300, 220, seed=42))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server API
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(png)))
+            self.end_headers()
+            self.wfile.write(png)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    ve, pd, d = engines
+    allowed = f"127.0.0.1:{server.server_port}"
+    router = RouterProc(d / "media.yaml", d / "media.log", free_port())
+    router.write_config(router_config(ckpt, [ve], [pd], router.port,
+                                      media={"allow_http": True, "allowed_hosts": [allowed]}))
+    router.start()
+    try:
+        c = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+        fetched = [user_message("What is it?", image_part(f"http://{allowed}/cat.png"))]
+        inline = [user_message("What is it?", image_part("data:image/png;base64," + __import__("base64").b64encode(png).decode()))]
+        resp = c.chat.completions.create(model="m", messages=fetched, max_tokens=8)
+        # same pixels by URL or inline: the same content hash, so the same answer
+        assert resp.choices[0].token_ids == oracle.expect(inline, 8)[1]
+        for url in ("http://127.0.0.2:9/x.png", "http://localhost:1/x.png", "file:///etc/passwd"):
+            body = {"messages": [user_message("x", image_part(url))], "max_tokens": 4}
+            r = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=20)
+            assert r.status_code == 400, (url, r.text)
+            assert "messages[0].content[1]" in r.json()["error"]["message"]
+    finally:
+        router.stop()
+        server.shutdown()
