@@ -174,28 +174,48 @@ class Cell:
     wall_s: float
 
 
-def run_cell(wl: Workload, config: str, ports: dict[str, int], proxy: Proc | None,
-             concurrency: int, max_requests: int, deadline_s: float) -> Cell:
-    targets = {"direct": ("ve", "pd"), "floor": ("floor",), "router": ("router",)}[config]
-    tgt = {name: Target("127.0.0.1", ports[name]) for name in targets}
-    if proxy is not None:
-        proxy.reset_peak_rss()
-        cpu0 = proxy.cpu_s()
-    res = asyncio.run(closed_loop(tgt, wl.scenario(config, ports), concurrency=concurrency,
-                                  max_requests=max_requests, deadline_s=deadline_s,
-                                  warmup=min(concurrency, 8)))
-    lat = [x * 1e3 for x in res.ok_latencies]
-    n = len(res.samples)
-    cpu = rss = None
-    if proxy is not None:
-        # warmup requests are included in the CPU count: divide by all that were sent
-        sent = n + min(concurrency, 8)
-        cpu = (proxy.cpu_s() - cpu0) * 1e3 / sent * 1000
-        rss = proxy.peak_rss_mib()
-    return Cell(n=n, errors=sum(not s.ok for s in res.samples), error_examples=res.errors[:3],
-                p50_ms=percentile(lat, 50), p99_ms=percentile(lat, 99),
-                mean_ms=sum(lat) / len(lat) if lat else float("nan"), rps=res.throughput_rps,
-                proxy_cpu_ms_per_1k=cpu, proxy_peak_rss_mib=rss, wall_s=res.wall_s)
+def run_row(wl: Workload, ports: dict[str, int], proxies: dict[str, Proc], concurrency: int,
+            max_requests: int, deadline_s: float, rounds: int) -> dict[str, Cell]:
+    """One concurrency level, all three paths, interleaved: `rounds` rounds of direct, floor,
+    router, each 1/rounds of the count and time budget, so that background load on this
+    shared machine falls on all three alike. Samples, CPU and wall time are pooled."""
+    warm = min(concurrency, 8)
+    acc = {cfg: {"lat": [], "n": 0, "err": 0, "ex": [], "ok": 0, "wall": 0.0, "cpu": 0.0,
+                 "sent": 0, "rss": 0.0} for cfg in CONFIGS}
+    for cfg in CONFIGS:
+        if cfg in proxies:
+            proxies[cfg].reset_peak_rss()
+    for _ in range(rounds):
+        for cfg in CONFIGS:
+            targets = {"direct": ("ve", "pd"), "floor": ("floor",), "router": ("router",)}[cfg]
+            tgt = {name: Target("127.0.0.1", ports[name]) for name in targets}
+            proxy = proxies.get(cfg)
+            cpu0 = proxy.cpu_s() if proxy else 0.0
+            res = asyncio.run(closed_loop(
+                tgt, wl.scenario(cfg, ports), concurrency=concurrency,
+                max_requests=max(1, max_requests // rounds), deadline_s=deadline_s / rounds, warmup=warm))
+            a = acc[cfg]
+            a["lat"] += [x * 1e3 for x in res.ok_latencies]
+            a["n"] += len(res.samples)
+            a["ok"] += sum(s.ok for s in res.samples)
+            a["err"] += sum(not s.ok for s in res.samples)
+            a["ex"] += res.errors
+            a["wall"] += res.wall_s
+            a["sent"] += len(res.samples) + warm  # warmup requests cost CPU too
+            if proxy:
+                a["cpu"] += proxy.cpu_s() - cpu0
+    out = {}
+    for cfg, a in acc.items():
+        proxy = proxies.get(cfg)
+        lat = a["lat"]
+        out[cfg] = Cell(
+            n=a["n"], errors=a["err"], error_examples=a["ex"][:3],
+            p50_ms=percentile(lat, 50), p99_ms=percentile(lat, 99),
+            mean_ms=sum(lat) / len(lat) if lat else float("nan"),
+            rps=a["ok"] / a["wall"] if a["wall"] else 0.0,
+            proxy_cpu_ms_per_1k=a["cpu"] * 1e3 / a["sent"] * 1000 if proxy else None,
+            proxy_peak_rss_mib=proxy.peak_rss_mib() if proxy else None, wall_s=a["wall"])
+    return out
 
 
 def profile_router(router: Proc, wl: Workload, ports: dict[str, int], concurrency: int,
@@ -320,7 +340,8 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     ap.add_argument("--text-requests", type=int, default=1500, help="per cell (bounded also by time)")
     ap.add_argument("--image-requests", type=int, default=150, help="per cell (bounded also by time)")
-    ap.add_argument("--cell-seconds", type=float, default=10.0, help="deadline per cell")
+    ap.add_argument("--cell-seconds", type=float, default=10.0, help="time budget per path and level")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per level")
     ap.add_argument("--loadgen-cpu", default="0", help="CPUs for this process and the engines")
     ap.add_argument("--proxy-cpu", default="1", help="CPUs for epd-router / the floor proxy")
     ap.add_argument("--profile", action="store_true", help="py-spy the router (text, image-distinct)")
@@ -359,8 +380,9 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
             n_max = args.text_requests if kind == "text" else args.image_requests
             cells[kind] = {}
             for c in args.concurrency:
-                row = {cfg: run_cell(wl, cfg, ports, {"floor": floor, "router": router}.get(cfg), c,
-                                     n_max, args.cell_seconds).__dict__ for cfg in CONFIGS}
+                cells_row = run_row(wl, ports, {"floor": floor, "router": router}, c, n_max,
+                                    args.cell_seconds, args.rounds)
+                row: dict = {cfg: cell.__dict__ for cfg, cell in cells_row.items()}
                 row["added"] = {cfg: {q: row[cfg][q] - row["direct"][q] for q in ("p50_ms", "p99_ms")}
                                 for cfg in ("floor", "router")}
                 fl, ro = row["added"]["floor"]["p50_ms"], row["added"]["router"]["p50_ms"]
@@ -387,7 +409,8 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
             f"loadgen + sim engines pinned to CPU {args.loadgen_cpu}, epd-router and the floor proxy "
             f"to CPU {args.proxy_cpu} (taskset); sim profile 'zero'; engines' transfer_timeout_sec "
             f"{EC_TRANSFER_TIMEOUT_S:g} (default 1); non-streaming, max_tokens "
-            f"{MAX_TOKENS}; single run; each cell bounded by count and {args.cell_seconds} s")
+            f"{MAX_TOKENS}; single run; each path and level bounded by count and {args.cell_seconds} s, "
+            f"split in {args.rounds} interleaved rounds (direct, floor, router, direct, ...)")
     finally:
         for p in reversed(procs):
             p.stop()
