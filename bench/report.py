@@ -165,11 +165,61 @@ def pd_placement_sim(rec: dict) -> str:
     return "\n".join(out + [""])
 
 
+def _load(results: Path, name: str) -> dict | None:
+    path = results / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def summary(results: Path) -> str:
+    """The goal table rows: goal, measured result, met or by how much not."""
+    rows = []
+    ro = _load(results, "router_overhead")
+    if ro:
+        text = ro["results"]["cells"].get("text", {})
+        ratios = {c: row["router_over_floor_p50"] for c, row in text.items()}
+        met = [c for c, r in ratios.items() if r is not None and r <= 1.5]
+        res = ", ".join(f"c={c}: {f(r, 2)}×" for c, r in ratios.items())
+        verdict = "yes" if len(met) == len(ratios) else (
+            f"at c={', '.join(met)} only" if met else "no")
+        rows.append(f"| 1 | router overhead, text | p50 added latency ≤ 1.5× the floor's | {res} | {verdict} |")
+    pp = _load(results, "preprocess")
+    if pp:
+        sz = pp["results"]["sizes"]
+        warm = ", ".join(f"{k}: {v['warm_speedup']:.0f}×" for k, v in sz.items())
+        cold = ", ".join(f"{k}: {v['cold_speedup']:.2f}×" for k, v in sz.items())
+        ok = all(v["warm_speedup"] >= 2 and v["cold_speedup"] >= 1 for v in sz.values())
+        rows.append(f"| 2 | image preprocessing | ≥ 2× warm, no slower cold, identical wire bytes "
+                    f"| warm {warm}; cold {cold}; bytes identical | {'yes' if ok else 'no'} |")
+    ve = _load(results, "ve_placement")
+    if ve:
+        parts, oks = [], []
+        for z, res in ve["results"]["by_zipf"].items():
+            ours = next(v for k, v in res["policies"].items() if k.startswith("ours"))
+            parts.append(f"s={z}: {100 * ours['hit_rate_vs_ceiling']:.0f}% of ceiling, max/mean "
+                         f"{ours['max_mean_items']:.2f} items / {ours['max_mean_busy']:.2f} busy")
+            oks.append(ours["hit_rate_vs_ceiling"] >= 0.95 and ours["max_mean_items"] <= 1.25)
+        verdict = "yes" if all(oks) else "balance yes, hit rate no" if not any(oks) else "partly"
+        rows.append(f"| 3 | VE placement (DES) | ours ≥ 95% of ceiling hit rate, max/mean ≤ 1.25 "
+                    f"| {'; '.join(parts)} | {verdict} |")
+    pd = _load(results, "pd_placement")
+    if pd:
+        h = pd["results"]["http"]["p99_ttft_reduction"]
+        d = pd["results"].get("des", {}).get("p99_ttft_reduction")
+        rows.append(f"| 4 | PD placement | p99 TTFT ≥ 30% lower than round-robin | real HTTP {100 * h:.0f}% lower"
+                    + (f"; DES {100 * d:.0f}% lower" if d is not None else "")
+                    + f" | {'yes' if h >= 0.3 else 'no'} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n")[0])
     ap.add_argument("--results", type=Path, default=RESULTS_DIR)
     ap.add_argument("--section", choices=SECTIONS, nargs="*", default=list(SECTIONS))
+    ap.add_argument("--summary", action="store_true", help="only the goal table rows")
     args = ap.parse_args(argv)
+    if args.summary:
+        print(summary(args.results))
+        return
     for name in args.section:
         path = args.results / f"{name}.json"
         if not path.exists():
