@@ -54,8 +54,12 @@ def router_overhead(rec: dict) -> str:
                 f"| {f(fl['proxy_cpu_ms_per_1k'], 0)} / {f(ro['proxy_cpu_ms_per_1k'], 0)} "
                 f"| {f(fl['proxy_peak_rss_mib'], 0)} / {f(ro['proxy_peak_rss_mib'], 0)} |")
         errs = sum(row[c2]["errors"] for row in cells.values() for c2 in ("direct", "floor", "router"))
-        out += ["", f"Errors in this kind: {errs}. Requests per cell: "
-                + ", ".join(f"c={c}: {row['router']['n']}" for c, row in cells.items()) + " (router).", ""]
+        note = (" Above concurrency 1 the single sim VE (one request at a time, 8 MB JSON per "
+                "request, on the load generator's CPU) is the bottleneck: added latency there is "
+                "queueing at the VE, not router work." if kind != "text" else "")
+        out += ["", f"Errors in this kind: {errs}.{note} Requests per level: "
+                + ", ".join(f"c={c}: {row['direct']['n']} / {row['floor']['n']} / {row['router']['n']}"
+                        for c, row in cells.items()) + " (direct / floor / router).", ""]
     prof = r.get("profile") or {}
     for kind, p in prof.items():
         if not p or "share_of_busy" not in p:

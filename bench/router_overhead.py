@@ -308,26 +308,57 @@ def summarize_stacks(raw: str) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
+    """(a) text added latency by concurrency; (b) image added latency at c=1 (above that the
+    sim VE is the bottleneck); (c) max requests/s per path; (d) proxy CPU per request."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    kinds = [k for k in KINDS if k in results["cells"]]
-    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4.2), squeeze=False)
-    for ax, kind in zip(axes[0], kinds, strict=True):
-        cells = results["cells"][kind]
-        concs = list(cells)
-        x = np.arange(len(concs))
-        for i, (cfg, color) in enumerate((("floor", "tab:grey"), ("router", "tab:blue"))):
-            p50 = [cells[c]["added"][cfg]["p50_ms"] for c in concs]
-            p99 = [cells[c]["added"][cfg]["p99_ms"] for c in concs]
-            ax.bar(x + (i - 0.5) * 0.38, p50, 0.38, color=color, label=f"{cfg} p50")
-            ax.scatter(x + (i - 0.5) * 0.38, p99, color=color, marker="_", s=300, label=f"{cfg} p99")
-        ax.set_xticks(x, [f"c={c}" for c in concs])
-        ax.set_title(f"{kind}: added latency vs direct (ms)")
-        ax.set_yscale("symlog", linthresh=1)
+    cells = results["cells"]
+    colors = {"direct": "tab:green", "floor": "tab:grey", "router": "tab:blue"}
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    w = 0.38
+
+    def added(ax, rows: dict, labels: list[str], title: str) -> None:
+        x = np.arange(len(labels))
+        for i, cfg in enumerate(("floor", "router")):
+            p50 = [max(0.0, rows[k]["added"][cfg]["p50_ms"]) for k in rows]
+            p99 = [max(0.0, rows[k]["added"][cfg]["p99_ms"]) for k in rows]
+            bars = ax.bar(x + (i - 0.5) * w, p50, w, color=colors[cfg], label=f"{cfg} p50")
+            ax.bar_label(bars, fmt="%.1f", fontsize=7)
+            ax.scatter(x + (i - 0.5) * w, p99, color=colors[cfg], marker="_", s=250, label=f"{cfg} p99")
+        ax.set_xticks(x, labels)
+        ax.set_yscale("log")
+        ax.set_ylabel("added latency vs direct (ms, log)")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=7)
+
+    if "text" in cells:
+        added(axes[0][0], cells["text"], [f"c={c}" for c in cells["text"]], "text-only: added latency")
+    else:
+        axes[0][0].set_visible(False)
+    img = {k: v["1"] for k, v in cells.items() if k != "text" and "1" in v}
+    if img:
+        added(axes[0][1], img, list(img), "one 512x512 image, concurrency 1: added latency")
+    else:
+        axes[0][1].set_visible(False)
+    kinds = list(cells)
+    x = np.arange(len(kinds))
+    for i, cfg in enumerate(CONFIGS):
+        rps = [results["max_rps"][k][cfg] for k in kinds]
+        bars = axes[1][0].bar(x + (i - 1) * 0.27, rps, 0.27, color=colors[cfg], label=cfg)
+        axes[1][0].bar_label(bars, fmt="%.0f", fontsize=7)
+        if cfg != "direct":
+            cpu = [np.nanmean([cells[k][c][cfg]["proxy_cpu_ms_per_1k"] / 1000 for c in cells[k]]) for k in kinds]
+            bars = axes[1][1].bar(x + (i - 1.5) * w, cpu, w, color=colors[cfg], label=cfg)
+            axes[1][1].bar_label(bars, fmt="%.1f", fontsize=7)
+    axes[1][0].set_yscale("log")
+    axes[1][0].set_title("max requests/s (closed loop, any concurrency)", fontsize=10)
+    axes[1][1].set_title("proxy CPU per request (ms, mean over concurrencies)", fontsize=10)
+    for ax in axes[1]:
+        ax.set_xticks(x, kinds)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
