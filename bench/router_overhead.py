@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import shutil
 import subprocess
@@ -102,27 +103,28 @@ def render_bodies(checkpoint: Path, url: str | None) -> Bodies:
 
 
 class Workload:
-    """Scenarios for one kind; a global counter makes distinct requests distinct everywhere."""
+    """Scenarios for one kind; a process-wide counter makes distinct requests distinct
+    everywhere (also across Workload objects: the profile pass must not hit the router's
+    cache with images the measured pass already sent)."""
+
+    _serial = itertools.count(1)
 
     def __init__(self, kind: str, checkpoint: Path) -> None:
         self.kind = kind
-        self.counter = 0
         base = images.jpeg(7, 512, 512) if kind != "text" else None
         self.base_jpeg = base
         self.bodies = render_bodies(checkpoint, images.data_url(base) if base else None)
         self.router_same = chat_body(images.data_url(base) if base else None)
 
     def _hash(self) -> bytes:
-        self.counter += 1
         if self.kind != "image-distinct":
             return self.bodies.mm_hash.encode()
-        return f"{self.counter:064x}".encode()
+        return f"{next(self._serial):064x}".encode()
 
     def router_body(self) -> bytes:
         if self.kind != "image-distinct":
             return self.router_same
-        self.counter += 1
-        return chat_body(images.data_url(jpeg_variant(self.base_jpeg, self.counter)))
+        return chat_body(images.data_url(jpeg_variant(self.base_jpeg, next(self._serial))))
 
     def scenario(self, config: str, ports: dict[str, int]):
         b = self.bodies
