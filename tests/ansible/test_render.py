@@ -129,37 +129,49 @@ def _stub(root: Path, path: str) -> None:
         target.chmod(target.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
 
-@pytest.mark.parametrize("inventory", INVENTORIES, ids=INVENTORY_IDS)
-def test_systemd_analyze_verify_every_rendered_unit(inventory, rendered, tmp_path):
-    """systemd-analyze verify in a temp root holding systemd's own units and stubs of every
-    command our units run; any output at all (even a warning with rc 0) fails."""
-    if not Path(SYSTEMD_ANALYZE).exists():
-        pytest.fail("systemd-analyze not found: install systemd (tier 2 needs it)")
+def verify_rendered_host(rendered_host: Path, instances: list[str], root: Path) -> subprocess.CompletedProcess[str]:
+    """systemd-analyze verify a rendered host's units in a temp root that holds systemd's own
+    units and a stub at every command path our units run."""
     system_units = next((d for d in HOST_UNIT_DIRS if (d / "sysinit.target").exists()), None)
     assert system_units is not None, "systemd's own units (sysinit.target) not found on this machine"
+    shutil.copytree(system_units, root / "usr/lib/systemd/system", symlinks=True)
+    unit_dir = root / "etc/systemd/system"
+    shutil.copytree(rendered_host / "etc/systemd/system", unit_dir)
+    names = sorted(p.name for p in unit_dir.iterdir() if p.name != "epd-engine@.service")
+    for instance in instances:  # a template is verified through its instances
+        os.symlink("epd-engine@.service", unit_dir / f"epd-engine@{instance}.service")
+        names.append(f"epd-engine@{instance}.service")
+    for unit_file in unit_dir.iterdir():
+        if unit_file.is_symlink():
+            continue
+        unit = parse_unit(unit_file.read_text())
+        for key in ("ExecStartPre", "ExecStart", "ExecStartPost", "ExecReload", "ExecStop"):
+            for command in unit.values("Service", key):
+                _stub(root, expand_specifiers(command, "x@y.service").lstrip("-@+!:").split()[0])
+    return subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", f"--root={root}", *names],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.parametrize("inventory", INVENTORIES, ids=INVENTORY_IDS)
+def test_systemd_analyze_verify_every_rendered_unit(inventory, rendered, tmp_path):
+    """Any output at all (even a warning with rc 0) fails."""
+    if not Path(SYSTEMD_ANALYZE).exists():
+        pytest.fail("systemd-analyze not found: install systemd (tier 2 needs it)")
     out = rendered(inventory)
     plan, groups = planned(inventory)
-    hosts = sorted(set(plan) | set(groups["epd_router"]))
-    for host in hosts:
-        root = tmp_path / host
-        shutil.copytree(system_units, root / "usr/lib/systemd/system", symlinks=True)
-        unit_dir = root / "etc/systemd/system"
-        shutil.copytree(out / host / "etc/systemd/system", unit_dir)
-        names = sorted(p.name for p in unit_dir.iterdir())
-        for engine in plan.get(host, {}).get("engines", []):
-            instance = f"epd-engine@{engine['instance']}.service"
-            os.symlink("epd-engine@.service", unit_dir / instance)
-            names.append(instance)
-        if "epd-engine@.service" in names:
-            names.remove("epd-engine@.service")  # a template is verified through its instances
-        for unit_file in unit_dir.iterdir():
-            if unit_file.is_symlink():
-                continue
-            unit = parse_unit(unit_file.read_text())
-            for key in ("ExecStartPre", "ExecStart", "ExecStartPost", "ExecReload", "ExecStop"):
-                for command in unit.values("Service", key):
-                    _stub(root, expand_specifiers(command, "x@y.service").lstrip("-@+!:").split()[0])
-        result = subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", f"--root={root}", *names],
-                                capture_output=True, text=True, timeout=60, check=False)
+    for host in sorted(set(plan) | set(groups["epd_router"])):
+        instances = [e["instance"] for e in plan.get(host, {}).get("engines", [])]
+        result = verify_rendered_host(out / host, instances, tmp_path / host)
         assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), \
-            f"{host}: systemd-analyze verify {names}:\n{result.stdout}{result.stderr}"
+            f"{host}: systemd-analyze verify:\n{result.stdout}{result.stderr}"
+
+
+def test_systemd_analyze_harness_catches_a_warning(rendered, tmp_path):
+    """Negative control: the same harness reports a typo that systemd only warns about (rc 0)."""
+    inventory = next(i for i in INVENTORIES if i.name == "single-node-1e1pd")
+    broken = tmp_path / "broken"
+    shutil.copytree(rendered(inventory) / "trn2-node1", broken)
+    unit = broken / "etc/systemd/system/epd-router.service"
+    unit.write_text(unit.read_text().replace("Restart=always", "Restart=sometimes"))
+    result = verify_rendered_host(broken, ["pd-0"], tmp_path / "root")
+    assert "Failed to parse service restart specifier" in result.stdout + result.stderr
