@@ -374,7 +374,9 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     ap.add_argument("--text-requests", type=int, default=1500, help="per cell (bounded also by time)")
     ap.add_argument("--image-requests", type=int, default=150, help="per cell (bounded also by time)")
     ap.add_argument("--cell-seconds", type=float, default=10.0, help="time budget per path and level")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per level")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per level (images)")
+    ap.add_argument("--text-rounds", type=int, default=10,
+                    help="interleaved rounds per level for text (cheap, so finer interleaving)")
     ap.add_argument("--loadgen-cpu", default="0", help="CPUs for this process and the engines")
     ap.add_argument("--proxy-cpu", default="1", help="CPUs for epd-router / the floor proxy")
     ap.add_argument("--profile", action="store_true", help="py-spy the router (text, image-distinct)")
@@ -413,8 +415,9 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
             n_max = args.text_requests if kind == "text" else args.image_requests
             cells[kind] = {}
             for c in args.concurrency:
+                rounds = args.text_rounds if kind == "text" else args.rounds
                 cells_row = run_row(wl, ports, {"floor": floor, "router": router}, c, n_max,
-                                    args.cell_seconds, args.rounds)
+                                    args.cell_seconds, rounds)
                 row: dict = {cfg: cell.__dict__ for cfg, cell in cells_row.items()}
                 row["added"] = {cfg: {q: row[cfg][q] - row["direct"][q] for q in ("p50_ms", "p99_ms")}
                                 for cfg in ("floor", "router")}
@@ -443,7 +446,8 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
             f"to CPU {args.proxy_cpu} (taskset); sim profile 'zero'; engines' transfer_timeout_sec "
             f"{EC_TRANSFER_TIMEOUT_S:g} (default 1); non-streaming, max_tokens "
             f"{MAX_TOKENS}; single run; each path and level bounded by count and {args.cell_seconds} s, "
-            f"split in {args.rounds} interleaved rounds (direct, floor, router, direct, ...)")
+            f"split in {args.text_rounds} (text) or {args.rounds} (images) interleaved rounds "
+            "(direct, floor, router, direct, ...)")
     finally:
         for p in reversed(procs):
             p.stop()
