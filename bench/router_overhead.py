@@ -380,6 +380,8 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     ap.add_argument("--loadgen-cpu", default="0", help="CPUs for this process and the engines")
     ap.add_argument("--proxy-cpu", default="1", help="CPUs for epd-router / the floor proxy")
     ap.add_argument("--profile", action="store_true", help="py-spy the router (text, image-distinct)")
+    ap.add_argument("--reuse-proxies", action="store_true",
+                    help="keep one router/floor for every kind (faster; peak RSS then carries over)")
     ap.add_argument("--out-dir", type=Path, default=None)
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
@@ -402,15 +404,25 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     try:
         ve.wait_healthy()
         pd.wait_healthy()
-        router = router_proc(ckpt, [ve], [pd], work).start(proxy_cpu)
-        floor = floor_proc(ve, pd, work).start(proxy_cpu)
-        procs += [router, floor]
-        router.wait_healthy()
-        floor.wait_healthy()
-        _wait_ready(router)
-        ports = {"ve": ve.port, "pd": pd.port, "router": router.port, "floor": floor.port}
         cells: dict = {}
+        router = floor = None
         for kind in args.kinds:
+            # fresh proxies per kind: peak RSS is then this kind's, not memory kept from the
+            # previous kind's busiest level (CPython does not give freed arenas back)
+            if router is None or not args.reuse_proxies:
+                for old in (router, floor):
+                    if old is not None:
+                        old.stop()
+                        procs.remove(old)
+                        old.log_path.rename(old.log_path.with_name(f"{old.log_path.stem}-{prev_kind}.log"))
+                router = router_proc(ckpt, [ve], [pd], work).start(proxy_cpu)
+                floor = floor_proc(ve, pd, work).start(proxy_cpu)
+                procs += [router, floor]
+                router.wait_healthy()
+                floor.wait_healthy()
+                _wait_ready(router)
+            prev_kind = kind
+            ports = {"ve": ve.port, "pd": pd.port, "router": router.port, "floor": floor.port}
             wl = Workload(kind, ckpt)
             n_max = args.text_requests if kind == "text" else args.image_requests
             cells[kind] = {}

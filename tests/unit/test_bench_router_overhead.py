@@ -9,7 +9,7 @@ from bench import router_overhead
 def test_router_overhead_tiny(tmp_path):
     rec = router_overhead.main([
         "--concurrency", "2", "--kinds", "text", "image-distinct", "--text-requests", "8",
-        "--image-requests", "3", "--cell-seconds", "5", "--rounds", "1", "--text-rounds", "1", "--loadgen-cpu", "", "--proxy-cpu", "",
+        "--image-requests", "3", "--cell-seconds", "5", "--rounds", "1", "--text-rounds", "1", "--reuse-proxies", "--loadgen-cpu", "", "--proxy-cpu", "",
         "--out-dir", str(tmp_path),
     ])
     cells = rec.results["cells"]
