@@ -71,7 +71,10 @@ step "one chat request (generated image + text) through the router, openai clien
 
 step "status"
 if [ -f playbooks/status.yml ]; then
-  "${HUB[@]}" .venv/bin/ansible-playbook -i "$INVENTORY" playbooks/status.yml | sed -n '/TASK/,/PLAY RECAP/p' | grep -v '^$' || true
+  echo "ansible-playbook -i $INVENTORY playbooks/status.yml:"
+  "${HUB[@]}" .venv/bin/ansible-playbook -i "$INVENTORY" playbooks/status.yml \
+    | sed -n '/^ok: \[localhost\]/,/^PLAY RECAP/p' | sed -n 's/^    - //p' || true
+  echo
 fi
 "${HUB[@]}" $PY tests/hosts/sandbox.py status "$INVENTORY"
 trap - ERR

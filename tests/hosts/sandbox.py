@@ -121,6 +121,17 @@ def status_table(inventory: SandboxInventory) -> str:
             rows.append((name, inventory.hosts[name], "(no epd units)", "-", "-"))
         for fields in units:
             rows.append((name, inventory.hosts[name], fields[0], fields[2], fields[3]))
+    return format_rows(rows)
+
+
+def pools_table(pools: object) -> str:
+    engines = pools.get("engines", []) if isinstance(pools, dict) else []
+    columns = ("id", "role", "url", "state", "healthy", "inflight", "served", "failures")
+    rows = [columns] + [tuple(str(e.get(c, "-")) for c in columns) for e in engines]
+    return format_rows(rows) if engines else json.dumps(pools, indent=2)[:2000]
+
+
+def format_rows(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -145,8 +156,7 @@ def main(argv: list[str]) -> int:
     elif command == "status":
         print(status_table(inventory))
         try:
-            pools = get_json(f"{inventory.router_url}/pools")
-            print(f"\nrouter {inventory.router_url}/pools:\n{json.dumps(pools, indent=2)[:3000]}")
+            print(f"\nrouter {inventory.router_url}/pools:\n{pools_table(get_json(f'{inventory.router_url}/pools'))}")
         except OSError as exc:
             print(f"\nrouter {inventory.router_url}/pools: unreachable ({exc})")
     else:
