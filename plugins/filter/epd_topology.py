@@ -41,6 +41,7 @@ GLOBAL_DEFAULTS: dict[str, Any] = {
     "epd_start_stagger_s": 10,
     "epd_compilation_timeout_s": 6000,
     "epd_extra_args": [],
+    "epd_engine_environment": {},
 }
 HOST_DEFAULTS: dict[str, Any] = {
     "epd_num_ve": 0,
@@ -109,6 +110,7 @@ class Settings:
     start_stagger_s: int
     compilation_timeout_s: int
     extra_args: tuple[str, ...]
+    engine_environment: tuple[tuple[str, str], ...] = ()
 
     @property
     def model_is_local(self) -> bool:
@@ -132,6 +134,8 @@ class Settings:
         out: dict[str, Any] = {}
         for key in GLOBAL_DEFAULTS:
             value = getattr(self, key.removeprefix("epd_"))
+            if key == "epd_engine_environment":
+                value = dict(value)
             out[key] = list(value) if isinstance(value, tuple) else value
         out["model_is_local"] = self.model_is_local
         out["vision_attention_block_size"] = self.vision_attention_block_size
@@ -385,7 +389,36 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
         start_stagger_s=as_int("epd_start_stagger_s", get("epd_start_stagger_s"), minimum=0),
         compilation_timeout_s=as_int("epd_compilation_timeout_s", get("epd_compilation_timeout_s"), minimum=1),
         extra_args=check_extra_args(as_str_list("epd_extra_args", get("epd_extra_args"))),
+        engine_environment=check_engine_environment(get("epd_engine_environment")),
     )
+
+
+# Environment the kit derives itself; an operator cannot override it per fleet.
+MANAGED_ENV = ("NEURON_VISIBLE_DEVICES", "FI_EFA_ENABLE_SHM_TRANSFER", "FI_EFA_USE_DEVICE_RDMA")
+
+
+def check_engine_environment(value: Any) -> tuple[tuple[str, str], ...]:
+    """Extra engine environment (e.g. EPD_SIM_* latencies, NEURON_RT_* knobs): argv stays untouched."""
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise EpdPlanError(f"epd_engine_environment must be a mapping of NAME: value, got {_describe(value)}")
+    out = []
+    for name, item in sorted(value.items()):
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise EpdPlanError(f"epd_engine_environment: {name!r} is not a valid environment variable name")
+        if name in MANAGED_ENV:
+            raise EpdPlanError(
+                f"epd_engine_environment sets {name}: the kit derives it (core slices, required EFA settings); "
+                "remove it from the inventory"
+            )
+        if isinstance(item, bool) or not isinstance(item, (str, int, float)):
+            raise EpdPlanError(f"epd_engine_environment[{name}] must be a string or number, got {_describe(item)}")
+        text = str(item)
+        if "\n" in text:
+            raise EpdPlanError(f"epd_engine_environment[{name}] must be a single line")
+        out.append((name, text))
+    return tuple(out)
 
 
 def check_bind_address(host: str, value: Any) -> str:
@@ -672,6 +705,7 @@ def engine_env(settings: Settings, cores: Sequence[int]) -> dict[str, str]:
     }
     if settings.model_is_local:
         env["HF_HUB_OFFLINE"] = "1"
+    env.update(settings.engine_environment)
     return env
 
 

@@ -241,6 +241,28 @@ def test_extra_args_go_last_and_string_numbers_are_accepted():
     assert pd["argv"][-2:] == ["--seed", "7"] and pd["tp"] == 8
 
 
+def test_engine_environment_extends_env_and_leaves_argv_alone():
+    plain = engines(plan_of({"epd_num_pd": 1}))["pd-0"]
+    pd = engines(plan_of({"epd_num_pd": 1}, epd_engine_environment={"EPD_SIM_COMPILE_S": 0.5, "NEURON_RT_LOG_LEVEL": "INFO"}))["pd-0"]
+    assert pd["argv"] == plain["argv"]
+    assert pd["env"] == {**plain["env"], "EPD_SIM_COMPILE_S": "0.5", "NEURON_RT_LOG_LEVEL": "INFO"}
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"FI_EFA_USE_DEVICE_RDMA": "0"}, "epd_engine_environment sets FI_EFA_USE_DEVICE_RDMA: the kit derives it"),
+        ({"NEURON_VISIBLE_DEVICES": "0"}, "sets NEURON_VISIBLE_DEVICES: the kit derives it"),
+        ({"BAD NAME": "1"}, "'BAD NAME' is not a valid environment variable name"),
+        ({"X": "a\nb"}, "epd_engine_environment[X] must be a single line"),
+        ({"X": [1]}, "epd_engine_environment[X] must be a string or number"),
+        (["X=1"], "epd_engine_environment must be a mapping"),
+    ],
+)
+def test_bad_engine_environment(env, expected):
+    assert expected in error_of({"epd_num_pd": 1}, epd_engine_environment=env)
+
+
 def test_host_without_engines_has_an_empty_plan():
     plan = plan_of(hosts={"n1": {"epd_num_pd": 1}, "n2": {}})
     assert plan["n2"]["engines"] == [] and len(plan["n1"]["engines"]) == 1
