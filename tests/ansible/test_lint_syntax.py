@@ -77,3 +77,19 @@ def test_argument_specs_accept_their_defaults(tmp_path):
     result = playbook(str(book))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert result.stdout.count("Validate epd_") == len(plays)
+
+
+def test_inventory_model_specs_match_the_planner_defaults():
+    """The inventory variables' defaults live in the planner; the spec documents the same values."""
+    import importlib.util
+
+    import yaml
+
+    spec = importlib.util.spec_from_file_location("epd_topology", REPO / "plugins/filter/epd_topology.py")
+    planner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(planner)
+    options = yaml.safe_load((REPO / "roles/epd_preflight/meta/argument_specs.yml").read_text())["argument_specs"]["main"]["options"]
+    for name, value in {**planner.GLOBAL_DEFAULTS, **planner.HOST_DEFAULTS}.items():
+        assert name in options, f"planner variable {name} has no entry in epd_preflight's argument_specs"
+        if value is not None:
+            assert options[name].get("default") == value, f"{name}: spec default {options[name].get('default')!r} != planner {value!r}"
