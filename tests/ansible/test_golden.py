@@ -2,37 +2,20 @@
 from __future__ import annotations
 
 import json
-import shlex
 from pathlib import Path
 
 import pytest
 
 from tests.ansible.helpers import REPO
 from tests.ansible.systemd_expand import service_command
+from tests.golden.tutorial import TUTORIAL_EXPORTS, tutorial_command
 
 pytestmark = pytest.mark.ansible
 
-GOLDEN = Path(__file__).parent / "golden"
 INVENTORY = REPO / "inventory/examples/single-node-1e1pd"
 HOST = "trn2-node1"
 MODEL = "/models/Qwen3-VL-32B-Instruct"  # the example's epd_model, the tutorial's local-checkpoint form
 JSON_FLAGS = {"--limit-mm-per-prompt", "--additional-config", "--ec-transfer-config"}
-# "Prepare your environment": exported in every engine terminal (local checkpoint: HF_HUB_OFFLINE=1)
-TUTORIAL_EXPORTS = {"FI_EFA_ENABLE_SHM_TRANSFER": "0", "FI_EFA_USE_DEVICE_RDMA": "1",
-                    "VLLM_NEURON_COMPILATION_TIMEOUT": "6000", "HF_HUB_OFFLINE": "1"}
-
-
-def tutorial_command(name: str) -> tuple[dict[str, str], list[str]]:
-    """(environment prefix, argv) of a tutorial command, parsed as a POSIX shell would."""
-    text = (GOLDEN / name).read_text()
-    lines = [line for line in text.splitlines() if not line.startswith("#")]
-    command = "\n".join(lines).replace("\\\n", " ").replace('"$MODEL"', shlex.quote(MODEL))
-    tokens = shlex.split(command)
-    env = {}
-    while "=" in tokens[0] and not tokens[0].startswith("-"):
-        key, _, value = tokens.pop(0).partition("=")
-        env[key] = value
-    return env, tokens
 
 
 def rendered_command(out: Path, instance: str) -> tuple[list[str], dict[str, str], dict]:
@@ -44,10 +27,10 @@ def rendered_command(out: Path, instance: str) -> tuple[list[str], dict[str, str
     return argv, environment, json.loads((host / f"engines/{instance}.json").read_text())
 
 
-@pytest.mark.parametrize(("instance", "golden"), [("ve-0", "tutorial_ve0.sh"), ("pd-0", "tutorial_pd0.sh")])
-def test_rendered_engine_runs_the_tutorial_command(instance, golden, rendered):
+@pytest.mark.parametrize("instance", ["ve-0", "pd-0"])
+def test_rendered_engine_runs_the_tutorial_command(instance, rendered):
     out = rendered(INVENTORY)
-    tutorial_env, tutorial_argv = tutorial_command(golden)
+    tutorial_env, tutorial_argv = tutorial_command(instance, MODEL)
     argv, environment, record = rendered_command(out, instance)
 
     assert record["argv"] == argv, "render JSON and the unit disagree"
@@ -66,8 +49,8 @@ def test_rendered_engine_runs_the_tutorial_command(instance, golden, rendered):
 
 def test_golden_parser_sees_the_tutorial_layout():
     """The golden files themselves: the tutorial's 1E1PD table (guards against a broken parse)."""
-    ve_env, ve = tutorial_command("tutorial_ve0.sh")
-    pd_env, pd = tutorial_command("tutorial_pd0.sh")
+    ve_env, ve = tutorial_command("ve-0", MODEL)
+    pd_env, pd = tutorial_command("pd-0", MODEL)
     assert ve_env == {"NEURON_VISIBLE_DEVICES": "8,9,10,11"} and pd_env == {"NEURON_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     assert ve[ve.index("--port") + 1] == "18300" and pd[pd.index("--port") + 1] == "18100"
     assert json.loads(ve[ve.index("--ec-transfer-config") + 1])["ec_connector_extra_config"]["side_channel_port"] == 14600

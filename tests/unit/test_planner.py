@@ -3,13 +3,14 @@
 import importlib.util
 import json
 import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.golden.tutorial import TUTORIAL_EXPORTS, tutorial_command
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "inventory" / "examples"
@@ -60,57 +61,11 @@ def error_of(*args, **kwargs):
 
 # --------------------------------------------------------------------------- golden: tutorial
 
-TUTORIAL_VE = r"""
-NEURON_VISIBLE_DEVICES=8,9,10,11 vllm serve "$MODEL" \
-    --tensor-parallel-size 4 \
-    --host 127.0.0.1 \
-    --port 18300 \
-    --max-model-len 8192 \
-    --max-num-batched-tokens 8192 \
-    --max-num-seqs 1 \
-    --dtype bfloat16 \
-    --limit-mm-per-prompt '{"image": 30}' \
-    --no-enable-prefix-caching \
-    --mm-encoder-only \
-    --no-async-scheduling \
-    --additional-config '{"neuron_config": {"quantization": "bf16", "num_batched_tokens_buckets": [8192], "on_device_sampling_config": {"all_greedy": true}, "num_seqs_buckets": [1]}, "vision_neuron_config": {"num_vision_tokens_buckets": [30720], "vision_attention_block_size": 1024, "dp_size": 4, "encoder_cache_num_blocks": 128}}' \
-    --ec-transfer-config '{"ec_connector": "NeuronNixlECConnector", "ec_role": "ec_producer", "engine_id": "epd-ve-0", "ec_connector_extra_config": {"backends": ["LIBFABRIC"], "side_channel_host": "127.0.0.1", "side_channel_port": 14600}}'
-"""
-
-TUTORIAL_PD = r"""
-NEURON_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 vllm serve "$MODEL" \
-    --tensor-parallel-size 8 \
-    --host 127.0.0.1 \
-    --port 18100 \
-    --max-model-len 8192 \
-    --max-num-batched-tokens 8192 \
-    --max-num-seqs 8 \
-    --dtype bfloat16 \
-    --limit-mm-per-prompt '{"image": 30}' \
-    --no-enable-prefix-caching \
-    --mm-processor-cache-gb 0 \
-    --additional-config '{"neuron_config": {"quantization": "bf16", "num_batched_tokens_buckets": [8192], "on_device_sampling_config": {"all_greedy": true}}, "vision_neuron_config": {"num_vision_tokens_buckets": [30720], "vision_attention_block_size": 1024, "dp_size": 1, "encoder_cache_num_blocks": 128}, "mm_language_model_only": true}' \
-    --ec-transfer-config '{"ec_connector": "NeuronNixlECConnector", "ec_role": "ec_consumer", "engine_id": "epd-pd-0", "ec_connector_extra_config": {"backends": ["LIBFABRIC"]}}'
-"""
-# "Prepare your environment", in every engine terminal; HF_HUB_OFFLINE because MODEL is local
-TUTORIAL_EXPORTS = {"FI_EFA_ENABLE_SHM_TRANSFER": "0", "FI_EFA_USE_DEVICE_RDMA": "1",
-                    "VLLM_NEURON_COMPILATION_TIMEOUT": "6000", "HF_HUB_OFFLINE": "1"}
-
-
-def tutorial_command(text, model):
-    tokens = shlex.split(text.replace("\\\n", " ").replace('"$MODEL"', shlex.quote(model)))
-    env = {}
-    while "=" in tokens[0]:
-        key, value = tokens.pop(0).split("=", 1)
-        env[key] = value
-    return env, tokens
-
-
-@pytest.mark.parametrize(("instance", "command"), [("ve-0", TUTORIAL_VE), ("pd-0", TUTORIAL_PD)])
-def test_single_node_example_is_the_tutorial_command(instance, command):
+@pytest.mark.parametrize("instance", ["ve-0", "pd-0"])
+def test_single_node_example_is_the_tutorial_command(instance):
     hostvars, hosts = load_example("single-node-1e1pd")
     engine = engines(planner.plan_from_hostvars(hostvars, hosts), "trn2-node1")[instance]
-    env, argv = tutorial_command(command, hostvars["trn2-node1"]["epd_model"])
+    env, argv = tutorial_command(instance, hostvars["trn2-node1"]["epd_model"])
     assert engine["argv"] == argv  # token by token, JSON strings byte for byte
     for flag in ("--limit-mm-per-prompt", "--additional-config", "--ec-transfer-config"):
         ours = engine["argv"][engine["argv"].index(flag) + 1]
