@@ -90,12 +90,16 @@ def test_kill_9_restarts_the_engine_and_the_router_readmits_it(one_host_stack):
     unit = "epd-engine@pd-0.service"
     before = n1.show(unit, "MainPID", "NRestarts")
     n1.run(f"kill -9 {before['MainPID']}")
+    # RestartSec (10 s) outlasts the router's health probes (2 x 2 s): it ejects pd-0 first ...
+    stack.wait_engine_health("epd-pd-0", False, timeout=15)
+    for i in range(3):  # ... and serves meanwhile with pd-1
+        assert stack.chat(image_message(f"while pd-0 is down #{i}", BLUE), max_tokens=4).choices
     after = wait_for(lambda: (s := n1.show(unit, "MainPID", "NRestarts", "ActiveState"))["ActiveState"] == "active"
                      and s["MainPID"] not in ("0", before["MainPID"]) and s,
                      timeout=90, what=f"systemd to restart {unit}")
     assert int(after["NRestarts"]) == int(before["NRestarts"]) + 1
     assert n1.run(f"journalctl -q --no-pager -u {unit} | grep -c 'status=9/KILL'").stdout.strip() == "1"
-    stack.wait_engine_health("epd-pd-0", True, timeout=60)
+    stack.wait_engine_health("epd-pd-0", True, timeout=60)  # readmitted
     for i in range(6):
         assert stack.chat(image_message(f"after kill -9 #{i}", RED), max_tokens=4).choices
 
