@@ -29,7 +29,7 @@ def kit_state(host) -> str:
 
 def test_deploy_starts_every_unit_and_the_router_sees_all_engines(one_host_stack):
     n1 = one_host_stack.hosts["n1"]
-    for unit in [*ENGINES, "epd-router.service", "epd-engines.target"]:
+    for unit in [*ENGINES, "epd-router.service", "epd-engines.target", "epd.target"]:
         assert n1.is_active(unit) == "active", f"{unit}:\n{n1.journal(unit)}"
     # enabled = the stack comes back after a reboot (ask inside the host: see docs/sandbox.md)
     enabled = n1.run("systemctl is-enabled epd.target epd-engines.target epd-router.service "

@@ -48,6 +48,10 @@ def test_engines_bind_their_private_address_and_live_where_planned(three_host_st
     assert hosts["n3"].units("epd-engine@*") == []
     assert hosts["n1"].units("epd-router*") == [] and hosts["n2"].units("epd-router*") == []
     assert hosts["n3"].is_active("epd-router.service") == "active"
+    for name in hosts:  # every host reached its targets: `systemctl status epd.target` tells the truth
+        assert hosts[name].is_active("epd.target") == "active", name
+    for name in ("n1", "n2"):
+        assert hosts[name].is_active("epd-engines.target") == "active", name
 
 
 def test_pd_reads_embeddings_from_a_ve_on_another_host(three_host_stack):
