@@ -3,7 +3,8 @@
 # idempotently (a second run takes about a second):
 #   - Debian packages: systemd-nspawn (systemd-container), mmdebstrap + eatmydata (rootfs
 #     of the test hosts), ssh client, iproute2, python3-venv;
-#   - the Python venv .venv with the kit and its test extras (`pip install -e '.[test]'`),
+#   - the Python venv .venv with the kit, its test extras and the bench extras the bench smoke
+#     tests need (`pip install -e '.[test,bench]'`),
 #     reinstalled only when pyproject.toml changed (stamp .venv/.bootstrap-stamp).
 # Run as root on Debian 12.
 set -euo pipefail
@@ -25,11 +26,12 @@ fi
 
 VENV=.venv
 STAMP=$VENV/.bootstrap-stamp
-want=$( (python3 --version; cat pyproject.toml) | sha256sum | cut -c1-16)
+EXTRAS=test,bench
+want=$( (python3 --version; cat pyproject.toml; echo "$EXTRAS") | sha256sum | cut -c1-16)
 [ -x $VENV/bin/python ] || python3 -m venv $VENV
 if [ "$(cat $STAMP 2>/dev/null)" != "$want" ]; then
-  echo "bootstrap: pip install -e '.[test]' into $VENV"
-  $VENV/bin/pip install -q --disable-pip-version-check -e '.[test]'
+  echo "bootstrap: pip install -e '.[$EXTRAS]' into $VENV"
+  $VENV/bin/pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
   echo "$want" > $STAMP
 fi
 echo "bootstrap: ok ($VENV, $(.venv/bin/ansible-playbook --version | head -1))"
