@@ -151,6 +151,23 @@ class GenerateRequest(_Open):
         return body
 
 
+def encode_request(request_id: str, items: Iterable[tuple[str, int, str]]) -> GenerateRequest:
+    """A VE's body (contract §2.2) for unique (mm_hash, length, full kwargs_b64) items:
+    a synthetic prompt of zero tokens, placeholders repacked contiguously, one output token."""
+    hashes, placeholders, kwargs, offset = [], [], [], 0
+    for mm_hash, length, kwargs_b64 in items:
+        hashes.append(mm_hash)
+        placeholders.append(Placeholder(offset=offset, length=length))
+        kwargs.append(kwargs_b64)
+        offset += length
+    return GenerateRequest(
+        request_id=request_id,
+        token_ids=[0] * offset,
+        features=Features.of_images(hashes, placeholders, kwargs),
+        sampling_params=SamplingParams(max_tokens=1),
+    )
+
+
 class Usage(_Open):
     prompt_tokens: int
     completion_tokens: int

@@ -25,6 +25,7 @@ from epd_kit.wire import (
     Placeholder,
     SamplingParams,
     StreamOptions,
+    encode_request,
 )
 
 STAGE_NAMES = {"ve": "encode", "pd": "generate"}
@@ -118,19 +119,8 @@ def bad_body(engine: Engine, what: str) -> UpstreamError:
 
 def ve_request_body(request_id: str, engine_id: str, items: Sequence[PreparedItemLike]) -> dict:
     """Contract §2.2: synthetic zero prompt, contiguous placeholders, full kwargs, 1 token."""
-    placeholders, offset = [], 0
-    for item in items:
-        placeholders.append(Placeholder(offset=offset, length=item.length))
-        offset += item.length
-    req = GenerateRequest(
-        request_id=f"{request_id}/enc/{engine_id}" if request_id else f"enc/{engine_id}",
-        token_ids=[0] * offset,
-        features=Features.of_images(
-            [i.mm_hash for i in items], placeholders, [i.ve_kwargs_b64 for i in items]
-        ),
-        sampling_params=SamplingParams(max_tokens=1),
-    )
-    return req.wire_dict()
+    rid = f"{request_id}/enc/{engine_id}" if request_id else f"enc/{engine_id}"
+    return encode_request(rid, [(i.mm_hash, i.length, i.ve_kwargs_b64) for i in items]).wire_dict()
 
 
 def pd_request_body(

@@ -15,7 +15,7 @@ import numpy as np
 from blake3 import blake3
 
 from .. import mm_serde
-from ..wire import EcLocator, Features, GenerateRequest, Placeholder, SamplingParams
+from ..wire import EcLocator, Features, GenerateRequest, Placeholder, SamplingParams, encode_request
 from .checkpoint import VisionGeometry
 
 
@@ -48,20 +48,8 @@ def fake_image(
 
 def ve_body(images: Sequence[FakeImage], request_id: str = "req/enc/ve-0") -> dict[str, Any]:
     """Contract §2.2: unique items, contiguous placeholders over synthetic zero tokens."""
-    unique = list({im.mm_hash: im for im in images}.values())
-    offsets, pos = [], 0
-    for im in unique:
-        offsets.append(Placeholder(offset=pos, length=im.num_tokens))
-        pos += im.num_tokens
-    req = GenerateRequest(
-        request_id=request_id,
-        token_ids=[0] * pos,
-        features=Features.of_images(
-            [im.mm_hash for im in unique], offsets, [im.full_b64 for im in unique]
-        ),
-        sampling_params=SamplingParams(max_tokens=1),
-    )
-    return req.wire_dict()
+    unique = {im.mm_hash: im for im in images}.values()
+    return encode_request(request_id, [(im.mm_hash, im.num_tokens, im.full_b64) for im in unique]).wire_dict()
 
 
 def build_prompt(
