@@ -60,10 +60,6 @@ def inventory_hostvars(inventory: Path) -> tuple[dict[str, Any], dict[str, list[
 
 
 def load_planner():
-    import importlib.util
+    from tests import repo_modules
 
-    spec = importlib.util.spec_from_file_location("epd_topology_for_tests", REPO / "plugins/filter/epd_topology.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+    return repo_modules.planner()

@@ -81,13 +81,11 @@ def test_argument_specs_accept_their_defaults(tmp_path):
 
 def test_inventory_model_specs_match_the_planner_defaults():
     """The inventory variables' defaults live in the planner; the spec documents the same values."""
-    import importlib.util
-
     import yaml
 
-    spec = importlib.util.spec_from_file_location("epd_topology", REPO / "plugins/filter/epd_topology.py")
-    planner = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(planner)
+    from tests import repo_modules
+
+    planner = repo_modules.planner()
     options = yaml.safe_load((REPO / "roles/epd_preflight/meta/argument_specs.yml").read_text())["argument_specs"]["main"]["options"]
     for name, value in {**planner.GLOBAL_DEFAULTS, **planner.HOST_DEFAULTS}.items():
         assert name in options, f"planner variable {name} has no entry in epd_preflight's argument_specs"

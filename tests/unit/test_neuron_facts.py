@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import repo_modules
+
 REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("epd_neuron_facts", REPO / "library" / "epd_neuron_facts.py")
 facts_module = importlib.util.module_from_spec(spec)
@@ -73,10 +75,7 @@ def test_unparsable_and_missing_counters_are_reported_not_faulted(tmp_path):
 
 
 def test_scan_result_feeds_the_planner(tmp_path):
-    planner_spec = importlib.util.spec_from_file_location("epd_topology", REPO / "plugins" / "filter" / "epd_topology.py")
-    planner = importlib.util.module_from_spec(planner_spec)
-    sys.modules.setdefault("epd_topology", planner)
-    planner_spec.loader.exec_module(planner)
+    planner = repo_modules.planner()
     result = scan(str(fake_tree(tmp_path / "nd", fail={(1, 0): 1})))
     hostvars = {"n1": {"epd_model": "/models/m", "epd_num_ve": 1, "epd_num_pd": 1, "ansible_facts": {"epd_neuron": result}}}
     plan = planner.plan_from_hostvars(hostvars, ["n1"])

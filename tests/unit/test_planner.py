@@ -1,6 +1,5 @@
 """The topology planner (plugins/filter/epd_topology.py): layout rules, argv/env, every error."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -8,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests import repo_modules
 import yaml
 
 from tests.golden.tutorial import TUTORIAL_EXPORTS, tutorial_command
@@ -17,15 +18,7 @@ EXAMPLES = REPO / "inventory" / "examples"
 MODEL = "/models/Qwen3-VL-32B-Instruct"
 
 
-def _load_planner():
-    spec = importlib.util.spec_from_file_location("epd_topology", REPO / "plugins" / "filter" / "epd_topology.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("epd_topology", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-planner = _load_planner()
+planner = repo_modules.planner()
 PlanError = planner.EpdPlanError
 
 

@@ -1,25 +1,13 @@
 """Planner properties (hypothesis): every plan is valid, and any layout that fits is found."""
 
-import importlib.util
-import sys
 from functools import lru_cache
-from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-REPO = Path(__file__).resolve().parents[2]
+from tests import repo_modules
 
-
-def _load_planner():
-    spec = importlib.util.spec_from_file_location("epd_topology", REPO / "plugins" / "filter" / "epd_topology.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("epd_topology", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-planner = _load_planner()
+planner = repo_modules.planner()
 TPS = st.sampled_from([1, 2, 4, 8, 16])
 
 
