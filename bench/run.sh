@@ -12,7 +12,7 @@ shift || true
 case "$section" in
   overhead)   exec "$PY" -m bench.router_overhead --profile "$@" ;;
   preprocess) exec "$PY" -m bench.preprocess "$@" ;;
-  ve)         exec "$PY" -m bench.ve_placement --sweep --what-if-slack 2 4 "$@" ;;
+  ve)         exec "$PY" -m bench.ve_placement --sweep --what-if-slack 0 4 "$@" ;;
   pd)         exec "$PY" -m bench.pd_placement --through-router "$@" ;;
   pd-sim)     exec "$PY" -m bench.pd_placement_sim --utilisation 0.8 0.9 0.95 "$@" ;;
   report)     exec "$PY" -m bench.report "$@" ;;

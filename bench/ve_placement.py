@@ -28,6 +28,9 @@ import numpy as np
 from bench.common import IMG_DIR, RunRecord, percentile
 from epd_kit import hrw
 from epd_kit.router import placement
+from epd_kit.router.config import Placement
+
+SHIPPED = Placement()  # the router's default placement settings: "ours" is what ships
 
 VE_IDS = [f"ve-{i}" for i in range(4)]
 
@@ -125,29 +128,11 @@ def with_arrivals(w: Workload, p: SimParams, ceiling: float) -> Workload:
 Policy = Callable[[Sequence[tuple[str, int]], Mapping[str, float]], dict[str, str]]
 
 
-def policy_ours(bound: float) -> Policy:
+def policy_ours(bound: float, slack_items: float) -> Policy:
     def place(items: Sequence[tuple[str, int]], loads: Mapping[str, float]) -> dict[str, str]:
-        return placement.place_items([placement.Item(h, t) for h, t in items], loads, bound)
-
-    return place
-
-
-def policy_what_if_slack(bound: float, slack_items: float) -> Policy:
-    """NOT the router's code: a what-if variant of the bounded-load rule with an additive
-    slack of `slack_items` x the item's work, so a VE with less than that much extra work
-    in flight keeps its HRW items (at low concurrency the pure ratio spills on any queue)."""
-
-    def place(items: Sequence[tuple[str, int]], loads: Mapping[str, float]) -> dict[str, str]:
-        running = dict(loads)
-        out = {}
-        for h, work in items:
-            ranked = hrw.rank(h, list(running))
-            capacity = bound * (sum(running.values()) + work) / len(ranked) + slack_items * work
-            pick = next((c for c in ranked if running[c] + work <= capacity),
-                        min(ranked, key=lambda c: running[c]))
-            out[h] = pick
-            running[pick] += work
-        return out
+        return placement.place_items(
+            [placement.Item(h, t) for h, t in items], loads, bound, slack_items=slack_items
+        )
 
     return place
 
@@ -187,17 +172,17 @@ def policy_random(seed: int) -> Policy:
     return place
 
 
-def policies(p: SimParams, bound: float, what_if: Sequence[float] = ()) -> dict[str, Policy]:
+def policies(p: SimParams, bound: float, slack: float, what_if: Sequence[float] = ()) -> dict[str, Policy]:
     """Fresh policy objects (some keep a cursor) in the order the docs list them."""
     out = {
         "reference HRW": policy_reference_hrw,
-        f"ours (HRW + load bound {bound:g})": policy_ours(bound),
+        f"ours (HRW + load bound {bound:g} + {slack:g} items slack)": policy_ours(bound, slack),
         "round-robin per item": policy_round_robin_per_item(),
         "round-robin from encoder 0 (vllm#52484)": policy_round_robin_restart,
         "random": policy_random(p.seed),
     }
     for k in what_if:
-        out[f"what-if: bound {bound:g} + {k:g} items slack (not shipped)"] = policy_what_if_slack(bound, k)
+        out[f"what-if: bound {bound:g} + {k:g} items slack (router code, not the default)"] = policy_ours(bound, k)
     return out
 
 
@@ -271,15 +256,15 @@ def simulate(w: Workload, p: SimParams, place: Policy, ceiling: float) -> Policy
     )
 
 
-def run(p: SimParams, zipf_values: Sequence[float], bound: float, what_if: Sequence[float] = ()) -> dict:
-    out: dict = {"params": p.__dict__ | {"bound": bound, "what_if_slack_items": list(what_if)},
+def run(p: SimParams, zipf_values: Sequence[float], bound: float, slack: float, what_if: Sequence[float] = ()) -> dict:
+    out: dict = {"params": p.__dict__ | {"bound": bound, "slack_items": slack, "what_if_slack_items": list(what_if)},
                  "by_zipf": {}}
     for s in zipf_values:
         w = make_workload(p, s)
         ceiling = ceiling_hit_rate(w, p)
         w = with_arrivals(w, p, ceiling)
         per_policy = {}
-        for name, pol in policies(p, bound, what_if).items():
+        for name, pol in policies(p, bound, slack, what_if).items():
             t0 = time.perf_counter()
             per_policy[name] = simulate(w, p, pol, ceiling)
             per_policy[name].extra["sim_wall_s"] = time.perf_counter() - t0
@@ -295,7 +280,7 @@ def run(p: SimParams, zipf_values: Sequence[float], bound: float, what_if: Seque
 SWEEP_UTILISATION = (0.3, 0.5, 0.7, 0.85)
 
 
-def sweep(p: SimParams, zipf_values: Sequence[float], bound: float, what_if: Sequence[float]) -> dict:
+def sweep(p: SimParams, zipf_values: Sequence[float], bound: float, slack: float, what_if: Sequence[float]) -> dict:
     """Hit rate (% of ceiling) and balance vs offered load: the bound reacts to in-flight work,
     so its behaviour depends on how busy the pool is."""
     out: dict = {}
@@ -306,7 +291,7 @@ def sweep(p: SimParams, zipf_values: Sequence[float], bound: float, what_if: Seq
         for u in SWEEP_UTILISATION:
             pu = SimParams(**{**p.__dict__, "target_utilisation": u})
             w = with_arrivals(w0, pu, ceiling)
-            pols = policies(pu, bound, what_if)
+            pols = policies(pu, bound, slack, what_if)
             for name in list(pols):
                 if name.startswith(("round-robin", "random")):
                     del pols[name]
@@ -386,7 +371,9 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     ap.add_argument("--catalogue", type=int, default=SimParams.catalogue)
     ap.add_argument("--cache-items", type=int, default=SimParams.cache_items)
     ap.add_argument("--utilisation", type=float, default=SimParams.target_utilisation)
-    ap.add_argument("--bound", type=float, default=1.25, help="ours: placement.ve_load_bound")
+    ap.add_argument("--bound", type=float, default=SHIPPED.ve_load_bound, help="ours: placement.ve_load_bound")
+    ap.add_argument("--slack", type=float, default=SHIPPED.ve_load_slack_items,
+                    help="ours: placement.ve_load_slack_items")
     ap.add_argument("--zipf", type=float, nargs="+", default=[0.8, 1.2])
     ap.add_argument("--what-if-slack", type=float, nargs="*", default=[],
                     help="also run bench-only variants of the bound with this many items of slack")
@@ -402,9 +389,9 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
         n_requests=args.requests, catalogue=args.catalogue, cache_items=args.cache_items,
         target_utilisation=args.utilisation, seed=args.seed,
     )
-    rec.results = run(p, args.zipf, args.bound, args.what_if_slack)
+    rec.results = run(p, args.zipf, args.bound, args.slack, args.what_if_slack)
     if args.sweep:
-        rec.results["sweep"] = sweep(p, args.zipf, args.bound, args.what_if_slack)
+        rec.results["sweep"] = sweep(p, args.zipf, args.bound, args.slack, args.what_if_slack)
     rec.notes.append(
         "Discrete-event simulation: placement decisions are the router's real code "
         "(epd_kit.router.placement.place_items, epd_kit.hrw.pick); clock, arrivals, catalogue, "

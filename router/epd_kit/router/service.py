@@ -298,6 +298,7 @@ class RouterService:
                     loads,
                     self.cfg.placement.ve_load_bound,
                     exclude=excluded,
+                    slack_items=self.cfg.placement.ve_load_slack_items,
                 )
             except LookupError as exc:
                 h = exc.args[0]

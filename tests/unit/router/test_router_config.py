@@ -12,27 +12,18 @@ from click.testing import CliRunner
 from epd_kit.router.cli import main
 from epd_kit.router.config import ConfigError, config_from_flags, load_config, parse_config
 
-ARCH_EXAMPLE = """
-model: /models/Qwen3-VL-32B-Instruct
-served_model_name: null
-quantization: null
-listen: {host: 127.0.0.1, port: 18800}
-timeouts: {connect_s: 5, ve_s: 600, pd_s: 600, total_s: 900}
-limits:
-  images_per_prompt: 30
-  max_image_patches: 1024
-  oversized_image: downscale
-  max_body_bytes: 67108864
-  max_image_bytes: 20971520
-media: {allow_http: false, allowed_hosts: [], fetch_timeout_s: 10}
-health: {interval_s: 2.0, timeout_s: 1.0, failure_threshold: 2, success_threshold: 1}
-placement: {ve_load_bound: 1.25, pd_max_inflight: 64, queue_size: 256, queue_timeout_s: 30}
-retries: {max_attempts: 3}
-auth: {api_keys_file: null}
-endpoints:
-  ve: [{id: epd-ve-0, url: "http://127.0.0.1:18300", state: active}]
-  pd: [{id: epd-pd-0, url: "http://127.0.0.1:18100", state: draining}]
-"""
+ARCHITECTURE = Path(__file__).resolve().parents[3] / "docs" / "architecture.md"
+
+
+def architecture_example() -> str:
+    """The documented example config: the yaml block under "Router config file" in docs/architecture.md."""
+    text = ARCHITECTURE.read_text()
+    section = text[text.index("## Router config file"):]
+    start = section.index("```yaml\n") + len("```yaml\n")
+    return section[start:section.index("```", start)]
+
+
+ARCH_EXAMPLE = architecture_example()
 
 
 def minimal(**endpoints):

@@ -36,6 +36,16 @@ def test_load_bound_spills_to_second_choice():
     assert choose_ve(Item(key), {"ve-0": 2, "ve-1": 3, "ve-2": 2}, bound=1.25) == "ve-2"  # 4 > 1.25*8/3
 
 
+def test_slack_keeps_affinity_for_a_short_queue_and_still_spills_a_long_one():
+    key = "img-hash-1"  # HRW first choice ve-1
+    # one image (work 4) queued on ve-1, the others idle: the pure ratio spills (cap 1.15*8/3 ≈ 3.1)
+    assert choose_ve(Item(key, 4), {"ve-0": 0, "ve-1": 4, "ve-2": 0}, bound=1.15) == "ve-2"
+    # 6 items of slack (cap ≈ 3.1 + 24) keep the cache affinity
+    assert choose_ve(Item(key, 4), {"ve-0": 0, "ve-1": 4, "ve-2": 0}, bound=1.15, slack_items=6) == "ve-1"
+    # far beyond the slack it still spills: 40 queued > 1.15*44/3 + 24 ≈ 40.9 - 4
+    assert choose_ve(Item(key, 4), {"ve-0": 0, "ve-1": 40, "ve-2": 0}, bound=1.15, slack_items=6) == "ve-2"
+
+
 def test_load_bound_both_first_choices_busy_takes_third():
     key = "img-hash-1"
     assert choose_ve(Item(key), {"ve-0": 0, "ve-1": 10, "ve-2": 10}, bound=1.25) == "ve-0"
