@@ -68,6 +68,17 @@ def test_pd_reads_embeddings_from_a_ve_on_another_host(three_host_stack):
     assert sum(after[i] - before[i] for i in EXPECTED_PD) >= 3
 
 
+def test_second_deploy_changes_nothing_on_any_host(three_host_stack, record_timing):
+    before = main_pids(three_host_stack)
+    start = time.monotonic()
+    result = ansible_playbook(three_host_stack.inventory.directory, "playbooks/deploy.yml")
+    record_timing("3 hosts: idempotent re-deploy", time.monotonic() - start)
+    assert result.returncode == 0, result.describe()
+    for host in three_host_stack.hosts:
+        assert result.recap[host]["changed"] == 0, result.describe()
+    assert main_pids(three_host_stack) == before
+
+
 def test_rolling_restart_under_load_fails_no_request(three_host_stack, record_timing):
     stack = three_host_stack
     before = main_pids(stack)
