@@ -15,7 +15,7 @@ from pathlib import Path
 from dataclasses import dataclass
 
 from epd_kit.preprocess.preprocessor import Preprocessor
-from epd_kit.preprocess.settings import PreprocessLimits
+from epd_kit.preprocess.settings import Limits
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Wire:
 
 def router_image_path(checkpoint: Path, max_image_patches: int, workers: int = 1) -> Callable[[str], Wire]:
     pre = Preprocessor.from_checkpoint(
-        checkpoint, limits=PreprocessLimits(max_image_patches=max_image_patches), workers=workers
+        checkpoint, limits=Limits(max_image_patches=max_image_patches), workers=workers
     )
     loop = asyncio.new_event_loop()
 

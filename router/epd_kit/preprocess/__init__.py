@@ -2,9 +2,8 @@
 
 API (the router codes against this; see docs/preprocessing.md for the details)::
 
-    pre = Preprocessor.from_checkpoint(path, model_id=None, limits=PreprocessLimits(...),
-                                       media=MediaPolicy(...), workers=4, cache_items=256,
-                                       cache_bytes=1 GiB, encoder=None)
+    pre = Preprocessor.from_checkpoint(path, model_id=None, limits=Limits(...),
+                                       media=Media(...), workers=4, encoder=None)
     rendered = await pre.render(messages, add_generation_prompt=True)   # -> RenderedPrompt
         rendered.token_ids        prompt ids, <|image_pad|> expanded (N = t*h*w / merge^2 each)
         rendered.items            [PreparedItem] in prompt order, duplicates kept:
@@ -20,64 +19,64 @@ API (the router codes against this; see docs/preprocessing.md for the details)::
     pre.stats                                     -> PreprocessStats (cache hits/misses, ...)
     await pre.aclose()
 
+`Limits` and `Media` are the router.yaml sections of the same names (settings.py); the
+prepared-image cache bounds are `limits.image_cache_items` / `limits.image_cache_bytes`.
+
 Bad input raises a `PreprocessError` subclass with `.status` (400 or 413), `.message` and
 `.param` (where in the request). A broken checkpoint raises `CheckpointError` at startup.
+
+Names are imported on first use: the router's config loads `settings` alone, without the
+tokenizer, numpy and Pillow behind the preprocessor (`epd-router check-config` stays fast
+and the server installs its signal handlers before the heavy imports).
 """
 
-from .encoder import ItemEncoder, MmSerdeEncoder
-from .errors import (
-    ImageDimensionsRejected,
-    ImageOverBudget,
-    ImageTooLarge,
-    InvalidMessages,
-    MalformedImageUrl,
-    MediaFetchFailed,
-    MediaFetchRefused,
-    ModelHasNoVision,
-    NotAnImage,
-    PreprocessError,
-    PromptMismatch,
-    TooManyImages,
-    UnsupportedContent,
-    VideoNotSupported,
-)
-from .model_files import CheckpointError, CheckpointFiles, VisionSettings
-from .preprocessor import (
-    PreparedImage,
-    PreparedItem,
-    Preprocessor,
-    PreprocessStats,
-    RenderedPrompt,
-)
-from .settings import MediaPolicy, PreprocessLimits
-from .text import IncrementalDetokenizer
+from __future__ import annotations
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointFiles",
-    "ImageDimensionsRejected",
-    "ImageOverBudget",
-    "ImageTooLarge",
-    "IncrementalDetokenizer",
-    "InvalidMessages",
-    "ItemEncoder",
-    "MalformedImageUrl",
-    "MediaFetchFailed",
-    "MediaFetchRefused",
-    "MediaPolicy",
-    "MmSerdeEncoder",
-    "ModelHasNoVision",
-    "NotAnImage",
-    "PreparedImage",
-    "PreparedItem",
-    "PreprocessError",
-    "PreprocessLimits",
-    "PreprocessStats",
-    "Preprocessor",
-    "PromptMismatch",
-    "RenderedPrompt",
-    "TooManyImages",
-    "UnsupportedContent",
-    "VideoNotSupported",
-    "VisionSettings",
-]
+import importlib
+from typing import Any
+
+# public name -> submodule that defines it
+_EXPORTS = {
+    "ItemEncoder": "encoder",
+    "MmSerdeEncoder": "encoder",
+    "ImageDimensionsRejected": "errors",
+    "ImageOverBudget": "errors",
+    "ImageTooLarge": "errors",
+    "InvalidMessages": "errors",
+    "MalformedImageUrl": "errors",
+    "MediaFetchFailed": "errors",
+    "MediaFetchRefused": "errors",
+    "ModelHasNoVision": "errors",
+    "NotAnImage": "errors",
+    "PreprocessError": "errors",
+    "PromptMismatch": "errors",
+    "TooManyImages": "errors",
+    "UnsupportedContent": "errors",
+    "VideoNotSupported": "errors",
+    "CheckpointError": "model_files",
+    "CheckpointFiles": "model_files",
+    "VisionSettings": "model_files",
+    "PreparedImage": "preprocessor",
+    "PreparedItem": "preprocessor",
+    "Preprocessor": "preprocessor",
+    "PreprocessStats": "preprocessor",
+    "RenderedPrompt": "preprocessor",
+    "Limits": "settings",
+    "Media": "settings",
+    "IncrementalDetokenizer": "text",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

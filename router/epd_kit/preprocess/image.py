@@ -19,13 +19,13 @@ from PIL import Image
 
 from .errors import ImageDimensionsRejected, ImageOverBudget, ImageTooLarge, NotAnImage
 from .model_files import VisionSettings
-from .settings import PreprocessLimits
+from .settings import Limits
 
 MAX_ASPECT_RATIO = 200  # smart_resize refuses anything more extreme
 _WHITE = (255, 255, 255)
 
 
-def check_encoded_size(num_bytes: int, limits: PreprocessLimits) -> None:
+def check_encoded_size(num_bytes: int, limits: Limits) -> None:
     if num_bytes > limits.max_image_bytes:
         raise ImageTooLarge(
             f"image is {num_bytes} bytes, above the limit of {limits.max_image_bytes} bytes "
@@ -33,7 +33,7 @@ def check_encoded_size(num_bytes: int, limits: PreprocessLimits) -> None:
         )
 
 
-def decode_image(data: bytes, limits: PreprocessLimits) -> Image.Image:
+def decode_image(data: bytes, limits: Limits) -> Image.Image:
     """Encoded bytes -> RGB PIL image (first frame of animations)."""
     check_encoded_size(len(data), limits)
     try:
@@ -108,7 +108,7 @@ class ResizePlan:
         return t * h * w
 
 
-def plan_resize(height: int, width: int, vision: VisionSettings, limits: PreprocessLimits) -> ResizePlan:
+def plan_resize(height: int, width: int, vision: VisionSettings, limits: Limits) -> ResizePlan:
     """Target size under the checkpoint's rules, then under the patch budget (downscale or 400)."""
     factor, patch = vision.factor, vision.patch_size
     h, w = smart_resize(height, width, factor=factor, min_pixels=vision.min_pixels,

@@ -17,12 +17,12 @@ from urllib.parse import urljoin, urlsplit
 import httpx
 
 from .errors import ImageTooLarge, MalformedImageUrl, MediaFetchFailed, MediaFetchRefused
-from .settings import MediaPolicy, PreprocessLimits
+from .settings import Limits, Media
 
 _REDIRECTS = {301, 302, 303, 307, 308}
 
 
-def decode_data_url(url: str, limits: PreprocessLimits) -> bytes:
+def decode_data_url(url: str, limits: Limits) -> bytes:
     """The bytes of a base64 `data:image/...;base64,...` URL (size checked before decoding)."""
     header, comma, payload = url.partition(",")  # no regex over a multi-megabyte string
     if not comma or not header[:5].lower() == "data:":
@@ -50,7 +50,7 @@ def decode_data_url(url: str, limits: PreprocessLimits) -> bytes:
     return data
 
 
-def _host_allowed(url: httpx.URL, policy: MediaPolicy) -> bool:
+def _host_allowed(url: httpx.URL, policy: Media) -> bool:
     host = (url.host or "").lower()
     port = url.port or (443 if url.scheme == "https" else 80)
     return host in policy.allowed_hosts or f"{host}:{port}" in policy.allowed_hosts
@@ -59,7 +59,7 @@ def _host_allowed(url: httpx.URL, policy: MediaPolicy) -> bool:
 class MediaFetcher:
     """Fetches allowed http(s) image URLs. One httpx client, created on first use."""
 
-    def __init__(self, policy: MediaPolicy, limits: PreprocessLimits) -> None:
+    def __init__(self, policy: Media, limits: Limits) -> None:
         self.policy = policy
         self.limits = limits
         self._client: httpx.AsyncClient | None = None

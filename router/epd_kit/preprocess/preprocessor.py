@@ -25,13 +25,10 @@ from .image import PixelEncoder, decode_image, plan_resize
 from .media import MediaFetcher, decode_data_url
 from .messages import ImageRef, parse_messages
 from .model_files import CheckpointFiles, VisionSettings
-from .settings import MediaPolicy, PreprocessLimits
+from .settings import Limits, Media
 from .text import IncrementalDetokenizer, TextCodec
 
 T = TypeVar("T")
-
-DEFAULT_CACHE_ITEMS = 256
-DEFAULT_CACHE_BYTES = 1024 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -105,11 +102,9 @@ class Preprocessor:
         files: CheckpointFiles,
         *,
         model_id: str,
-        limits: PreprocessLimits,
-        media: MediaPolicy,
+        limits: Limits,
+        media: Media,
         workers: int = 4,
-        cache_items: int = DEFAULT_CACHE_ITEMS,
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
         encoder: ItemEncoder | None = None,
     ) -> None:
         if workers < 1:
@@ -129,7 +124,7 @@ class Preprocessor:
         self._encoder: ItemEncoder = encoder or MmSerdeEncoder()
         self._fetcher = MediaFetcher(media, limits)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="epd-preprocess")
-        self._cache: LruCache[PreparedImage] = LruCache(cache_items, cache_bytes)
+        self._cache: LruCache[PreparedImage] = LruCache(limits.image_cache_items, limits.image_cache_bytes)
         self._inflight: dict[str, asyncio.Future[PreparedImage]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._joins = self._duplicates = self._prepared = self._downscaled = 0
@@ -140,11 +135,9 @@ class Preprocessor:
         path: str | Path,
         *,
         model_id: str | None = None,
-        limits: PreprocessLimits | None = None,
-        media: MediaPolicy | None = None,
+        limits: Limits | None = None,
+        media: Media | None = None,
         workers: int = 4,
-        cache_items: int = DEFAULT_CACHE_ITEMS,
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
         encoder: ItemEncoder | None = None,
     ) -> Preprocessor:
         """Local files only (never the hub). `model_id` feeds the content hash; it defaults to
@@ -152,11 +145,9 @@ class Preprocessor:
         return cls(
             CheckpointFiles.load(path),
             model_id=model_id if model_id is not None else str(path),
-            limits=limits or PreprocessLimits(),
-            media=media or MediaPolicy(),
+            limits=limits or Limits(),
+            media=media or Media(),
             workers=workers,
-            cache_items=cache_items,
-            cache_bytes=cache_bytes,
             encoder=encoder,
         )
 
@@ -338,7 +329,7 @@ class Preprocessor:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _check_budget(vision: VisionSettings, limits: PreprocessLimits) -> None:
+def _check_budget(vision: VisionSettings, limits: Limits) -> None:
     min_patches = vision.merge_size ** 2
     if limits.max_image_patches < min_patches:
         raise ValueError(f"limits.max_image_patches must be at least {min_patches} "

@@ -2,30 +2,28 @@
 config file") and the reference router's flags (contract §1.1), both into one typed model.
 
 Unknown keys are errors (a typo must not silently fall back to a default). Every validation
-error names the offending key path so `epd-router check-config` output is actionable.
+error names the offending key path so `epd-router check-config` output is actionable. The
+`limits` and `media` sections are the preprocessor's own settings model (one schema for both).
 """
 
 from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from epd_kit.preprocess.settings import Limits, Media, Section
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Listen(_Section):
+class Listen(Section):
     host: str = "127.0.0.1"
     port: int = Field(default=18800, ge=0, lt=65536)
 
 
-class Timeouts(_Section):
+class Timeouts(Section):
     connect_s: float = Field(default=5.0, gt=0)
     ve_s: float = Field(default=600.0, gt=0)
     pd_s: float = Field(default=600.0, gt=0)
@@ -34,28 +32,14 @@ class Timeouts(_Section):
     shutdown_grace_s: float = Field(default=30.0, ge=0)
 
 
-class Limits(_Section):
-    images_per_prompt: int = Field(default=30, ge=0)
-    max_image_patches: int = Field(default=1024, gt=0)
-    oversized_image: Literal["downscale", "reject"] = "downscale"
-    max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
-    max_image_bytes: int = Field(default=20 * 1024 * 1024, gt=0)
-
-
-class Media(_Section):
-    allow_http: bool = False
-    allowed_hosts: list[str] = Field(default_factory=list)
-    fetch_timeout_s: float = Field(default=10.0, gt=0)
-
-
-class Health(_Section):
+class Health(Section):
     interval_s: float = Field(default=2.0, gt=0)
     timeout_s: float = Field(default=1.0, gt=0)
     failure_threshold: int = Field(default=2, ge=1)
     success_threshold: int = Field(default=1, ge=1)
 
 
-class Placement(_Section):
+class Placement(Section):
     # bound 1.15 + 6 items of slack: the pair docs/benchmarks.md §3 measured to keep ≥ 95 % of
     # the ceiling hit rate with max/mean encoder load ≤ 1.25 (placement.py)
     ve_load_bound: float = Field(default=1.15, ge=1.0)
@@ -65,11 +49,11 @@ class Placement(_Section):
     queue_timeout_s: float = Field(default=30.0, ge=0)
 
 
-class Retries(_Section):
+class Retries(Section):
     max_attempts: int = Field(default=3, ge=1, le=10)
 
 
-class Auth(_Section):
+class Auth(Section):
     api_keys_file: Path | None = None
     # extension: whether /metrics and /pools need a key when keys are configured
     protect_metrics: bool = True
@@ -81,7 +65,7 @@ class EngineState(str, Enum):
     draining = "draining"
 
 
-class Endpoint(_Section):
+class Endpoint(Section):
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     url: str
     state: EngineState = EngineState.active
@@ -105,7 +89,7 @@ class Endpoint(_Section):
         return f"{parts.scheme}://{parts.netloc}"
 
 
-class Endpoints(_Section):
+class Endpoints(Section):
     ve: list[Endpoint] = Field(min_length=1)
     pd: list[Endpoint] = Field(min_length=1)
 
@@ -127,7 +111,7 @@ class Endpoints(_Section):
         return self
 
 
-class RouterConfig(_Section):
+class RouterConfig(Section):
     model: str = Field(min_length=1)
     served_model_name: str | None = None
     quantization: str | None = None

@@ -102,3 +102,9 @@ class UpstreamError(RouterError):
         self.engine_failed = engine_failed
         self.retry_other = retry_other
         self.unreachable = unreachable  # connection refused: eject without waiting for a probe
+
+
+class EcLoadFailed(UpstreamError):
+    """A PD could not read an item's embedding from its VE (vLLM's `ECLoadFailure`, contract
+    §7.2): the request's locators may point at blocks that are gone, so it is re-encoded
+    before a retry. Recognised once, where the PD's answer is parsed (upstream.py)."""

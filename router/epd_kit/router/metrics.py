@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -114,3 +115,36 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def track_request(self) -> RequestOutcome:
+        return RequestOutcome(self)
+
+
+class RequestOutcome:
+    """How one chat request ended: the one place `requests_total`, the request duration and
+    the time to first byte are recorded, once per request, from its arrival.
+
+    `status` is an HTTP status, `stream_error` (a stream failed after it started) or
+    `client_closed`, which is also what a request that ends without a verdict was."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self._metrics = metrics
+        self.started = time.monotonic()
+        self.status = "client_closed"
+        self._first_byte_s: float | None = None
+        self._recorded = False
+
+    def first_byte(self) -> None:
+        if self._first_byte_s is None:
+            self._first_byte_s = time.monotonic() - self.started
+
+    def record(self, status: str | None = None) -> None:
+        if self._recorded:
+            return
+        self._recorded = True
+        if status is not None:
+            self.status = status
+        self._metrics.requests.labels(self.status).inc()
+        self._metrics.latency.observe(time.monotonic() - self.started)
+        if self._first_byte_s is not None:
+            self._metrics.ttft.observe(self._first_byte_s)

@@ -189,6 +189,9 @@ class HealthProber:
                 log.exception("health probe round failed")
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), self._health().interval_s)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancel that races
+                # a poke, and stop() would then wait forever
+                async with asyncio.timeout(self._health().interval_s):
+                    await self._wake.wait()
             except TimeoutError:
                 pass

@@ -1,4 +1,4 @@
-"""What the router needs from preprocessing, as a protocol.
+"""What the router needs from preprocessing, as a protocol, and the one call it makes.
 
 The production renderer is `epd_kit.preprocess.Preprocessor`; unit tests plug in a small
 fake with the same shape, so the request orchestration is testable on its own.
@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, Protocol
+
+from epd_kit.preprocess.errors import PreprocessError
+from epd_kit.router.errors import RouterError
+from epd_kit.router.openai_api import ChatCompletionRequest
 
 
 class PreparedItemLike(Protocol):
@@ -39,3 +43,17 @@ class Renderer(Protocol):
     def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def detokenizer(self, *, skip_special_tokens: bool = True) -> DetokenizerLike: ...
+
+
+async def render_request(renderer: Renderer, request: ChatCompletionRequest) -> RenderedPromptLike:
+    """The request's prompt; bad input becomes a 400/413 naming where it is in the request."""
+    messages = [m.model_dump(exclude_none=True) for m in request.messages]
+    try:
+        return await renderer.render(messages, add_generation_prompt=request.add_generation_prompt)
+    except RouterError:
+        raise
+    except PreprocessError as exc:
+        param = exc.param or "messages"
+        raise RouterError(exc.status, f"{param}: {exc.message}", param=param) from None
+    except ValueError as exc:
+        raise RouterError(400, f"cannot render the prompt: {exc}", param="messages") from None

@@ -60,11 +60,11 @@ class RouterServer(uvicorn.Server):
             if sig == signal.SIGINT:
                 self.force_exit = True
             return
-        self.service.draining = True  # /ready says 503 from now on
+        self.service.begin_drain()  # /ready says 503 from now on
         self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
-        grace = self.service.cfg.timeouts.shutdown_grace_s
+        grace = self.service.state.cfg.timeouts.shutdown_grace_s
         log.info("draining", extra={"active_requests": self.service.active_requests, "grace_s": grace})
         idle = await self.service.wait_idle(grace)
         if not idle:

@@ -1,5 +1,6 @@
-"""Calls to the engines (`POST /inference/v1/generate`, contract §2 and §3) and the
-classification of their failures into client statuses and engine-health signals.
+"""What the router sends the engines (`POST /inference/v1/generate` bodies, contract §2 and
+§3) and how it reads their answers: responses, and failures classified into client statuses,
+engine-health signals and typed errors (no I/O here: engine_client.py does the calls).
 
 Rules (anchors.md (c) 5): connect errors, timeouts, broken connections and 5xx count against
 the engine; a 4xx never does (it is about the request); 429 is pushback: try elsewhere, do not
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from epd_kit.router.errors import UpstreamError
+from epd_kit.router.errors import EcLoadFailed, UpstreamError
 from epd_kit.router.pools import Engine
 from epd_kit.router.rendering import PreparedItemLike
 from epd_kit.wire import (
@@ -30,8 +31,12 @@ from epd_kit.wire import (
 
 STAGE_NAMES = {"ve": "encode", "pd": "generate"}
 
+# How a PD says it could not read an embedding from a VE (vLLM's ECLoadFailure, contract
+# §7.2). Engines report it only as text; this is the one place that text is read.
+EC_LOAD_FAILURE_MARKERS = ("ECLoadFailure", "Encoder-cache load", "ec_locator")
 
-def _detail(resp: httpx.Response) -> str:
+
+def _engine_message(resp: httpx.Response) -> str:
     """A short, single-line excerpt of an engine's error body (never request data)."""
     try:
         doc = json.loads(resp.content[:4096] or b"null")
@@ -46,8 +51,14 @@ def _detail(resp: httpx.Response) -> str:
                 text = str(doc.get("detail", "") or doc.get("message", "") or err or "")
         else:
             text = ""
-    text = " ".join(text.split())[:200]
-    return f": {text}" if text else ""
+    return " ".join(text.split())[:200]
+
+
+def _failure(engine: Engine, status: int, message: str, engine_text: str = "", **flags: bool) -> UpstreamError:
+    """The typed error for a failed engine call; `engine_text` is what the engine said."""
+    ec_load = engine.role == "pd" and any(m in engine_text for m in EC_LOAD_FAILURE_MARKERS)
+    error_type = EcLoadFailed if ec_load else UpstreamError
+    return error_type(status, message, engine_id=engine.id, stage=STAGE_NAMES[engine.role], **flags)
 
 
 def where(engine: Engine) -> str:
@@ -55,52 +66,54 @@ def where(engine: Engine) -> str:
 
 
 def classify_exception(exc: httpx.HTTPError, engine: Engine) -> UpstreamError:
-    stage = STAGE_NAMES[engine.role]
+    kind = type(exc).__name__
     if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-        return UpstreamError(
-            502, f"{where(engine)} failed: cannot connect ({type(exc).__name__})",
-            engine_id=engine.id, stage=stage, engine_failed=True, retry_other=True, unreachable=True,
-        )  # fmt: skip
-    if isinstance(exc, httpx.PoolTimeout):
-        return UpstreamError(
-            504, f"{where(engine)} timed out waiting for a connection",
-            engine_id=engine.id, stage=stage, engine_failed=False, retry_other=True,
-        )  # fmt: skip
+        message = f"{where(engine)} failed: cannot connect ({kind})"
+        return _failure(engine, 502, message, engine_failed=True, retry_other=True, unreachable=True)
+    if isinstance(exc, httpx.PoolTimeout):  # our own connection pool, not the engine
+        message = f"{where(engine)} timed out waiting for a connection"
+        return _failure(engine, 504, message, engine_failed=False, retry_other=True)
     if isinstance(exc, httpx.TimeoutException):
-        return UpstreamError(
-            504, f"{where(engine)} timed out ({type(exc).__name__})",
-            engine_id=engine.id, stage=stage, engine_failed=True, retry_other=True,
-        )  # fmt: skip
-    return UpstreamError(
-        502, f"{where(engine)} failed: connection broken ({type(exc).__name__})",
-        engine_id=engine.id, stage=stage, engine_failed=True, retry_other=True,
-    )  # fmt: skip
+        return _failure(engine, 504, f"{where(engine)} timed out ({kind})", engine_failed=True, retry_other=True)
+    message = f"{where(engine)} failed: connection broken ({kind})"
+    return _failure(engine, 502, message, engine_failed=True, retry_other=True)
 
 
 def classify_status(resp: httpx.Response, engine: Engine) -> UpstreamError:
-    stage = STAGE_NAMES[engine.role]
     code = resp.status_code
-    detail = _detail(resp)
+    said = _engine_message(resp)
+    detail = f": {said}" if said else ""
     if code == 429:
-        err = UpstreamError(
-            429, f"{where(engine)} is overloaded (HTTP 429){detail}",
-            engine_id=engine.id, stage=stage, engine_failed=False, retry_other=True,
-        )  # fmt: skip
+        message = f"{where(engine)} is overloaded (HTTP 429){detail}"
+        err = _failure(engine, 429, message, said, engine_failed=False, retry_other=True)
         err.retry_after = _retry_after(resp)
         return err
     if code >= 500:
-        return UpstreamError(
-            502, f"{where(engine)} failed: HTTP {code}{detail}",
-            engine_id=engine.id, stage=stage, engine_failed=True, retry_other=True,
-        )  # fmt: skip
+        message = f"{where(engine)} failed: HTTP {code}{detail}"
+        return _failure(engine, 502, message, said, engine_failed=True, retry_other=True)
     # 400/413/422: the engine refused this request's content (e.g. too many tokens for the
     # context, an image too big for the compiled encoder): the client's to fix, so a 400.
     # Other 4xx (404, 401, ...) mean the router and engine disagree: an upstream failure.
     status = 400 if code in (400, 413, 422) else 502
-    return UpstreamError(
-        status, f"{where(engine)} rejected the request: HTTP {code}{detail}",
-        engine_id=engine.id, stage=stage, engine_failed=False, retry_other=False,
-    )  # fmt: skip
+    message = f"{where(engine)} rejected the request: HTTP {code}{detail}"
+    return _failure(engine, status, message, said, engine_failed=False, retry_other=False)
+
+
+def classify_stream_error(payload: bytes, engine: Engine) -> UpstreamError | None:
+    """The error a PD stream's payload reports (JSON with `error` and no `choices`), if any.
+    Used on the first payload, before the client has a byte: the request may still move."""
+    try:
+        doc = json.loads(payload)
+    except ValueError:
+        return None
+    if not (isinstance(doc, dict) and doc.get("error") and not doc.get("choices")):
+        return None
+    err = doc["error"] if isinstance(doc["error"], dict) else {"message": str(doc["error"])}
+    code = err.get("code") if isinstance(err.get("code"), int) else 500
+    engine_failed = not 400 <= code < 500  # a 4xx frame is about the request
+    said = str(err.get("message"))[:200]
+    message = f"{where(engine)} failed before the first token: {said}"
+    return _failure(engine, 502, message, said, engine_failed=engine_failed, retry_other=engine_failed)
 
 
 def _retry_after(resp: httpx.Response) -> float:
@@ -111,10 +124,8 @@ def _retry_after(resp: httpx.Response) -> float:
 
 
 def bad_body(engine: Engine, what: str) -> UpstreamError:
-    return UpstreamError(
-        502, f"{where(engine)} returned an invalid response: {what}",
-        engine_id=engine.id, stage=STAGE_NAMES[engine.role], engine_failed=True, retry_other=True,
-    )  # fmt: skip
+    message = f"{where(engine)} returned an invalid response: {what}"
+    return _failure(engine, 502, message, engine_failed=True, retry_other=True)
 
 
 def ve_request_body(request_id: str, engine_id: str, items: Sequence[PreparedItemLike]) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from epd_kit.preprocess import MediaPolicy, PreprocessLimits, Preprocessor
+from epd_kit.preprocess import Limits, Media, Preprocessor
 from epd_kit.testing.checkpoint import build_tiny_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers comparisons must never reach the hub
@@ -31,8 +31,8 @@ async def make_preprocessor(checkpoint: Path) -> AsyncIterator[Callable[..., Pre
     made: list[Preprocessor] = []
 
     def factory(path: Path | None = None, **kwargs: object) -> Preprocessor:
-        kwargs.setdefault("limits", PreprocessLimits())
-        kwargs.setdefault("media", MediaPolicy())
+        kwargs.setdefault("limits", Limits())
+        kwargs.setdefault("media", Media())
         kwargs.setdefault("workers", 2)
         pre = Preprocessor.from_checkpoint(path or checkpoint, **kwargs)  # type: ignore[arg-type]
         made.append(pre)

@@ -13,11 +13,11 @@ import pytest
 
 from epd_kit.preprocess import (
     ImageTooLarge,
+    Limits,
+    Media,
     MediaFetchFailed,
     MediaFetchRefused,
-    MediaPolicy,
     NotAnImage,
-    PreprocessLimits,
 )
 from epd_kit.testing.images import encode_image, image_part, make_image, user_message
 
@@ -112,8 +112,8 @@ def server() -> Iterator[_Server]:
 
 def _allowing(make_preprocessor, *hosts: str, timeout: float = 5.0, **limits: int):
     return make_preprocessor(
-        media=MediaPolicy(allow_http=True, allowed_hosts=list(hosts), fetch_timeout_s=timeout),
-        limits=PreprocessLimits(**limits))
+        media=Media(allow_http=True, allowed_hosts=list(hosts), fetch_timeout_s=timeout),
+        limits=Limits(**limits))
 
 
 def _msg(url: str) -> list[dict]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from epd_kit.preprocess import CheckpointFiles, ImageDimensionsRejected, ImageOverBudget, PreprocessLimits
+from epd_kit.preprocess import CheckpointFiles, ImageDimensionsRejected, ImageOverBudget, Limits
 from epd_kit.preprocess.image import PixelEncoder, decode_image, plan_resize, smart_resize
 from epd_kit.testing.images import encode_image, make_image
 
@@ -30,7 +30,7 @@ def hf_processor(checkpoint: Path):
     return AutoImageProcessor.from_pretrained(str(checkpoint), local_files_only=True)
 
 
-def _ours(vision, image, limits: PreprocessLimits = PreprocessLimits(max_image_patches=1 << 20)):
+def _ours(vision, image, limits: Limits = Limits(max_image_patches=1 << 20)):
     enc = PixelEncoder(vision)
     plan = plan_resize(image.height, image.width, vision, limits)
     return enc.pixel_values(enc.resize(image, plan)), plan
@@ -55,7 +55,7 @@ def test_pixel_values_match_transformers(vision, hf_processor, size: tuple[int, 
 
 def test_downscale_matches_transformers_with_the_budget_as_max_pixels(vision, hf_processor) -> None:
     image = make_image(1024, 768, seed=7)
-    limits = PreprocessLimits(max_image_patches=1024)
+    limits = Limits(max_image_patches=1024)
     ours, plan = _ours(vision, image, limits)
     assert plan.downscaled_for_budget and plan.num_patches <= 1024
     theirs = hf_processor(images=[image], size={"shortest_edge": 65536, "longest_edge": 1024 * 256})
@@ -64,7 +64,7 @@ def test_downscale_matches_transformers_with_the_budget_as_max_pixels(vision, hf
 
 
 def test_reject_over_budget(vision) -> None:
-    limits = PreprocessLimits(max_image_patches=1024, oversized_image="reject")
+    limits = Limits(max_image_patches=1024, oversized_image="reject")
     plan_resize(512, 512, vision, limits)  # exactly 1024 patches: fits
     with pytest.raises(ImageOverBudget, match=r"512x544 resizes to 512x544 = 1088 patches .* budget of 1024"):
         plan_resize(544, 512, vision, limits)
@@ -72,7 +72,7 @@ def test_reject_over_budget(vision) -> None:
 
 @pytest.mark.parametrize(("h", "w", "budget"), [(32, 6000, 64), (4000, 3000, 16), (5000, 5000, 1024), (33, 6599, 300)])
 def test_downscale_always_fits_the_budget(vision, h: int, w: int, budget: int) -> None:
-    plan = plan_resize(h, w, vision, PreprocessLimits(max_image_patches=budget))
+    plan = plan_resize(h, w, vision, Limits(max_image_patches=budget))
     assert plan.num_patches <= budget
     assert plan.height % 32 == 0 and plan.width % 32 == 0
 
@@ -90,15 +90,15 @@ def test_decode_converts_to_rgb_and_composites_alpha_on_white() -> None:
     from PIL import Image
 
     rgba = Image.new("RGBA", (40, 30), (10, 20, 30, 0))  # fully transparent
-    out = decode_image(encode_image(rgba), PreprocessLimits())
+    out = decode_image(encode_image(rgba), Limits())
     assert out.mode == "RGB" and out.getpixel((0, 0)) == (255, 255, 255)
-    gray = decode_image(encode_image(make_image(40, 30, mode="L")), PreprocessLimits())
+    gray = decode_image(encode_image(make_image(40, 30, mode="L")), Limits())
     assert gray.mode == "RGB"
-    pal = decode_image(encode_image(make_image(40, 30).convert("P")), PreprocessLimits())
+    pal = decode_image(encode_image(make_image(40, 30).convert("P")), Limits())
     assert pal.mode == "RGB"
 
 
 def test_first_frame_of_an_animation() -> None:
     frames = [make_image(32, 32, seed=s) for s in range(3)]
     data = encode_image(frames[0], "GIF", save_all=True, append_images=frames[1:])
-    assert decode_image(data, PreprocessLimits()).size == (32, 32)
+    assert decode_image(data, Limits()).size == (32, 32)

@@ -15,12 +15,12 @@ from epd_kit.preprocess import (
     ImageOverBudget,
     ImageTooLarge,
     InvalidMessages,
+    Limits,
     MalformedImageUrl,
     MediaFetchRefused,
     ModelHasNoVision,
     NotAnImage,
     PreprocessError,
-    PreprocessLimits,
     PromptMismatch,
     TooManyImages,
     UnsupportedContent,
@@ -136,11 +136,11 @@ async def test_concurrent_requests_prepare_a_new_image_once(pre) -> None:
 
 
 async def test_cache_is_bounded_in_entries_and_bytes(make_preprocessor) -> None:
-    small = make_preprocessor(cache_items=2)
+    small = make_preprocessor(limits=Limits(image_cache_items=2))
     for seed in range(3):
         await small.render([user_message(image_part(png_data_url(64, 64, seed=seed)))])
     assert small.stats.cache_entries == 2 and small.stats.cache_evictions == 1
-    tight = make_preprocessor(cache_bytes=1_000_000)  # one 256x256 item is ~1.1 MB of base64
+    tight = make_preprocessor(limits=Limits(image_cache_bytes=1_000_000))  # one 256x256 item is ~1.1 MB of base64
     await tight.render([user_message(image_part(png_data_url(256, 256, seed=5)))])
     assert tight.stats.cache_entries == 0
 
@@ -161,7 +161,7 @@ async def test_hash_depends_on_model_id_bytes_and_budget(make_preprocessor) -> N
     msg = [user_message(image_part(data_url(raw)))]
     base = (await make_preprocessor(model_id="m").render(msg)).items[0].mm_hash
     other_model = (await make_preprocessor(model_id="n").render(msg)).items[0].mm_hash
-    other_budget = (await make_preprocessor(model_id="m", limits=PreprocessLimits(max_image_patches=2048)).render(msg)).items[0].mm_hash
+    other_budget = (await make_preprocessor(model_id="m", limits=Limits(max_image_patches=2048)).render(msg)).items[0].mm_hash
     reencoded = encode_image(make_image(100, 80, seed=3), "PNG", compress_level=1)
     assert reencoded != raw
     other_bytes = (await make_preprocessor(model_id="m").render([user_message(image_part(data_url(reencoded)))])).items[0].mm_hash
@@ -169,7 +169,7 @@ async def test_hash_depends_on_model_id_bytes_and_budget(make_preprocessor) -> N
 
 
 async def test_oversized_image_is_downscaled_to_the_budget(make_preprocessor) -> None:
-    pre = make_preprocessor(limits=PreprocessLimits(max_image_patches=1024))
+    pre = make_preprocessor(limits=Limits(max_image_patches=1024))
     rendered = await pre.render([user_message(image_part(png_data_url(1024, 768)))])
     item = rendered.items[0]
     assert item.downscaled_for_budget and item.num_patches <= 1024
@@ -178,7 +178,7 @@ async def test_oversized_image_is_downscaled_to_the_budget(make_preprocessor) ->
 
 
 async def test_oversized_image_is_rejected_when_configured(make_preprocessor) -> None:
-    pre = make_preprocessor(limits=PreprocessLimits(max_image_patches=1024, oversized_image="reject"))
+    pre = make_preprocessor(limits=Limits(max_image_patches=1024, oversized_image="reject"))
     with pytest.raises(ImageOverBudget) as err:
         await pre.render([user_message("hi", image_part(png_data_url(1024, 768)))])
     assert err.value.status == 400 and err.value.param == "messages[0].content[1]"
@@ -194,7 +194,7 @@ async def test_text_only_checkpoint_renders_text_and_refuses_images(make_preproc
 
 def test_budget_below_one_token_is_a_config_error(make_preprocessor) -> None:
     with pytest.raises(ValueError, match="at least 4"):
-        make_preprocessor(limits=PreprocessLimits(max_image_patches=3))
+        make_preprocessor(limits=Limits(max_image_patches=3))
 
 
 @pytest.mark.parametrize(
@@ -230,7 +230,7 @@ async def test_bad_input_errors(pre, messages, error, status: int, text: str) ->
 
 
 async def test_too_many_images(make_preprocessor) -> None:
-    pre = make_preprocessor(limits=PreprocessLimits(images_per_prompt=2))
+    pre = make_preprocessor(limits=Limits(images_per_prompt=2))
     url = png_data_url(32, 32)
     await pre.render([user_message(image_part(url), image_part(url))])
     with pytest.raises(TooManyImages, match=r"3 images .* limit of 2 \(limits.images_per_prompt\)"):
@@ -239,16 +239,16 @@ async def test_too_many_images(make_preprocessor) -> None:
 
 async def test_image_too_large_in_bytes_is_413(make_preprocessor) -> None:
     raw = encode_image(make_image(300, 300, seed=9))
-    pre = make_preprocessor(limits=PreprocessLimits(max_image_bytes=len(raw) - 1))
+    pre = make_preprocessor(limits=Limits(max_image_bytes=len(raw) - 1))
     with pytest.raises(ImageTooLarge) as err:
         await pre.render([user_message(image_part(data_url(raw)))])
     assert err.value.status == 413 and "limits.max_image_bytes" in err.value.message
-    ok = make_preprocessor(limits=PreprocessLimits(max_image_bytes=len(raw)))
+    ok = make_preprocessor(limits=Limits(max_image_bytes=len(raw)))
     assert len((await ok.render([user_message(image_part(data_url(raw)))])).items) == 1
 
 
 async def test_decompression_bomb_guard(make_preprocessor) -> None:
-    pre = make_preprocessor(limits=PreprocessLimits(max_image_pixels=100 * 100))
+    pre = make_preprocessor(limits=Limits(max_image_pixels=100 * 100))
     with pytest.raises(ImageDimensionsRejected, match="decode limit"):
         await pre.render([user_message(image_part(png_data_url(101, 100)))])
 

@@ -8,9 +8,14 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from pydantic import ValidationError
 
+from epd_kit.preprocess import ImageDimensionsRejected, Limits, Media
+from epd_kit.router.app import build_renderer
 from epd_kit.router.cli import main
 from epd_kit.router.config import ConfigError, config_from_flags, load_config, parse_config
+from epd_kit.testing.checkpoint import build_tiny_checkpoint
+from epd_kit.testing.images import image_part, png_data_url, user_message
 
 ARCHITECTURE = Path(__file__).resolve().parents[3] / "docs" / "architecture.md"
 
@@ -146,3 +151,47 @@ def test_serve_flags_usage_errors():
     assert res.exit_code == 2 and "missing --ve-endpoint, --pd-endpoint" in res.output
     res = runner.invoke(main, ["serve", "--config", "x.yaml", "--model", "/m"])
     assert res.exit_code == 2 and "not both" in res.output
+
+
+def test_limits_and_media_are_the_preprocessors_settings_set_from_the_file():
+    data = minimal()
+    data["limits"] = {"max_image_pixels": 4096, "image_cache_items": 0, "image_cache_bytes": 1000}
+    data["media"] = {"max_redirects": 0, "allowed_hosts": [" Images.Example.COM:8443 "]}
+    cfg = parse_config(data)
+    assert isinstance(cfg.limits, Limits) and isinstance(cfg.media, Media)
+    assert (cfg.limits.max_image_pixels, cfg.limits.image_cache_items, cfg.limits.image_cache_bytes) == (4096, 0, 1000)
+    assert cfg.media.max_redirects == 0 and cfg.media.allowed_hosts == ["images.example.com:8443"]
+
+
+@pytest.mark.parametrize(
+    ("section", "value", "expected"),
+    [
+        ("limits", {"max_image_pixel": 1}, "limits.max_image_pixel: unknown key"),
+        ("limits", {"image_cache_items": -1}, "limits.image_cache_items"),
+        ("media", {"max_redirect": 1}, "media.max_redirect: unknown key"),
+        ("media", {"max_redirects": 11}, "media.max_redirects"),
+    ],
+)
+def test_limits_and_media_refuse_unknown_keys_and_bad_values(section, value, expected):
+    data = minimal()
+    data[section] = value
+    with pytest.raises(ConfigError, match=expected):
+        parse_config(data)
+    with pytest.raises(ValidationError):  # the same model, used directly by the preprocessor
+        (Limits if section == "limits" else Media).model_validate(value)
+
+
+async def test_the_production_renderer_applies_the_files_limits(tmp_path):
+    data = minimal()
+    data["model"] = str(build_tiny_checkpoint(tmp_path / "ckpt"))
+    data["limits"] = {"max_image_pixels": 48 * 48, "image_cache_items": 0}
+    cfg = parse_config(data)
+    pre = build_renderer(cfg)
+    try:
+        assert pre.limits is cfg.limits and pre.media is cfg.media
+        await pre.render([user_message(image_part(png_data_url(32, 32)))])
+        assert pre.stats.cache_entries == 0  # image_cache_items: 0 disables the cache
+        with pytest.raises(ImageDimensionsRejected, match="limits.max_image_pixels"):
+            await pre.render([user_message(image_part(png_data_url(64, 64)))])
+    finally:
+        await pre.aclose()

@@ -1,10 +1,11 @@
-"""Upstream failure classification and the error envelope (contract §1.3, improved)."""
+"""Upstream failure classification (incl. the typed EC-load failure) and the error envelope
+(contract §1.3, improved)."""
 
 import httpx
 import pytest
 
 from epd_kit.router import upstream
-from epd_kit.router.errors import RouterError
+from epd_kit.router.errors import EcLoadFailed, RouterError, UpstreamError
 from epd_kit.router.pools import Engine
 
 VE = Engine(id="epd-ve-1", url="http://127.0.0.1:18301", role="ve")
@@ -74,3 +75,29 @@ def test_envelope_shape_and_headers():
     assert err.headers("rid-1") == {"x-request-id": "rid-1", "Retry-After": "2"}
     frame = err.sse_frame("rid-1")
     assert frame.startswith(b"data: {") and frame.endswith(b"\n\n")
+
+
+EC_LOAD = b'{"error":{"message":"ECLoadFailure: Encoder-cache load failed for mm_hashes: [\'ab12\']","code":500}}'
+
+
+def test_a_pd_ec_load_failure_is_typed_once_at_the_boundary():
+    err = upstream.classify_status(response(500, EC_LOAD), PD)
+    assert isinstance(err, EcLoadFailed)
+    assert err.status == 502 and err.engine_failed and err.retry_other
+    assert "Encoder-cache load failed" in err.message
+    # same words from a VE, or another PD failure: not an EC-load failure
+    assert not isinstance(upstream.classify_status(response(500, EC_LOAD), VE), EcLoadFailed)
+    assert not isinstance(upstream.classify_status(response(500, b'{"detail":"engine dead"}'), PD), EcLoadFailed)
+    assert not isinstance(upstream.classify_exception(httpx.ReadError("reset"), PD), EcLoadFailed)
+
+
+def test_stream_error_frames_are_classified():
+    ec = upstream.classify_stream_error(EC_LOAD, PD)
+    assert isinstance(ec, EcLoadFailed) and ec.status == 502 and ec.engine_failed and ec.retry_other
+    assert "failed before the first token: ECLoadFailure" in ec.message
+    refused = upstream.classify_stream_error(b'{"error":{"message":"prompt too long","code":400}}', PD)
+    assert type(refused) is UpstreamError and not refused.engine_failed and not refused.retry_other
+    bare = upstream.classify_stream_error(b'{"error":"boom"}', PD)
+    assert bare is not None and bare.engine_failed and "boom" in bare.message
+    assert upstream.classify_stream_error(b'{"request_id":"r","choices":[{"token_ids":[1]}]}', PD) is None
+    assert upstream.classify_stream_error(b"not json", PD) is None

@@ -1,0 +1,61 @@
+"""One chat request as it moves through the router: its id, the parsed request, the
+rendered prompt and items, the locators of its encoded items, and its deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from epd_kit.router.config import RouterConfig
+from epd_kit.router.errors import RouterError
+from epd_kit.router.openai_api import ChatCompletionRequest
+from epd_kit.router.rendering import PreparedItemLike
+from epd_kit.wire import EcLocator
+
+
+@dataclass
+class RequestContext:
+    request_id: str
+    request: ChatCompletionRequest
+    model: str
+    total_timeout_s: float  # timeouts.total_s when the request arrived
+    t0: float = field(default_factory=time.monotonic)
+    created: int = field(default_factory=lambda: int(time.time()))
+    token_ids: list[int] = field(default_factory=list)
+    items: list[PreparedItemLike] = field(default_factory=list)
+    locators: dict[str, EcLocator] = field(default_factory=dict)
+    encoded_by: dict[str, str] = field(default_factory=dict)  # mm_hash -> VE id
+
+    @classmethod
+    def start(cls, request: ChatCompletionRequest, request_id: str | None, cfg: RouterConfig) -> RequestContext:
+        return cls(
+            request_id=request_id or uuid.uuid4().hex,
+            request=request,
+            model=request.model or cfg.model_name,
+            total_timeout_s=cfg.timeouts.total_s,
+        )
+
+    @property
+    def completion_id(self) -> str:
+        return f"chatcmpl-{self.request_id}"
+
+    @property
+    def deadline(self) -> float:
+        """`time.monotonic()` value by which the whole request must be done."""
+        return self.t0 + self.total_timeout_s
+
+    @asynccontextmanager
+    async def time_limit(self, stage: str) -> AsyncIterator[None]:
+        """Run a stage under the request's deadline; running out is a 504 naming the stage."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout_at(loop.time() + (self.deadline - time.monotonic())):
+                yield
+        except TimeoutError:
+            raise RouterError(
+                504, f"request exceeded the router's total timeout of {self.total_timeout_s:g}s during {stage}"
+            ) from None

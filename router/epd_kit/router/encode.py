@@ -1,0 +1,143 @@
+"""VE encode: every unique item of a request on its HRW VE, all VEs in parallel, a failed VE
+call retried on each item's next HRW choice; and the re-encode of items whose locators went
+bad before a PD retry."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from epd_kit.router.context import RequestContext
+from epd_kit.router.engine_client import EngineClient
+from epd_kit.router.errors import EcLoadFailed, RouterError, UpstreamError
+from epd_kit.router.metrics import RouterMetrics
+from epd_kit.router.placement import Item, group_by_ve, place_items
+from epd_kit.router.pools import Engine
+from epd_kit.router.rendering import PreparedItemLike
+from epd_kit.router.state import RouterState
+from epd_kit.wire import EcLocator
+
+log = logging.getLogger("epd_router.encode")
+
+
+class Encoder:
+    def __init__(self, state: RouterState, engines: EngineClient, metrics: RouterMetrics) -> None:
+        self._state = state
+        self._engines = engines
+        self._metrics = metrics
+
+    async def encode(
+        self,
+        ctx: RequestContext,
+        only: set[str] | None = None,
+        avoid: dict[str, set[str]] | None = None,
+    ) -> dict[str, EcLocator]:
+        """Locators for the request's unique items (or the `only` subset), each on its HRW VE
+        (never one in `avoid[mm_hash]`); records which VE encoded each in `ctx.encoded_by`."""
+        by_hash: dict[str, PreparedItemLike] = {}
+        for item in ctx.items:
+            if only is None or item.mm_hash in only:
+                by_hash.setdefault(item.mm_hash, item)
+        if only is None:
+            if len(by_hash) < len(ctx.items):
+                self._metrics.dedupe.inc(len(ctx.items) - len(by_hash))
+            self._metrics.items.inc(len(by_hash))
+        max_attempts = self._state.cfg.retries.max_attempts
+        locators: dict[str, EcLocator] = {}
+        tried: dict[str, set[str]] = {h: set() for h in by_hash}
+        excluded: dict[str, set[str]] = {h: set((avoid or {}).get(h, ())) for h in by_hash}
+        last_error: dict[str, UpstreamError] = {}
+        pending = list(by_hash)
+        while pending:
+            placement = self._state.cfg.placement
+            eligible = {e.id: e for e in self._state.pools.eligible_ve()}
+            try:
+                chosen = place_items(
+                    [Item(h, by_hash[h].length) for h in pending],
+                    {ve_id: e.inflight_work for ve_id, e in eligible.items()},
+                    placement.ve_load_bound,
+                    exclude=excluded,
+                    slack_items=placement.ve_load_slack_items,
+                )
+            except LookupError as exc:  # an item has no VE left to try
+                h = exc.args[0]
+                if h in last_error:
+                    raise last_error[h] from None
+                self._metrics.rejections.labels("no_ve").inc()
+                reason = self._state.not_ready_reason() if not eligible else "no VE left to try"
+                raise RouterError(
+                    503, f"cannot encode images: {reason}", retry_after=self._state.retry_after_s()
+                ) from None
+            groups = group_by_ve(chosen)
+            results = await self._encode_groups(ctx, eligible, groups, by_hash)
+            pending = []
+            for (ve, hashes), result in zip(groups.items(), results, strict=True):
+                if isinstance(result, UpstreamError):
+                    for h in hashes:
+                        tried[h].add(ve)
+                        excluded[h].add(ve)
+                        last_error[h] = result
+                        if not result.retry_other or len(tried[h]) >= max_attempts:
+                            raise result
+                        pending.append(h)
+                    self._metrics.retries.labels("encode").inc()
+                    log.warning(
+                        "encode failed, retrying on next HRW choice",
+                        extra={"request_id": ctx.request_id, "engine": ve, "error": result.message},
+                    )
+                elif isinstance(result, BaseException):
+                    raise result
+                else:
+                    locators.update(result)
+                    for h in hashes:
+                        ctx.encoded_by[h] = ve
+        return locators
+
+    async def _encode_groups(
+        self,
+        ctx: RequestContext,
+        eligible: dict[str, Engine],
+        groups: dict[str, list[str]],
+        by_hash: dict[str, PreparedItemLike],
+    ) -> list[dict[str, EcLocator] | BaseException]:
+        """One POST per VE, all at once; each result is locators or the exception."""
+        work = {ve: sum(by_hash[h].length for h in hashes) for ve, hashes in groups.items()}
+        for ve in groups:  # reserve in the same step as the choice (reload/drain see it)
+            eligible[ve].inflight += 1
+            eligible[ve].inflight_work += work[ve]
+        try:
+            return await asyncio.gather(
+                *(
+                    self._engines.encode(eligible[ve], [by_hash[h] for h in hashes], ctx.request_id)
+                    for ve, hashes in groups.items()
+                ),
+                return_exceptions=True,
+            )
+        finally:
+            for ve in groups:
+                eligible[ve].inflight -= 1
+                eligible[ve].inflight_work -= work[ve]
+
+    async def refresh_locators(self, ctx: RequestContext, err: UpstreamError) -> bool:
+        """Before retrying a failed PD call elsewhere: re-encode the items whose VE is gone
+        (probed now), or all of them if the PD could not read the embeddings (the VE lost the
+        blocks, e.g. it restarted); a failed EC read kills a PD engine core (§7.2), so the
+        retry must not read the same locators. Returns True if any locator changed."""
+        if not ctx.items:
+            return False
+        encoders = {e.id: e for e in self._state.pools.ve if e.id in set(ctx.encoded_by.values())}
+        await asyncio.gather(*(self._engines.check(e) for e in encoders.values()))
+        gone = {ve for ve in set(ctx.encoded_by.values()) if ve not in encoders or not encoders[ve].eligible}
+        stale = {h for h, ve in ctx.encoded_by.items() if ve in gone}
+        if not stale and isinstance(err, EcLoadFailed):
+            stale = set(ctx.encoded_by)
+        if not stale:
+            return False
+        avoid = {h: {ctx.encoded_by[h]} for h in stale if ctx.encoded_by[h] in gone}
+        log.warning(
+            "re-encoding items before retrying on another PD",
+            extra={"request_id": ctx.request_id, "items": len(stale)},
+        )
+        async with ctx.time_limit("re-encode"):
+            ctx.locators.update(await self.encode(ctx, only=stale, avoid=avoid))
+        return True

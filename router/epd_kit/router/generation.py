@@ -1,0 +1,195 @@
+"""One chat request through the engines: render once, encode on the VEs, then generate on a
+PD, as one OpenAI body or as a relayed stream.
+
+A failed PD call moves to another PD only while the client has received nothing: for a
+non-streaming request until the answer, for a stream until the PD's first event (read
+before the router answers 200). Both paths share one retry loop (`_on_a_pd`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+import httpx
+
+from epd_kit.router import translate, upstream
+from epd_kit.router.admission import PdAdmission
+from epd_kit.router.context import RequestContext
+from epd_kit.router.encode import Encoder
+from epd_kit.router.engine_client import EngineClient, PdStream
+from epd_kit.router.errors import RouterError, UpstreamError
+from epd_kit.router.metrics import RequestOutcome, RouterMetrics
+from epd_kit.router.pools import Engine
+from epd_kit.router.rendering import Renderer, render_request
+from epd_kit.router.state import RouterState
+
+log = logging.getLogger("epd_router.generation")
+
+T = TypeVar("T")
+
+
+class Generation:
+    def __init__(
+        self,
+        state: RouterState,
+        renderer: Renderer,
+        engines: EngineClient,
+        encoder: Encoder,
+        admission: PdAdmission,
+        metrics: RouterMetrics,
+    ) -> None:
+        self._state = state
+        self._renderer = renderer
+        self._engines = engines
+        self._encoder = encoder
+        self._admission = admission
+        self._metrics = metrics
+
+    async def prepare(self, ctx: RequestContext) -> None:
+        """Everything before the PD: a PD to go to, the rendered prompt, the items' locators."""
+        if not self._state.pools.eligible_pd():
+            self._metrics.rejections.labels("not_ready").inc()
+            raise self._state.not_ready_error()
+        t = time.monotonic()
+        async with ctx.time_limit("preprocessing"):
+            rendered = await render_request(self._renderer, ctx.request)
+        self._metrics.preprocess.observe(time.monotonic() - t)
+        ctx.token_ids = list(rendered.token_ids)
+        ctx.items = list(rendered.items)
+        if ctx.items:
+            t = time.monotonic()
+            async with ctx.time_limit("encode"):
+                ctx.locators = await self._encoder.encode(ctx)
+            self._metrics.encode.observe(time.monotonic() - t)
+
+    async def complete(self, ctx: RequestContext) -> dict[str, Any]:
+        """Non-streaming: the whole OpenAI body."""
+        await self.prepare(ctx)
+        t = time.monotonic()
+        result = await self._on_a_pd(ctx, stream=False, call=self._engines.generate, keep_slot=False)
+        self._metrics.pd.observe(time.monotonic() - t)
+        return translate.completion(ctx, result, self._renderer)
+
+    async def open_stream(self, ctx: RequestContext) -> PdStream:
+        """Streaming: a PD stream whose first event is read; it holds its PD slot until
+        `close` (which `relay` calls on every exit path)."""
+        await self.prepare(ctx)
+        return await self._on_a_pd(ctx, stream=True, call=self._engines.open_stream, keep_slot=True)
+
+    async def _on_a_pd(
+        self,
+        ctx: RequestContext,
+        *,
+        stream: bool,
+        call: Callable[[Engine, dict], Awaitable[T]],
+        keep_slot: bool,
+    ) -> T:
+        """`call` on an admitted PD; on a retryable failure, once more on a PD not tried yet
+        (up to `retries.max_attempts` PDs, within the deadline), with fresh locators if the
+        failure may have come from stale ones. `keep_slot`: the result holds the PD slot."""
+        body = self._pd_body(ctx, stream)
+        tried: set[str] = set()
+        last: UpstreamError | None = None
+        async with ctx.time_limit("generate"):
+            while True:
+                engine = await self._admission.acquire(tried, last)
+                try:
+                    result = await call(engine, body)
+                except UpstreamError as err:
+                    await self._admission.release(engine)
+                    tried.add(engine.id)
+                    last = err
+                    if not self._may_retry(err, tried, ctx):
+                        raise
+                    self._metrics.retries.labels("generate").inc()
+                    log.warning(
+                        "generate failed before the client got a byte, retrying on another PD",
+                        extra={"request_id": ctx.request_id, "engine": engine.id, "error": err.message},
+                    )
+                    if await self._encoder.refresh_locators(ctx, err):
+                        body = self._pd_body(ctx, stream)
+                    continue
+                except BaseException:
+                    await self._admission.release(engine)
+                    raise
+                if not keep_slot:
+                    await self._admission.release(engine)
+                return result
+
+    def _may_retry(self, err: UpstreamError, tried: set[str], ctx: RequestContext) -> bool:
+        return (
+            err.retry_other
+            and len(tried) < self._state.cfg.retries.max_attempts
+            and time.monotonic() < ctx.deadline
+        )
+
+    @staticmethod
+    def _pd_body(ctx: RequestContext, stream: bool) -> dict:
+        sampling = ctx.request.sampling_params()
+        return upstream.pd_request_body(ctx.request_id, ctx.token_ids, ctx.items, sampling, ctx.locators, stream)
+
+    async def relay(self, ctx: RequestContext, pd: PdStream, outcome: RequestOutcome) -> AsyncIterator[bytes]:
+        """The client's SSE bytes. A failure after the start ends the stream with one error
+        frame and `[DONE]`; the PD stream is closed and its slot freed on every exit path
+        (including a client that leaves, which cancels or closes this generator). Sets
+        `outcome.status`; the caller records it."""
+        translator = translate.StreamTranslator(ctx, self._renderer)
+        ok = client_left = False
+        t = time.monotonic()
+        try:
+            async with ctx.time_limit("generate"):
+                payload: bytes | None = pd.first
+                while payload is not None:
+                    frame = translator.translate(payload)
+                    if frame is not None:
+                        outcome.first_byte()
+                        yield frame
+                    try:
+                        payload = await anext(pd.payloads)
+                    except StopAsyncIteration:
+                        payload = None
+            usage = translator.closing_usage()
+            if usage is not None:
+                yield usage
+            ok = True
+            pd.engine.served += 1
+        except httpx.HTTPError as exc:
+            err = self._engines.failed(upstream.classify_exception(exc, pd.engine), pd.engine)
+            log.warning("PD stream failed after start", extra={"request_id": ctx.request_id, "error": err.message})
+            yield err.sse_frame(ctx.request_id)
+        except RouterError as err:
+            yield err.sse_frame(ctx.request_id)
+        except (asyncio.CancelledError, GeneratorExit):
+            client_left = True  # the client disconnected: Starlette cancels or closes the body
+            raise
+        except Exception:
+            log.exception("stream translation failed", extra={"request_id": ctx.request_id})
+            yield RouterError(500, "internal error in the router while streaming").sse_frame(ctx.request_id)
+        finally:
+            await self.close(pd)
+            self._metrics.pd.observe(time.monotonic() - t)
+            outcome.status = "200" if ok else ("client_closed" if client_left else "stream_error")
+            log.info(
+                "stream done" if ok else ("client left" if client_left else "stream ended with an error"),
+                extra={
+                    "request_id": ctx.request_id,
+                    "engine": pd.engine.id,
+                    "duration_s": round(time.monotonic() - ctx.t0, 4),
+                },
+            )
+        yield translate.DONE_FRAME
+
+    async def close(self, pd: PdStream) -> None:
+        """Idempotent: close the PD stream and free its slot (also when the response body was
+        never iterated because the client left first)."""
+        if pd.closed:
+            return
+        pd.closed = True
+        with anyio.CancelScope(shield=True):
+            await pd.response.aclose()
+            await self._admission.release(pd.engine)

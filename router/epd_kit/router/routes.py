@@ -1,0 +1,268 @@
+"""The HTTP surface: the OpenAI routes, the operations endpoints and the error handlers, over
+the app's one `RouterService` (`app.state.service`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from epd_kit.router.context import RequestContext
+from epd_kit.router.errors import RouterError
+from epd_kit.router.metrics import RequestOutcome
+from epd_kit.router.openai_api import parse_request
+from epd_kit.router.service import RouterService
+
+log = logging.getLogger("epd_router.app")
+
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:+=@-]{1,128}$")
+
+T = TypeVar("T")
+
+routes = APIRouter()
+
+
+def _service(request: Request) -> RouterService:
+    return request.app.state.service
+
+
+def _check_key(request: Request, protected: bool = True) -> None:
+    if protected:
+        _service(request).auth.check(request.headers.get("authorization"))
+
+
+# --- OpenAI surface ---------------------------------------------------------------------------
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    service = _service(request)
+    outcome = service.metrics.track_request()
+    rid = request.headers.get("x-request-id")
+    try:
+        if rid is not None and not REQUEST_ID_RE.match(rid):
+            rid = None
+            raise RouterError(400, "x-request-id must be 1-128 characters of [A-Za-z0-9._:+=@-]")
+        _check_key(request)
+        body = await _read_body(request, service.state.cfg.limits.max_body_bytes)
+        try:
+            data = json.loads(body)  # (a thread would not help: json.loads holds the GIL)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RouterError(400, f"request body is not valid JSON: {exc}") from None
+        chat = parse_request(data)
+        ctx = RequestContext.start(chat, rid, service.state.cfg)
+        rid = ctx.request_id
+        if chat.stream:
+            return await _stream(request, service, ctx, outcome)
+        service.begin_request()
+        try:
+            result = await _race_disconnect(request, service.generation.complete(ctx))
+        finally:
+            service.end_request()
+    except RouterError as err:
+        outcome.record(str(err.status))
+        level = logging.WARNING if err.status >= 500 or err.status == 429 else logging.INFO
+        log.log(level, "request failed", extra={"request_id": rid, "status": err.status, "error": err.message})
+        return err.response(rid)
+    if result is None:  # client went away; nobody reads this
+        outcome.record("client_closed")
+        return Response(status_code=499)
+    outcome.first_byte()
+    outcome.record("200")
+    duration = round(time.monotonic() - outcome.started, 4)
+    log.info("request done", extra={"request_id": rid, "status": 200, "duration_s": duration})
+    return JSONResponse(result, headers={"x-request-id": rid})
+
+
+async def _stream(request: Request, service: RouterService, ctx: RequestContext, outcome: RequestOutcome) -> Response:
+    service.begin_request()  # ended by the response, whatever happens to it
+    try:
+        pd = await _race_disconnect(request, service.generation.open_stream(ctx))
+    except BaseException:
+        service.end_request()
+        raise
+    if pd is None:
+        service.end_request()
+        outcome.record("client_closed")
+        return Response(status_code=499)
+
+    async def finished() -> None:
+        await service.generation.close(pd)
+        service.end_request()
+        outcome.record()  # the status `relay` left, or client_closed if it never ran
+
+    return _CleanupStreamingResponse(
+        service.generation.relay(ctx, pd, outcome),
+        finished,
+        media_type="text/event-stream",
+        headers={"x-request-id": ctx.request_id, "Cache-Control": "no-cache"},
+    )
+
+
+@routes.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    _check_key(request)
+    cfg = _service(request).state.cfg
+    model = {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "epd-kit", "root": cfg.model}
+    return JSONResponse({"object": "list", "data": [model]})
+
+
+# --- operations -------------------------------------------------------------------------------
+
+
+@routes.get("/health")
+async def health() -> JSONResponse:
+    return JSONResponse({"status": "ok"})
+
+
+@routes.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    state = _service(request).state
+    if state.ready:
+        return JSONResponse({"ready": True})
+    return JSONResponse(
+        {"ready": False, "reason": state.not_ready_reason()},
+        status_code=503,
+        headers={"Retry-After": str(round(state.retry_after_s()))},
+    )
+
+
+@routes.get("/healthcheck")
+async def healthcheck(request: Request) -> JSONResponse:
+    state = _service(request).state
+    pools = state.pools
+    return JSONResponse(
+        {
+            "status": "ok" if state.ready else "degraded",
+            "ve_instances": len(pools.ve),
+            "pd_instances": len(pools.pd),
+            "ve_healthy": len(pools.eligible_ve()),
+            "pd_healthy": len(pools.eligible_pd()),
+        }
+    )
+
+
+@routes.get("/pools")
+async def pools_view(request: Request) -> JSONResponse:
+    service = _service(request)
+    _check_key(request, service.state.cfg.auth.protect_pools)
+    return JSONResponse(
+        {
+            "ready": service.state.ready,
+            "draining": service.state.draining,
+            "active_requests": service.active_requests,
+            "engines": [e.snapshot() for e in service.state.pools.all()],
+        }
+    )
+
+
+@routes.get("/metrics")
+async def metrics(request: Request) -> Response:
+    service = _service(request)
+    _check_key(request, service.state.cfg.auth.protect_metrics)
+    return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+# --- error handlers ---------------------------------------------------------------------------
+
+
+async def _router_error(request: Request, exc: RouterError) -> JSONResponse:
+    return exc.response(request.headers.get("x-request-id"))
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    path = request.url.path
+    messages = {404: f"no route {path}", 405: f"method {request.method} not allowed on {path}"}
+    return RouterError(exc.status_code, messages.get(exc.status_code, str(exc.detail))).response(None)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return RouterError(400, f"invalid request: {exc.errors()[0].get('msg', 'bad input')}").response(None)
+
+
+async def _internal(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("internal error", extra={"path": request.url.path})
+    return RouterError(500, "internal error in the router (see its log)").response(None)
+
+
+EXCEPTION_HANDLERS: dict[Any, Callable[[Request, Any], Awaitable[Response]]] = {
+    RouterError: _router_error,
+    StarletteHTTPException: _http_error,
+    RequestValidationError: _validation_error,
+    Exception: _internal,
+}
+
+
+# --- HTTP plumbing ----------------------------------------------------------------------------
+
+
+class _CleanupStreamingResponse(StreamingResponse):
+    """Runs `cleanup` after the response ends on every path, including a client that left
+    before the body started (the generator's own `finally` would then never run)."""
+
+    def __init__(self, content, cleanup: Callable[[], Awaitable[None]], **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+                await self._cleanup()
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise RouterError(400, "Content-Length is not a number")
+        if int(declared) > limit:
+            raise RouterError(413, f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RouterError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _race_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work`; if the client disconnects first, cancel it (which aborts the engine
+    request: httpx closes the connection) and return None."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    return None

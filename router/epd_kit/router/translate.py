@@ -1,0 +1,126 @@
+"""PD answers -> OpenAI bodies: the `chat.completion` of a non-streaming request, and the
+`chat.completion.chunk` SSE frames of a stream (no I/O: the generation module feeds it).
+
+Tokens become text on the router: whole for a completion, incrementally per choice for a
+stream (a multi-byte character is never split across chunks). Usage follows OpenAI: a
+stream carries it only when the client asked (`stream_options.include_usage`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from epd_kit.router.context import RequestContext
+from epd_kit.router.openai_api import chunk_body, completion_body
+from epd_kit.router.rendering import DetokenizerLike, Renderer
+from epd_kit.wire import GenerateResponse
+
+log = logging.getLogger("epd_router.translate")
+
+DONE_FRAME = b"data: [DONE]\n\n"
+
+
+def sse_frame(doc: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def completion(ctx: RequestContext, result: GenerateResponse, renderer: Renderer) -> dict[str, Any]:
+    """The OpenAI body of a non-streaming request (with vLLM's `token_ids` per choice)."""
+    skip = ctx.request.skip_special_tokens
+    choices = []
+    for c in result.choices:
+        choice: dict[str, Any] = {
+            "index": c.index,
+            "message": {"role": "assistant", "content": renderer.detokenize(c.token_ids, skip)},
+            "finish_reason": c.finish_reason or "stop",
+            "token_ids": c.token_ids,
+        }
+        if c.logprobs is not None:
+            choice["logprobs"] = c.logprobs
+        choices.append(choice)
+    return completion_body(
+        completion_id=ctx.completion_id,
+        created=ctx.created,
+        model=ctx.model,
+        choices=choices,
+        prompt_tokens=len(ctx.token_ids),
+    )
+
+
+class StreamTranslator:
+    """One stream's PD payloads -> client SSE frames. Feed every payload to `translate`;
+    at the end, `closing_usage` gives the usage chunk the PD did not send, if one is due."""
+
+    def __init__(self, ctx: RequestContext, renderer: Renderer) -> None:
+        self._ctx = ctx
+        self._renderer = renderer
+        self._include_usage = ctx.request.include_usage
+        self._skip_special = ctx.request.skip_special_tokens
+        self._detokenizers: dict[int, DetokenizerLike] = {}
+        self._usage_sent = False
+        self.completion_tokens = 0
+
+    def translate(self, payload: bytes) -> bytes | None:
+        """The client frame for one PD payload, or None when it carries nothing to send."""
+        try:
+            doc = json.loads(payload)
+        except ValueError:
+            log.warning("unparsable PD stream frame skipped", extra={"request_id": self._ctx.request_id})
+            return None
+        if not isinstance(doc, dict):
+            return None
+        if doc.get("error") and not doc.get("choices"):
+            return b"data: " + payload + b"\n\n"  # PD error frames pass through (§1.2)
+        choices = [self._delta(c) for c in doc.get("choices") or []]
+        if choices:
+            return self._chunk(choices)
+        if doc.get("usage") and self._include_usage and not self._usage_sent:
+            self._usage_sent = True
+            return self._chunk([], usage=doc["usage"])
+        return None
+
+    def closing_usage(self) -> bytes | None:
+        """Our own usage chunk when the client asked for one and the PD sent none."""
+        if not self._include_usage or self._usage_sent:
+            return None
+        self._usage_sent = True
+        prompt = len(self._ctx.token_ids)
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+        }
+        return self._chunk([], usage=usage)
+
+    def _delta(self, choice: dict[str, Any]) -> dict[str, Any]:
+        index = int(choice.get("index", 0))
+        delta: dict[str, Any] = {}
+        detokenizer = self._detokenizers.get(index)
+        if detokenizer is None:  # the choice's first chunk also names the role
+            detokenizer = self._detokenizers[index] = self._renderer.detokenizer(
+                skip_special_tokens=self._skip_special
+            )
+            delta["role"] = "assistant"
+        new_ids = choice.get("token_ids") or []
+        self.completion_tokens += len(new_ids)
+        text = detokenizer.push(new_ids)
+        finish = choice.get("finish_reason")
+        if finish is not None:
+            text += detokenizer.flush()
+        if text:
+            delta["content"] = text
+        return {"index": index, "delta": delta, "finish_reason": finish}
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+        ctx = self._ctx
+        body = chunk_body(
+            completion_id=ctx.completion_id,
+            created=ctx.created,
+            model=ctx.model,
+            choices=choices,
+            include_usage=self._include_usage,
+            usage=usage,
+        )
+        return sse_frame(body)

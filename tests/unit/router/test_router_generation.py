@@ -1,0 +1,187 @@
+"""The request path over scripted engines (httpx.MockTransport: each test decides what every
+engine answers, which real engines cannot be made to do on cue): the one PD retry loop of the
+streaming and non-streaming paths, and the re-encode an EC-load failure triggers.
+The same path against real simulated engines is tests/router."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from epd_kit.router.config import parse_config
+from epd_kit.router.context import RequestContext
+from epd_kit.router.errors import RouterError
+from epd_kit.router.openai_api import parse_request
+from epd_kit.router.service import RouterService
+
+VE_PORTS = {11: "epd-ve-0", 12: "epd-ve-1"}
+PD_PORTS = {21: "epd-pd-0", 22: "epd-pd-1"}
+EC_LOAD = "ECLoadFailure: Encoder-cache load failed for mm_hashes: ['h1']"
+
+
+@dataclass
+class PdCall:
+    engine: str
+    locators: dict
+
+
+@dataclass
+class Engines:
+    """Scripted VEs and PDs. `pd_failures`: what the next PD calls answer instead of
+    success, in order: ("http", status, message) or ("frame", code, message)."""
+
+    pd_failures: list[tuple[str, int, str]] = field(default_factory=list)
+    encodes: list[tuple[str, list[str]]] = field(default_factory=list)
+    pd_calls: list[PdCall] = field(default_factory=list)
+    blocks: int = 0
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        port = request.url.port
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        body = json.loads(request.content)
+        if port in VE_PORTS:
+            return self._encode(VE_PORTS[port], body)
+        return self._generate(PD_PORTS[port], body)
+
+    def _encode(self, ve: str, body: dict) -> httpx.Response:
+        hashes = body["features"]["mm_hashes"]["image"]
+        self.encodes.append((ve, hashes))
+        locators = {}
+        for h in hashes:
+            self.blocks += 1
+            locators[h] = {"engine_id": ve, "host": "127.0.0.1", "port": 14600,
+                           "remote_block_ids": [self.blocks], "num_tokens": 4}
+        return httpx.Response(200, json={"request_id": body["request_id"], "choices": [{"token_ids": [0]}],
+                                         "kv_transfer_params": {"ec_locator": locators}})
+
+    def _generate(self, pd: str, body: dict) -> httpx.Response:
+        locators = body["sampling_params"]["extra_args"]["kv_transfer_params"]["ec_locator"]
+        self.pd_calls.append(PdCall(pd, locators))
+        stream = body.get("stream", False)
+        if self.pd_failures:
+            how, code, message = self.pd_failures.pop(0)
+            error = {"error": {"message": message, "type": "EngineError", "code": code}}
+            if how == "http":
+                return httpx.Response(code, json=error)
+            return sse_response([error])
+        rid = body["request_id"]
+        if not stream:
+            return httpx.Response(200, json={"request_id": rid, "choices": [{"token_ids": [72, 105]}]})
+        frames = [
+            {"request_id": rid, "choices": [{"index": 0, "token_ids": [72]}]},
+            {"request_id": rid, "choices": [{"index": 0, "token_ids": [105], "finish_reason": "stop"}]},
+        ]
+        return sse_response(frames)
+
+
+def sse_response(docs: list[dict]) -> httpx.Response:
+    async def body():  # a stream, as an engine sends it (bytes would arrive already read)
+        for doc in docs:
+            yield b"data: " + json.dumps(doc).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+
+
+@pytest.fixture
+async def make_service(char_renderer, make_item):
+    started: list[RouterService] = []
+
+    async def make(engines: Engines, max_attempts: int = 3) -> RouterService:
+        cfg = parse_config({
+            "model": "/m",
+            "health": {"interval_s": 60},
+            "retries": {"max_attempts": max_attempts},
+            "endpoints": {
+                "ve": [{"id": ve, "url": f"http://127.0.0.1:{port}"} for port, ve in VE_PORTS.items()],
+                "pd": [{"id": pd, "url": f"http://127.0.0.1:{port}"} for port, pd in PD_PORTS.items()],
+            },
+        })
+        items = [make_item("h1", 1, 4), make_item("h2", 6, 4), make_item("h1", 11, 4)]
+        renderer = char_renderer(list(range(16)), items)
+        service = RouterService(cfg, renderer, transport=httpx.MockTransport(engines.handler))
+        await service.start()
+        started.append(service)
+        return service
+
+    yield make
+    for service in started:
+        await service.stop()
+
+
+async def answer(service: RouterService, stream: bool) -> str:
+    """Run one request through the path under test; the answer's text."""
+    chat = parse_request({"messages": [{"role": "user", "content": "hi"}], "stream": stream})
+    ctx = RequestContext.start(chat, "rid", service.state.cfg)
+    if not stream:
+        return (await service.generation.complete(ctx))["choices"][0]["message"]["content"]
+    pd = await service.generation.open_stream(ctx)
+    outcome = service.metrics.track_request()
+    frames = [f async for f in service.generation.relay(ctx, pd, outcome)]
+    assert frames[-1] == b"data: [DONE]\n\n" and outcome.status == "200"
+    return "".join(json.loads(f[6:])["choices"][0]["delta"].get("content", "") for f in frames[:-1])
+
+
+def retries(service: RouterService, stage: str) -> float:
+    return service.metrics.registry.get_sample_value("epd_router_retries_total", {"stage": stage}) or 0.0
+
+
+def all_slots_free(service: RouterService) -> bool:
+    return all(e.inflight == 0 and e.inflight_work == 0 for e in service.state.pools.all())
+
+
+@pytest.mark.parametrize(
+    ("stream", "how"), [(False, "http"), (True, "http"), (True, "frame")], ids=["complete", "stream", "stream-frame"]
+)
+async def test_ec_load_failure_re_encodes_then_retries_on_another_pd(make_service, stream, how):
+    engines = Engines(pd_failures=[(how, 500, EC_LOAD)])
+    service = await make_service(engines)
+    assert await answer(service, stream) == "Hi"
+    first, second = engines.pd_calls
+    assert first.engine != second.engine
+    encoded = sorted(h for _, hashes in engines.encodes for h in hashes)
+    assert encoded == ["h1", "h1", "h2", "h2"]  # every unique item once, then once again
+    assert set(first.locators) == set(second.locators) == {"h1", "h2"}
+    for h in ("h1", "h2"):  # the retry reads the fresh blocks, not the ones that failed
+        assert first.locators[h]["remote_block_ids"] != second.locators[h]["remote_block_ids"]
+    assert retries(service, "generate") == 1
+    assert all_slots_free(service)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+async def test_other_pd_failures_retry_without_re_encoding(make_service, stream):
+    engines = Engines(pd_failures=[("http", 503, "engine dead")])
+    service = await make_service(engines)
+    assert await answer(service, stream) == "Hi"
+    assert len(engines.pd_calls) == 2 and len(engines.encodes) <= 2  # the initial fan-out only
+    assert sorted(h for _, hashes in engines.encodes for h in hashes) == ["h1", "h2"]
+    assert engines.pd_calls[0].locators == engines.pd_calls[1].locators
+    assert all_slots_free(service)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+async def test_a_pd_refusal_is_the_clients_and_not_retried(make_service, stream):
+    engines = Engines(pd_failures=[("http", 400, "prompt too long")])
+    service = await make_service(engines)
+    with pytest.raises(RouterError) as info:
+        await answer(service, stream)
+    assert info.value.status == 400 and "prompt too long" in info.value.message
+    assert len(engines.pd_calls) == 1 and retries(service, "generate") == 0
+    assert all_slots_free(service)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+async def test_attempts_are_bounded_and_the_last_failure_is_reported(make_service, stream):
+    engines = Engines(pd_failures=[("http", 500, "first"), ("http", 500, "second"), ("http", 500, "third")])
+    service = await make_service(engines, max_attempts=2)
+    with pytest.raises(RouterError) as info:
+        await answer(service, stream)
+    assert info.value.status == 502 and "second" in info.value.message
+    assert len(engines.pd_calls) == 2 and len({c.engine for c in engines.pd_calls}) == 2
+    assert retries(service, "generate") == 1
+    assert all_slots_free(service)

@@ -1,0 +1,58 @@
+"""The exact VE/PD bodies (contract §2.2, §3.1) and their JSON encoding."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+
+from epd_kit.router import upstream
+from epd_kit.wire import EcLocator, GenerateRequest
+
+
+def test_ve_body_is_contract_exact(make_item):
+    items = [make_item("h1", 15, 4, "K1", "P1"), make_item("h2", 40, 3, "K2", "P2")]
+    body = upstream.ve_request_body("rid", "epd-ve-1", items)
+    assert body == {
+        "request_id": "rid/enc/epd-ve-1",
+        "token_ids": [0] * 7,
+        "features": {
+            "mm_hashes": {"image": ["h1", "h2"]},
+            "mm_placeholders": {"image": [{"offset": 0, "length": 4}, {"offset": 4, "length": 3}]},
+            "kwargs_data": {"image": ["K1", "K2"]},
+        },
+        "sampling_params": {"max_tokens": 1},
+    }
+    GenerateRequest.model_validate(body)
+
+
+def test_pd_body_keeps_duplicates_and_carries_locators(make_item):
+    items = [make_item("h1", 2, 4, "K1", "P1"), make_item("h2", 8, 3, "K2", "P2"), make_item("h1", 12, 4, "K1", "P1")]
+    loc = {h: EcLocator(engine_id="epd-ve-0", host="127.0.0.1", port=14600, remote_block_ids=[i], num_tokens=4)
+           for i, h in enumerate(["h1", "h2"])}
+    sampling = {"max_tokens": 5, "output_kind": 1, "extra_args": {"mine": 1, "kv_transfer_params": {"x": 1}}}
+    body = upstream.pd_request_body("rid", list(range(20)), items, sampling, loc, stream=True)
+    assert body["request_id"] == "rid" and body["token_ids"] == list(range(20))
+    assert body["features"]["mm_hashes"] == {"image": ["h1", "h2", "h1"]}
+    assert body["features"]["kwargs_data"] == {"image": ["P1", "P2", "P1"]}  # LM-only kwargs
+    assert body["features"]["mm_placeholders"]["image"][2] == {"offset": 12, "length": 4}
+    extra = body["sampling_params"]["extra_args"]
+    assert extra["mine"] == 1 and set(extra["kv_transfer_params"]) == {"ec_locator"}
+    assert extra["kv_transfer_params"]["ec_locator"]["h2"]["remote_block_ids"] == [1]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    text_only = upstream.pd_request_body("r", [1, 2], [], {"output_kind": 2}, {}, stream=False)
+    assert text_only["features"] == {"mm_hashes": {}, "mm_placeholders": {}, "kwargs_data": {}}
+    assert "stream" not in text_only
+    assert text_only["sampling_params"]["extra_args"] == {"kv_transfer_params": {"ec_locator": {}}}
+
+
+def test_encode_body_splices_blobs_losslessly(make_item):
+    big = base64.b64encode(os.urandom(30_000)).decode()
+    odd = 'x"\\' * 2000 + "é"  # needs escaping: must go through json.dumps
+    items = [make_item("h1", 0, 4, big, "P"), make_item("h2", 4, 4, odd, "P"), make_item("h3", 8, 4, "small", "P")]
+    body = upstream.ve_request_body("rid", "epd-ve-0", items)
+    data = upstream.encode_body(body)
+    assert json.loads(data) == body
+    assert big.encode() in data
+    text_only = upstream.pd_request_body("r", [1], [], {"output_kind": 2}, {}, stream=False)
+    assert json.loads(upstream.encode_body(text_only)) == text_only
