@@ -1,34 +1,21 @@
 """Start the parts under test on 127.0.0.1: sim engines (the kit's exact argv, from the
 planner), epd-router (a router.yaml like the one Ansible renders), the floor proxy.
 
-Engine argv and env come from `plugins/filter/epd_topology.py` (the one place the kit builds
-them), with the `sim` backend and ports from `free_port()`; `--sim-*` flags are appended.
+Engine argv and env come from the kit's engine command model (epd_kit.plan, through
+epd_kit.sim.launch), with the `sim` backend and ports from `free_port()`; `--sim-*` flags are
+appended.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import sys
-from functools import lru_cache
 from pathlib import Path
-from types import ModuleType
 
 import yaml
 
 from bench.common import REPO
 from bench.procs import VENV_BIN, Proc, free_port
-
-
-@lru_cache(maxsize=1)
-def planner() -> ModuleType:
-    path = REPO / "plugins" / "filter" / "epd_topology.py"
-    spec = importlib.util.spec_from_file_location("epd_topology", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("epd_topology", module)
-    spec.loader.exec_module(module)
-    return module
+from epd_kit.sim import launch
 
 
 def engine_proc(
@@ -37,26 +24,18 @@ def engine_proc(
     ec_extra: dict | None = None,
 ) -> Proc:
     """One sim engine exactly as the kit would run it (planner argv + env), on a free port."""
-    topo = planner()
-    settings = topo.read_settings({
-        "epd_model": str(checkpoint),
-        "epd_engine_backend": "sim",
-        "epd_max_num_seqs": max_num_seqs,
-        "epd_images_per_prompt": images_per_prompt,
-    })
     port = free_port()
-    engine_id = f"{settings.engine_id_prefix}-{role}-{index}"
-    side = free_port() if role == "ve" else None
-    argv = topo.serve_argv(settings, role, engine_id, "127.0.0.1", port, side)
-    argv[0] = str(VENV_BIN / "epd-sim")
+    engine_id = f"epd-{role}-{index}"
+    command = launch.engine_command(
+        role, str(checkpoint), port, side_channel_port=free_port() if role == "ve" else None,
+        engine_id=engine_id, max_num_seqs=max_num_seqs, images=images_per_prompt,
+    )
     if ec_extra:  # connector knobs (contract §6.3 ec_connector_extra_config), e.g. transfer_timeout_sec
-        i = argv.index("--ec-transfer-config") + 1
-        ec = json.loads(argv[i])
-        ec["ec_connector_extra_config"].update(ec_extra)
-        argv[i] = json.dumps(ec)
+        command = command.merge_json("EPD_EC_TRANSFER_CONFIG", {"ec_connector_extra_config": ec_extra})
+    argv = command.argv(str(VENV_BIN / "epd-sim"))
     argv += ["--disable-uvicorn-access-log", *(sim_flags or ["--sim-profile", "zero"])]
-    tp = settings.tp(role)
-    env = topo.engine_env(settings, list(range(index * tp, index * tp + tp)))
+    tp = int(command.values["EPD_TENSOR_PARALLEL_SIZE"])
+    env = launch.engine_env(",".join(str(core) for core in range(index * tp, index * tp + tp)), base={})
     return Proc(name=engine_id, argv=argv, port=port, health_path="/health",
                 log_path=work_dir / f"{engine_id}.log", extra_env=env)
 

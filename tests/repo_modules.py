@@ -21,6 +21,11 @@ def load(relpath: str, name: str) -> ModuleType:
     return module
 
 
-def planner() -> ModuleType:
-    """THE topology planner, the same file Ansible loads as a filter plugin."""
-    return load("plugins/filter/epd_topology.py", "epd_topology")
+def filters() -> ModuleType:
+    """The collection's filter plugin: thin shims over epd_kit.plan."""
+    return load("plugins/filter/epd_kit.py", "epd_kit_filters")
+
+
+def module(name: str) -> ModuleType:
+    """One of the collection's Ansible modules (they run on the hosts, so they are not in epd_kit)."""
+    return load(f"library/{name}.py", name)

@@ -57,9 +57,3 @@ def inventory_hostvars(inventory: Path) -> tuple[dict[str, Any], dict[str, list[
     for group in ("epd_engines", "epd_router"):
         groups[group] = hosts_of(group)
     return hostvars, groups
-
-
-def load_planner():
-    from tests import repo_modules
-
-    return repo_modules.planner()

@@ -83,9 +83,8 @@ def test_inventory_model_specs_match_the_planner_defaults():
     """The inventory variables' defaults live in the planner; the spec documents the same values."""
     import yaml
 
-    from tests import repo_modules
+    from epd_kit import plan as planner
 
-    planner = repo_modules.planner()
     options = yaml.safe_load((REPO / "roles/epd_preflight/meta/argument_specs.yml").read_text())["argument_specs"]["main"]["options"]
     for name, value in {**planner.GLOBAL_DEFAULTS, **planner.HOST_DEFAULTS}.items():
         assert name in options, f"planner variable {name} has no entry in epd_preflight's argument_specs"

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.ansible.helpers import BIN, INVENTORIES, INVENTORY_IDS, inventory_hostvars, load_planner
+from epd_kit import plan as planner
+from tests.ansible.helpers import BIN, INVENTORIES, INVENTORY_IDS, inventory_hostvars
 from tests.ansible.systemd_expand import expand_specifiers, parse_unit, service_command
 
 pytestmark = pytest.mark.ansible
@@ -28,7 +29,6 @@ def resolved(inventory: Path) -> tuple[dict, dict[str, list[str]]]:
 
 def planned(inventory: Path) -> tuple[dict, dict[str, list[str]]]:
     hostvars, groups = resolved(inventory)
-    planner = load_planner()
     return planner.plan_from_hostvars(hostvars, groups["epd_engines"]), groups
 
 
@@ -105,13 +105,13 @@ def test_readiness_gate_and_stagger_match_the_plan(inventory, rendered):
 def test_router_config_lists_every_engine_of_every_host(inventory, rendered):
     out = rendered(inventory)
     plan, groups = planned(inventory)
-    expected = load_planner().router_endpoints(plan)
+    expected = planner.router_endpoints(plan)
     for router in groups["epd_router"]:
         config_path = out / router / "etc/epd/router.yaml"
         config = yaml.safe_load(config_path.read_text())
         assert config["endpoints"] == expected
         assert all(e["state"] == "active" for pool in config["endpoints"].values() for e in pool)
-        settings = load_planner().fleet_settings(resolved(inventory)[0], groups["epd_engines"])
+        settings = planner.fleet_settings(resolved(inventory)[0], groups["epd_engines"])
         assert config["model"] == settings.model
         assert config["limits"]["max_image_patches"] == settings.vision_attention_block_size
         assert config["limits"]["images_per_prompt"] == settings.images_per_prompt

@@ -1,6 +1,5 @@
 """library/epd_neuron_facts.py: faulted Neuron devices from a (fake) driver sysfs tree."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,13 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from epd_kit import plan
 from tests import repo_modules
 
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("epd_neuron_facts", REPO / "library" / "epd_neuron_facts.py")
-facts_module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(facts_module)
-scan = facts_module.scan_neuron_devices
+scan = repo_modules.module("epd_neuron_facts").scan_neuron_devices
 
 
 def fake_tree(root, devices=16, cores=4, fail=None, req=None):
@@ -75,13 +72,12 @@ def test_unparsable_and_missing_counters_are_reported_not_faulted(tmp_path):
 
 
 def test_scan_result_feeds_the_planner(tmp_path):
-    planner = repo_modules.planner()
     result = scan(str(fake_tree(tmp_path / "nd", fail={(1, 0): 1})))
     hostvars = {"n1": {"epd_model": "/models/m", "epd_num_ve": 1, "epd_num_pd": 1, "ansible_facts": {"epd_neuron": result}}}
-    plan = planner.plan_from_hostvars(hostvars, ["n1"])
-    cores = {e["instance"]: e["cores"] for e in plan["n1"]["engines"]}
+    fleet_plan = plan.plan_from_hostvars(hostvars, ["n1"])
+    cores = {e["instance"]: e["cores"] for e in fleet_plan["n1"]["engines"]}
     assert cores == {"pd-0": list(range(8, 16)), "ve-0": [0, 1, 2, 3]}
-    assert plan["n1"]["faulted_cores"] == [4, 5, 6, 7]
+    assert fleet_plan["n1"]["faulted_cores"] == [4, 5, 6, 7]
 
 
 @pytest.mark.ansible

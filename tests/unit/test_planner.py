@@ -1,4 +1,4 @@
-"""The topology planner (plugins/filter/epd_topology.py): layout rules, argv/env, every error."""
+"""The topology planner (epd_kit.plan): layout rules, the engine command, argv/env, every error."""
 
 import json
 import os
@@ -7,18 +7,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from tests import repo_modules
 import yaml
 
+from epd_kit import plan as planner
 from tests.golden.tutorial import TUTORIAL_EXPORTS, tutorial_command
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "inventory" / "examples"
 MODEL = "/models/Qwen3-VL-32B-Instruct"
-
-
-planner = repo_modules.planner()
 PlanError = planner.EpdPlanError
 
 
@@ -322,6 +318,8 @@ def test_loopback_in_a_multi_host_fleet_is_refused():
         (["--additional-config", "{}"], "the kit derives --additional-config itself"),
         ("--seed 1", "epd_extra_args must be a list of strings, got '--seed 1' (str)"),
         ([["--seed"]], "epd_extra_args[0] must be a string"),
+        (["--override-generation-config", '{"a": 1}'], "which is empty or contains whitespace: the engine unit splits"),
+        ([""], "which is empty or contains whitespace"),
     ],
 )
 def test_bad_extra_args(extra, expected):
@@ -385,15 +383,30 @@ def test_empty_or_wrong_host_list():
         planner.plan_from_hostvars({"n1": {"epd_model": MODEL}}, ["n9"])
 
 
-def test_filter_module_raises_ansible_filter_error():
+def test_filter_shims_raise_ansible_filter_error():
     from ansible.errors import AnsibleFilterError
 
-    filters = planner.FilterModule().filters()
-    assert set(filters) == {"epd_plan", "epd_settings", "epd_router_endpoints", "epd_plan_table"}
+    from tests import repo_modules
+
+    filters = repo_modules.filters().FilterModule().filters()
+    assert {"epd_plan", "epd_settings", "epd_router_endpoints", "epd_plan_table", "epd_engine_unit"} <= set(filters)
     with pytest.raises(AnsibleFilterError, match="epd planner: epd_model is unset or empty"):
         filters["epd_plan"]({"n1": {"epd_num_pd": 1}}, ["n1"])
     plan = filters["epd_plan"]({"n1": {"epd_model": MODEL, "epd_num_pd": 1}}, ["n1"])
     assert filters["epd_router_endpoints"](plan)["pd"][0]["url"] == "http://127.0.0.1:18100"
+
+
+def test_filter_shims_load_the_bundled_planner_without_the_kit(tmp_path):
+    """A controller without epd_kit: the filter plugin loads the copy inside the collection."""
+    script = (
+        "import sys; sys.modules['epd_kit'] = None\n"  # epd_kit is not importable
+        "import importlib.util as u\n"
+        f"spec = u.spec_from_file_location('f', {str(REPO / 'plugins/filter/epd_kit.py')!r})\n"
+        "m = u.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "print(m.plan.__name__, m.plan.serve_argv.__module__)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.split() == ["epd_kit_bundled_plan", "epd_kit_bundled_plan.command"]
 
 
 # --------------------------------------------------------------------------- plan.yml (real ansible-playbook)

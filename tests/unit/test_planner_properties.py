@@ -5,9 +5,8 @@ from functools import lru_cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests import repo_modules
+from epd_kit import plan as planner
 
-planner = repo_modules.planner()
 TPS = st.sampled_from([1, 2, 4, 8, 16])
 
 

@@ -1,8 +1,11 @@
-"""Start simulated engines the way the tutorial starts real ones (tests, demo, benchmarks).
+"""Start simulated engines the way the kit starts real ones (tests, demo, benchmarks).
 
-`ve_argv` / `pd_argv` give the tutorial's Step 1 / Step 2 `serve` argv (contract §6.3) for any
-ports; `engine_env` the environment §6.4 forces; `SimProcess` runs one engine as a
-subprocess and always cleans up. Only 127.0.0.1-style local use: nothing here picks hosts.
+Every argv and environment here comes from the kit's one engine command model
+(epd_kit.plan): `serve_argv` is the kit's `serve` command for one local engine on any port,
+with `epd-sim` as the executable; `ve_argv` / `pd_argv` are the tutorial's Step 1 / Step 2 with
+keyword knobs, including the deliberate departures the failure tests need; `engine_env` is the
+environment the kit sets (contract §6.4). `SimProcess` runs one engine as a subprocess and always
+cleans up. Only 127.0.0.1-style local use: nothing here picks hosts.
 """
 
 from __future__ import annotations
@@ -19,94 +22,112 @@ from pathlib import Path
 
 import httpx
 
+from epd_kit import plan
+
 DEFAULT_SIM = Path(sys.executable).parent / "epd-sim"
-EFA_ENV = {"FI_EFA_ENABLE_SHM_TRANSFER": "0", "FI_EFA_USE_DEVICE_RDMA": "1"}
+HOST = "127.0.0.1"
+# The simulator always loads a local checkpoint directory: the kit then sets HF_HUB_OFFLINE=1.
+_LOCAL_SETTINGS = plan.read_settings({"epd_model": "/checkpoint", "epd_engine_backend": "sim"})
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = HOST) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def additional_config(role: str, *, max_model_len: int = 8192, vab: int = 1024,
-                      blocks: int = 128, images: int = 30, dp: int = 4,
-                      **vision_extra: object) -> str:
-    neuron: dict[str, object] = {"quantization": "bf16",
-                                 "num_batched_tokens_buckets": [max_model_len],
-                                 "on_device_sampling_config": {"all_greedy": True}}
-    if role == "ve":
-        neuron["num_seqs_buckets"] = [1]
-    cfg: dict[str, object] = {
-        "neuron_config": neuron,
-        "vision_neuron_config": {"num_vision_tokens_buckets": [images * vab],
-                                 "vision_attention_block_size": vab,
-                                 "dp_size": dp if role == "ve" else 1,
-                                 "encoder_cache_num_blocks": blocks, **vision_extra},
+def engine_command(
+    role: str, model: str, port: int, *, side_channel_port: int | None = None, host: str = HOST,
+    engine_id: str | None = None, tp: int | None = None, dp: int | None = None,
+    max_model_len: int | None = None, max_num_seqs: int | None = None, images: int | None = None,
+    blocks: int | None = None,
+) -> plan.EngineCommand:
+    """The kit's command for one local engine; a knob left unset keeps the planner's default."""
+    knobs = {
+        f"epd_{role}_tp": tp, "epd_ve_dp": dp, "epd_max_model_len": max_model_len,
+        "epd_max_num_seqs": max_num_seqs, "epd_images_per_prompt": images,
+        "epd_encoder_cache_num_blocks": blocks,
     }
-    if role == "pd":
-        cfg["mm_language_model_only"] = True
-    return json.dumps(cfg)
+    settings = plan.read_settings({
+        "epd_model": model, "epd_engine_backend": "sim",
+        **{name: value for name, value in knobs.items() if value is not None},
+    })
+    engine_id = engine_id or f"{settings.engine_id_prefix}-{role}-0"
+    return plan.engine_command(settings, role, engine_id, host, port, side_channel_port)
 
 
-def _common(executable: Sequence[str], model: str | None, tp: int, host: str, port: int,
-            max_model_len: int, mnbt: int, max_num_seqs: int, images: int) -> list[str]:
-    argv = [*executable, "serve"] + ([model] if model is not None else [])
-    return argv + [
-        "--tensor-parallel-size", str(tp), "--host", host, "--port", str(port),
-        "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(mnbt),
-        "--max-num-seqs", str(max_num_seqs), "--dtype", "bfloat16",
-        "--limit-mm-per-prompt", json.dumps({"image": images}),
-    ]
+def serve_argv(role: str, model: str, port: int, *, executable: str = str(DEFAULT_SIM),
+               **knobs: object) -> list[str]:
+    """The kit's `serve` argv for one local engine (`knobs`: see `engine_command`)."""
+    return engine_command(role, model, port, **knobs).argv(executable)  # type: ignore[arg-type]
 
 
-def ve_argv(model: str | None, port: int, side_channel_port: int, *, host: str = "127.0.0.1",
-            tp: int = 4, engine_id: str = "epd-ve-0", max_model_len: int = 8192,
-            max_num_batched_tokens: int | None = None, images: int = 30,
-            extra_flags: Sequence[str] = ("--no-enable-prefix-caching",),
-            executable: Sequence[str] = (str(DEFAULT_SIM),), **ac: object) -> list[str]:
-    """Tutorial Step 1. `ac` goes to `additional_config` (vab, blocks, dp, vision extras)."""
-    return _common(executable, model, tp, host, port, max_model_len,
-                   max_num_batched_tokens or max_model_len, 1, images) + [
-        *extra_flags, "--mm-encoder-only", "--no-async-scheduling",
-        "--additional-config", additional_config("ve", max_model_len=max_model_len,
-                                                 images=images, **ac),  # type: ignore[arg-type]
-        "--ec-transfer-config", json.dumps({
-            "ec_connector": "NeuronNixlECConnector", "ec_role": "ec_producer",
-            "engine_id": engine_id,
-            "ec_connector_extra_config": {"backends": ["LIBFABRIC"], "side_channel_host": host,
-                                          "side_channel_port": side_channel_port}}),
-    ]
+def _departing(command: plan.EngineCommand, executable: str, *, model: str | None,
+               max_num_batched_tokens: int | None, vab: int | None,
+               vision: Mapping[str, object], ec_extra: Mapping[str, object] | None,
+               extra_flags: Sequence[str]) -> list[str]:
+    """The argv of `command` with the departures from the kit's command a failure test asks for."""
+    if model is not None:
+        command = command.replace(EPD_MODEL=model)
+    if max_num_batched_tokens is not None:
+        command = command.replace(EPD_MAX_NUM_BATCHED_TOKENS=str(max_num_batched_tokens))
+    vision = dict(vision)
+    if vab is not None:  # a block size the image geometry cannot give (e.g. one pool disagreeing)
+        images = json.loads(str(command.values["EPD_LIMIT_MM_PER_PROMPT"]))["image"]
+        vision.update(num_vision_tokens_buckets=[images * vab], vision_attention_block_size=vab)
+    if vision:
+        command = command.merge_json("EPD_ADDITIONAL_CONFIG", {"vision_neuron_config": vision})
+    if ec_extra:
+        command = command.merge_json("EPD_EC_TRANSFER_CONFIG", {"ec_connector_extra_config": dict(ec_extra)})
+    argv = command.argv(executable)
+    if model is None:  # no model at all: `serve` falls back to its text-only default
+        del argv[2]
+    if tuple(extra_flags) != (plan.PREFIX_CACHING_OFF,):
+        at = argv.index(plan.PREFIX_CACHING_OFF)
+        argv[at:at + 1] = list(extra_flags)
+    return argv
 
 
-def pd_argv(model: str | None, port: int, *, host: str = "127.0.0.1", tp: int = 8,
-            engine_id: str = "epd-pd-0", max_model_len: int = 8192, max_num_seqs: int = 8,
-            images: int = 30, extra_flags: Sequence[str] = ("--no-enable-prefix-caching",),
-            ec_extra: Mapping[str, object] | None = None,
-            executable: Sequence[str] = (str(DEFAULT_SIM),), **ac: object) -> list[str]:
+def ve_argv(model: str | None, port: int, side_channel_port: int, *, host: str = HOST,
+            tp: int | None = None, engine_id: str = "epd-ve-0", max_model_len: int | None = None,
+            max_num_batched_tokens: int | None = None, images: int | None = None,
+            extra_flags: Sequence[str] = (plan.PREFIX_CACHING_OFF,),
+            executable: str = str(DEFAULT_SIM), vab: int | None = None, blocks: int | None = None,
+            dp: int | None = None, **vision: object) -> list[str]:
+    """Tutorial Step 1; `vision` adds vision_neuron_config keys. A model of "" or None, another
+    max_num_batched_tokens, vab or extra_flags depart from the kit's command on purpose."""
+    command = engine_command("ve", model or "/checkpoint", port, side_channel_port=side_channel_port,
+                             host=host, engine_id=engine_id, tp=tp, dp=dp,
+                             max_model_len=max_model_len, images=images, blocks=blocks)
+    return _departing(command, executable, model=model, max_num_batched_tokens=max_num_batched_tokens,
+                      vab=vab, vision=vision, ec_extra=None, extra_flags=extra_flags)
+
+
+def pd_argv(model: str | None, port: int, *, host: str = HOST, tp: int | None = None,
+            engine_id: str = "epd-pd-0", max_model_len: int | None = None,
+            max_num_seqs: int | None = None, images: int | None = None,
+            extra_flags: Sequence[str] = (plan.PREFIX_CACHING_OFF,),
+            ec_extra: Mapping[str, object] | None = None, executable: str = str(DEFAULT_SIM),
+            vab: int | None = None, blocks: int | None = None, **vision: object) -> list[str]:
     """Tutorial Step 2. `ec_extra` adds ec_connector_extra_config keys (transfer_timeout_sec)."""
-    return _common(executable, model, tp, host, port, max_model_len, max_model_len,
-                   max_num_seqs, images) + [
-        *extra_flags, "--mm-processor-cache-gb", "0",
-        "--additional-config", additional_config("pd", max_model_len=max_model_len,
-                                                 images=images, **ac),  # type: ignore[arg-type]
-        "--ec-transfer-config", json.dumps({
-            "ec_connector": "NeuronNixlECConnector", "ec_role": "ec_consumer",
-            "engine_id": engine_id,
-            "ec_connector_extra_config": {"backends": ["LIBFABRIC"], **(ec_extra or {})}}),
-    ]
+    command = engine_command("pd", model or "/checkpoint", port, host=host, engine_id=engine_id,
+                             tp=tp, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                             images=images, blocks=blocks)
+    return _departing(command, executable, model=model, max_num_batched_tokens=None, vab=vab,
+                      vision=vision, ec_extra=ec_extra, extra_flags=extra_flags)
 
 
 def engine_env(cores: str, *, efa: bool = True, base: Mapping[str, str] | None = None,
                **sim: str) -> dict[str, str]:
-    """The launcher's engine environment (§6.4) + EPD_SIM_* settings (`profile="zero"`...).
-    Inherited EPD_SIM_*, FI_EFA_* and NEURON_* variables are dropped so a test is explicit."""
+    """The kit's engine environment (contract §6.4) + EPD_SIM_* settings (`profile="zero"`...).
+    `efa=False` leaves the EFA settings out (a failure test). Inherited EPD_SIM_*, FI_EFA_* and
+    NEURON_* variables are dropped so a test is explicit."""
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith(("EPD_SIM_", "FI_EFA_", "NEURON_"))}
-    env.update(NEURON_VISIBLE_DEVICES=cores, VLLM_NEURON_COMPILATION_TIMEOUT="6000",
-               HF_HUB_OFFLINE="1")
-    if efa:
-        env.update(EFA_ENV)
+    env.update(plan.engine_env(_LOCAL_SETTINGS, [int(core) for core in cores.split(",")]))
+    if not efa:
+        for name in plan.EFA_ENVIRONMENT:
+            del env[name]
     env.update({f"EPD_SIM_{k.upper()}": str(v) for k, v in sim.items()})
     return env
 

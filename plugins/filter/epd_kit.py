@@ -1,0 +1,90 @@
+"""The epd-kit Ansible filters: thin shims over epd_kit.plan (the planner and the engine command model).
+
+epd_kit.plan comes from the controller's Python when the kit is installed there; otherwise the
+copy inside the collection (router/epd_kit/plan, stdlib only) is loaded, so the collection works
+on any controller. A planner error fails the task with the planner's message.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from functools import wraps
+from pathlib import Path
+from types import ModuleType
+
+from ansible.errors import AnsibleFilterError
+
+BUNDLED_PLAN = Path(__file__).resolve().parents[2] / "router" / "epd_kit" / "plan"
+BUNDLED_NAME = "epd_kit_bundled_plan"
+
+
+def _load_plan() -> ModuleType:
+    try:
+        return importlib.import_module("epd_kit.plan")
+    except ImportError:
+        pass
+    if BUNDLED_NAME not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            BUNDLED_NAME, BUNDLED_PLAN / "__init__.py", submodule_search_locations=[str(BUNDLED_PLAN)]
+        )
+        if spec is None or spec.loader is None:
+            raise ImportError(f"epd_kit.plan is neither installed nor bundled at {BUNDLED_PLAN}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[BUNDLED_NAME] = module  # registered first: relative imports and dataclasses look it up
+        spec.loader.exec_module(module)
+    return sys.modules[BUNDLED_NAME]
+
+
+plan = _load_plan()
+
+
+def _filter(function):
+    """Fail the task with the planner's message instead of a traceback."""
+
+    @wraps(function)
+    def wrapper(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except plan.EpdPlanError as error:
+            raise AnsibleFilterError(f"epd planner: {error}") from None
+
+    return wrapper
+
+
+def settings(hostvars, hosts):
+    return plan.fleet_settings(hostvars, hosts).as_dict()
+
+
+def router_config(fleet_plan, fleet_settings, **options):
+    options = {key: plan.plain(value) for key, value in options.items()}
+    return plan.router_config(fleet_plan, plan.read_settings(fleet_settings), **options)
+
+
+def status_table(hostvars, engine_hosts, router_hosts):
+    hosts = list(engine_hosts) + list(router_hosts)
+    rows = {host: hostvars[host]["epd_status_rows"] for host in hosts if "epd_status_rows" in hostvars[host]}
+    return plan.status_table(rows, engine_hosts, router_hosts)
+
+
+class FilterModule:
+    """The planner, the engine unit, the router config and the ops helpers (docs/architecture.md)."""
+
+    def filters(self):
+        return {name: _filter(function) for name, function in {
+            "epd_plan": plan.plan_from_hostvars,
+            "epd_settings": settings,
+            "epd_plan_table": plan.plan_table,
+            "epd_router_endpoints": plan.router_endpoints,
+            "epd_unreachable_engines": plan.unreachable_engines,
+            "epd_engine_unit": plan.engine_unit,
+            "epd_engine_exec_start": plan.exec_start,
+            "epd_router_config": router_config,
+            "epd_probe_url": plan.probe_url,
+            "epd_engine_selection": plan.engine_selection,
+            "epd_deployed_engines": plan.deployed_engines,
+            "epd_rolling_queue": plan.rolling_queue,
+            "epd_status_rows": plan.status_rows,
+            "epd_status_table": status_table,
+        }.items()}

@@ -1,0 +1,94 @@
+"""epd_kit.plan: the trn2 topology planner and the one engine command model of epd-kit.
+
+Stdlib only and relative imports only, so it imports inside any Ansible controller's Python and
+the collection can load its bundled copy (plugins/plugin_utils/kit.py). Layout:
+
+    defaults      the defaults of every inventory variable (the one list of them)
+    values        checks for single inventory values
+    settings      fleet-wide pool settings (Settings, read_settings)
+    hosts         one engine host (HostSpec, read_host)
+    placement     where each engine's core slice goes on a host
+    command       THE `serve` command model: argv, environment, unit variables
+    unit          the engine unit's ExecStart line and env file, from the command model
+    fleet         the fleet plan, its checks, the router endpoints, the plan table
+    inventory     the planner's input read from Ansible's hostvars
+    router_config router.yaml from the plan
+    operations    what the ops playbooks compute (engine selection, rolling queue, status)
+
+docs/planner.md explains the rules; docs/architecture.md fixes the plan's schema.
+"""
+
+from .command import (
+    BACKEND_EXECUTABLES,
+    EFA_ENVIRONMENT,
+    MANAGED_ENV,
+    MANAGED_FLAGS,
+    PREFIX_CACHING_OFF,
+    ROLE_FLAGS,
+    ROLES,
+    SERVE_LINE,
+    EngineCommand,
+    additional_config,
+    ec_transfer_config,
+    engine_command,
+    engine_env,
+    serve_argv,
+)
+from .defaults import GLOBAL_DEFAULTS, HOST_DEFAULTS
+from .errors import EpdPlanError
+from .fleet import plan_fleet, plan_table, router_endpoints, unreachable_engines, validate_plan
+from .hosts import HostSpec, read_host
+from .inventory import fleet_settings, plan_from_hostvars
+from .net import probe_url
+from .operations import deployed_engines, engine_selection, rolling_queue, status_rows, status_table
+from .placement import largest_fits, place, placement_order
+from .router_config import router_config
+from .settings import Settings, read_settings
+from .unit import engine_unit, exec_start, read_env_file
+from .values import format_cores, plain
+
+__all__ = [
+    "BACKEND_EXECUTABLES",
+    "EFA_ENVIRONMENT",
+    "GLOBAL_DEFAULTS",
+    "HOST_DEFAULTS",
+    "MANAGED_ENV",
+    "MANAGED_FLAGS",
+    "PREFIX_CACHING_OFF",
+    "ROLES",
+    "ROLE_FLAGS",
+    "SERVE_LINE",
+    "EngineCommand",
+    "EpdPlanError",
+    "HostSpec",
+    "Settings",
+    "additional_config",
+    "deployed_engines",
+    "ec_transfer_config",
+    "engine_command",
+    "engine_env",
+    "engine_selection",
+    "engine_unit",
+    "exec_start",
+    "fleet_settings",
+    "format_cores",
+    "largest_fits",
+    "place",
+    "plain",
+    "placement_order",
+    "plan_fleet",
+    "plan_from_hostvars",
+    "plan_table",
+    "probe_url",
+    "read_env_file",
+    "read_host",
+    "read_settings",
+    "rolling_queue",
+    "router_config",
+    "router_endpoints",
+    "serve_argv",
+    "status_rows",
+    "status_table",
+    "unreachable_engines",
+    "validate_plan",
+]

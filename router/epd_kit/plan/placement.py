@@ -1,0 +1,136 @@
+"""Where each engine's NeuronCore slice goes on one host.
+
+Pinned slices stay; the rest is placed widest TP first at the lowest aligned start whose cores
+are all free. With power-of-two TPs every aligned block of a narrow TP lies inside one aligned
+block of a wider TP, so this greedy order finds a layout whenever one exists
+(tests/unit/test_planner_properties.py checks it against brute force).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .command import ROLES
+from .errors import EpdPlanError
+from .hosts import HostSpec
+from .settings import Settings
+from .values import format_cores
+
+
+def placement_order(settings: Settings) -> tuple[str, ...]:
+    """Widest TP first (PD before VE on a tie, as in the tutorial's table)."""
+    return tuple(sorted(ROLES, key=lambda role: (-settings.tp(role), role != "pd")))
+
+
+def check_pinned(host: HostSpec, settings: Settings) -> dict[str, list[int]]:
+    """Hand-pinned slices obey the same rules as planned ones: aligned, in budget, disjoint, usable."""
+    pinned: dict[str, list[int]] = {}
+    owner: dict[int, str] = {}
+    for role, starts in (host.slices or {}).items():
+        tp = settings.tp(role)
+        for index, start in enumerate(starts):
+            label = f"{host.name}: epd_slices.{role}[{index}] = {start} (cores {format_cores(range(start, start + tp))})"
+            if start % tp:
+                raise EpdPlanError(
+                    f"{label} is misaligned: a tp={tp} slice must start at a multiple of {tp} "
+                    f"(e.g. {start // tp * tp} or {start // tp * tp + tp}); on trn2 a misaligned slice compiles, then "
+                    "fails in prefill warmup (REDUCE_SCATTER not supported)"
+                )
+            if start + tp > host.core_count:
+                raise EpdPlanError(f"{label} is over budget: the host has {host.core_count} cores (0-{host.core_count - 1})")
+            bad = [c for c in range(start, start + tp) if c in host.blocked]
+            if bad:
+                reasons = []
+                if set(bad) & host.excluded_cores:
+                    reasons.append(f"excluded {format_cores(set(bad) & host.excluded_cores)}")
+                if set(bad) & host.faulted_cores:
+                    reasons.append(f"faulted {format_cores(set(bad) & host.faulted_cores)}")
+                raise EpdPlanError(f"{label} uses unusable cores ({'; '.join(reasons)}); move it to a free aligned slice")
+            for core in range(start, start + tp):
+                if core in owner:
+                    raise EpdPlanError(f"{label} overlaps {owner[core]} on core {core}; slices must be disjoint")
+                owner[core] = f"epd_slices.{role}[{index}]"
+            pinned.setdefault(role, []).append(start)
+    return pinned
+
+
+def place(host: HostSpec, settings: Settings, counts: Mapping[str, int] | None = None) -> dict[str, list[int]] | None:
+    """Slice starts per role, or None when the counts do not fit."""
+    counts = counts or {role: host.count(role) for role in ROLES}
+    pinned = check_pinned(host, settings)
+    used = set(host.blocked)
+    for role, starts in pinned.items():
+        for start in starts:
+            used.update(range(start, start + settings.tp(role)))
+    result = {role: list(pinned.get(role, [])) for role in ROLES}
+    for role in placement_order(settings):
+        tp = settings.tp(role)
+        missing = counts[role] - len(result[role])
+        for start in range(0, host.core_count - tp + 1, tp):
+            if missing <= 0:
+                break
+            block = range(start, start + tp)
+            if used.isdisjoint(block):
+                used.update(block)
+                result[role].append(start)
+                missing -= 1
+        if missing > 0:
+            return None
+    return result
+
+
+def largest_fits(host: HostSpec, settings: Settings) -> list[tuple[int, int]]:
+    """The largest (VE, PD) counts that fit: keep one pool's request, shrink the other."""
+
+    def fits(num_ve: int, num_pd: int) -> bool:
+        pinned = {role: len((host.slices or {}).get(role, ())) for role in ROLES}
+        if num_ve < pinned["ve"] or num_pd < pinned["pd"]:
+            return False
+        return place(host, settings, {"ve": num_ve, "pd": num_pd}) is not None
+
+    def max_count(fixed_role: str, fixed: int) -> int | None:
+        other = "pd" if fixed_role == "ve" else "ve"
+        best = None
+        # more engines than cores can never fit: bound the search for huge requests
+        for n in range(min(host.count(other), host.core_count) + 1):
+            counts = {fixed_role: fixed, other: n}
+            if fits(counts["ve"], counts["pd"]):
+                best = n
+        return best
+
+    options: list[tuple[int, int]] = []
+    keep_ve = max_count("ve", host.num_ve)
+    if keep_ve is not None:
+        options.append((host.num_ve, keep_ve))
+    keep_pd = max_count("pd", host.num_pd)
+    if keep_pd is not None:
+        options.append((keep_pd, host.num_pd))
+    if not options:  # neither pool fits at its requested size: say what each fits alone
+        for role in ROLES:
+            alone = max_count("pd" if role == "ve" else "ve", 0)
+            if alone:
+                options.append((alone, 0) if role == "ve" else (0, alone))
+    unique = []
+    for option in options:
+        if option != (0, 0) and option not in unique:
+            unique.append(option)
+    return unique
+
+
+def no_fit_message(host: HostSpec, settings: Settings) -> str:
+    blocked = host.blocked
+    where = f"{host.usable_cores} usable cores"
+    if blocked:
+        where += f" (of {host.core_count}; excluded/faulted: {format_cores(blocked)})"
+    fits = largest_fits(host, settings)
+    if fits:
+        what = " or ".join(f"{ve} VE + {pd} PD" for ve, pd in fits) + " fit"
+    else:
+        what = "no engine fits"
+    return (
+        f"{host.name}: layout does not fit: {where}: {what}, you asked for {host.num_ve} VE "
+        f"(tp {settings.ve_tp}) + {host.num_pd} PD (tp {settings.pd_tp}). Lower epd_num_ve/"
+        "epd_num_pd on that host (keep the TP: changing it invalidates the compile cache), "
+        "free cores, or move engines to another host. Each slice needs tp free cores starting "
+        "at a multiple of tp."
+    )

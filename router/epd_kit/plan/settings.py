@@ -1,0 +1,171 @@
+"""Fleet-wide pool settings (group_vars/all): validated values plus what is derived from them."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .command import BACKEND_EXECUTABLES, check_engine_environment, check_extra_args
+from .defaults import GLOBAL_DEFAULTS
+from .errors import EpdPlanError
+from .values import as_int, as_str, as_str_list, is_power_of_two
+
+QUANTIZATIONS = ("bf16", "mxfp8")
+MIN_PORT, MAX_PORT = 1024, 65535
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Fleet-wide pool settings (group_vars/all), validated, plus derived values."""
+
+    model: str
+    quantization: str
+    modules_to_not_convert: tuple[str, ...]
+    engine_backend: str
+    ve_tp: int
+    ve_dp: int
+    pd_tp: int
+    max_model_len: int
+    max_num_seqs: int
+    images_per_prompt: int
+    image_edge: int
+    patch_size: int
+    encoder_cache_num_blocks: int
+    ve_port_base: int
+    pd_port_base: int
+    side_channel_port_base: int
+    router_port: int
+    engine_id_prefix: str
+    start_stagger_s: int
+    compilation_timeout_s: int
+    extra_args: tuple[str, ...]
+    engine_environment: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def model_is_local(self) -> bool:
+        return self.model.startswith("/")
+
+    @property
+    def vision_attention_block_size(self) -> int:
+        """Patches per image: (edge/patch)²; the same on both pools by construction."""
+        return (self.image_edge // self.patch_size) ** 2
+
+    @property
+    def vision_tokens_bucket(self) -> int:
+        """images × (edge/patch)², e.g. 30 × (512/16)² = 30720."""
+        return self.images_per_prompt * self.vision_attention_block_size
+
+    @property
+    def executable(self) -> str:
+        """argv[0] of every engine: the backend's executable name."""
+        return BACKEND_EXECUTABLES[self.engine_backend]
+
+    def tp(self, role: str) -> int:
+        return self.ve_tp if role == "ve" else self.pd_tp
+
+    def as_dict(self) -> dict[str, Any]:
+        """Resolved settings with the inventory names, plus the derived values."""
+        out: dict[str, Any] = {}
+        for key in GLOBAL_DEFAULTS:
+            value = getattr(self, key.removeprefix("epd_"))
+            if key == "epd_engine_environment":
+                value = dict(value)
+            out[key] = list(value) if isinstance(value, tuple) else value
+        out["model_is_local"] = self.model_is_local
+        out["vision_attention_block_size"] = self.vision_attention_block_size
+        out["vision_tokens_bucket"] = self.vision_tokens_bucket
+        out["executable"] = self.executable
+        return out
+
+
+def check_model(value: Any) -> str:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise EpdPlanError(
+            "epd_model is unset or empty: set it in group_vars/all to a local checkpoint directory "
+            "(preferred, e.g. /models/Qwen3-VL-32B-Instruct) or a Hugging Face id; without it "
+            "vllm serve silently falls back to a text-only default model"
+        )
+    model = as_str("epd_model", value).strip()
+    if model.startswith("/"):
+        return model
+    if model.startswith((".", "~")):
+        raise EpdPlanError(
+            f"epd_model {model!r} is a relative path: engines run on other hosts under systemd, "
+            "so give the absolute checkpoint directory"
+        )
+    if not HUB_ID.fullmatch(model):
+        raise EpdPlanError(
+            f"epd_model {model!r} is neither an absolute checkpoint directory nor a Hugging Face "
+            "id like Qwen/Qwen3-VL-32B-Instruct"
+        )
+    return model
+
+
+def port(name: str, value: Any) -> int:
+    return as_int(name, value, minimum=MIN_PORT, maximum=MAX_PORT)
+
+
+def read_settings(variables: Mapping[str, Any]) -> Settings:
+    """Validate the fleet-wide settings; missing keys take GLOBAL_DEFAULTS."""
+
+    def get(key: str) -> Any:
+        return variables[key] if key in variables and variables[key] is not None else GLOBAL_DEFAULTS[key]
+
+    quantization = as_str("epd_quantization", get("epd_quantization"))
+    if quantization not in QUANTIZATIONS:
+        raise EpdPlanError(f"epd_quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    backend = as_str("epd_engine_backend", get("epd_engine_backend"))
+    if backend not in BACKEND_EXECUTABLES:
+        raise EpdPlanError(f"epd_engine_backend must be vllm or sim, got {backend!r}")
+    tps = {}
+    for key in ("epd_ve_tp", "epd_pd_tp"):
+        tps[key] = as_int(key, get(key), minimum=1, maximum=64)
+        if not is_power_of_two(tps[key]):
+            raise EpdPlanError(
+                f"{key} must be a power of two (1, 2, 4, 8, 16, 32, 64): trn2 tensor-parallel "
+                f"groups map onto aligned core blocks, got {tps[key]}"
+            )
+    ve_dp = as_int("epd_ve_dp", get("epd_ve_dp"), minimum=1)
+    if tps["epd_ve_tp"] % ve_dp:
+        raise EpdPlanError(
+            f"epd_ve_dp ({ve_dp}) must divide epd_ve_tp ({tps['epd_ve_tp']}): the vision encoder "
+            "runs dp_size data-parallel replicas inside the VE's cores"
+        )
+    edge = as_int("epd_image_edge", get("epd_image_edge"), minimum=1)
+    patch = as_int("epd_patch_size", get("epd_patch_size"), minimum=1)
+    if edge % patch:
+        raise EpdPlanError(
+            f"epd_image_edge ({edge}) must be a multiple of epd_patch_size ({patch}), "
+            f"e.g. {edge // patch * patch or patch}"
+        )
+    prefix = as_str("epd_engine_id_prefix", get("epd_engine_id_prefix"))
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", prefix):
+        raise EpdPlanError(f"epd_engine_id_prefix must be letters, digits, '.', '_' or '-', got {prefix!r}")
+    modules = as_str_list("epd_modules_to_not_convert", get("epd_modules_to_not_convert"))
+    return Settings(
+        model=check_model(variables.get("epd_model") if "epd_model" in variables else None),
+        quantization=quantization,
+        modules_to_not_convert=modules,
+        engine_backend=backend,
+        ve_tp=tps["epd_ve_tp"],
+        ve_dp=ve_dp,
+        pd_tp=tps["epd_pd_tp"],
+        max_model_len=as_int("epd_max_model_len", get("epd_max_model_len"), minimum=1),
+        max_num_seqs=as_int("epd_max_num_seqs", get("epd_max_num_seqs"), minimum=1),
+        images_per_prompt=as_int("epd_images_per_prompt", get("epd_images_per_prompt"), minimum=1),
+        image_edge=edge,
+        patch_size=patch,
+        encoder_cache_num_blocks=as_int("epd_encoder_cache_num_blocks", get("epd_encoder_cache_num_blocks"), minimum=2),
+        ve_port_base=port("epd_ve_port_base", get("epd_ve_port_base")),
+        pd_port_base=port("epd_pd_port_base", get("epd_pd_port_base")),
+        side_channel_port_base=port("epd_side_channel_port_base", get("epd_side_channel_port_base")),
+        router_port=port("epd_router_port", get("epd_router_port")),
+        engine_id_prefix=prefix,
+        start_stagger_s=as_int("epd_start_stagger_s", get("epd_start_stagger_s"), minimum=0),
+        compilation_timeout_s=as_int("epd_compilation_timeout_s", get("epd_compilation_timeout_s"), minimum=1),
+        extra_args=check_extra_args(as_str_list("epd_extra_args", get("epd_extra_args"))),
+        engine_environment=check_engine_environment(get("epd_engine_environment")),
+    )
