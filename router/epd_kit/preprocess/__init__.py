@@ -66,7 +66,7 @@ _EXPORTS = {
     "IncrementalDetokenizer": "text",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

@@ -195,3 +195,11 @@ async def test_the_production_renderer_applies_the_files_limits(tmp_path):
             await pre.render([user_message(image_part(png_data_url(64, 64)))])
     finally:
         await pre.aclose()
+
+
+def test_the_cli_and_config_load_without_the_preprocessors_heavy_imports():
+    """`epd-router` installs its early signal handlers before the slow imports, and
+    check-config stays quick: the shared settings model must not pull the preprocessor in."""
+    code = "import sys, epd_kit.router.cli; print([m for m in ('numpy', 'PIL', 'tokenizers') if m in sys.modules])"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert proc.stdout.strip() == "[]"

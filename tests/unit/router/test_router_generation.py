@@ -6,7 +6,6 @@ The same path against real simulated engines is tests/router."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx

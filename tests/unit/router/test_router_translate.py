@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from epd_kit.router.context import RequestContext
 from epd_kit.router.config import parse_config
+from epd_kit.router.context import RequestContext
 from epd_kit.router.openai_api import parse_request
 from epd_kit.router.translate import StreamTranslator, completion
 from epd_kit.wire import GenerateResponse
