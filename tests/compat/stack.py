@@ -1,0 +1,160 @@
+"""The compat stack: the kit's router (its own CLI, a subprocess) in front of one vLLM VE and
+one vLLM PD (vllm_server.py, in a background event loop of this process), all on 127.0.0.1.
+
+The engines get the tutorial's argv (tests/golden) with their own ports and tensor-parallel
+size 1 (the tiny checkpoint has 4 heads; TP is hardware layout and never reaches the wire).
+Each engine records the bodies that reached it and the `Request`s its engine core built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from tests.compat.vllm_server import LOOPBACK, VllmServer, free_port, vllm_server
+from tests.golden.tutorial import tutorial_command
+
+T = TypeVar("T")
+READY_TIMEOUT_S = 90.0
+REQUEST_TIMEOUT_S = 60.0
+
+
+def tutorial_argv(instance: str, model: Path, port: int, side_channel_port: int | None = None) -> list[str]:
+    """The tutorial's `vllm serve` argv for `instance` ("ve-0" / "pd-0") on loopback:
+    `port`, TP 1 and (VE) `side_channel_port` replace the tutorial's values in place."""
+    _, argv = tutorial_command(instance, str(model))
+    argv = list(argv)
+    argv[argv.index("--port") + 1] = str(port)
+    argv[argv.index("--tensor-parallel-size") + 1] = "1"
+    at = argv.index("--ec-transfer-config") + 1
+    ec = json.loads(argv[at])
+    if side_channel_port is not None:
+        ec["ec_connector_extra_config"]["side_channel_port"] = side_channel_port
+    argv[at] = json.dumps(ec)
+    return argv
+
+
+class BackgroundLoop:
+    """An event loop in a daemon thread: the vLLM servers answer while tests block."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="compat-vllm", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = READY_TIMEOUT_S) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+@dataclass
+class Exchange:
+    """One chat request through the router: what the client got, what each engine saw."""
+
+    status: int
+    body: dict[str, Any] | None  # non-stream answer
+    frames: list[dict[str, Any]]  # stream answer, [DONE] excluded
+    ve_bodies: list[dict[str, Any]]
+    pd_bodies: list[dict[str, Any]]
+    ve_requests: list[Any]  # vllm.v1.request.Request
+    pd_requests: list[Any]
+
+
+@dataclass
+class CompatStack:
+    loop: BackgroundLoop
+    ve: VllmServer
+    pd: VllmServer
+    router_url: str
+    model: Path
+
+    @classmethod
+    @contextlib.contextmanager
+    def start(cls, model: Path, workdir: Path) -> Iterator[CompatStack]:
+        loop = BackgroundLoop()
+        servers = contextlib.AsyncExitStack()
+        router: subprocess.Popen | None = None
+        try:
+            ve = loop.run(servers.enter_async_context(
+                vllm_server(tutorial_argv("ve-0", model, free_port(), free_port()))))
+            pd = loop.run(servers.enter_async_context(vllm_server(tutorial_argv("pd-0", model, free_port()))))
+            port = free_port()
+            log = open(workdir / "router.log", "wb")  # noqa: SIM115 - closed with the process
+            router = subprocess.Popen(
+                [sys.executable, "-m", "epd_kit.router.cli", "serve", "--model", str(model),
+                 "--ve-endpoint", ve.host_port, "--pd-endpoint", pd.host_port, "--host", LOOPBACK, "--port", str(port)],
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+            stack = cls(loop, ve, pd, f"http://{LOOPBACK}:{port}", model)
+            stack._wait_ready(router, workdir / "router.log")
+            yield stack
+        finally:
+            if router is not None:
+                router.terminate()
+                try:
+                    router.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    router.kill()
+                    router.wait()
+            loop.run(servers.aclose())
+            loop.close()
+
+    def _wait_ready(self, router: subprocess.Popen, log: Path) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if router.poll() is not None:
+                raise RuntimeError(f"the router exited {router.returncode}:\n{log.read_text()}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(self.router_url + "/ready", timeout=1.0, trust_env=False).status_code == 200:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"the router was not ready within {READY_TIMEOUT_S} s:\n{log.read_text()}")
+
+    # --- requests ---
+
+    def chat(self, messages: list[dict[str, Any]], *, stream: bool = False, max_tokens: int = 4) -> Exchange:
+        """One /v1/chat/completions through the router; engines' records from this call only."""
+        self.ve.clear()
+        self.pd.clear()
+        payload = {"model": str(self.model), "messages": messages, "max_tokens": max_tokens,
+                   "temperature": 0.0, "stream": stream}
+        with httpx.Client(base_url=self.router_url, timeout=REQUEST_TIMEOUT_S, trust_env=False) as client:
+            resp = client.post("/v1/chat/completions", json=payload)
+        body, frames = None, []
+        if stream:
+            frames = [json.loads(line[len("data: "):]) for line in resp.text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        else:
+            body = resp.json()
+        return Exchange(resp.status_code, body, frames, self.ve.generate_bodies(), self.pd.generate_bodies(),
+                        list(self.ve.core.requests), list(self.pd.core.requests))
+
+    def render(self, messages: list[dict[str, Any]], *, max_tokens: int = 4) -> dict[str, Any]:
+        """vLLM's own rendering of a chat request (`/v1/chat/completions/render` on the PD):
+        the `GenerateRequest` the reference disaggregated router sends."""
+        payload = {"model": str(self.model), "messages": messages, "max_tokens": max_tokens}
+        resp = httpx.post(self.pd.url + "/v1/chat/completions/render", json=payload,
+                          timeout=REQUEST_TIMEOUT_S, trust_env=False)
+        resp.raise_for_status()
+        return resp.json()
+
+    def generate(self, server: VllmServer, body: dict[str, Any]) -> httpx.Response:
+        """POST a body straight to an engine's `/inference/v1/generate`."""
+        return httpx.post(server.url + "/inference/v1/generate", json=body,
+                          timeout=REQUEST_TIMEOUT_S, trust_env=False)
