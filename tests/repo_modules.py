@@ -28,4 +28,4 @@ def filters() -> ModuleType:
 
 def module(name: str) -> ModuleType:
     """One of the collection's Ansible modules (they run on the hosts, so they are not in epd_kit)."""
-    return load(f"library/{name}.py", name)
+    return load(f"plugins/modules/{name}.py", name)

@@ -16,7 +16,8 @@ from types import ModuleType
 
 from ansible.errors import AnsibleFilterError
 
-BUNDLED_PLAN = Path(__file__).resolve().parents[2] / "router" / "epd_kit" / "plan"
+COLLECTION = Path(__file__).resolve().parents[2]
+BUNDLED_PLAN = COLLECTION / "router" / "epd_kit" / "plan"
 BUNDLED_NAME = "epd_kit_bundled_plan"
 
 
@@ -53,6 +54,11 @@ def _filter(function):
     return wrapper
 
 
+def kit_path(relative: str) -> str:
+    """A path inside the collection (the repository when run from it), e.g. its templates/."""
+    return str(COLLECTION / relative)
+
+
 def settings(hostvars, hosts):
     return plan.fleet_settings(hostvars, hosts).as_dict()
 
@@ -69,7 +75,7 @@ def status_table(hostvars, engine_hosts, router_hosts):
 
 
 class FilterModule:
-    """The planner, the engine unit, the router config and the ops helpers (docs/architecture.md)."""
+    """The planner, the engine unit, the router config, the ops helpers and the collection's own paths."""
 
     def filters(self):
         return {name: _filter(function) for name, function in {
@@ -87,4 +93,6 @@ class FilterModule:
             "epd_rolling_queue": plan.rolling_queue,
             "epd_status_rows": plan.status_rows,
             "epd_status_table": status_table,
+            "epd_env_file": plan.read_env_file,
+            "epd_kit_path": kit_path,
         }.items()}

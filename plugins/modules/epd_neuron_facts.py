@@ -18,18 +18,18 @@ options:
     type: path
     default: /sys/devices/virtual/neuron_device
   cores_per_device:
-    description: NeuronCores per device as numbered in NEURON_VISIBLE_DEVICES (trn2 with the default logical core size: 4).
+    description: NeuronCores per device as numbered in NEURON_VISIBLE_DEVICES (trn2 with the default logical core size has 4).
     type: int
     default: 4
 """
 
 EXAMPLES = r"""
 - name: Find faulted Neuron devices
-  epd_neuron_facts:
+  epd.kit.epd_neuron_facts:
   register: epd_neuron_scan
 
 - name: Preview a fake tree
-  epd_neuron_facts:
+  epd.kit.epd_neuron_facts:
     root: /tmp/fake-sysfs/neuron_device
 """
 

@@ -1,6 +1,10 @@
 """ansible-lint (production profile) and --syntax-check of every playbook."""
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 
 from tests.ansible.helpers import BIN, REPO, playbook, run
@@ -17,7 +21,8 @@ def test_every_planned_playbook_exists():
 
 
 def test_ansible_lint_production_profile_is_clean():
-    result = run([str(BIN / "ansible-lint"), "--profile", "production", "roles", "playbooks", "inventory"], timeout=600)
+    """The whole collection (galaxy.yml, roles, playbooks, plugins, inventories), as Galaxy would see it."""
+    result = run([str(BIN / "ansible-lint")], timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "Profile 'production' was required, and it passed" in result.stderr + result.stdout
 
@@ -28,50 +33,70 @@ def test_syntax_check(name):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_every_role_has_argument_specs_matching_its_defaults():
+def role_entry_points(role: Path) -> dict[str, dict]:
+    import yaml
+
+    return yaml.safe_load((role / "meta/argument_specs.yml").read_text())["argument_specs"]
+
+
+def test_every_entry_point_has_its_tasks_and_documented_options():
+    for role in sorted((REPO / "roles").iterdir()):
+        assert (role / "meta/argument_specs.yml").exists(), f"{role.name} has no meta/argument_specs.yml"
+        for entry, spec in role_entry_points(role).items():
+            assert (role / f"tasks/{entry}.yml").exists(), f"{role.name}: entry point {entry} has no tasks/{entry}.yml"
+            assert spec.get("short_description"), f"{role.name}.{entry} has no short_description"
+            for name, option in (spec.get("options") or {}).items():
+                assert option.get("description"), f"{role.name}.{entry}: {name} has no description"
+                assert option.get("type"), f"{role.name}.{entry}: {name} has no type"
+
+
+def test_entry_points_called_by_the_playbooks_are_declared():
+    """tasks_from: X is validated against entry point X (only X, never "X.yml", names one)."""
+    declared = {f"epd.kit.{role.name}": set(role_entry_points(role)) for role in (REPO / "roles").iterdir()}
+    assert declared["epd.kit.epd_preflight"] >= {"controller", "host"}
+    assert "plan" in declared["epd.kit.epd_common"]
+    for path in sorted([*(REPO / "playbooks").rglob("*.yml"), *(REPO / "roles").rglob("tasks/*.yml")]):
+        text = path.read_text()
+        assert not re.search(r"tasks_from: \S+\.yml", text), f"{path}: tasks_from X.yml skips entry point X's argument spec"
+        for role, entry in re.findall(r"name: (epd\.kit\.\w+)\n\s+tasks_from: (\w+)", text):
+            if entry in ("controller", "host", "plan"):
+                assert entry in declared[role], f"{path}: {role} tasks_from {entry} is not a declared entry point"
+
+
+def test_role_defaults_are_specified_with_the_same_values():
     import yaml
 
     for role in sorted((REPO / "roles").iterdir()):
-        spec_file = role / "meta/argument_specs.yml"
-        assert spec_file.exists(), f"{role.name} has no meta/argument_specs.yml"
-        specs = yaml.safe_load(spec_file.read_text())["argument_specs"]
-        assert "main" in specs, f"{role.name}: no 'main' entry point"
         defaults_file = role / "defaults/main.yml"
-        defaults = yaml.safe_load(defaults_file.read_text()) if defaults_file.exists() else {}
-        options = specs["main"].get("options", {})
-        for name, option in options.items():
-            assert option.get("description"), f"{role.name}: {name} has no description"
-            assert option.get("type"), f"{role.name}: {name} has no type"
-        missing = set(defaults or {}) - set(options)
+        defaults = (yaml.safe_load(defaults_file.read_text()) if defaults_file.exists() else None) or {}
+        options: dict = {}
+        for spec in role_entry_points(role).values():
+            options.update(spec.get("options") or {})
+        missing = set(defaults) - set(options)
         assert not missing, f"{role.name}: defaults without a spec entry: {sorted(missing)}"
-        for name, value in (defaults or {}).items():
-            if isinstance(value, str) and "{{" in value:
-                continue  # templated defaults are documented, not compared
+        for name, value in defaults.items():
             assert options[name].get("default") == value, f"{role.name}: spec default of {name} differs from defaults/main.yml"
 
 
 def test_argument_specs_accept_their_defaults(tmp_path):
-    """Ansible's own validator (what runs at role start) accepts every role's defaults."""
+    """Ansible's own validator (what runs at role start) accepts every entry point's defaults."""
     import yaml
 
     plays = []
     for role in sorted((REPO / "roles").iterdir()):
         defaults_file = role / "defaults/main.yml"
-        if not defaults_file.exists():
-            continue
-        plays.append({
-            "name": f"validate {role.name}",
-            "hosts": "localhost",
-            "gather_facts": False,
-            "vars_files": [str(defaults_file)],
-            "vars": {"role_path": str(role), "epd_deps_repo_dir": str(REPO)},
-            "tasks": [{
-                "name": f"Validate {role.name} defaults",
-                "ansible.builtin.validate_argument_spec": {
-                    "argument_spec": yaml.safe_load((role / "meta/argument_specs.yml").read_text())["argument_specs"]["main"]["options"],
-                },
-            }],
-        })
+        for entry, spec in role_entry_points(role).items():
+            plays.append({
+                "name": f"validate {role.name} {entry}",
+                "hosts": "localhost",
+                "gather_facts": False,
+                "vars_files": [str(defaults_file)] if defaults_file.exists() else [],
+                "vars": {"role_path": str(role)},
+                "tasks": [{
+                    "name": f"Validate {role.name} {entry} defaults",
+                    "ansible.builtin.validate_argument_spec": {"argument_spec": spec.get("options") or {}},
+                }],
+            })
     book = tmp_path / "validate.yml"
     book.write_text(yaml.safe_dump(plays, sort_keys=False))
     result = playbook(str(book))
@@ -80,13 +105,39 @@ def test_argument_specs_accept_their_defaults(tmp_path):
 
 
 def test_inventory_model_specs_match_the_planner_defaults():
-    """The inventory variables' defaults live in the planner; the spec documents the same values."""
-    import yaml
-
+    """The inventory variables' defaults live in the planner; epd_common's plan spec has the same values and types."""
     from epd_kit import plan as planner
 
-    options = yaml.safe_load((REPO / "roles/epd_preflight/meta/argument_specs.yml").read_text())["argument_specs"]["main"]["options"]
+    options = role_entry_points(REPO / "roles/epd_common")["plan"]["options"]
+    types = {bool: "bool", int: "int", str: "str", list: "list", dict: "dict"}
     for name, value in {**planner.GLOBAL_DEFAULTS, **planner.HOST_DEFAULTS}.items():
-        assert name in options, f"planner variable {name} has no entry in epd_preflight's argument_specs"
+        assert name in options, f"planner variable {name} has no entry in epd_common's plan argument spec"
         if value is not None:
             assert options[name].get("default") == value, f"{name}: spec default {options[name].get('default')!r} != planner {value!r}"
+            assert options[name]["type"] == types[type(value)], f"{name}: spec type {options[name]['type']} for {value!r}"
+    model_options = {n for n in options if n.startswith("epd_") and n not in ("epd_plan_faulted", "epd_common_replan")}
+    assert model_options == set(planner.GLOBAL_DEFAULTS) | set(planner.HOST_DEFAULTS), "spec lists a variable the planner does not read"
+
+
+def test_architecture_inventory_table_shows_the_planner_defaults():
+    """docs/architecture.md's inventory table: every planner variable, with the planner's default."""
+    from epd_kit import plan as planner
+
+    text = (REPO / "docs/architecture.md").read_text()
+    start = text.index("## Inventory model")
+    documented: dict[str, str] = {}
+    for line in text[start:text.index("\n## ", start)].splitlines():
+        cells = [cell.strip().replace("`", "") for cell in line.strip().strip("|").split("|")]
+        if len(cells) < 3:
+            continue
+        names = re.findall(r"epd_\w+", cells[0])
+        defaults = cells[1].split(" / ") if len(names) > 1 and " / " in cells[1] else [cells[1]] * len(names)
+        documented.update(zip(names, defaults))
+    for name, value in {**planner.GLOBAL_DEFAULTS, **planner.HOST_DEFAULTS}.items():
+        if name == "epd_model":
+            expected = "(required)"
+        elif value is None:
+            expected = "unset"
+        else:
+            expected = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+        assert documented.get(name) == expected, f"{name}: docs/architecture.md says {documented.get(name)!r}, the planner {expected!r}"

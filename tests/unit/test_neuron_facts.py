@@ -1,4 +1,4 @@
-"""library/epd_neuron_facts.py: faulted Neuron devices from a (fake) driver sysfs tree."""
+"""plugins/modules/epd_neuron_facts.py: faulted Neuron devices from a (fake) driver sysfs tree."""
 
 import json
 import os
@@ -83,11 +83,11 @@ def test_scan_result_feeds_the_planner(tmp_path):
 @pytest.mark.ansible
 def test_module_runs_under_ansible_in_check_mode(tmp_path):
     root = fake_tree(tmp_path / "nd", devices=2, fail={(1, 2): 4})
-    env = {**os.environ, "ANSIBLE_LIBRARY": str(REPO / "library"), "ANSIBLE_NOCOLOR": "1",
+    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
            "ANSIBLE_STDOUT_CALLBACK": "minimal", "ANSIBLE_CALLBACK_RESULT_FORMAT": "json"}
     result = subprocess.run(
         [str(Path(sys.executable).parent / "ansible"), "localhost", "-i", "localhost,", "-c", "local", "--check",
-         "-e", f"ansible_python_interpreter={sys.executable}", "-m", "epd_neuron_facts", "-a", f"root={root}"],
+         "-e", f"ansible_python_interpreter={sys.executable}", "-m", "epd.kit.epd_neuron_facts", "-a", f"root={root}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -413,7 +413,7 @@ def test_filter_shims_load_the_bundled_planner_without_the_kit(tmp_path):
 
 
 def run_plan(inventory, *extra):
-    env = {**os.environ, "ANSIBLE_FILTER_PLUGINS": str(REPO / "plugins" / "filter"), "ANSIBLE_NOCOLOR": "1",
+    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
            "ANSIBLE_STDOUT_CALLBACK": "default", "ANSIBLE_CALLBACK_RESULT_FORMAT": "yaml"}
     return subprocess.run(
         [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory), str(REPO / "playbooks" / "plan.yml"), *extra],

@@ -1,0 +1,92 @@
+"""The repository as the collection epd.kit: build it, install it elsewhere, run it by FQCN.
+
+The installed copy runs from an unrelated directory on a controller whose Python cannot import
+the kit (an empty `epd_kit` shadows it), so the filters use the collection's bundled
+epd_kit.plan; its render must equal the in-repo render byte for byte.
+"""
+from __future__ import annotations
+
+import filecmp
+import os
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.ansible.helpers import BIN, REPO
+
+pytestmark = pytest.mark.ansible
+
+INVENTORIES = [REPO / "inventory/examples/single-node-1e1pd", REPO / "inventory/sandbox/one-host"]
+
+
+def galaxy() -> dict:
+    return yaml.safe_load((REPO / "galaxy.yml").read_text())
+
+
+def test_galaxy_version_is_the_packages():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert galaxy()["version"] == project["version"]
+    assert (galaxy()["namespace"], galaxy()["name"]) == ("epd", "kit")
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """(collections path, a clean environment, an unrelated working directory) of the installed artifact."""
+    root = tmp_path_factory.mktemp("collection")
+    shadow = root / "shadow/epd_kit"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text('"""Not the kit: stands in for a controller without epd-kit installed."""\n')
+    elsewhere = root / "elsewhere"
+    elsewhere.mkdir()
+    env = {key: value for key, value in os.environ.items() if not key.startswith("ANSIBLE_")}
+    env.update({
+        "ANSIBLE_COLLECTIONS_PATH": str(root / "collections"),
+        "ANSIBLE_LOCAL_TEMP": str(root / "ansible-tmp"),
+        "ANSIBLE_HOME": str(root / "ansible-home"),
+        "ANSIBLE_NOCOLOR": "1",
+        "PYTHONPATH": str(shadow.parent),
+        "PATH": f"{BIN}:{env.get('PATH', '')}",
+    })
+    env.pop("HF_TOKEN", None)
+
+    def run(*argv: str, cwd: Path = elsewhere) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False)
+
+    built = run(str(BIN / "ansible-galaxy"), "collection", "build", "--output-path", str(root / "dist"), str(REPO))
+    assert built.returncode == 0, built.stdout + built.stderr
+    artifact = root / "dist" / f"epd-kit-{galaxy()['version']}.tar.gz"
+    assert artifact.is_file(), built.stdout
+    done = run(str(BIN / "ansible-galaxy"), "collection", "install", str(artifact), "-p", str(root / "collections"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    home = root / "collections/ansible_collections/epd/kit"
+    assert (home / "router/epd_kit/plan/command.py").is_file() and (home / "templates/epd-engine@.service.j2").is_file()
+    assert not (home / ".collections").exists(), "the in-repo collection link must not be packed"
+    return run, root
+
+
+def test_installed_plan_runs_by_fqcn_from_anywhere(installed):
+    run, _ = installed
+    result = run(str(BIN / "ansible-playbook"), "epd.kit.plan", "-i", str(INVENTORIES[0]))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "trn2-node1  pd-0    pd tp8  0-7    18100" in result.stdout
+    assert "ve-0    ve tp4  8-11   18300  14600-14603   epd-ve-0" in result.stdout
+
+
+@pytest.mark.parametrize("inventory", INVENTORIES, ids=[p.name for p in INVENTORIES])
+def test_installed_render_equals_the_in_repo_render(installed, rendered, inventory):
+    run, root = installed
+    out = root / f"render-{inventory.name}"
+    result = run(str(BIN / "ansible-playbook"), "epd.kit.render", "-i", str(inventory), "-e", f"render_dir={out}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert_same_tree(rendered(inventory), out)
+
+
+def assert_same_tree(expected: Path, actual: Path) -> None:
+    files = sorted(p.relative_to(expected) for p in expected.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(actual) for p in actual.rglob("*") if p.is_file())
+    assert files, f"nothing rendered in {expected}"
+    _, mismatch, errors = filecmp.cmpfiles(expected, actual, [str(f) for f in files], shallow=False)
+    assert not mismatch and not errors, f"differ: {mismatch + errors}"
