@@ -34,7 +34,8 @@ def check_encoded_size(num_bytes: int, limits: Limits) -> None:
 
 
 def decode_image(data: bytes, limits: Limits) -> Image.Image:
-    """Encoded bytes -> RGB PIL image (first frame of animations)."""
+    """Encoded bytes -> RGB PIL image (first frame of animations). The decode cost is
+    bounded before any pixel is decoded: bytes, pixels and frames (limits.max_image_*)."""
     check_encoded_size(len(data), limits)
     try:
         # open() reads only the header: check the pixel count before decoding anything.
@@ -46,6 +47,7 @@ def decode_image(data: bytes, limits: Limits) -> Image.Image:
                 f"image is {width}x{height} = {width * height} pixels, above the decode "
                 f"limit of {limits.max_image_pixels} pixels (limits.max_image_pixels)"
             )
+        _check_frames(image, limits.max_image_frames)
         image.load()
     except ImageDimensionsRejected:
         raise
@@ -59,6 +61,27 @@ def decode_image(data: bytes, limits: Limits) -> Image.Image:
     if width == 0 or height == 0:
         raise NotAnImage(f"image has an empty dimension ({width}x{height})")
     return to_rgb(image)
+
+
+def _check_frames(image: Image.Image, limit: int) -> None:
+    """Refuse an animation with more than `limit` frames. Counting stops at the limit: some
+    formats (GIF) only know their frame count by walking every frame."""
+    if not getattr(image, "is_animated", False):
+        return
+    frames = 1
+    try:
+        while frames <= limit:
+            image.seek(frames)
+            frames += 1
+    except EOFError:
+        pass
+    finally:
+        image.seek(0)
+    if frames > limit:
+        raise ImageDimensionsRejected(
+            f"animated image has more than {limit} frames (limits.max_image_frames); "
+            "only the first frame is used, send it as a still image"
+        )
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -1,16 +1,17 @@
 """The router's renderer: chat messages -> prompt token ids + prepared image items.
 
-Built once from the checkpoint directory. `render` runs the CPU work (template, tokenizer,
-base64, hashing, decode, resize, pixel_values, serialization) in a thread pool so the event
-loop stays free, and skips all image work for an image it has prepared before (LRU by
-mm_hash) or is preparing right now for another request (single flight).
+Built once from the checkpoint directory. `render` runs the CPU work off the event loop in
+two bounded thread pools: one for the chat template and tokenizer, one for images (base64,
+hashing, decode, resize, pixel_values, serialization), so a burst of large images cannot
+delay a text-only request. It skips all image work for an image it has prepared before (LRU
+by mm_hash) or is preparing right now for another request (single flight).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from .encoder import ItemEncoder, MmSerdeEncoder
 from .errors import ModelHasNoVision, PreprocessError, PromptMismatch, TooManyImages
 from .hashing import image_hash, settings_bytes
 from .image import PixelEncoder, decode_image, plan_resize
-from .media import MediaFetcher, decode_data_url
+from .media import MediaFetcher, check_fetched_image, decode_data_url
 from .messages import ImageRef, parse_messages
 from .model_files import CheckpointFiles, VisionSettings
 from .settings import Limits, Media
@@ -104,10 +105,11 @@ class Preprocessor:
         model_id: str,
         limits: Limits,
         media: Media,
-        workers: int = 4,
+        workers: int | None = None,
         encoder: ItemEncoder | None = None,
     ) -> None:
-        if workers < 1:
+        """`workers` overrides both pool sizes (`limits.text_workers`, `limits.image_workers`)."""
+        if workers is not None and workers < 1:
             raise ValueError("workers must be >= 1")
         self.files = files
         self.model_id = model_id
@@ -123,7 +125,10 @@ class Preprocessor:
              "max_image_patches": limits.max_image_patches})
         self._encoder: ItemEncoder = encoder or MmSerdeEncoder()
         self._fetcher = MediaFetcher(media, limits)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="epd-preprocess")
+        self._text_pool = ThreadPoolExecutor(max_workers=workers or limits.text_workers,
+                                             thread_name_prefix="epd-preprocess-text")
+        self._image_pool = ThreadPoolExecutor(max_workers=workers or limits.image_workers,
+                                              thread_name_prefix="epd-preprocess-image")
         self._cache: LruCache[PreparedImage] = LruCache(limits.image_cache_items, limits.image_cache_bytes)
         self._inflight: dict[str, asyncio.Future[PreparedImage]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -137,7 +142,7 @@ class Preprocessor:
         model_id: str | None = None,
         limits: Limits | None = None,
         media: Media | None = None,
-        workers: int = 4,
+        workers: int | None = None,
         encoder: ItemEncoder | None = None,
     ) -> Preprocessor:
         """Local files only (never the hub). `model_id` feeds the content hash; it defaults to
@@ -165,7 +170,15 @@ class Preprocessor:
 
     # --- rendering ----------------------------------------------------------------------
 
-    async def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> RenderedPrompt:
+    async def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        inline: Mapping[str, bytes | memoryview] | None = None,
+    ) -> RenderedPrompt:
+        """`inline`: base64 payloads of data: URLs kept apart from `messages` (the router's
+        body decoding), by the URL as it stands in `messages`."""
         parsed = parse_messages(messages)
         refs = parsed.images
         if refs and self.vision is None:
@@ -180,8 +193,8 @@ class Preprocessor:
             if not ref.url[:5].lower() == "data:":
                 _with_param(ref, self._fetcher.check_allowed, ref.url)
 
-        text_job = self._run(self._tokenize, parsed.template_messages, add_generation_prompt)
-        images_job = self._prepare_all(refs)
+        text_job = self._run(self._text_pool, self._tokenize, parsed.template_messages, add_generation_prompt)
+        images_job = self._prepare_all(refs, inline or {})
         results = await asyncio.gather(text_job, images_job, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
@@ -221,10 +234,10 @@ class Preprocessor:
 
     # --- images -------------------------------------------------------------------------
 
-    async def _prepare_all(self, refs: list[ImageRef]) -> list[PreparedImage]:
+    async def _prepare_all(self, refs: list[ImageRef], inline: Mapping[str, bytes | memoryview]) -> list[PreparedImage]:
         if not refs:
             return []
-        loaded = await asyncio.gather(*(self._load(ref) for ref in refs), return_exceptions=True)
+        loaded = await asyncio.gather(*(self._load(ref, inline.get(ref.url)) for ref in refs), return_exceptions=True)
         for result in loaded:  # first failing image in prompt order
             if isinstance(result, BaseException):
                 raise result
@@ -261,20 +274,21 @@ class Preprocessor:
             out.append(entry if isinstance(entry, PreparedImage) else entry.result())
         return out
 
-    async def _load(self, ref: ImageRef) -> tuple[str, bytes]:
+    async def _load(self, ref: ImageRef, payload: bytes | memoryview | None) -> tuple[str, bytes]:
         """Bytes and content hash of one image reference."""
         if ref.url[:5].lower() == "data:":
-            data = await self._run(_with_param, ref, decode_data_url, ref.url, self.limits)
+            data = await self._run(self._image_pool, _with_param, ref, decode_data_url, ref.url, self.limits, payload)
         else:
-            data = await _with_param_async(ref, self._fetcher.fetch(ref.url))
-        mm_hash = await self._run(image_hash, self.model_id, data, self._settings_blob)
+            fetched = await _with_param_async(ref, self._fetcher.fetch(ref.url))
+            data = await self._run(self._image_pool, _with_param, ref, check_fetched_image, ref.url, fetched)
+        mm_hash = await self._run(self._image_pool, image_hash, self.model_id, data, self._settings_blob)
         return mm_hash, data
 
     async def _prepare_into(self, fut: asyncio.Future[PreparedImage], mm_hash: str, data: bytes,
                             ref: ImageRef) -> None:
         """Runs as its own task: a cancelled client request does not cancel work others share."""
         try:
-            image = await self._run(_with_param, ref, self._prepare, mm_hash, data)
+            image = await self._run(self._image_pool, _with_param, ref, self._prepare, mm_hash, data)
         except BaseException as exc:
             fut.set_exception(exc)
             fut.exception()  # marked retrieved: the requests awaiting it re-raise it
@@ -307,9 +321,10 @@ class Preprocessor:
         self._downscaled += plan.downscaled_for_budget
         return image
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    @staticmethod
+    async def _run(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+        return await loop.run_in_executor(pool, functools.partial(fn, *args))
 
     # --- lifecycle and metrics ----------------------------------------------------------
 
@@ -326,7 +341,8 @@ class Preprocessor:
         for task in list(self._tasks):
             task.cancel()
         await self._fetcher.aclose()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._text_pool, self._image_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _check_budget(vision: VisionSettings, limits: Limits) -> None:

@@ -25,9 +25,20 @@ class Limits(Section):
     oversized_image: Literal["downscale", "reject"] = "downscale"
     # The HTTP request body (checked by the router before parsing).
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    # The JSON around the inline images: nesting depth, and `, : [ {` bytes (an upper bound
+    # on its values, so parsing stays a few milliseconds of CPU whatever the body holds).
+    max_json_depth: int = Field(default=32, ge=4, le=256)
+    max_json_values: int = Field(default=16384, ge=64)
+    # Requests receiving their body or being preprocessed at once; more get a 429.
+    max_requests_preprocessing: int = Field(default=64, ge=1)
+    # Threads for chat-template rendering + tokenizing, and for image decoding, apart so a
+    # burst of large images cannot delay text-only requests.
+    text_workers: int = Field(default=2, ge=1, le=64)
+    image_workers: int = Field(default=2, ge=1, le=64)
+    # Per-image decode cost, checked before any pixel is decoded.
     max_image_bytes: int = Field(default=20 * 1024 * 1024, gt=0)
-    # Decompression-bomb guard, checked from the header before any pixel is decoded.
-    max_image_pixels: int = Field(default=8192 * 8192, gt=0)
+    max_image_pixels: int = Field(default=8192 * 8192, gt=0)  # decompression-bomb guard
+    max_image_frames: int = Field(default=1000, ge=1)  # animations; only the first frame is used
     # Prepared-image LRU (by mm_hash); the byte bound is what limits memory (0 disables).
     image_cache_items: int = Field(default=256, ge=0)
     image_cache_bytes: int = Field(default=1024 * 1024 * 1024, ge=0)
@@ -38,7 +49,8 @@ class Media(Section):
     and the host is listed: the router must not become a tool to reach internal hosts."""
 
     allow_http: bool = False
-    # Exact host names or "host:port" entries; no wildcards; compared lower-case.
+    # "host" (the scheme's default port only) or "host:port"; IPv6 as "[::1]" or "[::1]:8080";
+    # exact names, no wildcards, compared lower-case.
     allowed_hosts: list[str] = Field(default_factory=list)
     fetch_timeout_s: float = Field(default=10.0, gt=0)
     max_redirects: int = Field(default=3, ge=0, le=10)
@@ -46,4 +58,36 @@ class Media(Section):
     @field_validator("allowed_hosts")
     @classmethod
     def _lower(cls, hosts: list[str]) -> list[str]:
-        return [h.strip().lower() for h in hosts]
+        out = [h.strip().lower() for h in hosts]
+        for entry in out:
+            parse_host_entry(entry)  # refuse unusable entries at load time
+        return out
+
+    def allows(self, host: str, port: int, default_port: int) -> bool:
+        """Whether `host:port` is on the allow-list (a host-only entry means its default port)."""
+        host = host.lower()
+        for entry in self.allowed_hosts:
+            allowed_host, allowed_port = parse_host_entry(entry)
+            if allowed_host == host and port == (allowed_port or default_port):
+                return True
+        return False
+
+
+def parse_host_entry(entry: str) -> tuple[str, int | None]:
+    """`host`, `host:port`, `[v6]` or `[v6]:port` -> (host, port or None)."""
+    if entry.startswith("["):
+        host, bracket, rest = entry[1:].partition("]")
+        if not bracket or not host or (rest and not rest.startswith(":")):
+            raise ValueError(f"allowed host {entry!r}: expected [ipv6] or [ipv6]:port")
+        port_text = rest[1:]
+    elif entry.count(":") > 1:
+        raise ValueError(f"allowed host {entry!r}: write IPv6 addresses in brackets, e.g. [::1]:8080")
+    else:
+        host, _, port_text = entry.partition(":")
+    if not host:
+        raise ValueError(f"allowed host {entry!r}: no host name")
+    if not port_text:
+        return host, None
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"allowed host {entry!r}: bad port")
+    return host, int(port_text)

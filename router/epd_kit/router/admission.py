@@ -1,14 +1,20 @@
-"""PD admission: which PD a request generates on, and the bounded wait when all are full.
+"""PD admission: which PD a request generates on, and the bounded first-come-first-served
+wait when all are full.
 
 A request takes a slot on the healthy active PD with the fewest outstanding requests below
-`placement.pd_max_inflight` (ties round-robin, placement.py). When every PD is at its cap it
-waits in a bounded queue (`queue_size`) for at most `queue_timeout_s`, then gets a 429 with
-Retry-After. No eligible PD at all is a 503: waiting would not help.
+`placement.pd_max_inflight` (ties round-robin, placement.py). When every PD is at its cap, or
+others are already waiting, it joins a FIFO queue (`queue_size`) and waits at most
+`queue_timeout_s`, then gets a 429 with Retry-After. A freed slot goes to the longest waiter
+that may use it (a retry excludes the PDs it already tried), never to a newcomer. No
+eligible PD at all is a 503: waiting would not help.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from epd_kit.router.errors import RouterError
 from epd_kit.router.metrics import RouterMetrics
@@ -16,40 +22,48 @@ from epd_kit.router.placement import RoundRobin
 from epd_kit.router.pools import Engine
 from epd_kit.router.state import RouterState
 
-# Waiters also re-check this often on their own: health changes free slots without a notify.
+# Waiters also look again this often on their own: a health change frees slots without a
+# release (a PD readmitted, a reload).
 RECHECK_S = 0.25
 
 
+@dataclass(eq=False)
+class Waiter:
+    exclude: frozenset[str]
+    slot: asyncio.Future[Engine] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
 class WaitQueue:
-    """Requests waiting for a PD slot. Every change wakes all waiters and each re-checks, so
-    the order among waiters is not arrival order: whoever looks first after a release wins."""
+    """Requests waiting for a PD slot, in arrival order."""
 
     def __init__(self) -> None:
-        self._changed = asyncio.Condition()
-        self.waiting = 0
+        self._waiters: deque[Waiter] = deque()
 
-    def try_enter(self, capacity: int) -> bool:
-        """Take a place in the queue unless `capacity` waiters are already there."""
-        if self.waiting >= capacity:
-            return False
-        self.waiting += 1
-        return True
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
 
-    def leave(self) -> None:
-        self.waiting -= 1
+    def join(self, exclude: frozenset[str]) -> Waiter:
+        waiter = Waiter(exclude)
+        self._waiters.append(waiter)
+        return waiter
 
-    async def wait(self, timeout: float) -> None:
-        """Until a slot may have freed up (`wake_all`) or `timeout` seconds, whichever is first."""
-        async with self._changed:
-            try:
-                async with asyncio.timeout(timeout):
-                    await self._changed.wait()
-            except TimeoutError:
-                pass
+    def leave(self, waiter: Waiter) -> None:
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            pass  # served already
 
-    async def wake_all(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+    def serve(self, pick: Callable[[frozenset[str]], Engine | None]) -> None:
+        """Offer slots in arrival order: `pick(exclude)` returns a taken engine or None. A
+        waiter that cannot use what is free (it excluded that PD) keeps its place."""
+        for waiter in list(self._waiters):
+            if waiter.slot.done():
+                continue
+            engine = pick(waiter.exclude)
+            if engine is not None:
+                self._waiters.remove(waiter)
+                waiter.slot.set_result(engine)
 
 
 class PdAdmission:
@@ -63,58 +77,71 @@ class PdAdmission:
         """A slot on a PD not in `exclude`. When none is left to try, `last_error` (the
         previous attempt's failure) is raised if given, else a 503."""
         placement = self._state.cfg.placement
+        self._check_eligible(exclude, last_error)
+        if not self.queue.waiting:  # nobody is ahead
+            engine = self._take(frozenset(exclude))
+            if engine is not None:
+                return engine
+        if self.queue.waiting >= placement.queue_size:
+            self._metrics.rejections.labels("queue_full").inc()
+            raise RouterError(
+                429,
+                f"overloaded: every PD engine is at its limit of {placement.pd_max_inflight} requests "
+                f"and the wait queue is full ({placement.queue_size})",
+                retry_after=1,
+            )
+        waiter = self.queue.join(frozenset(exclude))
         loop = asyncio.get_running_loop()
-        wait_until = loop.time() + placement.queue_timeout_s
-        queued = False
+        give_up = loop.time() + placement.queue_timeout_s
         try:
             while True:
-                pools = self._state.pools
-                eligible = {e.id: e for e in pools.eligible_pd() if e.id not in exclude}
-                if not eligible:
-                    if last_error is not None:
-                        raise last_error
-                    self._metrics.rejections.labels("not_ready").inc()
-                    raise self._state.not_ready_error()
-                # all configured ids in config order keep the round-robin cursor stable
-                # while engines come and go; ineligible ones are excluded
-                pick = self._rr.choose_pd(
-                    [e.id for e in pools.pd],
-                    {e.id: e.inflight for e in pools.pd},
-                    placement.pd_max_inflight,
-                    exclude={e.id for e in pools.pd if e.id not in eligible},
-                )
-                if pick is not None:
-                    engine = eligible[pick]
-                    engine.inflight += 1
-                    return engine
-                if not queued:
-                    if not self.queue.try_enter(placement.queue_size):
-                        self._metrics.rejections.labels("queue_full").inc()
-                        raise RouterError(
-                            429,
-                            f"overloaded: all {len(eligible)} PD engines are at their limit of "
-                            f"{placement.pd_max_inflight} requests and the wait queue is full "
-                            f"({placement.queue_size})",
-                            retry_after=1,
-                        )
-                    queued = True
-                remaining = wait_until - loop.time()
+                self.queue.serve(self._take)
+                if waiter.slot.done():
+                    return waiter.slot.result()
+                self._check_eligible(exclude, last_error)
+                remaining = give_up - loop.time()
                 if remaining <= 0:
                     self._metrics.rejections.labels("queue_timeout").inc()
                     raise RouterError(
-                        429,
-                        f"overloaded: waited {placement.queue_timeout_s:g}s for a free PD slot",
-                        retry_after=1,
+                        429, f"overloaded: waited {placement.queue_timeout_s:g}s for a free PD slot", retry_after=1
                     )
-                await self.queue.wait(min(remaining, RECHECK_S))
-        finally:
-            if queued:
-                self.queue.leave()
+                await asyncio.wait({waiter.slot}, timeout=min(remaining, RECHECK_S))
+        except BaseException:
+            self.queue.leave(waiter)
+            if waiter.slot.done() and not waiter.slot.cancelled():
+                await self.release(waiter.slot.result())  # served as it gave up: pass the slot on
+            raise
 
     async def release(self, engine: Engine) -> None:
         engine.inflight -= 1
-        await self.queue.wake_all()
+        self.queue.serve(self._take)
 
     async def pools_changed(self) -> None:
-        """A reload may have added PDs or returned them to `active`: let waiters look again."""
-        await self.queue.wake_all()
+        """A reload may have added PDs or returned them to `active`: offer the new slots."""
+        self.queue.serve(self._take)
+
+    def _take(self, exclude: frozenset[str]) -> Engine | None:
+        """Take a slot on the PD that placement picks, or None when all eligible ones are full."""
+        pools = self._state.pools
+        eligible = {e.id: e for e in pools.eligible_pd() if e.id not in exclude}
+        # all configured ids in config order keep the round-robin cursor stable while engines
+        # come and go; ineligible ones are excluded
+        pick = self._rr.choose_pd(
+            [e.id for e in pools.pd],
+            {e.id: e.inflight for e in pools.pd},
+            self._state.cfg.placement.pd_max_inflight,
+            exclude={e.id for e in pools.pd if e.id not in eligible},
+        )
+        if pick is None:
+            return None
+        engine = eligible[pick]
+        engine.inflight += 1
+        return engine
+
+    def _check_eligible(self, exclude: set[str], last_error: RouterError | None) -> None:
+        if any(e.id not in exclude for e in self._state.pools.eligible_pd()):
+            return
+        if last_error is not None:
+            raise last_error
+        self._metrics.rejections.labels("not_ready").inc()
+        raise self._state.not_ready_error()

@@ -19,24 +19,50 @@ from epd_kit.preprocess.settings import Limits, Media, Section
 
 
 class Listen(Section):
+    """The client-facing listener (restart only). The client timeouts and the connection cap
+    protect it from slow and idle clients (listener.py); the defaults suit a load balancer in
+    front (whose idle timeout, often 60 s, must be below `idle_timeout_s`) and direct clients."""
+
     host: str = "127.0.0.1"
     port: int = Field(default=18800, ge=0, lt=65536)
+    max_connections: int = Field(default=1024, ge=1)
+    # from the connection (or the first byte of the next request) to the end of the headers
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    # from the end of the headers to the end of the body (64 MiB at 1.1 MB/s)
+    body_timeout_s: float = Field(default=60.0, gt=0)
+    # keep-alive: a connection idle between requests this long is closed
+    idle_timeout_s: float = Field(default=75.0, gt=0)
 
 
 class Timeouts(Section):
     connect_s: float = Field(default=5.0, gt=0)
+    # caps: an encode call; a PD call until its first token (streams: then every gap between events)
     ve_s: float = Field(default=600.0, gt=0)
     pd_s: float = Field(default=600.0, gt=0)
     total_s: float = Field(default=900.0, gt=0)
     # extension: how long SIGTERM waits for in-flight requests before exiting
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # Hung-engine detection: each call's deadline from its own work (deadlines.py), capped by
+    # ve_s / pd_s. Encode: base + per 1k embedding tokens in flight on that VE (this call's
+    # included). First token: base + per 1k prompt tokens waiting for prefill on that PD.
+    # A non-streaming answer adds per_token_s for each of max_tokens.
+    encode_base_s: float = Field(default=10.0, gt=0)
+    encode_per_1k_tokens_s: float = Field(default=5.0, ge=0)
+    first_token_base_s: float = Field(default=15.0, gt=0)
+    first_token_per_1k_tokens_s: float = Field(default=2.0, ge=0)
+    per_token_s: float = Field(default=0.5, ge=0)
 
 
 class Health(Section):
     interval_s: float = Field(default=2.0, gt=0)
     timeout_s: float = Field(default=1.0, gt=0)
+    # consecutive failures (probes or requests) that eject; successes that readmit
     failure_threshold: int = Field(default=2, ge=1)
     success_threshold: int = Field(default=1, ge=1)
+    # outlier ejection: this share of failures among an engine's last `ratio_window` requests
+    # (once it has seen half of them) also ejects
+    failure_ratio: float = Field(default=0.5, gt=0, le=1)
+    ratio_window: int = Field(default=20, ge=2)
 
 
 class Placement(Section):
@@ -54,10 +80,25 @@ class Retries(Section):
 
 
 class Auth(Section):
+    # None: on when api_keys_file is set. `false` turns authentication off on purpose, which
+    # a reload needs to drop the keys of a running router (service.py).
+    enabled: bool | None = None
     api_keys_file: Path | None = None
     # extension: whether /metrics and /pools need a key when keys are configured
     protect_metrics: bool = True
     protect_pools: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Auth:
+        if self.enabled is True and self.api_keys_file is None:
+            raise ValueError("enabled: true needs api_keys_file")
+        if self.enabled is False and self.api_keys_file is not None:
+            raise ValueError("enabled: false with an api_keys_file: remove one of them")
+        return self
+
+    @property
+    def on(self) -> bool:
+        return self.api_keys_file is not None
 
 
 class EngineState(str, Enum):

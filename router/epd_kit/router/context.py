@@ -1,5 +1,11 @@
-"""One chat request as it moves through the router: its id, the parsed request, the
-rendered prompt and items, the locators of its encoded items, and its deadline."""
+"""One chat request as it moves through the router: its ids, the parsed request, the
+rendered prompt and items, the locators of its encoded items, and its deadline.
+
+Two ids: `request_id` is the client's (its `x-request-id`, or a fresh one), which the client
+sees in headers, bodies and errors and the logs carry; the engines never see it. Each engine
+call gets its own router-made id (`engine_call_id`) under `engine_request_id`, so concurrent
+requests that reuse a client id can never collide on an engine (vLLM expects unique ids).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from epd_kit.router.config import RouterConfig
 from epd_kit.router.errors import RouterError
@@ -17,27 +24,57 @@ from epd_kit.router.rendering import PreparedItemLike
 from epd_kit.wire import EcLocator
 
 
+class Releasable(Protocol):
+    def release(self) -> None: ...
+
+
 @dataclass
 class RequestContext:
     request_id: str
     request: ChatCompletionRequest
     model: str
     total_timeout_s: float  # timeouts.total_s when the request arrived
+    engine_request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    intake: Releasable | None = None  # the request's place in the preprocessing limit
+    # image payloads kept apart from the messages (body.py), until rendering is over
+    inline: dict[str, memoryview] = field(default_factory=dict)
     t0: float = field(default_factory=time.monotonic)
     created: int = field(default_factory=lambda: int(time.time()))
     token_ids: list[int] = field(default_factory=list)
     items: list[PreparedItemLike] = field(default_factory=list)
     locators: dict[str, EcLocator] = field(default_factory=dict)
     encoded_by: dict[str, str] = field(default_factory=dict)  # mm_hash -> VE id
+    _engine_calls: int = 0
 
     @classmethod
-    def start(cls, request: ChatCompletionRequest, request_id: str | None, cfg: RouterConfig) -> RequestContext:
+    def start(
+        cls,
+        request: ChatCompletionRequest,
+        request_id: str | None,
+        cfg: RouterConfig,
+        *,
+        intake: Releasable | None = None,
+        inline: dict[str, memoryview] | None = None,
+    ) -> RequestContext:
         return cls(
             request_id=request_id or uuid.uuid4().hex,
             request=request,
             model=request.model or cfg.model_name,
             total_timeout_s=cfg.timeouts.total_s,
+            intake=intake,
+            inline=inline or {},
         )
+
+    def engine_call_id(self, stage: str) -> str:
+        """A fresh id for one engine call of this request, e.g. `<engine_request_id>-enc2`."""
+        self._engine_calls += 1
+        return f"{self.engine_request_id}-{stage}{self._engine_calls}"
+
+    def preprocessed(self) -> None:
+        """Rendering is over: leave the preprocessing limit, let the request body go."""
+        self.inline = {}
+        if self.intake is not None:
+            self.intake.release()
 
     @property
     def completion_id(self) -> str:

@@ -1,5 +1,6 @@
-"""The router's HTTP to the engines: one pooled client, one call per engine request, the
-active health prober, and the passive health signal of every failed call.
+"""The router's HTTP to the engines: one pooled client, one call per engine request under a
+deadline derived from its work (deadlines.py), the probers, and the health signal of every
+call (the rules are health.py).
 
 Each call either returns the parsed answer or raises an `UpstreamError` (classified in
 upstream.py) after charging the failure to the engine when it is the engine's fault.
@@ -7,19 +8,26 @@ upstream.py) after charging the failure to the engine when it is the engine's fa
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import anyio
 import httpx
 
-from epd_kit.router import upstream
+from epd_kit.router import deadlines, upstream
 from epd_kit.router.errors import UpstreamError
+from epd_kit.router.health import EngineHealth, HealthProber
 from epd_kit.router.metrics import RouterMetrics
-from epd_kit.router.pools import Engine, HealthProber
+from epd_kit.router.pools import Engine
+from epd_kit.router.probes import ServingProbes
 from epd_kit.router.rendering import PreparedItemLike
 from epd_kit.router.state import RouterState
 from epd_kit.wire import EcLocator, GenerateResponse, iter_sse_payloads
+
+# httpx's own read timeout stays a little behind the call's deadline, so the deadline (whose
+# message says what it was derived from) is what fires
+_HTTPX_SLACK_S = 1.0
 
 
 @dataclass
@@ -40,13 +48,21 @@ class EngineClient:
         self._state = state
         self._metrics = metrics
         self._transport = transport
+        self.health = EngineHealth(lambda: state.cfg.health, lambda: state.pools)
         self._client: httpx.AsyncClient | None = None
         self._prober: HealthProber | None = None
+        self._probes: ServingProbes | None = None
 
-    async def start(self) -> None:
+    async def start(self, probes: ServingProbes | None = None) -> None:
+        """`probes`: the serving probes that readmit an engine ejected as hung (without them,
+        `/health` alone readmits it)."""
+        self._probes = probes
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self._client = httpx.AsyncClient(limits=limits, transport=self._transport, trust_env=False)
-        self._prober = HealthProber(self._client, lambda: self._state.pools, lambda: self._state.cfg.health)
+        self._prober = HealthProber(
+            self._client, lambda: self._state.pools, lambda: self._state.cfg.health, self.health,
+            self.serving_probe if probes is not None else None,
+        )  # fmt: skip
         await self._prober.probe_all()  # know who is up before the first request
         self._prober.start()
 
@@ -71,70 +87,54 @@ class EngineClient:
     async def encode(
         self, engine: Engine, items: Sequence[PreparedItemLike], request_id: str
     ) -> dict[str, EcLocator]:
-        """One encode POST to a VE: a locator for every item, or an UpstreamError."""
-        body = upstream.ve_request_body(request_id, engine.id, items)
+        """One encode POST to a VE: a locator for every item, or an UpstreamError. The caller
+        has reserved the items' tokens in `engine.inflight_work`."""
         try:
-            resp = await self.client.post(
-                upstream.generate_url(engine),
-                content=upstream.encode_body(body),
-                headers=upstream.JSON_HEADERS,
-                timeout=self._timeout(self._state.cfg.timeouts.ve_s),
-            )
-        except httpx.HTTPError as exc:
-            raise self.failed(upstream.classify_exception(exc, engine), engine) from None
-        if resp.status_code != 200:
-            raise self.failed(upstream.classify_status(resp, engine), engine)
-        try:
-            locators = upstream.parse_ve_response(resp, engine, [i.mm_hash for i in items])
+            locators = await self._encode(engine, items, request_id)
         except UpstreamError as err:
             raise self.failed(err, engine) from None
+        self.health.call_succeeded(engine)
         engine.served += 1
         return locators
 
-    async def generate(self, engine: Engine, body: dict) -> GenerateResponse:
+    async def generate(self, engine: Engine, body: dict, prompt_tokens: int, max_tokens: int | None) -> GenerateResponse:
         """One non-streaming generate POST to a PD."""
         try:
-            resp = await self.client.post(upstream.generate_url(engine), json=body, timeout=self._pd_timeout())
-        except httpx.HTTPError as exc:
-            raise self.failed(upstream.classify_exception(exc, engine), engine) from None
-        if resp.status_code != 200:
-            raise self.failed(upstream.classify_status(resp, engine), engine)
-        try:
-            result = upstream.parse_pd_response(resp, engine)
+            result = await self._generate(engine, body, prompt_tokens, max_tokens)
         except UpstreamError as err:
             raise self.failed(err, engine) from None
+        self.health.call_succeeded(engine)
         engine.served += 1
         return result
 
-    async def open_stream(self, engine: Engine, body: dict) -> PdStream:
+    async def open_stream(self, engine: Engine, body: dict, prompt_tokens: int) -> PdStream:
         """Open a streaming generate on a PD and read its first payload: until then a failure
         is an error here (the request may still move to another PD); after it, the stream is
         committed. The caller closes the returned stream's response."""
-        url = upstream.generate_url(engine)
-        request = self.client.build_request("POST", url, json=body, timeout=self._pd_timeout())
+        engine.inflight_work += prompt_tokens  # waiting for prefill until the first payload
         try:
-            resp = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise self.failed(upstream.classify_exception(exc, engine), engine) from None
-        try:
-            if resp.status_code != 200:
-                await resp.aread()
-                raise self.failed(upstream.classify_status(resp, engine), engine)
-            payloads = iter_sse_payloads(resp.aiter_raw())
+            pd = await self._open_stream(engine, body)
+        except UpstreamError as err:
+            raise self.failed(err, engine) from None
+        finally:
+            engine.inflight_work -= prompt_tokens
+        self.health.call_succeeded(engine)
+        return pd
+
+    async def serving_probe(self, engine: Engine) -> None:
+        """The prober's tiny real request (probes.py); raises UpstreamError. Not a client
+        request: its outcome goes to the health rules through the prober only."""
+        assert self._probes is not None
+        if engine.role == "pd":
+            body = self._probes.pd_body()
+            await self._generate(engine, body, len(body["token_ids"]), 1)
+        elif self._probes.item is not None:
+            item = self._probes.item
+            engine.inflight_work += item.length
             try:
-                first = await anext(payloads)
-            except StopAsyncIteration:
-                raise self.failed(upstream.bad_body(engine, "stream ended before any token"), engine) from None
-            except httpx.HTTPError as exc:
-                raise self.failed(upstream.classify_exception(exc, engine), engine) from None
-            err = upstream.classify_stream_error(first, engine)
-            if err is not None:
-                raise self.failed(err, engine)
-            return PdStream(engine=engine, response=resp, payloads=payloads, first=first)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await resp.aclose()
-            raise
+                await self._encode(engine, [item], ServingProbes.request_id())
+            finally:
+                engine.inflight_work -= item.length
 
     async def check(self, engine: Engine) -> None:
         """One immediate /health probe; an engine that refuses connections is ejected now."""
@@ -142,24 +142,91 @@ class EngineClient:
         try:
             resp = await self.client.get(f"{engine.url}/health", timeout=health.timeout_s)
         except httpx.ConnectError as exc:
-            engine.record_passive_failure(f"/health: {type(exc).__name__}", eject_now=True, health=health)
+            self.health.probe_definitive(engine, f"/health: {type(exc).__name__}")
             return
         except httpx.HTTPError as exc:
-            engine.record_probe(False, f"/health: {type(exc).__name__}", health)
+            self.health.probe_result(engine, False, f"/health: {type(exc).__name__}")
             return
         if resp.status_code != 200:
-            engine.record_passive_failure(f"/health: HTTP {resp.status_code}", eject_now=True, health=health)
+            self.health.probe_definitive(engine, f"/health: HTTP {resp.status_code}")
 
     def failed(self, err: UpstreamError, engine: Engine) -> UpstreamError:
         """Charge `err` to `engine` when it is the engine's fault (passive health); returns it."""
-        if err.engine_failed:
-            engine.record_passive_failure(err.message, eject_now=err.unreachable, health=self._state.cfg.health)
+        if err.failure is not None:
+            self.health.call_failed(engine, err.failure, err.message)
             self._metrics.engine_failures.labels(engine.id, engine.role).inc()
             self.probe_soon()
         return err
 
+    # --- the calls themselves: no health bookkeeping ----------------------------------------
+
+    async def _encode(self, engine: Engine, items: Sequence[PreparedItemLike], request_id: str) -> dict[str, EcLocator]:
+        deadline = deadlines.encode_s(self._state.cfg.timeouts, engine.inflight_work)
+        what = f"{len(items)} item(s), {engine.inflight_work} embedding tokens in flight on it"
+        body = upstream.encode_body(upstream.ve_request_body(request_id, items))
+        resp = await self._post(engine, body, deadline, what)
+        if resp.status_code != 200:
+            raise upstream.classify_status(resp, engine)
+        return upstream.parse_ve_response(resp, engine, [i.mm_hash for i in items])
+
+    async def _generate(self, engine: Engine, body: dict, prompt_tokens: int, max_tokens: int | None) -> GenerateResponse:
+        engine.inflight_work += prompt_tokens
+        try:
+            deadline = deadlines.answer_s(self._state.cfg.timeouts, engine.inflight_work, max_tokens)
+            what = f"{prompt_tokens} prompt tokens, max_tokens {max_tokens}, {engine.inflight_work} waiting on it"
+            resp = await self._post(engine, upstream.encode_body(body), deadline, what)
+        finally:
+            engine.inflight_work -= prompt_tokens
+        if resp.status_code != 200:
+            raise upstream.classify_status(resp, engine)
+        return upstream.parse_pd_response(resp, engine)
+
+    async def _post(self, engine: Engine, content: bytes, deadline: float, what: str) -> httpx.Response:
+        try:
+            async with asyncio.timeout(deadline):
+                return await self.client.post(
+                    upstream.generate_url(engine), content=content, headers=upstream.JSON_HEADERS,
+                    timeout=self._timeout(deadline + _HTTPX_SLACK_S),
+                )  # fmt: skip
+        except TimeoutError:
+            raise upstream.deadline_exceeded(engine, deadline, what) from None
+        except httpx.HTTPError as exc:
+            raise upstream.classify_exception(exc, engine) from None
+
+    async def _open_stream(self, engine: Engine, body: dict) -> PdStream:
+        timeouts = self._state.cfg.timeouts
+        deadline = deadlines.first_token_s(timeouts, engine.inflight_work)
+        request = self.client.build_request(
+            "POST", upstream.generate_url(engine), content=upstream.encode_body(body), headers=upstream.JSON_HEADERS,
+            timeout=self._timeout(timeouts.pd_s),  # after the first payload: the longest gap
+        )  # fmt: skip
+        resp: httpx.Response | None = None
+        committed = False
+        try:
+            async with asyncio.timeout(deadline):
+                resp = await self.client.send(request, stream=True)
+                if resp.status_code != 200:
+                    await resp.aread()
+                    raise upstream.classify_status(resp, engine)
+                payloads = iter_sse_payloads(resp.aiter_raw())
+                try:
+                    first = await anext(payloads)
+                except StopAsyncIteration:
+                    raise upstream.bad_body(engine, "stream ended before any token") from None
+            err = upstream.classify_stream_error(first, engine)
+            if err is not None:
+                raise err
+            committed = True
+            return PdStream(engine=engine, response=resp, payloads=payloads, first=first)
+        except TimeoutError:
+            what = f"first token, {engine.inflight_work} prompt tokens waiting on it"
+            raise upstream.deadline_exceeded(engine, deadline, what) from None
+        except httpx.HTTPError as exc:
+            raise upstream.classify_exception(exc, engine) from None
+        finally:
+            if resp is not None and not committed:
+                with anyio.CancelScope(shield=True):
+                    await resp.aclose()
+
     def _timeout(self, read_s: float) -> httpx.Timeout:
         return httpx.Timeout(read_s, connect=self._state.cfg.timeouts.connect_s)
-
-    def _pd_timeout(self) -> httpx.Timeout:
-        return self._timeout(self._state.cfg.timeouts.pd_s)

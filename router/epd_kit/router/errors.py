@@ -2,21 +2,24 @@
 
 Every failure the router can report is a `RouterError` carrying the HTTP status, the OpenAI
 error `type`, a message that says what went wrong and where, and, for pushback statuses, a
-Retry-After value. Anything else reaching the top is a bug and becomes a 500.
+Retry-After value. Anything else reaching the top is a bug and becomes a 500 with the same
+envelope (routes.py).
 """
 
 from __future__ import annotations
 
 import json
+from enum import Enum
 from typing import Any
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "request_timeout",
     413: "request_too_large",
     429: "rate_limit_error",
     500: "internal_error",
@@ -68,22 +71,37 @@ class RouterError(Exception):
             headers["WWW-Authenticate"] = "Bearer"
         return headers
 
-    def response(self, request_id: str | None) -> JSONResponse:
-        return JSONResponse(
-            self.envelope(request_id), status_code=self.status, headers=self.headers(request_id)
+    def body(self, request_id: str | None) -> bytes:
+        """The envelope as JSON, ASCII-escaped: a message quoting client input (a field name,
+        a lone surrogate) can always be encoded."""
+        return json.dumps(self.envelope(request_id), separators=(",", ":")).encode()
+
+    def response(self, request_id: str | None) -> Response:
+        return Response(
+            self.body(request_id), status_code=self.status, headers=self.headers(request_id),
+            media_type="application/json",
         )
 
     def sse_frame(self, request_id: str | None) -> bytes:
-        text = json.dumps(self.envelope(request_id), separators=(",", ":"))
-        return b"data: " + text.encode() + b"\n\n"
+        return b"data: " + self.body(request_id) + b"\n\n"
 
 
 def bad_request(message: str, param: str | None = None) -> RouterError:
     return RouterError(400, message, param=param)
 
 
+class Failure(str, Enum):
+    """How an engine call failed when it is the engine's fault (health.py weighs them)."""
+
+    refused = "refused"  # nothing listens: the process is gone
+    connect_timeout = "connect_timeout"  # may be our own overload as much as the engine's
+    timeout = "timeout"  # accepted and did not answer in time: possibly hung
+    error = "error"  # 5xx, broken connection, invalid answer
+
+
 class UpstreamError(RouterError):
-    """A VE/PD call failed; `engine_failed` says whether it counts against the engine."""
+    """A VE/PD call failed; `failure` says how, when it counts against the engine (None:
+    it does not, e.g. a 4xx about the request or 429 pushback)."""
 
     def __init__(
         self,
@@ -92,16 +110,18 @@ class UpstreamError(RouterError):
         *,
         engine_id: str,
         stage: str,
-        engine_failed: bool,
+        failure: Failure | None,
         retry_other: bool,
-        unreachable: bool = False,
     ) -> None:
         super().__init__(status, message)
         self.engine_id = engine_id
         self.stage = stage
-        self.engine_failed = engine_failed
+        self.failure = failure
         self.retry_other = retry_other
-        self.unreachable = unreachable  # connection refused: eject without waiting for a probe
+
+    @property
+    def engine_failed(self) -> bool:
+        return self.failure is not None
 
 
 class EcLoadFailed(UpstreamError):

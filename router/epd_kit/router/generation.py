@@ -56,8 +56,11 @@ class Generation:
             self._metrics.rejections.labels("not_ready").inc()
             raise self._state.not_ready_error()
         t = time.monotonic()
-        async with ctx.time_limit("preprocessing"):
-            rendered = await render_request(self._renderer, ctx.request)
+        try:
+            async with ctx.time_limit("preprocessing"):
+                rendered = await render_request(self._renderer, ctx.request, ctx.inline)
+        finally:
+            ctx.preprocessed()
         self._metrics.preprocess.observe(time.monotonic() - t)
         ctx.token_ids = list(rendered.token_ids)
         ctx.items = list(rendered.items)
@@ -71,7 +74,10 @@ class Generation:
         """Non-streaming: the whole OpenAI body."""
         await self.prepare(ctx)
         t = time.monotonic()
-        result = await self._on_a_pd(ctx, stream=False, call=self._engines.generate, keep_slot=False)
+        prompt, max_tokens = len(ctx.token_ids), ctx.request.resolved_max_tokens
+        result = await self._on_a_pd(
+            ctx, stream=False, call=lambda pd, body: self._engines.generate(pd, body, prompt, max_tokens), keep_slot=False
+        )
         self._metrics.pd.observe(time.monotonic() - t)
         return translate.completion(ctx, result, self._renderer)
 
@@ -79,7 +85,10 @@ class Generation:
         """Streaming: a PD stream whose first event is read; it holds its PD slot until
         `close` (which `relay` calls on every exit path)."""
         await self.prepare(ctx)
-        return await self._on_a_pd(ctx, stream=True, call=self._engines.open_stream, keep_slot=True)
+        prompt = len(ctx.token_ids)
+        return await self._on_a_pd(
+            ctx, stream=True, call=lambda pd, body: self._engines.open_stream(pd, body, prompt), keep_slot=True
+        )
 
     async def _on_a_pd(
         self,
@@ -92,14 +101,13 @@ class Generation:
         """`call` on an admitted PD; on a retryable failure, once more on a PD not tried yet
         (up to `retries.max_attempts` PDs, within the deadline), with fresh locators if the
         failure may have come from stale ones. `keep_slot`: the result holds the PD slot."""
-        body = self._pd_body(ctx, stream)
         tried: set[str] = set()
         last: UpstreamError | None = None
         async with ctx.time_limit("generate"):
             while True:
                 engine = await self._admission.acquire(tried, last)
                 try:
-                    result = await call(engine, body)
+                    result = await call(engine, self._pd_body(ctx, stream))
                 except UpstreamError as err:
                     await self._admission.release(engine)
                     tried.add(engine.id)
@@ -111,8 +119,7 @@ class Generation:
                         "generate failed before the client got a byte, retrying on another PD",
                         extra={"request_id": ctx.request_id, "engine": engine.id, "error": err.message},
                     )
-                    if await self._encoder.refresh_locators(ctx, err):
-                        body = self._pd_body(ctx, stream)
+                    await self._encoder.refresh_locators(ctx, err)
                     continue
                 except BaseException:
                     await self._admission.release(engine)
@@ -130,8 +137,10 @@ class Generation:
 
     @staticmethod
     def _pd_body(ctx: RequestContext, stream: bool) -> dict:
+        """The body of one PD attempt, under a fresh engine call id."""
         sampling = ctx.request.sampling_params()
-        return upstream.pd_request_body(ctx.request_id, ctx.token_ids, ctx.items, sampling, ctx.locators, stream)
+        rid = ctx.engine_call_id("gen")
+        return upstream.pd_request_body(rid, ctx.token_ids, ctx.items, sampling, ctx.locators, stream)
 
     async def relay(self, ctx: RequestContext, pd: PdStream, outcome: RequestOutcome) -> AsyncIterator[bytes]:
         """The client's SSE bytes. A failure after the start ends the stream with one error
@@ -178,6 +187,7 @@ class Generation:
                 "stream done" if ok else ("client left" if client_left else "stream ended with an error"),
                 extra={
                     "request_id": ctx.request_id,
+                    "engine_request_id": ctx.engine_request_id,
                     "engine": pd.engine.id,
                     "duration_s": round(time.monotonic() - ctx.t0, 4),
                 },

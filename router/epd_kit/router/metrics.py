@@ -110,6 +110,11 @@ class RouterMetrics:
         self.reloads = Counter(
             "epd_router_config_reloads", "Config reloads by result", ["result"], registry=r
         )
+        self.connections_closed = Counter(
+            "epd_router_client_connections_closed",
+            "Client connections the listener closed: header_timeout, body_timeout, over_capacity, malformed",
+            ["reason"], registry=r,
+        )  # fmt: skip
         r.register(_PoolCollector(pools))
         r.register(_PreprocessCollector(preprocess_stats))
 

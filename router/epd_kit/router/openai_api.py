@@ -1,12 +1,19 @@
 """The OpenAI chat-completions surface: request validation, SamplingParams builtins
 (contract §1.2 step 4) and the response / chunk bodies.
+
+Structured outputs reach the PD the way vLLM's own chat server sends them: `response_format`
+(`json_object`, `json_schema`) or vLLM's `structured_outputs` become
+`sampling_params.structured_outputs`, and `logit_bias` goes as is (vLLM's generate endpoint
+takes a full SamplingParams). Fields the kit cannot honour (tools, beam search, echo, custom
+templates, ...) answer 400 naming the field: ignoring them would silently answer a different
+question. Other unknown fields are tolerated, as vLLM does.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from epd_kit.router.errors import RouterError, bad_request
 
@@ -27,12 +34,86 @@ class Message(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_needed(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema' and only then")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `StructuredOutputsParams`: exactly one constraint, plus options."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputs:
+        given = [self.json_, self.regex, self.choice, self.grammar, self.json_object, self.structural_tag]
+        if sum(v is not None for v in given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object, structural_tag")
+        return self
+
+    def builtins(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+# OpenAI (and vLLM) request fields the kit does not implement: each answers 400 naming it,
+# unless its value asks for nothing (e.g. `tools: []`). name -> (neutral values, why).
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": ((None, []), "tool calling is not supported by this router"),
+    "tool_choice": ((None, "none"), "tool calling is not supported by this router"),
+    "functions": ((None, []), "function calling is not supported by this router"),
+    "function_call": ((None, "none"), "function calling is not supported by this router"),
+    "best_of": ((None, 1), "best_of is not supported (vLLM V1 has none); use n"),
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "echo": ((None, False), "echo is not supported"),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only text output is supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "reasoning_effort": ((None,), "reasoning_effort is not supported"),
+    "prompt_logprobs": ((None,), "prompt_logprobs are not supported"),
+    "continue_final_message": ((None, False), "continue_final_message is not supported"),
+    "documents": ((None, []), "documents are not supported"),
+    "chat_template": ((None,), "the checkpoint's own chat template is always used"),
+    "chat_template_kwargs": ((None, {}), "only add_generation_prompt reaches the chat template"),
+    "mm_processor_kwargs": ((None, {}), "images are processed under the router's limits only"),
+    **{
+        name: ((None,), "guided_* fields are gone from vLLM: use response_format or structured_outputs")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "guided_decoding_backend", "guided_whitespace_pattern")
+    },
+}  # fmt: skip
+
+
 class ChatCompletionRequest(BaseModel):
-    """What we accept. Unknown OpenAI fields are tolerated (ignored), like vLLM does."""
+    """What we accept. Unknown fields are tolerated (ignored), like vLLM does, except the
+    `UNSUPPORTED` ones."""
 
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
+    model: str | None = Field(default=None, max_length=1024)
     messages: list[Message] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -58,11 +139,26 @@ class ChatCompletionRequest(BaseModel):
     include_stop_str_in_output: bool = False
     add_generation_prompt: bool = True
     extra_args: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for token, value in (bias or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys are token ids, got {token[:20]!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"bias {value} for token {token} is outside [-100, 100]")
+        return bias
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.structured_outputs is not None and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("give either response_format or structured_outputs, not both")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         if isinstance(self.stop, list) and len(self.stop) > 16:
@@ -113,7 +209,24 @@ class ChatCompletionRequest(BaseModel):
         sp["output_kind"] = OUTPUT_KIND_DELTA if self.stream else OUTPUT_KIND_FINAL_ONLY
         if self.extra_args:
             sp["extra_args"] = dict(self.extra_args)
+        if (structured := self._structured_outputs()) is not None:
+            sp["structured_outputs"] = structured
+        if self.logit_bias:
+            sp["logit_bias"] = dict(self.logit_bias)
         return sp
+
+    def _structured_outputs(self) -> dict[str, Any] | None:
+        """vLLM's mapping (ChatCompletionRequest.to_sampling_params): json_object -> json_object,
+        json_schema -> json = the schema."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.builtins()
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"json_object": True}
+        assert fmt.json_schema is not None
+        return {"json": fmt.json_schema.json_schema}
 
 
 def parse_request(data: Any) -> ChatCompletionRequest:
@@ -123,6 +236,9 @@ def parse_request(data: Any) -> ChatCompletionRequest:
         raise bad_request("'messages' is required", param="messages")
     if not isinstance(data["messages"], list) or not data["messages"]:
         raise bad_request("'messages' must be a non-empty list", param="messages")
+    for name, (neutral, why) in UNSUPPORTED.items():
+        if name in data and data[name] not in neutral:
+            raise bad_request(f"'{name}' is not supported: {why}; remove it from the request", param=name)
     try:
         return ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:

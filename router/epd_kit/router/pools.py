@@ -1,4 +1,5 @@
-"""Engine pools: live state per engine (health, in-flight, counters) and atomic reloads.
+"""Engine pools: live state per engine (health, in-flight, counters) and atomic reloads
+(the health rules and probes are health.py).
 
 An `Engine` object lives as long as its id is configured with the same URL. A reload builds
 a new `Pools` snapshot (reusing surviving `Engine` objects) and swaps one reference; requests
@@ -8,16 +9,13 @@ work it has and its counters stay correct.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-import httpx
-
-from epd_kit.router.config import Endpoint, EngineState, Health, RouterConfig
+from epd_kit.router.config import Endpoint, EngineState, RouterConfig
+from epd_kit.router.errors import Failure
 
 log = logging.getLogger("epd_router.pools")
 
@@ -26,17 +24,26 @@ Role = Literal["ve", "pd"]
 
 @dataclass(eq=False)
 class Engine:
+    """One configured engine and its live state. The health fields are written by the rules
+    in health.py only."""
+
     id: str
     url: str
     role: Role
     state: EngineState = EngineState.active
     healthy: bool = False  # unknown until the first probe answers
     inflight: int = 0  # requests currently on this engine
-    inflight_work: int = 0  # VE: embedding tokens in flight (the load-bound measure)
+    # work waiting on this engine, in tokens: VE embedding tokens being encoded (the load-bound
+    # measure), PD prompt tokens not yet past their first token; both size call deadlines
+    inflight_work: int = 0
     served: int = 0
-    failures: int = 0
-    consecutive_failures: int = 0
-    consecutive_successes: int = 0
+    failures: int = 0  # calls and immediate probes that failed because of the engine
+    call_failures: int = 0  # consecutive failed calls
+    streak: set[Failure] = field(default_factory=set)  # their kinds
+    outcomes: list[bool] = field(default_factory=list)  # the last `ratio_window` calls
+    probe_failures: int = 0  # consecutive failed /health probes
+    probe_successes: int = 0
+    needs_serving_probe: bool = False  # ejected after a timeout: back only when it serves
     last_error: str | None = None
     last_change: float = field(default_factory=time.monotonic)
     removed: bool = False
@@ -56,30 +63,6 @@ class Engine:
                 extra={"engine": self.id, "role": self.role, "reason": reason},
             )
 
-    def record_probe(self, ok: bool, reason: str, health: Health) -> None:
-        if ok:
-            self.consecutive_failures = 0
-            self.consecutive_successes += 1
-            if not self.healthy and self.consecutive_successes >= health.success_threshold:
-                self.set_health(True, reason)
-        else:
-            self.consecutive_successes = 0
-            self.consecutive_failures += 1
-            self.last_error = reason
-            if self.healthy and self.consecutive_failures >= health.failure_threshold:
-                self.set_health(False, reason)
-
-    def record_passive_failure(self, reason: str, *, eject_now: bool, health: Health) -> None:
-        """A real request failed because of this engine (connect error, timeout, 5xx)."""
-        self.failures += 1
-        self.last_error = reason
-        self.consecutive_successes = 0
-        if eject_now:
-            self.consecutive_failures = max(self.consecutive_failures, health.failure_threshold)
-            self.set_health(False, reason)
-        else:
-            self.record_probe(False, reason, health)
-
     def snapshot(self) -> dict:
         return {
             "id": self.id,
@@ -87,6 +70,7 @@ class Engine:
             "role": self.role,
             "state": "removed" if self.removed else self.state.value,
             "healthy": self.healthy,
+            "needs_serving_probe": self.needs_serving_probe,
             "inflight": self.inflight,
             "inflight_work": self.inflight_work,
             "served": self.served,
@@ -135,63 +119,3 @@ def build_pools(cfg: RouterConfig, previous: Pools | None = None) -> tuple[Pools
     for engine in removed:
         engine.removed = True
     return pools, removed
-
-
-class HealthProber:
-    """Active `/health` probes of every configured engine, one task for all of them."""
-
-    def __init__(
-        self,
-        client: httpx.AsyncClient,
-        pools: Callable[[], Pools],
-        health: Callable[[], Health],
-    ) -> None:
-        self._client = client
-        self._pools = pools
-        self._health = health
-        self._task: asyncio.Task | None = None
-        self._wake = asyncio.Event()
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="health-prober")
-
-    def poke(self) -> None:
-        """Probe now (after a reload or an ejection) instead of waiting a full interval."""
-        self._wake.set()
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-
-    async def probe_all(self) -> None:
-        health = self._health()
-        engines = self._pools().all()
-        await asyncio.gather(*(self._probe(e, health) for e in engines))
-
-    async def _probe(self, engine: Engine, health: Health) -> None:
-        try:
-            resp = await self._client.get(f"{engine.url}/health", timeout=health.timeout_s)
-        except httpx.HTTPError as exc:
-            engine.record_probe(False, f"/health: {type(exc).__name__}", health)
-            return
-        ok = resp.status_code == 200
-        engine.record_probe(ok, f"/health: HTTP {resp.status_code}", health)
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.probe_all()
-            except Exception:  # a prober bug must not stop probing
-                log.exception("health probe round failed")
-            self._wake.clear()
-            try:
-                # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancel that races
-                # a poke, and stop() would then wait forever
-                async with asyncio.timeout(self._health().interval_s):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass

@@ -6,7 +6,7 @@ fake with the same shape, so the request orchestration is testable on its own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from epd_kit.preprocess.errors import PreprocessError
@@ -37,19 +37,26 @@ class DetokenizerLike(Protocol):
 
 class Renderer(Protocol):
     async def render(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
-    ) -> RenderedPromptLike: ...
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        inline: Mapping[str, bytes | memoryview] | None = None,
+    ) -> RenderedPromptLike:
+        """`inline`: image payloads kept apart from `messages`, by URL (router/body.py)."""
 
     def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def detokenizer(self, *, skip_special_tokens: bool = True) -> DetokenizerLike: ...
 
 
-async def render_request(renderer: Renderer, request: ChatCompletionRequest) -> RenderedPromptLike:
+async def render_request(
+    renderer: Renderer, request: ChatCompletionRequest, inline: Mapping[str, bytes | memoryview] | None = None
+) -> RenderedPromptLike:
     """The request's prompt; bad input becomes a 400/413 naming where it is in the request."""
     messages = [m.model_dump(exclude_none=True) for m in request.messages]
     try:
-        return await renderer.render(messages, add_generation_prompt=request.add_generation_prompt)
+        return await renderer.render(messages, add_generation_prompt=request.add_generation_prompt, inline=inline)
     except RouterError:
         raise
     except PreprocessError as exc:

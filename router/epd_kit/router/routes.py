@@ -4,10 +4,10 @@ the app's one `RouterService` (`app.state.service`)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -17,10 +17,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from epd_kit.preprocess.settings import Limits
+from epd_kit.router.body import decode_body
 from epd_kit.router.context import RequestContext
 from epd_kit.router.errors import RouterError
+from epd_kit.router.intake import ClientGone, IntakeSlot, read_body
 from epd_kit.router.metrics import RequestOutcome
-from epd_kit.router.openai_api import parse_request
+from epd_kit.router.openai_api import ChatCompletionRequest, parse_request
 from epd_kit.router.service import RouterService
 
 log = logging.getLogger("epd_router.app")
@@ -46,22 +49,24 @@ def _check_key(request: Request, protected: bool = True) -> None:
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
+    """Every outcome is counted once (`RequestOutcome`) and answered with the request id: a
+    `RouterError` as its envelope, anything else as a 500 envelope (a router bug, logged with
+    its traceback), a client that left as a quiet 499."""
     service = _service(request)
     outcome = service.metrics.track_request()
-    rid = request.headers.get("x-request-id")
+    given = request.headers.get("x-request-id")
+    rid = _request_id(request)
+    slot: IntakeSlot | None = None
     try:
-        if rid is not None and not REQUEST_ID_RE.match(rid):
-            rid = None
+        if given is not None and rid != given:
             raise RouterError(400, "x-request-id must be 1-128 characters of [A-Za-z0-9._:+=@-]")
         _check_key(request)
-        body = await _read_body(request, service.state.cfg.limits.max_body_bytes)
-        try:
-            data = json.loads(body)  # (a thread would not help: json.loads holds the GIL)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise RouterError(400, f"request body is not valid JSON: {exc}") from None
-        chat = parse_request(data)
-        ctx = RequestContext.start(chat, rid, service.state.cfg)
-        rid = ctx.request_id
+        limits = service.state.cfg.limits
+        slot = service.intake.enter(limits.max_requests_preprocessing)
+        body = await read_body(request, limits.max_body_bytes)
+        chat, inline = await _decode(service, body)
+        del body  # `inline` keeps the image payloads' bytes until they are rendered
+        ctx = RequestContext.start(chat, rid, service.state.cfg, intake=slot, inline=inline)
         if chat.stream:
             return await _stream(request, service, ctx, outcome)
         service.begin_request()
@@ -69,19 +74,54 @@ async def chat_completions(request: Request) -> Response:
             result = await _race_disconnect(request, service.generation.complete(ctx))
         finally:
             service.end_request()
+    except ClientGone:
+        return _client_left(outcome, rid, "during upload")
     except RouterError as err:
-        outcome.record(str(err.status))
-        level = logging.WARNING if err.status >= 500 or err.status == 429 else logging.INFO
-        log.log(level, "request failed", extra={"request_id": rid, "status": err.status, "error": err.message})
-        return err.response(rid)
+        return _failed(outcome, rid, err)
+    except Exception:
+        log.exception("internal error", extra={"request_id": rid})
+        return _failed(outcome, rid, RouterError(500, "internal error in the router (see its log)"))
+    finally:
+        if slot is not None:
+            slot.release()
     if result is None:  # client went away; nobody reads this
-        outcome.record("client_closed")
-        return Response(status_code=499)
+        return _client_left(outcome, rid, "before the answer")
     outcome.first_byte()
     outcome.record("200")
     duration = round(time.monotonic() - outcome.started, 4)
-    log.info("request done", extra={"request_id": rid, "status": 200, "duration_s": duration})
+    log.info("request done", extra={"request_id": rid, "engine_request_id": ctx.engine_request_id,
+                                    "status": 200, "duration_s": duration})  # fmt: skip
     return JSONResponse(result, headers={"x-request-id": rid})
+
+
+# Bodies up to this size are decoded on the event loop (well under a millisecond); bigger ones
+# in a worker thread, so a large or hostile body never holds up other requests.
+INLINE_DECODE_BYTES = 32 * 1024
+
+
+async def _decode(service: RouterService, body: bytearray) -> tuple[ChatCompletionRequest, dict[str, memoryview]]:
+    limits = service.state.cfg.limits
+    if len(body) <= INLINE_DECODE_BYTES:
+        return _decode_now(body, limits)
+    return await asyncio.get_running_loop().run_in_executor(service.decode_pool, _decode_now, body, limits)
+
+
+def _decode_now(body: bytearray, limits: Limits) -> tuple[ChatCompletionRequest, dict[str, memoryview]]:
+    decoded = decode_body(body, limits)
+    return parse_request(decoded.doc), decoded.inline
+
+
+def _failed(outcome: RequestOutcome, rid: str, err: RouterError) -> Response:
+    outcome.record(str(err.status))
+    level = logging.WARNING if err.status >= 500 or err.status == 429 else logging.INFO
+    log.log(level, "request failed", extra={"request_id": rid, "status": err.status, "error": err.message})
+    return err.response(rid)
+
+
+def _client_left(outcome: RequestOutcome, rid: str, when: str) -> Response:
+    outcome.record("client_closed")
+    log.info(f"client left {when}", extra={"request_id": rid, "status": 499})
+    return Response(status_code=499)
 
 
 async def _stream(request: Request, service: RouterService, ctx: RequestContext, outcome: RequestOutcome) -> Response:
@@ -93,8 +133,7 @@ async def _stream(request: Request, service: RouterService, ctx: RequestContext,
         raise
     if pd is None:
         service.end_request()
-        outcome.record("client_closed")
-        return Response(status_code=499)
+        return _client_left(outcome, ctx.request_id, "before the answer")
 
     async def finished() -> None:
         await service.generation.close(pd)
@@ -176,23 +215,31 @@ async def metrics(request: Request) -> Response:
 # --- error handlers ---------------------------------------------------------------------------
 
 
-async def _router_error(request: Request, exc: RouterError) -> JSONResponse:
-    return exc.response(request.headers.get("x-request-id"))
+def _request_id(request: Request) -> str:
+    """The client's id when it is a valid one, else a fresh one: every error carries an id."""
+    given = request.headers.get("x-request-id")
+    return given if given is not None and REQUEST_ID_RE.match(given) else uuid.uuid4().hex
 
 
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _router_error(request: Request, exc: RouterError) -> Response:
+    return exc.response(_request_id(request))
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     path = request.url.path
     messages = {404: f"no route {path}", 405: f"method {request.method} not allowed on {path}"}
-    return RouterError(exc.status_code, messages.get(exc.status_code, str(exc.detail))).response(None)
+    return RouterError(exc.status_code, messages.get(exc.status_code, str(exc.detail))).response(_request_id(request))
 
 
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return RouterError(400, f"invalid request: {exc.errors()[0].get('msg', 'bad input')}").response(None)
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    error = RouterError(400, f"invalid request: {exc.errors()[0].get('msg', 'bad input')}")
+    return error.response(_request_id(request))
 
 
-async def _internal(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("internal error", extra={"path": request.url.path})
-    return RouterError(500, "internal error in the router (see its log)").response(None)
+async def _internal(request: Request, exc: Exception) -> Response:
+    rid = _request_id(request)
+    log.exception("internal error", extra={"path": request.url.path, "request_id": rid})
+    return RouterError(500, "internal error in the router (see its log)").response(rid)
 
 
 EXCEPTION_HANDLERS: dict[Any, Callable[[Request, Any], Awaitable[Response]]] = {
@@ -221,22 +268,6 @@ class _CleanupStreamingResponse(StreamingResponse):
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
                 await self._cleanup()
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise RouterError(400, "Content-Length is not a number")
-        if int(declared) > limit:
-            raise RouterError(413, f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RouterError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def _race_disconnect(request: Request, work: Awaitable[T]) -> T | None:

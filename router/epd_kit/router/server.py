@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import signal
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import uvicorn
 
 from epd_kit.router.app import create_app
 from epd_kit.router.config import RouterConfig
+from epd_kit.router.listener import protocol_factory
 from epd_kit.router.rendering import Renderer
 from epd_kit.router.service import RouterService
 from epd_kit.router.signals import EarlySignals
@@ -81,14 +83,36 @@ def make_server(
     early: EarlySignals | None = None,
 ) -> RouterServer:
     app = create_app(cfg, renderer, config_path=config_path)
+    service: RouterService = app.state.service
+    listen = cfg.listen
+    _allow_descriptors(listen.max_connections + _DESCRIPTORS_BESIDES_CLIENTS)
     uv = uvicorn.Config(
         app,
-        host=cfg.listen.host,
-        port=cfg.listen.port,
+        host=listen.host,
+        port=listen.port,
+        http=protocol_factory(listen, lambda reason: service.metrics.connections_closed.labels(reason).inc()),
         log_config=None,
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=5,
-        timeout_keep_alive=30,
+        timeout_keep_alive=listen.idle_timeout_s,  # type: ignore[arg-type] - a float works
     )
-    return RouterServer(uv, app.state.service, early)
+    return RouterServer(uv, service, early)
+
+
+# engine connections, media fetches, log and checkpoint files
+_DESCRIPTORS_BESIDES_CLIENTS = 1024
+
+
+def _allow_descriptors(needed: int) -> None:
+    """Raise the soft open-files limit so `listen.max_connections` can be reached (systemd's
+    default soft limit is 1024); warn when the hard limit is lower."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        if target < needed:
+            log.warning(
+                "open-files limit too low for listen.max_connections; raise LimitNOFILE",
+                extra={"needed": needed, "hard_limit": hard},
+            )

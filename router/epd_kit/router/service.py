@@ -1,8 +1,10 @@
 """The router's app object: builds the request path out of its parts and owns the lifecycle.
 
-    engines     engine_client.EngineClient   HTTP to the engines, health probes
+    intake      intake.IntakeGate            requests receiving a body or preprocessing, capped
+    decode_pool                              threads that decode big request bodies (body.py)
+    engines     engine_client.EngineClient   HTTP to the engines, health rules and probes
     encoder     encode.Encoder               VE fan-out, retries, re-encode
-    admission   admission.PdAdmission        PD slots and the wait queue
+    admission   admission.PdAdmission        PD slots and the FIFO wait queue
     generation  generation.Generation        render → encode → PD (one retry loop) → answer
 
 All of them read the same `RouterState`; `reload` swaps its config and pool snapshot.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -22,8 +25,10 @@ from epd_kit.router.config import RouterConfig, load_config
 from epd_kit.router.encode import Encoder
 from epd_kit.router.engine_client import EngineClient
 from epd_kit.router.generation import Generation
+from epd_kit.router.intake import IntakeGate
 from epd_kit.router.metrics import RouterMetrics
 from epd_kit.router.pools import build_pools
+from epd_kit.router.probes import ServingProbes
 from epd_kit.router.rendering import Renderer
 from epd_kit.router.state import RouterState
 
@@ -47,6 +52,8 @@ class RouterService:
         self.state = RouterState(cfg, build_pools(cfg)[0])
         self.metrics = RouterMetrics(lambda: self.state.pools, lambda: getattr(renderer, "stats", None))
         self.auth = ApiKeyChecker(load_api_keys(cfg.auth.api_keys_file) if cfg.auth.api_keys_file else ())
+        self.intake = IntakeGate()
+        self.decode_pool = ThreadPoolExecutor(cfg.limits.text_workers, thread_name_prefix="epd-decode")
         self.engines = EngineClient(self.state, self.metrics, transport)
         self.admission = PdAdmission(self.state, self.metrics)
         self.encoder = Encoder(self.state, self.engines, self.metrics)
@@ -61,26 +68,35 @@ class RouterService:
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.engines.start()
+        await self.engines.start(await ServingProbes.build(self.renderer))
 
     async def stop(self) -> None:
         await self.engines.aclose()
+        self.decode_pool.shutdown(wait=False, cancel_futures=True)
         aclose = getattr(self.renderer, "aclose", None)
         if aclose is not None:
             await aclose()
 
     def reload(self) -> bool:
-        """Re-read the config file and apply it atomically; a bad file keeps the old config."""
+        """Re-read the config file and apply it atomically; a bad file keeps the old config,
+        and so does one that would turn API keys off without saying `auth: {enabled: false}`."""
         if self.config_path is None:
             log.warning("reload requested but the router runs from flags, not a file")
             return False
         try:
             new = load_config(self.config_path)
             keys = load_api_keys(new.auth.api_keys_file) if new.auth.api_keys_file else ()
+            if self.auth.enabled and not keys and new.auth.enabled is not False:
+                raise ValueError(
+                    "the new file has no auth.api_keys_file: it would turn API-key authentication "
+                    "off; set auth: {enabled: false} to do that on purpose"
+                )
         except ValueError as exc:
             self.metrics.reloads.labels("error").inc()
             log.error("config reload failed; keeping the running config", extra={"error": str(exc)})
             return False
+        if self.auth.enabled and not keys:
+            log.warning("config reload turns API-key authentication off (auth.enabled: false)")
         old = self.state.cfg
         for key in RESTART_ONLY:
             if getattr(new, key) != getattr(old, key):

@@ -2,9 +2,10 @@
 §3) and how it reads their answers: responses, and failures classified into client statuses,
 engine-health signals and typed errors (no I/O here: engine_client.py does the calls).
 
-Rules (anchors.md (c) 5): connect errors, timeouts, broken connections and 5xx count against
-the engine; a 4xx never does (it is about the request); 429 is pushback: try elsewhere, do not
-mark the engine down.
+Rules (anchors.md (c) 5): connect errors, timeouts (incl. a call's own deadline), broken
+connections and 5xx count against the engine, each as a `Failure` kind that health.py weighs;
+a 4xx never does (it is about the request); 429 is pushback: try elsewhere, do not mark the
+engine down.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from epd_kit.router.errors import EcLoadFailed, UpstreamError
+from epd_kit.router.errors import EcLoadFailed, Failure, UpstreamError
 from epd_kit.router.pools import Engine
 from epd_kit.router.rendering import PreparedItemLike
 from epd_kit.wire import (
@@ -54,11 +55,15 @@ def _engine_message(resp: httpx.Response) -> str:
     return " ".join(text.split())[:200]
 
 
-def _failure(engine: Engine, status: int, message: str, engine_text: str = "", **flags: bool) -> UpstreamError:
+def _failure(
+    engine: Engine, status: int, message: str, engine_text: str = "", *, failure: Failure | None, retry_other: bool
+) -> UpstreamError:
     """The typed error for a failed engine call; `engine_text` is what the engine said."""
     ec_load = engine.role == "pd" and any(m in engine_text for m in EC_LOAD_FAILURE_MARKERS)
     error_type = EcLoadFailed if ec_load else UpstreamError
-    return error_type(status, message, engine_id=engine.id, stage=STAGE_NAMES[engine.role], **flags)
+    return error_type(
+        status, message, engine_id=engine.id, stage=STAGE_NAMES[engine.role], failure=failure, retry_other=retry_other
+    )
 
 
 def where(engine: Engine) -> str:
@@ -67,16 +72,26 @@ def where(engine: Engine) -> str:
 
 def classify_exception(exc: httpx.HTTPError, engine: Engine) -> UpstreamError:
     kind = type(exc).__name__
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+    if isinstance(exc, httpx.ConnectTimeout):
         message = f"{where(engine)} failed: cannot connect ({kind})"
-        return _failure(engine, 502, message, engine_failed=True, retry_other=True, unreachable=True)
+        return _failure(engine, 502, message, failure=Failure.connect_timeout, retry_other=True)
+    if isinstance(exc, httpx.ConnectError):
+        message = f"{where(engine)} failed: cannot connect ({kind})"
+        return _failure(engine, 502, message, failure=Failure.refused, retry_other=True)
     if isinstance(exc, httpx.PoolTimeout):  # our own connection pool, not the engine
         message = f"{where(engine)} timed out waiting for a connection"
-        return _failure(engine, 504, message, engine_failed=False, retry_other=True)
+        return _failure(engine, 504, message, failure=None, retry_other=True)
     if isinstance(exc, httpx.TimeoutException):
-        return _failure(engine, 504, f"{where(engine)} timed out ({kind})", engine_failed=True, retry_other=True)
+        return _failure(engine, 504, f"{where(engine)} timed out ({kind})", failure=Failure.timeout, retry_other=True)
     message = f"{where(engine)} failed: connection broken ({kind})"
-    return _failure(engine, 502, message, engine_failed=True, retry_other=True)
+    return _failure(engine, 502, message, failure=Failure.error, retry_other=True)
+
+
+def deadline_exceeded(engine: Engine, deadline_s: float, what: str) -> UpstreamError:
+    """A call that outlived the deadline derived from its work (deadlines.py): the engine
+    accepted it and did not answer in time, which is how a hung engine looks."""
+    message = f"{where(engine)} timed out: no answer within {deadline_s:.1f}s ({what})"
+    return _failure(engine, 504, message, failure=Failure.timeout, retry_other=True)
 
 
 def classify_status(resp: httpx.Response, engine: Engine) -> UpstreamError:
@@ -85,18 +100,18 @@ def classify_status(resp: httpx.Response, engine: Engine) -> UpstreamError:
     detail = f": {said}" if said else ""
     if code == 429:
         message = f"{where(engine)} is overloaded (HTTP 429){detail}"
-        err = _failure(engine, 429, message, said, engine_failed=False, retry_other=True)
+        err = _failure(engine, 429, message, said, failure=None, retry_other=True)
         err.retry_after = _retry_after(resp)
         return err
     if code >= 500:
         message = f"{where(engine)} failed: HTTP {code}{detail}"
-        return _failure(engine, 502, message, said, engine_failed=True, retry_other=True)
+        return _failure(engine, 502, message, said, failure=Failure.error, retry_other=True)
     # 400/413/422: the engine refused this request's content (e.g. too many tokens for the
     # context, an image too big for the compiled encoder): the client's to fix, so a 400.
     # Other 4xx (404, 401, ...) mean the router and engine disagree: an upstream failure.
     status = 400 if code in (400, 413, 422) else 502
     message = f"{where(engine)} rejected the request: HTTP {code}{detail}"
-    return _failure(engine, status, message, said, engine_failed=False, retry_other=False)
+    return _failure(engine, status, message, said, failure=None, retry_other=False)
 
 
 def classify_stream_error(payload: bytes, engine: Engine) -> UpstreamError | None:
@@ -113,7 +128,8 @@ def classify_stream_error(payload: bytes, engine: Engine) -> UpstreamError | Non
     engine_failed = not 400 <= code < 500  # a 4xx frame is about the request
     said = str(err.get("message"))[:200]
     message = f"{where(engine)} failed before the first token: {said}"
-    return _failure(engine, 502, message, said, engine_failed=engine_failed, retry_other=engine_failed)
+    failure = Failure.error if engine_failed else None
+    return _failure(engine, 502, message, said, failure=failure, retry_other=engine_failed)
 
 
 def _retry_after(resp: httpx.Response) -> float:
@@ -125,13 +141,13 @@ def _retry_after(resp: httpx.Response) -> float:
 
 def bad_body(engine: Engine, what: str) -> UpstreamError:
     message = f"{where(engine)} returned an invalid response: {what}"
-    return _failure(engine, 502, message, engine_failed=True, retry_other=True)
+    return _failure(engine, 502, message, failure=Failure.error, retry_other=True)
 
 
-def ve_request_body(request_id: str, engine_id: str, items: Sequence[PreparedItemLike]) -> dict:
-    """Contract §2.2: synthetic zero prompt, contiguous placeholders, full kwargs, 1 token."""
-    rid = f"{request_id}/enc/{engine_id}" if request_id else f"enc/{engine_id}"
-    return encode_request(rid, [(i.mm_hash, i.length, i.ve_kwargs_b64) for i in items]).wire_dict()
+def ve_request_body(request_id: str, items: Sequence[PreparedItemLike]) -> dict:
+    """Contract §2.2: synthetic zero prompt, contiguous placeholders, full kwargs, 1 token.
+    `request_id` is the router's own id of this engine call (unique, never the client's)."""
+    return encode_request(request_id, [(i.mm_hash, i.length, i.ve_kwargs_b64) for i in items]).wire_dict()
 
 
 def pd_request_body(

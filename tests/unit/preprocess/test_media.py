@@ -1,8 +1,10 @@
-"""http(s) image URLs: refused unless enabled and allow-listed (SSRF), with size, time and
-redirect limits. The only server is a real one on 127.0.0.1."""
+"""http(s) image URLs: refused unless enabled and allow-listed by host and port (SSRF), no
+credentials on any hop, size, time and redirect limits, and one uniform client-facing error
+for every failed fetch (the log keeps the reason). The only server is a real one on 127.0.0.1."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections import Counter
@@ -12,12 +14,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from epd_kit.preprocess import (
-    ImageTooLarge,
     Limits,
     Media,
     MediaFetchFailed,
     MediaFetchRefused,
-    NotAnImage,
 )
 from epd_kit.testing.images import encode_image, image_part, make_image, user_message
 
@@ -27,6 +27,7 @@ PNG = encode_image(make_image(96, 64, seed=2))
 class _Server:
     def __init__(self) -> None:
         self.hits: Counter[str] = Counter()
+        self.authorization: list[str | None] = []
         self.stop = threading.Event()
         server = self
 
@@ -36,6 +37,7 @@ class _Server:
 
             def do_GET(self) -> None:  # noqa: N802 (http.server naming)
                 server.hits[self.path] += 1
+                server.authorization.append(self.headers.get("Authorization"))
                 route = getattr(server, "route_" + self.path.split("?")[0].strip("/").replace("-", "_").replace(".", "_"), None)
                 if route is None:
                     self.send_response(404)
@@ -91,6 +93,9 @@ class _Server:
     def route_redirect_other(self, h) -> None:
         self._send(h, 302, b"", Location=f"http://localhost:{self.port}/img.png")
 
+    def route_redirect_with_credentials(self, h) -> None:
+        self._send(h, 302, b"", Location=f"http://user:pw@127.0.0.1:{self.port}/img.png")
+
     def route_redirect_loop(self, h) -> None:
         self._send(h, 302, b"", Location="/redirect-loop")
 
@@ -120,6 +125,11 @@ def _msg(url: str) -> list[dict]:
     return [user_message("look", image_part(url))]
 
 
+def _reasons(caplog: pytest.LogCaptureFixture) -> str:
+    """What the router logged about failed fetches (the client never sees it)."""
+    return " | ".join(getattr(r, "reason", "") for r in caplog.records)
+
+
 async def test_http_is_refused_by_default_without_any_connection(pre, server: _Server) -> None:
     before = server.hits["/img.png"]
     with pytest.raises(MediaFetchRefused, match="media.allow_http: false"):
@@ -127,63 +137,104 @@ async def test_http_is_refused_by_default_without_any_connection(pre, server: _S
     assert server.hits["/img.png"] == before
 
 
-async def test_allow_listed_host_is_fetched(make_preprocessor, server: _Server) -> None:
-    pre = _allowing(make_preprocessor, "127.0.0.1")
+async def test_allow_listed_host_and_port_is_fetched(make_preprocessor, server: _Server) -> None:
+    pre = _allowing(make_preprocessor, f"127.0.0.1:{server.port}")
     rendered = await pre.render(_msg(server.base + "/img.png"))
     assert rendered.items[0].grid_thw == (1, 14, 20)  # 96x64 grows past min_pixels to 320x224
 
 
-async def test_host_and_port_entries(make_preprocessor, server: _Server) -> None:
-    ok = _allowing(make_preprocessor, f"127.0.0.1:{server.port}")
-    assert len((await ok.render(_msg(server.base + "/img.png"))).items) == 1
+async def test_a_host_entry_allows_only_the_default_port(make_preprocessor, server: _Server) -> None:
+    """`host` alone means port 80 (http) / 443 (https): it must not open every port of the
+    host to the fetcher (a port scanner)."""
+    before = sum(server.hits.values())
+    host_only = _allowing(make_preprocessor, "127.0.0.1")
+    with pytest.raises(MediaFetchRefused, match=f"'127.0.0.1:{server.port}' is not in media.allowed_hosts"):
+        await host_only.render(_msg(server.base + "/img.png"))
     wrong_port = _allowing(make_preprocessor, f"127.0.0.1:{server.port + 1}")
     with pytest.raises(MediaFetchRefused, match="not in media.allowed_hosts"):
         await wrong_port.render(_msg(server.base + "/img.png"))
+    assert sum(server.hits.values()) == before
+    policy = Media(allowed_hosts=["Images.Example.org", "[::1]:8080", "h:8443"])
+    assert policy.allows("images.example.org", 80, 80) and policy.allows("images.example.org", 443, 443)
+    assert not policy.allows("images.example.org", 8080, 80)
+    assert policy.allows("::1", 8080, 80) and not policy.allows("::1", 80, 80)
+    assert policy.allows("h", 8443, 443) and not policy.allows("h", 443, 443)
+
+
+@pytest.mark.parametrize("entry", ["::1", "[::1", "h:0", "h:x", ":80", "[]:1"])
+def test_unusable_allow_list_entries_are_refused(entry: str) -> None:
+    with pytest.raises(ValueError, match="allowed host"):
+        Media(allowed_hosts=[entry])
 
 
 async def test_unlisted_host_is_refused_before_connecting(make_preprocessor, server: _Server) -> None:
     pre = _allowing(make_preprocessor, "images.example.org")
     before = sum(server.hits.values())
-    with pytest.raises(MediaFetchRefused, match="'127.0.0.1' is not in media.allowed_hosts"):
+    with pytest.raises(MediaFetchRefused, match=f"'127.0.0.1:{server.port}' is not in media.allowed_hosts"):
         await pre.render(_msg(server.base + "/img.png"))
     with pytest.raises(MediaFetchRefused, match="credentials"):
         await pre.render(_msg(f"http://user:pw@127.0.0.1:{server.port}/img.png"))
     assert sum(server.hits.values()) == before
 
 
-async def test_redirects_only_within_the_host(make_preprocessor, server: _Server) -> None:
-    pre = _allowing(make_preprocessor, "127.0.0.1")
+async def test_redirects_only_within_the_origin_and_never_with_credentials(
+    make_preprocessor, server: _Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    pre = _allowing(make_preprocessor, f"127.0.0.1:{server.port}")
     assert len((await pre.render(_msg(server.base + "/redirect-same"))).items) == 1
+    # a redirect that carries user:password is followed without them
+    server.authorization.clear()
+    assert len((await pre.render(_msg(server.base + "/redirect-with-credentials"))).items) == 1
+    assert server.authorization == [None, None]
     before = server.hits["/img.png"]
-    with pytest.raises(MediaFetchRefused, match="redirects to another host"):
+    with pytest.raises(MediaFetchFailed, match="could not fetch an image"):
         await pre.render(_msg(server.base + "/redirect-other"))
     assert server.hits["/img.png"] == before  # the other host was never contacted
-    with pytest.raises(MediaFetchFailed, match="more than 3 redirects"):
+    assert "redirected to another origin" in _reasons(caplog)
+    with pytest.raises(MediaFetchFailed, match="could not fetch an image"):
         await pre.render(_msg(server.base + "/redirect-loop"))
+    assert "more than 3 redirects" in _reasons(caplog)
 
 
-async def test_size_limit_by_header_and_while_streaming(make_preprocessor, server: _Server) -> None:
-    pre = _allowing(make_preprocessor, "127.0.0.1", max_image_bytes=40_000)
-    with pytest.raises(ImageTooLarge) as err:
+async def test_size_limit_by_header_and_while_streaming(
+    make_preprocessor, server: _Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    pre = _allowing(make_preprocessor, f"127.0.0.1:{server.port}", max_image_bytes=40_000)
+    with pytest.raises(MediaFetchFailed, match="could not fetch an image"):
         await pre.render(_msg(server.base + "/big"))
-    assert err.value.status == 413 and "50000 bytes" in err.value.message
-    with pytest.raises(ImageTooLarge, match="more than 40000 bytes"):
+    assert "declares 50000 bytes" in _reasons(caplog)
+    with pytest.raises(MediaFetchFailed, match="could not fetch an image"):
         await pre.render(_msg(server.base + "/big-chunked"))
+    assert "sent more than limits.max_image_bytes (40000)" in _reasons(caplog)
 
 
-async def test_whole_fetch_deadline(make_preprocessor, server: _Server) -> None:
-    pre = _allowing(make_preprocessor, "127.0.0.1", timeout=0.5)
+async def test_whole_fetch_deadline(make_preprocessor, server: _Server, caplog: pytest.LogCaptureFixture) -> None:
+    pre = _allowing(make_preprocessor, f"127.0.0.1:{server.port}", timeout=0.5)
     start = time.monotonic()
-    with pytest.raises(MediaFetchFailed, match=r"longer than 0.5s \(media.fetch_timeout_s\)"):
+    with pytest.raises(MediaFetchFailed, match="could not fetch an image"):
         await pre.render(_msg(server.base + "/slow"))
     assert time.monotonic() - start < 2.0
+    assert "longer than 0.5s (media.fetch_timeout_s)" in _reasons(caplog)
 
 
-async def test_http_errors_and_non_images(make_preprocessor, server: _Server) -> None:
-    pre = _allowing(make_preprocessor, "127.0.0.1")
-    with pytest.raises(MediaFetchFailed, match="returned HTTP 404") as err:
-        await pre.render(_msg(server.base + "/missing.png?token=secret"))
-    assert "secret" not in err.value.message  # query strings may carry credentials
-    assert err.value.param == "messages[0].content[1]"
-    with pytest.raises(NotAnImage):
-        await pre.render(_msg(server.base + "/text"))
+async def test_every_fetch_failure_looks_the_same_to_the_client(
+    make_preprocessor, server: _Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A closed port, an HTTP error, a body that is not an image and a redirect elsewhere
+    give one message (with the client's own URL): the fetcher cannot map a network."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]  # nothing listens once the socket is closed
+    pre = _allowing(make_preprocessor, f"127.0.0.1:{server.port}", f"127.0.0.1:{closed}")
+    urls = [f"http://127.0.0.1:{closed}/x", server.base + "/missing.png?token=secret",
+            server.base + "/text", server.base + "/redirect-other"]
+    messages = set()
+    for url in urls:
+        with pytest.raises(MediaFetchFailed) as err:
+            await pre.render(_msg(url))
+        assert err.value.status == 400 and err.value.param == "messages[0].content[1]"
+        assert "secret" not in err.value.message  # query strings may carry credentials
+        messages.add(err.value.message.replace(url.split("?")[0], "URL"))
+    assert messages == {"could not fetch an image from URL (the router's log has the reason)"}
+    for reason in ("ConnectError", "answered HTTP 404", "not an image", "another origin"):
+        assert reason in _reasons(caplog)

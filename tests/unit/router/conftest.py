@@ -58,7 +58,7 @@ class CharRenderer:
         self.prompt = RenderedPrompt(token_ids=token_ids or [1, 2, 3], items=items or [])
         self.rendered = 0
 
-    async def render(self, messages, *, add_generation_prompt=True) -> RenderedPrompt:
+    async def render(self, messages, *, add_generation_prompt=True, inline=None) -> RenderedPrompt:
         self.rendered += 1
         return self.prompt
 

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from epd_kit.router.admission import RECHECK_S, PdAdmission, WaitQueue
+from epd_kit.router.admission import RECHECK_S, PdAdmission
 from epd_kit.router.config import parse_config
-from epd_kit.router.errors import RouterError, UpstreamError
+from epd_kit.router.errors import Failure, RouterError, UpstreamError
 from epd_kit.router.metrics import RouterMetrics
 from epd_kit.router.pools import build_pools
 from epd_kit.router.state import RouterState
@@ -61,7 +61,7 @@ async def test_no_healthy_pd_is_503_not_429(state, admission):
 
 async def test_no_pd_left_to_try_raises_the_last_failure(admission):
     last = UpstreamError(502, "generate on PD epd-pd-1 failed", engine_id="epd-pd-1", stage="generate",
-                         engine_failed=True, retry_other=True)
+                         failure=Failure.error, retry_other=True)
     with pytest.raises(UpstreamError) as info:
         await admission.acquire({"epd-pd-0", "epd-pd-1"}, last)
     assert info.value is last
@@ -83,22 +83,94 @@ async def test_a_waiter_sees_a_pd_come_back_without_a_notify(state, admission):
     assert engine.id == "epd-pd-1" and time.monotonic() - t <= RECHECK_S + 0.1
 
 
-async def test_wait_queue_is_bounded():
-    queue = WaitQueue()
-    assert queue.try_enter(2) and queue.try_enter(2)
-    assert not queue.try_enter(2) and queue.waiting == 2
-    queue.leave()
-    assert queue.try_enter(2)
-    assert not queue.try_enter(0)
+@pytest.fixture
+def fifo_state(config) -> RouterState:
+    cfg = parse_config(config(placement={"pd_max_inflight": 1, "queue_size": 8, "queue_timeout_s": 5}))
+    state = RouterState(cfg, build_pools(cfg)[0])
+    for e in state.pools.all():
+        e.healthy = True
+    return state
 
 
-async def test_wait_queue_wakes_every_waiter_or_times_out():
-    queue = WaitQueue()
-    t = time.monotonic()
-    await queue.wait(0.05)  # nobody wakes it: returns after the timeout
-    assert time.monotonic() - t >= 0.05
-    waiters = [asyncio.create_task(queue.wait(5)) for _ in range(3)]
+async def test_freed_slots_go_to_waiters_in_arrival_order_never_to_a_newcomer(fifo_state):
+    admission = PdAdmission(fifo_state, RouterMetrics(lambda: fifo_state.pools))
+    held = [await admission.acquire(set(), None) for _ in range(2)]  # both PDs full
+    order: list[str] = []
+    done = asyncio.Event()  # every client holds its slot until then
+
+    async def client(name: str) -> None:
+        engine = await admission.acquire(set(), None)
+        order.append(name)
+        await done.wait()
+        await admission.release(engine)
+
+    waiters = []
+    for name in ("a", "b", "c"):
+        waiters.append(asyncio.create_task(client(name)))
+        await asyncio.sleep(0.01)  # arrival order a, b, c
+    assert admission.queue.waiting == 3
+    await admission.release(held[0])
+    newcomer = asyncio.create_task(client("newcomer"))  # arrives right when a slot frees
+    await asyncio.sleep(0.05)
+    assert order == ["a"] and admission.queue.waiting == 3  # b, c, then the newcomer
+    await admission.release(held[1])
+    await asyncio.sleep(0.05)
+    assert order == ["a", "b"]
+    done.set()
+    await asyncio.wait_for(asyncio.gather(*waiters, newcomer), 2)
+    assert order == ["a", "b", "c", "newcomer"]
+    assert all(e.inflight == 0 for e in fifo_state.pools.pd) and admission.queue.waiting == 0
+
+
+async def test_a_waiter_that_cannot_use_the_free_pd_keeps_its_place(fifo_state):
+    """A retry excludes the PD it failed on: the slot freed there goes to the next waiter,
+    and the retry is served first when its own kind of slot frees."""
+    admission = PdAdmission(fifo_state, RouterMetrics(lambda: fifo_state.pools))
+    pd0, pd1 = fifo_state.pools.pd
+    for e in (pd0, pd1):
+        e.inflight = 1
+    retry = asyncio.create_task(admission.acquire({"epd-pd-0"}, None))
+    await asyncio.sleep(0.01)
+    plain = asyncio.create_task(admission.acquire(set(), None))
+    await asyncio.sleep(0.01)
+    await admission.release(pd0)
+    assert await asyncio.wait_for(plain, 1) is pd0 and not retry.done()
+    await admission.release(pd1)
+    assert await asyncio.wait_for(retry, 1) is pd1
+
+
+async def test_many_clients_two_slots_nobody_starves(config):
+    """The issue's case: 30 clients, 2 slots. First come first served: every request is
+    served in arrival order, none times out while later ones go ahead."""
+    cfg = parse_config(config(placement={"pd_max_inflight": 1, "queue_size": 64, "queue_timeout_s": 3}))
+    state = RouterState(cfg, build_pools(cfg)[0])
+    for e in state.pools.all():
+        e.healthy = True
+    admission = PdAdmission(state, RouterMetrics(lambda: state.pools))
+    served: list[int] = []
+
+    async def client(i: int) -> None:
+        engine = await admission.acquire(set(), None)
+        served.append(i)
+        await asyncio.sleep(0.005)
+        await admission.release(engine)
+
+    tasks = []
+    for i in range(30):
+        tasks.append(asyncio.create_task(client(i)))
+        await asyncio.sleep(0.001)
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert served == list(range(30))
+
+
+async def test_a_waiter_that_gives_up_leaves_the_queue(state, admission):
+    for e in state.pools.pd:
+        e.inflight = 1
+    waiter = asyncio.create_task(admission.acquire(set(), None))
     await asyncio.sleep(0.02)
-    await queue.wake_all()
-    done, pending = await asyncio.wait(waiters, timeout=1)
-    assert len(done) == 3 and not pending
+    assert admission.queue.waiting == 1
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert admission.queue.waiting == 0
+    assert [e.inflight for e in state.pools.pd] == [1, 1]

@@ -5,7 +5,7 @@ import httpx
 import pytest
 
 from epd_kit.router import upstream
-from epd_kit.router.errors import EcLoadFailed, RouterError, UpstreamError
+from epd_kit.router.errors import EcLoadFailed, Failure, RouterError, UpstreamError
 from epd_kit.router.pools import Engine
 
 VE = Engine(id="epd-ve-1", url="http://127.0.0.1:18301", role="ve")
@@ -17,20 +17,20 @@ def response(status, body=b"", headers=None):
 
 
 @pytest.mark.parametrize(
-    ("exc", "status", "engine_failed", "retry"),
+    ("exc", "status", "failure", "retry"),
     [
-        (httpx.ConnectError("refused"), 502, True, True),
-        (httpx.ConnectTimeout("slow"), 502, True, True),
-        (httpx.ReadTimeout("slow"), 504, True, True),
-        (httpx.PoolTimeout("pool"), 504, False, True),
-        (httpx.RemoteProtocolError("closed"), 502, True, True),
-        (httpx.ReadError("reset"), 502, True, True),
+        (httpx.ConnectError("refused"), 502, Failure.refused, True),
+        (httpx.ConnectTimeout("slow"), 502, Failure.connect_timeout, True),
+        (httpx.ReadTimeout("slow"), 504, Failure.timeout, True),
+        (httpx.PoolTimeout("pool"), 504, None, True),
+        (httpx.RemoteProtocolError("closed"), 502, Failure.error, True),
+        (httpx.ReadError("reset"), 502, Failure.error, True),
     ],
 )
-def test_exceptions(exc, status, engine_failed, retry):
+def test_exceptions(exc, status, failure, retry):
     err = upstream.classify_exception(exc, VE)
-    assert (err.status, err.engine_failed, err.retry_other) == (status, engine_failed, retry)
-    assert err.unreachable == isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+    assert (err.status, err.failure, err.retry_other) == (status, failure, retry)
+    assert err.engine_failed == (failure is not None)
     assert "encode on VE epd-ve-1 (http://127.0.0.1:18301)" in err.message
     assert err.engine_id == "epd-ve-1" and err.stage == "encode"
 
@@ -58,6 +58,12 @@ def test_429_is_pushback():
     err = upstream.classify_status(response(429, b"", {"retry-after": "7"}), PD)
     assert err.status == 429 and not err.engine_failed and err.retry_other
     assert err.retry_after == 7
+
+
+def test_a_missed_deadline_is_a_timeout_failure():
+    err = upstream.deadline_exceeded(VE, 12.5, "2 items, 512 tokens in flight")
+    assert (err.status, err.failure, err.retry_other) == (504, Failure.timeout, True)
+    assert "no answer within 12.5s (2 items, 512 tokens in flight)" in err.message
 
 
 def test_missing_locator_is_a_failure():

@@ -1,0 +1,194 @@
+"""A chat request body -> its JSON document, with bounds that keep decoding cheap whatever a
+client sends. routes.py runs it in a worker thread for big bodies, and no step here holds the
+GIL for long, so the event loop keeps answering meanwhile.
+
+- Inline images (the `data:...;base64,` strings that make most of a big body) are lifted
+  out before the JSON parser sees the body. An image URL keeps a short marker in its place
+  and its payload travels beside the document as a view of the body's bytes (`inline`), to
+  be base64-decoded by the preprocessor straight from there: a 20 MB image is never copied
+  into a Python string. Any other string that held such a payload gets it back verbatim.
+- The JSON left is bounded by `limits.max_json_values`, counted as its `, : [ {` bytes (an
+  upper bound on its values: punctuation inside text counts too) -> 413, and by
+  `limits.max_json_depth` -> 400.
+- Text must be valid Unicode: a lone UTF-16 surrogate (JSON allows `"\\ud800"`) cannot reach
+  the tokenizer, the engines or the answer, so it is a 400 naming where it is, before any work.
+- `NaN` and `Infinity` are not JSON (Python's parser accepts them): 400.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from epd_kit.preprocess.settings import Limits
+from epd_kit.router.errors import RouterError
+
+_INLINE_MARK = b";base64,"
+LIFT_MIN_BYTES = 64 * 1024  # only strings this long are lifted out of the JSON
+_PIECE = 1 << 20  # the most bytes one C-level step scans or copies here
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+@dataclass
+class DecodedBody:
+    doc: Any
+    # image URL as it stands in `doc` -> its base64 payload (a view of the request body)
+    inline: dict[str, memoryview] = field(default_factory=dict)
+
+
+def decode_body(body: bytes | bytearray, limits: Limits) -> DecodedBody:
+    nonce = os.urandom(8).hex()
+    skeleton, lifted = _lift_inline_data(body, nonce)
+    if _count_values(skeleton, limits.max_json_values) > limits.max_json_values:
+        raise RouterError(
+            413,
+            f"request JSON has more than {limits.max_json_values} values (limits.max_json_values; "
+            "counted as its , : [ { characters outside inline image data)",
+        )
+    try:
+        doc = json.loads(skeleton, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise _too_deep(limits.max_json_depth, ()) from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RouterError(400, f"request body is not valid JSON: {exc}") from None
+    decoded = DecodedBody(doc)
+    _Walk(decoded, lifted, "\0" + nonce, limits.max_json_depth).run()
+    return decoded
+
+
+def _lift_inline_data(body: bytes | bytearray, nonce: str) -> tuple[bytes | bytearray, list[memoryview]]:
+    """The body with every long base64 payload replaced by a marker (a JSON escape no client
+    can guess), and the payloads. A payload runs from `;base64,` to the next `"`, and only one
+    without a backslash is lifted, so it is exactly the rest of its JSON string."""
+    view = memoryview(body)
+    parts: list[bytes | memoryview] = []
+    lifted: list[memoryview] = []
+    pos = search = 0
+    while (at := body.find(_INLINE_MARK, search)) >= 0:
+        start = at + len(_INLINE_MARK)
+        end, escaped = _string_end(body, start)
+        if end < 0:
+            break
+        search = end + 1
+        if end - start < LIFT_MIN_BYTES or escaped:
+            continue
+        parts += [view[pos:start], f"\\u0000{nonce}{len(lifted)}".encode()]
+        lifted.append(view[start:end])
+        pos = end
+    if not lifted:
+        return body, []
+    parts.append(view[pos:])
+    return b"".join(parts), lifted
+
+
+def _string_end(body: bytes | bytearray, start: int) -> tuple[int, bool]:
+    """The next `"` at or after `start` (-1 if none) and whether a backslash comes first,
+    a piece at a time."""
+    for offset in range(start, len(body), _PIECE):
+        stop = min(offset + _PIECE, len(body))
+        quote = body.find(b'"', offset, stop)
+        backslash = body.find(b"\\", offset, quote if quote >= 0 else stop)
+        if backslash >= 0:
+            return body.find(b'"', backslash), True
+        if quote >= 0:
+            return quote, False
+    return -1, False
+
+
+def _count_values(data: bytes | bytearray, limit: int) -> int:
+    """1 + the `, : [ {` bytes, a piece at a time (stops once over `limit`)."""
+    count = 1
+    for offset in range(0, len(data), _PIECE):
+        piece = data[offset : offset + _PIECE]
+        count += piece.count(b",") + piece.count(b":") + piece.count(b"[") + piece.count(b"{")
+        if count > limit:
+            break
+    return count
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+class _Walk:
+    """One pass over the document, without recursion: depth, lone surrogates (keys too), and
+    the lifted payloads, kept beside the document for image URLs and put back elsewhere."""
+
+    def __init__(self, decoded: DecodedBody, lifted: list[memoryview], marker: str, max_depth: int) -> None:
+        self.decoded = decoded
+        self.lifted = lifted
+        self.marker = marker
+        self.max_depth = max_depth
+
+    def run(self) -> None:
+        root = [self.decoded.doc]
+        stack: list[tuple[Any, Any, int, tuple[Any, ...]]] = [(root, 0, 1, ())]
+        while stack:
+            parent, key, depth, path = stack.pop()
+            value = parent[key]
+            if isinstance(value, str):
+                parent[key] = self._text(value, path)
+                continue
+            if not isinstance(value, dict | list):
+                continue
+            if depth > self.max_depth:
+                raise _too_deep(self.max_depth, path)
+            if isinstance(value, list):
+                stack.extend((value, i, depth + 1, (*path, i)) for i in range(len(value)))
+                continue
+            for name in list(value):
+                checked = self._text(name, path, is_key=True)
+                if checked is not name:
+                    value[checked] = value.pop(name)
+            stack.extend((value, name, depth + 1, (*path, name)) for name in value)
+        self.decoded.doc = root[0]
+
+    def _text(self, text: str, path: tuple[Any, ...], is_key: bool = False) -> str:
+        if not text.isascii() and _SURROGATE.search(text):
+            raise _surrogate(path, is_key)
+        if not (self.lifted and self.marker in text):
+            return text
+        prefix, _, index = text.rpartition(self.marker)
+        payload = self.lifted[int(index)]
+        if not is_key and _is_image_url(path):
+            self.decoded.inline[text] = payload
+            return text
+        return prefix + _as_text(payload, path)
+
+
+def _is_image_url(path: tuple[Any, ...]) -> bool:
+    """`messages.N.content.N.image_url.url`, or the bare-string form `messages.N.content.N.image_url`."""
+    shape = tuple("N" if isinstance(p, int) else p for p in path)
+    return shape in (("messages", "N", "content", "N", "image_url", "url"), ("messages", "N", "content", "N", "image_url"))
+
+
+def _as_text(payload: memoryview, path: tuple[Any, ...]) -> str:
+    try:
+        return str(payload, "utf-8")
+    except UnicodeDecodeError:
+        where = _where(path)
+        raise RouterError(400, f"invalid request: {where} is not valid UTF-8", param=where) from None
+
+
+def _where(path: tuple[Any, ...]) -> str:
+    shown = ".".join(str(p) for p in path[:12]) + (".…" if len(path) > 12 else "")
+    return shown or "(top level)"
+
+
+def _surrogate(path: tuple[Any, ...], is_key: bool) -> RouterError:
+    where = _where(path)
+    what = "a key" if is_key else "text"
+    return RouterError(
+        400,
+        f"invalid request: {where}: {what} with a lone UTF-16 surrogate (e.g. \\ud800); text must be "
+        "valid Unicode",
+        param=where,
+    )
+
+
+def _too_deep(limit: int, path: tuple[Any, ...]) -> RouterError:
+    return RouterError(400, f"invalid request: JSON nested deeper than {limit} levels at {_where(path)} "
+                            "(limits.max_json_depth)")  # fmt: skip

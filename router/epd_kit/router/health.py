@@ -1,0 +1,225 @@
+"""Engine health: which engines get work. Active `/health` probes and the outcome of every
+real call feed one set of rules (outlier ejection):
+
+- a refused connection ejects at once: nothing listens;
+- `failure_threshold` consecutive failed calls eject, and so does a `failure_ratio` share of
+  failures among an engine's last `ratio_window` calls (once half of them are in), which
+  catches an engine that fails every other request;
+- `failure_threshold` consecutive failed `/health` probes eject;
+- connect timeouts alone never eject the last eligible engine of a pool: when the router
+  itself is overloaded they hit every engine at once and would empty the pool;
+- an engine ejected after a call timed out (it took the work and never answered: hung, while
+  its `/health` may well say 200) comes back only when a *serving probe* succeeds, a tiny real
+  encode (VE) or one-token generate (PD) sent by the prober; any other ejection ends after
+  `success_threshold` good `/health` probes.
+
+The rules are `EngineHealth` (no I/O); `HealthProber` runs the probes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import httpx
+
+from epd_kit.router.config import Health
+from epd_kit.router.errors import Failure, UpstreamError
+from epd_kit.router.pools import Engine, Pools
+
+log = logging.getLogger("epd_router.health")
+
+ServingProbe = Callable[[Engine], Awaitable[None]]
+
+
+class EngineHealth:
+    """The ejection and readmission rules over live engines (config read at each event)."""
+
+    def __init__(self, health: Callable[[], Health], pools: Callable[[], Pools]) -> None:
+        self._health = health
+        self._pools = pools
+
+    # --- real calls ----------------------------------------------------------------------
+
+    def call_succeeded(self, engine: Engine) -> None:
+        engine.call_failures = 0
+        engine.streak.clear()
+        self._remember(engine, True)
+
+    def call_failed(self, engine: Engine, failure: Failure, reason: str) -> None:
+        """A real call failed because of `engine` (connection, timeout, 5xx, bad answer)."""
+        engine.failures += 1
+        engine.last_error = reason
+        engine.call_failures += 1
+        engine.streak.add(failure)
+        self._remember(engine, False)
+        if not engine.healthy:
+            return
+        if failure is Failure.refused:
+            self._eject(engine, reason)
+            return
+        health = self._health()
+        outcomes = engine.outcomes
+        ratio_tripped = (
+            len(outcomes) >= max(2, health.ratio_window // 2)
+            and outcomes.count(False) / len(outcomes) >= health.failure_ratio
+        )
+        if engine.call_failures < health.failure_threshold and not ratio_tripped:
+            return
+        if engine.streak == {Failure.connect_timeout} and self._last_eligible(engine):
+            log.warning(
+                "engine kept: connect timeouts alone never eject the last eligible engine of a pool",
+                extra={"engine": engine.id, "role": engine.role, "reason": reason},
+            )
+            return
+        self._eject(engine, reason)
+
+    # --- probes --------------------------------------------------------------------------
+
+    def probe_result(self, engine: Engine, ok: bool, reason: str) -> None:
+        """One `/health` probe. An engine that needs a serving probe is not readmitted here."""
+        health = self._health()
+        if not ok:
+            engine.probe_successes = 0
+            engine.probe_failures += 1
+            engine.last_error = reason
+            if engine.healthy and engine.probe_failures >= health.failure_threshold:
+                self._eject(engine, reason)
+            return
+        engine.probe_failures = 0
+        engine.probe_successes += 1
+        if (
+            not engine.healthy
+            and not engine.needs_serving_probe
+            and engine.probe_successes >= health.success_threshold
+        ):
+            self._readmit(engine, reason)
+
+    def probe_definitive(self, engine: Engine, reason: str) -> None:
+        """An immediate probe found the engine gone (refused, or `/health` not 200)."""
+        engine.failures += 1
+        engine.last_error = reason
+        engine.probe_successes = 0
+        engine.probe_failures = max(engine.probe_failures, self._health().failure_threshold)
+        if engine.healthy:
+            self._eject(engine, reason)
+
+    def serving_probe_result(self, engine: Engine, ok: bool, reason: str) -> None:
+        if not ok:
+            engine.last_error = reason
+            return
+        engine.needs_serving_probe = False
+        if not engine.healthy:
+            self._readmit(engine, reason)
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def _remember(self, engine: Engine, ok: bool) -> None:
+        engine.outcomes.append(ok)
+        del engine.outcomes[: -self._health().ratio_window]
+
+    def _last_eligible(self, engine: Engine) -> bool:
+        pool = self._pools().ve if engine.role == "ve" else self._pools().pd
+        return not any(e.eligible for e in pool if e is not engine)
+
+    def _eject(self, engine: Engine, reason: str) -> None:
+        if Failure.timeout in engine.streak:
+            engine.needs_serving_probe = True  # /health may answer while real work hangs
+        engine.probe_successes = 0
+        engine.set_health(False, reason)
+
+    def _readmit(self, engine: Engine, reason: str) -> None:
+        engine.call_failures = 0
+        engine.streak.clear()
+        engine.outcomes.clear()  # a fresh window: old failures must not eject it again at once
+        engine.set_health(True, reason)
+
+
+class HealthProber:
+    """Active `/health` probes of every configured engine, one task for all of them, plus a
+    serving probe (its own task, one at a time per engine) for engines that need one."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        pools: Callable[[], Pools],
+        health: Callable[[], Health],
+        rules: EngineHealth,
+        serving_probe: ServingProbe | None = None,
+    ) -> None:
+        self._client = client
+        self._pools = pools
+        self._health = health
+        self._rules = rules
+        self._serving_probe = serving_probe
+        self._task: asyncio.Task | None = None
+        self._serving: dict[str, asyncio.Task] = {}
+        self._wake = asyncio.Event()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="health-prober")
+
+    def poke(self) -> None:
+        """Probe now (after a reload or an ejection) instead of waiting a full interval."""
+        self._wake.set()
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._serving.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    async def probe_all(self) -> None:
+        health = self._health()
+        await asyncio.gather(*(self._probe(e, health) for e in self._pools().all()))
+
+    async def _probe(self, engine: Engine, health: Health) -> None:
+        try:
+            resp = await self._client.get(f"{engine.url}/health", timeout=health.timeout_s)
+        except httpx.HTTPError as exc:
+            self._rules.probe_result(engine, False, f"/health: {type(exc).__name__}")
+            return
+        ok = resp.status_code == 200
+        if ok and engine.needs_serving_probe:
+            if self._serving_probe is not None:
+                self._start_serving_probe(engine)
+                return
+            self._rules.serving_probe_result(engine, True, "/health answers (no serving probe available)")
+        self._rules.probe_result(engine, ok, f"/health: HTTP {resp.status_code}")
+
+    def _start_serving_probe(self, engine: Engine) -> None:
+        if engine.id not in self._serving:  # one at a time: a hung engine holds it until its deadline
+            self._serving[engine.id] = asyncio.create_task(self._serve_probe(engine), name=f"serving-probe-{engine.id}")
+
+    async def _serve_probe(self, engine: Engine) -> None:
+        assert self._serving_probe is not None
+        try:
+            await self._serving_probe(engine)
+        except UpstreamError as err:
+            self._rules.serving_probe_result(engine, False, f"serving probe: {err.message}")
+        except Exception:  # a probe bug must not stop probing
+            log.exception("serving probe failed", extra={"engine": engine.id})
+        else:
+            self._rules.serving_probe_result(engine, True, "serving probe answered")
+        finally:
+            self._serving.pop(engine.id, None)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.probe_all()
+            except Exception:  # a prober bug must not stop probing
+                log.exception("health probe round failed")
+            self._wake.clear()
+            try:
+                # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancel that races
+                # a poke, and stop() would then wait forever
+                async with asyncio.timeout(self._health().interval_s):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass

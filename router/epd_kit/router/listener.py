@@ -1,0 +1,160 @@
+"""The client-facing HTTP/1.1 listener: uvicorn's h11 protocol plus the limits uvicorn does
+not enforce. Measured with uvicorn 0.54: no header or body timeout (a half-sent head or a
+short body holds a connection forever), a fresh connection that never sends stays open, and
+`limit_concurrency` counts requests, not sockets. So, per connection (`listen` settings):
+
+- header timeout: from the connection, or from the first byte of the next request on a
+  kept-alive one, to the end of the request head -> 408 and close;
+- body timeout: from the end of the head to the end of the body -> 408 and close (the app
+  sees the client leave: a quiet 499 in its log);
+- idle timeout: uvicorn's keep-alive timer (`timeout_keep_alive`);
+- connection cap: a connection beyond `max_connections` gets a 503 with Retry-After, closed;
+- a malformed request gets uvicorn's 400 as the router's JSON error envelope.
+
+Each close is counted (`epd_router_client_connections_closed_total{reason}`); no log line
+per connection, so a flood of slow clients cannot flood the journal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import h11
+from uvicorn.config import Config
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.server import ServerState
+
+from epd_kit.router.config import Listen
+from epd_kit.router.errors import RouterError
+
+log = logging.getLogger("epd_router.listener")
+
+_REASONS = {408: "Request Timeout", 400: "Bad Request", 503: "Service Unavailable"}
+
+
+def raw_response(error: RouterError) -> bytes:
+    """A complete `Connection: close` response with the error envelope, written straight to
+    the socket (there may be no request h11 could answer)."""
+    body = error.body(uuid.uuid4().hex)
+    headers = [
+        f"HTTP/1.1 {error.status} {_REASONS.get(error.status, 'Error')}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+        "connection: close",
+        *(f"{k}: {v}" for k, v in error.headers(None).items()),
+    ]
+    return ("\r\n".join(headers) + "\r\n\r\n").encode("latin-1") + body
+
+
+class GuardedH11Protocol(H11Protocol):
+    """One client connection; see the module docstring. Built by `protocol_factory`."""
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+        *,
+        listen: Listen,
+        closed: Callable[[str], None],
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._listen = listen
+        self._closed = closed
+        self._timer: asyncio.TimerHandle | None = None
+        self._phase: str | None = None  # "head" or "body" while a deadline runs
+
+    # --- asyncio.Protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self._listen.max_connections:
+            error = RouterError(
+                503, f"too many connections (listen.max_connections {self._listen.max_connections})", retry_after=1
+            )
+            self._close("over_capacity", error)
+            return
+        self._arm("head", self._listen.header_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        if self._phase is None and self.conn.their_state is h11.IDLE:
+            self._arm("head", self._listen.header_timeout_s)  # a new request begins
+        try:
+            super().data_received(data)
+        except Exception:  # e.g. a request target that is not ASCII, which uvicorn decodes
+            if not self.transport.is_closing():
+                self._close("malformed", RouterError(400, "malformed HTTP request"))
+            return
+        self._follow()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    # --- uvicorn hooks -----------------------------------------------------------------------
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow()
+
+    def send_400_response(self, msg: str) -> None:
+        self._disarm()
+        self._closed("malformed")
+        if not self.transport.is_closing():
+            self.transport.write(raw_response(RouterError(400, f"malformed HTTP request: {msg}")))
+            self.transport.close()
+
+    # --- deadlines -----------------------------------------------------------------------
+
+    def _follow(self) -> None:
+        """Move the deadline along with the request: head, then body, then none."""
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:
+            if self._phase != "body":
+                self._arm("body", self._listen.body_timeout_s)
+        elif state is not h11.IDLE:
+            self._disarm()  # the request is in; answering is the app's business
+
+    def _arm(self, phase: str, seconds: float) -> None:
+        self._disarm()
+        self._phase = phase
+        self._timer = self.loop.call_later(seconds, self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        self._phase = None
+
+    def _expired(self) -> None:
+        phase = self._phase
+        self._timer = None
+        self._phase = None
+        if self.transport.is_closing():
+            return
+        limit = self._listen.header_timeout_s if phase == "head" else self._listen.body_timeout_s
+        what = "the request headers" if phase == "head" else "the request body"
+        error = RouterError(408, f"{what} did not arrive within {limit:g}s (listen.{phase}_timeout_s)")
+        started = self.cycle is not None and self.cycle.response_started
+        self._close(f"{phase}_timeout", None if started else error)
+
+    def _close(self, reason: str, error: RouterError | None) -> None:
+        self._disarm()
+        self._closed(reason)
+        if error is not None:
+            self.transport.write(raw_response(error))
+        self.transport.close()  # uvicorn's connection_lost tells a waiting app the client left
+
+
+def protocol_factory(listen: Listen, closed: Callable[[str], None]) -> Callable[..., GuardedH11Protocol]:
+    """What `uvicorn.Config(http=...)` takes: uvicorn calls it with its own arguments."""
+
+    def make(*args: Any, **kwargs: Any) -> GuardedH11Protocol:
+        return GuardedH11Protocol(*args, listen=listen, closed=closed, **kwargs)
+
+    return make
