@@ -19,6 +19,8 @@ CHATS: dict[str, list[dict[str, Any]]] = {
     "text-only": [user_message(PROMPT)],
 }
 IMAGE_CHATS = [name for name in CHATS if name != "text-only"]
+IMAGES = {"one-image": (1, 1), "several-images": (3, 3), "duplicate-images": (3, 2), "text-only": (0, 0)}
+"""chat -> (images in the prompt, distinct images)"""
 
 
 def image_features(body: dict[str, Any]) -> list[tuple[str, int, int, str]]:

@@ -52,6 +52,7 @@ _use_the_cpu_platform()
 
 from epd_kit.testing.checkpoint import build_tiny_checkpoint  # noqa: E402
 
+from tests.compat.sim_engines import SimPair  # noqa: E402
 from tests.compat.stack import CompatStack  # noqa: E402
 
 
@@ -65,3 +66,10 @@ def stack(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     """vLLM VE + vLLM PD (stand-in engine cores) and the kit's router in front of them."""
     with CompatStack.start(checkpoint, tmp_path_factory.mktemp("stack")) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def sims(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimPair]:
+    """The kit's simulated VE + PD, with the same tutorial argv as the vLLM engines."""
+    with SimPair.start(checkpoint, tmp_path_factory.mktemp("sims")) as pair:
+        yield pair

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 from vllm.sampling_params import RequestOutputKind
 
 from epd_kit import mm_serde
-from tests.compat.cases import CHATS, IMAGE_CHATS, image_features
+from tests.compat.cases import CHATS, IMAGE_CHATS, IMAGES, image_features
 from tests.compat.engine_core import OUTPUT_TOKENS
 from tests.compat.stack import CompatStack, Exchange
 
@@ -53,7 +53,7 @@ def test_ve_body_becomes_the_request_vllm_schedules(chat: str, exchanges: dict[s
     assert len(ex.ve_bodies) == len(ex.ve_requests) == 1  # one VE: one POST for all its items
     body, request = ex.ve_bodies[0], ex.ve_requests[0]
     items = image_features(body)
-    assert len({h for h, *_ in items}) == len(items)  # unique hashes only
+    assert len({h for h, *_ in items}) == len(items) == IMAGES[chat][1]  # distinct images only
     assert request.prompt_token_ids == body["token_ids"]
     assert _features(request) == [(h, off, length) for h, off, length, _ in items]
     for feature, (_, _, _, kwargs_b64) in zip(request.mm_features, items, strict=True):
@@ -78,8 +78,9 @@ def test_pd_body_becomes_the_request_vllm_schedules(chat: str, exchanges: dict[s
     assert len(ex.pd_bodies) == len(ex.pd_requests) == 1
     body, request = ex.pd_bodies[0], ex.pd_requests[0]
     items = image_features(body)
+    assert (len(items), len({h for h, *_ in items})) == IMAGES[chat]  # prompt order, duplicates kept
     assert request.prompt_token_ids == body["token_ids"]
-    assert _features(request) == [(h, off, length) for h, off, length, _ in items]  # duplicates kept
+    assert _features(request) == [(h, off, length) for h, off, length, _ in items]
     ve_grids = {f.identifier: _tensor(f, "image_grid_thw") for r in ex.ve_requests for f in r.mm_features}
     for feature in request.mm_features:
         assert list(feature.data) == ["image_grid_thw"]  # the LM-only item
