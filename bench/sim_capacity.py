@@ -91,28 +91,23 @@ def main() -> int:
         ap.error("streams and tokens must be within 1..2000 (bounded load)")
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
+    from epd_kit.sim import launch
     from epd_kit.testing.checkpoint import build_tiny_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="sim-capacity-"))
     model = build_tiny_checkpoint(work / "ckpt")
     port = free_port()
     sim = Path(sys.executable).parent / "epd-sim"
-    argv = [str(sim), "serve", str(model), "--tensor-parallel-size", "8", "--host", HOST,
-            "--port", str(port), "--max-model-len", "8192", "--max-num-batched-tokens", "8192",
-            "--max-num-seqs", str(args.streams), "--dtype", "bfloat16",
-            "--limit-mm-per-prompt", '{"image": 30}', "--no-enable-prefix-caching",
-            "--mm-processor-cache-gb", "0", "--disable-uvicorn-access-log",
-            "--additional-config", json.dumps({"vision_neuron_config": {
-                "vision_attention_block_size": 1024}, "mm_language_model_only": True}),
-            "--ec-transfer-config", json.dumps({"ec_connector": "NeuronNixlECConnector",
-                                                "ec_role": "ec_consumer", "engine_id": "cap"})]
+    argv = launch.serve_argv("pd", str(model), port, engine_id="cap", tp=8, max_num_seqs=args.streams,
+                             executable=str(sim))
+    argv.append("--disable-uvicorn-access-log")
     if shutil.which("taskset"):
         argv = ["taskset", "-c", str(args.sim_core)] + argv
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "router"),
-           "NEURON_VISIBLE_DEVICES": "0-7", "FI_EFA_ENABLE_SHM_TRANSFER": "0",
-           "FI_EFA_USE_DEVICE_RDMA": "1", "EPD_SIM_PROFILE": "zero",
-           "EPD_SIM_DECODE_MS_PER_TOKEN": str(args.decode_ms),
-           "EPD_SIM_DECODE_MS_PER_EXTRA_SEQ": str(args.decode_ms_per_extra_seq)}
+    env = {
+        **launch.engine_env("0,1,2,3,4,5,6,7", profile="zero", decode_ms_per_token=str(args.decode_ms),
+                            decode_ms_per_extra_seq=str(args.decode_ms_per_extra_seq)),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "router"),
+    }
     log = open(work / "sim.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

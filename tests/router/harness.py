@@ -5,7 +5,6 @@ Every wait here is bounded; every process is killed on teardown.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -18,6 +17,8 @@ from typing import Any
 
 import httpx
 import yaml
+
+from epd_kit.sim import launch
 
 BIN = Path(sys.executable).parent
 SIM = str(BIN / "epd-sim")
@@ -48,29 +49,11 @@ def http_ok(url: str) -> bool:
 
 
 def engine_argv(ckpt: Path, role: str, engine_id: str, port: int, side_port: int | None,
-                max_num_seqs: int = 8) -> list[str]:  # fmt: skip
-    """The tutorial's `vllm serve` argv (contract §6.3), for one tp=1 engine."""
-    neuron = {"quantization": "bf16", "num_batched_tokens_buckets": [8192],
-              "on_device_sampling_config": {"all_greedy": True}}  # fmt: skip
-    vision = {"num_vision_tokens_buckets": [30720], "vision_attention_block_size": 1024,
-              "dp_size": 1, "encoder_cache_num_blocks": 128}  # fmt: skip
-    argv = [SIM, "serve", str(ckpt), "--tensor-parallel-size", "1", "--host", HOST,
-            "--port", str(port), "--max-model-len", "8192", "--max-num-batched-tokens", "8192",
-            "--dtype", "bfloat16", "--limit-mm-per-prompt", '{"image": 30}',
-            "--no-enable-prefix-caching", "--disable-uvicorn-access-log"]  # fmt: skip
-    extra = {"backends": ["LIBFABRIC"]}
-    if role == "ve":
-        argv += ["--max-num-seqs", "1", "--mm-encoder-only", "--no-async-scheduling"]
-        additional = {"neuron_config": {**neuron, "num_seqs_buckets": [1]}, "vision_neuron_config": vision}
-        extra |= {"side_channel_host": HOST, "side_channel_port": side_port}
-        ec_role = "ec_producer"
-    else:
-        argv += ["--max-num-seqs", str(max_num_seqs), "--mm-processor-cache-gb", "0"]
-        additional = {"neuron_config": neuron, "vision_neuron_config": vision, "mm_language_model_only": True}
-        ec_role = "ec_consumer"
-    ec = {"ec_connector": "NeuronNixlECConnector", "ec_role": ec_role, "engine_id": engine_id,
-          "ec_connector_extra_config": extra}  # fmt: skip
-    return argv + ["--additional-config", json.dumps(additional), "--ec-transfer-config", json.dumps(ec)]
+                max_num_seqs: int = 8) -> list[str]:
+    """The kit's `serve` argv (docs/contract.md §6.3) for one tp=1 local sim engine."""
+    argv = launch.serve_argv(role, str(ckpt), port, side_channel_port=side_port, engine_id=engine_id,
+                             tp=1, dp=1, max_num_seqs=max_num_seqs, executable=SIM)
+    return [*argv, "--disable-uvicorn-access-log"]
 
 
 @dataclass
@@ -93,9 +76,7 @@ class SimEngine:
         return f"http://{HOST}:{self.port}"
 
     def start(self) -> SimEngine:
-        env = {**os.environ, "FI_EFA_ENABLE_SHM_TRANSFER": "0", "FI_EFA_USE_DEVICE_RDMA": "1",
-               "NEURON_VISIBLE_DEVICES": "0", "EPD_SIM_PROFILE": "zero",
-               "EPD_SIM_DEAD_LINGER_S": "0.2", "EPD_SIM_GRACE_S": "2", **self.sim_env}  # fmt: skip
+        env = {**launch.engine_env("0", profile="zero", dead_linger_s="0.2", grace_s="2"), **self.sim_env}
         log = open(self.log_dir / f"{self.engine_id}.log", "ab")
         self.proc = subprocess.Popen(
             engine_argv(self.ckpt, self.role, self.engine_id, self.port, self.side_port),

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from epd_kit.plan import EFA_ENVIRONMENT
+
 from .checkpoint import (
     VLLM_DEFAULT_ARCH,
     VLLM_DEFAULT_MODEL,
@@ -25,7 +27,8 @@ from .checkpoint import (
 Role = Literal["ve", "pd"]
 
 _DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
-EFA_REQUIRED = {"FI_EFA_ENABLE_SHM_TRANSFER": "0", "FI_EFA_USE_DEVICE_RDMA": "1"}
+# what the engine refuses to start without (set by the kit in one place: epd_kit.plan)
+EFA_REQUIRED = EFA_ENVIRONMENT
 DEFAULT_SIDE_CHANNEL_HOST = "127.0.0.1"
 DEFAULT_TRANSFER_TIMEOUT_S = 1.0
 DEFAULT_MIN_HOLD_MS_EPD = 100.0

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from epd_kit.plan import EFA_ENVIRONMENT
 from epd_kit.sim.config import EngineConfig, ServeArgs, build_engine_config
 
-EFA = {"FI_EFA_ENABLE_SHM_TRANSFER": "0", "FI_EFA_USE_DEVICE_RDMA": "1"}
+EFA = dict(EFA_ENVIRONMENT)
 
 
 def ve_args(model: str | None, **kw: object) -> ServeArgs:
