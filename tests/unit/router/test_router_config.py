@@ -203,3 +203,35 @@ def test_the_cli_and_config_load_without_the_preprocessors_heavy_imports():
     code = "import sys, epd_kit.router.cli; print([m for m in ('numpy', 'PIL', 'tokenizers') if m in sys.modules])"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("section", "value", "expected"),
+    [
+        ("auth", {"enabled": True}, "auth: enabled: true needs api_keys_file"),
+        ("auth", {"enabled": False, "api_keys_file": "/k"}, "remove one of them"),
+        ("media", {"allowed_hosts": ["::1"]}, "write IPv6 addresses in brackets"),
+        ("listen", {"header_timeout_s": 0}, "listen.header_timeout_s"),
+        ("listen", {"max_connection": 5}, "listen.max_connection: unknown key"),
+        ("limits", {"max_json_depth": 1}, "limits.max_json_depth"),
+        ("health", {"failure_ratio": 0}, "health.failure_ratio"),
+    ],
+)
+def test_hardening_settings_are_validated(section, value, expected):
+    data = minimal()
+    data[section] = value
+    with pytest.raises(ConfigError, match=expected):
+        parse_config(data)
+
+
+async def test_the_listener_gets_its_limits_from_the_file(char_renderer):
+    """The listen section reaches uvicorn: its keep-alive and our protocol's timeouts and cap."""
+    from epd_kit.router.server import make_server
+
+    data = minimal()
+    data["listen"] = {"port": 0, "max_connections": 7, "header_timeout_s": 2, "body_timeout_s": 3, "idle_timeout_s": 4}
+    server = make_server(parse_config(data), renderer=char_renderer())
+    server.config.load()
+    assert server.config.timeout_keep_alive == 4
+    protocol = server.config.http_protocol_class(config=server.config, server_state=server.server_state, app_state={})
+    assert (protocol._listen.max_connections, protocol._listen.header_timeout_s, protocol._listen.body_timeout_s) == (7, 2, 3)

@@ -51,3 +51,69 @@ def test_bad_requests_are_400_with_a_message(body, needle):
 def test_include_usage_only_when_asked():
     assert not parse_request({"messages": MSG, "stream": True}).include_usage
     assert parse_request({"messages": MSG, "stream": True, "stream_options": {"include_usage": True}}).include_usage
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "auto"),
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
+        ("best_of", 3),
+        ("echo", True),
+        ("use_beam_search", True),
+        ("chat_template_kwargs", {"enable_thinking": False}),
+        ("guided_json", {"type": "object"}),
+        ("reasoning_effort", "high"),
+    ],
+)
+def test_unsupported_fields_are_a_400_naming_them(field, value):
+    with pytest.raises(RouterError) as info:
+        parse_request({"messages": MSG, field: value})
+    assert info.value.status == 400 and info.value.param == field
+    assert f"'{field}' is not supported" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("tools", []), ("tool_choice", "none"), ("best_of", 1), ("echo", False), ("user", "u-1"),
+     ("parallel_tool_calls", False), ("metadata", {"k": "v"})],
+)
+def test_fields_that_ask_for_nothing_are_accepted(field, value):
+    assert parse_request({"messages": MSG, field: value}).sampling_params() == {"output_kind": 2}
+
+
+def test_structured_outputs_reach_the_pd_as_vllm_sends_them():
+    """vLLM's chat server maps response_format into SamplingParams.structured_outputs; its
+    generate endpoint takes that field (and logit_bias) as is."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    as_schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
+    assert parse_request({"messages": MSG, "response_format": as_schema}).sampling_params()["structured_outputs"] == {
+        "json": schema}
+    assert parse_request({"messages": MSG, "response_format": {"type": "json_object"}}).sampling_params()[
+        "structured_outputs"] == {"json_object": True}
+    assert "structured_outputs" not in parse_request({"messages": MSG, "response_format": {"type": "text"}}).sampling_params()
+    vllm_style = {"choice": ["yes", "no"], "disable_any_whitespace": True}
+    assert parse_request({"messages": MSG, "structured_outputs": vllm_style}).sampling_params()[
+        "structured_outputs"] == vllm_style
+    assert parse_request({"messages": MSG, "logit_bias": {"50256": -100}}).sampling_params()["logit_bias"] == {
+        "50256": -100}
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"response_format": {"type": "json_schema"}}, "json_schema is required"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
+        ({"structured_outputs": {"json": {}}, "response_format": {"type": "json_object"}}, "not both"),
+        ({"logit_bias": {"the": 1}}, "keys are token ids"),
+        ({"logit_bias": {"1": 101}}, "outside [-100, 100]"),
+        ({"model": "m" * 2000}, "model"),
+    ],
+)
+def test_bad_structured_output_requests_are_400(extra, needle):
+    with pytest.raises(RouterError) as info:
+        parse_request({"messages": MSG, **extra})
+    assert info.value.status == 400 and needle in info.value.message

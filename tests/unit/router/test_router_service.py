@@ -62,3 +62,28 @@ async def test_drain_turns_ready_off_and_waits_for_requests(config, char_rendere
     assert not await svc.wait_idle(0.05)
     asyncio.get_running_loop().call_later(0.05, svc.end_request)
     assert await svc.wait_idle(1)
+
+
+async def test_a_reload_drops_api_keys_only_when_told_to(tmp_path, config, char_renderer, caplog):
+    keys = tmp_path / "keys"
+    keys.write_text("sk-1\n")
+    keys.chmod(0o600)
+    path = tmp_path / "r.yaml"
+    cfg = config(auth={"api_keys_file": str(keys)})
+    path.write_text(yaml.safe_dump(cfg))
+    svc = RouterService(parse_config(cfg), char_renderer(), config_path=path)
+    assert svc.auth.enabled
+    for auth in ({}, {"protect_metrics": False}):  # the section missing, or keys missing
+        cfg["auth"] = auth
+        path.write_text(yaml.safe_dump(cfg))
+        assert not svc.reload()
+        assert svc.auth.enabled
+        assert "would turn API-key authentication off" in caplog.records[-1].error
+    del cfg["auth"]
+    path.write_text(yaml.safe_dump(cfg))
+    assert not svc.reload() and svc.auth.enabled
+    cfg["auth"] = {"enabled": False}
+    path.write_text(yaml.safe_dump(cfg))
+    assert svc.reload()
+    assert not svc.auth.enabled and "turns API-key authentication off" in caplog.text
+    assert svc.metrics.registry.get_sample_value("epd_router_config_reloads_total", {"result": "error"}) == 3

@@ -1,0 +1,124 @@
+"""Request body decoding (router/body.py): the same document as `json.loads` for valid
+bodies, inline image payloads kept apart as views of the body, and clear 400/413s for
+surrogates, deep nesting, too many values and non-JSON constants. Includes a hypothesis
+round trip."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from epd_kit.preprocess.settings import Limits
+from epd_kit.router.body import LIFT_MIN_BYTES, decode_body
+from epd_kit.router.errors import RouterError
+
+LIMITS = Limits()
+PAYLOAD = base64.b64encode(os.urandom(LIFT_MIN_BYTES)).decode()
+IMAGE_URL = "data:image/png;base64," + PAYLOAD
+
+
+def body_of(doc) -> bytes:
+    return json.dumps(doc).encode()
+
+
+def refused(raw: bytes, limits: Limits = LIMITS) -> RouterError:
+    with pytest.raises(RouterError) as info:
+        decode_body(raw, limits)
+    return info.value
+
+
+def test_an_inline_image_is_kept_apart_and_other_strings_come_back_whole():
+    doc = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a text that quotes ;base64," + PAYLOAD},
+        {"type": "image_url", "image_url": {"url": IMAGE_URL}},
+        {"type": "image_url", "image_url": IMAGE_URL},
+    ]}], "key ;base64," + PAYLOAD: 1}  # fmt: skip
+    decoded = decode_body(body_of(doc), LIMITS)
+    parts = decoded.doc["messages"][0]["content"]
+    assert parts[0] == doc["messages"][0]["content"][0]  # not an image URL: restored verbatim
+    assert ("key ;base64," + PAYLOAD) in decoded.doc
+    for url in (parts[1]["image_url"]["url"], parts[2]["image_url"]):
+        assert url.startswith("data:image/png;base64,") and len(url) < 64  # a marker, not 90 KB
+        assert bytes(decoded.inline[url]) == PAYLOAD.encode()
+    assert isinstance(decoded.inline[parts[2]["image_url"]], memoryview)
+
+
+def test_short_and_escaped_payloads_go_through_the_parser():
+    doc = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A/" * LIFT_MIN_BYTES}},
+    ]}]}  # fmt: skip
+    raw = body_of(doc).replace(b"A/", b"A\\/")  # some encoders escape '/'
+    decoded = decode_body(raw, LIMITS)
+    assert decoded.doc == doc and decoded.inline == {}
+
+
+@pytest.mark.parametrize(
+    ("raw", "where"),
+    [
+        (b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages.0.content: text"),
+        (b'{"model": "\\udfff"}', "model: text"),
+        (b'{"stop": ["ok", "\\ud83d"]}', "stop.1: text"),
+        (b'{"extra_args": {"\\ud800": 1}}', "extra_args: a key"),
+        ('{"messages": "\ud800"}'.encode("utf-8", "surrogatepass"), "messages: text"),  # raw CESU-8 bytes
+    ],
+)
+def test_a_lone_surrogate_anywhere_is_a_400_naming_where(raw, where):
+    err = refused(raw)
+    assert err.status == 400 and where in err.message and "lone UTF-16 surrogate" in err.message
+
+
+def test_a_surrogate_pair_is_fine():
+    assert decode_body(b'{"text": "\\ud83d\\ude00"}', LIMITS).doc == {"text": "\U0001f600"}
+
+
+@pytest.mark.parametrize("depth", [33, 1000, 10_000])
+def test_deep_nesting_is_a_400_not_a_recursion_error(depth):
+    err = refused(b"[" * depth + b"]" * depth)
+    assert err.status == 400 and "nested deeper than 32 levels" in err.message
+
+
+def test_nesting_at_the_limit_is_accepted():
+    assert decode_body(b"[" * 32 + b"]" * 32, LIMITS).doc is not None
+
+
+def test_too_many_values_is_a_413_before_parsing():
+    raw = b"[" + b",".join([b"{}"] * LIMITS.max_json_values) + b"]"
+    err = refused(raw)
+    assert err.status == 413 and "limits.max_json_values" in err.message
+    huge_flat = b'{"a":[' + b"1," * 1_500_000 + b"1]}"
+    assert refused(huge_flat).status == 413
+
+
+@pytest.mark.parametrize("raw", [b'{"t": NaN}', b'{"t": Infinity}', b"[-Infinity]"])
+def test_nan_and_infinity_are_not_json(raw):
+    err = refused(raw)
+    assert err.status == 400 and "is not a JSON value" in err.message
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"\xff\xfe\x00", b'{"a":1}}', b"\x00" * 10])
+def test_broken_json_is_a_400(raw):
+    assert refused(raw).status == 400
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(doc=json_values)
+def test_valid_documents_decode_like_json_loads(doc):
+    raw = json.dumps(doc).encode()
+    expected = json.loads(raw)
+    try:
+        assert decode_body(raw, LIMITS).doc == expected
+    except RouterError as err:  # only the documented refusals
+        assert "surrogate" in err.message or "nested deeper" in err.message

@@ -1,0 +1,119 @@
+"""The chat route's outcomes through the ASGI app (scripted engines): a router bug is a JSON
+500 with the request id, counted; bad text is refused before any engine call, also for a
+stream; the preprocessing limit answers 429 with Retry-After."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from epd_kit.router.app import create_app
+from epd_kit.router.config import parse_config
+
+ENGINE_CALLS: list[str] = []
+
+
+def engines(request: httpx.Request) -> httpx.Response:
+    if request.url.path == "/health":
+        return httpx.Response(200)
+    body = json.loads(request.content)
+    ENGINE_CALLS.append(body["request_id"])
+    return httpx.Response(200, json={"request_id": body["request_id"], "choices": [{"token_ids": [72]}]})
+
+
+class BrokenRenderer:
+    """Raises what no handler expects, for one request."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.break_next = False
+        self.gate: asyncio.Event | None = None
+
+    async def render(self, messages, **kwargs):
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.break_next:
+            self.break_next = False
+            raise RuntimeError("a bug")
+        return await self.inner.render(messages, **kwargs)
+
+    def detokenize(self, ids, skip_special_tokens=True):
+        return self.inner.detokenize(ids, skip_special_tokens)
+
+    def detokenizer(self, *, skip_special_tokens=True):
+        return self.inner.detokenizer(skip_special_tokens=skip_special_tokens)
+
+
+@pytest.fixture
+async def app(config, char_renderer):
+    ENGINE_CALLS.clear()
+    cfg = parse_config(config(limits={"max_requests_preprocessing": 1}))
+    renderer = BrokenRenderer(char_renderer())
+    app = create_app(cfg, renderer, transport=httpx.MockTransport(engines))
+    service = app.state.service
+    await service.start()
+    for e in service.state.pools.all():
+        e.healthy = True
+    yield app
+    await service.stop()
+
+
+@pytest.fixture
+async def client(app):
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+        yield c
+
+
+def requests_total(app, status: str) -> float:
+    registry = app.state.service.metrics.registry
+    return registry.get_sample_value("epd_router_requests_total", {"status": status}) or 0.0
+
+
+BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+async def test_a_router_bug_is_a_json_500_with_the_request_id_and_counted(app, client):
+    app.state.service.renderer.break_next = True
+    r = await client.post("/v1/chat/completions", json=BODY, headers={"x-request-id": "bug-1"})
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    assert r.json()["request_id"] == "bug-1" and "internal error" in r.json()["error"]["message"]
+    assert requests_total(app, "500") == 1
+    assert (await client.post("/v1/chat/completions", json=BODY)).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "extra",
+    [{"model": "\ud800"}, {"stop": ["\udfff"]}, {"extra_args": {"k": "\ud800"}},
+     {"messages": [{"role": "user", "content": "x\ud800"}]}],
+)
+async def test_a_lone_surrogate_is_refused_before_any_engine_call(app, client, stream, extra):
+    body = json.dumps({**BODY, "stream": stream, **extra})  # json.dumps escapes it as \\udxxx
+    r = await client.post("/v1/chat/completions", content=body)
+    assert r.status_code == 400 and "lone UTF-16 surrogate" in r.json()["error"]["message"]
+    assert r.json()["request_id"] and ENGINE_CALLS == []
+    assert requests_total(app, "400") == 1
+
+
+async def test_the_preprocessing_limit_answers_429_with_retry_after(app, client):
+    renderer = app.state.service.renderer
+    renderer.gate = asyncio.Event()
+    first = asyncio.create_task(client.post("/v1/chat/completions", json=BODY))
+    await asyncio.sleep(0.05)
+    busy = await client.post("/v1/chat/completions", json=BODY)
+    assert busy.status_code == 429 and int(busy.headers["retry-after"]) >= 1
+    assert "limits.max_requests_preprocessing" in busy.json()["error"]["message"]
+    renderer.gate.set()
+    assert (await first).status_code == 200
+    assert app.state.service.intake.active == 0
+    assert (await client.post("/v1/chat/completions", json=BODY)).status_code == 200
+
+
+async def test_an_invalid_request_id_is_refused_with_a_fresh_one(client):
+    r = await client.post("/v1/chat/completions", json=BODY, headers={"x-request-id": "a b"})
+    assert r.status_code == 400 and len(r.json()["request_id"]) == 32
+    r = await client.get("/nothing")
+    assert r.status_code == 404 and r.json()["request_id"]
