@@ -5,6 +5,7 @@
 #   scripts/compat-env.sh                  build it if missing, print its path
 #   scripts/compat-env.sh pytest [ARGS]    ... then run pytest in it (default: tests/compat)
 #   scripts/compat-env.sh --path           print where it is (or would be), build nothing
+#   scripts/compat-env.sh --ready          exit 0 if it is built (CI: run the tier when warm)
 #
 # Cache: $EPD_COMPAT_CACHE (default /var/tmp/epd-kit/vllm-compat)/<key>, key = hash of the
 # requirements file and the interpreter. A stamp is written only after a build passed its
@@ -67,6 +68,9 @@ case ${1:-} in
     --path)
         echo "$ENV_DIR"
         ;;
+    --ready)
+        [[ -f $STAMP ]]
+        ;;
     pytest)
         shift
         ensure
@@ -78,7 +82,7 @@ case ${1:-} in
         echo "$ENV_DIR"
         ;;
     *)
-        echo "usage: $0 [--path | pytest [ARGS...]]" >&2
+        echo "usage: $0 [--path | --ready | pytest [ARGS...]]" >&2
         exit 2
         ;;
 esac

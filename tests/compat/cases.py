@@ -6,7 +6,6 @@ import base64
 from typing import Any
 
 import msgpack
-
 from epd_kit.testing.images import image_part, png_data_url, user_message
 
 PROMPT = "Describe the picture."

@@ -50,10 +50,10 @@ def _use_the_cpu_platform() -> None:
 
 _use_the_cpu_platform()
 
-from epd_kit.testing.checkpoint import build_tiny_checkpoint  # noqa: E402
+from epd_kit.testing.checkpoint import build_tiny_checkpoint
 
-from tests.compat.sim_engines import SimPair  # noqa: E402
-from tests.compat.stack import CompatStack  # noqa: E402
+from tests.compat.sim_engines import SimPair
+from tests.compat.stack import CompatStack
 
 
 @pytest.fixture(scope="session")

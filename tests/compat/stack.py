@@ -94,13 +94,14 @@ class CompatStack:
                 vllm_server(tutorial_argv("ve-0", model, free_port(), free_port()))))
             pd = loop.run(servers.enter_async_context(vllm_server(tutorial_argv("pd-0", model, free_port()))))
             port = free_port()
-            log = open(workdir / "router.log", "wb")  # noqa: SIM115 - closed with the process
-            router = subprocess.Popen(
-                [sys.executable, "-m", "epd_kit.router.cli", "serve", "--model", str(model),
-                 "--ve-endpoint", ve.host_port, "--pd-endpoint", pd.host_port, "--host", LOOPBACK, "--port", str(port)],
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            )
+            with open(workdir / "router.log", "wb") as log:  # the child keeps its own descriptor
+                router = subprocess.Popen(
+                    [sys.executable, "-m", "epd_kit.router.cli", "serve", "--model", str(model),
+                     "--ve-endpoint", ve.host_port, "--pd-endpoint", pd.host_port,
+                     "--host", LOOPBACK, "--port", str(port)],
+                    env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                )
             stack = cls(loop, ve, pd, f"http://{LOOPBACK}:{port}", model)
             stack._wait_ready(router, workdir / "router.log")
             yield stack

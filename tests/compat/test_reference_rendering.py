@@ -14,12 +14,18 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from epd_kit import mm_serde
+from epd_kit.testing.images import (
+    data_url,
+    encode_image,
+    image_part,
+    make_image,
+    user_message,
+)
 from PIL import Image
 from transformers import AutoImageProcessor
 from vllm.entrypoints.serve.disagg.mm_serde import decode_mm_kwargs_item
 
-from epd_kit import mm_serde
-from epd_kit.testing.images import data_url, encode_image, image_part, make_image, user_message
 from tests.compat.cases import CHATS, IMAGE_CHATS, PROMPT, field_layout, image_features
 from tests.compat.stack import CompatStack, Exchange
 

@@ -11,7 +11,10 @@ from typing import Any
 
 import httpx
 import pytest
-from vllm.entrypoints.serve.disagg.protocol import GenerateResponse, GenerateStreamResponse
+from vllm.entrypoints.serve.disagg.protocol import (
+    GenerateResponse,
+    GenerateStreamResponse,
+)
 
 from tests.compat.cases import CHATS
 from tests.compat.sim_engines import SimPair
