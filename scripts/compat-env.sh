@@ -62,6 +62,7 @@ ensure() {
         build
     fi
     flock -u 9
+    exec 9>&-
 }
 
 case ${1:-} in

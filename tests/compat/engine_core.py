@@ -35,7 +35,6 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 OUTPUT_TOKENS = (40, 41, 42, 43, 44, 45, 46, 47)  # plain BPE ids of the tiny checkpoint
 VE_PLACEHOLDER_TOKEN = 0
-SIDE_CHANNEL = ("127.0.0.1", 14600)
 
 
 @dataclass
@@ -71,10 +70,11 @@ class StandInEngineCore(EngineCoreClient):
     def is_encoder(self) -> bool:
         return bool(self.vllm_config.model_config.multimodal_config.mm_encoder_only)
 
-    @property
-    def engine_id(self) -> str:
+    def _locator_base(self) -> dict[str, Any]:
+        """engine_id, host, port of this VE's locators: its `--ec-transfer-config` (§2.4)."""
         ec = self.vllm_config.ec_transfer_config
-        return ec.engine_id if ec is not None and ec.engine_id else "stand-in"
+        extra = ec.ec_connector_extra_config
+        return {"engine_id": ec.engine_id, "host": extra["side_channel_host"], "port": extra["side_channel_port"]}
 
     # --- the calls AsyncLLM makes on the request path ---
 
@@ -127,14 +127,8 @@ class StandInEngineCore(EngineCoreClient):
         return steps
 
     def _locators(self, req: Request) -> dict[str, dict[str, Any]]:
-        host, port = SIDE_CHANNEL
+        base = self._locator_base()
         return {
-            feature.identifier: {
-                "engine_id": self.engine_id,
-                "host": host,
-                "port": port,
-                "remote_block_ids": [block],
-                "num_tokens": feature.mm_position.length,
-            }
+            feature.identifier: {**base, "remote_block_ids": [block], "num_tokens": feature.mm_position.length}
             for block, feature in enumerate(req.mm_features)
         }
