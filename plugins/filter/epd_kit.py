@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import sys
-from functools import wraps
+from functools import cache, wraps
 from pathlib import Path
 from types import ModuleType
 
+import yaml
 from ansible.errors import AnsibleFilterError
 
 COLLECTION = Path(__file__).resolve().parents[2]
 BUNDLED_PLAN = COLLECTION / "router" / "epd_kit" / "plan"
 BUNDLED_NAME = "epd_kit_bundled_plan"
+# An optional variable a playbook, task or template reads: `epd_x | default(...)`, `epd_x is defined`.
+OPTIONAL_READ = re.compile(r"\b(epd_\w+)\s*(?:\|\s*default\(|is (?:not )?defined)")
 
 
 def _load_plan() -> ModuleType:
@@ -59,6 +63,30 @@ def kit_path(relative: str) -> str:
     return str(COLLECTION / relative)
 
 
+@cache
+def known_variables() -> frozenset[str]:
+    """Every epd_* name the kit reads: the options of every role entry point (the planner's
+    inventory model is epd_common's "plan" spec), the playbooks' play variables and the
+    optional variables read with a default (e.g. epd_router_api_key)."""
+    names: set[str] = set()
+    for spec_file in sorted(COLLECTION.glob("roles/*/meta/argument_specs.yml")):
+        for entry in yaml.safe_load(spec_file.read_text())["argument_specs"].values():
+            names.update(entry.get("options") or {})
+    for book in sorted(COLLECTION.glob("playbooks/*.yml")):
+        for play in yaml.safe_load(book.read_text()) or []:
+            names.update(play.get("vars") or {})
+    for pattern in ("playbooks/**/*.yml", "roles/*/tasks/*.yml", "templates/*.j2"):
+        for source in sorted(COLLECTION.glob(pattern)):
+            names.update(OPTIONAL_READ.findall(source.read_text()))
+    return frozenset(name for name in names if name.startswith("epd_"))
+
+
+def checked_plan(hostvars, groups, faulted=None, check_variables=True):
+    """The inventory check and the plan: {problems, plan, settings} (epd_common's plan entry point)."""
+    known = known_variables() if check_variables else None
+    return plan.check_inventory(hostvars, groups, plan.plain(faulted or {}), known)
+
+
 def settings(hostvars, hosts):
     return plan.fleet_settings(hostvars, hosts).as_dict()
 
@@ -79,6 +107,7 @@ class FilterModule:
 
     def filters(self):
         return {name: _filter(function) for name, function in {
+            "epd_checked_plan": checked_plan,
             "epd_plan": plan.plan_from_hostvars,
             "epd_settings": settings,
             "epd_plan_table": plan.plan_table,

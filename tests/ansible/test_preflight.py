@@ -115,7 +115,7 @@ def test_port_already_bound_fails_naming_the_process(tmp_path):
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        result = host_check(tmp_path, "ports", {"epd_num_ve": 0}, epd_model="/models/m", epd_pd_port_base=port,
+        result = host_check(tmp_path, "ports", {"epd_num_ve": 0}, epd_model="/models/m", epd_text_only=True, epd_pd_port_base=port,
                             epd_router_port=port + 7)
     assert result.returncode != 0
     assert f"port {port} on h1 is already" in result.stdout and "epd_pd_port_base" in result.stdout
@@ -125,7 +125,7 @@ def test_free_ports_pass(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    result = host_check(tmp_path, "ports", {"epd_num_ve": 0}, epd_model="/models/m", epd_pd_port_base=port,
+    result = host_check(tmp_path, "ports", {"epd_num_ve": 0}, epd_model="/models/m", epd_text_only=True, epd_pd_port_base=port,
                         epd_router_port=port + 7)
     assert result.returncode == 0, result.stdout[-3000:]
 

@@ -12,12 +12,14 @@ the collection can load its bundled copy (plugins/plugin_utils/kit.py). Layout:
     unit          the engine unit's ExecStart line and env file, from the command model
     fleet         the fleet plan, its checks, the router endpoints, the plan table
     inventory     the planner's input read from Ansible's hostvars
+    checks        the inventory check every entry point runs first (typos, groups, duplicates, pools)
     router_config router.yaml from the plan
     operations    what the ops playbooks compute (engine selection, rolling queue, status)
 
 docs/planner.md explains the rules; docs/architecture.md fixes the plan's schema.
 """
 
+from .checks import check_inventory
 from .command import (
     BACKEND_EXECUTABLES,
     EFA_ENVIRONMENT,
@@ -34,7 +36,7 @@ from .command import (
     engine_env,
     serve_argv,
 )
-from .defaults import GLOBAL_DEFAULTS, HOST_DEFAULTS
+from .defaults import CHECK_DEFAULTS, GLOBAL_DEFAULTS, HOST_DEFAULTS
 from .errors import EpdPlanError
 from .fleet import plan_fleet, plan_table, router_endpoints, unreachable_engines, validate_plan
 from .hosts import HostSpec, read_host
@@ -49,6 +51,7 @@ from .values import format_cores, plain
 
 __all__ = [
     "BACKEND_EXECUTABLES",
+    "CHECK_DEFAULTS",
     "EFA_ENVIRONMENT",
     "GLOBAL_DEFAULTS",
     "HOST_DEFAULTS",
@@ -63,6 +66,7 @@ __all__ = [
     "HostSpec",
     "Settings",
     "additional_config",
+    "check_inventory",
     "deployed_engines",
     "ec_transfer_config",
     "engine_command",
@@ -74,8 +78,8 @@ __all__ = [
     "format_cores",
     "largest_fits",
     "place",
-    "plain",
     "placement_order",
+    "plain",
     "plan_fleet",
     "plan_from_hostvars",
     "plan_table",

@@ -44,3 +44,9 @@ HOST_DEFAULTS: dict[str, Any] = {
     "epd_slices": None,
     "epd_bind_address": "127.0.0.1",
 }
+
+# Read only by the inventory check (checks.py): not part of the plan, so not in the inventory table.
+CHECK_DEFAULTS: dict[str, Any] = {
+    # true: a fleet without VE engines is intended (text-only requests); false refuses it as a mistake
+    "epd_text_only": False,
+}

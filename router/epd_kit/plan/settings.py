@@ -15,6 +15,12 @@ from .values import as_int, as_str, as_str_list, is_power_of_two
 QUANTIZATIONS = ("bf16", "mxfp8")
 MIN_PORT, MAX_PORT = 1024, 65535
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+# A hub id is owner/name; an owner that is a usual directory name means a relative path.
+DIRECTORY_NAMES = frozenset({
+    "models", "model", "checkpoints", "checkpoint", "ckpt", "weights", "data", "home", "opt", "mnt", "srv", "tmp", "var",
+})
+# Sizes beyond these are typos (an extra zero), not plans: 1 Mi tokens of context, 1024 sequences per PD.
+MAX_MODEL_LEN, MAX_NUM_SEQS = 1_048_576, 1024
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,12 @@ def check_model(value: Any) -> str:
             f"epd_model {model!r} is a relative path: engines run on other hosts under systemd, "
             "so give the absolute checkpoint directory"
         )
+    owner = model.split("/", 1)[0] if "/" in model else ""
+    if owner.lower() in DIRECTORY_NAMES:
+        raise EpdPlanError(
+            f"epd_model {model!r} looks like a relative path ({owner}/ is a directory name, not a hub "
+            f"owner): give the absolute checkpoint directory, e.g. /{model}"
+        )
     if not HUB_ID.fullmatch(model):
         raise EpdPlanError(
             f"epd_model {model!r} is neither an absolute checkpoint directory nor a Hugging Face "
@@ -153,8 +165,8 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
         ve_tp=tps["epd_ve_tp"],
         ve_dp=ve_dp,
         pd_tp=tps["epd_pd_tp"],
-        max_model_len=as_int("epd_max_model_len", get("epd_max_model_len"), minimum=1),
-        max_num_seqs=as_int("epd_max_num_seqs", get("epd_max_num_seqs"), minimum=1),
+        max_model_len=as_int("epd_max_model_len", get("epd_max_model_len"), minimum=1, maximum=MAX_MODEL_LEN),
+        max_num_seqs=as_int("epd_max_num_seqs", get("epd_max_num_seqs"), minimum=1, maximum=MAX_NUM_SEQS),
         images_per_prompt=as_int("epd_images_per_prompt", get("epd_images_per_prompt"), minimum=1),
         image_edge=edge,
         patch_size=patch,

@@ -1,0 +1,129 @@
+"""The inventory check: the one validation path of plan.yml, render.yml and deploy's preflight.
+
+It runs on the controller before any host is touched and reports what the planner alone cannot
+see: missing groups, unknown `epd_*` variables (typos), one machine under two inventory names,
+a pool with no engines, engines a router cannot reach. Then it plans, so every planner error
+comes through the same path. Each problem is one short line naming the host, the variable and
+the fix; docs/planner.md "Bad inventories and their messages" lists them.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any
+
+from .defaults import CHECK_DEFAULTS
+from .errors import EpdPlanError
+from .fleet import unreachable_engines
+from .inventory import fleet_settings, plan_from_hostvars
+from .values import describe, plain
+
+ENGINE_GROUP, ROUTER_GROUP = "epd_engines", "epd_router"
+
+
+def _hosts_text(hosts: list[str]) -> str:
+    return ", ".join(hosts) if len(hosts) <= 3 else f"{', '.join(hosts[:3])} and {len(hosts) - 3} more"
+
+
+def group_problems(groups: Mapping[str, Any]) -> list[str]:
+    problems = []
+    if not groups.get(ENGINE_GROUP):
+        problems.append(f"no engine hosts: add hosts to the {ENGINE_GROUP} group, each with epd_num_ve / epd_num_pd")
+    if not groups.get(ROUTER_GROUP):
+        problems.append(
+            f"no router host: add a host to the {ROUTER_GROUP} group (on one machine, the engine host itself)"
+        )
+    return problems
+
+
+def unknown_variable_problems(
+    hostvars: Mapping[str, Any], hosts: Iterable[str], known_variables: Collection[str]
+) -> list[str]:
+    """Every `epd_*` name the kit does not read, once, with the hosts that set it and the nearest known name."""
+    where: dict[str, list[str]] = {}
+    for host in hosts:
+        for name in hostvars[host]:
+            if str(name).startswith("epd_") and name not in known_variables:
+                where.setdefault(str(name), []).append(host)
+    problems = []
+    for name, names in sorted(where.items()):
+        near = difflib.get_close_matches(name, list(known_variables), n=1, cutoff=0.75)
+        fix = f"did you mean {near[0]}?" if near else "remove it (docs/architecture.md lists the inventory variables)"
+        problems.append(f"{_hosts_text(names)}: unknown variable {name}; {fix}")
+    return problems
+
+
+def machine_problems(hostvars: Mapping[str, Any], hosts: Iterable[str]) -> list[str]:
+    """One machine (ansible_host and ansible_port) under two inventory names plans the same cores and ports twice."""
+    names_of: dict[tuple[str, str], list[str]] = {}
+    for host in hosts:
+        variables = hostvars[host]
+        address = str(plain(variables["ansible_host"])) if "ansible_host" in variables else host
+        port = str(plain(variables["ansible_port"])) if "ansible_port" in variables else "22"
+        names_of.setdefault((address, port), []).append(host)
+    return [
+        f"{' and '.join(names)} are the same machine (ansible_host {address}): list it once under one "
+        "name and put that name in every group it belongs to"
+        for (address, _), names in names_of.items()
+        if len(names) > 1
+    ]
+
+
+def text_only(hostvars: Mapping[str, Any], engine_hosts: list[str]) -> bool:
+    value = plain(hostvars[engine_hosts[0]].get("epd_text_only", CHECK_DEFAULTS["epd_text_only"]))
+    if not isinstance(value, bool):
+        raise EpdPlanError(f"epd_text_only must be true or false, got {describe(value)}")
+    return value
+
+
+def pool_problems(plan: Mapping[str, Mapping[str, Any]], is_text_only: bool) -> list[str]:
+    count = {"ve": 0, "pd": 0}
+    for host_plan in plan.values():
+        for engine in host_plan["engines"]:
+            count[engine["role"]] += 1
+    problems = []
+    if not count["pd"]:
+        problems.append("no PD engine in the fleet: set epd_num_pd on at least one engine host (PDs answer every request)")
+    if is_text_only and count["ve"]:
+        problems.append(f"epd_text_only is true but {count['ve']} VE engines are planned: set epd_num_ve to 0 or drop epd_text_only")
+    if not is_text_only and not count["ve"]:
+        problems.append(
+            "no VE engine in the fleet: set epd_num_ve on at least one engine host, or set "
+            "epd_text_only: true in group_vars/all for a fleet that serves text only"
+        )
+    return problems
+
+
+def check_inventory(
+    hostvars: Mapping[str, Any],
+    groups: Mapping[str, Any],
+    faulted: Mapping[str, Any] | None = None,
+    known_variables: Collection[str] | None = None,
+) -> dict[str, Any]:
+    """{"problems": [...], "plan": ..., "settings": ...}; plan and settings are None when there are problems.
+
+    known_variables: every `epd_*` name the kit reads; None skips the unknown-variable check
+    (a re-plan after facts were gathered, when hostvars also hold the kit's own facts).
+    """
+    engines = [str(h) for h in groups.get(ENGINE_GROUP) or []]
+    routers = [str(h) for h in groups.get(ROUTER_GROUP) or []]
+    everyone = list(dict.fromkeys(engines + routers))
+    problems = group_problems(groups) + machine_problems(hostvars, everyone)
+    if known_variables is not None:
+        problems += unknown_variable_problems(hostvars, everyone, known_variables)
+    if problems:
+        return {"problems": problems, "plan": None, "settings": None}
+    try:
+        settings = fleet_settings(hostvars, engines)
+        plan = plan_from_hostvars(hostvars, engines, faulted)
+        problems = pool_problems(plan, text_only(hostvars, engines))
+    except EpdPlanError as error:
+        return {"problems": [str(error)], "plan": None, "settings": None}
+    problems += [
+        f"{problem}: set epd_bind_address of that engine host to its private address, or put the router on it"
+        for problem in unreachable_engines(plan, routers)
+    ]
+    if problems:
+        return {"problems": problems, "plan": None, "settings": None}
+    return {"problems": [], "plan": plan, "settings": settings.as_dict()}

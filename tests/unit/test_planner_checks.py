@@ -1,0 +1,128 @@
+"""The inventory check (epd_kit.plan.checks): docs/planner.md's table of bad inventories, row by row,
+then the same check through plan.yml (each problem printed once, no host contacted)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from epd_kit import plan as planner
+from tests import repo_modules
+
+REPO = Path(__file__).resolve().parents[2]
+BASE_GROUP_VARS = {"epd_model": "/models/m"}
+BASE_HOST = {"epd_num_ve": 1, "epd_num_pd": 1}
+GROUPS = ("epd_engines", "epd_router")
+
+
+def bad_inventories() -> list[tuple[str, dict[str, Any], str]]:
+    """(name, change, message) of every row of docs/planner.md "Bad inventories and their messages"."""
+    text = (REPO / "docs/planner.md").read_text()
+    start = text.index("## Bad inventories and their messages")
+    section = text[start:text.index("\n## ", start + 1)]
+    rows = []
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[1].startswith("`{"):
+            rows.append((cells[0], yaml.safe_load(cells[1].strip("`")), cells[2].strip("`")))
+    return rows
+
+
+def inventory(change: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, list[str] | None]]:
+    """(hostvars, groups) of the base inventory with `change` applied, as the table says (None: no such group)."""
+    group_vars = {**BASE_GROUP_VARS, **(change.get("all") or {})}
+    hosts = {"n1": dict(BASE_HOST)}
+    for name, values in change.items():
+        if name not in ("all", *GROUPS):
+            hosts.setdefault(name, {}).update(values or {})
+    groups: dict[str, list[str] | None] = {"epd_engines": list(hosts), "epd_router": ["n1"]}
+    groups.update({group: change[group] for group in GROUPS if group in change})
+    return {name: {**group_vars, **values} for name, values in hosts.items()}, groups
+
+
+def check(change: dict[str, Any]) -> dict[str, Any]:
+    hostvars, groups = inventory(change)
+    present = {group: hosts for group, hosts in groups.items() if hosts is not None}
+    return planner.check_inventory(hostvars, present, None, repo_modules.filters().known_variables())
+
+
+ROWS = bad_inventories()
+
+
+def test_the_docs_table_has_the_bad_inventories():
+    assert len(ROWS) >= 15
+
+
+@pytest.mark.parametrize(("change", "message"), [row[1:] for row in ROWS], ids=[row[0] for row in ROWS])
+def test_bad_inventory_is_refused_with_its_message(change, message):
+    result = check(change)
+    assert result["plan"] is None and result["settings"] is None
+    assert any(message in problem for problem in result["problems"]), result["problems"]
+
+
+def test_the_base_inventory_passes_and_plans():
+    result = check({})
+    assert result["problems"] == []
+    assert [e["engine_id"] for e in result["plan"]["n1"]["engines"]] == ["epd-pd-0", "epd-ve-0"]
+    assert result["settings"]["epd_model"] == "/models/m"
+
+
+def test_text_only_fleet_passes():
+    assert check({"all": {"epd_text_only": True}, "n1": {"epd_num_ve": 0}})["problems"] == []
+
+
+def test_every_problem_is_listed_once():
+    problems = check({"all": {"epd_num_pds": 3}, "n1": {"epd_ve_tp_size": 2}, "n2": {}, "epd_router": None})["problems"]
+    assert problems == [
+        "no router host: add a host to the epd_router group (on one machine, the engine host itself)",
+        "n1, n2: unknown variable epd_num_pds; did you mean epd_num_pd?",
+        "n1: unknown variable epd_ve_tp_size; did you mean epd_ve_tp?",
+    ]
+
+
+def test_a_replan_skips_the_unknown_variable_check():
+    """After the host preflight read facts, hostvars hold the kit's own facts (e.g. epd_neuron)."""
+    hostvars, groups = inventory({"n1": {"epd_neuron": {"faulted_cores": []}}})
+    assert planner.check_inventory(hostvars, groups, None, None)["problems"] == []
+
+
+def test_known_variables_cover_the_planner_and_the_check():
+    """The planner's variables come from epd_common's plan spec; the check's own from epd_preflight's."""
+    known = repo_modules.filters().known_variables()
+    assert {*planner.GLOBAL_DEFAULTS, *planner.HOST_DEFAULTS, *planner.CHECK_DEFAULTS} <= known
+    assert {"epd_router_api_key", "epd_rr_drain_timeout_s", "epd_engines_start_timeout_s"} <= known
+    controller = yaml.safe_load((REPO / "roles/epd_preflight/meta/argument_specs.yml").read_text())
+    options = controller["argument_specs"]["controller"]["options"]
+    assert {name: options[name]["default"] for name in planner.CHECK_DEFAULTS} == planner.CHECK_DEFAULTS
+
+
+# --------------------------------------------------------------------------- plan.yml (real ansible-playbook)
+
+
+@pytest.mark.ansible
+def test_plan_playbook_prints_each_problem_once_and_contacts_no_host(tmp_path):
+    # n1 is a documentation address: any attempt to reach it would show up as n1 in the recap
+    (tmp_path / "hosts.yml").write_text(yaml.safe_dump({"all": {
+        "vars": {**BASE_GROUP_VARS, "epd_num_pds": 3},
+        "children": {"epd_engines": {"hosts": {"n1": {"ansible_host": "192.0.2.1", **BASE_HOST}}},
+                     "epd_router": {"hosts": {"n1": None}}},
+    }}))
+    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), "playbooks/plan.yml"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert output.count("unknown variable epd_num_pds; did you mean epd_num_pd?") == 1, output
+    assert "the inventory check found 1 problem(s), listed above" in output
+    recap = output[output.index("PLAY RECAP"):]
+    assert re.findall(r"^(\S+)\s+:", recap, re.MULTILINE) == ["localhost"], recap
+    assert "UNREACHABLE" not in output
