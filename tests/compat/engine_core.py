@@ -50,7 +50,6 @@ class StandInEngineCore(EngineCoreClient):
 
     vllm_config: VllmConfig
     requests: list[Request] = field(default_factory=list)
-    aborted: list[str] = field(default_factory=list)
     engine_ranks_managed: list[int] = field(default_factory=lambda: [0])
     resources: EngineHealth = field(default_factory=lambda: EngineHealth())
 
@@ -92,7 +91,7 @@ class StandInEngineCore(EngineCoreClient):
         return await self._outputs.get()
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
-        self.aborted.extend(request_ids)
+        pass  # every answer is queued whole at add time: nothing is left to stop
 
     async def get_supported_tasks_async(self) -> tuple[str, ...]:
         return ("generate",)
