@@ -9,7 +9,11 @@
 # Run as root on Debian 12.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ "$(id -u)" = 0 ] || { echo "bootstrap.sh: run as root (sudo $0)" >&2; exit 1; }
+# needs root (apt-get): as root it runs as is; otherwise through sudo where there is one
+if [ "$(id -u)" != 0 ]; then
+  command -v sudo >/dev/null || { echo "bootstrap.sh: needs root (apt-get); run it as root" >&2; exit 1; }
+  exec sudo -E "$0" "$@"
+fi
 [ -r /etc/debian_version ] || { echo "bootstrap.sh: needs Debian 12 (apt, systemd 252)" >&2; exit 1; }
 
 APT_PKGS=(systemd-container mmdebstrap eatmydata openssh-client iproute2 util-linux procps

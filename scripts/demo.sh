@@ -12,7 +12,11 @@
 #   scripts/demo.sh [--inventory inventory/sandbox/three-host] | --down
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ "$(id -u)" = 0 ] || { echo "demo.sh: needs root (systemd-nspawn, network namespaces): sudo $0 $*" >&2; exit 1; }
+# needs root (systemd-nspawn, network namespaces): as root it runs as is; otherwise through sudo where there is one
+if [ "$(id -u)" != 0 ]; then
+  command -v sudo >/dev/null || { echo "demo.sh: needs root (systemd-nspawn, network namespaces); run it as root" >&2; exit 1; }
+  exec sudo -E "$0" "$@"
+fi
 
 HOSTS=tests/hosts/hosts.sh
 OUR_HOSTS=(n1 n2 n3 n4 n5 n6 n7 n8 n9)
