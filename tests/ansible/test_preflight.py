@@ -53,7 +53,8 @@ def assert_stopped_on_controller(result, message: str) -> None:
     ({"epd_extra_args": ["--mm-encoder-only"]}, {}, "both build roles"),
     ({}, {"epd_slices": {"pd": [4], "ve": [12]}}, "aligned"),
     ({"epd_ve_port_base": 18100, "epd_pd_port_base": 18100}, {}, "port 18100 is used by both"),
-], ids=["empty-model", "prefix-caching", "both-build-roles", "misaligned-slice", "duplicate-port"])
+    ({"epd_num_pds": 3}, {}, "h1: unknown variable epd_num_pds; did you mean epd_num_pd?"),
+], ids=["empty-model", "prefix-caching", "both-build-roles", "misaligned-slice", "duplicate-port", "typo"])
 def test_inventory_errors_stop_on_the_controller(tmp_path, group_vars, host_vars, message):
     assert_stopped_on_controller(deploy(one_host(tmp_path, host_vars, **group_vars)), message)
 
