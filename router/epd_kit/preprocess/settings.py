@@ -25,8 +25,11 @@ class Limits(Section):
     oversized_image: Literal["downscale", "reject"] = "downscale"
     # The HTTP request body (checked by the router before parsing).
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
-    # The JSON around the inline images: nesting depth, and `, : [ {` bytes (an upper bound
-    # on its values, so parsing stays a few milliseconds of CPU whatever the body holds).
+    # The body without its inline image data (text, structure, other URLs): what the JSON
+    # parser and the tokenizer go through. 1 MiB is about the longest context Qwen3-VL takes.
+    max_text_bytes: int = Field(default=1024 * 1024, gt=0)
+    # ... its nesting depth, and its `, : [ {` bytes (an upper bound on its values, so
+    # parsing stays a few milliseconds of CPU whatever the body holds).
     max_json_depth: int = Field(default=32, ge=4, le=256)
     max_json_values: int = Field(default=16384, ge=64)
     # Requests receiving their body or being preprocessed at once; more get a 429.

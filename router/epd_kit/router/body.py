@@ -7,9 +7,9 @@ GIL for long, so the event loop keeps answering meanwhile.
   and its payload travels beside the document as a view of the body's bytes (`inline`), to
   be base64-decoded by the preprocessor straight from there: a 20 MB image is never copied
   into a Python string. Any other string that held such a payload gets it back verbatim.
-- The JSON left is bounded by `limits.max_json_values`, counted as its `, : [ {` bytes (an
-  upper bound on its values: punctuation inside text counts too) -> 413, and by
-  `limits.max_json_depth` -> 400.
+- The JSON left is bounded by `limits.max_text_bytes` (its text goes through the tokenizer)
+  and `limits.max_json_values`, counted as its `, : [ {` bytes (an upper bound on its values:
+  punctuation inside text counts too) -> 413, and by `limits.max_json_depth` -> 400.
 - Text must be valid Unicode: a lone UTF-16 surrogate (JSON allows `"\\ud800"`) cannot reach
   the tokenizer, the engines or the answer, so it is a 400 naming where it is, before any work.
 - `NaN` and `Infinity` are not JSON (Python's parser accepts them): 400.
@@ -27,7 +27,7 @@ from epd_kit.preprocess.settings import Limits
 from epd_kit.router.errors import RouterError
 
 _INLINE_MARK = b";base64,"
-LIFT_MIN_BYTES = 64 * 1024  # only strings this long are lifted out of the JSON
+LIFT_MIN_BYTES = 4096  # only strings this long are lifted out of the JSON
 _PIECE = 1 << 20  # the most bytes one C-level step scans or copies here
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -42,6 +42,12 @@ class DecodedBody:
 def decode_body(body: bytes | bytearray, limits: Limits) -> DecodedBody:
     nonce = os.urandom(8).hex()
     skeleton, lifted = _lift_inline_data(body, nonce)
+    if len(skeleton) > limits.max_text_bytes:
+        raise RouterError(
+            413,
+            f"request body without its inline image data is {len(skeleton)} bytes, above the limit of "
+            f"{limits.max_text_bytes} (limits.max_text_bytes)",
+        )
     if _count_values(skeleton, limits.max_json_values) > limits.max_json_values:
         raise RouterError(
             413,

@@ -67,7 +67,7 @@ class GuardedH11Protocol(H11Protocol):
         self._listen = listen
         self._closed = closed
         self._timer: asyncio.TimerHandle | None = None
-        self._phase: str | None = None  # "head" or "body" while a deadline runs
+        self._phase: str | None = None  # "header" or "body" while a deadline runs
 
     # --- asyncio.Protocol ------------------------------------------------------------------
 
@@ -79,11 +79,11 @@ class GuardedH11Protocol(H11Protocol):
             )
             self._close("over_capacity", error)
             return
-        self._arm("head", self._listen.header_timeout_s)
+        self._arm("header", self._listen.header_timeout_s)
 
     def data_received(self, data: bytes) -> None:
         if self._phase is None and self.conn.their_state is h11.IDLE:
-            self._arm("head", self._listen.header_timeout_s)  # a new request begins
+            self._arm("header", self._listen.header_timeout_s)  # a new request begins
         try:
             super().data_received(data)
         except Exception:  # e.g. a request target that is not ASCII, which uvicorn decodes
@@ -137,8 +137,8 @@ class GuardedH11Protocol(H11Protocol):
         self._phase = None
         if self.transport.is_closing():
             return
-        limit = self._listen.header_timeout_s if phase == "head" else self._listen.body_timeout_s
-        what = "the request headers" if phase == "head" else "the request body"
+        limit = self._listen.header_timeout_s if phase == "header" else self._listen.body_timeout_s
+        what = "the request headers" if phase == "header" else "the request body"
         error = RouterError(408, f"{what} did not arrive within {limit:g}s (listen.{phase}_timeout_s)")
         started = self.cycle is not None and self.cycle.response_started
         self._close(f"{phase}_timeout", None if started else error)

@@ -1,0 +1,487 @@
+"""Hostile input against a running router: hundreds of distinct bad requests (lone
+surrogates, deep nesting, huge flat bodies, broken JSON and types, unsupported fields,
+decompression bombs and broken images, malformed HTTP) sent over raw sockets, while /health,
+/ready and /metrics are timed. Done when no answer is a 500, every error is a JSON envelope
+with a request id, the valid requests among them succeed and the operations endpoints stay
+responsive (docs/router.md "Limits and timeouts" has the figures).
+
+    python -m bench.hostile                      # starts sims + router, >= 500 cases
+    python -m bench.hostile --url http://127.0.0.1:18800 --random 50
+
+tests/router/test_hostile.py runs a smaller selection of the same cases. Every loop is
+bounded in count and time; all traffic goes to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import concurrent.futures
+import io
+import json
+import random
+import socket
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+from bench.common import percentile
+
+CHAT = "/v1/chat/completions"
+MAX_BODY = 64 * 1024 * 1024  # the router's default limits.max_body_bytes
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    raw: bytes  # the whole HTTP request, `Connection: close`
+    valid: bool = False  # a well-formed request the router must answer 200
+
+
+def http(body: bytes | str = b"", *, method: str = "POST", target: str = CHAT, headers: dict | None = None,
+         version: str = "HTTP/1.1", length: str | None = None) -> bytes:  # fmt: skip
+    body = body.encode("utf-8", "surrogatepass") if isinstance(body, str) else body
+    fields = {"Host": "127.0.0.1", "Content-Type": "application/json", "Connection": "close",
+              "Content-Length": str(len(body)) if length is None else length, **(headers or {})}  # fmt: skip
+    head = f"{method} {target} {version}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items() if v is not None)
+    return head.encode("latin-1", "surrogateescape") + b"\r\n" + body
+
+
+def chat(doc: object) -> bytes:
+    return http(json.dumps(doc))
+
+
+def user(content: object, **extra: object) -> dict:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
+
+
+def _png(width: int, height: int, mode: str = "RGB") -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, (width, height)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _gif(frames: int) -> bytes:
+    from PIL import Image
+
+    images = [Image.new("P", (4, 4), i % 256) for i in range(frames)]
+    buf = io.BytesIO()
+    images[0].save(buf, format="GIF", save_all=True, append_images=images[1:], duration=10)
+    return buf.getvalue()
+
+
+def _data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def image(url: object) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _nest(depth: int, leaf: object = 1) -> object:
+    value: object = leaf
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+def cases(*, random_count: int = 300, big: bool = True, seed: int = 11) -> list[Case]:
+    """Every named case, then `random_count` seeded random documents. `big: False` leaves out
+    the multi-megabyte bodies (the test tier's selection)."""
+    out: list[Case] = []
+
+    def add(name: str, raw: bytes, valid: bool = False) -> None:
+        out.append(Case(name, raw, valid))
+
+    # well-formed requests: the router must keep serving them in the middle of all this
+    add("valid text", chat(user("hello")), True)
+    add("valid stream", chat(user("hello", stream=True)), True)
+    add("valid image", chat(user([{"type": "text", "text": "what"}, image(_data_url(_png(64, 48)))])), True)
+    add("valid utf-8 BOM", http(b"\xef\xbb\xbf" + json.dumps(user("bom")).encode()), True)
+    add("valid utf-16", http(json.dumps(user("utf16")).encode("utf-16")), True)
+    for i, (w, h) in enumerate([(8000, 6000), (6000, 8000), (8192, 8192)] if big else [(3000, 2000)]):
+        add(f"valid big image {w}x{h}", chat(user([image(_data_url(_png(w, h)))])), True)  # seconds of decode
+    add("valid structured output", chat(user("json", response_format={"type": "json_object"})), True)
+
+    # lone surrogates everywhere a string goes, streaming or not
+    sur = "\ud800"
+    spots = {
+        "message text": lambda s: user(f"a{s}b"),
+        "text part": lambda s: user([{"type": "text", "text": s}]),
+        "system": lambda s: {"messages": [{"role": "system", "content": s}, {"role": "user", "content": "x"}]},
+        "model": lambda s: {**user("x"), "model": s},
+        "stop string": lambda s: {**user("x"), "stop": s},
+        "stop list": lambda s: {**user("x"), "stop": ["ok", s]},
+        "extra_args value": lambda s: {**user("x"), "extra_args": {"k": s}},
+        "extra_args key": lambda s: {**user("x"), "extra_args": {s: 1}},
+        "image url": lambda s: user([image(f"data:image/png;base64,{s}")]),
+        "unknown field": lambda s: {**user("x"), "note": s},
+        "unknown key": lambda s: {**user("x"), s: 1},
+        "message key": lambda s: {"messages": [{"role": "user", "content": "x", s: 1}]},
+        "role": lambda s: {"messages": [{"role": s, "content": "x"}]},
+        "json schema": lambda s: {**user("x"), "response_format": {"type": "json_schema",
+                                                                   "json_schema": {"name": s, "schema": {}}}},
+    }  # fmt: skip
+    for spot, make in spots.items():
+        for stream in (False, True):
+            for s in (sur, "\udfff"):
+                add(f"surrogate {s!r} in {spot} stream={stream}", chat({**make(s), "stream": stream}))
+    add("surrogate as raw CESU-8 bytes", http(json.dumps(user("x")).replace("x", sur).encode("utf-8", "surrogatepass")))
+
+    # deep nesting, at several places and depths
+    for depth in (33, 64, 200, 999, 1000, 5000, 20000):
+        add(f"nested {depth} at top", http(b"[" * depth + b"]" * depth))
+        add(f"nested {depth} in extra_args", chat({**user("x"), "extra_args": {"n": _nest(min(depth, 900))}})
+            if depth < 1000 else http(json.dumps(user("x"))[:-1].encode() + b', "extra_args": '
+                                      + b"[" * depth + b"]" * depth + b"}"))
+        add(f"nested {depth} in content", http(b'{"messages":[{"role":"user","content":' + b"[" * depth
+                                               + b"]" * depth + b"}]}"))
+        add(f"nested {depth} in stop", http(b'{"messages":[{"role":"user","content":"x"}],"stop":'
+                                            + b"[" * depth + b"]" * depth + b"}"))
+
+    # huge flat bodies: many tiny values
+    sizes = (10_000, 16_000, 17_000, 100_000) + ((400_000, 1_500_000) if big else ())
+    for n in sizes:
+        add(f"{n} tiny objects in extra_args", http(b'{"messages":[{"role":"user","content":"x"}],"extra_args":{"a":['
+                                                    + b",".join([b'{"a":1}'] * n) + b"]}}"))
+        add(f"{n} ints at top", http(b"[" + b"1," * n + b"1]"))
+        add(f"{n} messages", http(b'{"messages":[' + b",".join([b'{"role":"user","content":"x"}'] * n) + b"]}"))
+        add(f"{n} empty strings in stop", http(b'{"messages":[{"role":"user","content":"x"}],"stop":['
+                                               + b",".join([b'""'] * n) + b"]}"))
+    if big:
+        add("64 MiB + 1 body", http(b"x" * (MAX_BODY + 1)))
+        add("64 MiB text", chat(user("a" * (MAX_BODY - 200))))
+        add("48 MiB of commas in text", chat(user("," * (48 * 1024 * 1024))))
+        add("declared 1 TB", http(b"{}", length=str(10**12)))
+
+    # not JSON, or not an object
+    for i, raw in enumerate([b"", b" ", b"{", b"}", b"[]", b"null", b'"s"', b"1", b"true", b'{"a":1}}',
+                             b'{"messages": NaN}', b'{"t": Infinity}', b"[-Infinity]", b"\x00" * 8,
+                             b"\xff\xfe\xfd", b'{"a":"\x01"}', b"{'single': 1}", b'{"a":1,}',
+                             json.dumps(user("x")).encode("utf-32"), b"\xef\xbb\xbf\xef\xbb\xbf{}"]):  # fmt: skip
+        add(f"not a request #{i}", http(raw))
+
+    # wrong shapes and values
+    shapes = [
+        {"messages": {}}, {"messages": "x"}, {"messages": 1}, {"messages": [1]}, {"messages": [[]]},
+        {"messages": [{}]}, {"messages": [{"role": 1, "content": "x"}]}, {"messages": [{"role": "user", "content": 1}]},
+        {"messages": [{"role": "user", "content": {"a": 1}}]}, {"messages": [{"role": "user", "content": [1]}]},
+        {"messages": [{"role": "user", "content": [{"type": 1}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": ["x"]}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": 5}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ["x"]}}]}]},
+        {"messages": [{"role": "tool", "content": None}]}, {"messages": [{"role": "assistant", "content": None}]},
+        {"messages": [{"role": "user", "content": "<|image_pad|>"}]},
+        {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+    ]  # fmt: skip
+    for i, doc in enumerate(shapes):
+        add(f"shape #{i}", chat(doc))
+    values = {"max_tokens": [0, -1, 1.5, "8", 10**30, None, []], "temperature": [-1, 1000, "hot", None, {}],
+              "top_p": [0, 2, -0.1], "top_k": [-2, 10**20], "n": [0, 17, 10**9], "seed": [2**64, -(2**64), 1.5],
+              "stream": ["yes", 1, None], "stream_options": [{"include_usage": True}, {"bogus": 1}, "x"],
+              "logprobs": ["x"], "top_logprobs": [21, -1], "stop": [["s"] * 17, [1], {"a": 1}],
+              "stop_token_ids": [[-1], ["a"], [10**30]], "max_completion_tokens": [0, "x"],
+              "presence_penalty": [3], "frequency_penalty": [-3], "repetition_penalty": [0, -1],
+              "min_p": [2], "min_tokens": [-1], "add_generation_prompt": ["no"], "skip_special_tokens": [3],
+              "logit_bias": [{"the": 1}, {"1": 1000}, []], "model": [1, ["m"], "m" * 5000],
+              "response_format": [{"type": "yaml"}, {"type": "json_schema"}, "json"],
+              "structured_outputs": [{"regex": "a", "choice": ["b"]}, {}, {"json": 1}],
+              "extra_args": [1, "x", []]}  # fmt: skip
+    for name, bad in values.items():
+        for i, value in enumerate(bad):
+            add(f"{name} = #{i}", chat({**user("x"), name: value}))
+    for name in ("tools", "tool_choice", "functions", "function_call", "best_of", "echo", "use_beam_search",
+                 "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "guided_json", "guided_regex",
+                 "reasoning_effort", "prompt_logprobs", "documents", "audio", "web_search_options"):  # fmt: skip
+        add(f"unsupported {name}", chat({**user("x"), name: [{"type": "function"}] if name == "tools" else "auto"}))
+
+    # images: broken, hostile, refused
+    bomb = _png(30_000, 30_000, mode="1")  # ~100 KB on the wire, 900 M pixels decoded
+    urls = {
+        "bad base64": "data:image/png;base64,!!!!", "empty data": "data:image/png;base64,",
+        "not an image": _data_url(b"just text, no pixels" * 10), "truncated png": _data_url(_png(64, 64)[:60]),
+        "text/plain": "data:text/plain;base64,aGVsbG8=", "not base64": "data:image/png,rawbytes",
+        "decompression bomb": _data_url(bomb), "1001-frame gif": _data_url(_gif(1001), "image/gif"),
+        "1x20000 png": _data_url(_png(1, 20000)), "http disabled": "http://127.0.0.1:1/x.png",
+        "file url": "file:///etc/passwd", "javascript": "javascript:alert(1)", "no scheme": "//x/y.png",
+        "credentials": "http://user:pw@127.0.0.1/x.png", "long url": "http://x/" + "a" * 100_000,
+        "header only": "data:", "whitespace payload": "data:image/png;base64," + " " * 100,
+    }  # fmt: skip
+    for name, url in urls.items():
+        add(f"image {name}", chat(user([{"type": "text", "text": "look"}, image(url)])))
+    add("31 images", chat(user([image(_data_url(_png(8, 8)))] * 31)))
+
+    # HTTP itself
+    body = json.dumps(user("x")).encode()
+    raw_http = {
+        "garbage line": b"GARBAGE\r\n\r\n", "no version": b"POST /v1/chat/completions\r\n\r\n",
+        "BOM before the request line": b"\xef\xbb\xbf" + http(body),
+        "bad version": http(body, version="HTTP/9.9"), "http/1.0": http(body, version="HTTP/1.0"),
+        "no host": b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+        "negative length": http(body, length="-5"), "length not a number": http(body, length="abc"),
+        "two lengths": http(body, headers={"Content-Length": f"{len(body)}, 5"}),
+        "length and chunked": http(body, headers={"Transfer-Encoding": "chunked"}),
+        "bad chunk size": http(b"zz\r\nab\r\n0\r\n\r\n", length=None, headers={"Transfer-Encoding": "chunked",
+                                                                                  "Content-Length": None}),
+        "good chunked": http(b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n", headers={"Transfer-Encoding": "chunked",
+                                                                                     "Content-Length": None}),
+        "header too big": http(body, headers={"X-Big": "a" * 20_000}),
+        "many headers": http(body, headers={f"X-H{i}": "v" for i in range(2000)}),
+        "header without colon": b"POST / HTTP/1.1\r\nHost: x\r\nbroken\r\n\r\n",
+        "space in header name": b"POST / HTTP/1.1\r\nHost: x\r\nBad Name: v\r\n\r\n",
+        "non-ascii target": b"GET /\xff\xfe HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        "percent junk target": http(body, target="/v1/chat/%ff%fe%00"),
+        "absolute target": http(body, target="http://evil.example/v1/chat/completions"),
+        "long target": http(body, target="/" + "a" * 20_000),
+        "asterisk target": http(b"", method="OPTIONS", target="*"),
+        "unknown method": http(body, method="BREW"), "get chat": http(b"", method="GET"),
+        "delete chat": http(b"", method="DELETE"), "trace": http(b"", method="TRACE", target="/"),
+        "unknown path": http(body, target="/v1/completions"), "traversal": http(b"", method="GET", target="/../../etc"),
+        "latin-1 request id": http(body, headers={"X-Request-Id": "caf\xe9"}),
+        "long request id": http(body, headers={"X-Request-Id": "r" * 200}),
+        "bad authorization": http(body, headers={"Authorization": "Bearer \x7f\x00"}),
+        "expect continue": http(body, headers={"Expect": "100-continue"}),
+        "content-type xml": http(body, headers={"Content-Type": "application/xml"}),
+        "nul in header": b"POST / HTTP/1.1\r\nHost: x\r\nX: a\x00b\r\n\r\n",
+        "bare LF": b"POST /v1/chat/completions HTTP/1.1\nHost: x\nContent-Length: 2\nConnection: close\n\n{}",
+        "pipelined": http(body, headers={"Connection": None}) + http(body),
+        "websocket upgrade": http(b"", method="GET", target="/", headers={"Upgrade": "websocket",
+                                                                          "Connection": "Upgrade"}),
+    }  # fmt: skip
+    for name, raw in raw_http.items():
+        add(f"http {name}", raw)
+
+    # seeded random documents from a small grammar (like the hypothesis strategies of the tests)
+    rng = random.Random(seed)
+    for i in range(random_count):
+        add(f"random #{i}", http(json.dumps(_random_request(rng))))
+    distinct: dict[bytes, Case] = {}
+    for case in out:
+        distinct.setdefault(case.raw, case)
+    return list(distinct.values())
+
+
+def _random_value(rng: random.Random, depth: int = 0) -> object:
+    kind = rng.randrange(9 if depth < 4 else 6)
+    if kind == 0:
+        return None
+    if kind == 1:
+        return rng.choice([True, False])
+    if kind == 2:
+        return rng.choice([0, -1, 1, 7, 2**31, 2**63, 2**70, -(2**70)])
+    if kind == 3:
+        return rng.choice([0.0, -0.5, 1e300, 3.14, -1e-300])
+    if kind in (4, 5):
+        return "".join(rng.choice(["a", " ", "é", "\U0001f600", "\ud800", "<|im_end|>", "\x00", "\\", '"', "\n"])
+                       for _ in range(rng.randrange(12)))  # fmt: skip
+    if kind == 6:
+        return [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {rng.choice(["a", "type", "url", "text", "role", "\ud800"]): _random_value(rng, depth + 1)
+            for _ in range(rng.randrange(4))}  # fmt: skip
+
+
+def _random_request(rng: random.Random) -> object:
+    if rng.random() < 0.1:
+        return _random_value(rng)
+    doc: dict = {"messages": [{"role": rng.choice(["user", "system", "assistant", "tool", "x", 1]),
+                               "content": rng.choice([_random_value(rng), "hi", [{"type": "text", "text": "hi"}]])}
+                              for _ in range(rng.randrange(1, 3))]}  # fmt: skip
+    for name in rng.sample(["model", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed",
+                            "extra_args", "logprobs", "response_format", "tools", "logit_bias"], rng.randrange(4)):  # fmt: skip
+        doc[name] = _random_value(rng)
+    return doc
+
+
+@dataclass
+class Answer:
+    case: Case
+    status: int | None  # None: no HTTP answer (connection closed or timed out)
+    seconds: float
+    problem: str = ""
+
+
+def send(host: str, port: int, case: Case, timeout_s: float = 90.0) -> Answer:
+    """One case on its own connection; reads the answer to the end while a second thread
+    writes (the router may answer, e.g. 413, before it has read everything)."""
+    t0 = time.monotonic()
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError as exc:
+        return Answer(case, None, time.monotonic() - t0, f"connect: {exc}")
+
+    def write() -> None:
+        try:
+            sock.sendall(case.raw)  # no half-close: uvicorn takes it for a client that left
+        except OSError:
+            pass
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    data = bytearray()
+    with sock:
+        while len(data) < 64 * 1024 * 1024 and not _complete(data):
+            try:
+                chunk = sock.recv(65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            data += chunk
+    writer.join(timeout=5)
+    return _judge(case, bytes(data), time.monotonic() - t0)
+
+
+def _complete(data: bytearray) -> bool:
+    """The first final response is all there (known length); a stream is read to its end."""
+    first = _first_response(bytes(data)) if b"\r\n\r\n" in data else None
+    return first is not None and first[3]
+
+
+def _first_response(data: bytes) -> tuple[int, bytes, bytes, bool] | None:
+    """(status, head, body) of the first final response (a 100 Continue is skipped)."""
+    while data.startswith(b"HTTP/1."):
+        head, _, rest = data.partition(b"\r\n\r\n")
+        status = int(head[9:12])
+        if status == 100:
+            data = rest
+            continue
+        length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
+                       if line.lower().startswith(b"content-length:")), None)  # fmt: skip
+        if length is None:
+            return status, head, rest, False
+        return status, head, rest[:length], len(rest) >= length
+    return None
+
+
+def _judge(case: Case, data: bytes, seconds: float) -> Answer:
+    first = _first_response(data)
+    if first is None:
+        return Answer(case, None, seconds, "no HTTP answer" if not data else f"not HTTP: {data[:60]!r}")
+    status, head, body, _ = first
+    problem = ""
+    if case.valid and status != 200:
+        problem = f"valid request answered {status}: {body[:200]!r}"
+    elif status >= 400:
+        try:
+            doc = json.loads(body)
+            assert isinstance(doc["error"]["message"], str) and doc["error"]["code"] == status and doc["request_id"]
+        except Exception:  # noqa: BLE001 - any shape problem is the finding
+            problem = f"error {status} is not a JSON envelope with a request id: {body[:200]!r}"
+    if status == 200 and b"text/event-stream" in head and b'"code":500' in body:
+        problem = "stream carried an internal error frame"
+    return Answer(case, status, seconds, problem)
+
+
+@dataclass
+class Probe:
+    """Times /health, /ready and /metrics in turn while the cases run."""
+
+    url: str
+    latencies: dict[str, list[float]] = field(default_factory=lambda: {"/health": [], "/ready": [], "/metrics": []})
+    failures: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self, max_s: float) -> None:
+        deadline = time.monotonic() + max_s
+        with httpx.Client(base_url=self.url, timeout=5, trust_env=False) as client:
+            paths = list(self.latencies)
+            i = 0
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                path = paths[i % len(paths)]
+                i += 1
+                t0 = time.perf_counter()
+                try:
+                    client.get(path)
+                    self.latencies[path].append(time.perf_counter() - t0)
+                except httpx.HTTPError:
+                    self.failures += 1
+                self._stop.wait(0.01)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def summary(self) -> dict:
+        out = {}
+        for path, values in self.latencies.items():
+            out[path] = {"n": len(values), "p50_ms": round(percentile(values, 50) * 1000, 1),
+                         "p99_ms": round(percentile(values, 99) * 1000, 1),
+                         "max_ms": round(max(values, default=float("nan")) * 1000, 1)}  # fmt: skip
+        return out
+
+
+def run(url: str, selected: list[Case], concurrency: int = 8, max_s: float = 600.0) -> dict:
+    """Send every case (`concurrency` at once) while probing; a summary of what came back."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    assert host == "127.0.0.1", "hostile input goes to 127.0.0.1 only"
+    probe = Probe(url)
+    prober = threading.Thread(target=probe.run, args=(max_s,), daemon=True)
+    prober.start()
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        answers = list(pool.map(lambda c: send(host, port, c), selected))
+    elapsed = time.monotonic() - t0
+    probe.stop()
+    prober.join(timeout=10)
+    statuses = Counter(a.status for a in answers)
+    return {
+        "cases": len(selected),
+        "distinct": len({c.raw for c in selected}),
+        "seconds": round(elapsed, 1),
+        "statuses": {str(k): v for k, v in sorted(statuses.items(), key=lambda kv: str(kv[0]))},
+        "answers_500": statuses.get(500, 0),
+        "problems": [f"{a.case.name}: {a.problem}" for a in answers if a.problem],
+        "slowest": sorted(((round(a.seconds, 2), a.case.name) for a in answers), reverse=True)[:5],
+        "operations": probe.summary(),
+        "probe_failures": probe.failures,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m bench.hostile", description=__doc__.split("\n")[0])
+    ap.add_argument("--url", help="a running router (default: start sims + a router here)")
+    ap.add_argument("--random", type=int, default=300, help="seeded random documents after the named cases")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--out", type=Path, help="write the summary as JSON here")
+    args = ap.parse_args(argv)
+    selected = cases(random_count=args.random)
+    if args.url:
+        summary = run(args.url, selected, args.concurrency)
+    else:
+        from bench.stack import engine_proc, router_proc
+        from epd_kit.testing.checkpoint import build_tiny_checkpoint
+
+        work = Path(tempfile.mkdtemp(prefix="bench-hostile-"))
+        ckpt = build_tiny_checkpoint(work / "checkpoint")
+        procs = [engine_proc("ve", 0, ckpt, work).start(), engine_proc("pd", 0, ckpt, work).start()]
+        try:
+            for p in procs:
+                p.wait_healthy()
+            router = router_proc(ckpt, procs[:1], procs[1:], work).start()
+            procs.append(router)
+            router.wait_healthy()
+            summary = run(router.url, selected, args.concurrency)
+            summary["router_log_tracebacks"] = router.log_path.read_text(errors="replace").count("Traceback")
+        finally:
+            for p in reversed(procs):
+                p.stop()
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
