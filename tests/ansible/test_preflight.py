@@ -59,6 +59,11 @@ def test_inventory_errors_stop_on_the_controller(tmp_path, group_vars, host_vars
     assert_stopped_on_controller(deploy(one_host(tmp_path, host_vars, **group_vars)), message)
 
 
+def test_check_mode_runs_the_same_inventory_check(tmp_path):
+    result = deploy(one_host(tmp_path, epd_router_prot=18900), "--check")
+    assert_stopped_on_controller(result, "h1: unknown variable epd_router_prot; did you mean epd_router_port?")
+
+
 def test_remote_router_cannot_reach_loopback_engines(tmp_path):
     inventory = write_inventory(tmp_path / "inv", {"h1": {"epd_num_pd": 1, **UNUSABLE_HOST}},
                                 ["r1"], {"epd_model": "/models/m"})
