@@ -1,7 +1,6 @@
 """Prometheus scrape targets from the plan (epd_kit.plan.observability)."""
 
-from epd_kit.plan import observability
-from epd_kit.plan import plan_from_hostvars
+from epd_kit.plan import observability, plan_from_hostvars
 
 MODEL = "/models/Qwen3-VL-32B-Instruct"
 
@@ -11,7 +10,8 @@ def hostvars(**hosts):
 
 
 def files(inventory, routers=("r",), port=18800):
-    fleet_plan = plan_from_hostvars(inventory, [h for h in inventory if inventory[h].get("epd_num_ve") or inventory[h].get("epd_num_pd")])
+    engine_hosts = [h for h, v in inventory.items() if v.get("epd_num_ve") or v.get("epd_num_pd")]
+    fleet_plan = plan_from_hostvars(inventory, engine_hosts)
     return observability.scrape_files(fleet_plan, inventory, list(routers), port)
 
 
@@ -26,13 +26,18 @@ def test_every_engine_and_router_is_a_target_with_its_labels():
     out = files(TWO_HOSTS)
     engines = out["jobs"][observability.ENGINES_JOB]
     assert [(e["targets"], e["labels"]["instance"]) for e in engines] == [
-        (["10.0.0.1:18100"], "pd-0"), (["10.0.0.1:18101"], "pd-1"), (["10.0.0.1:18300"], "ve-0"),
+        (["10.0.0.1:18100"], "pd-0"),
+        (["10.0.0.1:18101"], "pd-1"),
+        (["10.0.0.1:18300"], "ve-0"),
         (["10.0.0.2:18100"], "pd-2"),
     ]
     assert engines[2]["labels"] == {"host": "a", "role": "ve", "engine_id": "epd-ve-0", "instance": "ve-0"}
     # a wildcard bind is dialled on the host's inventory address
     assert out["jobs"][observability.ROUTER_JOB] == [
-        {"targets": ["10.0.0.9:18800"], "labels": {"host": "r", "role": "router", "engine_id": "", "instance": "router"}}
+        {
+            "targets": ["10.0.0.9:18800"],
+            "labels": {"host": "r", "role": "router", "engine_id": "", "instance": "router"},
+        }
     ]
     assert out["loopback"] == []
 
@@ -42,7 +47,8 @@ def test_engines_removed_from_the_inventory_disappear():
     fewer = {**TWO_HOSTS, "a": {**TWO_HOSTS["a"], "epd_num_pd": 1}}
     fewer.pop("b")
     after = files(fewer)["jobs"][observability.ENGINES_JOB]
-    assert {e["labels"]["engine_id"] for e in before} - {e["labels"]["engine_id"] for e in after} == {"epd-pd-1", "epd-pd-2"}
+    removed = {e["labels"]["engine_id"] for e in before} - {e["labels"]["engine_id"] for e in after}
+    assert removed == {"epd-pd-1", "epd-pd-2"}
     assert len(after) == 2
 
 
@@ -50,7 +56,7 @@ def test_router_listen_host_wins_and_loopback_targets_are_reported():
     one = hostvars(n1={"epd_num_ve": 1, "epd_num_pd": 1, "epd_router_listen_host": "10.213.0.11"})
     out = files(one, routers=("n1",), port=18900)
     assert out["jobs"][observability.ROUTER_JOB][0]["targets"] == ["10.213.0.11:18900"]
-    assert [t["instance"] for t in out["loopback"]] == ["pd-0", "ve-0"]  # the engines stay on 127.0.0.1
+    assert [t["instance"] for t in out["loopback"]] == ["pd-0", "ve-0"]  # engines stay on 127.0.0.1
 
 
 def test_ipv6_addresses_are_bracketed():

@@ -55,7 +55,8 @@ def _dial_address(bind_address: str, host: str, hostvars: Mapping[str, Any], por
 
 def router_listen_address(host_vars: Mapping[str, Any]) -> str:
     """The router's listen address as the router role derives it: its own setting, else the host's bind address."""
-    return str(host_vars.get("epd_router_listen_host") or host_vars.get("epd_bind_address") or HOST_DEFAULTS["epd_bind_address"])
+    listen = host_vars.get("epd_router_listen_host") or host_vars.get("epd_bind_address")
+    return str(listen or HOST_DEFAULTS["epd_bind_address"])
 
 
 def scrape_targets(
