@@ -12,6 +12,7 @@ only 127.0.0.1 is accepted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -69,17 +70,13 @@ class Connection:
         if self._w is not None and time.monotonic() - self._last_used > self.max_idle_s:
             await self.close()
         if self._w is None or self._w.is_closing():
-            self._r, self._w = await asyncio.open_connection(
-                self.target.host, self.target.port, limit=1 << 22
-            )
+            self._r, self._w = await asyncio.open_connection(self.target.host, self.target.port, limit=1 << 22)
 
     async def close(self) -> None:
         if self._w is not None:
             self._w.close()
-            try:
+            with contextlib.suppress(OSError):
                 await self._w.wait_closed()
-            except OSError:
-                pass
             self._w = None
 
     async def request(self, raw: bytes, first_event: bytes | None = None) -> Response:
@@ -199,9 +196,7 @@ async def closed_loop(
                 counter += 1
                 t0 = time.perf_counter()
                 try:
-                    ok, first = await asyncio.wait_for(
-                        scenario(conns, idx), timeout=max(0.1, stop_at - t0 + 30)
-                    )
+                    ok, first = await asyncio.wait_for(scenario(conns, idx), timeout=max(0.1, stop_at - t0 + 30))
                 except (OSError, LoadError, asyncio.IncompleteReadError, TimeoutError) as exc:
                     ok, first = False, 0.0
                     if len(result.errors) < 20:

@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     args = ap.parse_args(argv)
-    uvicorn.run(build_app(args.ve_url, args.pd_url), host=args.host, port=args.port,
-                log_level="warning", access_log=False)
+    uvicorn.run(
+        build_app(args.ve_url, args.pd_url), host=args.host, port=args.port, log_level="warning", access_log=False
+    )
 
 
 if __name__ == "__main__":

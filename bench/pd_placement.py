@@ -63,22 +63,34 @@ ROUTER_FIRST_FRAME = b'"delta"'
 
 
 def chat_body(r: int, max_tokens: int) -> bytes:
-    return json.dumps({
-        "model": "bench", "stream": True, "stream_options": {"include_usage": True},
-        "max_tokens": max_tokens, "ignore_eos": True,
-        "messages": [{"role": "user", "content": f"Request {r}: write a long story about the sea."}],
-    }).encode()
+    return json.dumps(
+        {
+            "model": "bench",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": f"Request {r}: write a long story about the sea."}],
+        }
+    ).encode()
 
 
-async def drive(p: model.PdParams, chooser: model.Chooser | None, pds: list[Proc], arrivals: np.ndarray,
-                lengths: np.ndarray, prompt: list[int], deadline_s: float,
-                router: Proc | None = None) -> HttpResult:
+async def drive(
+    p: model.PdParams,
+    chooser: model.Chooser | None,
+    pds: list[Proc],
+    arrivals: np.ndarray,
+    lengths: np.ndarray,
+    prompt: list[int],
+    deadline_s: float,
+    router: Proc | None = None,
+) -> HttpResult:
     """Open-loop Poisson load. With `router`, requests go to epd-router's OpenAI API and the
     router places them itself (chooser unused); otherwise straight to the PDs."""
     ids = [pd.name for pd in pds] if router is None else [ROUTER]
     by_id = {pd.name: pd for pd in pds} if router is None else {ROUTER: router}
-    inflight = {i: 0 for i in ids}
-    assigned = {i: 0 for i in ids}
+    inflight = dict.fromkeys(ids, 0)
+    assigned = dict.fromkeys(ids, 0)
     idle: dict[str, list[Connection]] = {i: [] for i in ids}
     ttft: list[float] = []
     e2e: list[float] = []
@@ -108,18 +120,23 @@ async def drive(p: model.PdParams, chooser: model.Chooser | None, pds: list[Proc
         conn = idle[pd].pop() if idle[pd] else Connection(Target("127.0.0.1", by_id[pd].port))
         if router is None:
             path, marker = wire.GENERATE_PATH, FIRST_TOKEN
-            body = json.dumps(wire.GenerateRequest(
-                request_id=f"bench-{r}", token_ids=prompt,
-                sampling_params=wire.SamplingParams(max_tokens=int(lengths[r]), ignore_eos=True),
-                stream=True, stream_options=wire.StreamOptions(include_usage=True),
-            ).wire_dict()).encode()
+            body = json.dumps(
+                wire.GenerateRequest(
+                    request_id=f"bench-{r}",
+                    token_ids=prompt,
+                    sampling_params=wire.SamplingParams(max_tokens=int(lengths[r]), ignore_eos=True),
+                    stream=True,
+                    stream_options=wire.StreamOptions(include_usage=True),
+                ).wire_dict()
+            ).encode()
         else:
             path, marker, body = "/v1/chat/completions", ROUTER_FIRST_FRAME, chat_body(r, int(lengths[r]))
         try:
             sent = time.perf_counter()
             resp = await asyncio.wait_for(
                 conn.request(encode_post(path, body, by_id[pd].port), first_event=marker),
-                timeout=max(1.0, stop_at + 60 - sent))
+                timeout=max(1.0, stop_at + 60 - sent),
+            )
             done = time.perf_counter()
             if resp.status != 200:
                 raise LoadError(f"HTTP {resp.status}: {resp.body[:200]!r}")
@@ -152,23 +169,32 @@ async def drive(p: model.PdParams, chooser: model.Chooser | None, pds: list[Proc
             await c.close()
     done_n = len(ttft)
     return HttpResult(
-        ttft_p50_ms=percentile(ttft, 50) * 1e3, ttft_p99_ms=percentile(ttft, 99) * 1e3,
+        ttft_p50_ms=percentile(ttft, 50) * 1e3,
+        ttft_p99_ms=percentile(ttft, 99) * 1e3,
         ttft_mean_ms=float(np.mean(ttft)) * 1e3 if ttft else float("nan"),
-        e2e_p50_ms=percentile(e2e, 50) * 1e3, e2e_p99_ms=percentile(e2e, 99) * 1e3,
-        throughput_rps=done_n / span, tokens_per_s=float(lengths[:done_n].sum()) / span,
-        completed=done_n, errors=errors, max_dispatch_lag_ms=lag * 1e3,
-        per_pd_requests=[assigned[i] for i in ids], wrong_lengths=wrong, error_examples=examples,
+        e2e_p50_ms=percentile(e2e, 50) * 1e3,
+        e2e_p99_ms=percentile(e2e, 99) * 1e3,
+        throughput_rps=done_n / span,
+        tokens_per_s=float(lengths[:done_n].sum()) / span,
+        completed=done_n,
+        errors=errors,
+        max_dispatch_lag_ms=lag * 1e3,
+        per_pd_requests=[assigned[i] for i in ids],
+        wrong_lengths=wrong,
+        error_examples=examples,
         tpot_p50_ms=percentile(tpot, 50) * 1e3,
     )
 
 
 def _print(name: str, r: HttpResult) -> None:
-    print(f"HTTP {name:26s} TTFT p50 {r.ttft_p50_ms:8.1f} p99 {r.ttft_p99_ms:8.1f} ms "
-          f"{r.throughput_rps:5.1f} req/s {r.tokens_per_s:6.0f} tok/s done {r.completed} "
-          f"tpot {r.tpot_p50_ms:.1f} ms err {r.errors} {r.error_examples[:1]} wrong-len {r.wrong_lengths} "
-          f"lag {r.max_dispatch_lag_ms:.0f} ms per-PD {r.per_pd_requests}"
-          + (f" router CPU {r.router_cpu_ms_per_1k_tokens:.0f} ms/1k tokens" if r.router_cpu_ms_per_1k_tokens else ""),
-          flush=True)
+    print(
+        f"HTTP {name:26s} TTFT p50 {r.ttft_p50_ms:8.1f} p99 {r.ttft_p99_ms:8.1f} ms "
+        f"{r.throughput_rps:5.1f} req/s {r.tokens_per_s:6.0f} tok/s done {r.completed} "
+        f"tpot {r.tpot_p50_ms:.1f} ms err {r.errors} {r.error_examples[:1]} wrong-len {r.wrong_lengths} "
+        f"lag {r.max_dispatch_lag_ms:.0f} ms per-PD {r.per_pd_requests}"
+        + (f" router CPU {r.router_cpu_ms_per_1k_tokens:.0f} ms/1k tokens" if r.router_cpu_ms_per_1k_tokens else ""),
+        flush=True,
+    )
 
 
 def _payloads(body: bytes) -> list[bytes]:
@@ -183,8 +209,10 @@ def plot(results: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     n_pd = results.get("params", {}).get("n_pd", 4)
-    groups = [(f"real HTTP, {n_pd} sim PDs", results.get("http", {})),
-              ("discrete-event sim (same model)", results.get("des", {}))]
+    groups = [
+        (f"real HTTP, {n_pd} sim PDs", results.get("http", {})),
+        ("discrete-event sim (same model)", results.get("des", {})),
+    ]
     colors = ["tab:grey", "tab:blue", "tab:green"]
     for ax, (title, res) in zip(axes, groups, strict=True):
         if not res:
@@ -199,8 +227,12 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xticks([x for i in range(n) for x in (i * 3, i * 3 + 1)], ["p50", "p99"] * n)
         ax.set_ylabel("TTFT (ms)")
         red = res.get("p99_ttft_reduction")
-        ax.set_title(f"{title}\nleast-outstanding: p99 TTFT {100 * red:.0f}% lower than round-robin"
-                     if red is not None else title, fontsize=9)
+        ax.set_title(
+            f"{title}\nleast-outstanding: p99 TTFT {100 * red:.0f}% lower than round-robin"
+            if red is not None
+            else title,
+            fontsize=9,
+        )
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -221,8 +253,11 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     ap.add_argument("--deadline-s", type=float, default=240.0, help="per policy")
     ap.add_argument("--des-requests", type=int, default=20_000, help="0 = skip the DES companion")
     ap.add_argument("--cpu", default=None, help="pin the bench and the engines (default: none)")
-    ap.add_argument("--through-router", action="store_true",
-                    help="third pass: the same load through epd-router (its own PD placement)")
+    ap.add_argument(
+        "--through-router",
+        action="store_true",
+        help="third pass: the same load through epd-router (its own PD placement)",
+    )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out-dir", type=Path, default=None)
@@ -231,9 +266,16 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     rec = RunRecord.start("pd_placement")
     t_start = time.perf_counter()
     cap = Placement().pd_max_inflight
-    p = model.PdParams(n_pd=args.pds, n_requests=args.requests, utilisation=args.utilisation, seed=args.seed,
-                       decode_ms_per_token=args.decode_ms, decode_ms_per_extra_seq=0.0,
-                       prefill_ms_per_1k_tokens=args.prefill_ms_per_1k, cap=cap)
+    p = model.PdParams(
+        n_pd=args.pds,
+        n_requests=args.requests,
+        utilisation=args.utilisation,
+        seed=args.seed,
+        decode_ms_per_token=args.decode_ms,
+        decode_ms_per_extra_seq=0.0,
+        prefill_ms_per_1k_tokens=args.prefill_ms_per_1k,
+        cap=cap,
+    )
     rng = np.random.default_rng(p.seed)
     arrivals = np.cumsum(rng.exponential(1 / model.offered_rate(p), size=p.n_requests))
     lengths = model.output_lengths(p, p.n_requests, rng)
@@ -241,10 +283,15 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     from epd_kit.testing.checkpoint import build_tiny_checkpoint
 
     ckpt = build_tiny_checkpoint(work / "checkpoint")
-    flags = ["--sim-profile", "zero", "--sim-decode-ms-per-token", str(p.decode_ms_per_token),
-             "--sim-prefill-ms-per-1k-tokens", str(p.prefill_ms_per_1k_tokens)]
-    pds = [engine_proc("pd", i, ckpt, work, max_num_seqs=p.max_num_seqs, sim_flags=flags)
-           for i in range(p.n_pd)]
+    flags = [
+        "--sim-profile",
+        "zero",
+        "--sim-decode-ms-per-token",
+        str(p.decode_ms_per_token),
+        "--sim-prefill-ms-per-1k-tokens",
+        str(p.prefill_ms_per_1k_tokens),
+    ]
+    pds = [engine_proc("pd", i, ckpt, work, max_num_seqs=p.max_num_seqs, sim_flags=flags) for i in range(p.n_pd)]
     prompt = [11 + (i % 200) for i in range(p.prompt_tokens)]
     procs: list[Proc] = list(pds)
     try:
@@ -253,8 +300,10 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
         for pd in pds:
             pd.wait_healthy()
         http = {}
-        for name, make in (("round-robin (reference)", model.reference_round_robin),
-                           ("least-outstanding (ours)", model.ours_least_outstanding)):
+        for name, make in (
+            ("round-robin (reference)", model.reference_round_robin),
+            ("least-outstanding (ours)", model.ours_least_outstanding),
+        ):
             http[name] = asyncio.run(drive(p, make(cap), pds, arrivals, lengths, prompt, args.deadline_s))
             _print(name, http[name])
         if args.through_router:
@@ -280,15 +329,20 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
         "params": p.__dict__,
         "capacity_rps": model.capacity_rps(p),
         "offered_rate_per_s": model.offered_rate(p),
-        "http": {"policies": http, "p99_ttft_reduction": 1 - lo.ttft_p99_ms / rr.ttft_p99_ms,
-                 "p50_ttft_reduction": 1 - lo.ttft_p50_ms / rr.ttft_p50_ms},
+        "http": {
+            "policies": http,
+            "p99_ttft_reduction": 1 - lo.ttft_p99_ms / rr.ttft_p99_ms,
+            "p50_ttft_reduction": 1 - lo.ttft_p50_ms / rr.ttft_p50_ms,
+        },
     }
     if args.des_requests:
         des_p = model.PdParams(**{**p.__dict__, "n_requests": args.des_requests})
         rec.results["des"] = model.run(des_p)
         d = rec.results["des"]
-        print(f"DES  p99 TTFT reduction {100 * d['p99_ttft_reduction']:.1f}% "
-              f"({args.des_requests} requests, same model and load)")
+        print(
+            f"DES  p99 TTFT reduction {100 * d['p99_ttft_reduction']:.1f}% "
+            f"({args.des_requests} requests, same model and load)"
+        )
     rec.notes.append(
         "Real HTTP: 4 epd-sim PD processes, streaming; placement code in the bench process. "
         f"Single run, seed {args.seed}; both policies see the same arrivals and lengths."
@@ -298,8 +352,10 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     if not args.no_plot:
         IMG_DIR.mkdir(parents=True, exist_ok=True)
         plot(rec.results, (args.out_dir or IMG_DIR) / "bench-pd-placement.png")
-    print(f"HTTP p99 TTFT reduction {100 * rec.results['http']['p99_ttft_reduction']:.1f}%; "
-          f"wrote {path} in {rec.wall_s:.1f} s")
+    print(
+        f"HTTP p99 TTFT reduction {100 * rec.results['http']['p99_ttft_reduction']:.1f}%; "
+        f"wrote {path} in {rec.wall_s:.1f} s"
+    )
     return rec
 
 

@@ -68,9 +68,7 @@ def capacity_rps(p: PdParams) -> float:
     """Requests/s the pool sustains with full batches: per request, its share of full decode
     steps (mean_len / max_num_seqs of them) plus its prefill, which stalls one step."""
     prof = p.profile()
-    per_request_s = mean_len(p) * prof.step_s(0, p.max_num_seqs) / p.max_num_seqs + prof.step_s(
-        p.prompt_tokens, 0
-    )
+    per_request_s = mean_len(p) * prof.step_s(0, p.max_num_seqs) / p.max_num_seqs + prof.step_s(p.prompt_tokens, 0)
     return p.n_pd / per_request_s
 
 
@@ -146,14 +144,12 @@ def simulate(p: PdParams, choose: Chooser) -> PdResult:
     lengths = output_lengths(p, p.n_requests, rng)
     ids = [f"pd-{i}" for i in range(p.n_pd)]
     engines = {i: _Engine(p) for i in ids}
-    inflight = {i: 0 for i in ids}
-    assigned = {i: 0 for i in ids}
+    inflight = dict.fromkeys(ids, 0)
+    assigned = dict.fromkeys(ids, 0)
     router_queue: deque[int] = deque()
     ttft = np.zeros(p.n_requests)
     done_at = np.zeros(p.n_requests)
-    events: list[tuple[float, int, str, str | int]] = [
-        (float(t), r, "arrive", r) for r, t in enumerate(arrivals)
-    ]
+    events: list[tuple[float, int, str, str | int]] = [(float(t), r, "arrive", r) for r, t in enumerate(arrivals)]
     heapq.heapify(events)
     seq = p.n_requests
 
@@ -240,8 +236,7 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     rec = RunRecord.start("pd_placement_sim")
     t0 = time.perf_counter()
     rec.results = {
-        str(u): run(PdParams(n_requests=args.requests, utilisation=u, seed=args.seed))
-        for u in args.utilisation
+        str(u): run(PdParams(n_requests=args.requests, utilisation=u, seed=args.seed)) for u in args.utilisation
     }
     rec.notes.append(
         "Discrete-event simulation: the PD choice is the router's real code "
@@ -255,8 +250,10 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     for u, res in rec.results.items():
         print(f"utilisation {u}: offered {res['offered_rate_per_s']:.1f} req/s")
         for name, r in res["policies"].items():
-            print(f"  {name:28s} TTFT p50 {r.ttft_p50_ms:8.1f} ms p99 {r.ttft_p99_ms:8.1f} ms  "
-                  f"{r.throughput_rps:6.1f} req/s  max/mean {r.max_mean_requests:.3f}")
+            print(
+                f"  {name:28s} TTFT p50 {r.ttft_p50_ms:8.1f} ms p99 {r.ttft_p99_ms:8.1f} ms  "
+                f"{r.throughput_rps:6.1f} req/s  max/mean {r.max_mean_requests:.3f}"
+            )
         print(f"  p99 TTFT reduction: {100 * res['p99_ttft_reduction']:.1f}%")
     print(f"wrote {path} in {rec.wall_s:.1f} s")
     return rec

@@ -51,7 +51,10 @@ class Proc:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
         self.popen = subprocess.Popen(
-            taskset_prefix(cpus) + self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+            taskset_prefix(cpus) + self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
             start_new_session=True,
         )
         log.close()

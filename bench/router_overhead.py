@@ -54,8 +54,9 @@ def chat_body(url: str | None) -> bytes:
     content: list | str = PROMPT
     if url is not None:
         content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": PROMPT}]
-    return json.dumps({"model": "bench", "messages": [{"role": "user", "content": content}],
-                       "max_tokens": MAX_TOKENS}).encode()
+    return json.dumps(
+        {"model": "bench", "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS}
+    ).encode()
 
 
 @dataclass
@@ -83,8 +84,9 @@ def render_bodies(checkpoint: Path, url: str | None) -> Bodies:
         content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": PROMPT}]
     rendered = asyncio.run(pre.render([{"role": "user", "content": content}]))
     sp = wire.SamplingParams(max_tokens=MAX_TOKENS)
-    pd_req = wire.GenerateRequest(request_id="bench", token_ids=rendered.token_ids,
-                                  features=rendered.pd_features(), sampling_params=sp)
+    pd_req = wire.GenerateRequest(
+        request_id="bench", token_ids=rendered.token_ids, features=rendered.pd_features(), sampling_params=sp
+    )
     pd_plain = json.dumps(pd_req.wire_dict()).encode()
     with_loc = pd_req.wire_dict()
     with_loc["sampling_params"]["extra_args"] = {"kv_transfer_params": {"ec_locator": SENTINEL}}
@@ -93,10 +95,13 @@ def render_bodies(checkpoint: Path, url: str | None) -> Bodies:
         return Bodies(prefix, suffix, pd_plain, None, None, None, None)
     item = rendered.items[0]
     ve_req = wire.GenerateRequest(
-        request_id="bench/enc", token_ids=[0] * item.length,
-        features=wire.Features.of_images([item.mm_hash], [wire.Placeholder(offset=0, length=item.length)],
-                                         [item.ve_kwargs_b64]),
-        sampling_params=wire.SamplingParams(max_tokens=1))
+        request_id="bench/enc",
+        token_ids=[0] * item.length,
+        features=wire.Features.of_images(
+            [item.mm_hash], [wire.Placeholder(offset=0, length=item.length)], [item.ve_kwargs_b64]
+        ),
+        sampling_params=wire.SamplingParams(max_tokens=1),
+    )
     ve_body = json.dumps(ve_req.wire_dict()).encode()
     h = item.mm_hash.encode()
     return Bodies(prefix, suffix, pd_plain, ve_body.split(h), pd_plain.split(h), prefix.split(h), item.mm_hash)
@@ -149,14 +154,15 @@ class Workload:
             else:
                 h = self._hash()
                 ve_body = h.join(b.ve_parts)
-                r = await conns["floor"].request(encode_post(
-                    "/image", ve_body + h.join(b.pd_plain_parts), ports["floor"],
-                    {"x-ve-length": str(len(ve_body))}))
+                r = await conns["floor"].request(
+                    encode_post(
+                        "/image", ve_body + h.join(b.pd_plain_parts), ports["floor"], {"x-ve-length": str(len(ve_body))}
+                    )
+                )
             return r.status == 200 and ok_marker in r.body, r.first_byte_s
 
         async def router(conns: dict[str, Connection], idx: int) -> tuple[bool, float]:
-            r = await conns["router"].request(encode_post("/v1/chat/completions", self.router_body(),
-                                                          ports["router"]))
+            r = await conns["router"].request(encode_post("/v1/chat/completions", self.router_body(), ports["router"]))
             return r.status == 200 and ok_marker in r.body, r.first_byte_s
 
         return {"direct": direct, "floor": floor, "router": router}[config]
@@ -176,14 +182,23 @@ class Cell:
     wall_s: float
 
 
-def run_row(wl: Workload, ports: dict[str, int], proxies: dict[str, Proc], concurrency: int,
-            max_requests: int, deadline_s: float, rounds: int) -> dict[str, Cell]:
+def run_row(
+    wl: Workload,
+    ports: dict[str, int],
+    proxies: dict[str, Proc],
+    concurrency: int,
+    max_requests: int,
+    deadline_s: float,
+    rounds: int,
+) -> dict[str, Cell]:
     """One concurrency level, all three paths, interleaved: `rounds` rounds of direct, floor,
     router, each 1/rounds of the count and time budget, so that background load on this
     shared machine falls on all three alike. Samples, CPU and wall time are pooled."""
     warm = min(concurrency, 8)
-    acc = {cfg: {"lat": [], "n": 0, "err": 0, "ex": [], "ok": 0, "wall": 0.0, "cpu": 0.0,
-                 "sent": 0, "rss": 0.0} for cfg in CONFIGS}
+    acc = {
+        cfg: {"lat": [], "n": 0, "err": 0, "ex": [], "ok": 0, "wall": 0.0, "cpu": 0.0, "sent": 0, "rss": 0.0}
+        for cfg in CONFIGS
+    }
     for cfg in CONFIGS:
         if cfg in proxies:
             proxies[cfg].reset_peak_rss()
@@ -193,9 +208,16 @@ def run_row(wl: Workload, ports: dict[str, int], proxies: dict[str, Proc], concu
             tgt = {name: Target("127.0.0.1", ports[name]) for name in targets}
             proxy = proxies.get(cfg)
             cpu0 = proxy.cpu_s() if proxy else 0.0
-            res = asyncio.run(closed_loop(
-                tgt, wl.scenario(cfg, ports), concurrency=concurrency,
-                max_requests=max(1, max_requests // rounds), deadline_s=deadline_s / rounds, warmup=warm))
+            res = asyncio.run(
+                closed_loop(
+                    tgt,
+                    wl.scenario(cfg, ports),
+                    concurrency=concurrency,
+                    max_requests=max(1, max_requests // rounds),
+                    deadline_s=deadline_s / rounds,
+                    warmup=warm,
+                )
+            )
             a = acc[cfg]
             a["lat"] += [x * 1e3 for x in res.ok_latencies]
             a["n"] += len(res.samples)
@@ -211,29 +233,53 @@ def run_row(wl: Workload, ports: dict[str, int], proxies: dict[str, Proc], concu
         proxy = proxies.get(cfg)
         lat = a["lat"]
         out[cfg] = Cell(
-            n=a["n"], errors=a["err"], error_examples=a["ex"][:3],
-            p50_ms=percentile(lat, 50), p99_ms=percentile(lat, 99),
+            n=a["n"],
+            errors=a["err"],
+            error_examples=a["ex"][:3],
+            p50_ms=percentile(lat, 50),
+            p99_ms=percentile(lat, 99),
             mean_ms=sum(lat) / len(lat) if lat else float("nan"),
             rps=a["ok"] / a["wall"] if a["wall"] else 0.0,
             proxy_cpu_ms_per_1k=a["cpu"] * 1e3 / a["sent"] * 1000 if proxy else None,
-            proxy_peak_rss_mib=proxy.peak_rss_mib() if proxy else None, wall_s=a["wall"])
+            proxy_peak_rss_mib=proxy.peak_rss_mib() if proxy else None,
+            wall_s=a["wall"],
+        )
     return out
 
 
-def profile_router(router: Proc, wl: Workload, ports: dict[str, int], concurrency: int,
-                   max_requests: int, deadline_s: float, out: Path) -> dict | None:
+def profile_router(
+    router: Proc, wl: Workload, ports: dict[str, int], concurrency: int, max_requests: int, deadline_s: float, out: Path
+) -> dict | None:
     """py-spy (every thread, native off) on the router while a bounded load runs."""
     spy = shutil.which("py-spy", path=str(VENV_BIN)) or shutil.which("py-spy")
     if spy is None:
         return {"skipped": "py-spy not installed (pip install py-spy)"}
     raw = out.with_suffix(".txt")
-    proc = subprocess.Popen([spy, "record", "-p", str(router.pid), "-r", "200", "-f", "raw",
-                             "-o", str(raw), "-d", str(int(deadline_s) + 2)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            spy,
+            "record",
+            "-p",
+            str(router.pid),
+            "-r",
+            "200",
+            "-f",
+            "raw",
+            "-o",
+            str(raw),
+            "-d",
+            str(int(deadline_s) + 2),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     time.sleep(0.5)
     tgt = {"router": Target("127.0.0.1", ports["router"])}
-    asyncio.run(closed_loop(tgt, wl.scenario("router", ports), concurrency=concurrency,
-                            max_requests=max_requests, deadline_s=deadline_s))
+    asyncio.run(
+        closed_loop(
+            tgt, wl.scenario("router", ports), concurrency=concurrency, max_requests=max_requests, deadline_s=deadline_s
+        )
+    )
     try:
         proc.wait(timeout=deadline_s + 30)
     except subprocess.TimeoutExpired:
@@ -375,13 +421,20 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     ap.add_argument("--image-requests", type=int, default=150, help="per cell (bounded also by time)")
     ap.add_argument("--cell-seconds", type=float, default=10.0, help="time budget per path and level")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per level (images)")
-    ap.add_argument("--text-rounds", type=int, default=10,
-                    help="interleaved rounds per level for text (cheap, so finer interleaving)")
+    ap.add_argument(
+        "--text-rounds",
+        type=int,
+        default=10,
+        help="interleaved rounds per level for text (cheap, so finer interleaving)",
+    )
     ap.add_argument("--loadgen-cpu", default="0", help="CPUs for this process and the engines")
     ap.add_argument("--proxy-cpu", default="1", help="CPUs for epd-router / the floor proxy")
     ap.add_argument("--profile", action="store_true", help="py-spy the router (text, image-distinct)")
-    ap.add_argument("--reuse-proxies", action="store_true",
-                    help="keep one router/floor for every kind (faster; peak RSS then carries over)")
+    ap.add_argument(
+        "--reuse-proxies",
+        action="store_true",
+        help="keep one router/floor for every kind (faster; peak RSS then carries over)",
+    )
     ap.add_argument("--out-dir", type=Path, default=None)
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
@@ -406,6 +459,7 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
         pd.wait_healthy()
         cells: dict = {}
         router = floor = None
+        prev_kind = ""
         for kind in args.kinds:
             # fresh proxies per kind: peak RSS is then this kind's, not memory kept from the
             # previous kind's busiest level (CPython does not give freed arenas back)
@@ -428,23 +482,30 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
             cells[kind] = {}
             for c in args.concurrency:
                 rounds = args.text_rounds if kind == "text" else args.rounds
-                cells_row = run_row(wl, ports, {"floor": floor, "router": router}, c, n_max,
-                                    args.cell_seconds, rounds)
+                cells_row = run_row(wl, ports, {"floor": floor, "router": router}, c, n_max, args.cell_seconds, rounds)
                 row: dict = {cfg: cell.__dict__ for cfg, cell in cells_row.items()}
-                row["added"] = {cfg: {q: row[cfg][q] - row["direct"][q] for q in ("p50_ms", "p99_ms")}
-                                for cfg in ("floor", "router")}
+                row["added"] = {
+                    cfg: {q: row[cfg][q] - row["direct"][q] for q in ("p50_ms", "p99_ms")}
+                    for cfg in ("floor", "router")
+                }
                 fl, ro = row["added"]["floor"]["p50_ms"], row["added"]["router"]["p50_ms"]
                 row["router_over_floor_p50"] = ro / fl if fl > 0 else None
                 cells[kind][str(c)] = row
-                print(f"{kind:15s} c={c:<3d} " + "  ".join(
-                    f"{cfg} p50 {row[cfg]['p50_ms']:7.2f} p99 {row[cfg]['p99_ms']:7.2f} ms "
-                    f"{row[cfg]['rps']:6.1f}/s err {row[cfg]['errors']}" for cfg in CONFIGS), flush=True)
-        rec.results = {"cells": cells, "pinning": {"loadgen+engines": args.loadgen_cpu,
-                                                     "router/floor": args.proxy_cpu}}
-        rec.results["max_rps"] = {kind: {cfg: max(cells[kind][c][cfg]["rps"] for c in cells[kind])
-                                         for cfg in CONFIGS} for kind in cells}
+                print(
+                    f"{kind:15s} c={c:<3d} "
+                    + "  ".join(
+                        f"{cfg} p50 {row[cfg]['p50_ms']:7.2f} p99 {row[cfg]['p99_ms']:7.2f} ms "
+                        f"{row[cfg]['rps']:6.1f}/s err {row[cfg]['errors']}"
+                        for cfg in CONFIGS
+                    ),
+                    flush=True,
+                )
+        rec.results = {"cells": cells, "pinning": {"loadgen+engines": args.loadgen_cpu, "router/floor": args.proxy_cpu}}
+        rec.results["max_rps"] = {
+            kind: {cfg: max(cells[kind][c][cfg]["rps"] for c in cells[kind]) for cfg in CONFIGS} for kind in cells
+        }
         if args.profile:
-            out = (args.out_dir or RESULTS_DIR)
+            out = args.out_dir or RESULTS_DIR
             out.mkdir(parents=True, exist_ok=True)
             rec.results["profile"] = {}
             for kind in ("text", "image-distinct"):
@@ -452,14 +513,16 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
                     wl = Workload(kind, ckpt)
                     n_max = args.text_requests if kind == "text" else args.image_requests
                     rec.results["profile"][kind] = profile_router(
-                        router, wl, ports, 16, n_max, args.cell_seconds, out / f"profile-router-{kind}")
+                        router, wl, ports, 16, n_max, args.cell_seconds, out / f"profile-router-{kind}"
+                    )
         rec.notes.append(
             f"loadgen + sim engines pinned to CPU {args.loadgen_cpu}, epd-router and the floor proxy "
             f"to CPU {args.proxy_cpu} (taskset); sim profile 'zero'; engines' transfer_timeout_sec "
             f"{EC_TRANSFER_TIMEOUT_S:g} (default 1); non-streaming, max_tokens "
             f"{MAX_TOKENS}; single run; each path and level bounded by count and {args.cell_seconds} s, "
             f"split in {args.text_rounds} (text) or {args.rounds} (images) interleaved rounds "
-            "(direct, floor, router, direct, ...)")
+            "(direct, floor, router, direct, ...)"
+        )
     finally:
         for p in reversed(procs):
             p.stop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -39,15 +40,20 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def one_stream(port: int, max_tokens: int, idx: int) -> tuple[int, float]:
-    body = json.dumps({
-        "request_id": f"cap-{idx}", "token_ids": [11, 12, 13, idx % 100],
-        "features": {"mm_hashes": {}, "mm_placeholders": {}, "kwargs_data": {}},
-        "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True}, "stream": True,
-    }).encode()
+    body = json.dumps(
+        {
+            "request_id": f"cap-{idx}",
+            "token_ids": [11, 12, 13, idx % 100],
+            "features": {"mm_hashes": {}, "mm_placeholders": {}, "kwargs_data": {}},
+            "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True},
+            "stream": True,
+        }
+    ).encode()
     reader, writer = await asyncio.open_connection(HOST, port)
     writer.write(
         b"POST /inference/v1/generate HTTP/1.1\r\nHost: sim\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+        + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + body
     )
     await writer.drain()
     t0, tokens, buf = time.monotonic(), 0, b""
@@ -72,9 +78,10 @@ async def one_stream(port: int, max_tokens: int, idx: int) -> tuple[int, float]:
     return tokens, first or 0.0
 
 
-async def drive(port: int, streams: int, max_tokens: int, timeout: float) -> list[tuple[int, float]]:
+async def drive(port: int, streams: int, max_tokens: int, limit_s: float) -> list[tuple[int, float]]:
     tasks = [one_stream(port, max_tokens, i) for i in range(streams)]
-    return await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+    async with asyncio.timeout(limit_s):
+        return await asyncio.gather(*tasks)
 
 
 def main() -> int:
@@ -98,14 +105,19 @@ def main() -> int:
     model = build_tiny_checkpoint(work / "ckpt")
     port = free_port()
     sim = Path(sys.executable).parent / "epd-sim"
-    argv = launch.serve_argv("pd", str(model), port, engine_id="cap", tp=8, max_num_seqs=args.streams,
-                             executable=str(sim))
+    argv = launch.serve_argv(
+        "pd", str(model), port, engine_id="cap", tp=8, max_num_seqs=args.streams, executable=str(sim)
+    )
     argv.append("--disable-uvicorn-access-log")
     if shutil.which("taskset"):
         argv = ["taskset", "-c", str(args.sim_core)] + argv
     env = {
-        **launch.engine_env("0,1,2,3,4,5,6,7", profile="zero", decode_ms_per_token=str(args.decode_ms),
-                            decode_ms_per_extra_seq=str(args.decode_ms_per_extra_seq)),
+        **launch.engine_env(
+            "0,1,2,3,4,5,6,7",
+            profile="zero",
+            decode_ms_per_token=str(args.decode_ms),
+            decode_ms_per_extra_seq=str(args.decode_ms_per_extra_seq),
+        ),
         "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "router"),
     }
     log = open(work / "sim.log", "wb")  # noqa: SIM115
@@ -120,10 +132,8 @@ def main() -> int:
                 time.sleep(0.1)
         else:
             raise SystemExit(f"sim did not start; see {work / 'sim.log'}")
-        try:
+        with contextlib.suppress(OSError):
             os.sched_setaffinity(0, {args.client_core})
-        except OSError:
-            pass
         me0 = resource.getrusage(resource.RUSAGE_SELF)
         cpu0, t0 = cpu_seconds(proc.pid), time.monotonic()
         results = asyncio.run(drive(port, args.streams, args.tokens, args.timeout))
@@ -139,11 +149,16 @@ def main() -> int:
     step_ms = args.decode_ms + args.decode_ms_per_extra_seq * (args.streams - 1)
     ideal_s = args.tokens * step_ms / 1000
     report = {
-        "streams": args.streams, "tokens_per_stream": args.tokens,
-        "tokens_received": tokens, "complete": tokens == args.streams * args.tokens,
-        "wall_s": round(wall, 2), "ideal_wall_s": round(ideal_s, 2),
-        "efficiency": round(ideal_s / wall, 3), "tokens_per_s": round(tokens / wall),
-        "sim_cpu_s": round(cpu, 2), "sim_cpu_share_of_one_core": round(cpu / wall, 3),
+        "streams": args.streams,
+        "tokens_per_stream": args.tokens,
+        "tokens_received": tokens,
+        "complete": tokens == args.streams * args.tokens,
+        "wall_s": round(wall, 2),
+        "ideal_wall_s": round(ideal_s, 2),
+        "efficiency": round(ideal_s / wall, 3),
+        "tokens_per_s": round(tokens / wall),
+        "sim_cpu_s": round(cpu, 2),
+        "sim_cpu_share_of_one_core": round(cpu / wall, 3),
         "sim_cpu_us_per_token": round(1e6 * cpu / max(tokens, 1), 1),
         "client_cpu_share_of_one_core": round(client_cpu / wall, 3),
         "loadavg_1m": os.getloadavg()[0],

@@ -19,16 +19,27 @@ from epd_kit.sim import launch
 
 
 def engine_proc(
-    role: str, index: int, checkpoint: Path, work_dir: Path, *, max_num_seqs: int = 8,
-    images_per_prompt: int = 4, sim_flags: list[str] | None = None,
+    role: str,
+    index: int,
+    checkpoint: Path,
+    work_dir: Path,
+    *,
+    max_num_seqs: int = 8,
+    images_per_prompt: int = 4,
+    sim_flags: list[str] | None = None,
     ec_extra: dict | None = None,
 ) -> Proc:
     """One sim engine exactly as the kit would run it (planner argv + env), on a free port."""
     port = free_port()
     engine_id = f"epd-{role}-{index}"
     command = launch.engine_command(
-        role, str(checkpoint), port, side_channel_port=free_port() if role == "ve" else None,
-        engine_id=engine_id, max_num_seqs=max_num_seqs, images=images_per_prompt,
+        role,
+        str(checkpoint),
+        port,
+        side_channel_port=free_port() if role == "ve" else None,
+        engine_id=engine_id,
+        max_num_seqs=max_num_seqs,
+        images=images_per_prompt,
     )
     if ec_extra:  # connector knobs (contract §6.3 ec_connector_extra_config), e.g. transfer_timeout_sec
         command = command.merge_json("EPD_EC_TRANSFER_CONFIG", {"ec_connector_extra_config": ec_extra})
@@ -36,13 +47,24 @@ def engine_proc(
     argv += ["--disable-uvicorn-access-log", *(sim_flags or ["--sim-profile", "zero"])]
     tp = int(command.values["EPD_TENSOR_PARALLEL_SIZE"])
     env = launch.engine_env(",".join(str(core) for core in range(index * tp, index * tp + tp)), base={})
-    return Proc(name=engine_id, argv=argv, port=port, health_path="/health",
-                log_path=work_dir / f"{engine_id}.log", extra_env=env)
+    return Proc(
+        name=engine_id,
+        argv=argv,
+        port=port,
+        health_path="/health",
+        log_path=work_dir / f"{engine_id}.log",
+        extra_env=env,
+    )
 
 
 def router_proc(
-    checkpoint: Path, ve: list[Proc], pd: list[Proc], work_dir: Path, *,
-    extra: dict | None = None, launcher: list[str] | None = None,
+    checkpoint: Path,
+    ve: list[Proc],
+    pd: list[Proc],
+    work_dir: Path,
+    *,
+    extra: dict | None = None,
+    launcher: list[str] | None = None,
 ) -> Proc:
     """epd-router serve --config FILE, with a config like the one Ansible renders."""
     port = free_port()
@@ -57,15 +79,28 @@ def router_proc(
     }
     path = work_dir / "router.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    argv = (launcher or [str(VENV_BIN / "epd-router")]) + ["serve", "--config", str(path),
-                                                          "--log-level", "WARNING"]
-    return Proc(name="epd-router", argv=argv, port=port, health_path="/health",
-                log_path=work_dir / "router.log")
+    argv = (launcher or [str(VENV_BIN / "epd-router")]) + ["serve", "--config", str(path), "--log-level", "WARNING"]
+    return Proc(name="epd-router", argv=argv, port=port, health_path="/health", log_path=work_dir / "router.log")
 
 
 def floor_proc(ve: Proc, pd: Proc, work_dir: Path) -> Proc:
     port = free_port()
-    argv = [sys.executable, "-m", "bench.passthrough_proxy", "--ve-url", ve.url, "--pd-url", pd.url,
-            "--port", str(port)]
-    return Proc(name="floor-proxy", argv=argv, port=port, health_path="/health",
-                log_path=work_dir / "floor.log", extra_env={"PYTHONPATH": str(REPO)})
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.passthrough_proxy",
+        "--ve-url",
+        ve.url,
+        "--pd-url",
+        pd.url,
+        "--port",
+        str(port),
+    ]
+    return Proc(
+        name="floor-proxy",
+        argv=argv,
+        port=port,
+        health_path="/health",
+        log_path=work_dir / "floor.log",
+        extra_env={"PYTHONPATH": str(REPO)},
+    )

@@ -130,9 +130,7 @@ Policy = Callable[[Sequence[tuple[str, int]], Mapping[str, float]], dict[str, st
 
 def policy_ours(bound: float, slack_items: float) -> Policy:
     def place(items: Sequence[tuple[str, int]], loads: Mapping[str, float]) -> dict[str, str]:
-        return placement.place_items(
-            [placement.Item(h, t) for h, t in items], loads, bound, slack_items=slack_items
-        )
+        return placement.place_items([placement.Item(h, t) for h, t in items], loads, bound, slack_items=slack_items)
 
     return place
 
@@ -205,10 +203,10 @@ def simulate(w: Workload, p: SimParams, place: Policy, ceiling: float) -> Policy
     ids = VE_IDS[: p.n_ve]
     caches = {v: LRU(p.cache_items) for v in ids}
     queues: dict[str, deque[tuple[float, int]]] = {v: deque() for v in ids}  # (done_at, work)
-    inflight = {v: 0.0 for v in ids}
-    free_at = {v: 0.0 for v in ids}
-    items_n = {v: 0 for v in ids}
-    busy = {v: 0.0 for v in ids}
+    inflight = dict.fromkeys(ids, 0.0)
+    free_at = dict.fromkeys(ids, 0.0)
+    items_n = dict.fromkeys(ids, 0)
+    busy = dict.fromkeys(ids, 0.0)
     hits = total = spilled = 0
     waits: list[float] = []
     for t, req in zip(w.arrivals, w.requests, strict=True):
@@ -257,8 +255,10 @@ def simulate(w: Workload, p: SimParams, place: Policy, ceiling: float) -> Policy
 
 
 def run(p: SimParams, zipf_values: Sequence[float], bound: float, slack: float, what_if: Sequence[float] = ()) -> dict:
-    out: dict = {"params": p.__dict__ | {"bound": bound, "slack_items": slack, "what_if_slack_items": list(what_if)},
-                 "by_zipf": {}}
+    out: dict = {
+        "params": p.__dict__ | {"bound": bound, "slack_items": slack, "what_if_slack_items": list(what_if)},
+        "by_zipf": {},
+    }
     for s in zipf_values:
         w = make_workload(p, s)
         ceiling = ceiling_hit_rate(w, p)
@@ -298,9 +298,14 @@ def sweep(p: SimParams, zipf_values: Sequence[float], bound: float, slack: float
             for name, pol in pols.items():
                 r = simulate(w, pu, pol, ceiling)
                 rows.setdefault(name, []).append(
-                    {"utilisation": u, "hit_rate_vs_ceiling": r.hit_rate_vs_ceiling,
-                     "max_mean_items": r.max_mean_items, "max_mean_busy": r.max_mean_busy,
-                     "encode_wait_p99_ms": r.encode_wait_p99_ms})
+                    {
+                        "utilisation": u,
+                        "hit_rate_vs_ceiling": r.hit_rate_vs_ceiling,
+                        "max_mean_items": r.max_mean_items,
+                        "max_mean_busy": r.max_mean_busy,
+                        "encode_wait_p99_ms": r.encode_wait_p99_ms,
+                    }
+                )
         out[str(s)] = rows
     return out
 
@@ -372,22 +377,32 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     ap.add_argument("--cache-items", type=int, default=SimParams.cache_items)
     ap.add_argument("--utilisation", type=float, default=SimParams.target_utilisation)
     ap.add_argument("--bound", type=float, default=SHIPPED.ve_load_bound, help="ours: placement.ve_load_bound")
-    ap.add_argument("--slack", type=float, default=SHIPPED.ve_load_slack_items,
-                    help="ours: placement.ve_load_slack_items")
+    ap.add_argument(
+        "--slack", type=float, default=SHIPPED.ve_load_slack_items, help="ours: placement.ve_load_slack_items"
+    )
     ap.add_argument("--zipf", type=float, nargs="+", default=[0.8, 1.2])
-    ap.add_argument("--what-if-slack", type=float, nargs="*", default=[],
-                    help="also run bench-only variants of the bound with this many items of slack")
+    ap.add_argument(
+        "--what-if-slack",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also run bench-only variants of the bound with this many items of slack",
+    )
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--sweep", action="store_true",
-                    help=f"also sweep offered load {SWEEP_UTILISATION} (reference, ours, what-ifs)")
+    ap.add_argument(
+        "--sweep", action="store_true", help=f"also sweep offered load {SWEEP_UTILISATION} (reference, ours, what-ifs)"
+    )
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
     rec = RunRecord.start("ve_placement")
     t0 = time.perf_counter()
     p = SimParams(
-        n_requests=args.requests, catalogue=args.catalogue, cache_items=args.cache_items,
-        target_utilisation=args.utilisation, seed=args.seed,
+        n_requests=args.requests,
+        catalogue=args.catalogue,
+        cache_items=args.cache_items,
+        target_utilisation=args.utilisation,
+        seed=args.seed,
     )
     rec.results = run(p, args.zipf, args.bound, args.slack, args.what_if_slack)
     if args.sweep:
@@ -414,14 +429,20 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
 
 def print_table(results: dict) -> None:
     for z, r in results["by_zipf"].items():
-        print(f"\nZipf s={z}: ceiling hit rate {r['ceiling_hit_rate']:.3f}, "
-              f"{r['offered_rate_per_s']:.1f} req/s offered, {r['items']} items")
-        print(f"  {'policy':50s} {'hit':>6s} {'%ceil':>6s} {'max/mean':>8s} {'busy m/m':>8s} "
-              f"{'p50 ms':>8s} {'p99 ms':>9s} {'spill':>6s}")
+        print(
+            f"\nZipf s={z}: ceiling hit rate {r['ceiling_hit_rate']:.3f}, "
+            f"{r['offered_rate_per_s']:.1f} req/s offered, {r['items']} items"
+        )
+        print(
+            f"  {'policy':50s} {'hit':>6s} {'%ceil':>6s} {'max/mean':>8s} {'busy m/m':>8s} "
+            f"{'p50 ms':>8s} {'p99 ms':>9s} {'spill':>6s}"
+        )
         for name, pr in r["policies"].items():
-            print(f"  {name:50s} {pr.hit_rate:6.3f} {100 * pr.hit_rate_vs_ceiling:5.1f}% "
-                  f"{pr.max_mean_items:8.3f} {pr.max_mean_busy:8.3f} {pr.encode_wait_p50_ms:8.1f} "
-                  f"{pr.encode_wait_p99_ms:9.1f} {pr.spill_fraction:6.3f}")
+            print(
+                f"  {name:50s} {pr.hit_rate:6.3f} {100 * pr.hit_rate_vs_ceiling:5.1f}% "
+                f"{pr.max_mean_items:8.3f} {pr.max_mean_busy:8.3f} {pr.encode_wait_p50_ms:8.1f} "
+                f"{pr.encode_wait_p99_ms:9.1f} {pr.spill_fraction:6.3f}"
+            )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Shared by every tier. Keep it small: fixtures here must be useful to more than one tier."""
+
 from __future__ import annotations
 
 import sys

@@ -1,4 +1,5 @@
 """Import the kit's Ansible plugins (plain Python files outside the package) in tests."""
+
 from __future__ import annotations
 
 import importlib.util

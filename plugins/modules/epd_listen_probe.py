@@ -1,5 +1,6 @@
 #!/usr/bin/python
 """Ansible module: which of the given TCP ports are already listened on, and by whom."""
+
 from __future__ import annotations
 
 DOCUMENTATION = r"""
@@ -48,9 +49,9 @@ def _address(hex_address: str) -> str:
     if len(hex_address) == 8:
         raw = bytes.fromhex(hex_address)[::-1]
         return ".".join(str(b) for b in raw)
-    words = [bytes.fromhex(hex_address[i:i + 8])[::-1].hex() for i in range(0, 32, 8)]
+    words = [bytes.fromhex(hex_address[i : i + 8])[::-1].hex() for i in range(0, 32, 8)]
     groups = "".join(words)
-    return ":".join(groups[i:i + 4] for i in range(0, 32, 4))
+    return ":".join(groups[i : i + 4] for i in range(0, 32, 4))
 
 
 def listening_sockets(ports: set[int]) -> dict[str, tuple[int, str]]:
@@ -96,15 +97,20 @@ def _read(path: str) -> str:
 
 
 def main() -> None:
-    module = AnsibleModule(argument_spec={"ports": {"type": "list", "elements": "int", "required": True}},
-                           supports_check_mode=True)
+    module = AnsibleModule(
+        argument_spec={"ports": {"type": "list", "elements": "int", "required": True}}, supports_check_mode=True
+    )
     sockets = listening_sockets(set(module.params["ports"]))
     owners = socket_owners(set(sockets))
     conflicts, own = [], []
     for inode, (port, address) in sorted(sockets.items(), key=lambda item: item[1]):
         pid = owners.get(inode)
-        entry = {"port": port, "address": address, "pid": pid,
-                 "process": _read(f"/proc/{pid}/cmdline") if pid else "unknown (socket owner not visible)"}
+        entry = {
+            "port": port,
+            "address": address,
+            "pid": pid,
+            "process": _read(f"/proc/{pid}/cmdline") if pid else "unknown (socket owner not visible)",
+        }
         if pid and OWN_UNIT.search(_read(f"/proc/{pid}/cgroup")):
             own.append(entry)
         else:

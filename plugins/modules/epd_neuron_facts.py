@@ -18,7 +18,9 @@ options:
     type: path
     default: /sys/devices/virtual/neuron_device
   cores_per_device:
-    description: NeuronCores per device as numbered in NEURON_VISIBLE_DEVICES (trn2 with the default logical core size has 4).
+    description:
+      - NeuronCores per device as numbered in NEURON_VISIBLE_DEVICES
+        (trn2 with the default logical core size has 4).
     type: int
     default: 4
 """
@@ -91,7 +93,7 @@ def _indexed(directory, prefix):
 def scan_neuron_devices(root=DEFAULT_ROOT, cores_per_device=4):
     """The faulted devices and the cores to exclude; pure read of the sysfs tree."""
     if not isinstance(cores_per_device, int) or isinstance(cores_per_device, bool) or cores_per_device < 1:
-        raise ValueError("cores_per_device must be a positive integer, got %r" % (cores_per_device,))
+        raise ValueError(f"cores_per_device must be a positive integer, got {cores_per_device!r}")
     result = {
         "sysfs_present": os.path.isdir(root),
         "device_count": 0,
@@ -115,13 +117,13 @@ def scan_neuron_devices(root=DEFAULT_ROOT, cores_per_device=4):
                 continue
             try:
                 with open(counter) as handle:
-                    counts["nc%d" % core] = int(handle.read().strip())
+                    counts[f"nc{core}"] = int(handle.read().strip())
             except (OSError, ValueError):
                 result["unreadable"].append(counter)
         if any(value > 0 for value in counts.values()):
             result["faulted_devices"].append(device)
             result["faulted_cores"].extend(range(device * cores_per_device, (device + 1) * cores_per_device))
-            result["reset_fail_counts"]["nd%d" % device] = counts
+            result["reset_fail_counts"][f"nd{device}"] = counts
     return result
 
 
@@ -140,14 +142,15 @@ def main():
     try:
         facts = scan_neuron_devices(module.params["root"], module.params["cores_per_device"])
     except OSError as error:
-        module.fail_json(msg="cannot read the Neuron driver tree %s: %s" % (module.params["root"], error))
+        module.fail_json(msg="cannot read the Neuron driver tree {}: {}".format(module.params["root"], error))
     for path in facts["unreadable"]:
-        module.warn("cannot parse %s" % path)
+        module.warn(f"cannot parse {path}")
     if facts["faulted_devices"]:
+        devices = ", ".join(map(str, facts["faulted_devices"]))
+        cores = ", ".join(map(str, facts["faulted_cores"]))
         module.warn(
-            "Neuron device(s) %s are in a faulted state (nonzero reset_fail_count); their cores %s "
+            f"Neuron device(s) {devices} are in a faulted state (nonzero reset_fail_count); their cores {cores} "
             "are excluded. Restarting will not clear it: reset the device or replace the instance."
-            % (", ".join(map(str, facts["faulted_devices"])), ", ".join(map(str, facts["faulted_cores"])))
         )
     module.exit_json(changed=False, ansible_facts={"epd_neuron": facts}, **facts)
 

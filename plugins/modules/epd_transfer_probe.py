@@ -73,18 +73,18 @@ EFA_BIN = "/opt/amazon/efa/bin"
 
 def nixl_problems(module, python, libraries):
     if not os.access(python, os.X_OK):
-        return ["%s is not an executable interpreter" % python]
+        return [f"{python} is not an executable interpreter"]
     rc, out, err = module.run_command([python, "-c", NIXL_CHECK] + list(libraries))
     try:
         return json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        return ["%s could not run the NIXL check (rc %d): %s" % (python, rc, (err or out).strip()[-300:])]
+        return [f"{python} could not run the NIXL check (rc {rc}): {(err or out).strip()[-300:]}"]
 
 
 def efa_provider(module):
     fi_info = module.get_bin_path("fi_info", opt_dirs=[EFA_BIN])
     if fi_info is None:
-        return {"found": False, "rc": 127, "output": "fi_info not found (PATH, %s)" % EFA_BIN}
+        return {"found": False, "rc": 127, "output": f"fi_info not found (PATH, {EFA_BIN})"}
     rc, out, err = module.run_command([fi_info, "-p", "efa"])
     return {"found": rc == 0, "rc": rc, "output": ((err or "") + (out or "")).strip()[:200]}
 

@@ -25,7 +25,7 @@ def _main_process_gone() -> bool:
 
 def _answers_200(url: str, probe_timeout_s: float) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=probe_timeout_s) as response:  # noqa: S310 (URL comes from our own unit)
+        with urllib.request.urlopen(url, timeout=probe_timeout_s) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -38,7 +38,9 @@ def wait_until_healthy(url: str, timeout_s: float, interval_s: float = 1.0) -> b
         if _answers_200(url, probe_timeout_s=min(5.0, max(interval_s, 0.5))):
             return True
         if _main_process_gone():
-            print(f"healthwait: main process {os.environ.get('MAINPID')} exited before {url} was ready", file=sys.stderr)
+            print(
+                f"healthwait: main process {os.environ.get('MAINPID')} exited before {url} was ready", file=sys.stderr
+            )
             return False
         if time.monotonic() + interval_s > deadline:
             print(f"healthwait: {url} not ready after {timeout_s:g} s", file=sys.stderr)

@@ -11,9 +11,7 @@ from collections.abc import Iterable
 
 
 def score(key: str, candidate: str) -> bytes:
-    return hashlib.blake2b(
-        key.encode() + b"\x00" + candidate.encode(), digest_size=8
-    ).digest()
+    return hashlib.blake2b(key.encode() + b"\x00" + candidate.encode(), digest_size=8).digest()
 
 
 def rank(key: str, candidates: Iterable[str]) -> list[str]:

@@ -1,4 +1,5 @@
 """Tier 2 fixtures (helpers live in tests/ansible/helpers.py)."""
+
 from __future__ import annotations
 
 from pathlib import Path

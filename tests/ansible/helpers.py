@@ -1,4 +1,5 @@
 """Tier 2 helpers: run real ansible-playbook / ansible-inventory from the repository root."""
+
 from __future__ import annotations
 
 import json
@@ -19,20 +20,24 @@ INVENTORY_IDS = [f"{p.parent.name}/{p.name}" for p in INVENTORIES]
 
 def ansible_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({
-        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_FORCE_COLOR": "0",
-        "ANSIBLE_LOCAL_TEMP": str(Path(os.environ.get("TMPDIR", "/tmp")) / "epd-ansible-tmp"),
-        "PATH": f"{BIN}:{env.get('PATH', '')}",
-    })
+    env.update(
+        {
+            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_FORCE_COLOR": "0",
+            "ANSIBLE_LOCAL_TEMP": str(Path(os.environ.get("TMPDIR", "/tmp")) / "epd-ansible-tmp"),
+            "PATH": f"{BIN}:{env.get('PATH', '')}",
+        }
+    )
     env.pop("HF_TOKEN", None)
     env.update(extra)
     return env
 
 
 def run(argv: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, cwd=REPO, env=ansible_env(**env), capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        argv, cwd=REPO, env=ansible_env(**env), capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def playbook(*args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess[str]:

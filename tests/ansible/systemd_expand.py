@@ -11,6 +11,7 @@ systemd.service(5) "Command lines", systemd.exec(5) "EnvironmentFile="):
 - env files: KEY=VALUE per line, `#`/`;` comments, unquoted values trimmed with backslash
   escapes, '...' literal, "..." with backslash escapes of `"\\`$` and line continuation.
 """
+
 from __future__ import annotations
 
 import re
@@ -33,7 +34,7 @@ def parse_unit(text: str) -> UnitFile:
     pending = ""
     for raw in text.splitlines():
         line = raw.strip()
-        if pending and (line.startswith("#") or line.startswith(";")):
+        if pending and (line.startswith(("#", ";"))):
             continue  # comment inside a continuation
         if not pending and (not line or line[0] in "#;"):
             continue
@@ -54,14 +55,14 @@ def parse_unit(text: str) -> UnitFile:
 
 def expand_specifiers(value: str, unit_name: str) -> str:
     prefix, _, rest = unit_name.partition("@")
-    instance, _, suffix = rest.rpartition(".")
+    instance, _, _suffix = rest.rpartition(".")
     name_without_suffix = unit_name.rsplit(".", 1)[0]
     table = {"i": instance, "I": instance, "n": unit_name, "N": name_without_suffix, "p": prefix, "%": "%"}
     out, index = [], 0
     while index < len(value):
         char = value[index]
         if char == "%":
-            spec = value[index + 1:index + 2]
+            spec = value[index + 1 : index + 2]
             if spec not in table:
                 raise ValueError(f"unknown specifier %{spec} in {value!r}")
             out.append(table[spec])
@@ -72,7 +73,19 @@ def expand_specifiers(value: str, unit_name: str) -> str:
     return "".join(out)
 
 
-_C_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\", '"': '"', "'": "'", "a": "\a", "b": "\b", "f": "\f", "r": "\r", "v": "\v", "s": " "}
+_C_ESCAPES = {
+    "n": "\n",
+    "t": "\t",
+    "\\": "\\",
+    '"': '"',
+    "'": "'",
+    "a": "\a",
+    "b": "\b",
+    "f": "\f",
+    "r": "\r",
+    "v": "\v",
+    "s": " ",
+}
 
 
 def split_words(value: str) -> list[tuple[str, bool]]:
@@ -121,7 +134,7 @@ def _replace_braced(word: str, env: dict[str, str]) -> str:
             if end < 0:
                 out.append(word[index:])
                 break
-            out.append(env.get(word[index + 2:end], ""))
+            out.append(env.get(word[index + 2 : end], ""))
             index = end + 1
         else:
             out.append(word[index])
@@ -136,8 +149,13 @@ def expand_command(value: str, unit_name: str, env: dict[str, str]) -> list[str]
         value = value[1:]  # exec prefixes
     argv: list[str] = []
     for word, quoted in split_words(value):
-        if not quoted and word.startswith("$") and not word.startswith("${") and not word.startswith("$$") \
-                and _VAR_NAME.fullmatch(word[1:]):
+        if (
+            not quoted
+            and word.startswith("$")
+            and not word.startswith("${")
+            and not word.startswith("$$")
+            and _VAR_NAME.fullmatch(word[1:])
+        ):
             argv.extend(env.get(word[1:], "").split())
         else:
             argv.append(_replace_braced(word, env))
@@ -230,9 +248,9 @@ def service_command(unit_text: str, unit_name: str, env_files: dict[str, str]) -
         for word, _ in split_words(expand_specifiers(assignment, unit_name)):
             key, _, value = word.partition("=")
             env[key] = value
-    for path in unit.values("Service", "EnvironmentFile"):
-        optional = path.startswith("-")
-        path = expand_specifiers(path.lstrip("-"), unit_name)
+    for entry in unit.values("Service", "EnvironmentFile"):
+        optional = entry.startswith("-")
+        path = expand_specifiers(entry.lstrip("-"), unit_name)
         if path in env_files:
             env.update(parse_env_file(env_files[path]))
         elif not optional:

@@ -4,6 +4,7 @@ The installed copy runs from an unrelated directory on a controller whose Python
 the kit (an empty `epd_kit` shadows it), so the filters use the collection's bundled
 epd_kit.plan; its render must equal the in-repo render byte for byte.
 """
+
 from __future__ import annotations
 
 import filecmp
@@ -42,14 +43,16 @@ def installed(tmp_path_factory):
     elsewhere = root / "elsewhere"
     elsewhere.mkdir()
     env = {key: value for key, value in os.environ.items() if not key.startswith("ANSIBLE_")}
-    env.update({
-        "ANSIBLE_COLLECTIONS_PATH": str(root / "collections"),
-        "ANSIBLE_LOCAL_TEMP": str(root / "ansible-tmp"),
-        "ANSIBLE_HOME": str(root / "ansible-home"),
-        "ANSIBLE_NOCOLOR": "1",
-        "PYTHONPATH": str(shadow.parent),
-        "PATH": f"{BIN}:{env.get('PATH', '')}",
-    })
+    env.update(
+        {
+            "ANSIBLE_COLLECTIONS_PATH": str(root / "collections"),
+            "ANSIBLE_LOCAL_TEMP": str(root / "ansible-tmp"),
+            "ANSIBLE_HOME": str(root / "ansible-home"),
+            "ANSIBLE_NOCOLOR": "1",
+            "PYTHONPATH": str(shadow.parent),
+            "PATH": f"{BIN}:{env.get('PATH', '')}",
+        }
+    )
     env.pop("HF_TOKEN", None)
 
     def run(*argv: str, cwd: Path = elsewhere) -> subprocess.CompletedProcess[str]:

@@ -1,4 +1,5 @@
 """Golden: the rendered single-node-1e1pd units run exactly the tutorial's VE-0 and PD-0 commands."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,9 @@ def rendered_command(out: Path, instance: str) -> tuple[list[str], dict[str, str
     host = out / HOST
     unit = (host / "etc/systemd/system/epd-engine@.service").read_text()
     env_path = f"/etc/epd/engines/{instance}.env"
-    argv, environment = service_command(unit, f"epd-engine@{instance}.service",
-                                        {env_path: (host / env_path.lstrip("/")).read_text()})
+    argv, environment = service_command(
+        unit, f"epd-engine@{instance}.service", {env_path: (host / env_path.lstrip("/")).read_text()}
+    )
     return argv, environment, json.loads((host / f"engines/{instance}.json").read_text())
 
 
@@ -36,7 +38,7 @@ def test_rendered_engine_runs_the_tutorial_command(instance, rendered):
     assert record["argv"] == argv, "render JSON and the unit disagree"
     assert Path(argv[0]).name == tutorial_argv[0] == "vllm"
     assert len(argv) == len(tutorial_argv), f"{argv[1:]} != {tutorial_argv[1:]}"
-    for position, (ours, theirs) in enumerate(zip(argv[1:], tutorial_argv[1:]), start=1):
+    for position, (ours, theirs) in enumerate(zip(argv[1:], tutorial_argv[1:], strict=False), start=1):
         flag = argv[position - 1]
         if flag in JSON_FLAGS:
             assert json.loads(ours) == json.loads(theirs), f"{flag} JSON differs"
@@ -53,5 +55,7 @@ def test_golden_parser_sees_the_tutorial_layout():
     pd_env, pd = tutorial_command("pd-0", MODEL)
     assert ve_env == {"NEURON_VISIBLE_DEVICES": "8,9,10,11"} and pd_env == {"NEURON_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     assert ve[ve.index("--port") + 1] == "18300" and pd[pd.index("--port") + 1] == "18100"
-    assert json.loads(ve[ve.index("--ec-transfer-config") + 1])["ec_connector_extra_config"]["side_channel_port"] == 14600
+    assert (
+        json.loads(ve[ve.index("--ec-transfer-config") + 1])["ec_connector_extra_config"]["side_channel_port"] == 14600
+    )
     assert ve[2] == pd[2] == MODEL and "--no-enable-prefix-caching" in ve and "--no-enable-prefix-caching" in pd

@@ -1,4 +1,5 @@
 """epd_kit.healthwait: the engines' ExecStartPost readiness gate, against real HTTP on 127.0.0.1."""
+
 from __future__ import annotations
 
 import http.server
@@ -20,7 +21,7 @@ class _Health(http.server.BaseHTTPRequestHandler):
     ready_after = 0.0
     started = 0.0
 
-    def do_GET(self):  # noqa: N802 (http.server API)
+    def do_GET(self):
         ok = self.path == "/health" and time.monotonic() - self.started >= self.ready_after
         self.send_response(200 if ok else 503)
         self.end_headers()
@@ -41,9 +42,15 @@ def server():
 
 def healthwait(url: str, timeout_s: float, env: dict | None = None) -> tuple[int, float, str]:
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "epd_kit.healthwait", url, str(timeout_s), "--interval", "0.2"],
-                            capture_output=True, text=True, timeout=30, check=False, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO / "router"), **(env or {})})
+    result = subprocess.run(
+        [sys.executable, "-m", "epd_kit.healthwait", url, str(timeout_s), "--interval", "0.2"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO / "router"), **(env or {})},
+    )
     return result.returncode, time.monotonic() - start, result.stderr
 
 

@@ -1,4 +1,5 @@
 """ansible-lint (production profile) and --syntax-check of every playbook."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,17 @@ PLAYBOOKS = sorted(p.name for p in (REPO / "playbooks").glob("*.yml"))
 
 
 def test_every_planned_playbook_exists():
-    expected = {"deploy.yml", "plan.yml", "render.yml", "start.yml", "stop.yml", "restart.yml",
-                "status.yml", "rolling_restart.yml", "teardown.yml"}
+    expected = {
+        "deploy.yml",
+        "plan.yml",
+        "render.yml",
+        "start.yml",
+        "stop.yml",
+        "restart.yml",
+        "status.yml",
+        "rolling_restart.yml",
+        "teardown.yml",
+    }
     assert expected <= set(PLAYBOOKS)
 
 
@@ -57,7 +67,9 @@ def test_entry_points_called_by_the_playbooks_are_declared():
     assert "plan" in declared["epd.kit.epd_common"]
     for path in sorted([*(REPO / "playbooks").rglob("*.yml"), *(REPO / "roles").rglob("tasks/*.yml")]):
         text = path.read_text()
-        assert not re.search(r"tasks_from: \S+\.yml", text), f"{path}: tasks_from X.yml skips entry point X's argument spec"
+        assert not re.search(r"tasks_from: \S+\.yml", text), (
+            f"{path}: tasks_from X.yml skips entry point X's argument spec"
+        )
         for role, entry in re.findall(r"name: (epd\.kit\.\w+)\n\s+tasks_from: (\w+)", text):
             if entry in ("controller", "host", "plan"):
                 assert entry in declared[role], f"{path}: {role} tasks_from {entry} is not a declared entry point"
@@ -75,7 +87,9 @@ def test_role_defaults_are_specified_with_the_same_values():
         missing = set(defaults) - set(options)
         assert not missing, f"{role.name}: defaults without a spec entry: {sorted(missing)}"
         for name, value in defaults.items():
-            assert options[name].get("default") == value, f"{role.name}: spec default of {name} differs from defaults/main.yml"
+            assert options[name].get("default") == value, (
+                f"{role.name}: spec default of {name} differs from defaults/main.yml"
+            )
 
 
 def test_argument_specs_accept_their_defaults(tmp_path):
@@ -86,17 +100,21 @@ def test_argument_specs_accept_their_defaults(tmp_path):
     for role in sorted((REPO / "roles").iterdir()):
         defaults_file = role / "defaults/main.yml"
         for entry, spec in role_entry_points(role).items():
-            plays.append({
-                "name": f"validate {role.name} {entry}",
-                "hosts": "localhost",
-                "gather_facts": False,
-                "vars_files": [str(defaults_file)] if defaults_file.exists() else [],
-                "vars": {"role_path": str(role)},
-                "tasks": [{
-                    "name": f"Validate {role.name} {entry} defaults",
-                    "ansible.builtin.validate_argument_spec": {"argument_spec": spec.get("options") or {}},
-                }],
-            })
+            plays.append(
+                {
+                    "name": f"validate {role.name} {entry}",
+                    "hosts": "localhost",
+                    "gather_facts": False,
+                    "vars_files": [str(defaults_file)] if defaults_file.exists() else [],
+                    "vars": {"role_path": str(role)},
+                    "tasks": [
+                        {
+                            "name": f"Validate {role.name} {entry} defaults",
+                            "ansible.builtin.validate_argument_spec": {"argument_spec": spec.get("options") or {}},
+                        }
+                    ],
+                }
+            )
     book = tmp_path / "validate.yml"
     book.write_text(yaml.safe_dump(plays, sort_keys=False))
     result = playbook(str(book))
@@ -113,10 +131,16 @@ def test_inventory_model_specs_match_the_planner_defaults():
     for name, value in {**planner.GLOBAL_DEFAULTS, **planner.HOST_DEFAULTS}.items():
         assert name in options, f"planner variable {name} has no entry in epd_common's plan argument spec"
         if value is not None:
-            assert options[name].get("default") == value, f"{name}: spec default {options[name].get('default')!r} != planner {value!r}"
-            assert options[name]["type"] == types[type(value)], f"{name}: spec type {options[name]['type']} for {value!r}"
+            assert options[name].get("default") == value, (
+                f"{name}: spec default {options[name].get('default')!r} != planner {value!r}"
+            )
+            assert options[name]["type"] == types[type(value)], (
+                f"{name}: spec type {options[name]['type']} for {value!r}"
+            )
     model_options = {n for n in options if n.startswith("epd_") and n not in ("epd_plan_faulted", "epd_common_replan")}
-    assert model_options == set(planner.GLOBAL_DEFAULTS) | set(planner.HOST_DEFAULTS), "spec lists a variable the planner does not read"
+    assert model_options == set(planner.GLOBAL_DEFAULTS) | set(planner.HOST_DEFAULTS), (
+        "spec lists a variable the planner does not read"
+    )
 
 
 def test_architecture_inventory_table_shows_the_planner_defaults():
@@ -126,13 +150,13 @@ def test_architecture_inventory_table_shows_the_planner_defaults():
     text = (REPO / "docs/architecture.md").read_text()
     start = text.index("## Inventory model")
     documented: dict[str, str] = {}
-    for line in text[start:text.index("\n## ", start)].splitlines():
+    for line in text[start : text.index("\n## ", start)].splitlines():
         cells = [cell.strip().replace("`", "") for cell in line.strip().strip("|").split("|")]
         if len(cells) < 3:
             continue
         names = re.findall(r"epd_\w+", cells[0])
         defaults = cells[1].split(" / ") if len(names) > 1 and " / " in cells[1] else [cells[1]] * len(names)
-        documented.update(zip(names, defaults))
+        documented.update(zip(names, defaults, strict=False))
     for name, value in {**planner.GLOBAL_DEFAULTS, **planner.HOST_DEFAULTS}.items():
         if name == "epd_model":
             expected = "(required)"
@@ -140,4 +164,6 @@ def test_architecture_inventory_table_shows_the_planner_defaults():
             expected = "unset"
         else:
             expected = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
-        assert documented.get(name) == expected, f"{name}: docs/architecture.md says {documented.get(name)!r}, the planner {expected!r}"
+        assert documented.get(name) == expected, (
+            f"{name}: docs/architecture.md says {documented.get(name)!r}, the planner {expected!r}"
+        )

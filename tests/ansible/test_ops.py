@@ -4,13 +4,13 @@ The host is this controller (ansible_connection=local) with a fake deployment in
 directory (epd_engine_env_dir, epd_router_config_file): the playbooks read the same paths deploy
 writes, from epd_common. Every probe goes to 127.0.0.1; nothing is started, stopped or written.
 """
+
 from __future__ import annotations
 
 import http.server
 import socket
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 import yaml
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.ansible
 class _Probe(http.server.BaseHTTPRequestHandler):
     """An engine that is healthy and a router that is not ready, on one port."""
 
-    def do_GET(self):  # noqa: N802 (http.server API)
+    def do_GET(self):
         self.send_response({"/health": 200, "/ready": 503}.get(self.path, 404))
         self.end_headers()
 
@@ -56,13 +56,26 @@ def deployment(tmp_path, server):
     (engines / "ve-0.env").write_text(f"EPD_HEALTH_URL='http://127.0.0.1:{closed_port()}/health'\n")
     router_config = tmp_path / "etc/router.yaml"
     router_config.write_text(yaml.safe_dump({"listen": {"host": "0.0.0.0", "port": server}}))
-    host = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable, "epd_num_ve": 1, "epd_num_pd": 1,
-            "epd_engine_env_dir": str(engines), "epd_router_config_file": str(router_config)}
+    host = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": sys.executable,
+        "epd_num_ve": 1,
+        "epd_num_pd": 1,
+        "epd_engine_env_dir": str(engines),
+        "epd_router_config_file": str(router_config),
+    }
     inventory = tmp_path / "inv"
     inventory.mkdir()
-    (inventory / "hosts.yml").write_text(yaml.safe_dump({"all": {
-        "vars": {"epd_model": "/models/m"},
-        "children": {"epd_engines": {"hosts": {"h1": host}}, "epd_router": {"hosts": {"h1": None}}}}}))
+    (inventory / "hosts.yml").write_text(
+        yaml.safe_dump(
+            {
+                "all": {
+                    "vars": {"epd_model": "/models/m"},
+                    "children": {"epd_engines": {"hosts": {"h1": host}}, "epd_router": {"hosts": {"h1": None}}},
+                }
+            }
+        )
+    )
     return inventory
 
 
@@ -70,8 +83,12 @@ def test_status_table_reads_the_deployed_engines_and_probes_them(deployment):
     result = playbook("-i", str(deployment), "playbooks/status.yml")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     rows = [line.strip(" -'") for line in result.stdout.splitlines() if " epd-" in line or "HOST " in line]
-    assert [row.split()[0:2] for row in rows] == [["HOST", "UNIT"], ["h1", "epd-engine@pd-0.service"],
-                                                  ["h1", "epd-engine@ve-0.service"], ["h1", "epd-router.service"]]
+    assert [row.split()[0:2] for row in rows] == [
+        ["HOST", "UNIT"],
+        ["h1", "epd-engine@pd-0.service"],
+        ["h1", "epd-engine@ve-0.service"],
+        ["h1", "epd-router.service"],
+    ]
     assert rows[1].endswith(" ok") and rows[2].endswith(" down (-1)") and rows[3].endswith(" not ready (503)")
 
 

@@ -1,4 +1,5 @@
 """render.yml on every example and sandbox inventory: files, argv/env, router config, systemd-analyze."""
+
 from __future__ import annotations
 
 import functools
@@ -22,7 +23,7 @@ SYSTEMD_ANALYZE = shutil.which("systemd-analyze") or "/usr/bin/systemd-analyze"
 HOST_UNIT_DIRS = [Path("/lib/systemd/system"), Path("/usr/lib/systemd/system")]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def resolved(inventory: Path) -> tuple[dict, dict[str, list[str]]]:
     return inventory_hostvars(inventory)
 
@@ -98,7 +99,9 @@ def test_readiness_gate_and_stagger_match_the_plan(inventory, rendered):
             assert environment["EPD_START_DELAY_S"] == str(engine["start_delay_s"])
             assert environment["EPD_HEALTH_URL"].endswith(f":{engine['port']}/health")
             ready = int(environment["EPD_READY_TIMEOUT_S"])
-            assert 0 < ready and ready + engine["start_delay_s"] < timeout, "healthwait must give up before systemd's timeout"
+            assert ready > 0 and ready + engine["start_delay_s"] < timeout, (
+                "healthwait must give up before systemd's timeout"
+            )
 
 
 @pytest.mark.parametrize("inventory", INVENTORIES, ids=INVENTORY_IDS)
@@ -116,8 +119,13 @@ def test_router_config_lists_every_engine_of_every_host(inventory, rendered):
         assert config["limits"]["max_image_patches"] == settings.vision_attention_block_size
         assert config["limits"]["images_per_prompt"] == settings.images_per_prompt
         assert config["listen"]["port"] == settings.router_port
-        check = subprocess.run([str(BIN / "epd-router"), "check-config", str(config_path)],
-                               capture_output=True, text=True, timeout=120, check=False)
+        check = subprocess.run(
+            [str(BIN / "epd-router"), "check-config", str(config_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert check.returncode == 0, f"epd-router check-config rejected {config_path}: {check.stdout}{check.stderr}"
 
 
@@ -148,8 +156,13 @@ def verify_rendered_host(rendered_host: Path, instances: list[str], root: Path) 
         for key in ("ExecStartPre", "ExecStart", "ExecStartPost", "ExecReload", "ExecStop"):
             for command in unit.values("Service", key):
                 _stub(root, expand_specifiers(command, "x@y.service").lstrip("-@+!:").split()[0])
-    return subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", f"--root={root}", *names],
-                          capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        [SYSTEMD_ANALYZE, "verify", "--man=no", f"--root={root}", *names],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 @pytest.mark.parametrize("inventory", INVENTORIES, ids=INVENTORY_IDS)
@@ -162,8 +175,9 @@ def test_systemd_analyze_verify_every_rendered_unit(inventory, rendered, tmp_pat
     for host in sorted(set(plan) | set(groups["epd_router"])):
         instances = [e["instance"] for e in plan.get(host, {}).get("engines", [])]
         result = verify_rendered_host(out / host, instances, tmp_path / host)
-        assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), \
+        assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), (
             f"{host}: systemd-analyze verify:\n{result.stdout}{result.stderr}"
+        )
 
 
 def test_systemd_analyze_harness_catches_a_warning(rendered, tmp_path):

@@ -2,6 +2,7 @@
 
 Timings of the expensive steps (host boot, first deploy, re-deploy, rolling restart) are
 collected with `record_timing` and printed at the end of the run (docs/sandbox.md)."""
+
 from __future__ import annotations
 
 import json
@@ -27,6 +28,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def record_timing(pytestconfig: pytest.Config) -> Callable[[str, float], None]:
     def record(name: str, seconds: float) -> None:
         pytestconfig.stash[TIMINGS][name] = round(seconds, 1)
+
     return record
 
 
@@ -40,12 +42,11 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     try:
         out = Path(hosts_env()["KIT_DIR"]) / "e2e-timings.json"
         out.write_text(json.dumps(timings, indent=2))
-    except Exception:  # noqa: BLE001 (the summary is informative only)
+    except Exception:
         pass
 
 
-def deploy_stack(pool: HostPool, inventory_dir: Path, record: Callable[[str, float], None],
-                 label: str) -> Stack:
+def deploy_stack(pool: HostPool, inventory_dir: Path, record: Callable[[str, float], None], label: str) -> Stack:
     if not (REPO / DEPLOY).exists():
         pytest.fail(f"{DEPLOY} does not exist yet: the end-to-end tier cannot deploy", pytrace=False)
     pool.require_model()
@@ -66,9 +67,9 @@ def deploy_stack(pool: HostPool, inventory_dir: Path, record: Callable[[str, flo
 
 @pytest.fixture(scope="module")
 def one_host_stack(host_pool: HostPool, record_timing) -> Iterator[Stack]:
-    yield deploy_stack(host_pool, REPO / "inventory/sandbox/one-host", record_timing, "1 host")
+    return deploy_stack(host_pool, REPO / "inventory/sandbox/one-host", record_timing, "1 host")
 
 
 @pytest.fixture(scope="module")
 def three_host_stack(host_pool: HostPool, record_timing) -> Iterator[Stack]:
-    yield deploy_stack(host_pool, REPO / "inventory/sandbox/three-host", record_timing, "3 hosts")
+    return deploy_stack(host_pool, REPO / "inventory/sandbox/three-host", record_timing, "3 hosts")

@@ -1,5 +1,6 @@
 """A deployed sandbox stack as the end-to-end tests see it: the inventory, its hosts, the
 router (real HTTP, real openai client) and a bounded load generator."""
+
 from __future__ import annotations
 
 import base64
@@ -8,7 +9,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 
@@ -16,8 +16,9 @@ from tests.hosts.harness import TestHost
 from tests.hosts.sandbox import SandboxInventory
 
 
-def wait_for(predicate: Callable[[], object], *, timeout: float, interval: float = 0.3,
-             what: str = "condition") -> object:
+def wait_for(
+    predicate: Callable[[], object], *, timeout: float, interval: float = 0.3, what: str = "condition"
+) -> object:
     """Poll until predicate() is truthy; bounded in time. Returns its value."""
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
@@ -26,11 +27,12 @@ def wait_for(predicate: Callable[[], object], *, timeout: float, interval: float
             value = predicate()
             if value:
                 return value
-        except Exception as exc:  # noqa: BLE001 (poll again; report the last error)
+        except Exception as exc:
             last_error = exc
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}"
-                         + (f" (last error: {last_error!r})" if last_error else ""))
+    raise AssertionError(
+        f"timed out after {timeout:.0f}s waiting for {what}" + (f" (last error: {last_error!r})" if last_error else "")
+    )
 
 
 def image_data_url(color: tuple[int, int, int], edge: int = 64) -> str:
@@ -44,10 +46,15 @@ def image_data_url(color: tuple[int, int, int], edge: int = 64) -> str:
 
 
 def image_message(text: str, color: tuple[int, int, int]) -> list[dict]:
-    return [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": image_data_url(color)}},
-        {"type": "text", "text": text},
-    ]}]
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": image_data_url(color)}},
+                {"type": "text", "text": text},
+            ],
+        }
+    ]
 
 
 def engines_of(pools: object) -> list[dict]:
@@ -106,11 +113,15 @@ class Stack:
         def ready() -> bool:
             with self.http(3) as client:
                 return client.get("/ready").status_code == 200
+
         wait_for(ready, timeout=timeout, what=f"router {self.router_url}/ready = 200")
 
     def wait_engine_health(self, engine_id: str, healthy: bool, timeout: float = 60) -> None:
-        wait_for(lambda: is_healthy(self.engine(engine_id)) == healthy, timeout=timeout,
-                 what=f"{engine_id} healthy={healthy} in /pools")
+        wait_for(
+            lambda: is_healthy(self.engine(engine_id)) == healthy,
+            timeout=timeout,
+            what=f"{engine_id} healthy={healthy} in /pools",
+        )
 
     def openai(self, timeout: float = 60):
         from openai import OpenAI
@@ -122,8 +133,7 @@ class Stack:
 
     def chat(self, messages: list[dict], max_tokens: int = 8, **kwargs) -> object:
         client = self.openai()
-        return client.chat.completions.create(model=self.model_id(), messages=messages,
-                                              max_tokens=max_tokens, **kwargs)
+        return client.chat.completions.create(model=self.model_id(), messages=messages, max_tokens=max_tokens, **kwargs)
 
     def engine_host(self, instance_host: str) -> TestHost:
         return self.hosts[instance_host]
@@ -140,8 +150,9 @@ class LoadGenerator:
     """Sends chat requests (image + text) at a fixed rate from a background thread,
     bounded by count and time, and records every failure with its reason."""
 
-    def __init__(self, router_url: str, model: str, *, rate_per_s: float = 12,
-                 max_requests: int = 3000, max_seconds: float = 300) -> None:
+    def __init__(
+        self, router_url: str, model: str, *, rate_per_s: float = 12, max_requests: int = 3000, max_seconds: float = 300
+    ) -> None:
         self.router_url = router_url
         self.model = model
         self.interval = 1.0 / rate_per_s
@@ -153,7 +164,7 @@ class LoadGenerator:
         self._workers: list[threading.Thread] = []
         self._thread = threading.Thread(target=self._run, name="load-generator", daemon=True)
 
-    def __enter__(self) -> "LoadGenerator":
+    def __enter__(self) -> LoadGenerator:
         self._thread.start()
         return self
 
@@ -168,13 +179,16 @@ class LoadGenerator:
         return self.result
 
     def _one(self, client: httpx.Client, n: int) -> None:
-        body = {"model": self.model, "max_tokens": 4,
-                "messages": image_message(f"request {n}: what is in the picture?", (n % 7 * 30, 90, 200))}
+        body = {
+            "model": self.model,
+            "max_tokens": 4,
+            "messages": image_message(f"request {n}: what is in the picture?", (n % 7 * 30, 90, 200)),
+        }
         try:
             reply = client.post("/v1/chat/completions", json=body)
             ok = reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] is not None
             reason = f"HTTP {reply.status_code}: {reply.text[:200]}"
-        except Exception as exc:  # noqa: BLE001 (a failed request is the measurement)
+        except Exception as exc:
             ok, reason = False, repr(exc)
         with self._lock:
             if ok:
@@ -184,11 +198,9 @@ class LoadGenerator:
 
     def _run(self) -> None:
         start = time.monotonic()
-        with httpx.Client(base_url=self.router_url, timeout=60,
-                          limits=httpx.Limits(max_connections=64)) as client:
+        with httpx.Client(base_url=self.router_url, timeout=60, limits=httpx.Limits(max_connections=64)) as client:
             n = 0
-            while (not self._stop.is_set() and n < self.max_requests
-                   and time.monotonic() - start < self.max_seconds):
+            while not self._stop.is_set() and n < self.max_requests and time.monotonic() - start < self.max_seconds:
                 worker = threading.Thread(target=self._one, args=(client, n), daemon=True)
                 worker.start()
                 self._workers.append(worker)

@@ -1,4 +1,5 @@
 """The test hosts themselves: real systemd, sshd, the DLAMI-like base, isolation."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,16 +43,22 @@ def test_ansible_reaches_hosts_over_ssh(test_hosts, tmp_path):
     hosts = test_hosts(2)
     key = hosts[0].ssh_key
     inventory = tmp_path / "hosts.ini"
-    inventory.write_text("[nodes]\n" + "".join(f"{h.name} ansible_host={h.address}\n" for h in hosts) +
-                         "[nodes:vars]\nansible_user=root\n"
-                         f"ansible_ssh_private_key_file={key}\n"
-                         "ansible_ssh_common_args='-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null'\n"
-                         "ansible_python_interpreter=/usr/bin/python3\n")
+    inventory.write_text(
+        "[nodes]\n"
+        + "".join(f"{h.name} ansible_host={h.address}\n" for h in hosts)
+        + "[nodes:vars]\nansible_user=root\n"
+        f"ansible_ssh_private_key_file={key}\n"
+        "ansible_ssh_common_args='-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null'\n"
+        "ansible_python_interpreter=/usr/bin/python3\n"
+    )
     playbook = tmp_path / "ping.yml"
-    playbook.write_text("- hosts: nodes\n  gather_facts: false\n  tasks:\n"
-                        "    - ansible.builtin.ping:\n"
-                        "    - ansible.builtin.command: systemctl is-system-running\n"
-                        "      register: state\n      changed_when: false\n      failed_when: state.stdout not in ['running', 'degraded']\n")
+    playbook.write_text(
+        "- hosts: nodes\n  gather_facts: false\n  tasks:\n"
+        "    - ansible.builtin.ping:\n"
+        "    - ansible.builtin.command: systemctl is-system-running\n"
+        "      register: state\n      changed_when: false\n"
+        "      failed_when: state.stdout not in ['running', 'degraded']\n"
+    )
     result = ansible_playbook(inventory, str(playbook))
     assert result.returncode == 0, result.describe()
     assert set(result.recap) == {"n1", "n2"} and result.changed == 0

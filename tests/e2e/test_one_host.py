@@ -1,6 +1,7 @@
 """One host (inventory/sandbox/one-host: 1 VE + 2 PD + router on n1), deployed with the real
 playbook over SSH, driven with systemctl and the real openai client. Tests run in file
 order on one deployment; each leaves the stack as it found it, except the last (teardown)."""
+
 from __future__ import annotations
 
 import time
@@ -12,12 +13,17 @@ from tests.hosts.harness import ansible_playbook
 
 pytestmark = pytest.mark.systemd
 
-ENGINES = {"epd-engine@pd-0.service": "epd-pd-0", "epd-engine@pd-1.service": "epd-pd-1",
-           "epd-engine@ve-0.service": "epd-ve-0"}
+ENGINES = {
+    "epd-engine@pd-0.service": "epd-pd-0",
+    "epd-engine@pd-1.service": "epd-pd-1",
+    "epd-engine@ve-0.service": "epd-ve-0",
+}
 RED, BLUE = (200, 30, 30), (30, 30, 200)
 # everything the kit writes on a host (teardown must remove all of it; --check must touch none)
-KIT_FILES = "/etc/epd /etc/systemd/system/epd-engine@.service /etc/systemd/system/epd-router.service " \
-            "/etc/systemd/system/epd-engines.target /etc/systemd/system/epd.target"
+KIT_FILES = (
+    "/etc/epd /etc/systemd/system/epd-engine@.service /etc/systemd/system/epd-router.service "
+    "/etc/systemd/system/epd-engines.target /etc/systemd/system/epd.target"
+)
 
 
 def kit_state(host) -> str:
@@ -32,8 +38,9 @@ def test_deploy_starts_every_unit_and_the_router_sees_all_engines(one_host_stack
     for unit in [*ENGINES, "epd-router.service", "epd-engines.target", "epd.target"]:
         assert n1.is_active(unit) == "active", f"{unit}:\n{n1.journal(unit)}"
     # enabled = the stack comes back after a reboot (ask inside the host: see docs/sandbox.md)
-    enabled = n1.run("systemctl is-enabled epd.target epd-engines.target epd-router.service "
-                     + " ".join(ENGINES)).stdout.split()
+    enabled = n1.run(
+        "systemctl is-enabled epd.target epd-engines.target epd-router.service " + " ".join(ENGINES)
+    ).stdout.split()
     assert set(enabled) == {"enabled"}, enabled
     pools = {e["id"]: e for e in one_host_stack.pools()}
     assert set(pools) == set(ENGINES.values())
@@ -60,8 +67,12 @@ def test_text_image_and_streaming_requests(one_host_stack):
     assert red.usage.prompt_tokens > text.usage.prompt_tokens  # image tokens are in the prompt
 
     stream = stack.openai().chat.completions.create(
-        model=stack.model_id(), messages=image_message("What is in the picture?", RED), max_tokens=16,
-        stream=True, stream_options={"include_usage": True})
+        model=stack.model_id(),
+        messages=image_message("What is in the picture?", RED),
+        max_tokens=16,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == red.choices[0].message.content
@@ -94,9 +105,15 @@ def test_kill_9_restarts_the_engine_and_the_router_readmits_it(one_host_stack):
     stack.wait_engine_health("epd-pd-0", False, timeout=15)
     for i in range(3):  # ... and serves meanwhile with pd-1
         assert stack.chat(image_message(f"while pd-0 is down #{i}", BLUE), max_tokens=4).choices
-    after = wait_for(lambda: (s := n1.show(unit, "MainPID", "NRestarts", "ActiveState"))["ActiveState"] == "active"
-                     and s["MainPID"] not in ("0", before["MainPID"]) and s,
-                     timeout=90, what=f"systemd to restart {unit}")
+    after = wait_for(
+        lambda: (
+            (s := n1.show(unit, "MainPID", "NRestarts", "ActiveState"))["ActiveState"] == "active"
+            and s["MainPID"] not in ("0", before["MainPID"])
+            and s
+        ),
+        timeout=90,
+        what=f"systemd to restart {unit}",
+    )
     assert int(after["NRestarts"]) == int(before["NRestarts"]) + 1
     assert n1.run(f"journalctl -q --no-pager -u {unit} | grep -c 'status=9/KILL'").stdout.strip() == "1"
     stack.wait_engine_health("epd-pd-0", True, timeout=60)  # readmitted
@@ -129,8 +146,12 @@ def test_teardown_leaves_the_host_clean(one_host_stack):
     result = ansible_playbook(one_host_stack.inventory.directory, "playbooks/teardown.yml")
     assert result.returncode == 0, result.describe()
     assert n1.units("epd*") == [], n1.units("epd*")
-    leftovers = n1.run("ls -d /etc/epd /var/cache/epd /etc/systemd/system/epd* "
-                       "/etc/systemd/system/*.wants/epd* 2>/dev/null; getent passwd epd; getent group epd; true").stdout
+    leftovers = n1.run(
+        "ls -d /etc/epd /var/cache/epd /etc/systemd/system/epd* "
+        "/etc/systemd/system/*.wants/epd* 2>/dev/null; getent passwd epd; getent group epd; true"
+    ).stdout
     assert leftovers.strip() == "", f"teardown left: {leftovers}"
     assert n1.run("pgrep -f 'epd-(sim|router)'", check=False).returncode != 0
-    assert n1.run("test -e /models/tiny-qwen3-vl/config.json", check=False).returncode == 0  # never the operator's model
+    assert (
+        n1.run("test -e /models/tiny-qwen3-vl/config.json", check=False).returncode == 0
+    )  # never the operator's model

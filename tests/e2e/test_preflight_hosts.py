@@ -1,5 +1,6 @@
 """Preflight on real hosts: a bound port and a missing model directory fail the deploy
 before any unit or env file is written."""
+
 from __future__ import annotations
 
 import pytest

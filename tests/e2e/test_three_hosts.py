@@ -1,5 +1,6 @@
 """Three hosts (inventory/sandbox/three-host): VEs on n1, PDs on n2, the router on n3,
 engines bound to their private addresses. Tests run in file order on one deployment."""
+
 from __future__ import annotations
 
 import time
@@ -15,8 +16,10 @@ pytestmark = pytest.mark.systemd
 # what the planner must derive from inventory/sandbox/three-host (ids fleet-wide, ports per host)
 EXPECTED_VE = {"epd-ve-0": "http://10.213.0.11:18300", "epd-ve-1": "http://10.213.0.11:18301"}
 EXPECTED_PD = {"epd-pd-0": "http://10.213.0.12:18100", "epd-pd-1": "http://10.213.0.12:18101"}
-ENGINE_UNITS = {"n1": ["epd-engine@ve-0.service", "epd-engine@ve-1.service"],
-                "n2": ["epd-engine@pd-0.service", "epd-engine@pd-1.service"]}
+ENGINE_UNITS = {
+    "n1": ["epd-engine@ve-0.service", "epd-engine@ve-1.service"],
+    "n2": ["epd-engine@pd-0.service", "epd-engine@pd-1.service"],
+}
 
 
 def main_pids(stack) -> dict[str, str]:
@@ -82,8 +85,9 @@ def test_second_deploy_changes_nothing_on_any_host(three_host_stack, record_timi
 def test_rolling_restart_under_load_fails_no_request(three_host_stack, record_timing):
     stack = three_host_stack
     before = main_pids(stack)
-    with LoadGenerator(stack.router_url, stack.model_id(), rate_per_s=12,
-                       max_requests=12 * 240, max_seconds=240) as load:
+    with LoadGenerator(
+        stack.router_url, stack.model_id(), rate_per_s=12, max_requests=12 * 240, max_seconds=240
+    ) as load:
         time.sleep(2)
         start = time.monotonic()
         result = ansible_playbook(stack.inventory.directory, "playbooks/rolling_restart.yml", timeout=400)
@@ -106,8 +110,12 @@ def test_adding_an_engine_host_reloads_the_router_and_restarts_no_engine(three_h
         base = REPO / "inventory/sandbox/three-host"
         hosts_yml = yaml.safe_load((base / "hosts.yml").read_text())
         hosts_yml["all"]["children"]["epd_engines"]["hosts"]["n4"] = {
-            "ansible_host": n4.address, "epd_bind_address": n4.address,
-            "epd_num_ve": 0, "epd_num_pd": 1, "epd_core_count": 8}
+            "ansible_host": n4.address,
+            "epd_bind_address": n4.address,
+            "epd_num_ve": 0,
+            "epd_num_pd": 1,
+            "epd_core_count": 8,
+        }
         inventory = write_inventory(tmp_path / "four-host", base, hosts_yml)
         engines_before = main_pids(stack)
         router_before = stack.hosts["n3"].show("epd-router.service", "MainPID", "NRestarts")
@@ -115,10 +123,17 @@ def test_adding_an_engine_host_reloads_the_router_and_restarts_no_engine(three_h
         assert result.returncode == 0, result.describe()
         assert n4.is_active("epd-engine@pd-2.service") == "active"
         assert main_pids(stack) == engines_before, "an existing engine was restarted"
-        assert stack.hosts["n3"].show("epd-router.service", "MainPID", "NRestarts") == router_before, \
+        assert stack.hosts["n3"].show("epd-router.service", "MainPID", "NRestarts") == router_before, (
             "the router was restarted instead of reloaded"
-        wait_for(lambda: any(e["id"] == "epd-pd-2" and e["url"] == f"http://{n4.address}:18100" and is_healthy(e)
-                             for e in stack.pools()), timeout=30, what="epd-pd-2 in the router's pools")
+        )
+        wait_for(
+            lambda: any(
+                e["id"] == "epd-pd-2" and e["url"] == f"http://{n4.address}:18100" and is_healthy(e)
+                for e in stack.pools()
+            ),
+            timeout=30,
+            what="epd-pd-2 in the router's pools",
+        )
         for i in range(4):
             assert stack.chat(image_message(f"with a fourth host #{i}", (90, 200, 90)), max_tokens=4).choices
     finally:

@@ -1,6 +1,7 @@
 """The tutorial's 1E1PD engine commands (tutorial_ve0.sh / tutorial_pd0.sh, verbatim), parsed.
 
 One source for every golden test: the planner's argv (tier 1) and the rendered units (tier 2)."""
+
 from __future__ import annotations
 
 import shlex
@@ -8,8 +9,12 @@ from pathlib import Path
 
 GOLDEN = Path(__file__).parent
 # "Prepare your environment": exported in every engine terminal (local checkpoint: HF_HUB_OFFLINE=1)
-TUTORIAL_EXPORTS = {"FI_EFA_ENABLE_SHM_TRANSFER": "0", "FI_EFA_USE_DEVICE_RDMA": "1",
-                    "VLLM_NEURON_COMPILATION_TIMEOUT": "6000", "HF_HUB_OFFLINE": "1"}
+TUTORIAL_EXPORTS = {
+    "FI_EFA_ENABLE_SHM_TRANSFER": "0",
+    "FI_EFA_USE_DEVICE_RDMA": "1",
+    "VLLM_NEURON_COMPILATION_TIMEOUT": "6000",
+    "HF_HUB_OFFLINE": "1",
+}
 FILES = {"ve-0": "tutorial_ve0.sh", "pd-0": "tutorial_pd0.sh"}
 
 

@@ -10,6 +10,7 @@ Tests that use them are marked `@pytest.mark.systemd`. Outside `scripts/test.sh`
 root, or not inside the kithub namespace) the fixtures FAIL with instructions: a tier
 that cannot run is never skipped silently.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -20,8 +21,10 @@ import pytest
 from tests.hosts.harness import HostPool, TestHost, environment_problem, hosts_env
 from tests.hosts.seed import seed_dir
 
-HOW_TO_RUN = ("run this tier through the test command, which creates the namespace, boots the "
-              "hosts and tears them down:  sudo scripts/test.sh tests/e2e  (see docs/sandbox.md)")
+HOW_TO_RUN = (
+    "run this tier through the test command, which creates the namespace, boots the "
+    "hosts and tears them down:  sudo scripts/test.sh tests/e2e  (see docs/sandbox.md)"
+)
 
 
 @pytest.fixture(scope="session")
@@ -44,8 +47,10 @@ def host_pool() -> Iterator[HostPool]:
 @pytest.fixture(scope="session")
 def test_hosts(host_pool: HostPool) -> Callable[[int], list[TestHost]]:
     """Factory: test_hosts(n) -> [n1..nn], booted on first use and shared by the session."""
+
     def hosts(count: int) -> list[TestHost]:
         if not 1 <= count <= 9:
             raise ValueError("test_hosts(n) serves n1..n9")
         return host_pool.ensure(count)
+
     return hosts

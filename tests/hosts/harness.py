@@ -5,6 +5,7 @@ offers the helpers tests need: `systemctl -M`, commands inside a host, ssh, jour
 and writing Ansible inventories that point at the hosts. Names and addresses reserved
 for tests and the demo: n1-n9 = 10.213.0.11-19 (docs/sandbox.md).
 """
+
 from __future__ import annotations
 
 import os
@@ -55,19 +56,28 @@ def environment_problem() -> str | None:
     if os.geteuid() != 0:
         return "the real-systemd tier needs root"
     if not in_hub_netns():
-        return (f"pytest is not running inside the '{HUB_NETNS}' network namespace, so the test "
-                "hosts are unreachable (and must stay isolated)")
+        return (
+            f"pytest is not running inside the '{HUB_NETNS}' network namespace, so the test "
+            "hosts are unreachable (and must stay isolated)"
+        )
     return None
 
 
-def run(argv: list[str], *, check: bool = True, timeout: float = 120, input: str | None = None,
-        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run(
+    argv: list[str],
+    *,
+    check: bool = True,
+    timeout: float = 120,
+    input: str | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
     """subprocess.run with text output; on failure the error carries stdout and stderr."""
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, input=input,
-                          env=env)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, input=input, env=env, check=False)
     if check and proc.returncode != 0:
-        raise AssertionError(f"command failed (rc={proc.returncode}): {shlex.join(argv)}\n"
-                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"command failed (rc={proc.returncode}): {shlex.join(argv)}\n"
+            f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
@@ -97,12 +107,12 @@ class TestHost:
 
     def run(self, command: str, *, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """Run a shell command inside the host (all its namespaces, as root)."""
-        return run(["nsenter", "-t", str(self.leader_pid()), "-a", "/bin/sh", "-c", command],
-                   check=check, timeout=timeout)
+        return run(
+            ["nsenter", "-t", str(self.leader_pid()), "-a", "/bin/sh", "-c", command], check=check, timeout=timeout
+        )
 
     def ssh(self, command: str, *, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return run(["ssh", *ssh_options(self.ssh_key), f"root@{self.address}", command],
-                   check=check, timeout=timeout)
+        return run(["ssh", *ssh_options(self.ssh_key), f"root@{self.address}", command], check=check, timeout=timeout)
 
     def is_active(self, unit: str) -> str:
         return self.systemctl("is-active", unit, check=False).stdout.strip()
@@ -121,8 +131,20 @@ class TestHost:
 
 
 def ssh_options(key: str) -> list[str]:
-    return ["-i", key, "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
-            "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR", "-o", "ConnectTimeout=3"]
+    return [
+        "-i",
+        key,
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "StrictHostKeyChecking=no",
+        "-o",
+        "UserKnownHostsFile=/dev/null",
+        "-o",
+        "LogLevel=ERROR",
+        "-o",
+        "ConnectTimeout=3",
+    ]
 
 
 class HostPool:
@@ -218,13 +240,14 @@ class PlaybookResult:
 _RECAP_LINE = re.compile(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$")
 
 
-def ansible_playbook(inventory: Path | str, playbook: str, *args: str, timeout: float = 600,
-                     env: dict[str, str] | None = None) -> PlaybookResult:
+def ansible_playbook(
+    inventory: Path | str, playbook: str, *args: str, timeout: float = 600, env: dict[str, str] | None = None
+) -> PlaybookResult:
     """Run ansible-playbook from the repo root (its ansible.cfg) and parse the recap."""
     argv = [str(REPO / ".venv/bin/ansible-playbook"), "-i", str(inventory), str(REPO / playbook), *args]
     full_env = dict(os.environ, ANSIBLE_FORCE_COLOR="0", ANSIBLE_NOCOLOR="1", **(env or {}))
     full_env["PATH"] = f"{REPO / '.venv/bin'}:{full_env.get('PATH', '/usr/bin:/bin')}"
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env, check=False)
     recap: dict[str, dict[str, int]] = {}
     in_recap = False
     for line in proc.stdout.splitlines():

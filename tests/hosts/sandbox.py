@@ -8,6 +8,7 @@ talk to the deployed router with the real `openai` client, print a status table.
 
 Must run inside the kithub network namespace (the router lives on a test host).
 """
+
 from __future__ import annotations
 
 import base64
@@ -23,7 +24,7 @@ import yaml
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.hosts.harness import NET_PREFIX, run  # noqa: E402
+from tests.hosts.harness import NET_PREFIX, run
 
 DEFAULT_ROUTER_PORT = 18800  # docs/architecture.md, epd_router_port
 
@@ -31,13 +32,13 @@ DEFAULT_ROUTER_PORT = 18800  # docs/architecture.md, epd_router_port
 @dataclass(frozen=True)
 class SandboxInventory:
     directory: Path
-    hosts: dict[str, str]          # name -> address, every host
+    hosts: dict[str, str]  # name -> address, every host
     engine_hosts: list[str]
     router_hosts: list[str]
     group_vars: dict
 
     @classmethod
-    def load(cls, directory: Path | str) -> "SandboxInventory":
+    def load(cls, directory: Path | str) -> SandboxInventory:
         directory = Path(directory)
         doc = yaml.safe_load((directory / "hosts.yml").read_text())
         children = doc["all"]["children"]
@@ -87,8 +88,9 @@ def demo_image_png(edge: int = 224) -> bytes:
     return buffer.getvalue()
 
 
-def chat_request(router_url: str, text: str = "Describe this image in one sentence.",
-                 max_tokens: int = 24) -> tuple[str, object]:
+def chat_request(
+    router_url: str, text: str = "Describe this image in one sentence.", max_tokens: int = 24
+) -> tuple[str, object]:
     """One request through the router with the official openai client; returns (model, response)."""
     from openai import OpenAI
 
@@ -97,25 +99,32 @@ def chat_request(router_url: str, text: str = "Describe this image in one senten
     data_url = "data:image/png;base64," + base64.b64encode(demo_image_png()).decode()
     response = client.chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": data_url}},
-            {"type": "text", "text": text},
-        ]}],
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url}},
+                    {"type": "text", "text": text},
+                ],
+            }
+        ],
         max_tokens=max_tokens,
     )
     return model, response
 
 
 def get_json(url: str, timeout: float = 5) -> object:
-    with urllib.request.urlopen(url, timeout=timeout) as reply:  # noqa: S310 (sandbox address only)
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
         return json.load(reply)
 
 
 def status_table(inventory: SandboxInventory) -> str:
     rows = [("host", "address", "unit", "active", "sub")]
     for name in inventory.hosts:
-        out = run(["systemctl", "-M", name, "list-units", "--all", "--plain", "--no-legend",
-                   "--no-pager", "epd*"], check=False).stdout
+        out = run(
+            ["systemctl", "-M", name, "list-units", "--all", "--plain", "--no-legend", "--no-pager", "epd*"],
+            check=False,
+        ).stdout
         units = [line.split() for line in out.splitlines() if line.strip()]
         if not units:
             rows.append((name, inventory.hosts[name], "(no epd units)", "-", "-"))
@@ -133,7 +142,7 @@ def pools_table(pools: object) -> str:
 
 def format_rows(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in rows)
 
 
 def main(argv: list[str]) -> int:
@@ -151,8 +160,10 @@ def main(argv: list[str]) -> int:
         choice = response.choices[0]
         print(f"model:    {model}")
         print(f"answer:   {choice.message.content!r}")
-        print(f"finish:   {choice.finish_reason}; usage: {response.usage.prompt_tokens} prompt + "
-              f"{response.usage.completion_tokens} completion tokens")
+        print(
+            f"finish:   {choice.finish_reason}; usage: {response.usage.prompt_tokens} prompt + "
+            f"{response.usage.completion_tokens} completion tokens"
+        )
     elif command == "status":
         print(status_table(inventory))
         try:

@@ -5,6 +5,7 @@ checkpoint builder's source, so it is built once per change.
 
     python tests/hosts/seed.py      prints the seed directory (builds it if needed)
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -18,7 +19,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.hosts.harness import HOST_MODEL_DIR, hosts_env  # noqa: E402
+from tests.hosts.harness import HOST_MODEL_DIR, hosts_env
 
 CHECKPOINT_MODULE = "epd_kit.testing.checkpoint"
 
@@ -27,8 +28,9 @@ def _builder():
     try:
         module = importlib.import_module(CHECKPOINT_MODULE)
     except ImportError as exc:
-        raise RuntimeError(f"{CHECKPOINT_MODULE} is not available yet ({exc}): the sandbox "
-                           "model cannot be built") from exc
+        raise RuntimeError(
+            f"{CHECKPOINT_MODULE} is not available yet ({exc}): the sandbox model cannot be built"
+        ) from exc
     for name in ("build_checkpoint", "write_checkpoint", "make_checkpoint", "build_tiny_checkpoint"):
         if callable(getattr(module, name, None)):
             return module, getattr(module, name)

@@ -8,6 +8,7 @@ the same builder, cache and pins as the role: the deploy then finds it cached.
 
     python tests/hosts/wheelhouse.py      prints the builder's JSON line
 """
+
 from __future__ import annotations
 
 import subprocess

@@ -7,11 +7,32 @@ from bench import router_overhead
 
 
 def test_router_overhead_tiny(tmp_path):
-    rec = router_overhead.main([
-        "--concurrency", "2", "--kinds", "text", "image-distinct", "--text-requests", "8",
-        "--image-requests", "3", "--cell-seconds", "5", "--rounds", "1", "--text-rounds", "1", "--reuse-proxies", "--loadgen-cpu", "", "--proxy-cpu", "",
-        "--out-dir", str(tmp_path),
-    ])
+    rec = router_overhead.main(
+        [
+            "--concurrency",
+            "2",
+            "--kinds",
+            "text",
+            "image-distinct",
+            "--text-requests",
+            "8",
+            "--image-requests",
+            "3",
+            "--cell-seconds",
+            "5",
+            "--rounds",
+            "1",
+            "--text-rounds",
+            "1",
+            "--reuse-proxies",
+            "--loadgen-cpu",
+            "",
+            "--proxy-cpu",
+            "",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     cells = rec.results["cells"]
     for kind in ("text", "image-distinct"):
         row = cells[kind]["2"]
@@ -27,13 +48,15 @@ def test_router_overhead_tiny(tmp_path):
 
 
 def test_profile_summary_buckets():
-    raw = "\n".join([
-        "main (r.py:1);run (uvicorn/server.py:2);select (selectors.py:468) 50",
-        "main (r.py:1);_worker (concurrent/futures/thread.py:81);_prepare (epd_kit/preprocess/preprocessor.py:9);"
-        "PixelEncoder.pixel_values (epd_kit/preprocess/image.py:187);_wrapfunc (numpy/_core/fromnumeric.py:54) 30",
-        "main (r.py:1);send (httpcore/_async/connection.py:5);getpeername (asyncio/trsock.py:77) 20",
-        "main (r.py:1);_worker (concurrent/futures/thread.py:81) 40",
-    ])
+    raw = "\n".join(
+        [
+            "main (r.py:1);run (uvicorn/server.py:2);select (selectors.py:468) 50",
+            "main (r.py:1);_worker (concurrent/futures/thread.py:81);_prepare (epd_kit/preprocess/preprocessor.py:9);"
+            "PixelEncoder.pixel_values (epd_kit/preprocess/image.py:187);_wrapfunc (numpy/_core/fromnumeric.py:54) 30",
+            "main (r.py:1);send (httpcore/_async/connection.py:5);getpeername (asyncio/trsock.py:77) 20",
+            "main (r.py:1);_worker (concurrent/futures/thread.py:81) 40",
+        ]
+    )
     s = router_overhead.summarize_stacks(raw)
     assert s["samples"] == 140 and s["busy_samples"] == 50
     assert s["share_of_busy"]["preprocess: pixel_values (numpy)"] == 0.6

@@ -14,8 +14,9 @@ from bench import pd_placement_sim, preprocess, ve_placement
 
 
 def test_ve_placement_tiny(tmp_path):
-    rec = ve_placement.main(["--requests", "400", "--catalogue", "300", "--cache-items", "16",
-                             "--zipf", "1.2", "--out-dir", str(tmp_path)])
+    rec = ve_placement.main(
+        ["--requests", "400", "--catalogue", "300", "--cache-items", "16", "--zipf", "1.2", "--out-dir", str(tmp_path)]
+    )
     res = rec.results["by_zipf"]["1.2"]
     assert 0 < res["ceiling_hit_rate"] < 1
     names = list(res["policies"])
@@ -45,8 +46,23 @@ def test_pd_placement_sim_tiny(tmp_path):
 
 def test_preprocess_tiny(tmp_path):
     pytest.importorskip("transformers")
-    rec = preprocess.main(["--cold-images", "2", "--warm-images", "1", "--min-seconds", "0.05",
-                           "--warmup-images", "0", "--cpu", "", "--no-plot", "--out-dir", str(tmp_path)])
+    rec = preprocess.main(
+        [
+            "--cold-images",
+            "2",
+            "--warm-images",
+            "1",
+            "--min-seconds",
+            "0.05",
+            "--warmup-images",
+            "0",
+            "--cpu",
+            "",
+            "--no-plot",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     for size in ("512x512", "1024x768"):
         r = rec.results["sizes"][size]
         assert r["wire_identical_images_checked"] >= 3
@@ -57,9 +73,25 @@ def test_preprocess_tiny(tmp_path):
 def test_pd_placement_http_tiny(tmp_path):
     from bench import pd_placement
 
-    rec = pd_placement.main(["--requests", "10", "--pds", "2", "--decode-ms", "0.2",
-                             "--prefill-ms-per-1k", "10", "--des-requests", "200",
-                             "--deadline-s", "20", "--no-plot", "--out-dir", str(tmp_path)])
+    rec = pd_placement.main(
+        [
+            "--requests",
+            "10",
+            "--pds",
+            "2",
+            "--decode-ms",
+            "0.2",
+            "--prefill-ms-per-1k",
+            "10",
+            "--des-requests",
+            "200",
+            "--deadline-s",
+            "20",
+            "--no-plot",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     http = rec.results["http"]["policies"]
     for r in http.values():
         assert r.errors == 0, r.error_examples

@@ -21,7 +21,10 @@ def fake_tree(root, devices=16, cores=4, fail=None, req=None):
     for d in range(devices):
         for c in range(cores):
             info = root / f"neuron{d}" / f"neuron_core{c}" / "stats" / "other_info"
-            for counter, value in (("reset_fail_count", fail.get((d, c), 0)), ("reset_req_count", (req or {}).get((d, c), 1))):
+            for counter, value in (
+                ("reset_fail_count", fail.get((d, c), 0)),
+                ("reset_req_count", (req or {}).get((d, c), 1)),
+            ):
                 (info / counter).mkdir(parents=True, exist_ok=True)
                 (info / counter / "total").write_text(f"{value}\n")
     return root
@@ -73,7 +76,9 @@ def test_unparsable_and_missing_counters_are_reported_not_faulted(tmp_path):
 
 def test_scan_result_feeds_the_planner(tmp_path):
     result = scan(str(fake_tree(tmp_path / "nd", fail={(1, 0): 1})))
-    hostvars = {"n1": {"epd_model": "/models/m", "epd_num_ve": 1, "epd_num_pd": 1, "ansible_facts": {"epd_neuron": result}}}
+    hostvars = {
+        "n1": {"epd_model": "/models/m", "epd_num_ve": 1, "epd_num_pd": 1, "ansible_facts": {"epd_neuron": result}}
+    }
     fleet_plan = plan.plan_from_hostvars(hostvars, ["n1"])
     cores = {e["instance"]: e["cores"] for e in fleet_plan["n1"]["engines"]}
     assert cores == {"pd-0": list(range(8, 16)), "ve-0": [0, 1, 2, 3]}
@@ -83,12 +88,35 @@ def test_scan_result_feeds_the_planner(tmp_path):
 @pytest.mark.ansible
 def test_module_runs_under_ansible_in_check_mode(tmp_path):
     root = fake_tree(tmp_path / "nd", devices=2, fail={(1, 2): 4})
-    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
-           "ANSIBLE_STDOUT_CALLBACK": "minimal", "ANSIBLE_CALLBACK_RESULT_FORMAT": "json"}
+    env = {
+        **os.environ,
+        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_STDOUT_CALLBACK": "minimal",
+        "ANSIBLE_CALLBACK_RESULT_FORMAT": "json",
+    }
     result = subprocess.run(
-        [str(Path(sys.executable).parent / "ansible"), "localhost", "-i", "localhost,", "-c", "local", "--check",
-         "-e", f"ansible_python_interpreter={sys.executable}", "-m", "epd.kit.epd_neuron_facts", "-a", f"root={root}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
+        [
+            str(Path(sys.executable).parent / "ansible"),
+            "localhost",
+            "-i",
+            "localhost,",
+            "-c",
+            "local",
+            "--check",
+            "-e",
+            f"ansible_python_interpreter={sys.executable}",
+            "-m",
+            "epd.kit.epd_neuron_facts",
+            "-a",
+            f"root={root}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     head, _, body = result.stdout.partition(" => ")

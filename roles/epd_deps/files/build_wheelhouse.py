@@ -10,6 +10,7 @@ pins and the controller's Python version, cached under --cache, and packed as on
 hosts and repeated runs reuse it. Third-party wheels are cached separately (keyed without the
 kit's sources), so a code change rebuilds offline. Prints one JSON line: {key, archive, python, changed}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,12 @@ SOURCE_SUFFIXES = {".py", ".json", ".jinja", ".j2", ".txt", ".typed", ".yaml", "
 def source_files(repo: Path) -> list[Path]:
     files = [repo / "pyproject.toml"]
     for path in sorted((repo / "router").rglob("*")):
-        if path.is_file() and path.suffix in SOURCE_SUFFIXES and "egg-info" not in str(path) and "__pycache__" not in path.parts:
+        if (
+            path.is_file()
+            and path.suffix in SOURCE_SUFFIXES
+            and "egg-info" not in str(path)
+            and "__pycache__" not in path.parts
+        ):
             files.append(path)
     return files
 
@@ -56,7 +62,17 @@ def run(argv: list[str]) -> None:
 
 def pip_command() -> list[str]:
     # fail fast without an index (e.g. inside the test network namespace) instead of retrying for minutes
-    return [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "--retries", "1", "--timeout", "15"]
+    return [
+        sys.executable,
+        "-m",
+        "pip",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--retries",
+        "1",
+        "--timeout",
+        "15",
+    ]
 
 
 def dependency_key(repo: Path, pins: list[str]) -> str:
@@ -108,8 +124,20 @@ def build(repo: Path, target: Path, cache: Path, pins: list[str]) -> None:
         kit = Path(tmp) / "kit"
         source = copy_source(repo, Path(tmp) / "src")
         # offline: the build backend comes from the dependency wheels
-        run(pip_command() + ["wheel", "--quiet", "--no-deps", "--no-index", "--find-links", str(deps),
-                            "--wheel-dir", str(kit), str(source)])
+        run(
+            pip_command()
+            + [
+                "wheel",
+                "--quiet",
+                "--no-deps",
+                "--no-index",
+                "--find-links",
+                str(deps),
+                "--wheel-dir",
+                str(kit),
+                str(source),
+            ]
+        )
         tmp_tar = target.with_suffix(".tmp")
         with tarfile.open(tmp_tar, "w") as archive:
             for wheel in sorted(deps.glob("*.whl")) + sorted(kit.glob("*.whl")):
@@ -137,14 +165,22 @@ def main() -> int:
             changed = True
         # keep the cache bounded: the newest few archives (other checkouts may still use them)
         archives = sorted(args.cache.glob("epd-wheelhouse-*.tar"), key=lambda p: p.stat().st_mtime, reverse=True)
-        for old in [p for p in archives if p != archive][max(args.keep - 1, 0):]:
+        for old in [p for p in archives if p != archive][max(args.keep - 1, 0) :]:
             old.unlink(missing_ok=True)
         current_deps = f"deps-{dependency_key(repo, args.pin)}"
         for old in args.cache.glob("deps-*"):
             if old.name != current_deps:
                 shutil.rmtree(old, ignore_errors=True)
-    print(json.dumps({"key": key, "archive": str(archive), "changed": changed,
-                      "python": f"{sys.version_info.major}.{sys.version_info.minor}"}))
+    print(
+        json.dumps(
+            {
+                "key": key,
+                "archive": str(archive),
+                "changed": changed,
+                "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+            }
+        )
+    )
     return 0
 
 

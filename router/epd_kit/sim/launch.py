@@ -37,35 +37,56 @@ def free_port(host: str = HOST) -> int:
 
 
 def engine_command(
-    role: str, model: str, port: int, *, side_channel_port: int | None = None, host: str = HOST,
-    engine_id: str | None = None, tp: int | None = None, dp: int | None = None,
-    max_model_len: int | None = None, max_num_seqs: int | None = None, images: int | None = None,
+    role: str,
+    model: str,
+    port: int,
+    *,
+    side_channel_port: int | None = None,
+    host: str = HOST,
+    engine_id: str | None = None,
+    tp: int | None = None,
+    dp: int | None = None,
+    max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+    images: int | None = None,
     blocks: int | None = None,
 ) -> plan.EngineCommand:
     """The kit's command for one local engine; a knob left unset keeps the planner's default."""
     knobs = {
-        f"epd_{role}_tp": tp, "epd_ve_dp": dp, "epd_max_model_len": max_model_len,
-        "epd_max_num_seqs": max_num_seqs, "epd_images_per_prompt": images,
+        f"epd_{role}_tp": tp,
+        "epd_ve_dp": dp,
+        "epd_max_model_len": max_model_len,
+        "epd_max_num_seqs": max_num_seqs,
+        "epd_images_per_prompt": images,
         "epd_encoder_cache_num_blocks": blocks,
     }
-    settings = plan.read_settings({
-        "epd_model": model, "epd_engine_backend": "sim",
-        **{name: value for name, value in knobs.items() if value is not None},
-    })
+    settings = plan.read_settings(
+        {
+            "epd_model": model,
+            "epd_engine_backend": "sim",
+            **{name: value for name, value in knobs.items() if value is not None},
+        }
+    )
     engine_id = engine_id or f"{settings.engine_id_prefix}-{role}-0"
     return plan.engine_command(settings, role, engine_id, host, port, side_channel_port)
 
 
-def serve_argv(role: str, model: str, port: int, *, executable: str = str(DEFAULT_SIM),
-               **knobs: object) -> list[str]:
+def serve_argv(role: str, model: str, port: int, *, executable: str = str(DEFAULT_SIM), **knobs: object) -> list[str]:
     """The kit's `serve` argv for one local engine (`knobs`: see `engine_command`)."""
     return engine_command(role, model, port, **knobs).argv(executable)  # type: ignore[arg-type]
 
 
-def _departing(command: plan.EngineCommand, executable: str, *, model: str | None,
-               max_num_batched_tokens: int | None, vab: int | None,
-               vision: Mapping[str, object], ec_extra: Mapping[str, object] | None,
-               extra_flags: Sequence[str]) -> list[str]:
+def _departing(
+    command: plan.EngineCommand,
+    executable: str,
+    *,
+    model: str | None,
+    max_num_batched_tokens: int | None,
+    vab: int | None,
+    vision: Mapping[str, object],
+    ec_extra: Mapping[str, object] | None,
+    extra_flags: Sequence[str],
+) -> list[str]:
     """The argv of `command` with the departures from the kit's command a failure test asks for."""
     if model is not None:
         command = command.replace(EPD_MODEL=model)
@@ -84,46 +105,106 @@ def _departing(command: plan.EngineCommand, executable: str, *, model: str | Non
         del argv[2]
     if tuple(extra_flags) != (plan.PREFIX_CACHING_OFF,):
         at = argv.index(plan.PREFIX_CACHING_OFF)
-        argv[at:at + 1] = list(extra_flags)
+        argv[at : at + 1] = list(extra_flags)
     return argv
 
 
-def ve_argv(model: str | None, port: int, side_channel_port: int, *, host: str = HOST,
-            tp: int | None = None, engine_id: str = "epd-ve-0", max_model_len: int | None = None,
-            max_num_batched_tokens: int | None = None, images: int | None = None,
-            extra_flags: Sequence[str] = (plan.PREFIX_CACHING_OFF,),
-            executable: str = str(DEFAULT_SIM), vab: int | None = None, blocks: int | None = None,
-            dp: int | None = None, **vision: object) -> list[str]:
+def ve_argv(
+    model: str | None,
+    port: int,
+    side_channel_port: int,
+    *,
+    host: str = HOST,
+    tp: int | None = None,
+    engine_id: str = "epd-ve-0",
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    images: int | None = None,
+    extra_flags: Sequence[str] = (plan.PREFIX_CACHING_OFF,),
+    executable: str = str(DEFAULT_SIM),
+    vab: int | None = None,
+    blocks: int | None = None,
+    dp: int | None = None,
+    **vision: object,
+) -> list[str]:
     """Tutorial Step 1; `vision` adds vision_neuron_config keys. A model of "" or None, another
     max_num_batched_tokens, vab or extra_flags depart from the kit's command on purpose."""
-    command = engine_command("ve", model or "/checkpoint", port, side_channel_port=side_channel_port,
-                             host=host, engine_id=engine_id, tp=tp, dp=dp,
-                             max_model_len=max_model_len, images=images, blocks=blocks)
-    return _departing(command, executable, model=model, max_num_batched_tokens=max_num_batched_tokens,
-                      vab=vab, vision=vision, ec_extra=None, extra_flags=extra_flags)
+    command = engine_command(
+        "ve",
+        model or "/checkpoint",
+        port,
+        side_channel_port=side_channel_port,
+        host=host,
+        engine_id=engine_id,
+        tp=tp,
+        dp=dp,
+        max_model_len=max_model_len,
+        images=images,
+        blocks=blocks,
+    )
+    return _departing(
+        command,
+        executable,
+        model=model,
+        max_num_batched_tokens=max_num_batched_tokens,
+        vab=vab,
+        vision=vision,
+        ec_extra=None,
+        extra_flags=extra_flags,
+    )
 
 
-def pd_argv(model: str | None, port: int, *, host: str = HOST, tp: int | None = None,
-            engine_id: str = "epd-pd-0", max_model_len: int | None = None,
-            max_num_seqs: int | None = None, images: int | None = None,
-            extra_flags: Sequence[str] = (plan.PREFIX_CACHING_OFF,),
-            ec_extra: Mapping[str, object] | None = None, executable: str = str(DEFAULT_SIM),
-            vab: int | None = None, blocks: int | None = None, **vision: object) -> list[str]:
+def pd_argv(
+    model: str | None,
+    port: int,
+    *,
+    host: str = HOST,
+    tp: int | None = None,
+    engine_id: str = "epd-pd-0",
+    max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+    images: int | None = None,
+    extra_flags: Sequence[str] = (plan.PREFIX_CACHING_OFF,),
+    ec_extra: Mapping[str, object] | None = None,
+    executable: str = str(DEFAULT_SIM),
+    vab: int | None = None,
+    blocks: int | None = None,
+    **vision: object,
+) -> list[str]:
     """Tutorial Step 2. `ec_extra` adds ec_connector_extra_config keys (transfer_timeout_sec)."""
-    command = engine_command("pd", model or "/checkpoint", port, host=host, engine_id=engine_id,
-                             tp=tp, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                             images=images, blocks=blocks)
-    return _departing(command, executable, model=model, max_num_batched_tokens=None, vab=vab,
-                      vision=vision, ec_extra=ec_extra, extra_flags=extra_flags)
+    command = engine_command(
+        "pd",
+        model or "/checkpoint",
+        port,
+        host=host,
+        engine_id=engine_id,
+        tp=tp,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        images=images,
+        blocks=blocks,
+    )
+    return _departing(
+        command,
+        executable,
+        model=model,
+        max_num_batched_tokens=None,
+        vab=vab,
+        vision=vision,
+        ec_extra=ec_extra,
+        extra_flags=extra_flags,
+    )
 
 
-def engine_env(cores: str, *, efa: bool = True, base: Mapping[str, str] | None = None,
-               **sim: str) -> dict[str, str]:
+def engine_env(cores: str, *, efa: bool = True, base: Mapping[str, str] | None = None, **sim: str) -> dict[str, str]:
     """The kit's engine environment (contract §6.4) + EPD_SIM_* settings (`profile="zero"`...).
     `efa=False` leaves the EFA settings out (a failure test). Inherited EPD_SIM_*, FI_EFA_* and
     NEURON_* variables are dropped so a test is explicit."""
-    env = {k: v for k, v in (os.environ if base is None else base).items()
-           if not k.startswith(("EPD_SIM_", "FI_EFA_", "NEURON_"))}
+    env = {
+        k: v
+        for k, v in (os.environ if base is None else base).items()
+        if not k.startswith(("EPD_SIM_", "FI_EFA_", "NEURON_"))
+    }
     env.update(plan.engine_env(_LOCAL_SETTINGS, [int(core) for core in cores.split(",")]))
     if not efa:
         for name in plan.EFA_ENVIRONMENT:
@@ -141,8 +222,9 @@ class SimProcess:
         self.port = int(argv[argv.index("--port") + 1])
         self.url = f"http://{'127.0.0.1' if self.host == '0.0.0.0' else self.host}:{self.port}"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(argv, env=dict(env), stdout=self._log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            argv, env=dict(env), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
 
     def log(self) -> str:
         self._log.flush()

@@ -57,7 +57,7 @@ _CORPUS: tuple[str, ...] = (
     "Compare the two images and list the differences.",
     "There are 3 apples, 12 oranges and 1024 grapes in 7 baskets.",
     "def main():\n    print('hello world')\n    return 0\n",
-    "{\"model\": \"qwen3-vl\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}",
+    '{"model": "qwen3-vl", "messages": [{"role": "user", "content": "hi"}]}',
     "Encoder disaggregation moves the vision tower onto its own pool of accelerators.",
     "Bonjour, ça va ? Très bien, merci. Déjà vu, naïve café.",
     "Grüße aus München! Über den Fluss und durch die Straße.",
@@ -134,9 +134,7 @@ def _padded(n: int, multiple: int = 64) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-def build_tiny_checkpoint(
-    path: Path, *, vocab_size: int = DEFAULT_VOCAB_SIZE, text_only: bool = False
-) -> Path:
+def build_tiny_checkpoint(path: Path, *, vocab_size: int = DEFAULT_VOCAB_SIZE, text_only: bool = False) -> Path:
     """Write the checkpoint into `path` (created if missing) and return `path`."""
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} (bytes + specials)")
@@ -185,10 +183,20 @@ def build_tiny_checkpoint(
         path / "special_tokens_map.json",
         {
             "additional_special_tokens": [t for t in SPECIAL_TOKENS if t != "<|endoftext|>"],
-            "eos_token": {"content": "<|im_end|>", "lstrip": False, "normalized": False,
-                          "rstrip": False, "single_word": False},
-            "pad_token": {"content": "<|endoftext|>", "lstrip": False, "normalized": False,
-                          "rstrip": False, "single_word": False},
+            "eos_token": {
+                "content": "<|im_end|>",
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+            },
+            "pad_token": {
+                "content": "<|endoftext|>",
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+            },
         },
     )
     eos, endoftext = ids["<|im_end|>"], ids["<|endoftext|>"]
@@ -230,8 +238,12 @@ def build_tiny_checkpoint(
     if text_only:
         _write_json(
             path / "config.json",
-            {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-             "transformers_version": "4.57.0", **text_fields},
+            {
+                "architectures": ["Qwen3ForCausalLM"],
+                "model_type": "qwen3",
+                "transformers_version": "4.57.0",
+                **text_fields,
+            },
         )
         return path
 
@@ -249,8 +261,7 @@ def build_tiny_checkpoint(
             "text_config": {
                 **text_fields,
                 "model_type": "qwen3_vl_text",
-                "rope_scaling": {"mrope_interleaved": True, "mrope_section": [4, 2, 2],
-                                 "rope_type": "default"},
+                "rope_scaling": {"mrope_interleaved": True, "mrope_section": [4, 2, 2], "rope_type": "default"},
             },
             "vision_config": {
                 "deepstack_visual_indexes": [1, 2, 3],
@@ -283,8 +294,12 @@ def build_tiny_checkpoint(
     _write_json(path / "preprocessor_config.json", image_processor)
     _write_json(
         path / "video_preprocessor_config.json",
-        {**image_processor, "size": {"longest_edge": 25165824, "shortest_edge": 4096},
-         "fps": 2, "video_processor_type": "Qwen3VLVideoProcessor"},
+        {
+            **image_processor,
+            "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+            "fps": 2,
+            "video_processor_type": "Qwen3VLVideoProcessor",
+        },
     )
     return path
 
@@ -296,12 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("directory", type=Path)
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
-    parser.add_argument("--text-only", action="store_true",
-                        help="write a Qwen3ForCausalLM (text-only) checkpoint instead")
+    parser.add_argument(
+        "--text-only", action="store_true", help="write a Qwen3ForCausalLM (text-only) checkpoint instead"
+    )
     args = parser.parse_args(argv)
     try:
-        out = build_tiny_checkpoint(args.directory, vocab_size=args.vocab_size,
-                                    text_only=args.text_only)
+        out = build_tiny_checkpoint(args.directory, vocab_size=args.vocab_size, text_only=args.text_only)
     except ValueError as exc:
         parser.error(str(exc))
     print(out)

@@ -14,8 +14,14 @@ def make_image(width: int, height: int, *, seed: int = 0, mode: str = "RGB") -> 
     """A reproducible image with structure (gradients) and noise, so resizing matters."""
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([(x * 255 // max(width - 1, 1)), (y * 255 // max(height - 1, 1)),
-                     ((x + y) * 127 // max(width + height - 2, 1))], axis=-1)
+    base = np.stack(
+        [
+            (x * 255 // max(width - 1, 1)),
+            (y * 255 // max(height - 1, 1)),
+            ((x + y) * 127 // max(width + height - 2, 1)),
+        ],
+        axis=-1,
+    )
     noise = rng.integers(0, 64, size=(height, width, 3))
     rgb = Image.fromarray(((base + noise) % 256).astype(np.uint8), "RGB")
     return rgb if mode == "RGB" else rgb.convert(mode)
