@@ -8,6 +8,11 @@ Wire value = base64 (standard alphabet) of one msgpack document:
 with every tensor inline (ext type 3, vLLM's CUSTOM_TYPE_RAW_VIEW), dtype without the
 "torch." prefix, and a `flat` field's slices as [start, stop, step] arrays. numpy stands in
 for torch: the bytes are the same for the same dtype and shape.
+
+numpy has no bfloat16, the dtype vLLM sends pixel_values in for a bfloat16 engine. Such a
+tensor travels here as its raw 16-bit words under the structured dtype `BFLOAT16`, which
+numpy refuses to do arithmetic on, so the words are never mistaken for integers:
+`to_bfloat16` makes them (round to nearest even, as torch does), `as_float32` reads them.
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ import numpy as np
 
 RAW_VIEW_EXT = 3  # vLLM CUSTOM_TYPE_RAW_VIEW
 
+BFLOAT16 = np.dtype([("bfloat16", "<u2")])  # torch.bfloat16 as raw little-endian words
+
 # torch dtype names (as vLLM writes them) <-> numpy dtypes
 _DTYPES: dict[str, np.dtype] = {
+    "bfloat16": BFLOAT16,
     "float32": np.dtype("<f4"),
     "float64": np.dtype("<f8"),
     "float16": np.dtype("<f2"),
@@ -40,6 +48,21 @@ class MMSerdeError(ValueError):
     """A kwargs_data value that is not a valid mm_serde item."""
 
 
+def to_bfloat16(values: np.ndarray) -> np.ndarray:
+    """float32 -> BFLOAT16 words, rounded to nearest even like torch's cast (NaN stays NaN)."""
+    bits = np.ascontiguousarray(values, dtype="<f4").view("<u4")
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    words = np.where(np.isnan(values), np.uint32(0x7FC0), rounded).astype("<u2")
+    return words.view(BFLOAT16)
+
+
+def as_float32(values: np.ndarray) -> np.ndarray:
+    """A float tensor of any wire dtype (BFLOAT16 words included) as float32 values."""
+    if values.dtype == BFLOAT16:
+        return (values.view("<u2").astype("<u4") << 16).view("<f4")
+    return values.astype("<f4", copy=False)
+
+
 @dataclass(frozen=True)
 class FieldSpec:
     """How vLLM rebuilds the field on the other side (`MultiModalFieldConfig.<factory>`)."""
@@ -48,12 +71,14 @@ class FieldSpec:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def batched(cls) -> FieldSpec:
-        return cls("batched", {"keep_on_cpu": False})
+    def batched(cls, *, keep_on_cpu: bool = False) -> FieldSpec:
+        return cls("batched", {"keep_on_cpu": keep_on_cpu})
 
     @classmethod
     def flat(cls, start: int, stop: int, dim: int = 0) -> FieldSpec:
-        return cls("flat", {"keep_on_cpu": False, "slices": [[start, stop, None]], "dim": dim})
+        """One item's share of a flat field, written as vLLM 0.24 writes it: a list of
+        slice tuples, each a list of [start, stop, step] (one tuple, one slice here)."""
+        return cls("flat", {"keep_on_cpu": False, "slices": [[[start, stop, None]]], "dim": dim})
 
 
 @dataclass(frozen=True)
@@ -147,11 +172,12 @@ def decode_item_b64(text: str) -> MMItem:
 
 
 def qwen_vl_item(pixel_values: np.ndarray, grid_thw: tuple[int, int, int]) -> MMItem:
-    """The full item a VE receives."""
+    """The full item a VE receives, with vLLM's field configs (Qwen2-VL's
+    `_field_config`: the grid stays on the CPU, it only steers the encoder)."""
     n = int(pixel_values.shape[0])
     return {
         "pixel_values": FieldElem(pixel_values, FieldSpec.flat(0, n)),
-        "image_grid_thw": FieldElem(np.asarray(grid_thw, dtype=np.int64), FieldSpec.batched()),
+        "image_grid_thw": FieldElem(np.asarray(grid_thw, dtype=np.int64), FieldSpec.batched(keep_on_cpu=True)),
     }
 
 

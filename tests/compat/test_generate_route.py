@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from epd_kit import mm_serde
 from tokenizers import Tokenizer
 from vllm.sampling_params import RequestOutputKind
@@ -24,7 +25,11 @@ def _features(request: Any) -> list[tuple[str, int, int]]:
 
 
 def _tensor(request_feature: Any, key: str) -> np.ndarray:
-    return request_feature.data[key].data.numpy()
+    """The tensor vLLM holds, bfloat16 as its raw words (mm_serde.BFLOAT16), as the kit holds it."""
+    data = request_feature.data[key].data
+    if data.dtype == torch.bfloat16:
+        return data.view(torch.int16).numpy().view(mm_serde.BFLOAT16)
+    return data.numpy()
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["non-stream", "stream"])

@@ -66,8 +66,6 @@ def test_the_kit_decodes_vllm_encoded_float32_items(vllm_items) -> None:
         assert mm_serde.encode_item_b64(ours) == encoded  # and writes vLLM's bytes back
 
 
-@pytest.mark.xfail(strict=True, reason=ISSUE + "the kit's decoder refuses vLLM's bfloat16 pixel_values: "
-                   "unsupported dtype 'bfloat16'")
 def test_the_kit_decodes_vllm_encoded_bfloat16_items(vllm_items) -> None:
     for _, _, kwargs_b64 in vllm_items:
         ours = mm_serde.decode_item_b64(kwargs_b64)
@@ -86,7 +84,5 @@ def test_the_sim_ve_encodes_vllm_encoded_float32_items(vllm_items, sims: SimPair
     _encodes(sims, [(h, length, _as_float32(k)) for h, length, k in vllm_items])
 
 
-@pytest.mark.xfail(strict=True, reason=ISSUE + "the sim VE answers 400 to vLLM's own items under "
-                   "--dtype bfloat16 (unsupported dtype 'bfloat16'): it would refuse the reference router")
 def test_the_sim_ve_encodes_vllm_encoded_bfloat16_items(vllm_items, sims: SimPair) -> None:
     _encodes(sims, vllm_items)

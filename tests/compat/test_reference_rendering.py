@@ -94,10 +94,12 @@ def test_vllm_renders_pixels_with_the_fast_processor_in_the_model_dtype(rendered
     assert torch.equal(_vllm_pixels(vllm_body), fast.to(torch.bfloat16))
 
 
-def test_router_pixels_equal_the_pil_processor(rendered, checkpoint) -> None:
+def test_router_pixels_equal_the_pil_processor_cast_to_the_model_dtype(rendered, checkpoint) -> None:
     _, ex = rendered["one-image"]
-    pil = _processed(checkpoint, "pil", _one_image(CHATS["one-image"])).numpy()
-    np.testing.assert_array_equal(_router_pixels(ex), pil)
+    pil = _processed(checkpoint, "pil", _one_image(CHATS["one-image"])).to(torch.bfloat16)
+    ours = _router_pixels(ex)
+    assert ours.dtype == mm_serde.BFLOAT16
+    np.testing.assert_array_equal(ours.view(np.uint16), pil.view(torch.int16).numpy().view(np.uint16))
 
 
 # --- what differs (issue 12) ---
@@ -111,8 +113,6 @@ def test_router_pixels_equal_the_fast_processor(rendered, checkpoint) -> None:
     np.testing.assert_array_equal(_router_pixels(ex), fast)
 
 
-@pytest.mark.xfail(strict=True, reason=ISSUE + "VE pixel_values travel as float32; vLLM sends the "
-                   "engine dtype, bfloat16 under --dtype bfloat16 (half the bytes)")
 def test_ve_pixels_travel_in_the_engine_dtype(rendered) -> None:
     theirs, ve_item = (field_layout(k)["pixel_values"] for k in _items(rendered)[:2])
     assert ve_item[0] == theirs[0] == "bfloat16"
@@ -127,16 +127,11 @@ def _items(rendered, chat: str = "one-image") -> tuple[str, str, str]:
     return theirs, ve_item, pd_item
 
 
-@pytest.mark.xfail(strict=True, reason=ISSUE + "image_grid_thw is written with keep_on_cpu false; "
-                   "vLLM writes true (VE and PD items)")
 def test_grid_keep_on_cpu_equals_vllms(rendered) -> None:
     theirs, ve_item, pd_item = (field_layout(k)["image_grid_thw"] for k in _items(rendered))
     assert ve_item == pd_item == theirs
 
 
-@pytest.mark.xfail(strict=True, reason=ISSUE + "(found by this tier) pixel_values' flat slices are "
-                   "[[0, n, null]]; vLLM writes [[[0, n, null]]] (one more level; metadata only, "
-                   "vLLM decodes both)")
 def test_pixel_values_field_equals_vllms(rendered) -> None:
     theirs, ve_item = (field_layout(k)["pixel_values"] for k in _items(rendered)[:2])
     assert ve_item[1:] == theirs[1:]
@@ -160,8 +155,6 @@ def test_vllm_uprights_an_exif_rotated_photo(stack: CompatStack) -> None:
     assert decode_mm_kwargs_item(kwargs_b64)["image_grid_thw"].data.tolist() == UPRIGHT_GRID
 
 
-@pytest.mark.xfail(strict=True, reason=ISSUE + "the router ignores EXIF orientation: grid [1, 22, 32] "
-                   "(sideways) where vLLM has [1, 32, 22]")
 def test_router_uprights_an_exif_rotated_photo(stack: CompatStack) -> None:
     ex = stack.chat(_exif_rotated_photo())
     (*_, kwargs_b64), = image_features(ex.ve_bodies[0])

@@ -17,8 +17,9 @@ def test_qwen_item_round_trip_and_layout():
     dtype, shape, ext = doc["pixel_values"]["data"]
     assert (dtype, shape) == ("float32", [704, 1536])
     assert isinstance(ext, msgpack.ExtType) and ext.code == 3 and len(ext.data) == 704 * 1536 * 4
-    assert doc["pixel_values"]["field"] == ["flat", {"keep_on_cpu": False, "slices": [[0, 704, None]], "dim": 0}]
-    assert doc["image_grid_thw"]["field"] == ["batched", {"keep_on_cpu": False}]
+    # vLLM 0.24's Qwen2-VL field configs, as its mm_serde writes them
+    assert doc["pixel_values"]["field"] == ["flat", {"keep_on_cpu": False, "slices": [[[0, 704, None]]], "dim": 0}]
+    assert doc["image_grid_thw"]["field"] == ["batched", {"keep_on_cpu": True}]
     item = m.decode_item(blob)
     assert m.grid_thw(item) == (1, 22, 32)
     np.testing.assert_array_equal(item["pixel_values"].data, pixels)
@@ -53,3 +54,41 @@ def test_lm_only_strips_pixels():
 def test_bad_input_is_refused_with_a_reason(text, message):
     with pytest.raises(m.MMSerdeError, match=message):
         m.decode_item_b64(text)
+
+
+def test_bfloat16_round_trip_keeps_the_words():
+    pixels = np.random.default_rng(0).standard_normal((16, 1536)).astype(np.float32)
+    words = m.to_bfloat16(pixels)
+    doc = msgpack.unpackb(m.encode_item(m.qwen_vl_item(words, (1, 4, 4))), raw=False)
+    dtype, shape, ext = doc["pixel_values"]["data"]
+    assert (dtype, shape, len(ext.data)) == ("bfloat16", [16, 1536], 16 * 1536 * 2)
+    back = m.decode_item(m.encode_item(m.qwen_vl_item(words, (1, 4, 4))))["pixel_values"].data
+    assert back.dtype == m.BFLOAT16 and back.tobytes() == words.tobytes()
+    np.testing.assert_allclose(m.as_float32(back), pixels, rtol=2**-8)  # 8 significant bits
+
+
+@pytest.mark.parametrize(
+    ("value", "word"),
+    [
+        (1.0, 0x3F80),
+        (1.0 + 2**-8, 0x3F80),  # halfway, even neighbour below
+        (1.0 + 3 * 2**-8, 0x3F82),  # halfway, even neighbour above
+        (1.0 + 2**-8 + 2**-20, 0x3F81),  # above halfway rounds up
+        (-2.5, 0xC020),
+        (float("inf"), 0x7F80),
+        (3.4e38, 0x7F80),  # rounds past the largest bfloat16: inf, as torch does
+        (1e-40, 0x0001),  # subnormals keep their top bits
+    ],
+)
+def test_to_bfloat16_rounds_to_nearest_even_like_torch(value, word):
+    assert int(m.to_bfloat16(np.array([value], np.float32)).view(np.uint16)[0]) == word
+
+
+def test_bfloat16_nan_stays_nan():
+    assert np.isnan(m.as_float32(m.to_bfloat16(np.array([np.nan], np.float32))))[0]
+
+
+def test_as_float32_reads_every_float_wire_dtype():
+    values = np.array([0.5, -1.25, 3.0], np.float32)
+    for wire in (values, values.astype(np.float16), m.to_bfloat16(values)):
+        np.testing.assert_array_equal(m.as_float32(wire), values)

@@ -4,18 +4,25 @@ The arithmetic follows transformers' Qwen2-VL image processor (PIL backend), whi
 uses with patch 16 / merge 2: PIL bicubic resize of the uint8 RGB image to the smart_resize
 size, x * rescale_factor in float64 cast to float32, (x - mean) / std in float32, then the
 patch layout (h/m, w/m, m, m, C, T, p, p) with the frame repeated T = temporal_patch_size
-times. The per-value arithmetic is done once per channel and byte value (a 256-entry lookup
-table), which gives the same floats as the elementwise path, only faster.
+times, cast to the engine's dtype (vision.pixel_dtype) as vLLM's processor casts them. The
+per-value arithmetic and the cast are done once per channel and byte value (a 256-entry
+lookup table), which gives the same values as the elementwise path, only faster.
+
+A photo's EXIF orientation is applied on decode (as vLLM's media loader does), so the
+encoder sees it upright.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
+
+from .. import mm_serde
 
 from .errors import ImageDimensionsRejected, ImageOverBudget, ImageTooLarge, NotAnImage
 from .model_files import VisionSettings
@@ -34,8 +41,8 @@ def check_encoded_size(num_bytes: int, limits: Limits) -> None:
 
 
 def decode_image(data: bytes, limits: Limits) -> Image.Image:
-    """Encoded bytes -> RGB PIL image (first frame of animations). The decode cost is
-    bounded before any pixel is decoded: bytes, pixels and frames (limits.max_image_*)."""
+    """Encoded bytes -> upright RGB PIL image (first frame of animations). The decode cost
+    is bounded before any pixel is decoded: bytes, pixels and frames (limits.max_image_*)."""
     check_encoded_size(len(data), limits)
     try:
         # open() reads only the header: check the pixel count before decoding anything.
@@ -60,7 +67,15 @@ def decode_image(data: bytes, limits: Limits) -> Image.Image:
         ) from exc
     if width == 0 or height == 0:
         raise NotAnImage(f"image has an empty dimension ({width}x{height})")
-    return to_rgb(image)
+    return to_rgb(upright(image))
+
+
+def upright(image: Image.Image) -> Image.Image:
+    """The image as displayed: its EXIF orientation applied. A broken EXIF block leaves the
+    image as stored, as vLLM's `normalize_image` does."""
+    with contextlib.suppress(Exception):
+        image = ImageOps.exif_transpose(image)
+    return image
 
 
 def _check_frames(image: Image.Image, limit: int) -> None:
@@ -173,18 +188,24 @@ def _fitting_edge(width: int, height: int, area: int) -> str:
 
 
 def _value_table(vision: VisionSettings) -> np.ndarray:
-    """(3, 256) float32: the processor's value for each channel and byte, same op order."""
+    """(3, 256): the processor's value for each channel and byte, same op order, in float32
+    and then cast to the pixel dtype (bfloat16 as raw words, mm_serde.BFLOAT16)."""
     values = np.arange(256, dtype=np.float64) * vision.rescale_factor
     values = values.astype(np.float32)
     if not vision.do_normalize:
-        return np.stack([values] * 3)
-    mean = np.asarray(vision.image_mean, dtype=np.float32)[:, None]
-    std = np.asarray(vision.image_std, dtype=np.float32)[:, None]
-    return ((values[None, :] - mean) / std).astype(np.float32)
+        table = np.stack([values] * 3)
+    else:
+        mean = np.asarray(vision.image_mean, dtype=np.float32)[:, None]
+        std = np.asarray(vision.image_std, dtype=np.float32)[:, None]
+        table = ((values[None, :] - mean) / std).astype(np.float32)
+    if vision.pixel_dtype == "bfloat16":
+        return mm_serde.to_bfloat16(table)
+    return table.astype(vision.pixel_dtype)
 
 
 class PixelEncoder:
-    """RGB image + plan -> pixel_values (t*h*w, 3*T*p*p) float32, Qwen2-VL patch order."""
+    """RGB image + plan -> pixel_values (t*h*w, 3*T*p*p) in vision.pixel_dtype, Qwen2-VL
+    patch order."""
 
     def __init__(self, vision: VisionSettings) -> None:
         self._vision = vision
@@ -201,11 +222,11 @@ class PixelEncoder:
         hwc = np.asarray(resized, dtype=np.uint8)
         height, width, _ = hwc.shape
         gh, gw = height // p, width // p
-        chw = np.empty((3, height, width), dtype=np.float32)
+        chw = np.empty((3, height, width), dtype=self._table.dtype)
         for c in range(3):  # byte -> normalized float, one table lookup per pixel
             np.take(self._table[c], hwc[:, :, c], out=chw[c])
         # (C, gh/m, m, p, gw/m, m, p) -> (gh/m, gw/m, m, m, C, p, p)
         blocks = chw.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
-        out = np.empty((gh // m, gw // m, m, m, 3, t, p, p), dtype=np.float32)
+        out = np.empty((gh // m, gw // m, m, m, 3, t, p, p), dtype=self._table.dtype)
         out[...] = blocks[:, :, :, :, :, None]  # the still frame repeated t times
         return out.reshape(gh * gw, 3 * t * p * p)

@@ -4,6 +4,10 @@ Accepts the layout of a real Qwen3-VL checkpoint (and Qwen2/2.5-VL, same keys):
 config.json, preprocessor_config.json, tokenizer.json, tokenizer_config.json, and the chat
 template from chat_template.jinja, chat_template.json or tokenizer_config.json (first found,
 the order transformers 5 uses). A checkpoint without vision_config is text-only.
+
+The dtype pixel_values travel in is the engine's model dtype, resolved as vLLM resolves
+`--dtype` (`engine_dtype`, "auto" by default) against the checkpoint's own: vLLM's processor
+casts pixel_values to it before they leave, so a VE receives what it computes in.
 """
 
 from __future__ import annotations
@@ -17,6 +21,13 @@ from typing import Any
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _BICUBIC = 3
+
+# vLLM's --dtype spellings -> the torch dtype name the wire carries
+ENGINE_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
+                 "float32": "float32", "float": "float32"}
+# `--dtype auto` keeps a 16-bit checkpoint's dtype and runs a float32 (or unlabelled) one in
+# the platform's preferred dtype, bfloat16 on Neuron (vLLM `_resolve_auto_dtype`)
+_AUTO_FROM_FLOAT32 = "bfloat16"
 
 
 class CheckpointError(ValueError):
@@ -39,6 +50,7 @@ class VisionSettings:
     image_token_id: int
     vision_start_token_id: int | None
     vision_end_token_id: int | None
+    pixel_dtype: str = "float32"  # torch dtype name pixel_values are sent in (ENGINE_DTYPES)
 
     @property
     def factor(self) -> int:
@@ -62,6 +74,7 @@ class VisionSettings:
             "rescale_factor": self.rescale_factor,
             "do_normalize": self.do_normalize,
             "resample": "bicubic",
+            "dtype": self.pixel_dtype,
         }
 
 
@@ -78,7 +91,8 @@ class CheckpointFiles:
     vision: VisionSettings | None
 
     @classmethod
-    def load(cls, path: str | Path) -> CheckpointFiles:
+    def load(cls, path: str | Path, *, engine_dtype: str = "auto") -> CheckpointFiles:
+        """`engine_dtype`: the engines' `--dtype` (router.yaml `dtype`)."""
         root = Path(path)
         if not root.is_dir():
             raise CheckpointError(f"checkpoint directory {root} does not exist")
@@ -99,7 +113,9 @@ class CheckpointFiles:
         }
         text_config = config.get("text_config") or config
         eos_ids = _int_list(gen_config.get("eos_token_id")) + _int_list(text_config.get("eos_token_id"))
-        vision = _vision_settings(root, config) if "vision_config" in config else None
+        vision = None
+        if "vision_config" in config:
+            vision = _vision_settings(root, config, resolve_dtype(engine_dtype, config, root))
         return cls(
             path=root,
             architecture=str(architectures[0]),
@@ -158,7 +174,24 @@ def _chat_template(root: Path, tok_config: dict[str, Any]) -> str:
     return template
 
 
-def _vision_settings(root: Path, config: dict[str, Any]) -> VisionSettings:
+def resolve_dtype(engine_dtype: str, config: dict[str, Any], root: Path) -> str:
+    """The dtype the engine's model runs in: `engine_dtype` unless "auto", else the
+    checkpoint's (config.json `dtype`/`torch_dtype`, then text_config's and vision_config's,
+    the order vLLM looks in), as vLLM resolves it."""
+    if engine_dtype != "auto":
+        if engine_dtype not in ENGINE_DTYPES:
+            raise CheckpointError(f"dtype {engine_dtype!r} is not one of auto, {', '.join(ENGINE_DTYPES)}")
+        return ENGINE_DTYPES[engine_dtype]
+    sections = (config, config.get("text_config") or {}, config.get("vision_config") or {})
+    declared = next((c[key] for c in sections for key in ("dtype", "torch_dtype")
+                     if isinstance(c.get(key), str)), "float32")
+    resolved = ENGINE_DTYPES.get(declared.removeprefix("torch."))
+    if resolved is None:
+        raise CheckpointError(f"{root / 'config.json'}: dtype {declared!r} is not a float dtype vLLM runs in")
+    return _AUTO_FROM_FLOAT32 if resolved == "float32" else resolved
+
+
+def _vision_settings(root: Path, config: dict[str, Any], pixel_dtype: str) -> VisionSettings:
     pre = _read_json(root / "preprocessor_config.json", required=True)
     vcfg = config["vision_config"] or {}
     where = root / "preprocessor_config.json"
@@ -210,4 +243,5 @@ def _vision_settings(root: Path, config: dict[str, Any]) -> VisionSettings:
         image_token_id=image_token_id,
         vision_start_token_id=config.get("vision_start_token_id"),
         vision_end_token_id=config.get("vision_end_token_id"),
+        pixel_dtype=pixel_dtype,
     )
