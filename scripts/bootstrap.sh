@@ -17,7 +17,7 @@ fi
 [ -r /etc/debian_version ] || { echo "bootstrap.sh: needs Debian 12 (apt, systemd 252)" >&2; exit 1; }
 
 APT_PKGS=(systemd-container mmdebstrap eatmydata openssh-client iproute2 util-linux procps
-          python3 python3-venv ca-certificates)
+          python3 python3-venv ca-certificates prometheus)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q '^install ok installed' || missing+=("$p")
