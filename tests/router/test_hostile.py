@@ -93,8 +93,11 @@ def test_a_client_that_leaves_during_its_upload_is_a_quiet_499(stack):
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000000\r\n\r\n" + b'{"messages": "' + b"x" * 100_000)  # fmt: skip
         time.sleep(0.2)
-    wait_until(lambda: counter(stack, "epd_router_requests_total", status="client_closed") > before, 5,
-               "the request counted as client_closed")
+    wait_until(
+        lambda: counter(stack, "epd_router_requests_total", status="client_closed") > before,
+        5,
+        "the request counted as client_closed",
+    )
     log = stack.router.log()
     assert "client left during upload" in log
     assert "Traceback" not in log and "internal error" not in log

@@ -12,6 +12,7 @@ eligible PD at all is a 503: waiting would not help.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,10 +50,8 @@ class WaitQueue:
         return waiter
 
     def leave(self, waiter: Waiter) -> None:
-        try:
+        with contextlib.suppress(ValueError):  # served already
             self._waiters.remove(waiter)
-        except ValueError:
-            pass  # served already
 
     def serve(self, pick: Callable[[frozenset[str]], Engine | None]) -> None:
         """Offer slots in arrival order: `pick(exclude)` returns a taken engine or None. A

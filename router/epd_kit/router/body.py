@@ -168,7 +168,13 @@ class _Walk:
 def _is_image_url(path: tuple[Any, ...]) -> bool:
     """`messages.N.content.N.image_url.url`, or the bare-string form `messages.N.content.N.image_url`."""
     shape = tuple("N" if isinstance(p, int) else p for p in path)
-    return shape in (("messages", "N", "content", "N", "image_url", "url"), ("messages", "N", "content", "N", "image_url"))
+    return shape in _IMAGE_URL_PATHS
+
+
+_IMAGE_URL_PATHS = (
+    ("messages", "N", "content", "N", "image_url", "url"),
+    ("messages", "N", "content", "N", "image_url"),
+)
 
 
 def _as_text(payload: memoryview, path: tuple[Any, ...]) -> str:
@@ -189,8 +195,7 @@ def _surrogate(path: tuple[Any, ...], is_key: bool) -> RouterError:
     what = "a key" if is_key else "text"
     return RouterError(
         400,
-        f"invalid request: {where}: {what} with a lone UTF-16 surrogate (e.g. \\ud800); text must be "
-        "valid Unicode",
+        f"invalid request: {where}: {what} with a lone UTF-16 surrogate (e.g. \\ud800); text must be valid Unicode",
         param=where,
     )
 

@@ -2,9 +2,10 @@
 rendered prompt and items, the locators of its encoded items, and its deadline.
 
 Two ids: `request_id` is the client's (its `x-request-id`, or a fresh one), which the client
-sees in headers, bodies and errors and the logs carry; the engines never see it. Each engine
-call gets its own router-made id (`engine_call_id`) under `engine_request_id`, so concurrent
-requests that reuse a client id can never collide on an engine (vLLM expects unique ids).
+sees in headers, bodies and errors; the engines never see it. They get `engine_request_id`,
+always made by the router (a VE call: `<it>/enc/<VE id>`, contract §2.2), so concurrent
+requests that reuse a client id never collide on an engine (vLLM expects unique ids). The
+logs carry both.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ class RequestContext:
     items: list[PreparedItemLike] = field(default_factory=list)
     locators: dict[str, EcLocator] = field(default_factory=dict)
     encoded_by: dict[str, str] = field(default_factory=dict)  # mm_hash -> VE id
-    _engine_calls: int = 0
 
     @classmethod
     def start(
@@ -64,11 +64,6 @@ class RequestContext:
             intake=intake,
             inline=inline or {},
         )
-
-    def engine_call_id(self, stage: str) -> str:
-        """A fresh id for one engine call of this request, e.g. `<engine_request_id>-enc2`."""
-        self._engine_calls += 1
-        return f"{self.engine_request_id}-{stage}{self._engine_calls}"
 
     def preprocessed(self) -> None:
         """Rendering is over: leave the preprocessing limit, let the request body go."""

@@ -108,7 +108,7 @@ class Encoder:
         try:
             return await asyncio.gather(
                 *(
-                    self._engines.encode(eligible[ve], [by_hash[h] for h in hashes], ctx.engine_call_id("enc"))
+                    self._engines.encode(eligible[ve], [by_hash[h] for h in hashes], ctx.engine_request_id)
                     for ve, hashes in groups.items()
                 ),
                 return_exceptions=True,

@@ -84,9 +84,7 @@ class EngineClient:
 
     # --- calls -----------------------------------------------------------------------------
 
-    async def encode(
-        self, engine: Engine, items: Sequence[PreparedItemLike], request_id: str
-    ) -> dict[str, EcLocator]:
+    async def encode(self, engine: Engine, items: Sequence[PreparedItemLike], request_id: str) -> dict[str, EcLocator]:
         """One encode POST to a VE: a locator for every item, or an UpstreamError. The caller
         has reserved the items' tokens in `engine.inflight_work`."""
         try:
@@ -97,7 +95,9 @@ class EngineClient:
         engine.served += 1
         return locators
 
-    async def generate(self, engine: Engine, body: dict, prompt_tokens: int, max_tokens: int | None) -> GenerateResponse:
+    async def generate(
+        self, engine: Engine, body: dict, prompt_tokens: int, max_tokens: int | None
+    ) -> GenerateResponse:
         """One non-streaming generate POST to a PD."""
         try:
             result = await self._generate(engine, body, prompt_tokens, max_tokens)
@@ -163,13 +163,15 @@ class EngineClient:
     async def _encode(self, engine: Engine, items: Sequence[PreparedItemLike], request_id: str) -> dict[str, EcLocator]:
         deadline = deadlines.encode_s(self._state.cfg.timeouts, engine.inflight_work)
         what = f"{len(items)} item(s), {engine.inflight_work} embedding tokens in flight on it"
-        body = upstream.encode_body(upstream.ve_request_body(request_id, items))
+        body = upstream.encode_body(upstream.ve_request_body(request_id, engine.id, items))
         resp = await self._post(engine, body, deadline, what)
         if resp.status_code != 200:
             raise upstream.classify_status(resp, engine)
         return upstream.parse_ve_response(resp, engine, [i.mm_hash for i in items])
 
-    async def _generate(self, engine: Engine, body: dict, prompt_tokens: int, max_tokens: int | None) -> GenerateResponse:
+    async def _generate(
+        self, engine: Engine, body: dict, prompt_tokens: int, max_tokens: int | None
+    ) -> GenerateResponse:
         engine.inflight_work += prompt_tokens
         try:
             deadline = deadlines.answer_s(self._state.cfg.timeouts, engine.inflight_work, max_tokens)

@@ -9,7 +9,7 @@ envelope (routes.py).
 from __future__ import annotations
 
 import json
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from fastapi.responses import Response
@@ -90,7 +90,7 @@ def bad_request(message: str, param: str | None = None) -> RouterError:
     return RouterError(400, message, param=param)
 
 
-class Failure(str, Enum):
+class Failure(StrEnum):
     """How an engine call failed when it is the engine's fault (health.py weighs them)."""
 
     refused = "refused"  # nothing listens: the process is gone

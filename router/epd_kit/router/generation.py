@@ -76,7 +76,10 @@ class Generation:
         t = time.monotonic()
         prompt, max_tokens = len(ctx.token_ids), ctx.request.resolved_max_tokens
         result = await self._on_a_pd(
-            ctx, stream=False, call=lambda pd, body: self._engines.generate(pd, body, prompt, max_tokens), keep_slot=False
+            ctx,
+            stream=False,
+            call=lambda pd, body: self._engines.generate(pd, body, prompt, max_tokens),
+            keep_slot=False,
         )
         self._metrics.pd.observe(time.monotonic() - t)
         return translate.completion(ctx, result, self._renderer)
@@ -137,10 +140,10 @@ class Generation:
 
     @staticmethod
     def _pd_body(ctx: RequestContext, stream: bool) -> dict:
-        """The body of one PD attempt, under a fresh engine call id."""
         sampling = ctx.request.sampling_params()
-        rid = ctx.engine_call_id("gen")
-        return upstream.pd_request_body(rid, ctx.token_ids, ctx.items, sampling, ctx.locators, stream)
+        return upstream.pd_request_body(
+            ctx.engine_request_id, ctx.token_ids, ctx.items, sampling, ctx.locators, stream
+        )
 
     async def relay(self, ctx: RequestContext, pd: PdStream, outcome: RequestOutcome) -> AsyncIterator[bytes]:
         """The client's SSE bytes. A failure after the start ends the stream with one error

@@ -19,6 +19,7 @@ The rules are `EngineHealth` (no I/O); `HealthProber` runs the probes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -89,11 +90,7 @@ class EngineHealth:
             return
         engine.probe_failures = 0
         engine.probe_successes += 1
-        if (
-            not engine.healthy
-            and not engine.needs_serving_probe
-            and engine.probe_successes >= health.success_threshold
-        ):
+        if not engine.healthy and not engine.needs_serving_probe and engine.probe_successes >= health.success_threshold:
             self._readmit(engine, reason)
 
     def probe_definitive(self, engine: Engine, reason: str) -> None:
@@ -169,10 +166,8 @@ class HealthProber:
         for task in tasks:
             task.cancel()
         for task in tasks:
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
-            except asyncio.CancelledError:
-                pass
 
     async def probe_all(self) -> None:
         health = self._health()

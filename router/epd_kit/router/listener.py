@@ -117,7 +117,10 @@ class GuardedH11Protocol(H11Protocol):
         if state is h11.SEND_BODY:
             if self._phase != "body":
                 self._arm("body", self._listen.body_timeout_s)
-        elif state is not h11.IDLE:
+        elif state is h11.IDLE:
+            if self._phase is None and self.conn.trailing_data[0]:  # part of a pipelined head
+                self._arm("header", self._listen.header_timeout_s)
+        else:
             self._disarm()  # the request is in; answering is the app's business
 
     def _arm(self, phase: str, seconds: float) -> None:

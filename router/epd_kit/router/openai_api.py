@@ -99,11 +99,11 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "chat_template": ((None,), "the checkpoint's own chat template is always used"),
     "chat_template_kwargs": ((None, {}), "only add_generation_prompt reaches the chat template"),
     "mm_processor_kwargs": ((None, {}), "images are processed under the router's limits only"),
-    **{
-        name: ((None,), "guided_* fields are gone from vLLM: use response_format or structured_outputs")
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "guided_decoding_backend", "guided_whitespace_pattern")
-    },
+    **dict.fromkeys(
+        ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+         "guided_whitespace_pattern"),
+        ((None,), "guided_* fields are gone from vLLM: use response_format or structured_outputs"),
+    ),
 }  # fmt: skip
 
 
@@ -157,7 +157,8 @@ class ChatCompletionRequest(BaseModel):
     def _consistent(self) -> ChatCompletionRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.structured_outputs is not None and self.response_format is not None and self.response_format.type != "text":
+        constrained_format = self.response_format is not None and self.response_format.type != "text"
+        if self.structured_outputs is not None and constrained_format:
             raise ValueError("give either response_format or structured_outputs, not both")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")

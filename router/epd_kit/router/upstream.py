@@ -144,10 +144,11 @@ def bad_body(engine: Engine, what: str) -> UpstreamError:
     return _failure(engine, 502, message, failure=Failure.error, retry_other=True)
 
 
-def ve_request_body(request_id: str, items: Sequence[PreparedItemLike]) -> dict:
+def ve_request_body(request_id: str, engine_id: str, items: Sequence[PreparedItemLike]) -> dict:
     """Contract §2.2: synthetic zero prompt, contiguous placeholders, full kwargs, 1 token.
-    `request_id` is the router's own id of this engine call (unique, never the client's)."""
-    return encode_request(request_id, [(i.mm_hash, i.length, i.ve_kwargs_b64) for i in items]).wire_dict()
+    `request_id` is the router's id of the request for the engines (never the client's)."""
+    rid = f"{request_id}/enc/{engine_id}"
+    return encode_request(rid, [(i.mm_hash, i.length, i.ve_kwargs_b64) for i in items]).wire_dict()
 
 
 def pd_request_body(

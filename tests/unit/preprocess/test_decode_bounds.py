@@ -55,8 +55,9 @@ async def test_images_in_progress_do_not_delay_a_text_only_request(make_preproce
         return real_prepare(*args)
 
     monkeypatch.setattr(pre, "_prepare", blocked_prepare)
-    images = [asyncio.create_task(pre.render([user_message(image_part(png_data_url(64, 64, seed=s)))]))
-              for s in range(4)]
+    images = [
+        asyncio.create_task(pre.render([user_message(image_part(png_data_url(64, 64, seed=s)))])) for s in range(4)
+    ]
     try:
         await asyncio.sleep(0.05)
         text = await asyncio.wait_for(pre.render([user_message("only text")]), 2)

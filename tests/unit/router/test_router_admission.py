@@ -159,8 +159,11 @@ async def test_many_clients_two_slots_nobody_starves(config):
     for i in range(30):
         tasks.append(asyncio.create_task(client(i)))
         await asyncio.sleep(0.001)
-    await asyncio.wait_for(asyncio.gather(*tasks), 5)
-    assert served == list(range(30))
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)  # every one served: no 429
+    # served in arrival order, give or take the 2 slots (a task resumes a moment after its
+    # slot is granted, and a newcomer may take a slot that is free while nobody waits)
+    assert sorted(served) == list(range(30))
+    assert all(abs(position - i) <= 2 for position, i in enumerate(served)), served
 
 
 async def test_a_waiter_that_gives_up_leaves_the_queue(state, admission):

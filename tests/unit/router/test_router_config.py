@@ -234,4 +234,5 @@ async def test_the_listener_gets_its_limits_from_the_file(char_renderer):
     server.config.load()
     assert server.config.timeout_keep_alive == 4
     protocol = server.config.http_protocol_class(config=server.config, server_state=server.server_state, app_state={})
-    assert (protocol._listen.max_connections, protocol._listen.header_timeout_s, protocol._listen.body_timeout_s) == (7, 2, 3)
+    listen = protocol._listen
+    assert (listen.max_connections, listen.header_timeout_s, listen.body_timeout_s) == (7, 2, 3)

@@ -37,10 +37,18 @@ class Engines:
         if request.url.port == 11:
             if self.ve_hangs:
                 await asyncio.sleep(3600)
-            locators = {h: {"engine_id": "epd-ve-0", "host": "127.0.0.1", "port": 1, "remote_block_ids": [1],
-                            "num_tokens": 4} for h in body["features"]["mm_hashes"]["image"]}
-            return httpx.Response(200, json={"request_id": rid, "choices": [{"token_ids": [0]}],
-                                             "kv_transfer_params": {"ec_locator": locators}})
+            locators = {
+                h: {"engine_id": "epd-ve-0", "host": "127.0.0.1", "port": 1, "remote_block_ids": [1], "num_tokens": 4}
+                for h in body["features"]["mm_hashes"]["image"]
+            }
+            return httpx.Response(
+                200,
+                json={
+                    "request_id": rid,
+                    "choices": [{"token_ids": [0]}],
+                    "kv_transfer_params": {"ec_locator": locators},
+                },
+            )
         await asyncio.sleep(0.01)
         return httpx.Response(200, json={"request_id": rid, "choices": [{"token_ids": [72, 105]}]})
 
@@ -48,12 +56,14 @@ class Engines:
 @pytest.fixture
 async def service(char_renderer, make_item):
     engines = Engines()
-    cfg = parse_config({
-        "model": "/m",
-        "timeouts": {"encode_base_s": 0.3, "encode_per_1k_tokens_s": 0},
-        "health": {"interval_s": 0.05, "failure_threshold": 2},
-        "endpoints": {"ve": [{"id": "epd-ve-0", "url": VE_URL}], "pd": [{"id": "epd-pd-0", "url": PD_URL}]},
-    })
+    cfg = parse_config(
+        {
+            "model": "/m",
+            "timeouts": {"encode_base_s": 0.3, "encode_per_1k_tokens_s": 0},
+            "health": {"interval_s": 0.05, "failure_threshold": 2},
+            "endpoints": {"ve": [{"id": "epd-ve-0", "url": VE_URL}], "pd": [{"id": "epd-pd-0", "url": PD_URL}]},
+        }
+    )
     renderer = char_renderer(list(range(12)), [make_item("h1", 2, 4)])
     svc = RouterService(cfg, renderer, transport=httpx.MockTransport(engines.handler))
     svc.scripted = engines  # type: ignore[attr-defined]
@@ -100,13 +110,21 @@ async def test_engines_get_unique_ids_whatever_the_client_sends(service):
     answers = await asyncio.gather(*(ask(service, "same-id") for _ in range(3)))
     assert {a["id"] for a in answers} == {"chatcmpl-same-id"}
     ids = [b["request_id"] for b in engines.bodies]
-    assert len(ids) == 6 and len(set(ids)) == 6  # 3 encodes + 3 generates
+    assert len(ids) == 6 and len(set(ids)) == 6  # 3 encodes (<id>/enc/epd-ve-0) + 3 generates
     assert not any("same-id" in i for i in ids)
+    assert sum(i.endswith("/enc/epd-ve-0") for i in ids) == 3
 
 
 def test_deadlines_grow_with_the_work_and_stop_at_the_caps():
-    t = Timeouts(encode_base_s=10, encode_per_1k_tokens_s=5, first_token_base_s=15, first_token_per_1k_tokens_s=2,
-                 per_token_s=0.5, ve_s=60, pd_s=100)
+    t = Timeouts(
+        encode_base_s=10,
+        encode_per_1k_tokens_s=5,
+        first_token_base_s=15,
+        first_token_per_1k_tokens_s=2,
+        per_token_s=0.5,
+        ve_s=60,
+        pd_s=100,
+    )
     assert deadlines.encode_s(t, 2000) == 20 and deadlines.encode_s(t, 100_000) == 60
     assert deadlines.first_token_s(t, 5000) == 25 and deadlines.first_token_s(t, 10**6) == 100
     assert deadlines.answer_s(t, 5000, 20) == 35 and deadlines.answer_s(t, 5000, None) == 100

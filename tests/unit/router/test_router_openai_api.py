@@ -93,7 +93,8 @@ def test_structured_outputs_reach_the_pd_as_vllm_sends_them():
         "json": schema}
     assert parse_request({"messages": MSG, "response_format": {"type": "json_object"}}).sampling_params()[
         "structured_outputs"] == {"json_object": True}
-    assert "structured_outputs" not in parse_request({"messages": MSG, "response_format": {"type": "text"}}).sampling_params()
+    as_text = parse_request({"messages": MSG, "response_format": {"type": "text"}})
+    assert "structured_outputs" not in as_text.sampling_params()
     vllm_style = {"choice": ["yes", "no"], "disable_any_whitespace": True}
     assert parse_request({"messages": MSG, "structured_outputs": vllm_style}).sampling_params()[
         "structured_outputs"] == vllm_style

@@ -87,8 +87,12 @@ async def test_a_router_bug_is_a_json_500_with_the_request_id_and_counted(app, c
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
     "extra",
-    [{"model": "\ud800"}, {"stop": ["\udfff"]}, {"extra_args": {"k": "\ud800"}},
-     {"messages": [{"role": "user", "content": "x\ud800"}]}],
+    [
+        {"model": "\ud800"},
+        {"stop": ["\udfff"]},
+        {"extra_args": {"k": "\ud800"}},
+        {"messages": [{"role": "user", "content": "x\ud800"}]},
+    ],
 )
 async def test_a_lone_surrogate_is_refused_before_any_engine_call(app, client, stream, extra):
     body = json.dumps({**BODY, "stream": stream, **extra})  # json.dumps escapes it as \\udxxx

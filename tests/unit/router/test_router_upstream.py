@@ -12,9 +12,9 @@ from epd_kit.wire import EcLocator, GenerateRequest
 
 def test_ve_body_is_contract_exact(make_item):
     items = [make_item("h1", 15, 4, "K1", "P1"), make_item("h2", 40, 3, "K2", "P2")]
-    body = upstream.ve_request_body("engine-rid-enc1", items)
+    body = upstream.ve_request_body("rid", "epd-ve-1", items)
     assert body == {
-        "request_id": "engine-rid-enc1",
+        "request_id": "rid/enc/epd-ve-1",
         "token_ids": [0] * 7,
         "features": {
             "mm_hashes": {"image": ["h1", "h2"]},
@@ -50,7 +50,7 @@ def test_encode_body_splices_blobs_losslessly(make_item):
     big = base64.b64encode(os.urandom(30_000)).decode()
     odd = 'x"\\' * 2000 + "é"  # needs escaping: must go through json.dumps
     items = [make_item("h1", 0, 4, big, "P"), make_item("h2", 4, 4, odd, "P"), make_item("h3", 8, 4, "small", "P")]
-    body = upstream.ve_request_body("rid", items)
+    body = upstream.ve_request_body("rid", "epd-ve-0", items)
     data = upstream.encode_body(body)
     assert json.loads(data) == body
     assert big.encode() in data
