@@ -96,6 +96,33 @@ def router_config(fleet_plan, fleet_settings, **options):
     return plan.router_config(fleet_plan, plan.read_settings(fleet_settings), **options)
 
 
+def engine_render_files(engines, units, unit_environment, host, templates_dir, env_dir):
+    """render.yml's files of each engine (epd.kit.epd_render_files specs): its env file and a JSON
+    record of the exact argv and environment its unit runs."""
+    files = []
+    for engine in engines:
+        instance = engine["instance"]
+        unit = units[instance]
+        files.append(
+            {
+                "dest": f"{env_dir}/{instance}.env",
+                "template": f"{templates_dir}/epd-engine.env.j2",
+                "vars": {"engine": engine, "epd_engine_unit": unit},
+            }
+        )
+        record = {
+            "host": host,
+            "unit": f"epd-engine@{instance}.service",
+            "engine_id": engine["engine_id"],
+            "role": engine["role"],
+            "cores": engine["cores"],
+            "argv": unit["argv"],
+            "environment": {**unit_environment, **unit["env_file"]},
+        }
+        files.append({"dest": f"engines/{instance}.json", "json": record})
+    return files
+
+
 def status_table(hostvars, engine_hosts, router_hosts):
     hosts = list(engine_hosts) + list(router_hosts)
     rows = {host: hostvars[host]["epd_status_rows"] for host in hosts if "epd_status_rows" in hostvars[host]}
@@ -106,22 +133,26 @@ class FilterModule:
     """The planner, the engine unit, the router config, the ops helpers and the collection's own paths."""
 
     def filters(self):
-        return {name: _filter(function) for name, function in {
-            "epd_checked_plan": checked_plan,
-            "epd_plan": plan.plan_from_hostvars,
-            "epd_settings": settings,
-            "epd_plan_table": plan.plan_table,
-            "epd_router_endpoints": plan.router_endpoints,
-            "epd_unreachable_engines": plan.unreachable_engines,
-            "epd_engine_unit": plan.engine_unit,
-            "epd_engine_exec_start": plan.exec_start,
-            "epd_router_config": router_config,
-            "epd_probe_url": plan.probe_url,
-            "epd_engine_selection": plan.engine_selection,
-            "epd_deployed_engines": plan.deployed_engines,
-            "epd_rolling_queue": plan.rolling_queue,
-            "epd_status_rows": plan.status_rows,
-            "epd_status_table": status_table,
-            "epd_env_file": plan.read_env_file,
-            "epd_kit_path": kit_path,
-        }.items()}
+        return {
+            name: _filter(function)
+            for name, function in {
+                "epd_checked_plan": checked_plan,
+                "epd_plan": plan.plan_from_hostvars,
+                "epd_settings": settings,
+                "epd_plan_table": plan.plan_table,
+                "epd_router_endpoints": plan.router_endpoints,
+                "epd_unreachable_engines": plan.unreachable_engines,
+                "epd_engine_unit": plan.engine_unit,
+                "epd_engine_exec_start": plan.exec_start,
+                "epd_router_config": router_config,
+                "epd_probe_url": plan.probe_url,
+                "epd_engine_selection": plan.engine_selection,
+                "epd_deployed_engines": plan.deployed_engines,
+                "epd_rolling_queue": plan.rolling_queue,
+                "epd_status_rows": plan.status_rows,
+                "epd_status_table": status_table,
+                "epd_engine_render_files": engine_render_files,
+                "epd_env_file": plan.read_env_file,
+                "epd_kit_path": kit_path,
+            }.items()
+        }
