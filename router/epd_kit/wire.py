@@ -9,6 +9,7 @@ Models accept what the reference sends and refuse shapes that would break the co
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Literal
 
@@ -182,16 +183,17 @@ class GenerateChoice(_Open):
     logprobs: Any = None
     finish_reason: str | None = "stop"
     token_ids: list[int] = Field(default_factory=list)
+    routed_experts: Any = None
 
 
 class GenerateResponse(_Open):
-    """Non-streaming answer (§2.4 VE, §3.2 PD)."""
+    """Non-streaming answer (§2.4 VE, §3.2 PD), vLLM 0.24's fields: no usage (the router
+    counts tokens itself), an id the engine picks (`server_request_id`)."""
 
     request_id: str
     choices: list[GenerateChoice]
     prompt_logprobs: Any = None
     kv_transfer_params: dict[str, Any] | None = None
-    usage: Usage | None = None
 
     def ec_locators(self) -> dict[str, EcLocator]:
         raw = (self.kv_transfer_params or {}).get("ec_locator") or {}
@@ -204,6 +206,16 @@ class StreamChoice(_Open):
     finish_reason: str | None = None
     token_ids: list[int] = Field(default_factory=list)
     routed_experts: Any = None
+
+
+def server_request_id() -> str:
+    """The id vLLM 0.24 gives a non-streaming answer: its own, 16 hex digits, not the caller's."""
+    return secrets.token_hex(8)
+
+
+def stream_request_id(caller_id: str) -> str:
+    """The id on every frame of vLLM 0.24's streaming answer to request `caller_id`."""
+    return f"generate-tokens-{caller_id}"
 
 
 class StreamChunk(_Open):

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from epd_kit import mm_serde
 from tokenizers import Tokenizer
 from vllm.sampling_params import RequestOutputKind
 
+from epd_kit import mm_serde
 from tests.compat.cases import CHATS, IMAGE_CHATS, IMAGES, image_features
 from tests.compat.engine_core import OUTPUT_TOKENS
 from tests.compat.stack import CompatStack, Exchange

@@ -10,18 +10,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from epd_kit import mm_serde, wire
 from vllm.entrypoints.serve.disagg.mm_serde import (
     decode_mm_kwargs_item,
     encode_mm_kwargs_item,
 )
 from vllm.multimodal.inputs import MultiModalKwargsItem
 
+from epd_kit import mm_serde, wire
 from tests.compat.cases import CHATS, image_features
 from tests.compat.sim_engines import SimPair
 from tests.compat.stack import CompatStack
 
-ISSUE = "issue 12: "
 CHAT = "several-images"
 
 

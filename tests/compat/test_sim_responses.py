@@ -20,7 +20,6 @@ from tests.compat.cases import CHATS
 from tests.compat.sim_engines import SimPair
 from tests.compat.stack import CompatStack
 
-ISSUE = "issue 12: "
 CHAT = "duplicate-images"
 SERVER_CHOSEN_ID = re.compile(r"[0-9a-f]{16}")
 
@@ -93,24 +92,18 @@ def test_vllm_answers_have_the_documented_shape(answers) -> None:
     assert _keys(usage_frame) == (("choices", "request_id", "usage"), ()) and usage_frame["usage"]
 
 
-@pytest.mark.xfail(strict=True, reason=ISSUE + "non-stream: the sim adds `usage` (null on a VE, "
-                   "counts on a PD) and leaves out the choice's `routed_experts: null`")
 @pytest.mark.parametrize("kind", ["ve", "pd"])
 def test_sim_answer_fields_equal_vllms(kind: str, answers) -> None:
     vllm_answer, sim_answer, _ = answers[kind]
     assert _keys(sim_answer) == _keys(vllm_answer)
 
 
-@pytest.mark.xfail(strict=True, reason=ISSUE + "the sim echoes the caller's request_id; vLLM answers "
-                   "non-stream requests with an id of its own (16 hex digits)")
 @pytest.mark.parametrize("kind", ["ve", "pd"])
 def test_sim_request_id_is_chosen_by_the_server(kind: str, answers) -> None:
     _, sim_answer, body = answers[kind]
     assert SERVER_CHOSEN_ID.fullmatch(sim_answer["request_id"]) and sim_answer["request_id"] != body["request_id"]
 
 
-@pytest.mark.xfail(strict=True, reason=ISSUE + "the sim's stream frames carry the caller's id; vLLM's "
-                   "carry generate-tokens-<id>")
 def test_sim_stream_frame_ids_equal_vllms(answers) -> None:
     vllm_frames, sim_frames, _ = answers["pd-stream"]
     assert {f["request_id"] for f in sim_frames} == {f["request_id"] for f in vllm_frames}

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
+from sim_harness import Pair
 
 from epd_kit.sim.client import build_prompt, fake_image, pd_body, ve_body
 from epd_kit.sim.model import expected_tokens
 from epd_kit.wire import GenerateResponse, split_sse, sse_data
-
-from sim_harness import Pair
 
 
 def encode(pair: Pair, images) -> dict:
@@ -53,8 +53,9 @@ def test_non_streaming_tokens_prove_the_embeddings_arrived(pair: Pair, checkpoin
                            ignore_eos=True)
     assert tuple(resp.choices[0].token_ids) == want.token_ids
     assert resp.choices[0].finish_reason == "length"
-    assert resp.usage is not None and resp.usage.completion_tokens == 24
-    assert resp.usage.prompt_tokens == len(prompt)
+    # vLLM 0.24's shape: no usage, routed_experts null, an id of the engine's own
+    assert "usage" not in r.json() and r.json()["choices"][0]["routed_experts"] is None
+    assert re.fullmatch(r"[0-9a-f]{16}", resp.request_id) and resp.request_id != body["request_id"]
     assert all(t in set(checkpoint.vocab.allowed_ids) for t in resp.choices[0].token_ids)
     # The images are part of the answer: swapping them changes it.
     swapped = expected_tokens(prompt, [b.mm_hash, a.mm_hash, b.mm_hash], 24, checkpoint.vocab,
@@ -98,11 +99,12 @@ def test_streaming_sse(pair: Pair, checkpoint, image_token_id, include_usage) ->
                                             ignore_eos=True).token_ids
     for d in token_chunks:
         assert d["choices"][0]["routed_experts"] is None and "usage" in d
+        assert d["request_id"] == "generate-tokens-req"  # vLLM 0.24's frame id
     assert [d["choices"][0]["finish_reason"] for d in token_chunks][-1] == "length"
     assert all(d["choices"][0]["finish_reason"] is None for d in token_chunks[:-1])
     usage_chunks = [d for d in docs if not d["choices"]]
     if include_usage:
-        assert usage_chunks == [{"request_id": "req", "choices": [], "usage": {
+        assert usage_chunks == [{"request_id": "generate-tokens-req", "choices": [], "usage": {
             "prompt_tokens": len(prompt), "completion_tokens": 12,
             "total_tokens": len(prompt) + 12}}]
     else:

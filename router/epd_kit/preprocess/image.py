@@ -23,7 +23,6 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from .. import mm_serde
-
 from .errors import ImageDimensionsRejected, ImageOverBudget, ImageTooLarge, NotAnImage
 from .model_files import VisionSettings
 from .settings import Limits

@@ -26,7 +26,9 @@ from ..wire import (
     StreamChoice,
     StreamChunk,
     Usage,
+    server_request_id,
     sse_frame,
+    stream_request_id,
 )
 from .config import EngineConfig
 from .errors import EngineDeadError, RequestRejected
@@ -218,13 +220,8 @@ async def _complete(pd: PrefillDecodeEngine, seq: Sequence, request: Request) ->
         return error_response("request aborted (engine shutting down)", 503, "ServiceUnavailable")
     tokens = list(seq.plan.token_ids[: seq.emitted]) if seq.plan else []
     body = GenerateResponse(
-        request_id=seq.request_id,
+        request_id=server_request_id(),
         choices=[GenerateChoice(index=0, finish_reason=seq.finish_reason, token_ids=tokens)],
-        usage=Usage(
-            prompt_tokens=len(seq.prompt_ids),
-            completion_tokens=len(tokens),
-            total_tokens=len(seq.prompt_ids) + len(tokens),
-        ),
     )
     return Response(body.model_dump_json(), media_type="application/json")
 
@@ -243,7 +240,8 @@ async def _stream(
     pd: PrefillDecodeEngine, seq: Sequence, include_usage: bool, continuous: bool
 ) -> AsyncIterator[bytes]:
     prompt = len(seq.prompt_ids)
-    rid_json = json.dumps(seq.request_id)
+    frame_id = stream_request_id(seq.request_id)
+    rid_json = json.dumps(frame_id)
     try:
         while True:
             await seq.event.wait()
@@ -260,7 +258,7 @@ async def _stream(
                     usage = Usage(prompt_tokens=prompt, completion_tokens=seq.emitted,
                                   total_tokens=prompt + seq.emitted)
                     yield sse_frame(StreamChunk(
-                        request_id=seq.request_id,
+                        request_id=frame_id,
                         choices=[StreamChoice(index=0, finish_reason=finish, token_ids=tokens)],
                         usage=usage,
                     ))
@@ -270,7 +268,7 @@ async def _stream(
                 if include_usage and seq.finish_reason in ("stop", "length"):
                     usage = Usage(prompt_tokens=prompt, completion_tokens=seq.emitted,
                                   total_tokens=prompt + seq.emitted)
-                    yield sse_frame(StreamChunk(request_id=seq.request_id, usage=usage),
+                    yield sse_frame(StreamChunk(request_id=frame_id, usage=usage),
                                     exclude_none=True)
                 break
         yield SSE_DONE

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from dataclasses import dataclass
 
 from .. import mm_serde
-from ..wire import EcLocator, GenerateChoice, GenerateRequest, GenerateResponse, Placeholder
+from ..wire import (
+    EcLocator,
+    GenerateChoice,
+    GenerateRequest,
+    GenerateResponse,
+    Placeholder,
+    server_request_id,
+)
 from .config import EngineConfig
 from .encoder_cache import EncoderCache
 from .errors import RequestRejected
@@ -185,7 +191,7 @@ class VisionEncoderEngine:
             for h, it in unique.items()
         }
         return GenerateResponse(
-            request_id=req.request_id or uuid.uuid4().hex,
+            request_id=server_request_id(),
             choices=[GenerateChoice(index=0, finish_reason="length", token_ids=[0])],
             kv_transfer_params={"ec_locator": locators},
         )

@@ -6,9 +6,11 @@ import asyncio
 import dataclasses
 import socket
 
+import numpy as np
 import pytest
 from sim_args import config, pd_args, ve_args
 
+from epd_kit import mm_serde
 from epd_kit.sim.client import fake_image, ve_body
 from epd_kit.sim.ec_loader import BlockLenMismatch, EcLoader
 from epd_kit.sim.errors import ECLoadFailure, RequestRejected
@@ -64,6 +66,21 @@ async def test_read_returns_verified_embeddings(tiny_ckpt) -> None:
         assert ve.side_channel.reads_served == 2
     finally:
         await ve.stop()
+
+
+async def test_the_embedding_of_an_image_does_not_depend_on_its_wire_dtype(tiny_ckpt) -> None:
+    """float32, bfloat16 (vLLM under --dtype bfloat16) and float16 items of one image: the VE
+    takes each, and the embedding it writes is the image's (the sim embeds by mm_hash)."""
+    image = fake_image((1, 4, 4), 5)
+    pixels = mm_serde.decode_item_b64(image.full_b64)["pixel_values"].data
+    for wire_pixels in (pixels, mm_serde.to_bfloat16(pixels), pixels.astype(np.float16)):
+        item = mm_serde.encode_item_b64(mm_serde.qwen_vl_item(wire_pixels, image.grid))
+        ve = await _ve(tiny_ckpt)
+        try:
+            locs = await _encode(ve, [dataclasses.replace(image, full_b64=item)])
+            assert await _loader(tiny_ckpt).load(locs) == {image.mm_hash: embedding_bytes(image.mm_hash)}
+        finally:
+            await ve.stop()
 
 
 @pytest.mark.parametrize("mode", ["slow", "hang", "refuse"])
