@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from epd_kit.preprocess.model_files import ENGINE_DTYPES
 from epd_kit.preprocess.settings import Limits, Media, Section
 
 
@@ -156,6 +157,9 @@ class RouterConfig(Section):
     model: str = Field(min_length=1)
     served_model_name: str | None = None
     quantization: str | None = None
+    # the engines' --dtype: VE pixel_values travel in the dtype it resolves to for the
+    # checkpoint ("auto": the checkpoint's own, float32 checkpoints in bfloat16), as vLLM's
+    dtype: str = "auto"
     listen: Listen = Field(default_factory=Listen)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     limits: Limits = Field(default_factory=Limits)
@@ -165,6 +169,13 @@ class RouterConfig(Section):
     retries: Retries = Field(default_factory=Retries)
     auth: Auth = Field(default_factory=Auth)
     endpoints: Endpoints
+
+    @field_validator("dtype")
+    @classmethod
+    def _engine_dtype(cls, dtype: str) -> str:
+        if dtype != "auto" and dtype not in ENGINE_DTYPES:
+            raise ValueError(f"{dtype!r} is not one of auto, {', '.join(ENGINE_DTYPES)} (vLLM's --dtype)")
+        return dtype
 
     @property
     def model_name(self) -> str:
