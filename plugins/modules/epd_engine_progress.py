@@ -13,7 +13,8 @@ description:
     this start from the journal, and names the phase it is in.
   - "Phases: queued (a start or restart job waits), stagger (ExecStartPre sleep), starting,
     loading, compiling, warming up, health check (the socket is open, the readiness gate runs),
-    ready (active), restarting (failed, Restart= will start it again), failed, inactive."
+    ready (active), stopping (a restart stops the old process), restarting (failed, Restart= will
+    start it again), failed, inactive."
   - One observation per call; the action plugin of the same name polls it and prints the progress.
   - Read-only; supports check mode.
 options:
@@ -87,7 +88,9 @@ def log_phase(lines: list[str]) -> tuple[str | None, str]:
     return None, lines[-1] if lines else ""
 
 
-def observe(instance: str, queued: bool, now_monotonic_us: int) -> dict:
+def observe(instance: str, job: str | None, now_monotonic_us: int) -> dict:
+    """One engine's phase; `job` is the state of its queued systemd job, if any. A unit with a
+    job is never done: after `restart --no-block` it is still `active` until the job runs."""
     unit = f"epd-engine@{instance}.service"
     state = _unit_state(unit)
     active, sub = state.get("ActiveState", "unknown"), state.get("SubState", "unknown")
@@ -96,8 +99,10 @@ def observe(instance: str, queued: bool, now_monotonic_us: int) -> dict:
     end_us = entered_us if active == "active" and entered_us >= started_us else now_monotonic_us
     elapsed_s = round((end_us - started_us) / 1e6, 1) if started_us else 0.0
     last_line = ""
-    if queued:
-        phase = "queued"
+    if job == "waiting":
+        phase, elapsed_s = "queued", 0.0  # the timestamps still describe the previous start
+    elif active == "deactivating" or (job and active == "active"):
+        phase, elapsed_s = "stopping", 0.0
     elif active == "active":
         phase = "ready"
     elif active in ("failed", "inactive"):
@@ -114,7 +119,7 @@ def observe(instance: str, queued: bool, now_monotonic_us: int) -> dict:
         "instance": instance,
         "unit": unit,
         "phase": phase,
-        "done": phase in TERMINAL and not queued,
+        "done": phase in TERMINAL and job is None,
         "active_state": active,
         "sub_state": sub,
         "elapsed_s": elapsed_s,
@@ -122,16 +127,21 @@ def observe(instance: str, queued: bool, now_monotonic_us: int) -> dict:
     }
 
 
+def unit_jobs(units: list[str]) -> dict[str, str]:
+    """unit -> state (waiting | running) of its queued job (`systemctl list-jobs`: JOB UNIT TYPE STATE)."""
+    out = _run(["systemctl", "list-jobs", "--no-legend", "--plain", *units]) if units else ""
+    rows = [line.split() for line in out.splitlines()]
+    return {row[1]: row[3] for row in rows if len(row) >= 4}
+
+
 def main() -> None:
     module = AnsibleModule(
         argument_spec={"instances": {"type": "list", "elements": "str", "required": True}}, supports_check_mode=True
     )
     instances = module.params["instances"]
-    units = [f"epd-engine@{i}.service" for i in instances]
-    jobs = _run(["systemctl", "list-jobs", "--no-legend", "--plain", *units]) if units else ""
-    queued = {u for u in units if u in jobs}
+    jobs = unit_jobs([f"epd-engine@{i}.service" for i in instances])
     now_us = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
-    engines = [observe(i, f"epd-engine@{i}.service" in queued, now_us) for i in instances]
+    engines = [observe(i, jobs.get(f"epd-engine@{i}.service"), now_us) for i in instances]
     module.exit_json(changed=False, engines=engines)
 
 
