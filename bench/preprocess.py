@@ -4,14 +4,20 @@ Both paths turn the client's data URL (base64 JPEG) into the wire strings a requ
 (pixel_values + image_grid_thw) and the PD item (image_grid_thw), base64 mm_serde.
 
 - plain: PIL decode -> transformers' Qwen3-VL image processor (`AutoImageProcessor` of the
-  checkpoint, resize budget = the router's patch budget) -> epd_kit.mm_serde. No cache: this
-  is what a router without our image path does for every request.
+  checkpoint, PIL backend, resize budget = the router's patch budget) -> cast to the model
+  dtype, as vLLM does -> epd_kit.mm_serde. No cache: this is what a router without our image
+  path does for every request.
 - ours: the router's preprocessing (epd_kit.preprocess), content-hash cache included.
 
 Cold = every image distinct (each one a cache miss); warm = a small set of images repeated,
-after one pass that fills the cache. The two paths are measured interleaved, call by call. Images/s per core = images / CPU seconds of this process
-(pinned to one core with --cpu). The wire strings of every image are compared between the
-paths (the run fails if any differs).
+after one pass that fills the cache. The two paths are measured interleaved, call by call.
+Images/s per core = images / CPU seconds of this process (pinned to one core with --cpu).
+The wire strings of every image are compared between the paths (the run fails if any
+differs).
+
+The dtype gain: the router's cold path with float32 pixels and with bfloat16 pixels (the
+tutorial's `--dtype bfloat16`), interleaved on the same new images: CPU per image and VE
+item size.
 """
 
 from __future__ import annotations
@@ -31,17 +37,22 @@ from bench.common import IMG_DIR, RunRecord
 from bench.preprocess_adapter import Wire, router_image_path
 from bench.procs import pin_self
 from epd_kit import mm_serde
+from epd_kit.preprocess.model_files import CheckpointFiles
 
 SIZES = ((512, 512), (1024, 768))
 
 
 def plain_path(checkpoint: Path, max_image_patches: int) -> Callable[[str], Wire]:
-    """transformers' processor, configured with the router's patch budget as max_pixels."""
+    """transformers' processor, configured with the router's patch budget as max_pixels, its
+    float32 output cast to the model dtype (vLLM casts the processor's output)."""
     logging.getLogger("transformers").setLevel(logging.ERROR)
     from PIL import Image
     from transformers import AutoImageProcessor
 
-    proc = AutoImageProcessor.from_pretrained(str(checkpoint))
+    vision = CheckpointFiles.load(checkpoint).vision
+    assert vision is not None
+    cast = mm_serde.to_bfloat16 if vision.pixel_dtype == "bfloat16" else (lambda x: x.astype(vision.pixel_dtype))
+    proc = AutoImageProcessor.from_pretrained(str(checkpoint), backend="pil")
     patch = proc.patch_size
     size = dict(proc.size)
     size["longest_edge"] = min(size["longest_edge"], max_image_patches * patch * patch)
@@ -53,7 +64,7 @@ def plain_path(checkpoint: Path, max_image_patches: int) -> Callable[[str], Wire
         out = proc(images=[image], return_tensors="np", size=size)
         t, h, w = (int(v) for v in out["image_grid_thw"][0])
         grid = (t, h, w)
-        item = mm_serde.qwen_vl_item(out["pixel_values"], grid)
+        item = mm_serde.qwen_vl_item(cast(out["pixel_values"]), grid)
         return Wire(
             ve_kwargs=mm_serde.encode_item_b64(item),
             pd_kwargs=mm_serde.encode_item_b64(mm_serde.lm_only(item)),
@@ -132,6 +143,7 @@ def run(checkpoint: Path, n_cold: int, n_warm_distinct: int, min_s: float, budge
         res["warm_plain"], res["warm_ours"] = measure_pair(plain, ours, warm_inputs, min_s, 20)
         sample = plain(warm_inputs[0])
         out["sizes"][f"{width}x{height}"] = {
+            "dtype_gain": _dtype_gain(checkpoint, budget, cold_inputs),
             **{k: v.__dict__ | {"images_per_core_s": v.per_core} for k, v in res.items()},
             "cold_speedup": res["cold_ours"].per_core / res["cold_plain"].per_core,
             "warm_speedup": res["warm_ours"].per_core / res["warm_plain"].per_core,
@@ -141,6 +153,21 @@ def run(checkpoint: Path, n_cold: int, n_warm_distinct: int, min_s: float, budge
             "wire_identical_images_checked": len(warm_inputs) + min(4, len(cold_inputs)),
         }
     return out
+
+
+def _dtype_gain(checkpoint: Path, budget: int, inputs: Sequence[str]) -> dict:
+    """The router's cold path, float32 vs bfloat16 pixels, interleaved on the same new images
+    (each path has its own cache, so every image is a miss for both)."""
+    f32, bf16 = (router_image_path(checkpoint, budget, engine_dtype=dtype) for dtype in ("float32", "bfloat16"))
+    f32(inputs[-1]), bf16(inputs[-1])  # warm up (imports, pools); that image is not measured
+    t32, t16 = measure_pair(f32, bf16, inputs[:-1], 0.0)
+    ve32, ve16 = len(f32(inputs[0]).ve_kwargs), len(bf16(inputs[0]).ve_kwargs)
+    return {
+        "float32": t32.__dict__ | {"cpu_ms_per_image": 1000 * t32.cpu_s / t32.images, "ve_kwargs_chars": ve32},
+        "bfloat16": t16.__dict__ | {"cpu_ms_per_image": 1000 * t16.cpu_s / t16.images, "ve_kwargs_chars": ve16},
+        "cpu_ratio": t16.cpu_s / t32.cpu_s,
+        "ve_bytes_ratio": ve16 / ve32,
+    }
 
 
 def plot(results: dict, path: Path) -> None:
@@ -200,6 +227,11 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
         for key in ("cold_plain", "cold_ours", "warm_plain", "warm_ours"):
             print(f"  {key:11s} {r[key]['images_per_core_s']:9.1f} images/core-s ({r[key]['images']} images)")
         print(f"  cold speedup {r['cold_speedup']:.2f}x, warm speedup {r['warm_speedup']:.1f}x")
+        gain = r["dtype_gain"]
+        for dtype in ("float32", "bfloat16"):
+            print(f"  router cold, {dtype:8s} pixels: {gain[dtype]['cpu_ms_per_image']:6.1f} CPU ms/image, "
+                  f"VE item {gain[dtype]['ve_kwargs_chars'] / 1e6:.2f} MB base64")
+        print(f"  bfloat16 / float32: CPU {gain['cpu_ratio']:.2f}x, VE bytes {gain['ve_bytes_ratio']:.2f}x")
     print(f"wrote {path} in {rec.wall_s:.1f} s")
     return rec
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from dataclasses import dataclass
-
+from epd_kit.preprocess.model_files import CheckpointFiles
 from epd_kit.preprocess.preprocessor import Preprocessor
-from epd_kit.preprocess.settings import Limits
+from epd_kit.preprocess.settings import Limits, Media
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,12 @@ class Wire:
     grid_thw: tuple[int, int, int]
 
 
-def router_image_path(checkpoint: Path, max_image_patches: int, workers: int = 1) -> Callable[[str], Wire]:
-    pre = Preprocessor.from_checkpoint(
-        checkpoint, limits=Limits(max_image_patches=max_image_patches), workers=workers
+def router_image_path(checkpoint: Path, max_image_patches: int, workers: int = 1,
+                      engine_dtype: str = "auto") -> Callable[[str], Wire]:
+    """`engine_dtype`: router.yaml `dtype` (the engines' --dtype), which sets the pixel dtype."""
+    pre = Preprocessor(
+        CheckpointFiles.load(checkpoint, engine_dtype=engine_dtype), model_id=str(checkpoint),
+        limits=Limits(max_image_patches=max_image_patches), media=Media(), workers=workers,
     )
     loop = asyncio.new_event_loop()
 
