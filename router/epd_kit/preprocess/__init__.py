@@ -3,7 +3,7 @@
 API (the router codes against this; see docs/preprocessing.md for the details)::
 
     pre = Preprocessor.from_checkpoint(path, model_id=None, limits=Limits(...),
-                                       media=Media(...), workers=4, encoder=None)
+                                       media=Media(...), workers=None, encoder=None)
     rendered = await pre.render(messages, add_generation_prompt=True)   # -> RenderedPrompt
         rendered.token_ids        prompt ids, <|image_pad|> expanded (N = t*h*w / merge^2 each)
         rendered.items            [PreparedItem] in prompt order, duplicates kept:
@@ -20,7 +20,8 @@ API (the router codes against this; see docs/preprocessing.md for the details)::
     await pre.aclose()
 
 `Limits` and `Media` are the router.yaml sections of the same names (settings.py); the
-prepared-image cache bounds are `limits.image_cache_items` / `limits.image_cache_bytes`.
+prepared-image cache bounds are `limits.image_cache_items` / `limits.image_cache_bytes`, the
+two thread pools `limits.text_workers` / `limits.image_workers` (`workers` sets both).
 
 Bad input raises a `PreprocessError` subclass with `.status` (400 or 413), `.message` and
 `.param` (where in the request). A broken checkpoint raises `CheckpointError` at startup.
