@@ -45,11 +45,23 @@ class Case:
     valid: bool = False  # a well-formed request the router must answer 200
 
 
-def http(body: bytes | str = b"", *, method: str = "POST", target: str = CHAT, headers: dict | None = None,
-         version: str = "HTTP/1.1", length: str | None = None) -> bytes:  # fmt: skip
+def http(
+    body: bytes | str = b"",
+    *,
+    method: str = "POST",
+    target: str = CHAT,
+    headers: dict | None = None,
+    version: str = "HTTP/1.1",
+    length: str | None = None,
+) -> bytes:
     body = body.encode("utf-8", "surrogatepass") if isinstance(body, str) else body
-    fields = {"Host": "127.0.0.1", "Content-Type": "application/json", "Connection": "close",
-              "Content-Length": str(len(body)) if length is None else length, **(headers or {})}  # fmt: skip
+    fields = {
+        "Host": "127.0.0.1",
+        "Content-Type": "application/json",
+        "Connection": "close",
+        "Content-Length": str(len(body)) if length is None else length,
+        **(headers or {}),
+    }
     head = f"{method} {target} {version}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items() if v is not None)
     return head.encode("latin-1", "surrogateescape") + b"\r\n" + body
 
@@ -128,9 +140,11 @@ def cases(*, random_count: int = 300, big: bool = True, seed: int = 11) -> list[
         "unknown key": lambda s: {**user("x"), s: 1},
         "message key": lambda s: {"messages": [{"role": "user", "content": "x", s: 1}]},
         "role": lambda s: {"messages": [{"role": s, "content": "x"}]},
-        "json schema": lambda s: {**user("x"), "response_format": {"type": "json_schema",
-                                                                   "json_schema": {"name": s, "schema": {}}}},
-    }  # fmt: skip
+        "json schema": lambda s: {
+            **user("x"),
+            "response_format": {"type": "json_schema", "json_schema": {"name": s, "schema": {}}},
+        },
+    }
     for spot, make in spots.items():
         for stream in (False, True):
             for s in (sur, "\udfff"):
@@ -179,61 +193,130 @@ def cases(*, random_count: int = 300, big: bool = True, seed: int = 11) -> list[
         add("declared 1 TB", http(b"{}", length=str(10**12)))
 
     # not JSON, or not an object
-    for i, raw in enumerate([b"", b" ", b"{", b"}", b"[]", b"null", b'"s"', b"1", b"true", b'{"a":1}}',
-                             b'{"messages": NaN}', b'{"t": Infinity}', b"[-Infinity]", b"\x00" * 8,
-                             b"\xff\xfe\xfd", b'{"a":"\x01"}', b"{'single': 1}", b'{"a":1,}',
-                             json.dumps(user("x")).encode("utf-32"), b"\xef\xbb\xbf\xef\xbb\xbf{}"]):  # fmt: skip
+    for i, raw in enumerate(
+        [
+            b"",
+            b" ",
+            b"{",
+            b"}",
+            b"[]",
+            b"null",
+            b'"s"',
+            b"1",
+            b"true",
+            b'{"a":1}}',
+            b'{"messages": NaN}',
+            b'{"t": Infinity}',
+            b"[-Infinity]",
+            b"\x00" * 8,
+            b"\xff\xfe\xfd",
+            b'{"a":"\x01"}',
+            b"{'single': 1}",
+            b'{"a":1,}',
+            json.dumps(user("x")).encode("utf-32"),
+            b"\xef\xbb\xbf\xef\xbb\xbf{}",
+        ]
+    ):
         add(f"not a request #{i}", http(raw))
 
     # wrong shapes and values
     shapes = [
-        {"messages": {}}, {"messages": "x"}, {"messages": 1}, {"messages": [1]}, {"messages": [[]]},
-        {"messages": [{}]}, {"messages": [{"role": 1, "content": "x"}]}, {"messages": [{"role": "user", "content": 1}]},
-        {"messages": [{"role": "user", "content": {"a": 1}}]}, {"messages": [{"role": "user", "content": [1]}]},
+        {"messages": {}},
+        {"messages": "x"},
+        {"messages": 1},
+        {"messages": [1]},
+        {"messages": [[]]},
+        {"messages": [{}]},
+        {"messages": [{"role": 1, "content": "x"}]},
+        {"messages": [{"role": "user", "content": 1}]},
+        {"messages": [{"role": "user", "content": {"a": 1}}]},
+        {"messages": [{"role": "user", "content": [1]}]},
         {"messages": [{"role": "user", "content": [{"type": 1}]}]},
         {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
         {"messages": [{"role": "user", "content": [{"type": "text", "text": ["x"]}]}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": 5}]}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ["x"]}}]}]},
-        {"messages": [{"role": "tool", "content": None}]}, {"messages": [{"role": "assistant", "content": None}]},
+        {"messages": [{"role": "tool", "content": None}]},
+        {"messages": [{"role": "assistant", "content": None}]},
         {"messages": [{"role": "user", "content": "<|image_pad|>"}]},
         {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]},
         {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
-    ]  # fmt: skip
+    ]
     for i, doc in enumerate(shapes):
         add(f"shape #{i}", chat(doc))
-    values = {"max_tokens": [0, -1, 1.5, "8", 10**30, None, []], "temperature": [-1, 1000, "hot", None, {}],
-              "top_p": [0, 2, -0.1], "top_k": [-2, 10**20], "n": [0, 17, 10**9], "seed": [2**64, -(2**64), 1.5],
-              "stream": ["yes", 1, None], "stream_options": [{"include_usage": True}, {"bogus": 1}, "x"],
-              "logprobs": ["x"], "top_logprobs": [21, -1], "stop": [["s"] * 17, [1], {"a": 1}],
-              "stop_token_ids": [[-1], ["a"], [10**30]], "max_completion_tokens": [0, "x"],
-              "presence_penalty": [3], "frequency_penalty": [-3], "repetition_penalty": [0, -1],
-              "min_p": [2], "min_tokens": [-1], "add_generation_prompt": ["no"], "skip_special_tokens": [3],
-              "logit_bias": [{"the": 1}, {"1": 1000}, []], "model": [1, ["m"], "m" * 5000],
-              "response_format": [{"type": "yaml"}, {"type": "json_schema"}, "json"],
-              "structured_outputs": [{"regex": "a", "choice": ["b"]}, {}, {"json": 1}],
-              "extra_args": [1, "x", []]}  # fmt: skip
+    values = {
+        "max_tokens": [0, -1, 1.5, "8", 10**30, None, []],
+        "temperature": [-1, 1000, "hot", None, {}],
+        "top_p": [0, 2, -0.1],
+        "top_k": [-2, 10**20],
+        "n": [0, 17, 10**9],
+        "seed": [2**64, -(2**64), 1.5],
+        "stream": ["yes", 1, None],
+        "stream_options": [{"include_usage": True}, {"bogus": 1}, "x"],
+        "logprobs": ["x"],
+        "top_logprobs": [21, -1],
+        "stop": [["s"] * 17, [1], {"a": 1}],
+        "stop_token_ids": [[-1], ["a"], [10**30]],
+        "max_completion_tokens": [0, "x"],
+        "presence_penalty": [3],
+        "frequency_penalty": [-3],
+        "repetition_penalty": [0, -1],
+        "min_p": [2],
+        "min_tokens": [-1],
+        "add_generation_prompt": ["no"],
+        "skip_special_tokens": [3],
+        "logit_bias": [{"the": 1}, {"1": 1000}, []],
+        "model": [1, ["m"], "m" * 5000],
+        "response_format": [{"type": "yaml"}, {"type": "json_schema"}, "json"],
+        "structured_outputs": [{"regex": "a", "choice": ["b"]}, {}, {"json": 1}],
+        "extra_args": [1, "x", []],
+    }
     for name, bad in values.items():
         for i, value in enumerate(bad):
             add(f"{name} = #{i}", chat({**user("x"), name: value}))
-    for name in ("tools", "tool_choice", "functions", "function_call", "best_of", "echo", "use_beam_search",
-                 "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "guided_json", "guided_regex",
-                 "reasoning_effort", "prompt_logprobs", "documents", "audio", "web_search_options"):  # fmt: skip
+    for name in (
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "best_of",
+        "echo",
+        "use_beam_search",
+        "chat_template",
+        "chat_template_kwargs",
+        "mm_processor_kwargs",
+        "guided_json",
+        "guided_regex",
+        "reasoning_effort",
+        "prompt_logprobs",
+        "documents",
+        "audio",
+        "web_search_options",
+    ):
         add(f"unsupported {name}", chat({**user("x"), name: [{"type": "function"}] if name == "tools" else "auto"}))
 
     # images: broken, hostile, refused
     bomb = _png(30_000, 30_000, mode="1")  # ~100 KB on the wire, 900 M pixels decoded
     urls = {
-        "bad base64": "data:image/png;base64,!!!!", "empty data": "data:image/png;base64,",
-        "not an image": _data_url(b"just text, no pixels" * 10), "truncated png": _data_url(_png(64, 64)[:60]),
-        "text/plain": "data:text/plain;base64,aGVsbG8=", "not base64": "data:image/png,rawbytes",
-        "decompression bomb": _data_url(bomb), "1001-frame gif": _data_url(_gif(1001), "image/gif"),
-        "1x20000 png": _data_url(_png(1, 20000)), "http disabled": "http://127.0.0.1:1/x.png",
-        "file url": "file:///etc/passwd", "javascript": "javascript:alert(1)", "no scheme": "//x/y.png",
-        "credentials": "http://user:pw@127.0.0.1/x.png", "long url": "http://x/" + "a" * 100_000,
-        "header only": "data:", "whitespace payload": "data:image/png;base64," + " " * 100,
-    }  # fmt: skip
+        "bad base64": "data:image/png;base64,!!!!",
+        "empty data": "data:image/png;base64,",
+        "not an image": _data_url(b"just text, no pixels" * 10),
+        "truncated png": _data_url(_png(64, 64)[:60]),
+        "text/plain": "data:text/plain;base64,aGVsbG8=",
+        "not base64": "data:image/png,rawbytes",
+        "decompression bomb": _data_url(bomb),
+        "1001-frame gif": _data_url(_gif(1001), "image/gif"),
+        "1x20000 png": _data_url(_png(1, 20000)),
+        "http disabled": "http://127.0.0.1:1/x.png",
+        "file url": "file:///etc/passwd",
+        "javascript": "javascript:alert(1)",
+        "no scheme": "//x/y.png",
+        "credentials": "http://user:pw@127.0.0.1/x.png",
+        "long url": "http://x/" + "a" * 100_000,
+        "header only": "data:",
+        "whitespace payload": "data:image/png;base64," + " " * 100,
+    }
     for name, url in urls.items():
         add(f"image {name}", chat(user([{"type": "text", "text": "look"}, image(url)])))
     add("31 images", chat(user([image(_data_url(_png(8, 8)))] * 31)))
@@ -241,17 +324,23 @@ def cases(*, random_count: int = 300, big: bool = True, seed: int = 11) -> list[
     # HTTP itself
     body = json.dumps(user("x")).encode()
     raw_http = {
-        "garbage line": b"GARBAGE\r\n\r\n", "no version": b"POST /v1/chat/completions\r\n\r\n",
+        "garbage line": b"GARBAGE\r\n\r\n",
+        "no version": b"POST /v1/chat/completions\r\n\r\n",
         "BOM before the request line": b"\xef\xbb\xbf" + http(body),
-        "bad version": http(body, version="HTTP/9.9"), "http/1.0": http(body, version="HTTP/1.0"),
+        "bad version": http(body, version="HTTP/9.9"),
+        "http/1.0": http(body, version="HTTP/1.0"),
         "no host": b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
-        "negative length": http(body, length="-5"), "length not a number": http(body, length="abc"),
+        "negative length": http(body, length="-5"),
+        "length not a number": http(body, length="abc"),
         "two lengths": http(body, headers={"Content-Length": f"{len(body)}, 5"}),
         "length and chunked": http(body, headers={"Transfer-Encoding": "chunked"}),
-        "bad chunk size": http(b"zz\r\nab\r\n0\r\n\r\n", length=None, headers={"Transfer-Encoding": "chunked",
-                                                                                  "Content-Length": None}),
-        "good chunked": http(b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n", headers={"Transfer-Encoding": "chunked",
-                                                                                     "Content-Length": None}),
+        "bad chunk size": http(
+            b"zz\r\nab\r\n0\r\n\r\n", length=None, headers={"Transfer-Encoding": "chunked", "Content-Length": None}
+        ),
+        "good chunked": http(
+            b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n",
+            headers={"Transfer-Encoding": "chunked", "Content-Length": None},
+        ),
         "header too big": http(body, headers={"X-Big": "a" * 20_000}),
         "many headers": http(body, headers={f"X-H{i}": "v" for i in range(2000)}),
         "header without colon": b"POST / HTTP/1.1\r\nHost: x\r\nbroken\r\n\r\n",
@@ -261,9 +350,12 @@ def cases(*, random_count: int = 300, big: bool = True, seed: int = 11) -> list[
         "absolute target": http(body, target="http://evil.example/v1/chat/completions"),
         "long target": http(body, target="/" + "a" * 20_000),
         "asterisk target": http(b"", method="OPTIONS", target="*"),
-        "unknown method": http(body, method="BREW"), "get chat": http(b"", method="GET"),
-        "delete chat": http(b"", method="DELETE"), "trace": http(b"", method="TRACE", target="/"),
-        "unknown path": http(body, target="/v1/completions"), "traversal": http(b"", method="GET", target="/../../etc"),
+        "unknown method": http(body, method="BREW"),
+        "get chat": http(b"", method="GET"),
+        "delete chat": http(b"", method="DELETE"),
+        "trace": http(b"", method="TRACE", target="/"),
+        "unknown path": http(body, target="/v1/completions"),
+        "traversal": http(b"", method="GET", target="/../../etc"),
         "latin-1 request id": http(body, headers={"X-Request-Id": "caf\xe9"}),
         "long request id": http(body, headers={"X-Request-Id": "r" * 200}),
         "bad authorization": http(body, headers={"Authorization": "Bearer \x7f\x00"}),
@@ -272,9 +364,10 @@ def cases(*, random_count: int = 300, big: bool = True, seed: int = 11) -> list[
         "nul in header": b"POST / HTTP/1.1\r\nHost: x\r\nX: a\x00b\r\n\r\n",
         "bare LF": b"POST /v1/chat/completions HTTP/1.1\nHost: x\nContent-Length: 2\nConnection: close\n\n{}",
         "pipelined": http(body, headers={"Connection": None}) + http(body),
-        "websocket upgrade": http(b"", method="GET", target="/", headers={"Upgrade": "websocket",
-                                                                          "Connection": "Upgrade"}),
-    }  # fmt: skip
+        "websocket upgrade": http(
+            b"", method="GET", target="/", headers={"Upgrade": "websocket", "Connection": "Upgrade"}
+        ),
+    }
     for name, raw in raw_http.items():
         add(f"http {name}", raw)
 
@@ -299,22 +392,45 @@ def _random_value(rng: random.Random, depth: int = 0) -> object:
     if kind == 3:
         return rng.choice([0.0, -0.5, 1e300, 3.14, -1e-300])
     if kind in (4, 5):
-        return "".join(rng.choice(["a", " ", "é", "\U0001f600", "\ud800", "<|im_end|>", "\x00", "\\", '"', "\n"])
-                       for _ in range(rng.randrange(12)))  # fmt: skip
+        return "".join(
+            rng.choice(["a", " ", "é", "\U0001f600", "\ud800", "<|im_end|>", "\x00", "\\", '"', "\n"])
+            for _ in range(rng.randrange(12))
+        )
     if kind == 6:
         return [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
-    return {rng.choice(["a", "type", "url", "text", "role", "\ud800"]): _random_value(rng, depth + 1)
-            for _ in range(rng.randrange(4))}  # fmt: skip
+    return {
+        rng.choice(["a", "type", "url", "text", "role", "\ud800"]): _random_value(rng, depth + 1)
+        for _ in range(rng.randrange(4))
+    }
 
 
 def _random_request(rng: random.Random) -> object:
     if rng.random() < 0.1:
         return _random_value(rng)
-    doc: dict = {"messages": [{"role": rng.choice(["user", "system", "assistant", "tool", "x", 1]),
-                               "content": rng.choice([_random_value(rng), "hi", [{"type": "text", "text": "hi"}]])}
-                              for _ in range(rng.randrange(1, 3))]}  # fmt: skip
-    fields = ["model", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "extra_args",
-              "logprobs", "response_format", "tools", "logit_bias"]  # fmt: skip
+    doc: dict = {
+        "messages": [
+            {
+                "role": rng.choice(["user", "system", "assistant", "tool", "x", 1]),
+                "content": rng.choice([_random_value(rng), "hi", [{"type": "text", "text": "hi"}]]),
+            }
+            for _ in range(rng.randrange(1, 3))
+        ]
+    }
+    fields = [
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stream",
+        "stop",
+        "seed",
+        "extra_args",
+        "logprobs",
+        "response_format",
+        "tools",
+        "logit_bias",
+    ]
     for name in rng.sample(fields, rng.randrange(4)):
         doc[name] = _random_value(rng)
     return doc
@@ -371,8 +487,14 @@ def _first_response(data: bytes) -> tuple[int, bytes, bytes, bool] | None:
         if status == 100:
             data = rest
             continue
-        length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
-                       if line.lower().startswith(b"content-length:")), None)  # fmt: skip
+        length = next(
+            (
+                int(line.split(b":", 1)[1])
+                for line in head.split(b"\r\n")[1:]
+                if line.lower().startswith(b"content-length:")
+            ),
+            None,
+        )
         if length is None:
             return status, head, rest, False
         return status, head, rest[:length], len(rest) >= length
@@ -429,9 +551,12 @@ class Probe:
     def summary(self) -> dict:
         out = {}
         for path, values in self.latencies.items():
-            out[path] = {"n": len(values), "p50_ms": round(percentile(values, 50) * 1000, 1),
-                         "p99_ms": round(percentile(values, 99) * 1000, 1),
-                         "max_ms": round(max(values, default=float("nan")) * 1000, 1)}  # fmt: skip
+            out[path] = {
+                "n": len(values),
+                "p50_ms": round(percentile(values, 50) * 1000, 1),
+                "p99_ms": round(percentile(values, 99) * 1000, 1),
+                "max_ms": round(max(values, default=float("nan")) * 1000, 1),
+            }
         return out
 
 

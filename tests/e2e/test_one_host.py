@@ -143,7 +143,17 @@ def test_check_mode_changes_nothing(one_host_stack):
 
 def test_teardown_leaves_the_host_clean(one_host_stack):
     n1 = one_host_stack.hosts["n1"]
+    cache = "/var/cache/epd/neuron-compile-cache"
+    n1.run(f"mkdir -p {cache}/m && echo neff > {cache}/m/model.neff")
     result = ansible_playbook(one_host_stack.inventory.directory, "playbooks/teardown.yml")
+    assert result.returncode == 0, result.describe()
+    # the compile cache outlives a teardown (the next deploy would cold-compile) ...
+    assert n1.run("ls -A /var/cache/epd").stdout.split() == ["neuron-compile-cache"]
+    assert n1.run(f"cat {cache}/m/model.neff").stdout.strip() == "neff"
+    # ... unless purged
+    result = ansible_playbook(
+        one_host_stack.inventory.directory, "playbooks/teardown.yml", "-e", "epd_teardown_purge_cache=true"
+    )
     assert result.returncode == 0, result.describe()
     assert n1.units("epd*") == [], n1.units("epd*")
     leftovers = n1.run(

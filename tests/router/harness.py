@@ -48,11 +48,21 @@ def http_ok(url: str) -> bool:
         return False
 
 
-def engine_argv(ckpt: Path, role: str, engine_id: str, port: int, side_port: int | None,
-                max_num_seqs: int = 8) -> list[str]:
+def engine_argv(
+    ckpt: Path, role: str, engine_id: str, port: int, side_port: int | None, max_num_seqs: int = 8
+) -> list[str]:
     """The kit's `serve` argv (docs/contract.md §6.3) for one tp=1 local sim engine."""
-    argv = launch.serve_argv(role, str(ckpt), port, side_channel_port=side_port, engine_id=engine_id,
-                             tp=1, dp=1, max_num_seqs=max_num_seqs, executable=SIM)
+    argv = launch.serve_argv(
+        role,
+        str(ckpt),
+        port,
+        side_channel_port=side_port,
+        engine_id=engine_id,
+        tp=1,
+        dp=1,
+        max_num_seqs=max_num_seqs,
+        executable=SIM,
+    )
     return [*argv, "--disable-uvicorn-access-log"]
 
 
@@ -77,10 +87,13 @@ class SimEngine:
 
     def start(self) -> SimEngine:
         env = {**launch.engine_env("0", profile="zero", dead_linger_s="0.2", grace_s="2"), **self.sim_env}
-        log = open(self.log_dir / f"{self.engine_id}.log", "ab")
+        log = open(self.log_dir / f"{self.engine_id}.log", "ab")  # noqa: SIM115 (closed once the child has it)
         self.proc = subprocess.Popen(
             engine_argv(self.ckpt, self.role, self.engine_id, self.port, self.side_port),
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
         log.close()
         return self
@@ -108,8 +121,9 @@ class SimEngine:
                 self.kill()
 
 
-def router_config(ckpt: Path, ves: list[SimEngine], pds: list[SimEngine], port: int,
-                  **overrides: Any) -> dict[str, Any]:  # fmt: skip
+def router_config(
+    ckpt: Path, ves: list[SimEngine], pds: list[SimEngine], port: int, **overrides: Any
+) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "model": str(ckpt),
         "listen": {"host": HOST, "port": port},
@@ -141,10 +155,12 @@ class RouterProc:
         return f"http://{HOST}:{self.port}"
 
     def start(self, wait_ready: bool = True, timeout: float = 60) -> RouterProc:
-        log = open(self.log_path, "ab")
+        log = open(self.log_path, "ab")  # noqa: SIM115 (closed once the child has it)
         self.proc = subprocess.Popen(
             [ROUTER, "serve", "--config", str(self.config_path)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             env={**os.environ, "HF_HUB_OFFLINE": "1"},
         )
         log.close()
@@ -193,8 +209,15 @@ class Stack:
     config: dict[str, Any]
 
     @classmethod
-    def start(cls, ckpt: Path, workdir: Path, n_ve: int, n_pd: int,
-              sim_env: dict[str, dict[str, str]] | None = None, **cfg_overrides: Any) -> Stack:  # fmt: skip
+    def start(
+        cls,
+        ckpt: Path,
+        workdir: Path,
+        n_ve: int,
+        n_pd: int,
+        sim_env: dict[str, dict[str, str]] | None = None,
+        **cfg_overrides: Any,
+    ) -> Stack:
         sim_env = sim_env or {}
         ves = [SimEngine("ve", f"epd-ve-{i}", ckpt, workdir, sim_env.get(f"epd-ve-{i}", {})) for i in range(n_ve)]
         pds = [SimEngine("pd", f"epd-pd-{i}", ckpt, workdir, sim_env.get(f"epd-pd-{i}", {})) for i in range(n_pd)]

@@ -39,8 +39,10 @@ def check_completion(resp, oracle, messages, max_tokens=MAX_TOKENS):
 
 
 def test_text_only(stack, oracle):
-    messages = [{"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "The quick brown fox jumps over the lazy dog."}]
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "The quick brown fox jumps over the lazy dog."},
+    ]
     resp = client(stack).chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS)
     check_completion(resp, oracle, messages)
     assert resp.object == "chat.completion" and resp.model == "tiny"
@@ -81,7 +83,8 @@ def test_streaming_text_and_usage_semantics(stack, oracle, include_usage):
     messages = [user_message("Describe this image in one sentence.", image_part(png_data_url(300, 260, seed=3)))]
     kwargs = {} if include_usage is None else {"stream_options": {"include_usage": include_usage}}
     stream = client(stack).chat.completions.create(
-        model="tiny", messages=messages, max_tokens=MAX_TOKENS, stream=True, **kwargs)
+        model="tiny", messages=messages, max_tokens=MAX_TOKENS, stream=True, **kwargs
+    )
     chunks = list(stream)
     rendered, tokens, finish, text = oracle.expect(messages, MAX_TOKENS)
     content_chunks = [c for c in chunks if c.choices]
@@ -117,8 +120,12 @@ def test_request_id_is_accepted_and_echoed(stack):
     r = httpx.post(stack.router.url + "/v1/chat/completions", json=body, headers={"x-request-id": "abc-123"})
     assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123"
     assert r.json()["id"] == "chatcmpl-abc-123"
-    with httpx.stream("POST", stack.router.url + "/v1/chat/completions", json={**body, "stream": True},
-                      headers={"X-Request-Id": "s-1"}) as s:
+    with httpx.stream(
+        "POST",
+        stack.router.url + "/v1/chat/completions",
+        json={**body, "stream": True},
+        headers={"X-Request-Id": "s-1"},
+    ) as s:
         assert s.headers["x-request-id"] == "s-1"
         assert b'"id":"chatcmpl-s-1"' in s.read()
     bad = httpx.post(stack.router.url + "/v1/chat/completions", json=body, headers={"x-request-id": "a b"})
@@ -126,8 +133,10 @@ def test_request_id_is_accepted_and_echoed(stack):
 
 
 def test_concurrent_requests_each_get_their_own_images(stack, oracle):
-    cases = [[user_message(f"Image number {i}.", image_part(png_data_url(256, 256 + 32 * (i % 3), seed=100 + i)))]
-             for i in range(12)]
+    cases = [
+        [user_message(f"Image number {i}.", image_part(png_data_url(256, 256 + 32 * (i % 3), seed=100 + i)))]
+        for i in range(12)
+    ]
     c = client(stack)
 
     def run(messages):
@@ -155,15 +164,26 @@ def test_operations_endpoints(stack):
     assert {e["id"] for e in pools["engines"]} == {"epd-ve-0", "epd-ve-1", "epd-ve-2", "epd-pd-0", "epd-pd-1"}
     assert set(pools["engines"][0]) >= {"id", "url", "role", "state", "healthy", "inflight", "served", "failures"}
     text = httpx.get(url + "/metrics").text
-    for name in ("epd_router_requests_total", "epd_router_request_duration_seconds_bucket",
-                 "epd_router_time_to_first_token_seconds_bucket", "epd_router_preprocess_seconds_bucket",
-                 "epd_router_encode_seconds_bucket", "epd_router_pd_seconds_bucket",
-                 'epd_router_engine_inflight{engine="epd-pd-0",role="pd"}',
-                 'epd_router_engine_healthy{engine="epd-ve-2",role="ve"} 1.0',
-                 "epd_router_preprocess_cache_hits_total", "epd_router_dedupe_items_total"):
+    for name in (
+        "epd_router_requests_total",
+        "epd_router_request_duration_seconds_bucket",
+        "epd_router_time_to_first_token_seconds_bucket",
+        "epd_router_preprocess_seconds_bucket",
+        "epd_router_encode_seconds_bucket",
+        "epd_router_pd_seconds_bucket",
+        'epd_router_engine_inflight{engine="epd-pd-0",role="pd"}',
+        'epd_router_engine_healthy{engine="epd-ve-2",role="ve"} 1.0',
+        "epd_router_preprocess_cache_hits_total",
+        "epd_router_dedupe_items_total",
+    ):
         assert name in text, name
-    out = subprocess.run([str(Path(sys.executable).parent / "epd-router"), "status", "--url", url],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "epd-router"), "status", "--url", url],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split()[:4] == ["ID", "ROLE", "STATE", "HEALTHY"]
@@ -180,9 +200,12 @@ def test_unknown_route_and_method_are_enveloped(stack):
 
 def test_repeated_image_hits_the_same_ve_cache(stack, oracle):
     """HRW affinity: the same content hash lands on the same VE, whose encoder cache hits."""
+
     def hits() -> dict[str, float]:
-        return {ve.engine_id: metric(httpx.get(ve.url + "/metrics").text, "vllm:encoder_cache_hits_total")
-                for ve in stack.ves}
+        return {
+            ve.engine_id: metric(httpx.get(ve.url + "/metrics").text, "vllm:encoder_cache_hits_total")
+            for ve in stack.ves
+        }
 
     messages = [user_message("What is this?", image_part(png_data_url(288, 256, seed=77)))]
     c = client(stack)

@@ -46,7 +46,9 @@ class Outcome:
 
 
 def case(i: int, n_images: int = 1) -> list[dict]:
-    parts = [f"Request {i}: describe."] + [image_part(png_data_url(256, 256, seed=1000 + i * 7 + k)) for k in range(n_images)]
+    parts = [f"Request {i}: describe."] + [
+        image_part(png_data_url(256, 256, seed=1000 + i * 7 + k)) for k in range(n_images)
+    ]
     return [user_message(*parts)]
 
 
@@ -61,12 +63,13 @@ def run_one(stack: Stack, expected, i: int, stream: bool, max_tokens: int) -> Ou
             if resp.choices[0].token_ids != tokens:
                 return Outcome(i, "failed", "wrong tokens", t0)
             return Outcome(i, "ok", "", t0)
-        with httpx.stream("POST", stack.router.url + "/v1/chat/completions", json={**body, "stream": True},
-                          timeout=30) as r:
+        with httpx.stream(
+            "POST", stack.router.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30
+        ) as r:
             if r.status_code != 200:
                 return Outcome(i, "failed", f"HTTP {r.status_code}: {r.read()[:300]!r}", t0)
             raw = r.read().decode()
-        events = [e[len("data: "):] for e in raw.split("\n\n") if e]
+        events = [e[len("data: ") :] for e in raw.split("\n\n") if e]
         if events[-1] != "[DONE]":
             return Outcome(i, "failed", f"stream did not end with [DONE]: {raw[-200:]!r}", t0)
         docs = [json.loads(e) for e in events[:-1]]
@@ -77,7 +80,7 @@ def run_one(stack: Stack, expected, i: int, stream: bool, max_tokens: int) -> Ou
             return Outcome(i, "error_frame", docs[err_at]["error"]["message"], t0)
         got = "".join(c["delta"].get("content", "") for d in docs for c in d["choices"])
         return Outcome(i, "ok" if got == text else "failed", "" if got == text else "wrong text", t0)
-    except Exception as exc:  # noqa: BLE001 - reported as a failed outcome with its message
+    except Exception as exc:
         return Outcome(i, "failed", f"{type(exc).__name__}: {exc}", t0)
 
 
@@ -96,12 +99,17 @@ def run_load(stack, oracle, n, workers, stream_every=0, max_tokens=24, during=No
     results: list[Outcome] = []
     expected = expectations(oracle, n, max_tokens, offset)  # before the clock starts
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(run_one, stack, expected[i], i, bool(stream_every) and i % stream_every == 0,
-                               max_tokens) for i in range(n)]  # fmt: skip
+        futures = [
+            pool.submit(run_one, stack, expected[i], i, bool(stream_every) and i % stream_every == 0, max_tokens)
+            for i in range(n)
+        ]
         event_at = None
         if during is not None:
-            wait_until(lambda: (when or (lambda: True))() or all(f.done() for f in futures), 30,
-                       "the moment to inject the fault")
+            wait_until(
+                lambda: (when or (lambda: True))() or all(f.done() for f in futures),
+                30,
+                "the moment to inject the fault",
+            )
             assert not all(f.done() for f in futures), "the load finished before the fault"
             event_at = time.monotonic()
             during()
@@ -113,9 +121,16 @@ def run_load(stack, oracle, n, workers, stream_every=0, max_tokens=24, during=No
 def test_kill_a_pd_under_load(make_stack, oracle):
     stack = make_stack(2, 3, sim_env={f"epd-pd-{i}": SLOW_PD for i in range(3)})
     router = stack.router
-    results, killed_at = run_load(stack, oracle, n=24, workers=6, stream_every=2, max_tokens=40,
-                                  during=stack.pds[0].kill,
-                                  when=lambda: router.pools()["epd-pd-0"]["inflight"] >= 1)
+    results, killed_at = run_load(
+        stack,
+        oracle,
+        n=24,
+        workers=6,
+        stream_every=2,
+        max_tokens=40,
+        during=stack.pds[0].kill,
+        when=lambda: router.pools()["epd-pd-0"]["inflight"] >= 1,
+    )
     failed = [r for r in results if r.kind == "failed"]
     assert not failed, failed
     # non-streaming requests are always retryable before the first byte: all succeeded
@@ -127,8 +142,13 @@ def test_kill_a_pd_under_load(make_stack, oracle):
     assert pools["epd-pd-0"]["inflight"] == 0
 
     # a stream that already started when its PD dies ends with one error frame, then [DONE]
-    body = {"model": "m", "messages": [{"role": "user", "content": "long story"}], "max_tokens": 300,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "long story"}],
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
@@ -136,7 +156,7 @@ def test_kill_a_pd_under_load(make_stack, oracle):
         busy = [e for e, p in router.pools().items() if p["role"] == "pd" and p["inflight"] == 1]
         assert len(busy) == 1
         next(pd for pd in stack.pds if pd.engine_id == busy[0]).kill()
-        events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])
     assert error["error"]["code"] == 502 and f"PD {busy[0]}" in error["error"]["message"]
@@ -147,8 +167,14 @@ def test_kill_a_ve_under_load(make_stack, oracle):
     ve_env = {"EPD_SIM_EXTRA_LATENCY_MS": "15"}
     stack = make_stack(3, 3, sim_env={f"epd-ve-{i}": ve_env for i in range(3)})
     router = stack.router
-    results, _ = run_load(stack, oracle, n=20, workers=6, during=stack.ves[1].kill,
-                          when=lambda: router.pools()["epd-ve-1"]["inflight"] >= 1)
+    results, _ = run_load(
+        stack,
+        oracle,
+        n=20,
+        workers=6,
+        during=stack.ves[1].kill,
+        when=lambda: router.pools()["epd-ve-1"]["inflight"] >= 1,
+    )
     failed = [r for r in results if r.kind != "ok"]
     assert not failed, failed
     pools = stack.router.pools()
@@ -175,8 +201,11 @@ def test_drain_by_config_reload_under_load(make_stack, oracle):
     router.write_config(cfg)
     router.reload()
     wait_until(lambda: router.pools()["epd-pd-0"]["state"] == "draining", 5, "reload applied")
-    wait_until(lambda: all(router.pools()[e]["inflight"] == 0 for e in ("epd-pd-0", "epd-ve-0")), 10,
-               "drained engines reach 0 in flight")
+    wait_until(
+        lambda: all(router.pools()[e]["inflight"] == 0 for e in ("epd-pd-0", "epd-ve-0")),
+        10,
+        "drained engines reach 0 in flight",
+    )
     served = {e: router.pools()[e]["served"] for e in ("epd-pd-0", "epd-ve-0")}
     loader.join(timeout=120)
     assert not loader.is_alive()
@@ -242,8 +271,12 @@ def test_client_disconnect_cancels_the_pd_request(make_stack):
         m = re.search(r'vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} ([0-9.]+)', text)
         return float(m.group(1)) if m else 0.0
 
-    body = {"model": "m", "messages": [{"role": "user", "content": "tell me a long story"}],
-            "max_tokens": 400, "ignore_eos": True}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "tell me a long story"}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", router.url + "/v1/chat/completions", json={**body, "stream": True}) as r:
         lines = r.iter_lines()
         for _ in range(3):
@@ -261,7 +294,7 @@ def test_sigterm_drains_in_flight_then_exits(make_stack, oracle):
     stack = make_stack(1, 1, sim_env={"epd-pd-0": {"EPD_SIM_DECODE_MS_PER_TOKEN": "15"}})
     router = stack.router
     messages = case(5)
-    _, tokens, _, text = oracle.expect(messages, 60)
+    _, _tokens, _, text = oracle.expect(messages, 60)
     got: dict = {}
     first = threading.Event()
 

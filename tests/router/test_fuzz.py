@@ -22,12 +22,17 @@ TINY_PNG = png_data_url(40, 30, seed=5)
 SURROGATES = st.sampled_from(["\ud800", "a\udfffb", "\ud83d", "\udc00\ud800"])
 text = st.one_of(st.text(max_size=20), SURROGATES)
 json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), text)
-json_value = st.recursive(json_leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
-                          max_leaves=12)
+json_value = st.recursive(
+    json_leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=12
+)
 urls = st.one_of(
-    st.just(TINY_PNG), st.just("data:image/png;base64,AAAA"), st.just("data:image/png;base64,!!!"),
-    st.just("data:text/plain;base64,aGVsbG8="), st.just("http://127.0.0.1:1/x.png"),
-    st.just("file:///etc/passwd"), st.text(max_size=30),
+    st.just(TINY_PNG),
+    st.just("data:image/png;base64,AAAA"),
+    st.just("data:image/png;base64,!!!"),
+    st.just("data:text/plain;base64,aGVsbG8="),
+    st.just("http://127.0.0.1:1/x.png"),
+    st.just("file:///etc/passwd"),
+    st.text(max_size=30),
 )
 part = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": text}),
@@ -36,10 +41,12 @@ part = st.one_of(
     json_value,
 )
 message = st.one_of(
-    st.fixed_dictionaries({
-        "role": st.sampled_from(["user", "system", "assistant", "tool", "wizard"]),
-        "content": st.one_of(text, st.lists(part, max_size=3), st.none(), json_value),
-    }),
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "assistant", "tool", "wizard"]),
+            "content": st.one_of(text, st.lists(part, max_size=3), st.none(), json_value),
+        }
+    ),
     json_value,
 )
 request = st.fixed_dictionaries(
@@ -81,8 +88,9 @@ def check(resp: httpx.Response) -> None:
         assert resp.json()["object"] == "chat.completion"
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(body=request)
 def test_fuzz_structured_requests(http, body):
     if isinstance(body.get("max_tokens"), int) and isinstance(body.get("stream"), bool):
@@ -96,10 +104,18 @@ valid_part = st.one_of(
     st.sampled_from(IMAGES).map(lambda u: {"type": "image_url", "image_url": {"url": u}}),
 )
 valid_request = st.fixed_dictionaries(
-    {"messages": st.lists(st.fixed_dictionaries({
-        "role": st.sampled_from(["user", "system", "assistant"]),
-        "content": st.one_of(st.text(max_size=40), st.lists(valid_part, min_size=1, max_size=4)),
-    }), min_size=1, max_size=3)},
+    {
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {
+                    "role": st.sampled_from(["user", "system", "assistant"]),
+                    "content": st.one_of(st.text(max_size=40), st.lists(valid_part, min_size=1, max_size=4)),
+                }
+            ),
+            min_size=1,
+            max_size=3,
+        )
+    },
     optional={
         "max_tokens": st.integers(1, 32),
         "temperature": st.floats(0, 2),
@@ -117,8 +133,9 @@ valid_request = st.fixed_dictionaries(
 ).map(lambda b: {**b, "max_tokens": b.get("max_tokens", 8)})
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(body=valid_request)
 def test_fuzz_valid_requests_succeed(http, body):
     """Well-formed requests (text, images, sampling knobs, streaming) are answered: 200, or a
@@ -142,8 +159,17 @@ def test_oversized_body_is_413(http, stack):
 
 
 def test_bad_image_is_400_with_where(http):
-    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
-                                                      {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "x"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                ],
+            }
+        ]
+    }
     resp = http.post("/v1/chat/completions", json=body)
     assert resp.status_code == 400
     err = resp.json()["error"]
@@ -169,10 +195,12 @@ def flat(count: int, item: bytes) -> bytes:
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(raw=st.one_of(
-    st.builds(nested, st.integers(20, 5000), st.sampled_from(["top", "extra_args", "stop", "model"])),
-    st.builds(flat, st.integers(1000, 200_000), st.sampled_from([b"1", b"{}", b'{"a":[]}', b'""', b"null"])),
-))
+@given(
+    raw=st.one_of(
+        st.builds(nested, st.integers(20, 5000), st.sampled_from(["top", "extra_args", "stop", "model"])),
+        st.builds(flat, st.integers(1000, 200_000), st.sampled_from([b"1", b"{}", b'{"a":[]}', b'""', b"null"])),
+    )
+)
 def test_fuzz_deep_and_huge_flat_bodies(http, raw):
     check(http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"}))
 

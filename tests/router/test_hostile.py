@@ -53,15 +53,18 @@ def test_a_keep_alive_connection_survives_a_refused_request(stack):
     with httpx.Client(base_url=stack.router.url, timeout=10) as client:
         bad = client.post("/v1/chat/completions", content='{"messages":[{"role":"user","content":"\\ud800"}]}')
         assert bad.status_code == 400 and bad.json()["request_id"]
-        good = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                         "max_tokens": 2})  # fmt: skip
+        good = client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        )
         assert good.status_code == 200
         assert len(client._transport._pool.connections) == 1  # the same connection served both
 
 
 def test_slow_clients_are_closed_within_the_timeouts(stack):
-    before = {r: counter(stack, "epd_router_client_connections_closed_total", reason=r)
-              for r in ("header_timeout", "body_timeout")}  # fmt: skip
+    before = {
+        r: counter(stack, "epd_router_client_connections_closed_total", reason=r)
+        for r in ("header_timeout", "body_timeout")
+    }
     result = slowloris.run(stack.router.url, 40, LISTEN["header_timeout_s"], LISTEN["body_timeout_s"], slack_s=1.5)
     assert result["all_closed_within_timeout"], result["kinds"]
     assert result["kinds"]["trickled head"]["answered_408"] == 10
@@ -90,8 +93,10 @@ def test_connections_over_the_cap_get_a_503(stack):
 def test_a_client_that_leaves_during_its_upload_is_a_quiet_499(stack):
     before = counter(stack, "epd_router_requests_total", status="client_closed")
     with socket.create_connection((HOST, stack.router.port), timeout=5) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 1000000\r\n\r\n" + b'{"messages": "' + b"x" * 100_000)  # fmt: skip
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000\r\n\r\n" + b'{"messages": "' + b"x" * 100_000
+        )
         time.sleep(0.2)
     wait_until(
         lambda: counter(stack, "epd_router_requests_total", status="client_closed") > before,

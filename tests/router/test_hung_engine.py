@@ -18,9 +18,13 @@ DEADLINE_S = 1.0  # timeouts.encode_base_s, with no per-token part
 
 def test_a_hung_ve_costs_its_deadline_then_stays_out_until_it_serves(ckpt, tmp_path, oracle):
     stack = Stack.start(
-        ckpt, tmp_path, n_ve=2, n_pd=1, sim_env={"epd-ve-0": {"EPD_SIM_HANG_AFTER": "0"}},
+        ckpt,
+        tmp_path,
+        n_ve=2,
+        n_pd=1,
+        sim_env={"epd-ve-0": {"EPD_SIM_HANG_AFTER": "0"}},
         timeouts={"encode_base_s": DEADLINE_S, "encode_per_1k_tokens_s": 0},
-    )  # fmt: skip
+    )
     try:
         router, hung = stack.router, stack.ves[0]
         client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=30)

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from .harness import ROUTER, RouterProc, SimEngine, free_port, router_config, wait_until, http_ok
+from .harness import ROUTER, RouterProc, SimEngine, free_port, http_ok, router_config, wait_until
 
 KEY = "sk-test-0123456789abcdef"
 
@@ -68,7 +68,9 @@ def test_world_readable_key_file_refused(engines, ckpt):
     keys.chmod(0o644)
     cfg_path = d / "open.yaml"
     cfg_path.write_text(json.dumps(router_config(ckpt, [ve], [pd], free_port(), auth={"api_keys_file": str(keys)})))
-    proc = subprocess.run([ROUTER, "serve", "--config", str(cfg_path)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [ROUTER, "serve", "--config", str(cfg_path)], check=False, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2
     assert "chmod 600" in proc.stderr and KEY not in proc.stderr + proc.stdout
 
@@ -76,12 +78,28 @@ def test_world_readable_key_file_refused(engines, ckpt):
 def test_reference_flags_drop_in(engines, ckpt, oracle):
     ve, pd, d = engines
     port = free_port()
-    log = open(d / "flags.log", "wb")
+    log = open(d / "flags.log", "wb")  # noqa: SIM115 (closed once the child has it)
     proc = subprocess.Popen(
-        [ROUTER, "--model", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
-         "--ve-timeout-s", "30", "--pd-timeout-s", "30",
-         "--ve-endpoint", f"127.0.0.1:{ve.port}", "--pd-endpoint", f"127.0.0.1:{pd.port}"],
-        stdout=log, stderr=subprocess.STDOUT)
+        [
+            ROUTER,
+            "--model",
+            str(ckpt),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--ve-timeout-s",
+            "30",
+            "--pd-timeout-s",
+            "30",
+            "--ve-endpoint",
+            f"127.0.0.1:{ve.port}",
+            "--pd-endpoint",
+            f"127.0.0.1:{pd.port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: http_ok(url + "/ready"), 60, "router from flags")
@@ -107,9 +125,17 @@ def test_saturation_429_and_upstream_timeout_504(engines, ckpt):
     try:
         hung.wait_healthy()
         router = RouterProc(d / "hang.yaml", d / "hang.log", free_port())
-        router.write_config(router_config(ckpt, [ve], [hung], router.port, timeouts={"pd_s": 1.5},
-                                          placement={"pd_max_inflight": 1, "queue_size": 0},
-                                          health={"failure_threshold": 10}))  # keep it in rotation
+        router.write_config(
+            router_config(
+                ckpt,
+                [ve],
+                [hung],
+                router.port,
+                timeouts={"pd_s": 1.5},
+                placement={"pd_max_inflight": 1, "queue_size": 0},
+                health={"failure_threshold": 10},
+            )
+        )  # keep it in rotation
         router.start()
         try:
             body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -142,7 +168,7 @@ def test_http_images_only_from_allowed_hosts(engines, ckpt, oracle):
     png = encode_image(make_image(300, 220, seed=42))
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server API
+        def do_GET(self):
             self.send_response(200)
             self.send_header("Content-Type", "image/png")
             self.send_header("Content-Length", str(len(png)))
@@ -157,13 +183,18 @@ def test_http_images_only_from_allowed_hosts(engines, ckpt, oracle):
     ve, pd, d = engines
     allowed = f"127.0.0.1:{server.server_port}"
     router = RouterProc(d / "media.yaml", d / "media.log", free_port())
-    router.write_config(router_config(ckpt, [ve], [pd], router.port,
-                                      media={"allow_http": True, "allowed_hosts": [allowed]}))
+    router.write_config(
+        router_config(ckpt, [ve], [pd], router.port, media={"allow_http": True, "allowed_hosts": [allowed]})
+    )
     router.start()
     try:
         c = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
         fetched = [user_message("What is it?", image_part(f"http://{allowed}/cat.png"))]
-        inline = [user_message("What is it?", image_part("data:image/png;base64," + __import__("base64").b64encode(png).decode()))]
+        inline = [
+            user_message(
+                "What is it?", image_part("data:image/png;base64," + __import__("base64").b64encode(png).decode())
+            )
+        ]
         resp = c.chat.completions.create(model="m", messages=fetched, max_tokens=8)
         # same pixels by URL or inline: the same content hash, so the same answer
         assert resp.choices[0].token_ids == oracle.expect(inline, 8)[1]

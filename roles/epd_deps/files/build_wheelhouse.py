@@ -9,6 +9,8 @@ test-hosts.md section E). It is keyed by a hash of pyproject.toml, the kit's sou
 pins and the controller's Python version, cached under --cache, and packed as one tar, so N
 hosts and repeated runs reuse it. Third-party wheels are cached separately (keyed without the
 kit's sources), so a code change rebuilds offline. Prints one JSON line: {key, archive, python, changed}.
+With --dry-run (deploy --check) it builds, prunes and creates nothing: changed says whether a
+build would run.
 """
 
 from __future__ import annotations
@@ -151,11 +153,14 @@ def main() -> int:
     parser.add_argument("--cache", type=Path, required=True)
     parser.add_argument("--pin", action="append", default=[])
     parser.add_argument("--keep", type=int, default=3, help="archives kept in the cache (newest first)")
+    parser.add_argument("--dry-run", action="store_true", help="report what would be built, change nothing")
     args = parser.parse_args()
     repo = args.repo.resolve()
     key = wheelhouse_key(repo, args.pin)
-    args.cache.mkdir(parents=True, exist_ok=True)
     archive = args.cache / f"epd-wheelhouse-{key}.tar"
+    if args.dry_run:
+        return report(key, archive, changed=not archive.exists())
+    args.cache.mkdir(parents=True, exist_ok=True)
     changed = False
     # one builder at a time (parallel runs, several hosts' first deploys)
     with open(args.cache / ".lock", "w", encoding="ascii") as lock:
@@ -171,16 +176,12 @@ def main() -> int:
         for old in args.cache.glob("deps-*"):
             if old.name != current_deps:
                 shutil.rmtree(old, ignore_errors=True)
-    print(
-        json.dumps(
-            {
-                "key": key,
-                "archive": str(archive),
-                "changed": changed,
-                "python": f"{sys.version_info.major}.{sys.version_info.minor}",
-            }
-        )
-    )
+    return report(key, archive, changed)
+
+
+def report(key: str, archive: Path, changed: bool) -> int:
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    print(json.dumps({"key": key, "archive": str(archive), "changed": changed, "python": python}))
     return 0
 
 

@@ -56,8 +56,7 @@ def decode_data_url(url: str, limits: Limits, payload: bytes | memoryview | None
     approx = len(encoded) * 3 // 4 - (tail.count("=") if isinstance(tail, str) else bytes(tail).count(b"="))
     if approx > limits.max_image_bytes:
         raise ImageTooLarge(
-            f"image is about {approx} bytes, above the limit of {limits.max_image_bytes} bytes "
-            "(limits.max_image_bytes)"
+            f"image is about {approx} bytes, above the limit of {limits.max_image_bytes} bytes (limits.max_image_bytes)"
         )
     try:
         data = _decode_base64(encoded)
@@ -158,8 +157,9 @@ class MediaFetcher:
         limit = self.limits.max_image_bytes
         declared = response.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
-            raise _FetchFailure(f"{_short(str(target))} declares {declared} bytes, above "
-                                f"limits.max_image_bytes ({limit})")
+            raise _FetchFailure(
+                f"{_short(str(target))} declares {declared} bytes, above limits.max_image_bytes ({limit})"
+            )
         chunks: list[bytes] = []
         total = 0
         async for chunk in response.aiter_bytes():

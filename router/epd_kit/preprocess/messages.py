@@ -52,8 +52,7 @@ def parse_messages(messages: Any) -> ParsedMessages:
             loc = ".".join(str(p) for p in first["loc"])
             raise InvalidMessages(f"{loc}: {first['msg']}", param=where) from None
         if msg.role not in ROLES:
-            raise InvalidMessages(f"role {msg.role!r} is not one of {', '.join(ROLES)}",
-                                  param=f"{where}.role")
+            raise InvalidMessages(f"role {msg.role!r} is not one of {', '.join(ROLES)}", param=f"{where}.role")
         extra = {k: v for k, v in raw.items() if k not in ("role", "content")}
         if msg.content is None:
             if msg.role != "assistant":
@@ -84,9 +83,9 @@ def _part(part: dict[str, Any], where: str, images: list[ImageRef]) -> dict[str,
     if kind in _VIDEO_PARTS:
         raise VideoNotSupported(
             "video input is not supported by this router (the EPD wire has no per-frame "
-            "placeholders); send frames as separate images", param=where)
+            "placeholders); send frames as separate images",
+            param=where,
+        )
     if kind in _OTHER_KNOWN_PARTS:
-        raise UnsupportedContent(f"content part type {kind!r} is not supported; use 'text' or "
-                                 "'image_url'", param=where)
-    raise UnsupportedContent(f"unknown content part type {kind!r}; use 'text' or 'image_url'",
-                             param=where)
+        raise UnsupportedContent(f"content part type {kind!r} is not supported; use 'text' or 'image_url'", param=where)
+    raise UnsupportedContent(f"unknown content part type {kind!r}; use 'text' or 'image_url'", param=where)

@@ -80,8 +80,8 @@ class RenderedPrompt:
     def pd_features(self) -> wire.Features:
         """`features` of the PD request (contract §3.1): LM-only kwargs, duplicates kept."""
         return wire.Features.of_images(
-            [i.mm_hash for i in self.items], [i.placeholder for i in self.items],
-            [i.pd_kwargs_b64 for i in self.items])
+            [i.mm_hash for i in self.items], [i.placeholder for i in self.items], [i.pd_kwargs_b64 for i in self.items]
+        )
 
 
 @dataclass(frozen=True)
@@ -121,14 +121,16 @@ class Preprocessor:
             _check_budget(self.vision, limits)
         self._pixels = PixelEncoder(self.vision) if self.vision else None
         self._settings_blob = settings_bytes(
-            {**(self.vision.pixel_settings() if self.vision else {}),
-             "max_image_patches": limits.max_image_patches})
+            {**(self.vision.pixel_settings() if self.vision else {}), "max_image_patches": limits.max_image_patches}
+        )
         self._encoder: ItemEncoder = encoder or MmSerdeEncoder()
         self._fetcher = MediaFetcher(media, limits)
-        self._text_pool = ThreadPoolExecutor(max_workers=workers or limits.text_workers,
-                                             thread_name_prefix="epd-preprocess-text")
-        self._image_pool = ThreadPoolExecutor(max_workers=workers or limits.image_workers,
-                                              thread_name_prefix="epd-preprocess-image")
+        self._text_pool = ThreadPoolExecutor(
+            max_workers=workers or limits.text_workers, thread_name_prefix="epd-preprocess-text"
+        )
+        self._image_pool = ThreadPoolExecutor(
+            max_workers=workers or limits.image_workers, thread_name_prefix="epd-preprocess-image"
+        )
         self._cache: LruCache[PreparedImage] = LruCache(limits.image_cache_items, limits.image_cache_bytes)
         self._inflight: dict[str, asyncio.Future[PreparedImage]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -183,14 +185,17 @@ class Preprocessor:
         refs = parsed.images
         if refs and self.vision is None:
             raise ModelHasNoVision(
-                f"model {self.model_id} ({self.files.architecture}) has no vision encoder; "
-                "send text only", param=refs[0].param)
+                f"model {self.model_id} ({self.files.architecture}) has no vision encoder; send text only",
+                param=refs[0].param,
+            )
         if len(refs) > self.limits.images_per_prompt:
             raise TooManyImages(
                 f"{len(refs)} images in one request, above the limit of "
-                f"{self.limits.images_per_prompt} (limits.images_per_prompt)", param="messages")
+                f"{self.limits.images_per_prompt} (limits.images_per_prompt)",
+                param="messages",
+            )
         for ref in refs:  # refuse disallowed URLs before any work or network I/O
-            if not ref.url[:5].lower() == "data:":
+            if ref.url[:5].lower() != "data:":
                 _with_param(ref, self._fetcher.check_allowed, ref.url)
 
         text_job = self._run(self._text_pool, self._tokenize, parsed.template_messages, add_generation_prompt)
@@ -215,7 +220,9 @@ class Preprocessor:
             raise PromptMismatch(
                 f"the rendered prompt has {found} image placeholder tokens for {len(images)} "
                 "images; message text must not contain the model's image token "
-                "(<|image_pad|>) itself", param="messages")
+                "(<|image_pad|>) itself",
+                param="messages",
+            )
         out: list[int] = []
         items: list[PreparedItem] = []
         it = iter(images)
@@ -224,11 +231,18 @@ class Preprocessor:
                 out.append(tid)
                 continue
             image = next(it)
-            items.append(PreparedItem(
-                mm_hash=image.mm_hash, offset=len(out), length=image.num_tokens,
-                grid_thw=image.grid_thw, num_patches=image.num_patches,
-                ve_kwargs_b64=image.ve_kwargs_b64, pd_kwargs_b64=image.pd_kwargs_b64,
-                downscaled_for_budget=image.downscaled_for_budget))
+            items.append(
+                PreparedItem(
+                    mm_hash=image.mm_hash,
+                    offset=len(out),
+                    length=image.num_tokens,
+                    grid_thw=image.grid_thw,
+                    num_patches=image.num_patches,
+                    ve_kwargs_b64=image.ve_kwargs_b64,
+                    pd_kwargs_b64=image.pd_kwargs_b64,
+                    downscaled_for_budget=image.downscaled_for_budget,
+                )
+            )
             out.extend([pad] * image.num_tokens)
         return RenderedPrompt(token_ids=out, items=items)
 
@@ -284,8 +298,7 @@ class Preprocessor:
         mm_hash = await self._run(self._image_pool, image_hash, self.model_id, data, self._settings_blob)
         return mm_hash, data
 
-    async def _prepare_into(self, fut: asyncio.Future[PreparedImage], mm_hash: str, data: bytes,
-                            ref: ImageRef) -> None:
+    async def _prepare_into(self, fut: asyncio.Future[PreparedImage], mm_hash: str, data: bytes, ref: ImageRef) -> None:
         """Runs as its own task: a cancelled client request does not cancel work others share."""
         try:
             image = await self._run(self._image_pool, _with_param, ref, self._prepare, mm_hash, data)
@@ -305,7 +318,7 @@ class Preprocessor:
         width, height = rgb.size
         plan = plan_resize(height, width, self.vision, self.limits)
         pixel_values = self._pixels.pixel_values(self._pixels.resize(rgb, plan))
-        merge_area = self.vision.merge_size ** 2
+        merge_area = self.vision.merge_size**2
         image = PreparedImage(
             mm_hash=mm_hash,
             grid_thw=plan.grid_thw,
@@ -332,10 +345,16 @@ class Preprocessor:
     def stats(self) -> PreprocessStats:
         c = self._cache.stats
         return PreprocessStats(
-            cache_hits=c.hits, cache_misses=c.misses, cache_evictions=c.evictions,
-            cache_entries=len(self._cache), cache_bytes=c.bytes, inflight_joins=self._joins,
-            duplicates_in_request=self._duplicates, images_prepared=self._prepared,
-            images_downscaled=self._downscaled)
+            cache_hits=c.hits,
+            cache_misses=c.misses,
+            cache_evictions=c.evictions,
+            cache_entries=len(self._cache),
+            cache_bytes=c.bytes,
+            inflight_joins=self._joins,
+            duplicates_in_request=self._duplicates,
+            images_prepared=self._prepared,
+            images_downscaled=self._downscaled,
+        )
 
     async def aclose(self) -> None:
         for task in list(self._tasks):
@@ -346,10 +365,12 @@ class Preprocessor:
 
 
 def _check_budget(vision: VisionSettings, limits: Limits) -> None:
-    min_patches = vision.merge_size ** 2
+    min_patches = vision.merge_size**2
     if limits.max_image_patches < min_patches:
-        raise ValueError(f"limits.max_image_patches must be at least {min_patches} "
-                         f"(one merged token of {vision.factor}x{vision.factor} pixels)")
+        raise ValueError(
+            f"limits.max_image_patches must be at least {min_patches} "
+            f"(one merged token of {vision.factor}x{vision.factor} pixels)"
+        )
 
 
 def _with_param(ref: ImageRef, fn: Callable[..., T], *args: Any) -> T:

@@ -26,10 +26,10 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -65,13 +65,15 @@ class TextCodec:
     def render_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
-                documents=None, **self._special,
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                **self._special,
             )
         except jinja2.TemplateError as exc:
             # templates use raise_exception() to reject message sequences (roles, order)
-            raise InvalidMessages(f"the model's chat template rejected the messages: {exc}",
-                                  param="messages") from exc
+            raise InvalidMessages(f"the model's chat template rejected the messages: {exc}", param="messages") from exc
 
     def encode(self, text: str) -> list[int]:
         # encode_batch, not encode: it releases the GIL while it works (a megabyte of text is
@@ -114,10 +116,10 @@ class IncrementalDetokenizer:
         if not new_ids:
             return ""
         self.token_ids.extend(new_ids)
-        prefix_text = self._decode(self.token_ids[self._prefix:self._read])
-        full_text = self._decode(self.token_ids[self._prefix:])
+        prefix_text = self._decode(self.token_ids[self._prefix : self._read])
+        full_text = self._decode(self.token_ids[self._prefix :])
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-            delta = full_text[len(prefix_text):]
+            delta = full_text[len(prefix_text) :]
             self._prefix, self._read = self._read, len(self.token_ids)
             self.text += delta
             return delta
@@ -126,9 +128,9 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         if self._read >= len(self.token_ids):
             return ""
-        prefix_text = self._decode(self.token_ids[self._prefix:self._read])
-        full_text = self._decode(self.token_ids[self._prefix:])
-        delta = full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
+        prefix_text = self._decode(self.token_ids[self._prefix : self._read])
+        full_text = self._decode(self.token_ids[self._prefix :])
+        delta = full_text[len(prefix_text) :] if full_text.startswith(prefix_text) else ""
         self._prefix = self._read = len(self.token_ids)
         self.text += delta
         return delta

@@ -30,8 +30,8 @@ def load_api_keys(path: Path) -> tuple[bytes, ...]:
     except OSError as exc:
         raise KeyFileError(f"api_keys_file {path}: cannot read: {exc.strerror or exc}") from None
     keys = []
-    for line in text.splitlines():
-        line = line.strip()
+    for raw in text.splitlines():
+        line = raw.strip()
         if line and not line.startswith("#"):
             keys.append(line.encode())
     if not keys:

@@ -201,5 +201,6 @@ def _surrogate(path: tuple[Any, ...], is_key: bool) -> RouterError:
 
 
 def _too_deep(limit: int, path: tuple[Any, ...]) -> RouterError:
-    return RouterError(400, f"invalid request: JSON nested deeper than {limit} levels at {_where(path)} "
-                            "(limits.max_json_depth)")  # fmt: skip
+    return RouterError(
+        400, f"invalid request: JSON nested deeper than {limit} levels at {_where(path)} (limits.max_json_depth)"
+    )

@@ -9,9 +9,7 @@ show pool status.
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -23,13 +21,27 @@ from epd_kit.router.config import ConfigError, RouterConfig, config_from_flags, 
 def _reference_flags(func):
     """The reference router's flags (contract §1.1), plus --config."""
     opts = [
-        click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
-                     help="router YAML config (docs/architecture.md); excludes the flags below"),
+        click.option(
+            "--config",
+            "config_path",
+            type=click.Path(dir_okay=False, path_type=Path),
+            help="router YAML config (docs/architecture.md); excludes the flags below",
+        ),
         click.option("--model", help="checkpoint directory the router tokenizes with"),
-        click.option("--ve-endpoint", "ve_endpoints", multiple=True, metavar="HOST:PORT",
-                     help="VE engine (repeatable; ids ve-0, ve-1, ... by position)"),
-        click.option("--pd-endpoint", "pd_endpoints", multiple=True, metavar="HOST:PORT",
-                     help="PD engine (repeatable; ids pd-0, pd-1, ...)"),
+        click.option(
+            "--ve-endpoint",
+            "ve_endpoints",
+            multiple=True,
+            metavar="HOST:PORT",
+            help="VE engine (repeatable; ids ve-0, ve-1, ... by position)",
+        ),
+        click.option(
+            "--pd-endpoint",
+            "pd_endpoints",
+            multiple=True,
+            metavar="HOST:PORT",
+            help="PD engine (repeatable; ids pd-0, pd-1, ...)",
+        ),
         click.option("--host", default=None, help="bind address [127.0.0.1]"),
         click.option("--port", type=int, default=None, help="bind port [8000]"),
         click.option("--ve-timeout-s", type=float, default=None, help="VE call timeout [120]"),
@@ -42,8 +54,9 @@ def _reference_flags(func):
     return func
 
 
-def _resolve(config_path, model, ve_endpoints, pd_endpoints, host, port, ve_timeout_s, pd_timeout_s,
-             quantization) -> RouterConfig:  # fmt: skip
+def _resolve(
+    config_path, model, ve_endpoints, pd_endpoints, host, port, ve_timeout_s, pd_timeout_s, quantization
+) -> RouterConfig:
     flags_given = any([model, ve_endpoints, pd_endpoints, ve_timeout_s, pd_timeout_s, quantization])
     if config_path is not None:
         if flags_given:
@@ -53,14 +66,19 @@ def _resolve(config_path, model, ve_endpoints, pd_endpoints, host, port, ve_time
             listen = cfg.listen.model_copy(update={k: v for k, v in (("host", host), ("port", port)) if v is not None})
             cfg = cfg.model_copy(update={"listen": listen})
         return cfg
-    missing = [n for n, v in (("--model", model), ("--ve-endpoint", ve_endpoints), ("--pd-endpoint", pd_endpoints)) if not v]
+    missing = [
+        n for n, v in (("--model", model), ("--ve-endpoint", ve_endpoints), ("--pd-endpoint", pd_endpoints)) if not v
+    ]
     if missing:
         raise click.UsageError(f"missing {', '.join(missing)} (or give --config FILE)")
     kwargs = {"host": host, "port": port, "ve_timeout_s": ve_timeout_s, "pd_timeout_s": pd_timeout_s}
     return config_from_flags(
-        model=model, ve_endpoints=list(ve_endpoints), pd_endpoints=list(pd_endpoints),
-        quantization=quantization, **{k: v for k, v in kwargs.items() if v is not None},
-    )  # fmt: skip
+        model=model,
+        ve_endpoints=list(ve_endpoints),
+        pd_endpoints=list(pd_endpoints),
+        quantization=quantization,
+        **{k: v for k, v in kwargs.items() if v is not None},
+    )
 
 
 def _serve(log_level: str, **kwargs) -> None:

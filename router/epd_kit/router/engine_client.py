@@ -60,9 +60,12 @@ class EngineClient:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self._client = httpx.AsyncClient(limits=limits, transport=self._transport, trust_env=False)
         self._prober = HealthProber(
-            self._client, lambda: self._state.pools, lambda: self._state.cfg.health, self.health,
+            self._client,
+            lambda: self._state.pools,
+            lambda: self._state.cfg.health,
+            self.health,
             self.serving_probe if probes is not None else None,
-        )  # fmt: skip
+        )
         await self._prober.probe_all()  # know who is up before the first request
         self._prober.start()
 
@@ -187,9 +190,11 @@ class EngineClient:
         try:
             async with asyncio.timeout(deadline):
                 return await self.client.post(
-                    upstream.generate_url(engine), content=content, headers=upstream.JSON_HEADERS,
+                    upstream.generate_url(engine),
+                    content=content,
+                    headers=upstream.JSON_HEADERS,
                     timeout=self._timeout(deadline + _HTTPX_SLACK_S),
-                )  # fmt: skip
+                )
         except TimeoutError:
             raise upstream.deadline_exceeded(engine, deadline, what) from None
         except httpx.HTTPError as exc:
@@ -199,9 +204,12 @@ class EngineClient:
         timeouts = self._state.cfg.timeouts
         deadline = deadlines.first_token_s(timeouts, engine.inflight_work)
         request = self.client.build_request(
-            "POST", upstream.generate_url(engine), content=upstream.encode_body(body), headers=upstream.JSON_HEADERS,
+            "POST",
+            upstream.generate_url(engine),
+            content=upstream.encode_body(body),
+            headers=upstream.JSON_HEADERS,
             timeout=self._timeout(timeouts.pd_s),  # after the first payload: the longest gap
-        )  # fmt: skip
+        )
         resp: httpx.Response | None = None
         committed = False
         try:

@@ -78,7 +78,9 @@ class RouterError(Exception):
 
     def response(self, request_id: str | None) -> Response:
         return Response(
-            self.body(request_id), status_code=self.status, headers=self.headers(request_id),
+            self.body(request_id),
+            status_code=self.status,
+            headers=self.headers(request_id),
             media_type="application/json",
         )
 

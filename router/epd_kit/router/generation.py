@@ -132,18 +132,12 @@ class Generation:
                 return result
 
     def _may_retry(self, err: UpstreamError, tried: set[str], ctx: RequestContext) -> bool:
-        return (
-            err.retry_other
-            and len(tried) < self._state.cfg.retries.max_attempts
-            and time.monotonic() < ctx.deadline
-        )
+        return err.retry_other and len(tried) < self._state.cfg.retries.max_attempts and time.monotonic() < ctx.deadline
 
     @staticmethod
     def _pd_body(ctx: RequestContext, stream: bool) -> dict:
         sampling = ctx.request.sampling_params()
-        return upstream.pd_request_body(
-            ctx.engine_request_id, ctx.token_ids, ctx.items, sampling, ctx.locators, stream
-        )
+        return upstream.pd_request_body(ctx.engine_request_id, ctx.token_ids, ctx.items, sampling, ctx.locators, stream)
 
     async def relay(self, ctx: RequestContext, pd: PdStream, outcome: RequestOutcome) -> AsyncIterator[bytes]:
         """The client's SSE bytes. A failure after the start ends the stream with one error

@@ -13,9 +13,25 @@ from prometheus_client.registry import Collector
 from epd_kit.router.pools import Pools
 
 _LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-    120.0, 300.0, 600.0,
-)  # fmt: skip
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 
 
 class _PoolCollector(Collector):
@@ -68,53 +84,54 @@ class RouterMetrics:
     def __init__(self, pools: Callable[[], Pools], preprocess_stats: Callable[[], Any] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "epd_router_requests", "Chat requests by final HTTP status", ["status"], registry=r
-        )
+        self.requests = Counter("epd_router_requests", "Chat requests by final HTTP status", ["status"], registry=r)
         self.latency = Histogram(
-            "epd_router_request_duration_seconds", "Total request latency",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "epd_router_request_duration_seconds",
+            "Total request latency",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.ttft = Histogram(
-            "epd_router_time_to_first_token_seconds", "Request arrival to first content byte",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "epd_router_time_to_first_token_seconds",
+            "Request arrival to first content byte",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.preprocess = Histogram(
-            "epd_router_preprocess_seconds", "Rendering and image preprocessing time",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "epd_router_preprocess_seconds",
+            "Rendering and image preprocessing time",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.encode = Histogram(
-            "epd_router_encode_seconds", "VE stage time per request (all VEs, incl. retries)",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "epd_router_encode_seconds",
+            "VE stage time per request (all VEs, incl. retries)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.pd = Histogram(
-            "epd_router_pd_seconds", "PD stage time per request",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.retries = Counter(
-            "epd_router_retries", "Upstream calls retried", ["stage"], registry=r
+            "epd_router_pd_seconds",
+            "PD stage time per request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
-        self.rejections = Counter(
-            "epd_router_rejections", "Requests refused by the router", ["reason"], registry=r
-        )
+        self.retries = Counter("epd_router_retries", "Upstream calls retried", ["stage"], registry=r)
+        self.rejections = Counter("epd_router_rejections", "Requests refused by the router", ["reason"], registry=r)
         self.engine_failures = Counter(
-            "epd_router_engine_failures", "Upstream failures counted against an engine",
-            ["engine", "role"], registry=r,
-        )  # fmt: skip
-        self.dedupe = Counter(
-            "epd_router_dedupe_items", "Duplicate media items not re-encoded", registry=r
+            "epd_router_engine_failures",
+            "Upstream failures counted against an engine",
+            ["engine", "role"],
+            registry=r,
         )
-        self.items = Counter(
-            "epd_router_encode_items", "Unique media items sent to VEs", registry=r
-        )
-        self.reloads = Counter(
-            "epd_router_config_reloads", "Config reloads by result", ["result"], registry=r
-        )
+        self.dedupe = Counter("epd_router_dedupe_items", "Duplicate media items not re-encoded", registry=r)
+        self.items = Counter("epd_router_encode_items", "Unique media items sent to VEs", registry=r)
+        self.reloads = Counter("epd_router_config_reloads", "Config reloads by result", ["result"], registry=r)
         self.connections_closed = Counter(
             "epd_router_client_connections_closed",
             "Client connections the listener closed: header_timeout, body_timeout, over_capacity, malformed",
-            ["reason"], registry=r,
-        )  # fmt: skip
+            ["reason"],
+            registry=r,
+        )
         r.register(_PoolCollector(pools))
         r.register(_PreprocessCollector(preprocess_stats))
 

@@ -100,11 +100,17 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "chat_template_kwargs": ((None, {}), "only add_generation_prompt reaches the chat template"),
     "mm_processor_kwargs": ((None, {}), "images are processed under the router's limits only"),
     **dict.fromkeys(
-        ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-         "guided_whitespace_pattern"),
+        (
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+            "guided_decoding_backend",
+            "guided_whitespace_pattern",
+        ),
         ((None,), "guided_* fields are gone from vLLM: use response_format or structured_outputs"),
     ),
-}  # fmt: skip
+}
 
 
 class ChatCompletionRequest(BaseModel):

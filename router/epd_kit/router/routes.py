@@ -4,6 +4,7 @@ the app's one `RouterService` (`app.state.service`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -89,8 +90,10 @@ async def chat_completions(request: Request) -> Response:
     outcome.first_byte()
     outcome.record("200")
     duration = round(time.monotonic() - outcome.started, 4)
-    log.info("request done", extra={"request_id": rid, "engine_request_id": ctx.engine_request_id,
-                                    "status": 200, "duration_s": duration})  # fmt: skip
+    log.info(
+        "request done",
+        extra={"request_id": rid, "engine_request_id": ctx.engine_request_id, "status": 200, "duration_s": duration},
+    )
     return JSONResponse(result, headers={"x-request-id": rid})
 
 
@@ -292,8 +295,6 @@ async def _race_disconnect(request: Request, work: Awaitable[T]) -> T | None:
         watcher.cancel()
         return task.result()
     task.cancel()
-    try:
+    with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
-    except (asyncio.CancelledError, Exception):
-        pass
     return None

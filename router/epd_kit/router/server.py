@@ -27,9 +27,7 @@ log = logging.getLogger("epd_router.server")
 
 
 class RouterServer(uvicorn.Server):
-    def __init__(
-        self, config: uvicorn.Config, service: RouterService, early: EarlySignals | None = None
-    ) -> None:
+    def __init__(self, config: uvicorn.Config, service: RouterService, early: EarlySignals | None = None) -> None:
         super().__init__(config)
         self.service = service
         self.early = early
@@ -70,8 +68,10 @@ class RouterServer(uvicorn.Server):
         log.info("draining", extra={"active_requests": self.service.active_requests, "grace_s": grace})
         idle = await self.service.wait_idle(grace)
         if not idle:
-            log.warning("grace period over; exiting with requests in flight",
-                        extra={"active_requests": self.service.active_requests})
+            log.warning(
+                "grace period over; exiting with requests in flight",
+                extra={"active_requests": self.service.active_requests},
+            )
         self.should_exit = True
 
 

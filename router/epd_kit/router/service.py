@@ -57,9 +57,7 @@ class RouterService:
         self.engines = EngineClient(self.state, self.metrics, transport)
         self.admission = PdAdmission(self.state, self.metrics)
         self.encoder = Encoder(self.state, self.engines, self.metrics)
-        self.generation = Generation(
-            self.state, renderer, self.engines, self.encoder, self.admission, self.metrics
-        )
+        self.generation = Generation(self.state, renderer, self.engines, self.encoder, self.admission, self.metrics)
         self.active_requests = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -137,10 +135,10 @@ class RouterService:
         served."""
         self.state.draining = True
 
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait up to `timeout` for the requests in flight; True if none is left."""
+    async def wait_idle(self, grace_s: float) -> bool:
+        """Wait up to `grace_s` for the requests in flight; True if none is left."""
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(grace_s):
                 await self._idle.wait()
             return True
         except TimeoutError:

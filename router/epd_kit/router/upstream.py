@@ -216,9 +216,7 @@ def generate_url(engine: Engine) -> str:
     return engine.url + GENERATE_PATH
 
 
-def parse_ve_response(
-    resp: httpx.Response, engine: Engine, hashes: Sequence[str]
-) -> dict[str, EcLocator]:
+def parse_ve_response(resp: httpx.Response, engine: Engine, hashes: Sequence[str]) -> dict[str, EcLocator]:
     try:
         body = GenerateResponse.model_validate_json(resp.content)
         locators = body.ec_locators()

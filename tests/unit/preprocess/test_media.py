@@ -35,10 +35,12 @@ class _Server:
             def log_message(self, *args: object) -> None:  # keep test output clean
                 pass
 
-            def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+            def do_GET(self) -> None:
                 server.hits[self.path] += 1
                 server.authorization.append(self.headers.get("Authorization"))
-                route = getattr(server, "route_" + self.path.split("?")[0].strip("/").replace("-", "_").replace(".", "_"), None)
+                route = getattr(
+                    server, "route_" + self.path.split("?")[0].strip("/").replace("-", "_").replace(".", "_"), None
+                )
                 if route is None:
                     self.send_response(404)
                     self.send_header("Content-Length", "0")
@@ -117,8 +119,8 @@ def server() -> Iterator[_Server]:
 
 def _allowing(make_preprocessor, *hosts: str, timeout: float = 5.0, **limits: int):
     return make_preprocessor(
-        media=Media(allow_http=True, allowed_hosts=list(hosts), fetch_timeout_s=timeout),
-        limits=Limits(**limits))
+        media=Media(allow_http=True, allowed_hosts=list(hosts), fetch_timeout_s=timeout), limits=Limits(**limits)
+    )
 
 
 def _msg(url: str) -> list[dict]:
@@ -132,7 +134,7 @@ def _reasons(caplog: pytest.LogCaptureFixture) -> str:
 
 async def test_http_is_refused_by_default_without_any_connection(pre, server: _Server) -> None:
     before = server.hits["/img.png"]
-    with pytest.raises(MediaFetchRefused, match="media.allow_http: false"):
+    with pytest.raises(MediaFetchRefused, match=r"media\.allow_http: false"):
         await pre.render(_msg(server.base + "/img.png"))
     assert server.hits["/img.png"] == before
 
@@ -151,7 +153,7 @@ async def test_a_host_entry_allows_only_the_default_port(make_preprocessor, serv
     with pytest.raises(MediaFetchRefused, match=f"'127.0.0.1:{server.port}' is not in media.allowed_hosts"):
         await host_only.render(_msg(server.base + "/img.png"))
     wrong_port = _allowing(make_preprocessor, f"127.0.0.1:{server.port + 1}")
-    with pytest.raises(MediaFetchRefused, match="not in media.allowed_hosts"):
+    with pytest.raises(MediaFetchRefused, match=r"not in media\.allowed_hosts"):
         await wrong_port.render(_msg(server.base + "/img.png"))
     assert sum(server.hits.values()) == before
     policy = Media(allowed_hosts=["Images.Example.org", "[::1]:8080", "h:8443"])
@@ -226,8 +228,12 @@ async def test_every_fetch_failure_looks_the_same_to_the_client(
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]  # nothing listens once the socket is closed
     pre = _allowing(make_preprocessor, f"127.0.0.1:{server.port}", f"127.0.0.1:{closed}")
-    urls = [f"http://127.0.0.1:{closed}/x", server.base + "/missing.png?token=secret",
-            server.base + "/text", server.base + "/redirect-other"]
+    urls = [
+        f"http://127.0.0.1:{closed}/x",
+        server.base + "/missing.png?token=secret",
+        server.base + "/text",
+        server.base + "/redirect-other",
+    ]
     messages = set()
     for url in urls:
         with pytest.raises(MediaFetchFailed) as err:

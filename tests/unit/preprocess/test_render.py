@@ -76,7 +76,9 @@ async def test_prompt_equals_transformers_chat_template_with_expanded_pads(pre, 
     rendered = await pre.render(messages)
     hf_messages = [
         {**m, "content": [{"type": "image"} if p.get("type") == "image_url" else p for p in m["content"]]}
-        if isinstance(m["content"], list) else m for m in messages
+        if isinstance(m["content"], list)
+        else m
+        for m in messages
     ]
     expected = tok.apply_chat_template(hf_messages, tokenize=True, add_generation_prompt=True)
     if isinstance(expected, dict) or hasattr(expected, "input_ids"):
@@ -148,8 +150,11 @@ async def test_cache_is_bounded_in_entries_and_bytes(make_preprocessor) -> None:
 async def test_hash_follows_the_documented_scheme(pre, checkpoint: Path) -> None:
     raw = encode_image(make_image(100, 80, seed=3))
     rendered = await pre.render([user_message(image_part(data_url(raw)))])
-    settings = {**pre.vision.pixel_settings(), "max_image_patches": pre.limits.max_image_patches,
-                "scheme": "epd-kit/mm-hash/1"}
+    settings = {
+        **pre.vision.pixel_settings(),
+        "max_image_patches": pre.limits.max_image_patches,
+        "scheme": "epd-kit/mm-hash/1",
+    }
     blob = json.dumps(settings, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
     expected = blake3(b"model_id" + str(checkpoint).encode() + b"image" + raw + b"processor" + blob).hexdigest()
     assert rendered.items[0].mm_hash == expected
@@ -161,10 +166,14 @@ async def test_hash_depends_on_model_id_bytes_and_budget(make_preprocessor) -> N
     msg = [user_message(image_part(data_url(raw)))]
     base = (await make_preprocessor(model_id="m").render(msg)).items[0].mm_hash
     other_model = (await make_preprocessor(model_id="n").render(msg)).items[0].mm_hash
-    other_budget = (await make_preprocessor(model_id="m", limits=Limits(max_image_patches=2048)).render(msg)).items[0].mm_hash
+    other_budget = (
+        (await make_preprocessor(model_id="m", limits=Limits(max_image_patches=2048)).render(msg)).items[0].mm_hash
+    )
     reencoded = encode_image(make_image(100, 80, seed=3), "PNG", compress_level=1)
     assert reencoded != raw
-    other_bytes = (await make_preprocessor(model_id="m").render([user_message(image_part(data_url(reencoded)))])).items[0].mm_hash
+    other_bytes = (
+        (await make_preprocessor(model_id="m").render([user_message(image_part(data_url(reencoded)))])).items[0].mm_hash
+    )
     assert len({base, other_model, other_budget, other_bytes}) == 4
 
 
@@ -185,7 +194,9 @@ async def test_oversized_image_is_rejected_when_configured(make_preprocessor) ->
     assert "limits.max_image_patches" in err.value.message
 
 
-async def test_text_only_checkpoint_renders_text_and_refuses_images(make_preprocessor, text_only_checkpoint: Path) -> None:
+async def test_text_only_checkpoint_renders_text_and_refuses_images(
+    make_preprocessor, text_only_checkpoint: Path
+) -> None:
     pre = make_preprocessor(text_only_checkpoint)
     assert (await pre.render([{"role": "user", "content": "hi"}])).items == []
     with pytest.raises(ModelHasNoVision, match="Qwen3ForCausalLM"):
@@ -215,7 +226,12 @@ def test_budget_below_one_token_is_a_config_error(make_preprocessor) -> None:
         ([user_message(image_part("data:image/png;base64,@@@"))], MalformedImageUrl, 400, "not valid base64"),
         ([user_message(image_part("data:image/png,abc"))], MalformedImageUrl, 400, "base64 encoded"),
         ([user_message(image_part("data:text/plain;base64,aGk="))], MalformedImageUrl, 400, "not an image type"),
-        ([user_message(image_part("data:image/png;base64,aGVsbG8gd29ybGQ="))], NotAnImage, 400, "not a decodable image"),
+        (
+            [user_message(image_part("data:image/png;base64,aGVsbG8gd29ybGQ="))],
+            NotAnImage,
+            400,
+            "not a decodable image",
+        ),
         ([user_message(image_part("ftp://example.com/x.png"))], MalformedImageUrl, 400, "scheme 'ftp'"),
         ([user_message(image_part("file:///etc/passwd"))], MalformedImageUrl, 400, "scheme 'file'"),
         ([user_message(image_part("http://127.0.0.1:9/x.png"))], MediaFetchRefused, 400, "media.allow_http"),
@@ -256,8 +272,12 @@ async def test_decompression_bomb_guard(make_preprocessor) -> None:
 async def test_errors_name_the_failing_image(pre) -> None:
     good = png_data_url(32, 32)
     with pytest.raises(NotAnImage) as err:
-        await pre.render([{"role": "user", "content": "a"},
-                          user_message(image_part(good), "b", image_part("data:image/png;base64,AAAA"))])
+        await pre.render(
+            [
+                {"role": "user", "content": "a"},
+                user_message(image_part(good), "b", image_part("data:image/png;base64,AAAA")),
+            ]
+        )
     assert err.value.param == "messages[1].content[2]"
 
 
@@ -286,8 +306,7 @@ async def test_data_url_variants_accepted(pre) -> None:
     import base64
 
     b64 = base64.b64encode(raw).decode()
-    variants = [f"data:;base64,{b64}", f"DATA:IMAGE/PNG;BASE64,{b64}",
-                f"data:image/png;charset=binary;base64,{b64}"]
+    variants = [f"data:;base64,{b64}", f"DATA:IMAGE/PNG;BASE64,{b64}", f"data:image/png;charset=binary;base64,{b64}"]
     parts = [image_part(v) for v in variants] + [{"type": "image_url", "image_url": variants[0]}]
     rendered = await pre.render([user_message(*parts)])
     assert len({i.mm_hash for i in rendered.items}) == 1 and len(rendered.items) == 4

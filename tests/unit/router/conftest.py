@@ -30,8 +30,15 @@ def config() -> Callable[..., dict[str, Any]]:
 
 
 def item(mm_hash: str, offset: int, length: int, ve: str = "K", pd: str = "P") -> PreparedItem:
-    return PreparedItem(mm_hash=mm_hash, offset=offset, length=length, grid_thw=(1, 2, 2 * length),
-                        num_patches=4 * length, ve_kwargs_b64=ve, pd_kwargs_b64=pd)
+    return PreparedItem(
+        mm_hash=mm_hash,
+        offset=offset,
+        length=length,
+        grid_thw=(1, 2, 2 * length),
+        num_patches=4 * length,
+        ve_kwargs_b64=ve,
+        pd_kwargs_b64=pd,
+    )
 
 
 @pytest.fixture

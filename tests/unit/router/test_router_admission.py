@@ -60,8 +60,14 @@ async def test_no_healthy_pd_is_503_not_429(state, admission):
 
 
 async def test_no_pd_left_to_try_raises_the_last_failure(admission):
-    last = UpstreamError(502, "generate on PD epd-pd-1 failed", engine_id="epd-pd-1", stage="generate",
-                         failure=Failure.error, retry_other=True)
+    last = UpstreamError(
+        502,
+        "generate on PD epd-pd-1 failed",
+        engine_id="epd-pd-1",
+        stage="generate",
+        failure=Failure.error,
+        retry_other=True,
+    )
     with pytest.raises(UpstreamError) as info:
         await admission.acquire({"epd-pd-0", "epd-pd-1"}, last)
     assert info.value is last

@@ -33,11 +33,19 @@ def refused(raw: bytes, limits: Limits = LIMITS) -> RouterError:
 
 
 def test_an_inline_image_is_kept_apart_and_other_strings_come_back_whole():
-    doc = {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "a text that quotes ;base64," + PAYLOAD},
-        {"type": "image_url", "image_url": {"url": IMAGE_URL}},
-        {"type": "image_url", "image_url": IMAGE_URL},
-    ]}], "key ;base64," + PAYLOAD: 1}  # fmt: skip
+    doc = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "a text that quotes ;base64," + PAYLOAD},
+                    {"type": "image_url", "image_url": {"url": IMAGE_URL}},
+                    {"type": "image_url", "image_url": IMAGE_URL},
+                ],
+            }
+        ],
+        "key ;base64," + PAYLOAD: 1,
+    }
     decoded = decode_body(body_of(doc), LIMITS)
     parts = decoded.doc["messages"][0]["content"]
     assert parts[0] == doc["messages"][0]["content"][0]  # not an image URL: restored verbatim
@@ -49,10 +57,17 @@ def test_an_inline_image_is_kept_apart_and_other_strings_come_back_whole():
 
 
 def test_short_and_escaped_payloads_go_through_the_parser():
-    doc = {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A/" * LIFT_MIN_BYTES}},
-    ]}]}  # fmt: skip
+    doc = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A/" * LIFT_MIN_BYTES}},
+                ],
+            }
+        ]
+    }
     raw = body_of(doc).replace(b"A/", b"A\\/")  # some encoders escape '/'
     decoded = decode_body(raw, LIMITS)
     assert decoded.doc == doc and decoded.inline == {}

@@ -1,6 +1,5 @@
 """Router config file + reference flags + `epd-router check-config` (exit codes, messages)."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,9 +22,9 @@ ARCHITECTURE = Path(__file__).resolve().parents[3] / "docs" / "architecture.md"
 def architecture_example() -> str:
     """The documented example config: the yaml block under "Router config file" in docs/architecture.md."""
     text = ARCHITECTURE.read_text()
-    section = text[text.index("## Router config file"):]
+    section = text[text.index("## Router config file") :]
     start = section.index("```yaml\n") + len("```yaml\n")
-    return section[start:section.index("```", start)]
+    return section[start : section.index("```", start)]
 
 
 ARCH_EXAMPLE = architecture_example()
@@ -34,7 +33,8 @@ ARCH_EXAMPLE = architecture_example()
 def minimal(**endpoints):
     return {
         "model": "/m",
-        "endpoints": endpoints or {
+        "endpoints": endpoints
+        or {
             "ve": [{"id": "epd-ve-0", "url": "http://127.0.0.1:18300"}],
             "pd": [{"id": "epd-pd-0", "url": "http://127.0.0.1:18100"}],
         },
@@ -61,10 +61,14 @@ def test_architecture_example_parses_with_documented_defaults(tmp_path):
     ("mutate", "expected"),
     [
         (lambda d: d.update(bogus=1), "bogus: unknown key"),
-        (lambda d: d["endpoints"]["ve"].append({"id": "epd-ve-0", "url": "http://127.0.0.1:1"}),
-         "duplicate engine id 'epd-ve-0'"),
-        (lambda d: d["endpoints"]["pd"].append({"id": "epd-ve-0", "url": "http://127.0.0.1:1"}),
-         "duplicate engine id 'epd-ve-0'"),
+        (
+            lambda d: d["endpoints"]["ve"].append({"id": "epd-ve-0", "url": "http://127.0.0.1:1"}),
+            "duplicate engine id 'epd-ve-0'",
+        ),
+        (
+            lambda d: d["endpoints"]["pd"].append({"id": "epd-ve-0", "url": "http://127.0.0.1:1"}),
+            "duplicate engine id 'epd-ve-0'",
+        ),
         (lambda d: d["endpoints"]["ve"][0].update(url="127.0.0.1:18300"), "must start with http://"),
         (lambda d: d["endpoints"]["ve"][0].update(url="http://127.0.0.1"), "explicit port"),
         (lambda d: d["endpoints"]["ve"][0].update(url="http://127.0.0.1:99999"), "bad port"),
@@ -87,11 +91,16 @@ def test_bad_configs_are_rejected_readably(mutate, expected):
 
 def test_reference_flags_map_to_positional_ids():
     cfg = config_from_flags(
-        model="/m", ve_endpoints=["127.0.0.1:18300", "localhost:18301"],
-        pd_endpoints=["127.0.0.1:18100"], ve_timeout_s=7, quantization="mxfp8",
+        model="/m",
+        ve_endpoints=["127.0.0.1:18300", "localhost:18301"],
+        pd_endpoints=["127.0.0.1:18100"],
+        ve_timeout_s=7,
+        quantization="mxfp8",
     )
     assert [(e.id, e.url) for e in cfg.endpoints.ve] == [
-        ("ve-0", "http://127.0.0.1:18300"), ("ve-1", "http://localhost:18301")]
+        ("ve-0", "http://127.0.0.1:18300"),
+        ("ve-1", "http://localhost:18301"),
+    ]
     assert cfg.endpoints.pd[0].id == "pd-0"
     assert cfg.listen.port == 8000 and cfg.timeouts.ve_s == 7 and cfg.timeouts.pd_s == 600
     assert cfg.quantization == "mxfp8"
@@ -108,8 +117,9 @@ def test_check_config_cli(tmp_path):
     assert "OK" in res.output and "epd-pd-0(draining)" in res.output
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text(ARCH_EXAMPLE.replace("epd-pd-0", "epd-ve-0").replace("state: draining", "state: off")
-                   + "extra_key: 1\n")
+    bad.write_text(
+        ARCH_EXAMPLE.replace("epd-pd-0", "epd-ve-0").replace("state: draining", "state: off") + "extra_key: 1\n"
+    )
     res = runner.invoke(main, ["check-config", str(bad)])
     assert res.exit_code == 1
     assert "extra_key: unknown key" in res.output
@@ -140,7 +150,7 @@ def test_console_script_check_config_exit_code(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: /m\nendpoints: {ve: [], pd: []}\n")
     exe = Path(sys.executable).parent / "epd-router"
-    proc = subprocess.run([str(exe), "check-config", str(bad)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([str(exe), "check-config", str(bad)], check=False, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "endpoints.ve" in proc.stderr
 
@@ -191,7 +201,7 @@ async def test_the_production_renderer_applies_the_files_limits(tmp_path):
         assert pre.limits is cfg.limits and pre.media is cfg.media
         await pre.render([user_message(image_part(png_data_url(32, 32)))])
         assert pre.stats.cache_entries == 0  # image_cache_items: 0 disables the cache
-        with pytest.raises(ImageDimensionsRejected, match="limits.max_image_pixels"):
+        with pytest.raises(ImageDimensionsRejected, match=r"limits\.max_image_pixels"):
             await pre.render([user_message(image_part(png_data_url(64, 64)))])
     finally:
         await pre.aclose()

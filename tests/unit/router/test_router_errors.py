@@ -76,8 +76,15 @@ def test_missing_locator_is_a_failure():
 def test_envelope_shape_and_headers():
     err = RouterError(503, "not ready: no healthy active PD", retry_after=2.2)
     env = err.envelope("rid-1")
-    assert env == {"error": {"message": "not ready: no healthy active PD", "type": "service_unavailable",
-                             "param": None, "code": 503}, "request_id": "rid-1"}
+    assert env == {
+        "error": {
+            "message": "not ready: no healthy active PD",
+            "type": "service_unavailable",
+            "param": None,
+            "code": 503,
+        },
+        "request_id": "rid-1",
+    }
     assert err.headers("rid-1") == {"x-request-id": "rid-1", "Retry-After": "2"}
     frame = err.sse_frame("rid-1")
     assert frame.startswith(b"data: {") and frame.endswith(b"\n\n")

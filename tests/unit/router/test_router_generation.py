@@ -53,10 +53,21 @@ class Engines:
         locators = {}
         for h in hashes:
             self.blocks += 1
-            locators[h] = {"engine_id": ve, "host": "127.0.0.1", "port": 14600,
-                           "remote_block_ids": [self.blocks], "num_tokens": 4}
-        return httpx.Response(200, json={"request_id": body["request_id"], "choices": [{"token_ids": [0]}],
-                                         "kv_transfer_params": {"ec_locator": locators}})
+            locators[h] = {
+                "engine_id": ve,
+                "host": "127.0.0.1",
+                "port": 14600,
+                "remote_block_ids": [self.blocks],
+                "num_tokens": 4,
+            }
+        return httpx.Response(
+            200,
+            json={
+                "request_id": body["request_id"],
+                "choices": [{"token_ids": [0]}],
+                "kv_transfer_params": {"ec_locator": locators},
+            },
+        )
 
     def _generate(self, pd: str, body: dict) -> httpx.Response:
         locators = body["sampling_params"]["extra_args"]["kv_transfer_params"]["ec_locator"]
@@ -92,15 +103,17 @@ async def make_service(char_renderer, make_item):
     started: list[RouterService] = []
 
     async def make(engines: Engines, max_attempts: int = 3) -> RouterService:
-        cfg = parse_config({
-            "model": "/m",
-            "health": {"interval_s": 60},
-            "retries": {"max_attempts": max_attempts},
-            "endpoints": {
-                "ve": [{"id": ve, "url": f"http://127.0.0.1:{port}"} for port, ve in VE_PORTS.items()],
-                "pd": [{"id": pd, "url": f"http://127.0.0.1:{port}"} for port, pd in PD_PORTS.items()],
-            },
-        })
+        cfg = parse_config(
+            {
+                "model": "/m",
+                "health": {"interval_s": 60},
+                "retries": {"max_attempts": max_attempts},
+                "endpoints": {
+                    "ve": [{"id": ve, "url": f"http://127.0.0.1:{port}"} for port, ve in VE_PORTS.items()],
+                    "pd": [{"id": pd, "url": f"http://127.0.0.1:{port}"} for port, pd in PD_PORTS.items()],
+                },
+            }
+        )
         items = [make_item("h1", 1, 4), make_item("h2", 6, 4), make_item("h1", 11, 4)]
         renderer = char_renderer(list(range(16)), items)
         service = RouterService(cfg, renderer, transport=httpx.MockTransport(engines.handler))

@@ -15,16 +15,38 @@ def test_defaults_are_omitted():
 
 
 def test_non_defaults_are_sent():
-    req = parse_request({
-        "messages": MSG, "max_tokens": 5, "max_completion_tokens": 9, "temperature": 0,
-        "top_p": 0.5, "n": 2, "stop": "END", "seed": 3, "ignore_eos": True,
-        "stop_token_ids": [7], "logprobs": True, "top_logprobs": 2, "skip_special_tokens": False,
-        "extra_args": {"k": 1}, "top_k": -1,
-    })
+    req = parse_request(
+        {
+            "messages": MSG,
+            "max_tokens": 5,
+            "max_completion_tokens": 9,
+            "temperature": 0,
+            "top_p": 0.5,
+            "n": 2,
+            "stop": "END",
+            "seed": 3,
+            "ignore_eos": True,
+            "stop_token_ids": [7],
+            "logprobs": True,
+            "top_logprobs": 2,
+            "skip_special_tokens": False,
+            "extra_args": {"k": 1},
+            "top_k": -1,
+        }
+    )
     assert req.sampling_params() == {
-        "max_tokens": 9, "temperature": 0, "top_p": 0.5, "n": 2, "stop": ["END"], "seed": 3,
-        "ignore_eos": True, "stop_token_ids": [7], "logprobs": 2, "skip_special_tokens": False,
-        "extra_args": {"k": 1}, "output_kind": 2,
+        "max_tokens": 9,
+        "temperature": 0,
+        "top_p": 0.5,
+        "n": 2,
+        "stop": ["END"],
+        "seed": 3,
+        "ignore_eos": True,
+        "stop_token_ids": [7],
+        "logprobs": 2,
+        "skip_special_tokens": False,
+        "extra_args": {"k": 1},
+        "output_kind": 2,
     }
 
 
@@ -77,8 +99,15 @@ def test_unsupported_fields_are_a_400_naming_them(field, value):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("tools", []), ("tool_choice", "none"), ("best_of", 1), ("echo", False), ("user", "u-1"),
-     ("parallel_tool_calls", False), ("metadata", {"k": "v"})],
+    [
+        ("tools", []),
+        ("tool_choice", "none"),
+        ("best_of", 1),
+        ("echo", False),
+        ("user", "u-1"),
+        ("parallel_tool_calls", False),
+        ("metadata", {"k": "v"}),
+    ],
 )
 def test_fields_that_ask_for_nothing_are_accepted(field, value):
     assert parse_request({"messages": MSG, field: value}).sampling_params() == {"output_kind": 2}
@@ -90,16 +119,21 @@ def test_structured_outputs_reach_the_pd_as_vllm_sends_them():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     as_schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
     assert parse_request({"messages": MSG, "response_format": as_schema}).sampling_params()["structured_outputs"] == {
-        "json": schema}
+        "json": schema
+    }
     assert parse_request({"messages": MSG, "response_format": {"type": "json_object"}}).sampling_params()[
-        "structured_outputs"] == {"json_object": True}
+        "structured_outputs"
+    ] == {"json_object": True}
     as_text = parse_request({"messages": MSG, "response_format": {"type": "text"}})
     assert "structured_outputs" not in as_text.sampling_params()
     vllm_style = {"choice": ["yes", "no"], "disable_any_whitespace": True}
-    assert parse_request({"messages": MSG, "structured_outputs": vllm_style}).sampling_params()[
-        "structured_outputs"] == vllm_style
+    assert (
+        parse_request({"messages": MSG, "structured_outputs": vllm_style}).sampling_params()["structured_outputs"]
+        == vllm_style
+    )
     assert parse_request({"messages": MSG, "logit_bias": {"50256": -100}}).sampling_params()["logit_bias"] == {
-        "50256": -100}
+        "50256": -100
+    }
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,7 @@ def test_load_bound_both_first_choices_busy_takes_third():
 
 def test_hot_image_does_not_swamp_one_ve():
     """Many concurrent requests for one image: with the bound, work spreads; without, one VE."""
+
     def run(bound):
         loads = {f"ve-{i}": 0 for i in range(4)}
         for _ in range(40):  # 40 in-flight encodes of the same hot image, none finished
@@ -123,7 +124,7 @@ def test_place_items_raises_when_an_item_has_no_candidate():
 def test_pd_least_outstanding_with_round_robin_ties():
     rr = RoundRobin()
     ids = ["pd-0", "pd-1", "pd-2"]
-    idle = {i: 0 for i in ids}
+    idle = dict.fromkeys(ids, 0)
     assert [rr.choose_pd(ids, idle, cap=4) for _ in range(4)] == ["pd-0", "pd-1", "pd-2", "pd-0"]
     assert rr.choose_pd(ids, {"pd-0": 3, "pd-1": 1, "pd-2": 2}, cap=4) == "pd-1"
 
@@ -139,5 +140,5 @@ def test_pd_cap_and_exclusion():
 def test_pd_round_robin_spreads_sequential_requests_evenly():
     rr = RoundRobin()
     ids = [f"pd-{i}" for i in range(3)]
-    picks = Counter(rr.choose_pd(ids, {i: 0 for i in ids}, cap=8) for _ in range(30))
+    picks = Counter(rr.choose_pd(ids, dict.fromkeys(ids, 0), cap=8) for _ in range(30))
     assert set(picks.values()) == {10}

@@ -28,8 +28,10 @@ def test_ve_body_is_contract_exact(make_item):
 
 def test_pd_body_keeps_duplicates_and_carries_locators(make_item):
     items = [make_item("h1", 2, 4, "K1", "P1"), make_item("h2", 8, 3, "K2", "P2"), make_item("h1", 12, 4, "K1", "P1")]
-    loc = {h: EcLocator(engine_id="epd-ve-0", host="127.0.0.1", port=14600, remote_block_ids=[i], num_tokens=4)
-           for i, h in enumerate(["h1", "h2"])}
+    loc = {
+        h: EcLocator(engine_id="epd-ve-0", host="127.0.0.1", port=14600, remote_block_ids=[i], num_tokens=4)
+        for i, h in enumerate(["h1", "h2"])
+    }
     sampling = {"max_tokens": 5, "output_kind": 1, "extra_args": {"mine": 1, "kv_transfer_params": {"x": 1}}}
     body = upstream.pd_request_body("rid", list(range(20)), items, sampling, loc, stream=True)
     assert body["request_id"] == "rid" and body["token_ids"] == list(range(20))
