@@ -146,11 +146,13 @@ class Preprocessor:
         media: Media | None = None,
         workers: int | None = None,
         encoder: ItemEncoder | None = None,
+        engine_dtype: str = "auto",
     ) -> Preprocessor:
         """Local files only (never the hub). `model_id` feeds the content hash; it defaults to
-        the path string as given, as vLLM uses its `--model` string."""
+        the path string as given, as vLLM uses its `--model` string. `engine_dtype` is the
+        engines' `--dtype`: pixel values travel in the dtype it resolves to."""
         return cls(
-            CheckpointFiles.load(path),
+            CheckpointFiles.load(path, engine_dtype=engine_dtype),
             model_id=model_id if model_id is not None else str(path),
             limits=limits or Limits(),
             media=media or Media(),

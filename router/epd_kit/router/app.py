@@ -24,7 +24,7 @@ def build_renderer(cfg: RouterConfig) -> Renderer:
     checkpoint directory (epd_kit.preprocess), under the config's `limits` and `media`."""
     from epd_kit.preprocess import Preprocessor  # heavy import
 
-    return Preprocessor.from_checkpoint(cfg.model, limits=cfg.limits, media=cfg.media)
+    return Preprocessor.from_checkpoint(cfg.model, limits=cfg.limits, media=cfg.media, engine_dtype=cfg.dtype)
 
 
 @asynccontextmanager

@@ -207,6 +207,22 @@ async def test_the_production_renderer_applies_the_files_limits(tmp_path):
         await pre.aclose()
 
 
+@pytest.mark.parametrize(
+    ("dtype", "pixel_dtype"), [("auto", "bfloat16"), ("float16", "float16"), ("float32", "float32")]
+)
+async def test_the_production_renderer_sends_pixels_in_the_files_dtype(tmp_path, dtype, pixel_dtype):
+    """router.yaml `dtype` is the engines' --dtype: VE pixel values travel in what it resolves to
+    (auto on the bf16 tiny checkpoint = bfloat16, as vLLM resolves it)."""
+    data = minimal()
+    data["model"] = str(build_tiny_checkpoint(tmp_path / "ckpt"))
+    data["dtype"] = dtype
+    pre = build_renderer(parse_config(data))
+    try:
+        assert pre.vision.pixel_dtype == pixel_dtype
+    finally:
+        await pre.aclose()
+
+
 def test_the_cli_and_config_load_without_the_preprocessors_heavy_imports():
     """`epd-router` installs its early signal handlers before the slow imports, and
     check-config stays quick: the shared settings model must not pull the preprocessor in."""
