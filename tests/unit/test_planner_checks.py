@@ -26,7 +26,7 @@ def bad_inventories() -> list[tuple[str, dict[str, Any], str]]:
     """(name, change, message) of every row of docs/planner.md "Bad inventories and their messages"."""
     text = (REPO / "docs/planner.md").read_text()
     start = text.index("## Bad inventories and their messages")
-    section = text[start:text.index("\n## ", start + 1)]
+    section = text[start : text.index("\n## ", start + 1)]
     rows = []
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
@@ -97,7 +97,7 @@ def test_known_variables_cover_the_planner_and_the_check():
     """The planner's variables come from epd_common's plan spec; the check's own from epd_preflight's."""
     known = repo_modules.filters().known_variables()
     assert {*planner.GLOBAL_DEFAULTS, *planner.HOST_DEFAULTS, *planner.CHECK_DEFAULTS} <= known
-    assert {"epd_router_api_key", "epd_rr_drain_timeout_s", "epd_engines_start_timeout_s"} <= known
+    assert {"epd_router_api_key", "epd_rr_drain_timeout_s", "epd_engines_stop_timeout_s"} <= known
     controller = yaml.safe_load((REPO / "roles/epd_preflight/meta/argument_specs.yml").read_text())
     options = controller["argument_specs"]["controller"]["options"]
     assert {name: options[name]["default"] for name in planner.CHECK_DEFAULTS} == planner.CHECK_DEFAULTS
@@ -109,20 +109,60 @@ def test_known_variables_cover_the_planner_and_the_check():
 @pytest.mark.ansible
 def test_plan_playbook_prints_each_problem_once_and_contacts_no_host(tmp_path):
     # n1 is a documentation address: any attempt to reach it would show up as n1 in the recap
-    (tmp_path / "hosts.yml").write_text(yaml.safe_dump({"all": {
-        "vars": {**BASE_GROUP_VARS, "epd_num_pds": 3},
-        "children": {"epd_engines": {"hosts": {"n1": {"ansible_host": "192.0.2.1", **BASE_HOST}}},
-                     "epd_router": {"hosts": {"n1": None}}},
-    }}))
+    (tmp_path / "hosts.yml").write_text(
+        yaml.safe_dump(
+            {
+                "all": {
+                    "vars": {**BASE_GROUP_VARS, "epd_num_pds": 3},
+                    "children": {
+                        "epd_engines": {"hosts": {"n1": {"ansible_host": "192.0.2.1", **BASE_HOST}}},
+                        "epd_router": {"hosts": {"n1": None}},
+                    },
+                }
+            }
+        )
+    )
     env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
     result = subprocess.run(
-        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), "playbooks/plan.yml"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
+        [
+            str(Path(sys.executable).parent / "ansible-playbook"),
+            "-i",
+            str(tmp_path / "hosts.yml"),
+            "playbooks/plan.yml",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
     assert output.count("unknown variable epd_num_pds; did you mean epd_num_pd?") == 1, output
     assert "the inventory check found 1 problem(s), listed above" in output
-    recap = output[output.index("PLAY RECAP"):]
+    recap = output[output.index("PLAY RECAP") :]
     assert re.findall(r"^(\S+)\s+:", recap, re.MULTILINE) == ["localhost"], recap
     assert "UNREACHABLE" not in output
+
+
+def test_the_default_start_timeout_covers_compile_budget_stagger_and_margin():
+    """Unset, each host's TimeoutStartSec is derived from its own engines (another host's change leaves it)."""
+    result = check(
+        {
+            "all": {"epd_start_stagger_s": 30},
+            "n1": {"epd_num_pd": 3, "epd_bind_address": "10.0.0.1"},
+            "n2": {"epd_num_pd": 2, "epd_bind_address": "10.0.0.2"},
+        }
+    )
+    assert result["problems"] == []
+    last_delay = {
+        host: max(e["start_delay_s"] for e in host_plan["engines"]) for host, host_plan in result["plan"].items()
+    }
+    assert last_delay == {"n1": 90, "n2": 30}
+    for host, host_plan in result["plan"].items():
+        assert host_plan["start_timeout_s"] == 6000 + last_delay[host] + planner.START_MARGIN_S
+
+
+def test_a_start_timeout_that_covers_the_budget_is_kept():
+    assert check({"all": {"epd_start_timeout_s": 6010}})["plan"]["n1"]["start_timeout_s"] == 6010

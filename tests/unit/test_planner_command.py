@@ -14,7 +14,9 @@ from epd_kit.sim import launch
 from tests.ansible.systemd_expand import expand_command, parse_unit
 
 MODEL = "/models/Qwen3-VL-32B-Instruct"
-TOKEN = st.text(st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="$\\\"'"), min_size=1, max_size=12)
+TOKEN = st.text(
+    st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="$\\\"'"), min_size=1, max_size=12
+)
 
 
 def systemd_argv(executable: str, variables: dict[str, str]) -> list[str]:
@@ -31,15 +33,26 @@ def systemd_argv(executable: str, variables: dict[str, str]) -> list[str]:
     edge_patches=st.integers(1, 40),
     quantization=st.sampled_from(["bf16", "mxfp8"]),
     backend=st.sampled_from(["vllm", "sim"]),
-    extra=st.lists(TOKEN.filter(lambda t: t.split("=", 1)[0] not in plan.MANAGED_FLAGS and not t.startswith("--mm")), max_size=4),
+    extra=st.lists(
+        TOKEN.filter(lambda t: t.split("=", 1)[0] not in plan.MANAGED_FLAGS and not t.startswith("--mm")), max_size=4
+    ),
     model=st.sampled_from([MODEL, "Qwen/Qwen3-VL-32B-Instruct", "/m/with $dollar and 'quotes'"]),
 )
 def test_unit_expands_to_the_planner_argv(role, tp, images, edge_patches, quantization, backend, extra, model):
-    settings_ = plan.read_settings({
-        "epd_model": model, "epd_ve_tp": tp, "epd_ve_dp": 1, "epd_pd_tp": tp, "epd_images_per_prompt": images,
-        "epd_image_edge": 16 * edge_patches, "epd_quantization": quantization, "epd_engine_backend": backend,
-        "epd_extra_args": extra, "epd_modules_to_not_convert": ["lm_head"],
-    })
+    settings_ = plan.read_settings(
+        {
+            "epd_model": model,
+            "epd_ve_tp": tp,
+            "epd_ve_dp": 1,
+            "epd_pd_tp": tp,
+            "epd_images_per_prompt": images,
+            "epd_image_edge": 16 * edge_patches,
+            "epd_quantization": quantization,
+            "epd_engine_backend": backend,
+            "epd_extra_args": extra,
+            "epd_modules_to_not_convert": ["lm_head"],
+        }
+    )
     command = plan.engine_command(settings_, role, f"epd-{role}-3", "10.0.0.7", 18303, 14612 if role == "ve" else None)
     argv = command.argv(settings_.executable)
     assert argv == plan.serve_argv(settings_, role, f"epd-{role}-3", "10.0.0.7", 18303, 14612 if role == "ve" else None)
@@ -48,9 +61,19 @@ def test_unit_expands_to_the_planner_argv(role, tp, images, edge_patches, quanti
 
 def test_serve_line_is_the_tutorial_order_and_every_flag_is_managed():
     flags = [piece.flag for piece in plan.SERVE_LINE if piece.flag]
-    assert flags == ["--tensor-parallel-size", "--host", "--port", "--max-model-len", "--max-num-batched-tokens",
-                     "--max-num-seqs", "--dtype", "--limit-mm-per-prompt", "--no-enable-prefix-caching",
-                     "--additional-config", "--ec-transfer-config"]
+    assert flags == [
+        "--tensor-parallel-size",
+        "--host",
+        "--port",
+        "--max-model-len",
+        "--max-num-batched-tokens",
+        "--max-num-seqs",
+        "--dtype",
+        "--limit-mm-per-prompt",
+        "--no-enable-prefix-caching",
+        "--additional-config",
+        "--ec-transfer-config",
+    ]
     role_flags = [flag for flags_ in plan.ROLE_FLAGS.values() for flag in flags_ if flag.startswith("--")]
     unmanaged = [flag for flag in flags + role_flags if flag not in plan.MANAGED_FLAGS]
     assert unmanaged == ["--mm-encoder-only"]  # refused with its own message (test_planner.test_bad_extra_args)
@@ -58,7 +81,9 @@ def test_serve_line_is_the_tutorial_order_and_every_flag_is_managed():
 
 def test_exec_start_names_each_variable_once():
     text = plan.exec_start("/opt/epd/venv/bin/epd-sim")
-    assert text.startswith("/opt/epd/venv/bin/epd-sim serve ${EPD_MODEL} \\\n    --tensor-parallel-size ${EPD_TENSOR_PARALLEL_SIZE} \\\n")
+    assert text.startswith(
+        "/opt/epd/venv/bin/epd-sim serve ${EPD_MODEL} \\\n    --tensor-parallel-size ${EPD_TENSOR_PARALLEL_SIZE} \\\n"
+    )
     assert text.endswith("\\\n    $EPD_EXTRA_ARGS")
     for piece in plan.SERVE_LINE:
         if piece.variable:
@@ -78,8 +103,13 @@ def test_unit_variables_name_every_piece_and_join_the_lists():
 def test_engine_env_is_the_one_place_of_the_efa_settings():
     settings_ = plan.read_settings({"epd_model": MODEL, "epd_engine_environment": {"NEURON_RT_LOG_LEVEL": "INFO"}})
     env = plan.engine_env(settings_, [8, 9, 10, 11])
-    assert env == {"NEURON_VISIBLE_DEVICES": "8,9,10,11", **plan.EFA_ENVIRONMENT, "VLLM_NEURON_COMPILATION_TIMEOUT": "6000",
-                   "HF_HUB_OFFLINE": "1", "NEURON_RT_LOG_LEVEL": "INFO"}
+    assert env == {
+        "NEURON_VISIBLE_DEVICES": "8,9,10,11",
+        **plan.EFA_ENVIRONMENT,
+        "VLLM_NEURON_COMPILATION_TIMEOUT": "6000",
+        "HF_HUB_OFFLINE": "1",
+        "NEURON_RT_LOG_LEVEL": "INFO",
+    }
     assert plan.EFA_ENVIRONMENT == {"FI_EFA_ENABLE_SHM_TRANSFER": "0", "FI_EFA_USE_DEVICE_RDMA": "1"}
     assert set(plan.EFA_ENVIRONMENT) < set(plan.MANAGED_ENV)
 
@@ -93,21 +123,32 @@ def test_engine_unit_env_file_order_and_readiness_budget():
     names = list(unit["env_file"])
     assert names[:5] == sorted(ve["env"]) and names[5:-3] == list(ve["unit_variables"])
     assert names[-3:] == ["EPD_START_DELAY_S", "EPD_HEALTH_URL", "EPD_READY_TIMEOUT_S"]
-    assert (unit["env_file"]["EPD_START_DELAY_S"], unit["env_file"]["EPD_READY_TIMEOUT_S"]) == ("10", str(3600 - 10 - 15))
+    assert (unit["env_file"]["EPD_START_DELAY_S"], unit["env_file"]["EPD_READY_TIMEOUT_S"]) == (
+        "10",
+        str(3600 - 10 - 15),
+    )
     assert unit["env_file"]["EPD_HEALTH_URL"] == "http://127.0.0.1:18300/health"
     assert plan.engine_unit(pd, "/x", 40)["env_file"]["EPD_READY_TIMEOUT_S"] == "30"  # never below 30 s
 
 
-@pytest.mark.parametrize(("host", "url"), [("0.0.0.0", "http://127.0.0.1:18100/health"), ("fd00::7", "http://[fd00::7]:18100/health")])
+@pytest.mark.parametrize(
+    ("host", "url"), [("0.0.0.0", "http://127.0.0.1:18100/health"), ("fd00::7", "http://[fd00::7]:18100/health")]
+)
 def test_engine_unit_probes_a_wildcard_on_loopback_and_brackets_ipv6(host, url):
     engine = {"argv": ["vllm", "serve"], "unit_variables": {}, "env": {}, "host": host, "port": 18100}
-    assert plan.engine_unit(engine, "/x")["env_file"]["EPD_HEALTH_URL"] == url
+    assert plan.engine_unit(engine, "/x", 3600)["env_file"]["EPD_HEALTH_URL"] == url
 
 
 def test_engine_unit_refuses_a_line_break():
-    engine = {"argv": ["vllm", "serve"], "unit_variables": {"EPD_MODEL": "a\nb"}, "env": {}, "port": 1, "engine_id": "e"}
+    engine = {
+        "argv": ["vllm", "serve"],
+        "unit_variables": {"EPD_MODEL": "a\nb"},
+        "env": {},
+        "port": 1,
+        "engine_id": "e",
+    }
     with pytest.raises(plan.EpdPlanError, match="e: EPD_MODEL contains a line break"):
-        plan.engine_unit(engine, "/x")
+        plan.engine_unit(engine, "/x", 3600)
 
 
 def test_engine_command_replace_and_merge_json():
@@ -124,8 +165,10 @@ def test_engine_command_replace_and_merge_json():
 
 
 def test_merge_is_recursive_for_mappings_only():
-    assert plan.command.merge({"a": {"b": 1, "c": [1]}, "d": 1}, {"a": {"c": [2], "e": 3}, "d": {"x": 1}}) == \
-        {"a": {"b": 1, "c": [2], "e": 3}, "d": {"x": 1}}
+    assert plan.command.merge({"a": {"b": 1, "c": [1]}, "d": 1}, {"a": {"c": [2], "e": 3}, "d": {"x": 1}}) == {
+        "a": {"b": 1, "c": [2], "e": 3},
+        "d": {"x": 1},
+    }
 
 
 def test_the_sim_launcher_runs_the_kits_command():

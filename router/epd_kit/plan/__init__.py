@@ -46,6 +46,7 @@ from .operations import deployed_engines, engine_selection, rolling_queue, statu
 from .placement import largest_fits, place, placement_order
 from .router_config import router_config
 from .settings import Settings, read_settings
+from .timeouts import START_MARGIN_S, start_timeout_s
 from .unit import engine_unit, exec_start, read_env_file
 from .values import format_cores, plain
 
@@ -61,6 +62,7 @@ __all__ = [
     "ROLES",
     "ROLE_FLAGS",
     "SERVE_LINE",
+    "START_MARGIN_S",
     "EngineCommand",
     "EpdPlanError",
     "HostSpec",
@@ -91,6 +93,7 @@ __all__ = [
     "router_config",
     "router_endpoints",
     "serve_argv",
+    "start_timeout_s",
     "status_rows",
     "status_table",
     "unreachable_engines",

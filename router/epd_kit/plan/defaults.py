@@ -31,6 +31,8 @@ GLOBAL_DEFAULTS: dict[str, Any] = {
     "epd_engine_id_prefix": "epd",
     "epd_start_stagger_s": 10,
     "epd_compilation_timeout_s": 6000,
+    # None: derived per host, compile budget + the host's last start delay + a margin (timeouts.py)
+    "epd_start_timeout_s": None,
     "epd_extra_args": [],
     "epd_engine_environment": {},
 }

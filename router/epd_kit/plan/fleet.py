@@ -15,6 +15,7 @@ from .hosts import HostSpec
 from .net import is_loopback, url
 from .placement import no_fit_message, place
 from .settings import MAX_PORT, MIN_PORT, Settings
+from .timeouts import start_timeout_s
 from .values import format_cores
 
 
@@ -24,8 +25,10 @@ def plan_fleet(settings: Settings, hosts: Sequence[HostSpec]) -> dict[str, dict[
     if not hosts:
         raise EpdPlanError("no engine hosts: add hosts to the epd_engines group")
     if len(set(names)) != len(names):
-        raise EpdPlanError(f"host listed twice in the engine hosts: {sorted(n for n in names if names.count(n) > 1)[0]}")
-    next_index = {role: 0 for role in ROLES}
+        raise EpdPlanError(
+            f"host listed twice in the engine hosts: {sorted(n for n in names if names.count(n) > 1)[0]}"
+        )
+    next_index = dict.fromkeys(ROLES, 0)
     plan: dict[str, dict[str, Any]] = {}
     for host in hosts:
         starts = place(host, settings)
@@ -41,23 +44,25 @@ def plan_fleet(settings: Settings, hosts: Sequence[HostSpec]) -> dict[str, dict[
                 side = settings.side_channel_port_base + local * tp if role == "ve" else None
                 cores = list(range(start, start + tp))
                 command = engine_command(settings, role, engine_id, host.bind_address, port, side)
-                engines.append({
-                    "instance": f"{role}-{number}",
-                    "role": role,
-                    "engine_id": engine_id,
-                    "tp": tp,
-                    "dp": settings.ve_dp if role == "ve" else 1,
-                    "cores": cores,
-                    "host": host.bind_address,
-                    "port": port,
-                    "url": url(host.bind_address, port),
-                    "side_channel_port": side,
-                    "side_channel_ports": list(range(side, side + tp)) if side is not None else [],
-                    "start_delay_s": 0,
-                    "argv": command.argv(settings.executable),
-                    "unit_variables": command.unit_variables(),
-                    "env": engine_env(settings, cores),
-                })
+                engines.append(
+                    {
+                        "instance": f"{role}-{number}",
+                        "role": role,
+                        "engine_id": engine_id,
+                        "tp": tp,
+                        "dp": settings.ve_dp if role == "ve" else 1,
+                        "cores": cores,
+                        "host": host.bind_address,
+                        "port": port,
+                        "url": url(host.bind_address, port),
+                        "side_channel_port": side,
+                        "side_channel_ports": list(range(side, side + tp)) if side is not None else [],
+                        "start_delay_s": 0,
+                        "argv": command.argv(settings.executable),
+                        "unit_variables": command.unit_variables(),
+                        "env": engine_env(settings, cores),
+                    }
+                )
             next_index[role] += len(starts[role])
         engines.sort(key=lambda e: e["cores"][0])
         for position, engine in enumerate(engines):
@@ -70,6 +75,7 @@ def plan_fleet(settings: Settings, hosts: Sequence[HostSpec]) -> dict[str, dict[
             "excluded_cores": sorted(host.excluded_cores),
             "faulted_cores": sorted(c for c in host.faulted_cores if c < host.core_count),
             "engines": engines,
+            "start_timeout_s": start_timeout_s(settings, host.name, engines),
         }
     validate_plan(plan, settings)
     return plan
@@ -86,10 +92,16 @@ def validate_plan(plan: Mapping[str, Mapping[str, Any]], settings: Settings) -> 
         for engine in host_plan["engines"]:
             eid = engine["engine_id"]
             if eid in ids:
-                raise EpdPlanError(f"duplicate engine id {eid} on {ids[eid]} and {host}: engine ids key NIXL handshakes and must be unique fleet-wide")
+                raise EpdPlanError(
+                    f"duplicate engine id {eid} on {ids[eid]} and {host}: "
+                    "engine ids key NIXL handshakes and must be unique fleet-wide"
+                )
             ids[eid] = host
             if len(engine["cores"]) != engine["tp"] or engine["cores"][0] % engine["tp"]:
-                raise EpdPlanError(f"{host}: {eid} cores {format_cores(engine['cores'])} do not form an aligned tp={engine['tp']} slice")
+                raise EpdPlanError(
+                    f"{host}: {eid} cores {format_cores(engine['cores'])} "
+                    f"do not form an aligned tp={engine['tp']} slice"
+                )
             for core in engine["cores"]:
                 if core in cores:
                     raise EpdPlanError(f"{host}: core {core} assigned to both {cores[core]} and {eid}")
@@ -98,7 +110,9 @@ def validate_plan(plan: Mapping[str, Mapping[str, Any]], settings: Settings) -> 
             uses += [(p, f"{eid} (side channel rank {r})") for r, p in enumerate(engine["side_channel_ports"])]
             for port, what in uses:
                 if not MIN_PORT <= port <= MAX_PORT:
-                    raise EpdPlanError(f"{host}: port {port} of {what} is outside {MIN_PORT}-{MAX_PORT}; lower the port bases")
+                    raise EpdPlanError(
+                        f"{host}: port {port} of {what} is outside {MIN_PORT}-{MAX_PORT}; lower the port bases"
+                    )
                 if port in ports:
                     raise EpdPlanError(
                         f"{host}: port {port} is used by both {ports[port]} and {what}; move "
@@ -124,7 +138,9 @@ def validate_plan(plan: Mapping[str, Mapping[str, Any]], settings: Settings) -> 
                 )
 
 
-def router_endpoints(plan: Mapping[str, Mapping[str, Any]], draining: Sequence[str] = ()) -> dict[str, list[dict[str, str]]]:
+def router_endpoints(
+    plan: Mapping[str, Mapping[str, Any]], draining: Sequence[str] = ()
+) -> dict[str, list[dict[str, str]]]:
     """The router's endpoint lists in fleet-wide engine order; ids in `draining` are marked so."""
     out: dict[str, list[dict[str, Any]]] = {role: [] for role in ROLES}
     for host_plan in plan.values():
@@ -142,7 +158,9 @@ def unreachable_engines(plan: Mapping[str, Mapping[str, Any]], router_hosts: Seq
     for router in router_hosts:
         for name, host_plan in plan.items():
             if name != router and host_plan["engines"] and is_loopback(host_plan["bind_address"]):
-                problems.append(f"router host {router} cannot reach the engines of {name} on {host_plan['bind_address']}")
+                problems.append(
+                    f"router host {router} cannot reach the engines of {name} on {host_plan['bind_address']}"
+                )
     return problems
 
 
@@ -155,12 +173,20 @@ def plan_table(plan: Mapping[str, Mapping[str, Any]]) -> list[str]:
             rows.append((host, "-", "-", "-", "-", "-", "-", "-"))
         for e in host_plan["engines"]:
             side = e["side_channel_ports"]
-            rows.append((
-                host, e["instance"], f"{e['role']} tp{e['tp']}", format_cores(e["cores"]), str(e["port"]),
-                f"{side[0]}-{side[-1]}" if side else "-", e["engine_id"], str(e["start_delay_s"]),
-            ))
+            rows.append(
+                (
+                    host,
+                    e["instance"],
+                    f"{e['role']} tp{e['tp']}",
+                    format_cores(e["cores"]),
+                    str(e["port"]),
+                    f"{side[0]}-{side[-1]}" if side else "-",
+                    e["engine_id"],
+                    str(e["start_delay_s"]),
+                )
+            )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     for host, host_plan in plan.items():
         lines.append(
             f"{host}: {host_plan['usable_cores']}/{host_plan['core_count']} usable cores, excluded "

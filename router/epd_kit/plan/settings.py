@@ -16,9 +16,23 @@ QUANTIZATIONS = ("bf16", "mxfp8")
 MIN_PORT, MAX_PORT = 1024, 65535
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 # A hub id is owner/name; an owner that is a usual directory name means a relative path.
-DIRECTORY_NAMES = frozenset({
-    "models", "model", "checkpoints", "checkpoint", "ckpt", "weights", "data", "home", "opt", "mnt", "srv", "tmp", "var",
-})
+DIRECTORY_NAMES = frozenset(
+    {
+        "models",
+        "model",
+        "checkpoints",
+        "checkpoint",
+        "ckpt",
+        "weights",
+        "data",
+        "home",
+        "opt",
+        "mnt",
+        "srv",
+        "tmp",
+        "var",
+    }
+)
 # Sizes beyond these are typos (an extra zero), not plans: 1 Mi tokens of context, 1024 sequences per PD.
 MAX_MODEL_LEN, MAX_NUM_SEQS = 1_048_576, 1024
 
@@ -47,6 +61,7 @@ class Settings:
     engine_id_prefix: str
     start_stagger_s: int
     compilation_timeout_s: int
+    start_timeout_s: int | None
     extra_args: tuple[str, ...]
     engine_environment: tuple[tuple[str, str], ...] = ()
 
@@ -178,6 +193,9 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
         engine_id_prefix=prefix,
         start_stagger_s=as_int("epd_start_stagger_s", get("epd_start_stagger_s"), minimum=0),
         compilation_timeout_s=as_int("epd_compilation_timeout_s", get("epd_compilation_timeout_s"), minimum=1),
+        start_timeout_s=None
+        if get("epd_start_timeout_s") is None
+        else as_int("epd_start_timeout_s", get("epd_start_timeout_s"), minimum=1),
         extra_args=check_extra_args(as_str_list("epd_extra_args", get("epd_extra_args"))),
         engine_environment=check_engine_environment(get("epd_engine_environment")),
     )

@@ -24,7 +24,7 @@ def exec_start(executable: str) -> str:
     return f"{executable} serve " + " \\\n    ".join(piece.unit_text for piece in SERVE_LINE)
 
 
-def engine_unit(engine: Mapping[str, Any], executable: str, start_timeout_s: int = 3600) -> dict[str, Any]:
+def engine_unit(engine: Mapping[str, Any], executable: str, start_timeout_s: int) -> dict[str, Any]:
     """{argv, env_file} of one planned engine's unit.
 
     argv is what the unit runs (the planner's argv with the absolute executable); env_file is
@@ -35,14 +35,19 @@ def engine_unit(engine: Mapping[str, Any], executable: str, start_timeout_s: int
     delay = int(engine.get("start_delay_s") or 0)
     env_file = {str(name): str(value) for name, value in sorted(dict(engine.get("env") or {}).items())}
     env_file.update(engine["unit_variables"])
-    env_file.update({
-        "EPD_START_DELAY_S": str(delay),
-        "EPD_HEALTH_URL": probe_url(engine.get("host") or "127.0.0.1", engine["port"]) + "/health",
-        "EPD_READY_TIMEOUT_S": str(max(int(start_timeout_s) - delay - READY_TIMEOUT_MARGIN_S, MIN_READY_TIMEOUT_S)),
-    })
+    env_file.update(
+        {
+            "EPD_START_DELAY_S": str(delay),
+            "EPD_HEALTH_URL": probe_url(engine.get("host") or "127.0.0.1", engine["port"]) + "/health",
+            "EPD_READY_TIMEOUT_S": str(max(int(start_timeout_s) - delay - READY_TIMEOUT_MARGIN_S, MIN_READY_TIMEOUT_S)),
+        }
+    )
     for name, value in env_file.items():
         if "\n" in value or "\r" in value:
-            raise EpdPlanError(f"engine {engine.get('engine_id', '?')}: {name} contains a line break, which an EnvironmentFile cannot hold")
+            raise EpdPlanError(
+                f"engine {engine.get('engine_id', '?')}: {name} contains a line break, "
+                "which an EnvironmentFile cannot hold"
+            )
     return {"argv": [executable, *map(str, engine["argv"][1:])], "env_file": env_file}
 
 
