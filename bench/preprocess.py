@@ -90,8 +90,11 @@ class Throughput:
 
 
 def measure_pair(
-    plain: Callable[[str], Wire], ours: Callable[[str], Wire], inputs: Sequence[str],
-    min_s: float, ours_repeats: int = 1,
+    plain: Callable[[str], Wire],
+    ours: Callable[[str], Wire],
+    inputs: Sequence[str],
+    min_s: float,
+    ours_repeats: int = 1,
 ) -> tuple[Throughput, Throughput]:
     """Interleaved: plain(x), then ours(x) `ours_repeats` times, for each input in turn, until
     every input was seen and plain used `min_s` CPU seconds. Interleaving makes both paths
@@ -111,8 +114,7 @@ def measure_pair(
     return tp, to
 
 
-def run(checkpoint: Path, n_cold: int, n_warm_distinct: int, min_s: float, budget: int,
-        n_warmup: int = 3) -> dict:
+def run(checkpoint: Path, n_cold: int, n_warm_distinct: int, min_s: float, budget: int, n_warmup: int = 3) -> dict:
     plain = plain_path(checkpoint, budget)
     out: dict = {"budget_patches": budget, "sizes": {}}
     for width, height in SIZES:
@@ -178,8 +180,12 @@ def plot(results: dict, path: Path) -> None:
     import numpy as np
 
     sizes = list(results["sizes"])
-    cases = [("cold_plain", "cold, transformers"), ("cold_ours", "cold, router"),
-             ("warm_plain", "warm, transformers"), ("warm_ours", "warm, router (cache)")]
+    cases = [
+        ("cold_plain", "cold, transformers"),
+        ("cold_ours", "cold, router"),
+        ("warm_plain", "warm, transformers"),
+        ("warm_ours", "warm, router (cache)"),
+    ]
     fig, ax = plt.subplots(figsize=(8, 4.2))
     x = np.arange(len(sizes))
     width = 0.2
@@ -199,8 +205,9 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> RunRecord:
     ap = argparse.ArgumentParser(prog="python -m bench.preprocess", description=__doc__.split("\n")[0])
-    ap.add_argument("--checkpoint", type=Path, default=None,
-                    help="checkpoint dir (default: build the tiny Qwen3-VL-style one)")
+    ap.add_argument(
+        "--checkpoint", type=Path, default=None, help="checkpoint dir (default: build the tiny Qwen3-VL-style one)"
+    )
     ap.add_argument("--cold-images", type=int, default=60, help="distinct images per size")
     ap.add_argument("--warm-images", type=int, default=8, help="distinct images in the warm set")
     ap.add_argument("--min-seconds", type=float, default=3.0, help="CPU seconds per warm measurement")
@@ -214,8 +221,7 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     rec = RunRecord.start("preprocess")
     t0 = time.perf_counter()
     ckpt = args.checkpoint or _tiny_checkpoint(args.out_dir)
-    rec.results = run(ckpt, args.cold_images, args.warm_images, args.min_seconds, args.budget,
-                      args.warmup_images)
+    rec.results = run(ckpt, args.cold_images, args.warm_images, args.min_seconds, args.budget, args.warmup_images)
     rec.notes.append(f"pinned to CPU {args.cpu or 'none'}; single run; checkpoint {ckpt}")
     rec.wall_s = time.perf_counter() - t0
     path = rec.save(args.out_dir)
@@ -229,8 +235,10 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
         print(f"  cold speedup {r['cold_speedup']:.2f}x, warm speedup {r['warm_speedup']:.1f}x")
         gain = r["dtype_gain"]
         for dtype in ("float32", "bfloat16"):
-            print(f"  router cold, {dtype:8s} pixels: {gain[dtype]['cpu_ms_per_image']:6.1f} CPU ms/image, "
-                  f"VE item {gain[dtype]['ve_kwargs_chars'] / 1e6:.2f} MB base64")
+            print(
+                f"  router cold, {dtype:8s} pixels: {gain[dtype]['cpu_ms_per_image']:6.1f} CPU ms/image, "
+                f"VE item {gain[dtype]['ve_kwargs_chars'] / 1e6:.2f} MB base64"
+            )
         print(f"  bfloat16 / float32: CPU {gain['cpu_ratio']:.2f}x, VE bytes {gain['ve_bytes_ratio']:.2f}x")
     print(f"wrote {path} in {rec.wall_s:.1f} s")
     return rec

@@ -27,20 +27,29 @@ class Wire:
     grid_thw: tuple[int, int, int]
 
 
-def router_image_path(checkpoint: Path, max_image_patches: int, workers: int = 1,
-                      engine_dtype: str = "auto") -> Callable[[str], Wire]:
+def router_image_path(
+    checkpoint: Path, max_image_patches: int, workers: int = 1, engine_dtype: str = "auto"
+) -> Callable[[str], Wire]:
     """`engine_dtype`: router.yaml `dtype` (the engines' --dtype), which sets the pixel dtype."""
     pre = Preprocessor(
-        CheckpointFiles.load(checkpoint, engine_dtype=engine_dtype), model_id=str(checkpoint),
-        limits=Limits(max_image_patches=max_image_patches), media=Media(), workers=workers,
+        CheckpointFiles.load(checkpoint, engine_dtype=engine_dtype),
+        model_id=str(checkpoint),
+        limits=Limits(max_image_patches=max_image_patches),
+        media=Media(),
+        workers=workers,
     )
     loop = asyncio.new_event_loop()
 
     def prepare(url: str) -> Wire:
-        messages = [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": url}},
-            {"type": "text", "text": "Describe the image."},
-        ]}]
+        messages = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "Describe the image."},
+                ],
+            }
+        ]
         rendered = loop.run_until_complete(pre.render(messages))
         item = rendered.items[0]
         t, h, w = item.grid_thw
@@ -48,4 +57,3 @@ def router_image_path(checkpoint: Path, max_image_patches: int, workers: int = 1
 
     prepare.preprocessor = pre  # type: ignore[attr-defined]
     return prepare
-

@@ -135,8 +135,7 @@ def _decode_tensor(obj: Any, key: str) -> np.ndarray:
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if len(raw) != expected:
         raise MMSerdeError(
-            f"field {key!r}: {len(raw)} bytes do not match shape {shape} of {dtype_name} "
-            f"({expected} bytes)"
+            f"field {key!r}: {len(raw)} bytes do not match shape {shape} of {dtype_name} ({expected} bytes)"
         )
     return np.frombuffer(raw, dtype=dtype).reshape(shape)
 

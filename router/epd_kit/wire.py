@@ -79,9 +79,7 @@ class Features(_Strict):
         return out
 
     @classmethod
-    def of_images(
-        cls, hashes: list[str], placeholders: list[Placeholder], kwargs_b64: list[str]
-    ) -> Features:
+    def of_images(cls, hashes: list[str], placeholders: list[Placeholder], kwargs_b64: list[str]) -> Features:
         if not hashes:
             return cls()
         return cls(
@@ -120,9 +118,7 @@ class SamplingParams(_Open):
     def with_ec_locators(self, locators: dict[str, EcLocator]) -> SamplingParams:
         """Copy with `kv_transfer_params` replaced wholesale, client extra_args kept (§3.1)."""
         extra = dict(self.extra_args or {})
-        extra["kv_transfer_params"] = {
-            "ec_locator": {h: loc.model_dump() for h, loc in locators.items()}
-        }
+        extra["kv_transfer_params"] = {"ec_locator": {h: loc.model_dump() for h, loc in locators.items()}}
         return self.model_copy(update={"extra_args": extra})
 
     def wire_dict(self) -> dict[str, Any]:

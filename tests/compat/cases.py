@@ -6,6 +6,7 @@ import base64
 from typing import Any
 
 import msgpack
+
 from epd_kit.testing.images import image_part, png_data_url, user_message
 
 PROMPT = "Describe the picture."
@@ -35,5 +36,7 @@ def field_layout(kwargs_b64: str) -> dict[str, tuple[str | None, str, dict[str, 
     """field -> (tensor dtype, factory, factory arguments) of one mm_serde item, read with plain
     msgpack (no codec: this must read items either codec refuses)."""
     doc = msgpack.unpackb(base64.b64decode(kwargs_b64), raw=False, ext_hook=lambda code, data: bytes(data))
-    return {key: (elem["data"][0] if elem["data"] else None, elem["field"][0], dict(elem["field"][1]))
-            for key, elem in doc.items()}
+    return {
+        key: (elem["data"][0] if elem["data"] else None, elem["field"][0], dict(elem["field"][1]))
+        for key, elem in doc.items()
+    }

@@ -51,7 +51,7 @@ class StandInEngineCore(EngineCoreClient):
     vllm_config: VllmConfig
     requests: list[Request] = field(default_factory=list)
     engine_ranks_managed: list[int] = field(default_factory=lambda: [0])
-    resources: EngineHealth = field(default_factory=lambda: EngineHealth())
+    resources: EngineHealth = field(default_factory=EngineHealth)
 
     def __post_init__(self) -> None:
         cache = self.vllm_config.cache_config
@@ -113,12 +113,14 @@ class StandInEngineCore(EngineCoreClient):
 
     def _answer(self, req: Request) -> list[EngineCoreOutput]:
         if self.is_encoder:
-            return [EngineCoreOutput(
-                request_id=req.request_id,
-                new_token_ids=[VE_PLACEHOLDER_TOKEN],
-                finish_reason=FinishReason.LENGTH,
-                kv_transfer_params={"ec_locator": self._locators(req)},
-            )]
+            return [
+                EngineCoreOutput(
+                    request_id=req.request_id,
+                    new_token_ids=[VE_PLACEHOLDER_TOKEN],
+                    finish_reason=FinishReason.LENGTH,
+                    kv_transfer_params={"ec_locator": self._locators(req)},
+                )
+            ]
         max_tokens = req.sampling_params.max_tokens or len(OUTPUT_TOKENS)
         tokens = OUTPUT_TOKENS[: min(max_tokens, len(OUTPUT_TOKENS))]
         steps = [EngineCoreOutput(request_id=req.request_id, new_token_ids=[t]) for t in tokens]

@@ -32,10 +32,9 @@ def _use_the_cpu_platform() -> None:
 
 _use_the_cpu_platform()
 
-from epd_kit.testing.checkpoint import build_tiny_checkpoint
-
-from tests.compat.sim_engines import SimPair
-from tests.compat.stack import CompatStack
+from epd_kit.testing.checkpoint import build_tiny_checkpoint  # noqa: E402 (vLLM's platform is chosen first)
+from tests.compat.sim_engines import SimPair  # noqa: E402 (vLLM's platform is chosen first)
+from tests.compat.stack import CompatStack  # noqa: E402 (vLLM's platform is chosen first)
 
 
 @pytest.fixture(scope="session")

@@ -33,8 +33,13 @@ class SimEngine:
         # TP 1 (tutorial_argv): one NeuronCore, as the sim checks the two agree
         golden_env["NEURON_VISIBLE_DEVICES"] = golden_env["NEURON_VISIBLE_DEVICES"].split(",")[0]
         argv = [sys.executable, "-m", "epd_kit.sim.cli", *tutorial_argv(instance, model, port, side_channel)[1:]]
-        env = {**os.environ, **TUTORIAL_EXPORTS, **golden_env, "EPD_SIM_PROFILE": "zero",
-               "PYTHONPATH": os.pathsep.join(sys.path)}
+        env = {
+            **os.environ,
+            **TUTORIAL_EXPORTS,
+            **golden_env,
+            "EPD_SIM_PROFILE": "zero",
+            "PYTHONPATH": os.pathsep.join(sys.path),
+        }
         log = workdir / f"sim-{instance}.log"
         with open(log, "wb") as out:
             process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

@@ -90,17 +90,33 @@ class CompatStack:
         servers = contextlib.AsyncExitStack()
         router: subprocess.Popen | None = None
         try:
-            ve = loop.run(servers.enter_async_context(
-                vllm_server(tutorial_argv("ve-0", model, free_port(), free_port()))))
+            ve = loop.run(
+                servers.enter_async_context(vllm_server(tutorial_argv("ve-0", model, free_port(), free_port())))
+            )
             pd = loop.run(servers.enter_async_context(vllm_server(tutorial_argv("pd-0", model, free_port()))))
             port = free_port()
             with open(workdir / "router.log", "wb") as log:  # the child keeps its own descriptor
                 router = subprocess.Popen(
-                    [sys.executable, "-m", "epd_kit.router.cli", "serve", "--model", str(model),
-                     "--ve-endpoint", ve.host_port, "--pd-endpoint", pd.host_port,
-                     "--host", LOOPBACK, "--port", str(port)],
+                    [
+                        sys.executable,
+                        "-m",
+                        "epd_kit.router.cli",
+                        "serve",
+                        "--model",
+                        str(model),
+                        "--ve-endpoint",
+                        ve.host_port,
+                        "--pd-endpoint",
+                        pd.host_port,
+                        "--host",
+                        LOOPBACK,
+                        "--port",
+                        str(port),
+                    ],
                     env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
                 )
             stack = cls(loop, ve, pd, f"http://{LOOPBACK}:{port}", model)
             stack._wait_ready(router, workdir / "router.log")
@@ -133,29 +149,44 @@ class CompatStack:
         """One /v1/chat/completions through the router; engines' records from this call only."""
         self.ve.clear()
         self.pd.clear()
-        payload = {"model": str(self.model), "messages": messages, "max_tokens": max_tokens,
-                   "temperature": 0.0, "stream": stream}
+        payload = {
+            "model": str(self.model),
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": stream,
+        }
         with httpx.Client(base_url=self.router_url, timeout=REQUEST_TIMEOUT_S, trust_env=False) as client:
             resp = client.post("/v1/chat/completions", json=payload)
         body, frames = None, []
         if stream:
-            frames = [json.loads(line[len("data: "):]) for line in resp.text.splitlines()
-                      if line.startswith("data: ") and line != "data: [DONE]"]
+            frames = [
+                json.loads(line[len("data: ") :])
+                for line in resp.text.splitlines()
+                if line.startswith("data: ") and line != "data: [DONE]"
+            ]
         else:
             body = resp.json()
-        return Exchange(resp.status_code, body, frames, self.ve.generate_bodies(), self.pd.generate_bodies(),
-                        list(self.ve.core.requests), list(self.pd.core.requests))
+        return Exchange(
+            resp.status_code,
+            body,
+            frames,
+            self.ve.generate_bodies(),
+            self.pd.generate_bodies(),
+            list(self.ve.core.requests),
+            list(self.pd.core.requests),
+        )
 
     def render(self, messages: list[dict[str, Any]], *, max_tokens: int = 4) -> dict[str, Any]:
         """vLLM's own rendering of a chat request (`/v1/chat/completions/render` on the PD):
         the `GenerateRequest` the reference disaggregated router sends."""
         payload = {"model": str(self.model), "messages": messages, "max_tokens": max_tokens}
-        resp = httpx.post(self.pd.url + "/v1/chat/completions/render", json=payload,
-                          timeout=REQUEST_TIMEOUT_S, trust_env=False)
+        resp = httpx.post(
+            self.pd.url + "/v1/chat/completions/render", json=payload, timeout=REQUEST_TIMEOUT_S, trust_env=False
+        )
         resp.raise_for_status()
         return resp.json()
 
     def generate(self, server: VllmServer, body: dict[str, Any]) -> httpx.Response:
         """POST a body straight to an engine's `/inference/v1/generate`."""
-        return httpx.post(server.url + "/inference/v1/generate", json=body,
-                          timeout=REQUEST_TIMEOUT_S, trust_env=False)
+        return httpx.post(server.url + "/inference/v1/generate", json=body, timeout=REQUEST_TIMEOUT_S, trust_env=False)

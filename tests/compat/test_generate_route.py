@@ -34,13 +34,11 @@ def _tensor(request_feature: Any, key: str) -> np.ndarray:
 
 @pytest.fixture(scope="module", params=[False, True], ids=["non-stream", "stream"])
 def exchanges(request: pytest.FixtureRequest, stack: CompatStack) -> dict[str, Exchange]:
-    return {name: stack.chat(messages, stream=request.param, max_tokens=MAX_TOKENS)
-            for name, messages in CHATS.items()}
+    return {name: stack.chat(messages, stream=request.param, max_tokens=MAX_TOKENS) for name, messages in CHATS.items()}
 
 
 @pytest.mark.parametrize("chat", CHATS)
-def test_the_client_gets_what_the_engine_generated(chat: str, exchanges: dict[str, Exchange],
-                                                   checkpoint) -> None:
+def test_the_client_gets_what_the_engine_generated(chat: str, exchanges: dict[str, Exchange], checkpoint) -> None:
     ex = exchanges[chat]
     assert ex.status == 200, ex.body
     expected = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).decode(list(OUTPUT_TOKENS[:MAX_TOKENS]))

@@ -34,8 +34,10 @@ def _as_float32(kwargs_b64: str) -> str:
     """vLLM's item with pixel_values cast to float32, encoded again by vLLM: what vLLM sends
     for an engine running in float32."""
     item = decode_mm_kwargs_item(kwargs_b64)
-    fields = {key: dataclasses.replace(elem, data=elem.data.float()) if key == "pixel_values" else elem
-              for key, elem in item.items()}
+    fields = {
+        key: dataclasses.replace(elem, data=elem.data.float()) if key == "pixel_values" else elem
+        for key, elem in item.items()
+    }
     return encode_mm_kwargs_item(MultiModalKwargsItem(fields))
 
 

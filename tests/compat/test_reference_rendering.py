@@ -39,12 +39,12 @@ def rendered(stack: CompatStack) -> dict[str, tuple[dict[str, Any], Exchange]]:
 
 
 def _vllm_pixels(vllm_body: dict[str, Any]) -> torch.Tensor:
-    (_, _, _, kwargs_b64), = image_features(vllm_body)
+    ((_, _, _, kwargs_b64),) = image_features(vllm_body)
     return decode_mm_kwargs_item(kwargs_b64)["pixel_values"].data
 
 
 def _router_pixels(ex: Exchange) -> np.ndarray:
-    (_, _, _, kwargs_b64), = image_features(ex.ve_bodies[0])
+    ((_, _, _, kwargs_b64),) = image_features(ex.ve_bodies[0])
     return mm_serde.decode_item_b64(kwargs_b64)["pixel_values"].data
 
 
@@ -132,9 +132,9 @@ def test_ve_pixels_travel_in_the_engine_dtype(rendered) -> None:
 def _items(rendered, chat: str = "one-image") -> tuple[str, str, str]:
     """kwargs_b64 of (vLLM's item, the router's VE item, the router's PD item) for one image."""
     vllm_body, ex = rendered[chat]
-    (*_, theirs), = image_features(vllm_body)
-    (*_, ve_item), = image_features(ex.ve_bodies[0])
-    (*_, pd_item), = image_features(ex.pd_bodies[0])
+    ((*_, theirs),) = image_features(vllm_body)
+    ((*_, ve_item),) = image_features(ex.ve_bodies[0])
+    ((*_, pd_item),) = image_features(ex.pd_bodies[0])
     return theirs, ve_item, pd_item
 
 
@@ -162,11 +162,11 @@ def _exif_rotated_photo() -> list[dict[str, Any]]:
 
 
 def test_vllm_uprights_an_exif_rotated_photo(stack: CompatStack) -> None:
-    (*_, kwargs_b64), = image_features(stack.render(_exif_rotated_photo()))
+    ((*_, kwargs_b64),) = image_features(stack.render(_exif_rotated_photo()))
     assert decode_mm_kwargs_item(kwargs_b64)["image_grid_thw"].data.tolist() == UPRIGHT_GRID
 
 
 def test_router_uprights_an_exif_rotated_photo(stack: CompatStack) -> None:
     ex = stack.chat(_exif_rotated_photo())
-    (*_, kwargs_b64), = image_features(ex.ve_bodies[0])
+    ((*_, kwargs_b64),) = image_features(ex.ve_bodies[0])
     assert list(mm_serde.grid_thw(mm_serde.decode_item_b64(kwargs_b64))) == UPRIGHT_GRID

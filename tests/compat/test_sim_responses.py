@@ -27,8 +27,11 @@ SERVER_CHOSEN_ID = re.compile(r"[0-9a-f]{16}")
 def _frames(resp: httpx.Response) -> list[dict[str, Any]]:
     assert resp.status_code == 200, resp.text
     assert resp.text.endswith("data: [DONE]\n\n")
-    return [json.loads(line[len("data: "):]) for line in resp.text.splitlines()
-            if line.startswith("data: ") and line != "data: [DONE]"]
+    return [
+        json.loads(line[len("data: ") :])
+        for line in resp.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
 
 
 def _json(resp: httpx.Response) -> dict[str, Any]:
@@ -52,10 +55,16 @@ def answers(stack: CompatStack, sims: SimPair) -> dict[str, tuple[Any, Any, dict
     pd_body, pd_stream_body = plain.pd_bodies[0], streamed.pd_bodies[0]
     return {
         "ve": (_json(stack.generate(stack.ve, ve_body)), sim_ve, ve_body),
-        "pd": (_json(stack.generate(stack.pd, pd_body)),
-               _json(sims.pd.generate(_with_locators(pd_body, locators))), pd_body),
-        "pd-stream": (_frames(stack.generate(stack.pd, pd_stream_body)),
-                      _frames(sims.pd.generate(_with_locators(pd_stream_body, locators))), pd_stream_body),
+        "pd": (
+            _json(stack.generate(stack.pd, pd_body)),
+            _json(sims.pd.generate(_with_locators(pd_body, locators))),
+            pd_body,
+        ),
+        "pd-stream": (
+            _frames(stack.generate(stack.pd, pd_stream_body)),
+            _frames(sims.pd.generate(_with_locators(pd_stream_body, locators))),
+            pd_stream_body,
+        ),
     }
 
 

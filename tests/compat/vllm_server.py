@@ -122,8 +122,9 @@ async def vllm_server(argv: Sequence[str]) -> AsyncIterator[VllmServer]:
             app = build_app(args, tasks, engine.model_config)
             await init_app_state(engine, app.state, args, tasks)
             server = VllmServer(f"http://{LOOPBACK}:{args.port}", cores[0])
-            config = uvicorn.Config(_BodyRecorder(app, server.bodies), host=LOOPBACK,
-                                    port=args.port, log_level="warning", lifespan="off")
+            config = uvicorn.Config(
+                _BodyRecorder(app, server.bodies), host=LOOPBACK, port=args.port, log_level="warning", lifespan="off"
+            )
             uv = uvicorn.Server(config)
             serving = asyncio.create_task(uv.serve())
             while not uv.started:

@@ -8,14 +8,14 @@ from pathlib import Path
 # Test the code of this checkout even if the shared venv's editable install points elsewhere.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "router"))
 
-import json  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
+import json
+from collections.abc import Iterator
 
-import pytest  # noqa: E402
+import pytest
 from sim_harness import IMAGE_TOKEN_ID_KEY, Launcher, Pair, start_pair
 
-from epd_kit.sim.checkpoint import CheckpointInfo, load_checkpoint  # noqa: E402
-from epd_kit.testing.checkpoint import build_tiny_checkpoint  # noqa: E402
+from epd_kit.sim.checkpoint import CheckpointInfo, load_checkpoint
+from epd_kit.testing.checkpoint import build_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

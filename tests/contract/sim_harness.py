@@ -57,14 +57,18 @@ class Pair:
         self.ve, self.pd, self.side_port = ve, pd, side_port
 
 
-def start_pair(launcher: Launcher, model: str, *, ve_kw: dict | None = None,
-               pd_kw: dict | None = None, ve_env: dict | None = None,
-               pd_env: dict | None = None) -> Pair:
+def start_pair(
+    launcher: Launcher,
+    model: str,
+    *,
+    ve_kw: dict | None = None,
+    pd_kw: dict | None = None,
+    ve_env: dict | None = None,
+    pd_env: dict | None = None,
+) -> Pair:
     side = free_port()
-    ve = launcher.start(ve_argv(model, free_port(), side, **(ve_kw or {})),
-                        ve_env or engine_env(VE_CORES), "ve")
-    pd = launcher.start(pd_argv(model, free_port(), **(pd_kw or {})),
-                        pd_env or engine_env(PD_CORES), "pd")
+    ve = launcher.start(ve_argv(model, free_port(), side, **(ve_kw or {})), ve_env or engine_env(VE_CORES), "ve")
+    pd = launcher.start(pd_argv(model, free_port(), **(pd_kw or {})), pd_env or engine_env(PD_CORES), "pd")
     ve.wait_ready()
     pd.wait_ready()
     return Pair(ve, pd, side)
@@ -72,5 +76,4 @@ def start_pair(launcher: Launcher, model: str, *, ve_kw: dict | None = None,
 
 def start_pd(launcher: Launcher, model: str, env: dict | None = None, **pd_kw: object) -> Engine:
     """A fresh PD (for tests that kill it), next to an existing VE."""
-    return launcher.start(pd_argv(model, free_port(), **pd_kw), env or engine_env(PD_CORES),
-                          "pd").wait_ready()
+    return launcher.start(pd_argv(model, free_port(), **pd_kw), env or engine_env(PD_CORES), "pd").wait_ready()

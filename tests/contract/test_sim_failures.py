@@ -72,21 +72,18 @@ def test_both_build_roles_is_a_value_error(launcher: Launcher, checkpoint) -> No
     assert "ValueError: mm_encoder_only and mm_language_model_only are mutually exclusive" in eng.log()
 
 
-TYPE_ERROR = ("TypeError: {arch}.from_configs() got an unexpected keyword argument "
-              "'text_neuron_config'")
+TYPE_ERROR = "TypeError: {arch}.from_configs() got an unexpected keyword argument 'text_neuron_config'"
 
 
 @pytest.mark.parametrize("model", ["", None, "/nonexistent/Qwen3-VL-32B-Instruct"])
-def test_empty_or_missing_model_falls_back_to_text_only_default(launcher: Launcher,
-                                                                model) -> None:
+def test_empty_or_missing_model_falls_back_to_text_only_default(launcher: Launcher, model) -> None:
     eng = launcher.start(ve_argv(model, free_port(), free_port()), engine_env(VE_CORES))
     assert eng.wait_exit() == 1
     assert TYPE_ERROR.format(arch="Qwen3ForCausalLM") in eng.log()
 
 
 def test_text_only_checkpoint_with_vision_config(launcher: Launcher, text_only_checkpoint) -> None:
-    eng = launcher.start(ve_argv(str(text_only_checkpoint), free_port(), free_port()),
-                         engine_env(VE_CORES))
+    eng = launcher.start(ve_argv(str(text_only_checkpoint), free_port(), free_port()), engine_env(VE_CORES))
     assert eng.wait_exit() == 1
     assert TYPE_ERROR.format(arch="Qwen3ForCausalLM") in eng.log()
 
@@ -102,8 +99,9 @@ def test_unknown_flag_is_an_error(launcher: Launcher, checkpoint) -> None:
 
 
 @pytest.mark.parametrize("side", ["ve", "pd"])
-def test_missing_efa_env_times_out_the_read_and_kills_pd(launcher: Launcher, pair: Pair,
-                                                        checkpoint, image_token_id, side) -> None:
+def test_missing_efa_env_times_out_the_read_and_kills_pd(
+    launcher: Launcher, pair: Pair, checkpoint, image_token_id, side
+) -> None:
     model = str(checkpoint.path)
     if side == "ve":  # both engines come up healthy: nothing complains before a request
         broken = start_pair(launcher, model, ve_env=engine_env(VE_CORES, efa=False))
@@ -114,13 +112,11 @@ def test_missing_efa_env_times_out_the_read_and_kills_pd(launcher: Launcher, pai
     locs = _encode(ve_url, [a])
     prompt, phs = build_prompt([a], image_token_id)
     t0 = time.monotonic()
-    r = httpx.post(pd.url + "/inference/v1/generate", json=pd_body(prompt, [a], phs, locs),
-                   timeout=10)
+    r = httpx.post(pd.url + "/inference/v1/generate", json=pd_body(prompt, [a], phs, locs), timeout=10)
     assert time.monotonic() - t0 >= 0.9  # transfer_timeout_sec defaults to 1 s
     assert r.status_code == 500
     assert f"ECLoadFailure: Encoder-cache load failed for mm_hashes: ['{a.mm_hash}']" in r.text
-    _assert_died(pd, ["EC wait_for_load timed out after 1.00 s",
-                      "Encoder-cache load failed for mm_hashes"])
+    _assert_died(pd, ["EC wait_for_load timed out after 1.00 s", "Encoder-cache load failed for mm_hashes"])
     assert httpx.get(ve_url + "/health").status_code == 200  # the VE is not the one dying
 
 
@@ -133,25 +129,30 @@ def test_oversized_image_fails_to_encode_on_the_ve(pair: Pair, checkpoint) -> No
     assert "Failed to encode image" in pair.ve.log()
     assert httpx.get(pair.ve.url + "/health").status_code == 200
     ok = fake_image((1, 32, 32), 72, checkpoint.vision)  # exactly 1024 patches is fine
-    assert httpx.post(pair.ve.url + "/inference/v1/generate", json=ve_body([ok]),
-                      timeout=10).status_code == 200
+    assert httpx.post(pair.ve.url + "/inference/v1/generate", json=ve_body([ok]), timeout=10).status_code == 200
 
 
-def test_block_size_disagreement_fails_the_handshake(launcher: Launcher, pair: Pair, checkpoint,
-                                                     image_token_id) -> None:
+def test_block_size_disagreement_fails_the_handshake(
+    launcher: Launcher, pair: Pair, checkpoint, image_token_id
+) -> None:
     pd = start_pd(launcher, str(checkpoint.path), vab=2048)  # the VE has 1024
     a = fake_image((1, 8, 8), 81, checkpoint.vision)
     locs = _encode(pair.ve.url, [a])
     prompt, phs = build_prompt([a], image_token_id)
-    r = httpx.post(pd.url + "/inference/v1/generate",
-                   json=pd_body(prompt, [a], phs, locs), timeout=10)
+    r = httpx.post(pd.url + "/inference/v1/generate", json=pd_body(prompt, [a], phs, locs), timeout=10)
     assert r.status_code == 500 and "EC region block_len mismatch" in r.text
-    _assert_died(pd, ["EC region block_len mismatch: remote engine epd-ve-0 advertises "
-                           "131072 bytes/block, local region has 262144 bytes/block"])
+    _assert_died(
+        pd,
+        [
+            "EC region block_len mismatch: remote engine epd-ve-0 advertises "
+            "131072 bytes/block, local region has 262144 bytes/block"
+        ],
+    )
 
 
-def test_prefix_caching_left_on_gives_wrong_output_silently(launcher: Launcher, pair: Pair,
-                                                            checkpoint, image_token_id) -> None:
+def test_prefix_caching_left_on_gives_wrong_output_silently(
+    launcher: Launcher, pair: Pair, checkpoint, image_token_id
+) -> None:
     # PD started without --no-enable-prefix-caching: vLLM's default (on) applies.
     pd = start_pd(launcher, str(checkpoint.path), extra_flags=())
     a = fake_image((1, 16, 16), 91, checkpoint.vision)
@@ -160,8 +161,11 @@ def test_prefix_caching_left_on_gives_wrong_output_silently(launcher: Launcher, 
     answers = []
     for im in (a, a, b):
         locs = _encode(pair.ve.url, [im])
-        r = httpx.post(pd.url + "/inference/v1/generate", timeout=10,
-                       json=pd_body(prompt, [im], phs, locs, max_tokens=16, ignore_eos=True))
+        r = httpx.post(
+            pd.url + "/inference/v1/generate",
+            timeout=10,
+            json=pd_body(prompt, [im], phs, locs, max_tokens=16, ignore_eos=True),
+        )
         assert r.status_code == 200  # no error anywhere...
         answers.append(tuple(r.json()["choices"][0]["token_ids"]))
     want_a = expected_tokens(prompt, [a.mm_hash], 16, checkpoint.vocab, ignore_eos=True)
@@ -173,14 +177,18 @@ def test_prefix_caching_left_on_gives_wrong_output_silently(launcher: Launcher, 
     long_prompt = prompt + [11] * 64
     for im, want in ((a, a), (b, a)):
         locs = _encode(pair.ve.url, [im])
-        r = httpx.post(pd.url + "/inference/v1/generate", timeout=10,
-                       json=pd_body(long_prompt, [im], phs, locs, max_tokens=8, ignore_eos=True))
-        assert tuple(r.json()["choices"][0]["token_ids"]) == expected_tokens(
-            long_prompt, [want.mm_hash], 8, checkpoint.vocab, ignore_eos=True).token_ids
+        r = httpx.post(
+            pd.url + "/inference/v1/generate",
+            timeout=10,
+            json=pd_body(long_prompt, [im], phs, locs, max_tokens=8, ignore_eos=True),
+        )
+        assert (
+            tuple(r.json()["choices"][0]["token_ids"])
+            == expected_tokens(long_prompt, [want.mm_hash], 8, checkpoint.vocab, ignore_eos=True).token_ids
+        )
 
 
-def test_missing_locator_is_ec_load_failure(launcher: Launcher, checkpoint,
-                                            image_token_id) -> None:
+def test_missing_locator_is_ec_load_failure(launcher: Launcher, checkpoint, image_token_id) -> None:
     pd = start_pd(launcher, str(checkpoint.path))
     a = fake_image((1, 8, 8), 101, checkpoint.vision)
     prompt, phs = build_prompt([a], image_token_id)
@@ -192,23 +200,19 @@ def test_missing_locator_is_ec_load_failure(launcher: Launcher, checkpoint,
     assert [sse_data(e) for e in events][-1] == b"[DONE]"  # ...then an error frame, [DONE]
     error = json.loads(sse_data(events[0]))["error"]
     assert error["code"] == 500
-    assert error["message"] == (f"ECLoadFailure: Encoder-cache load failed for mm_hashes: "
-                                f"['{a.mm_hash}']")
+    assert error["message"] == (f"ECLoadFailure: Encoder-cache load failed for mm_hashes: ['{a.mm_hash}']")
     _assert_died(pd, [f"Encoder-cache load failed for mm_hashes: ['{a.mm_hash}']"])
 
 
-def test_evicted_block_is_detected_not_ignored(launcher: Launcher, checkpoint,
-                                               image_token_id) -> None:
+def test_evicted_block_is_detected_not_ignored(launcher: Launcher, checkpoint, image_token_id) -> None:
     # A 2-block cache (1 usable + scratch): B evicts A once A's 100 ms hold has passed.
-    pair = start_pair(launcher, str(checkpoint.path),
-                      ve_kw={"blocks": 2, "max_num_batched_tokens": 256})
+    pair = start_pair(launcher, str(checkpoint.path), ve_kw={"blocks": 2, "max_num_batched_tokens": 256})
     a, b = fake_image((1, 8, 8), 111, checkpoint.vision), fake_image((1, 8, 8), 112, checkpoint.vision)
     locs_a = _encode(pair.ve.url, [a])
     time.sleep(0.15)
     locs_b = _encode(pair.ve.url, [b])
     assert locs_a[a.mm_hash].remote_block_ids == locs_b[b.mm_hash].remote_block_ids
     prompt, phs = build_prompt([a], image_token_id)
-    r = httpx.post(pair.pd.url + "/inference/v1/generate",
-                   json=pd_body(prompt, [a], phs, locs_a), timeout=10)
+    r = httpx.post(pair.pd.url + "/inference/v1/generate", json=pd_body(prompt, [a], phs, locs_a), timeout=10)
     assert r.status_code == 500 and "ECLoadFailure" in r.text
     _assert_died(pair.pd, ["evicted or reused before the read"])

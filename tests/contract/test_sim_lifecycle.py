@@ -15,10 +15,13 @@ from epd_kit.wire import GenerateResponse
 
 
 def text_body(max_tokens: int, stream: bool = False) -> dict:
-    return {"request_id": f"t{max_tokens}", "token_ids": [5, 6, 7, 8],
-            "features": {"mm_hashes": {}, "mm_placeholders": {}, "kwargs_data": {}},
-            "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True},
-            "stream": stream}
+    return {
+        "request_id": f"t{max_tokens}",
+        "token_ids": [5, 6, 7, 8],
+        "features": {"mm_hashes": {}, "mm_placeholders": {}, "kwargs_data": {}},
+        "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True},
+        "stream": stream,
+    }
 
 
 def abort_count(url: str) -> float:
@@ -29,8 +32,7 @@ def abort_count(url: str) -> float:
 
 
 def test_disconnect_frees_the_slot_then_sigterm_drains(launcher: Launcher, checkpoint) -> None:
-    pd = start_pd(launcher, str(checkpoint.path), max_num_seqs=1,
-                  env=engine_env(PD_CORES, decode_ms_per_token="20"))
+    pd = start_pd(launcher, str(checkpoint.path), max_num_seqs=1, env=engine_env(PD_CORES, decode_ms_per_token="20"))
     gen = pd.url + "/inference/v1/generate"
     # 1. A client that walks away mid-stream releases its (only) slot.
     with httpx.stream("POST", gen, json=text_body(2000, stream=True), timeout=10) as r:
@@ -48,8 +50,12 @@ def test_disconnect_frees_the_slot_then_sigterm_drains(launcher: Launcher, check
         pd.signal(signal.SIGTERM)
         body += b"".join(chunks)
     assert body.endswith(b"data: [DONE]\n\n")
-    tokens = [t for line in body.split(b"\n\n") if line.startswith(b"data: {")
-              for t in json.loads(line[6:])["choices"][0]["token_ids"]]
+    tokens = [
+        t
+        for line in body.split(b"\n\n")
+        if line.startswith(b"data: {")
+        for t in json.loads(line[6:])["choices"][0]["token_ids"]
+    ]
     assert len(tokens) == 30
     assert pd.wait_exit(10) == 0
     assert not port_open(pd.port)
@@ -91,8 +97,9 @@ def test_runtime_faults_error_hang_latency(pair: Pair) -> None:
     assert httpx.post(gen, json=text_body(2), timeout=10).status_code == 200
 
 
-def test_refused_side_channel_read_is_ec_load_failure(launcher: Launcher, pair: Pair, checkpoint,
-                                                      image_token_id) -> None:
+def test_refused_side_channel_read_is_ec_load_failure(
+    launcher: Launcher, pair: Pair, checkpoint, image_token_id
+) -> None:
     pd = start_pd(launcher, str(checkpoint.path))
     a = fake_image((1, 8, 8), 201, checkpoint.vision)
     r = httpx.post(pair.ve.url + "/inference/v1/generate", json=ve_body([a]), timeout=10)
@@ -101,8 +108,7 @@ def test_refused_side_channel_read_is_ec_load_failure(launcher: Launcher, pair: 
     try:
         _faults(pair.ve.url, side_channel="refuse")
         t0 = time.monotonic()
-        r = httpx.post(pd.url + "/inference/v1/generate",
-                       json=pd_body(prompt, [a], phs, locs), timeout=10)
+        r = httpx.post(pd.url + "/inference/v1/generate", json=pd_body(prompt, [a], phs, locs), timeout=10)
         assert time.monotonic() - t0 < 0.9  # a refused READ fails fast, no timeout needed
     finally:
         _faults(pair.ve.url)

@@ -23,7 +23,7 @@ def encode(pair: Pair, images) -> dict:
 def metric(url: str, name: str) -> float:
     total = 0.0
     for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith((name + "{", name + " ")):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -39,8 +39,7 @@ def test_ve_answers_one_locator_per_unique_item(pair: Pair, checkpoint) -> None:
     assert locs[a.mm_hash].remote_block_ids != locs[b.mm_hash].remote_block_ids
 
 
-def test_non_streaming_tokens_prove_the_embeddings_arrived(pair: Pair, checkpoint,
-                                                           image_token_id) -> None:
+def test_non_streaming_tokens_prove_the_embeddings_arrived(pair: Pair, checkpoint, image_token_id) -> None:
     a, b = fake_image((1, 8, 8), 11, checkpoint.vision), fake_image((1, 12, 8), 12, checkpoint.vision)
     items = [a, b, a]  # duplicates kept on the PD side
     locs = encode(pair, items)
@@ -49,8 +48,7 @@ def test_non_streaming_tokens_prove_the_embeddings_arrived(pair: Pair, checkpoin
     r = httpx.post(pair.pd.url + "/inference/v1/generate", json=body, timeout=10)
     assert r.status_code == 200, r.text
     resp = GenerateResponse.model_validate(r.json())
-    want = expected_tokens(prompt, [im.mm_hash for im in items], 24, checkpoint.vocab,
-                           ignore_eos=True)
+    want = expected_tokens(prompt, [im.mm_hash for im in items], 24, checkpoint.vocab, ignore_eos=True)
     assert tuple(resp.choices[0].token_ids) == want.token_ids
     assert resp.choices[0].finish_reason == "length"
     # vLLM 0.24's shape: no usage, routed_experts null, an id of the engine's own
@@ -58,8 +56,7 @@ def test_non_streaming_tokens_prove_the_embeddings_arrived(pair: Pair, checkpoin
     assert re.fullmatch(r"[0-9a-f]{16}", resp.request_id) and resp.request_id != body["request_id"]
     assert all(t in set(checkpoint.vocab.allowed_ids) for t in resp.choices[0].token_ids)
     # The images are part of the answer: swapping them changes it.
-    swapped = expected_tokens(prompt, [b.mm_hash, a.mm_hash, b.mm_hash], 24, checkpoint.vocab,
-                              ignore_eos=True)
+    swapped = expected_tokens(prompt, [b.mm_hash, a.mm_hash, b.mm_hash], 24, checkpoint.vocab, ignore_eos=True)
     assert swapped.token_ids != want.token_ids
 
 
@@ -69,8 +66,9 @@ def test_natural_stop_rule(pair: Pair, checkpoint, image_token_id) -> None:
     prompt, phs = build_prompt([a], image_token_id)
     want = expected_tokens(prompt, [a.mm_hash], 4096, checkpoint.vocab)
     assert want.finish_reason == "stop" and len(want.token_ids) <= 256
-    r = httpx.post(pair.pd.url + "/inference/v1/generate",
-                   json=pd_body(prompt, [a], phs, locs, max_tokens=4096), timeout=10)
+    r = httpx.post(
+        pair.pd.url + "/inference/v1/generate", json=pd_body(prompt, [a], phs, locs, max_tokens=4096), timeout=10
+    )
     choice = r.json()["choices"][0]
     assert (tuple(choice["token_ids"]), choice["finish_reason"]) == (want.token_ids, "stop")
 
@@ -80,10 +78,8 @@ def test_streaming_sse(pair: Pair, checkpoint, image_token_id, include_usage) ->
     a = fake_image((1, 8, 12), 31, checkpoint.vision)
     locs = encode(pair, [a])
     prompt, phs = build_prompt([a], image_token_id)
-    body = pd_body(prompt, [a], phs, locs, max_tokens=12, stream=True,
-                   include_usage=include_usage, ignore_eos=True)
-    with httpx.stream("POST", pair.pd.url + "/inference/v1/generate", json=body,
-                      timeout=10) as r:
+    body = pd_body(prompt, [a], phs, locs, max_tokens=12, stream=True, include_usage=include_usage, ignore_eos=True)
+    with httpx.stream("POST", pair.pd.url + "/inference/v1/generate", json=body, timeout=10) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         raw = b"".join(r.iter_bytes())
@@ -95,8 +91,7 @@ def test_streaming_sse(pair: Pair, checkpoint, image_token_id, include_usage) ->
     docs = [json.loads(p) for p in payloads[:-1]]
     token_chunks = [d for d in docs if d["choices"]]
     tokens = [t for d in token_chunks for t in d["choices"][0]["token_ids"]]
-    assert tuple(tokens) == expected_tokens(prompt, [a.mm_hash], 12, checkpoint.vocab,
-                                            ignore_eos=True).token_ids
+    assert tuple(tokens) == expected_tokens(prompt, [a.mm_hash], 12, checkpoint.vocab, ignore_eos=True).token_ids
     for d in token_chunks:
         assert d["choices"][0]["routed_experts"] is None and "usage" in d
         assert d["request_id"] == "generate-tokens-req"  # vLLM 0.24's frame id
@@ -104,9 +99,13 @@ def test_streaming_sse(pair: Pair, checkpoint, image_token_id, include_usage) ->
     assert all(d["choices"][0]["finish_reason"] is None for d in token_chunks[:-1])
     usage_chunks = [d for d in docs if not d["choices"]]
     if include_usage:
-        assert usage_chunks == [{"request_id": "generate-tokens-req", "choices": [], "usage": {
-            "prompt_tokens": len(prompt), "completion_tokens": 12,
-            "total_tokens": len(prompt) + 12}}]
+        assert usage_chunks == [
+            {
+                "request_id": "generate-tokens-req",
+                "choices": [],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": 12, "total_tokens": len(prompt) + 12},
+            }
+        ]
     else:
         assert usage_chunks == []
 
@@ -121,14 +120,24 @@ def test_repeated_images_hit_the_ve_cache(pair: Pair, checkpoint) -> None:
 
 
 def test_text_only_request_needs_no_ve(pair: Pair, checkpoint) -> None:
-    r = httpx.post(pair.pd.url + "/inference/v1/generate", timeout=10,
-                   json={"token_ids": [1, 2, 3], "features": {"mm_hashes": {},
-                         "mm_placeholders": {}, "kwargs_data": {}},
-                         "sampling_params": {"max_tokens": 5, "ignore_eos": True,
-                                             "extra_args": {"kv_transfer_params": {"ec_locator": {}}}}})
+    r = httpx.post(
+        pair.pd.url + "/inference/v1/generate",
+        timeout=10,
+        json={
+            "token_ids": [1, 2, 3],
+            "features": {"mm_hashes": {}, "mm_placeholders": {}, "kwargs_data": {}},
+            "sampling_params": {
+                "max_tokens": 5,
+                "ignore_eos": True,
+                "extra_args": {"kv_transfer_params": {"ec_locator": {}}},
+            },
+        },
+    )
     assert r.status_code == 200, r.text
-    assert tuple(r.json()["choices"][0]["token_ids"]) == expected_tokens(
-        [1, 2, 3], [], 5, checkpoint.vocab, ignore_eos=True).token_ids
+    assert (
+        tuple(r.json()["choices"][0]["token_ids"])
+        == expected_tokens([1, 2, 3], [], 5, checkpoint.vocab, ignore_eos=True).token_ids
+    )
 
 
 def test_bad_bodies_are_400(pair: Pair, checkpoint, image_token_id) -> None:
@@ -153,7 +162,11 @@ def test_models_health_metrics(pair: Pair, checkpoint) -> None:
         assert models["data"][0]["id"] == str(checkpoint.path)
         assert models["data"][0]["max_model_len"] == 8192
         text = httpx.get(eng.url + "/metrics").text
-        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                     "vllm:request_success_total", "vllm:generation_tokens_total"):
+        for name in (
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:request_success_total",
+            "vllm:generation_tokens_total",
+        ):
             assert name in text
     assert httpx.get(pair.pd.url + "/v1/chat/completions").status_code in (404, 405)

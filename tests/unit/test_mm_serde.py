@@ -39,13 +39,17 @@ def test_lm_only_strips_pixels():
         (base64.b64encode(msgpack.packb([1, 2])).decode(), "must be a msgpack map"),
         (
             base64.b64encode(
-                msgpack.packb({"x": {"data": ["float32", [2], msgpack.ExtType(3, b"\0" * 4)], "field": ["batched", {}]}})
+                msgpack.packb(
+                    {"x": {"data": ["float32", [2], msgpack.ExtType(3, b"\0" * 4)], "field": ["batched", {}]}}
+                )
             ).decode(),
             "do not match shape",
         ),
         (
             base64.b64encode(
-                msgpack.packb({"x": {"data": ["float32", [1], msgpack.ExtType(1, b"\0" * 4)], "field": ["batched", {}]}})
+                msgpack.packb(
+                    {"x": {"data": ["float32", [1], msgpack.ExtType(1, b"\0" * 4)], "field": ["batched", {}]}}
+                )
             ).decode(),
             "extension type 1",
         ),

@@ -39,12 +39,20 @@ def test_locator_with_extra_key_is_rejected():
 
 def test_misaligned_features_rejected():
     with pytest.raises(ValidationError, match="not aligned"):
-        wire.Features(mm_hashes={"image": ["a", "b"]}, mm_placeholders={"image": [{"offset": 0, "length": 1}]}, kwargs_data={"image": ["x", "y"]})
+        wire.Features(
+            mm_hashes={"image": ["a", "b"]},
+            mm_placeholders={"image": [{"offset": 0, "length": 1}]},
+            kwargs_data={"image": ["x", "y"]},
+        )
 
 
 def test_ve_response_locators():
     resp = wire.GenerateResponse.model_validate(
-        {"request_id": "x", "choices": [{"index": 0, "finish_reason": "length", "token_ids": [0]}], "kv_transfer_params": {"ec_locator": {"h": LOC}}}
+        {
+            "request_id": "x",
+            "choices": [{"index": 0, "finish_reason": "length", "token_ids": [0]}],
+            "kv_transfer_params": {"ec_locator": {"h": LOC}},
+        }
     )
     assert resp.ec_locators()["h"] == wire.EcLocator(**LOC)
 

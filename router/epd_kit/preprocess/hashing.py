@@ -23,8 +23,9 @@ SCHEME = "epd-kit/mm-hash/1"
 
 
 def settings_bytes(settings: dict[str, Any]) -> bytes:
-    return json.dumps({"scheme": SCHEME, **settings}, sort_keys=True,
-                      separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    return json.dumps({"scheme": SCHEME, **settings}, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode(
+        "ascii"
+    )
 
 
 def image_hash(model_id: str, encoded: bytes, settings_blob: bytes) -> str:

@@ -102,9 +102,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
     """RGB, with any transparency composited on white (what vLLM's media loader does for RGBA)."""
     if image.mode == "RGB":
         return image
-    has_alpha = image.mode in ("RGBA", "LA", "PA") or (
-        image.mode == "P" and "transparency" in image.info
-    )
+    has_alpha = image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info)
     if not has_alpha:
         return image.convert("RGB")
     rgba = image.convert("RGBA")
@@ -116,9 +114,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
 def smart_resize(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Qwen-VL target size: both sides multiples of `factor`, area in [min, max], aspect kept."""
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ImageDimensionsRejected(
-            f"image aspect ratio {width}x{height} is more extreme than {MAX_ASPECT_RATIO}:1"
-        )
+        raise ImageDimensionsRejected(f"image aspect ratio {width}x{height} is more extreme than {MAX_ASPECT_RATIO}:1")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -148,8 +144,7 @@ class ResizePlan:
 def plan_resize(height: int, width: int, vision: VisionSettings, limits: Limits) -> ResizePlan:
     """Target size under the checkpoint's rules, then under the patch budget (downscale or 400)."""
     factor, patch = vision.factor, vision.patch_size
-    h, w = smart_resize(height, width, factor=factor, min_pixels=vision.min_pixels,
-                        max_pixels=vision.max_pixels)
+    h, w = smart_resize(height, width, factor=factor, min_pixels=vision.min_pixels, max_pixels=vision.max_pixels)
     patches = (h // patch) * (w // patch)
     budget = limits.max_image_patches
     downscaled = False
@@ -165,8 +160,9 @@ def plan_resize(height: int, width: int, vision: VisionSettings, limits: Limits)
         # it fits except at extreme aspect ratios, where the short side is pinned at one factor.
         max_pixels = min(budget * patch * patch, vision.max_pixels)
         for _ in range(32):
-            h, w = smart_resize(height, width, factor=factor, min_pixels=min(vision.min_pixels, max_pixels),
-                                max_pixels=max_pixels)
+            h, w = smart_resize(
+                height, width, factor=factor, min_pixels=min(vision.min_pixels, max_pixels), max_pixels=max_pixels
+            )
             patches = (h // patch) * (w // patch)
             if patches <= budget:
                 break

@@ -23,8 +23,13 @@ _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _BICUBIC = 3
 
 # vLLM's --dtype spellings -> the torch dtype name the wire carries
-ENGINE_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
-                 "float32": "float32", "float": "float32"}
+ENGINE_DTYPES = {
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "float": "float32",
+}
 # `--dtype auto` keeps a 16-bit checkpoint's dtype and runs a float32 (or unlabelled) one in
 # the platform's preferred dtype, bfloat16 on Neuron (vLLM `_resolve_auto_dtype`)
 _AUTO_FROM_FLOAT32 = "bfloat16"
@@ -183,8 +188,9 @@ def resolve_dtype(engine_dtype: str, config: dict[str, Any], root: Path) -> str:
             raise CheckpointError(f"dtype {engine_dtype!r} is not one of auto, {', '.join(ENGINE_DTYPES)}")
         return ENGINE_DTYPES[engine_dtype]
     sections = (config, config.get("text_config") or {}, config.get("vision_config") or {})
-    declared = next((c[key] for c in sections for key in ("dtype", "torch_dtype")
-                     if isinstance(c.get(key), str)), "float32")
+    declared = next(
+        (c[key] for c in sections for key in ("dtype", "torch_dtype") if isinstance(c.get(key), str)), "float32"
+    )
     resolved = ENGINE_DTYPES.get(declared.removeprefix("torch."))
     if resolved is None:
         raise CheckpointError(f"{root / 'config.json'}: dtype {declared!r} is not a float dtype vLLM runs in")
@@ -205,13 +211,10 @@ def _vision_settings(root: Path, config: dict[str, Any], pixel_dtype: str) -> Vi
     patch = int(num("patch_size", vcfg.get("patch_size", 14)))
     merge = int(num("merge_size", vcfg.get("spatial_merge_size", 2)))
     temporal = int(num("temporal_patch_size", vcfg.get("temporal_patch_size", 2)))
-    for key, ours in (("patch_size", patch), ("spatial_merge_size", merge),
-                      ("temporal_patch_size", temporal)):
+    for key, ours in (("patch_size", patch), ("spatial_merge_size", merge), ("temporal_patch_size", temporal)):
         theirs = vcfg.get(key)
         if theirs is not None and int(theirs) != ours:
-            raise CheckpointError(
-                f"{where} and config.json vision_config disagree on {key}: {ours} vs {theirs}"
-            )
+            raise CheckpointError(f"{where} and config.json vision_config disagree on {key}: {ours} vs {theirs}")
     size = pre.get("size") or {}
     min_pixels = int(size.get("shortest_edge", pre.get("min_pixels", 56 * 56)))
     max_pixels = int(size.get("longest_edge", pre.get("max_pixels", 28 * 28 * 1280)))

@@ -102,7 +102,7 @@ class Auth(Section):
         return self.api_keys_file is not None
 
 
-class EngineState(str, Enum):
+class EngineState(str, Enum):  # noqa: UP042 (StrEnum would change str(member))
     active = "active"
     draining = "draining"
 

@@ -99,9 +99,7 @@ class StreamTranslator:
         delta: dict[str, Any] = {}
         detokenizer = self._detokenizers.get(index)
         if detokenizer is None:  # the choice's first chunk also names the role
-            detokenizer = self._detokenizers[index] = self._renderer.detokenizer(
-                skip_special_tokens=self._skip_special
-            )
+            detokenizer = self._detokenizers[index] = self._renderer.detokenizer(skip_special_tokens=self._skip_special)
             delta["role"] = "assistant"
         new_ids = choice.get("token_ids") or []
         self.completion_tokens += len(new_ids)

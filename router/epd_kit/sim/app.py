@@ -165,8 +165,7 @@ def create_app(engine: SimEngine) -> FastAPI:
             return Response(status_code=499)
         await engine.injector.delay()
         if verdict == "error":
-            return error_response("simulated internal error (epd-sim fault injection)", 500,
-                                  "InternalServerError")
+            return error_response("simulated internal error (epd-sim fault injection)", 500, "InternalServerError")
         try:
             req = GenerateRequest.model_validate_json(raw)
         except ValidationError as exc:
@@ -184,9 +183,7 @@ def create_app(engine: SimEngine) -> FastAPI:
         except EngineDeadError as exc:
             return error_response(f"EngineDeadError: {exc}", 500, "InternalServerError")
         if req.stream:
-            include_usage = req.stream_options is not None and (
-                req.stream_options.include_usage is not False
-            )
+            include_usage = req.stream_options is not None and (req.stream_options.include_usage is not False)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             return StreamingResponse(
                 _stream(engine.pd, seq, include_usage, continuous),
@@ -249,27 +246,31 @@ async def _stream(
             tokens = seq.take()
             if seq.error is not None:
                 message, status = _engine_error(seq)
-                yield sse_frame({"error": {"message": message, "type": "InternalServerError",
-                                           "param": None, "code": status}})
+                yield sse_frame(
+                    {"error": {"message": message, "type": "InternalServerError", "param": None, "code": status}}
+                )
                 break
             if tokens:
                 finish = seq.finish_reason if seq.done else None
                 if continuous:
-                    usage = Usage(prompt_tokens=prompt, completion_tokens=seq.emitted,
-                                  total_tokens=prompt + seq.emitted)
-                    yield sse_frame(StreamChunk(
-                        request_id=frame_id,
-                        choices=[StreamChoice(index=0, finish_reason=finish, token_ids=tokens)],
-                        usage=usage,
-                    ))
+                    usage = Usage(
+                        prompt_tokens=prompt, completion_tokens=seq.emitted, total_tokens=prompt + seq.emitted
+                    )
+                    yield sse_frame(
+                        StreamChunk(
+                            request_id=frame_id,
+                            choices=[StreamChoice(index=0, finish_reason=finish, token_ids=tokens)],
+                            usage=usage,
+                        )
+                    )
                 else:  # the hot path of a busy PD: same bytes as the model dump, built directly
                     yield token_frame(rid_json, tokens, finish)
             if seq.done:
                 if include_usage and seq.finish_reason in ("stop", "length"):
-                    usage = Usage(prompt_tokens=prompt, completion_tokens=seq.emitted,
-                                  total_tokens=prompt + seq.emitted)
-                    yield sse_frame(StreamChunk(request_id=frame_id, usage=usage),
-                                    exclude_none=True)
+                    usage = Usage(
+                        prompt_tokens=prompt, completion_tokens=seq.emitted, total_tokens=prompt + seq.emitted
+                    )
+                    yield sse_frame(StreamChunk(request_id=frame_id, usage=usage), exclude_none=True)
                 break
         yield SSE_DONE
     finally:

@@ -45,8 +45,7 @@ class _VllmLikeCommand(click.Command):
             return super().parse_args(ctx, args)
         except click.NoSuchOption as exc:
             click.echo(ctx.get_usage(), err=True)
-            click.echo(f"epd-sim serve: error: unrecognized arguments: {exc.option_name}",
-                       err=True)
+            click.echo(f"epd-sim serve: error: unrecognized arguments: {exc.option_name}", err=True)
             ctx.exit(2)
 
 
@@ -63,69 +62,108 @@ def _sim(name: str, **kw: Any) -> Any:
 
 @main.command(cls=_VllmLikeCommand)
 @click.argument("model_tag", required=False, default=None)
-@click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True,
-              help="Number of tensor parallel groups (on Neuron: NeuronCores of this engine).")
+@click.option(
+    "--tensor-parallel-size",
+    "-tp",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Number of tensor parallel groups (on Neuron: NeuronCores of this engine).",
+)
 @click.option("--host", default=None, help="Host name.")
 @click.option("--port", type=int, default=8000, show_default=True, help="Port number.")
-@click.option("--max-model-len", type=int, default=None,
-              help="Model context length (prompt and output).")
-@click.option("--max-num-batched-tokens", type=int, default=None,
-              help="Maximum number of tokens to be processed in a single iteration.")
-@click.option("--max-num-seqs", type=int, default=None,
-              help="Maximum number of sequences to be processed in a single iteration.")
-@click.option("--dtype", default="auto", show_default=True,
-              type=click.Choice(["auto", "bfloat16", "float16", "half", "float32", "float"]),
-              help="Data type for model weights and activations.")
-@click.option("--limit-mm-per-prompt", type=JSON, default=None,
-              help='Maximum number of input items per modality per prompt, e.g. \'{"image": 30}\'.')
-@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
-              help="Enable automatic prefix caching (vLLM default: enabled). EPD needs it OFF.")
-@click.option("--mm-encoder-only", is_flag=True, default=False,
-              help="Only run the vision encoder (EPD encode role, ec_producer).")
-@click.option("--async-scheduling/--no-async-scheduling", default=None,
-              help="Overlap scheduling with model execution.")
-@click.option("--mm-processor-cache-gb", type=float, default=None,
-              help="Size (GiB) of the multimodal processor cache; 0 disables it.")
-@click.option("--additional-config", type=JSON, default=None,
-              help="Platform-specific configuration (JSON): neuron_config, "
-                   "vision_neuron_config, mm_language_model_only.")
-@click.option("--ec-transfer-config", type=JSON, default=None,
-              help="Encoder-cache transfer connector configuration (JSON).")
-@click.option("--served-model-name", default=None,
-              help="Model name used in the API (default: the model argument).")
+@click.option("--max-model-len", type=int, default=None, help="Model context length (prompt and output).")
+@click.option(
+    "--max-num-batched-tokens",
+    type=int,
+    default=None,
+    help="Maximum number of tokens to be processed in a single iteration.",
+)
+@click.option(
+    "--max-num-seqs", type=int, default=None, help="Maximum number of sequences to be processed in a single iteration."
+)
+@click.option(
+    "--dtype",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "bfloat16", "float16", "half", "float32", "float"]),
+    help="Data type for model weights and activations.",
+)
+@click.option(
+    "--limit-mm-per-prompt",
+    type=JSON,
+    default=None,
+    help="Maximum number of input items per modality per prompt, e.g. '{\"image\": 30}'.",
+)
+@click.option(
+    "--enable-prefix-caching/--no-enable-prefix-caching",
+    default=None,
+    help="Enable automatic prefix caching (vLLM default: enabled). EPD needs it OFF.",
+)
+@click.option(
+    "--mm-encoder-only", is_flag=True, default=False, help="Only run the vision encoder (EPD encode role, ec_producer)."
+)
+@click.option("--async-scheduling/--no-async-scheduling", default=None, help="Overlap scheduling with model execution.")
+@click.option(
+    "--mm-processor-cache-gb",
+    type=float,
+    default=None,
+    help="Size (GiB) of the multimodal processor cache; 0 disables it.",
+)
+@click.option(
+    "--additional-config",
+    type=JSON,
+    default=None,
+    help="Platform-specific configuration (JSON): neuron_config, vision_neuron_config, mm_language_model_only.",
+)
+@click.option(
+    "--ec-transfer-config", type=JSON, default=None, help="Encoder-cache transfer connector configuration (JSON)."
+)
+@click.option("--served-model-name", default=None, help="Model name used in the API (default: the model argument).")
 @click.option("--max-logprobs", type=int, default=None, help="Maximum logprobs (accepted).")
 @click.option("--logprobs-mode", default=None, help="Logprobs mode (accepted).")
-@click.option("--disable-uvicorn-access-log", is_flag=True, default=False,
-              help="Disable uvicorn access log.")
-@_sim("profile", type=click.Choice(sorted(PROFILES)), default="trn2-32b", show_default=True,
-      help="[sim] Latency profile (docs/sim.md).")
+@click.option("--disable-uvicorn-access-log", is_flag=True, default=False, help="Disable uvicorn access log.")
+@_sim(
+    "profile",
+    type=click.Choice(sorted(PROFILES)),
+    default="trn2-32b",
+    show_default=True,
+    help="[sim] Latency profile (docs/sim.md).",
+)
 @_sim("compile-s", type=float, default=None, help="[sim] Simulated load+compile seconds.")
 @_sim("warmup-s", type=float, default=None, help="[sim] Simulated warmup seconds.")
-@_sim("encode-ms-per-1k-patches", type=float, default=None,
-      help="[sim] VE encode cost per 1024 patches per vision DP replica.")
-@_sim("prefill-ms-per-1k-tokens", type=float, default=None,
-      help="[sim] PD prefill cost per 1000 prompt tokens.")
+@_sim(
+    "encode-ms-per-1k-patches",
+    type=float,
+    default=None,
+    help="[sim] VE encode cost per 1024 patches per vision DP replica.",
+)
+@_sim("prefill-ms-per-1k-tokens", type=float, default=None, help="[sim] PD prefill cost per 1000 prompt tokens.")
 @_sim("decode-ms-per-token", type=float, default=None, help="[sim] PD decode step cost.")
-@_sim("decode-ms-per-extra-seq", type=float, default=None,
-      help="[sim] Added to a decode step per extra running sequence.")
-@_sim("transfer-gb-per-s", type=float, default=None,
-      help="[sim] Embedding RDMA READ bandwidth (0 = instant).")
-@_sim("crash-after", type=int, default=None,
-      help="[sim fault] Hard exit(1) when request N+1 arrives.")
-@_sim("hang-after", type=int, default=None,
-      help="[sim fault] Requests after the Nth never answer (/health stays 200).")
+@_sim(
+    "decode-ms-per-extra-seq", type=float, default=None, help="[sim] Added to a decode step per extra running sequence."
+)
+@_sim("transfer-gb-per-s", type=float, default=None, help="[sim] Embedding RDMA READ bandwidth (0 = instant).")
+@_sim("crash-after", type=int, default=None, help="[sim fault] Hard exit(1) when request N+1 arrives.")
+@_sim("hang-after", type=int, default=None, help="[sim fault] Requests after the Nth never answer (/health stays 200).")
 @_sim("error-rate", type=float, default=0.0, help="[sim fault] Share of requests answered 500.")
 @_sim("extra-latency-ms", type=float, default=0.0, help="[sim fault] Added per request.")
 @_sim("jitter-ms", type=float, default=0.0, help="[sim fault] Uniform random extra latency.")
-@_sim("side-channel", type=click.Choice(["ok", "refuse", "slow", "hang"]), default="ok",
-      help="[sim fault] VE side-channel READ behaviour.")
-@_sim("side-channel-delay-ms", type=float, default=0.0,
-      help="[sim fault] Delay per READ with --sim-side-channel slow.")
+@_sim(
+    "side-channel",
+    type=click.Choice(["ok", "refuse", "slow", "hang"]),
+    default="ok",
+    help="[sim fault] VE side-channel READ behaviour.",
+)
+@_sim("side-channel-delay-ms", type=float, default=0.0, help="[sim fault] Delay per READ with --sim-side-channel slow.")
 @_sim("seed", type=int, default=0, help="[sim] Seed for jitter and error injection.")
-@_sim("dead-linger-s", type=float, default=1.0,
-      help="[sim] Seconds /health answers 503 after a fatal error before exit(1).")
-@_sim("grace-s", type=float, default=10.0,
-      help="[sim] SIGTERM grace for in-flight requests.")
+@_sim(
+    "dead-linger-s",
+    type=float,
+    default=1.0,
+    help="[sim] Seconds /health answers 503 after a fatal error before exit(1).",
+)
+@_sim("grace-s", type=float, default=10.0, help="[sim] SIGTERM grace for in-flight requests.")
 def serve(model_tag: str | None, **opts: Any) -> None:
     """Start the simulated engine (same argv as `vllm serve MODEL ...`)."""
     args = ServeArgs(

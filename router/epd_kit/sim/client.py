@@ -28,9 +28,7 @@ class FakeImage:
     num_tokens: int
 
 
-def fake_image(
-    grid: tuple[int, int, int], seed: int = 0, geometry: VisionGeometry | None = None
-) -> FakeImage:
+def fake_image(grid: tuple[int, int, int], seed: int = 0, geometry: VisionGeometry | None = None) -> FakeImage:
     geo = geometry or VisionGeometry()
     t, h, w = grid
     rng = np.random.default_rng(seed)
@@ -80,15 +78,12 @@ def pd_body(
     ignore_eos: bool | None = None,
 ) -> dict[str, Any]:
     """Contract §3.1: real prompt, per-item placeholders (duplicates kept), LM-only kwargs."""
-    locs = {h: EcLocator.model_validate(loc) if isinstance(loc, dict) else loc
-            for h, loc in locators.items()}
+    locs = {h: EcLocator.model_validate(loc) if isinstance(loc, dict) else loc for h, loc in locators.items()}
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos).with_ec_locators(locs)
     req = GenerateRequest(
         request_id=request_id,
         token_ids=list(prompt_ids),
-        features=Features.of_images(
-            [im.mm_hash for im in images], list(placeholders), [im.lm_b64 for im in images]
-        ),
+        features=Features.of_images([im.mm_hash for im in images], list(placeholders), [im.lm_b64 for im in images]),
         sampling_params=sp,
         stream=stream,
         stream_options=None if include_usage is None else {"include_usage": include_usage},

@@ -145,9 +145,7 @@ def _role(args: ServeArgs) -> Role:
         )
     if args.mm_encoder_only:
         if ec_role not in (None, "ec_producer"):
-            raise StartupFailure(
-                "ValueError", f"--mm-encoder-only needs ec_role 'ec_producer', got {ec_role!r}"
-            )
+            raise StartupFailure("ValueError", f"--mm-encoder-only needs ec_role 'ec_producer', got {ec_role!r}")
         return "ve"
     if lm_only:
         if ec_role not in (None, "ec_consumer"):
@@ -159,7 +157,7 @@ def _role(args: ServeArgs) -> Role:
     raise StartupFailure(
         "ValueError",
         "epd-sim simulates disaggregated engines only: pass --mm-encoder-only (VE, "
-        "ec_role ec_producer) or put \"mm_language_model_only\": true at the top level of "
+        'ec_role ec_producer) or put "mm_language_model_only": true at the top level of '
         "--additional-config (PD, ec_role ec_consumer). A mm_language_model_only nested "
         "inside another dict is ignored, as in vLLM.",
     )
@@ -167,9 +165,7 @@ def _role(args: ServeArgs) -> Role:
 
 def _text_only_error(arch: str) -> StartupFailure:
     """A text-only architecture built with a vision_neuron_config (tutorial, Common issues)."""
-    return StartupFailure(
-        "TypeError", f"{arch}.from_configs() got an unexpected keyword argument 'text_neuron_config'"
-    )
+    return StartupFailure("TypeError", f"{arch}.from_configs() got an unexpected keyword argument 'text_neuron_config'")
 
 
 def _checkpoint(args: ServeArgs, vision_cfg: dict[str, Any]) -> tuple[str, CheckpointInfo, list[str]]:
@@ -179,7 +175,7 @@ def _checkpoint(args: ServeArgs, vision_cfg: dict[str, Any]) -> tuple[str, Check
     if not model:
         warnings.append(
             f"No model argument given: vLLM falls back to its default {VLLM_DEFAULT_MODEL} "
-            "(text-only). Quote \"$MODEL\" and check it is set."
+            '(text-only). Quote "$MODEL" and check it is set.'
         )
         model = VLLM_DEFAULT_MODEL
     path = Path(model)
@@ -225,9 +221,7 @@ def build_engine_config(args: ServeArgs, env: Mapping[str, str]) -> EngineConfig
         try:
             visible = parse_visible_devices(raw_visible)
         except ValueError as exc:
-            raise StartupFailure(
-                "ValueError", f"NEURON_VISIBLE_DEVICES={raw_visible!r} is not a core list"
-            ) from exc
+            raise StartupFailure("ValueError", f"NEURON_VISIBLE_DEVICES={raw_visible!r} is not a core list") from exc
     tp = args.tensor_parallel_size
     if tp < 1:
         raise StartupFailure("ValueError", f"--tensor-parallel-size must be >= 1, got {tp}")
@@ -252,8 +246,7 @@ def build_engine_config(args: ServeArgs, env: Mapping[str, str]) -> EngineConfig
     if vab % geometry.merge_factor:
         raise StartupFailure(
             "ValueError",
-            f"vision_attention_block_size={vab} must be a multiple of the merge factor "
-            f"{geometry.merge_factor}",
+            f"vision_attention_block_size={vab} must be a multiple of the merge factor {geometry.merge_factor}",
         )
     block_tokens = vab // geometry.merge_factor
     configured_blocks = _int(vision_cfg, "encoder_cache_num_blocks", 128)

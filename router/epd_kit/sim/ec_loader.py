@@ -57,7 +57,7 @@ class EcLoader:
             log.error("EC wait_for_load timed out after %.2f s (mm_hashes: %s)", timeout, hashes)
             raise ECLoadFailure(hashes, f"EC wait_for_load timed out after {timeout:.2f} s")
         tasks = {h: asyncio.create_task(self._read(h, locators[h], peers[h])) for h in hashes}
-        done, pending = await asyncio.wait(tasks.values(), timeout=timeout)
+        _done, pending = await asyncio.wait(tasks.values(), timeout=timeout)
         for t in pending:
             t.cancel()
         failed = [h for h, t in tasks.items() if t in pending]
@@ -90,9 +90,7 @@ class EcLoader:
         return out
 
     async def _handshake(self, loc: EcLocator) -> Peer:
-        meta = await asyncio.wait_for(
-            request(loc.host, loc.port, {"op": "get_ec_meta"}), HANDSHAKE_TIMEOUT_S
-        )
+        meta = await asyncio.wait_for(request(loc.host, loc.port, {"op": "get_ec_meta"}), HANDSHAKE_TIMEOUT_S)
         remote_len = int(meta.get("block_len", -1))
         if remote_len != self.cfg.block_len:
             raise BlockLenMismatch(
@@ -106,9 +104,7 @@ class EcLoader:
         return peer
 
     async def _read(self, mm_hash: str, loc: EcLocator, peer: Peer) -> bytes:
-        resp = await request(
-            peer.host, peer.port, {"op": "read", "block_ids": loc.remote_block_ids, "tag": mm_hash}
-        )
+        resp = await request(peer.host, peer.port, {"op": "read", "block_ids": loc.remote_block_ids, "tag": mm_hash})
         if resp.get("status") != "DONE":
             raise _ReadFailed(f"transfer state {resp.get('status')}: {resp.get('reason')}")
         blocks = resp.get("blocks") or []

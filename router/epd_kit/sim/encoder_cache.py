@@ -19,9 +19,7 @@ class Block:
 
 
 class EncoderCache:
-    def __init__(
-        self, num_blocks: int, min_hold_s: float, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, num_blocks: int, min_hold_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         if num_blocks < 2:
             raise ValueError("the encoder cache needs at least 2 blocks (one is scratch)")
         self.num_blocks = num_blocks
@@ -66,11 +64,7 @@ class EncoderCache:
     def wait_hint_s(self, keep: set[int]) -> float:
         """How long until some block not in `keep` leaves its hold time."""
         now = self._clock()
-        waits = [
-            self._blocks[b].written_at + self.min_hold_s - now
-            for b in self._resident.values()
-            if b not in keep
-        ]
+        waits = [self._blocks[b].written_at + self.min_hold_s - now for b in self._resident.values() if b not in keep]
         return max(0.0, min(waits, default=self.min_hold_s))
 
     def write(self, block_id: int, data: bytes) -> None:

@@ -24,8 +24,10 @@ class SimMetrics:
         self.running = gauge("vllm:num_requests_running", "Requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
         self._success = Counter(
-            "vllm:request_success", "Finished requests by finish reason.",
-            [*names, "finished_reason"], registry=r,
+            "vllm:request_success",
+            "Finished requests by finish reason.",
+            [*names, "finished_reason"],
+            registry=r,
         )
         self._labels = labels
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
@@ -34,20 +36,26 @@ class SimMetrics:
         self.ec_hits = counter("vllm:encoder_cache_hits", "VE encoder-cache hits (no encode).")
         self.ec_loads = counter("vllm:ec_loads", "PD embedding reads from a VE.")
         self.ec_load_failures = counter("vllm:ec_load_failures", "PD ECLoadFailure events.")
-        self.prefix_cache_hits = counter(
-            "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache."
-        )
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self._faults = Counter(
-            "epd_sim:injected_faults", "Faults injected by the simulator.", [*names, "kind"],
+            "epd_sim:injected_faults",
+            "Faults injected by the simulator.",
+            [*names, "kind"],
             registry=r,
         )
         self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.", names,
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "vllm:time_to_first_token_seconds",
+            "Time to first token.",
+            names,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         ).labels(**labels)
         self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds", "End-to-end request latency.", names,
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            names,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         ).labels(**labels)
 
     def finished(self, reason: str) -> None:

@@ -8,6 +8,7 @@ then every decoder emits one token. Up to --max-num-seqs sequences run; the rest
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -163,8 +164,9 @@ class PrefillDecodeEngine:
         if seq.locators and not self._warned_kv_params:
             # vLLM logs this per request (the locators ride in kv_transfer_params, contract
             # §3.1); the sim logs it once so a busy PD's log stays readable.
-            log.warning("Got kv_transfer_params, but no KVConnector found. Disabling "
-                        "KVTransfer for this request. (logged once)")
+            log.warning(
+                "Got kv_transfer_params, but no KVConnector found. Disabling KVTransfer for this request. (logged once)"
+            )
             self._warned_kv_params = True
         self.waiting.append(seq)
         self._gauges()
@@ -187,10 +189,8 @@ class PrefillDecodeEngine:
         if seq in self.running:
             self.running.remove(seq)
         else:
-            try:
+            with contextlib.suppress(ValueError):
                 self.waiting.remove(seq)
-            except ValueError:
-                pass
         seq.state, seq.finish_reason, seq.error = "done", reason, error
         seq.event.set()
         self.metrics.finished(reason)
@@ -227,8 +227,7 @@ class PrefillDecodeEngine:
                 if cached_tokens:
                     self.metrics.prefix_cache_hits.inc(cached_tokens)
             # Items wholly inside the cached prefix are never pulled (the EPD APC hazard).
-            n_skip = sum(1 for ph in seq.placeholders[: len(cached)]
-                         if ph.offset + ph.length <= cached_tokens)
+            n_skip = sum(1 for ph in seq.placeholders[: len(cached)] if ph.offset + ph.length <= cached_tokens)
             to_read = seq.hashes[n_skip:]
             missing = sorted({h for h in to_read if h not in seq.locators})
             if missing:
@@ -251,8 +250,12 @@ class PrefillDecodeEngine:
         if seq.done:  # aborted while loading
             return
         seq.plan = plan_generation(
-            seq.prompt_ids, embeddings, seq.max_tokens, self.cfg.vocab,
-            ignore_eos=seq.ignore_eos, stop_token_ids=seq.stop_token_ids,
+            seq.prompt_ids,
+            embeddings,
+            seq.max_tokens,
+            self.cfg.vocab,
+            ignore_eos=seq.ignore_eos,
+            stop_token_ids=seq.stop_token_ids,
         )
         seq.prefill_left = max(1, len(seq.prompt_ids) - cached_tokens)
         seq.state = "prefill"

@@ -62,9 +62,7 @@ class PrefixCache:
                 self._store.move_to_end(h)
                 continue
             end = k * BLOCK_TOKENS
-            self._store[h] = tuple(
-                e for ph, e in zip(placeholders, embeddings, strict=True) if ph.offset < end
-            )
+            self._store[h] = tuple(e for ph, e in zip(placeholders, embeddings, strict=True) if ph.offset < end)
         while len(self._store) > self.capacity:
             self._store.popitem(last=False)
 

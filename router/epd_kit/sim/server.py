@@ -69,11 +69,16 @@ def run(args: ServeArgs, sim: SimOptions, env: Mapping[str, str]) -> int:
 
 async def _load_and_warmup(cfg: EngineConfig, sim: SimOptions) -> bool:
     role = "vision encoder (ec_producer)" if cfg.role == "ve" else "language model (ec_consumer)"
-    log.info("model=%r architecture=%s role=%s engine_id=%s tp=%d cores=%s",
-             cfg.model, cfg.checkpoint.architecture, role, cfg.engine_id, cfg.tp,
-             list(cfg.visible_cores) if cfg.visible_cores else "all")
-    log.info("Loading weights and compiling for Neuron (simulated, %.1f s)...",
-             sim.profile.compile_s)
+    log.info(
+        "model=%r architecture=%s role=%s engine_id=%s tp=%d cores=%s",
+        cfg.model,
+        cfg.checkpoint.architecture,
+        role,
+        cfg.engine_id,
+        cfg.tp,
+        list(cfg.visible_cores) if cfg.visible_cores else "all",
+    )
+    log.info("Loading weights and compiling for Neuron (simulated, %.1f s)...", sim.profile.compile_s)
     await asyncio.sleep(sim.profile.compile_s)
     log.info("Compilation finished.")
     bucket = cfg.max_vision_tokens if cfg.role == "ve" else cfg.max_num_batched_tokens
@@ -85,7 +90,10 @@ async def _load_and_warmup(cfg: EngineConfig, sim: SimOptions) -> bool:
         log.error(
             "Collective operation REDUCE_SCATTER with total_size=%d is currently not supported "
             "for replica group [%d-%d] (tp=%d)",
-            bucket * 8192, cores[0], cores[-1], cfg.tp,
+            bucket * 8192,
+            cores[0],
+            cores[-1],
+            cfg.tp,
         )
         log.error("Failed to schedule neff execution. status=2 message=Invalid")
         _fail("RuntimeError", f"Model warmup failed for {kind} bucket {bucket}")
@@ -99,6 +107,7 @@ async def _serve(cfg: EngineConfig, sim: SimOptions) -> int:
     import uvicorn  # the HTTP stack is only loaded by an engine that got this far
 
     from .app import SimEngine, create_app
+
     loop = asyncio.get_running_loop()
     server: Any = None
     exit_code = 0
@@ -106,8 +115,7 @@ async def _serve(cfg: EngineConfig, sim: SimOptions) -> int:
     def on_dead(exc: BaseException) -> None:
         nonlocal exit_code
         exit_code = 1
-        log.error("Engine core is dead; /health answers 503, exiting in %.1f s",
-                  sim.dead_linger_s)
+        log.error("Engine core is dead; /health answers 503, exiting in %.1f s", sim.dead_linger_s)
 
         def _stop() -> None:
             if server is not None:

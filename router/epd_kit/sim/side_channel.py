@@ -10,6 +10,7 @@ refused read answers {"status": "ERR", ...}. The PD's transfer timeout does the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import struct
 from collections.abc import Callable
@@ -81,10 +82,8 @@ class SideChannelServer:
             self._server.close()
             for writer in list(self._peers):  # a hung read must not block shutdown
                 writer.close()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
-            except TimeoutError:
-                pass
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._peers.add(writer)
@@ -106,9 +105,7 @@ class SideChannelServer:
             self._peers.discard(writer)
             writer.close()
 
-    async def _read(
-        self, msg: dict[str, Any], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    async def _read(self, msg: dict[str, Any], reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         faults = self._faults()
         if not self.efa_env_ok or faults.side_channel == "hang":
             # LIBFABRIC picked the shared-memory path (or the transport is wedged): the READ

@@ -43,10 +43,9 @@ def parse_items(req: GenerateRequest, cfg: EngineConfig) -> list[EncodeItem]:
     """Validate the VE body far enough to know each item's geometry (contract §2.2, §2.6)."""
     if len(req.token_ids) > cfg.max_model_len:
         raise RequestRejected(
-            f"The prompt has {len(req.token_ids)} tokens, more than max_model_len="
-            f"{cfg.max_model_len}."
+            f"The prompt has {len(req.token_ids)} tokens, more than max_model_len={cfg.max_model_len}."
         )
-    items = (req.features.items() if req.features else [])
+    items = req.features.items() if req.features else []
     if not items:
         raise RequestRejected("a VE request needs at least one multimodal item in features")
     if len(items) > cfg.limit_images:
@@ -116,9 +115,7 @@ def spread_over_replicas(patches: list[int], replicas: int) -> list[int]:
 
 
 class VisionEncoderEngine:
-    def __init__(
-        self, cfg: EngineConfig, profile: LatencyProfile, metrics: SimMetrics, faults: Faults
-    ) -> None:
+    def __init__(self, cfg: EngineConfig, profile: LatencyProfile, metrics: SimMetrics, faults: Faults) -> None:
         self.cfg = cfg
         self.profile = profile
         self.metrics = metrics
@@ -138,13 +135,14 @@ class VisionEncoderEngine:
         self.dead = False
 
     async def start(self) -> None:
-        self.side_channel_port = await self.side_channel.start(
-            self.cfg.side_channel_host, self.cfg.side_channel_port
-        )
+        self.side_channel_port = await self.side_channel.start(self.cfg.side_channel_host, self.cfg.side_channel_port)
         log.info(
             "EC side channel for engine %s listening on %s:%d (block_len=%d bytes, %d blocks)",
-            self.cfg.engine_id, self.cfg.side_channel_host, self.side_channel_port,
-            self.cfg.block_len, self.cfg.encoder_cache_num_blocks,
+            self.cfg.engine_id,
+            self.cfg.side_channel_host,
+            self.side_channel_port,
+            self.cfg.block_len,
+            self.cfg.encoder_cache_num_blocks,
         )
 
     async def stop(self) -> None:
@@ -211,7 +209,7 @@ class VisionEncoderEngine:
         allocated: list[int] = []
         try:
             for it in misses:
-                while (block_id := self.cache.allocate(it.mm_hash, keep)) is None:
+                while (block_id := self.cache.allocate(it.mm_hash, keep)) is None:  # noqa: ASYNC110 (a hold time, not an event)
                     # Every evictable block is inside its minimum hold time: wait it out.
                     await asyncio.sleep(self.cache.wait_hint_s(keep) + 0.001)
                 keep.add(block_id)

@@ -34,7 +34,10 @@ def hf_processor(checkpoint: Path):
     return AutoImageProcessor.from_pretrained(str(checkpoint), local_files_only=True, backend="pil")
 
 
-def _ours(vision, image, limits: Limits = Limits(max_image_patches=1 << 20)):
+UNBOUNDED = Limits(max_image_patches=1 << 20)
+
+
+def _ours(vision, image, limits: Limits = UNBOUNDED):
     enc = PixelEncoder(vision)
     plan = plan_resize(image.height, image.width, vision, limits)
     return enc.pixel_values(enc.resize(image, plan)), plan
@@ -52,18 +55,27 @@ def test_contract_example_512x341(vision) -> None:
     assert plan.num_patches // vision.merge_size**2 == 176
 
 
-@pytest.mark.parametrize(("engine_dtype", "pixel_dtype"), [
-    ("auto", "bfloat16"),  # the tiny checkpoint is bfloat16, like Qwen3-VL's
-    ("bfloat16", "bfloat16"), ("half", "float16"), ("float16", "float16"), ("float32", "float32"),
-])
+@pytest.mark.parametrize(
+    ("engine_dtype", "pixel_dtype"),
+    [
+        ("auto", "bfloat16"),  # the tiny checkpoint is bfloat16, like Qwen3-VL's
+        ("bfloat16", "bfloat16"),
+        ("half", "float16"),
+        ("float16", "float16"),
+        ("float32", "float32"),
+    ],
+)
 def test_pixel_dtype_follows_the_engine_dtype(checkpoint: Path, engine_dtype: str, pixel_dtype: str) -> None:
     assert CheckpointFiles.load(checkpoint, engine_dtype=engine_dtype).vision.pixel_dtype == pixel_dtype
 
 
-@pytest.mark.parametrize(("declared", "auto"), [("bfloat16", "bfloat16"), ("float16", "float16"),
-                                                ("float32", "bfloat16"), (None, "bfloat16")])
-def test_auto_resolves_the_checkpoint_dtype_like_vllm(checkpoint: Path, tmp_path: Path,
-                                                      declared: str | None, auto: str) -> None:
+@pytest.mark.parametrize(
+    ("declared", "auto"),
+    [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "bfloat16"), (None, "bfloat16")],
+)
+def test_auto_resolves_the_checkpoint_dtype_like_vllm(
+    checkpoint: Path, tmp_path: Path, declared: str | None, auto: str
+) -> None:
     """vLLM's `--dtype auto`: a 16-bit checkpoint keeps its dtype; float32 runs in bfloat16."""
     import json
     import shutil

@@ -7,10 +7,20 @@ from click.testing import CliRunner
 from epd_kit.sim.cli import main
 
 TUTORIAL_FLAGS = (
-    "--tensor-parallel-size", "--host", "--port", "--max-model-len", "--max-num-batched-tokens",
-    "--max-num-seqs", "--dtype", "--limit-mm-per-prompt", "--no-enable-prefix-caching",
-    "--mm-encoder-only", "--no-async-scheduling", "--mm-processor-cache-gb",
-    "--additional-config", "--ec-transfer-config",
+    "--tensor-parallel-size",
+    "--host",
+    "--port",
+    "--max-model-len",
+    "--max-num-batched-tokens",
+    "--max-num-seqs",
+    "--dtype",
+    "--limit-mm-per-prompt",
+    "--no-enable-prefix-caching",
+    "--mm-encoder-only",
+    "--no-async-scheduling",
+    "--mm-processor-cache-gb",
+    "--additional-config",
+    "--ec-transfer-config",
 )
 
 

@@ -50,8 +50,7 @@ def test_roles(tiny_ckpt) -> None:
     with pytest.raises(StartupFailure, match="mutually exclusive") as err:
         config(both, "0-7")
     assert err.value.exc_type == "ValueError"
-    nested = pd_args(str(tiny_ckpt), additional_config={"neuron_config": {
-        "mm_language_model_only": True}})
+    nested = pd_args(str(tiny_ckpt), additional_config={"neuron_config": {"mm_language_model_only": True}})
     with pytest.raises(StartupFailure, match="nested inside another dict is ignored"):
         config(nested, "0-7")
     wrong_role = ve_args(str(tiny_ckpt), ec_transfer_config={"ec_role": "ec_consumer"})
@@ -63,8 +62,9 @@ def test_roles(tiny_ckpt) -> None:
 def test_no_model_is_the_text_only_default(model) -> None:
     with pytest.raises(StartupFailure) as err:
         config(ve_args(model), "8-11")
-    assert str(err.value) == ("TypeError: Qwen3ForCausalLM.from_configs() got an unexpected "
-                              "keyword argument 'text_neuron_config'")
+    assert str(err.value) == (
+        "TypeError: Qwen3ForCausalLM.from_configs() got an unexpected keyword argument 'text_neuron_config'"
+    )
 
 
 def test_prefix_caching_defaults_on_like_vllm(tiny_ckpt) -> None:
@@ -80,8 +80,7 @@ def test_efa_env_must_have_the_required_values(tiny_ckpt) -> None:
 
 def test_encoder_cache_floor_is_raised(tiny_ckpt) -> None:
     vision = {"vision_attention_block_size": 1024, "encoder_cache_num_blocks": 4}
-    cfg = config(ve_args(str(tiny_ckpt), additional_config={"vision_neuron_config": vision}),
-                 "8-11")
+    cfg = config(ve_args(str(tiny_ckpt), additional_config={"vision_neuron_config": vision}), "8-11")
     assert cfg.encoder_cache_num_blocks == 8192 // 256 + 1
     assert any("is too small" in w for w in cfg.warnings)
 

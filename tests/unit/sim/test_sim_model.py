@@ -32,8 +32,7 @@ def test_output_depends_on_prompt_and_images(tiny_ckpt) -> None:
     assert base == expected_tokens([1, 2, 3], ["a", "b"], 32, vocab, ignore_eos=True)
     assert base != expected_tokens([1, 2, 3], ["b", "a"], 32, vocab, ignore_eos=True)
     assert base != expected_tokens([1, 2, 4], ["a", "b"], 32, vocab, ignore_eos=True)
-    assert base == plan_generation([1, 2, 3], [embedding_bytes("a"), embedding_bytes("b")], 32,
-                                   vocab, ignore_eos=True)
+    assert base == plan_generation([1, 2, 3], [embedding_bytes("a"), embedding_bytes("b")], 32, vocab, ignore_eos=True)
 
 
 @settings(max_examples=50, deadline=None)

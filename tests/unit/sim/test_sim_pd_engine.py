@@ -24,8 +24,7 @@ def _engine(tiny_ckpt, max_num_seqs: int, decode_ms: float = 5.0):
 
 def _seq(i: int, max_tokens: int = 5, **kw) -> Sequence:
     fields = {"hashes": [], "placeholders": [], "locators": {}, **kw}
-    return Sequence(request_id=f"r{i}", prompt_ids=[1, 2, 3, i], max_tokens=max_tokens,
-                    ignore_eos=True, **fields)
+    return Sequence(request_id=f"r{i}", prompt_ids=[1, 2, 3, i], max_tokens=max_tokens, ignore_eos=True, **fields)
 
 
 async def test_at_most_max_num_seqs_run_the_rest_wait(tiny_ckpt) -> None:

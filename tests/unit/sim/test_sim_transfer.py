@@ -33,21 +33,22 @@ def _free_port() -> int:
 async def _ve(tiny_ckpt, faults: Faults | None = None) -> VisionEncoderEngine:
     args = ve_args(str(tiny_ckpt))
     extra = {"side_channel_host": "127.0.0.1", "side_channel_port": 0}
-    args = dataclasses.replace(args, ec_transfer_config={**args.ec_transfer_config,
-                                                         "ec_connector_extra_config": extra})
-    ve = VisionEncoderEngine(config(args, "8-11"), ZERO, SimMetrics("m", "ve"),
-                             faults or Faults())
+    args = dataclasses.replace(args, ec_transfer_config={**args.ec_transfer_config, "ec_connector_extra_config": extra})
+    ve = VisionEncoderEngine(config(args, "8-11"), ZERO, SimMetrics("m", "ve"), faults or Faults())
     await ve.start()
     return ve
 
 
 def _loader(tiny_ckpt, timeout: float = 0.3, **vision) -> EcLoader:
-    ac = {"mm_language_model_only": True, "vision_neuron_config": {
-        "vision_attention_block_size": 1024, **vision}, }
-    args = dataclasses.replace(pd_args(str(tiny_ckpt)), additional_config=ac,
-                               ec_transfer_config={"ec_role": "ec_consumer",
-                                                   "ec_connector_extra_config": {
-                                                       "transfer_timeout_sec": timeout}})
+    ac = {
+        "mm_language_model_only": True,
+        "vision_neuron_config": {"vision_attention_block_size": 1024, **vision},
+    }
+    args = dataclasses.replace(
+        pd_args(str(tiny_ckpt)),
+        additional_config=ac,
+        ec_transfer_config={"ec_role": "ec_consumer", "ec_connector_extra_config": {"transfer_timeout_sec": timeout}},
+    )
     return EcLoader(config(args, "0-7"), ZERO)
 
 
@@ -101,8 +102,7 @@ async def test_side_channel_faults_become_ec_load_failure(tiny_ckpt, mode) -> No
 
 
 async def test_unreachable_side_channel_is_a_handshake_failure(tiny_ckpt) -> None:
-    loc = EcLocator(engine_id="epd-ve-9", host="127.0.0.1", port=_free_port(),
-                    remote_block_ids=[0], num_tokens=4)
+    loc = EcLocator(engine_id="epd-ve-9", host="127.0.0.1", port=_free_port(), remote_block_ids=[0], num_tokens=4)
     with pytest.raises(ECLoadFailure, match="Encoder-cache load failed") as err:
         await _loader(tiny_ckpt).load({"h": loc})
     assert "EC handshake with epd-ve-9" in err.value.cause
