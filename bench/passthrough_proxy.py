@@ -7,7 +7,7 @@ detokenization, OpenAI shaping). The client sends it already-rendered engine bod
   POST /text   body = the PD `/inference/v1/generate` body; forwarded byte for byte.
   POST /image  header x-ve-length: N; body = N bytes of VE body + the PD body.
                The VE body is forwarded byte for byte; the VE's locators are put into the
-               PD body (contract §3.1) and the PD answer is returned.
+               PD body (docs/contract.md §3.1) and the PD answer is returned.
 
     python -m bench.passthrough_proxy --ve-url http://127.0.0.1:P --pd-url http://127.0.0.1:Q --port R
 """

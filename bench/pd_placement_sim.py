@@ -3,7 +3,7 @@
 What is real: the placement decision. "least-outstanding" calls the router's
 `epd_kit.router.placement.RoundRobin.choose_pd` with the router-visible in-flight count per PD
 and the `placement.pd_max_inflight` cap; "round-robin" is the reference router's cursor
-(contract §4.2). What is simulated: Poisson arrivals, output lengths, and each PD as a
+(docs/contract.md §4.2). What is simulated: Poisson arrivals, output lengths, and each PD as a
 continuous-batching engine stepping like epd-sim: each step admits waiting requests up to
 `max-num-seqs` (their prefill produces their first token) and advances every running one by a
 token; a step costs `epd_kit.sim.profile.LatencyProfile.step_s(prefill tokens, decoding)`,

@@ -41,7 +41,7 @@ def engine_proc(
         max_num_seqs=max_num_seqs,
         images=images_per_prompt,
     )
-    if ec_extra:  # connector knobs (contract §6.3 ec_connector_extra_config), e.g. transfer_timeout_sec
+    if ec_extra:  # connector knobs (docs/contract.md §6.3 ec_connector_extra_config), e.g. transfer_timeout_sec
         command = command.merge_json("EPD_EC_TRANSFER_CONFIG", {"ec_connector_extra_config": ec_extra})
     argv = command.argv(str(VENV_BIN / "epd-sim"))
     argv += ["--disable-uvicorn-access-log", *(sim_flags or ["--sim-profile", "zero"])]

@@ -3,7 +3,7 @@
 What is real: the placement decisions. "ours" calls `epd_kit.router.placement.place_items`
 with the same inputs the router gives it (content hash + encode work per unique item, and the
 in-flight work per VE that the router tracks), and "reference HRW" calls `epd_kit.hrw.pick`
-(contract §4.1). What is simulated: the clock, the arrivals (Poisson), the image catalogue
+(docs/contract.md §4.1). What is simulated: the clock, the arrivals (Poisson), the image catalogue
 (Zipf popularity), and each VE as one FIFO server (`--max-num-seqs 1`) with an LRU encoder
 cache of a fixed number of items whose service time is `encode_s_per_token x tokens` for a
 miss and `hit_s` for a hit, plus `post_s` per POST.

@@ -1,4 +1,4 @@
-"""Rendezvous (highest-random-weight) hashing, exactly the reference's scoring (contract §4.1).
+"""Rendezvous (highest-random-weight) hashing, exactly the reference's scoring (docs/contract.md §4.1).
 
 score(key, candidate) = BLAKE2b(digest_size=8) over UTF8(key) || 0x00 || UTF8(candidate);
 the highest digest (compared as raw bytes) wins, ties go to the larger candidate id.

@@ -1,4 +1,4 @@
-"""vLLM `mm_serde`-compatible codec for one MultiModalKwargsItem (contract §2.5).
+"""vLLM `mm_serde`-compatible codec for one MultiModalKwargsItem (docs/contract.md §2.5).
 
 Wire value = base64 (standard alphabet) of one msgpack document:
 
@@ -167,7 +167,7 @@ def decode_item_b64(text: str) -> MMItem:
     return decode_item(blob)
 
 
-# --- Qwen3-VL items (contract §2.5): pixel_values (flat) + image_grid_thw (batched) ---
+# --- Qwen3-VL items (docs/contract.md §2.5): pixel_values (flat) + image_grid_thw (batched) ---
 
 
 def qwen_vl_item(pixel_values: np.ndarray, grid_thw: tuple[int, int, int]) -> MMItem:
@@ -181,7 +181,7 @@ def qwen_vl_item(pixel_values: np.ndarray, grid_thw: tuple[int, int, int]) -> MM
 
 
 def lm_only(item: MMItem) -> MMItem:
-    """What a PD receives: encoder-only tensors stripped (contract §5.5, `get_epd_kwargs`)."""
+    """What a PD receives: encoder-only tensors stripped (docs/contract.md §5.5, `get_epd_kwargs`)."""
     return {k: v for k, v in item.items() if k == "image_grid_thw"}
 
 

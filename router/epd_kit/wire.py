@@ -1,6 +1,6 @@
 """The VE/PD wire contract: the one module both the router and the simulated engine use.
 
-Every body that crosses `POST /inference/v1/generate` (contract §2 for the vision encoder,
+Every body that crosses `POST /inference/v1/generate` (docs/contract.md §2 for the vision encoder,
 §3 for prefill+decode) is modelled here, together with the SSE framing both sides speak.
 Models accept what the reference sends and refuse shapes that would break the contract
 (a locator with unknown keys, a placeholder list that does not line up with its hashes).
@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 GENERATE_PATH = "/inference/v1/generate"
-MODALITY_IMAGE = "image"  # the reference labels every item "image" (contract §2.2)
+MODALITY_IMAGE = "image"  # the reference labels every item "image" (docs/contract.md §2.2)
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -38,7 +38,7 @@ class Placeholder(_Strict):
 
 
 class EcLocator(_Strict):
-    """Where a VE keeps one encoded item: exactly the five keys of contract §2.4."""
+    """Where a VE keeps one encoded item: exactly the five keys of docs/contract.md §2.4."""
 
     engine_id: str = Field(min_length=1)
     host: str = Field(min_length=1)
@@ -48,7 +48,7 @@ class EcLocator(_Strict):
 
 
 class Features(_Strict):
-    """Per-modality, index-aligned item lists (contract §2.2 / §3.1)."""
+    """Per-modality, index-aligned item lists (docs/contract.md §2.2 / §3.1)."""
 
     mm_hashes: dict[str, list[str]] = Field(default_factory=dict)
     mm_placeholders: dict[str, list[Placeholder]] = Field(default_factory=dict)
@@ -149,7 +149,7 @@ class GenerateRequest(_Open):
 
 
 def encode_request(request_id: str, items: Iterable[tuple[str, int, str]]) -> GenerateRequest:
-    """A VE's body (contract §2.2) for unique (mm_hash, length, full kwargs_b64) items:
+    """A VE's body (docs/contract.md §2.2) for unique (mm_hash, length, full kwargs_b64) items:
     a synthetic prompt of zero tokens, placeholders repacked contiguously, one output token."""
     hashes, placeholders, kwargs, offset = [], [], [], 0
     for mm_hash, length, kwargs_b64 in items:
@@ -251,7 +251,7 @@ def split_sse(buffer: bytes) -> tuple[list[bytes], bytes]:
     """Split complete `\\n\\n`-terminated events off a byte buffer; return (events, rest).
 
     Works on bytes so a multi-byte character split across network chunks is never decoded
-    half-way (the reference router's hazard, contract §1.2)."""
+    half-way (the reference router's hazard, docs/contract.md §1.2)."""
     *events, rest = buffer.split(b"\n\n")
     return [e for e in events if e], rest
 

@@ -8,7 +8,7 @@ process, sends it through the same msgpack codec, the multimodal receiver cache 
 `Request` for the test to inspect and answers like a VE or a PD of the tutorial:
 
 - a VE (`--mm-encoder-only`) returns the one placeholder token `[0]` and an `ec_locator` per
-  item in `kv_transfer_params` (contract §2.4), as the Neuron EC connector does;
+  item in `kv_transfer_params` (docs/contract.md §2.4), as the Neuron EC connector does;
 - a PD returns `OUTPUT_TOKENS`, cut to `max_tokens`, one token per engine step.
 """
 

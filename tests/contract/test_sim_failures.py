@@ -1,4 +1,4 @@
-"""Every documented failure mode (tutorial "Common issues", contract §7.2) reproduced by the
+"""Every documented failure mode (tutorial "Common issues", docs/contract.md §7.2) reproduced by the
 sim, with its message and its exit behaviour."""
 
 from __future__ import annotations

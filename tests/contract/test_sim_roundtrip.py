@@ -1,4 +1,4 @@
-"""VE -> locators -> PD over real HTTP: the happy path of contract §2 and §3."""
+"""VE -> locators -> PD over real HTTP: the happy path of docs/contract.md §2 and §3."""
 
 from __future__ import annotations
 

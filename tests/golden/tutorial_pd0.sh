@@ -1,4 +1,4 @@
-# epd-tutorial, Step 2 (PD-0), verbatim; run after "Prepare your environment"
+# AWS Neuron EPD tutorial (docs/contract.md §6), Step 2 (PD-0), verbatim; run after "Prepare your environment"
 NEURON_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 vllm serve "$MODEL" \
     --tensor-parallel-size 8 \
     --host 127.0.0.1 \

@@ -1,4 +1,4 @@
-# epd-tutorial, Step 1 (VE-0), verbatim; run after "Prepare your environment"
+# AWS Neuron EPD tutorial (docs/contract.md §6), Step 1 (VE-0), verbatim; run after "Prepare your environment"
 NEURON_VISIBLE_DEVICES=8,9,10,11 vllm serve "$MODEL" \
     --tensor-parallel-size 4 \
     --host 127.0.0.1 \

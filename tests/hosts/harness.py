@@ -85,7 +85,7 @@ def run(
 class TestHost:
     """One booted test host. Unit-file operations (enable/is-enabled/cat) go through
     `run()` inside the host: `systemctl -M` would answer them from the controller's
-    /etc (test-hosts.md, "Dangerous gotcha")."""
+    /etc (docs/sandbox.md)."""
 
     __test__ = False  # not a pytest test class
     name: str

@@ -1,4 +1,4 @@
-"""Router-side preprocessing (contract §5): render once, on the router.
+"""Router-side preprocessing (docs/contract.md §5): render once, on the router.
 
 API (the router codes against this; see docs/preprocessing.md for the details)::
 

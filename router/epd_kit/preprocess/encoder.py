@@ -1,4 +1,4 @@
-"""How a prepared image becomes `kwargs_data` strings (contract §2.5), behind a protocol.
+"""How a prepared image becomes `kwargs_data` strings (docs/contract.md §2.5), behind a protocol.
 
 The default encoder is our own mm_serde codec (epd_kit.mm_serde); production can plug in an
 encoder built on vLLM's `mm_serde.encode_mm_kwargs_item` without touching the pipeline.

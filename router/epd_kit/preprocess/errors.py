@@ -30,7 +30,7 @@ class UnsupportedContent(PreprocessError):
 
 
 class VideoNotSupported(UnsupportedContent):
-    """Video parts: the EPD wire has no per-frame placeholders (contract §5.4)."""
+    """Video parts: the EPD wire has no per-frame placeholders (docs/contract.md §5.4)."""
 
 
 class TooManyImages(PreprocessError):

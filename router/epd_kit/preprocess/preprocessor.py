@@ -78,7 +78,7 @@ class RenderedPrompt:
         return out
 
     def pd_features(self) -> wire.Features:
-        """`features` of the PD request (contract §3.1): LM-only kwargs, duplicates kept."""
+        """`features` of the PD request (docs/contract.md §3.1): LM-only kwargs, duplicates kept."""
         return wire.Features.of_images(
             [i.mm_hash for i in self.items], [i.placeholder for i in self.items], [i.pd_kwargs_b64 for i in self.items]
         )

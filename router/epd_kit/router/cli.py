@@ -19,7 +19,7 @@ from epd_kit.router.config import ConfigError, RouterConfig, config_from_flags, 
 
 
 def _reference_flags(func):
-    """The reference router's flags (contract §1.1), plus --config."""
+    """The reference router's flags (docs/contract.md §1.1), plus --config."""
     opts = [
         click.option(
             "--config",

@@ -1,5 +1,5 @@
 """The router's configuration: the YAML file Ansible renders (docs/architecture.md "Router
-config file") and the reference router's flags (contract §1.1), both into one typed model.
+config file") and the reference router's flags (docs/contract.md §1.1), both into one typed model.
 
 Unknown keys are errors (a typo must not silently fall back to a default). Every validation
 error names the offending key path so `epd-router check-config` output is actionable. The
@@ -242,7 +242,7 @@ def config_from_flags(
     pd_timeout_s: float = 600.0,
     quantization: str | None = None,
 ) -> RouterConfig:
-    """The reference router's CLI (contract §1.1): ids ve-0.. / pd-0.. by position."""
+    """The reference router's CLI (docs/contract.md §1.1): ids ve-0.. / pd-0.. by position."""
     data = {
         "model": model,
         "quantization": quantization,

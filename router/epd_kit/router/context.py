@@ -3,7 +3,7 @@ rendered prompt and items, the locators of its encoded items, and its deadline.
 
 Two ids: `request_id` is the client's (its `x-request-id`, or a fresh one), which the client
 sees in headers, bodies and errors; the engines never see it. They get `engine_request_id`,
-always made by the router (a VE call: `<it>/enc/<VE id>`, contract §2.2), so concurrent
+always made by the router (a VE call: `<it>/enc/<VE id>`, docs/contract.md §2.2), so concurrent
 requests that reuse a client id never collide on an engine (vLLM expects unique ids). The
 logs carry both.
 """

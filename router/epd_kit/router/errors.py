@@ -1,4 +1,4 @@
-"""Router errors and the client-facing error envelope (contract §1.3, with real messages).
+"""Router errors and the client-facing error envelope (docs/contract.md §1.3, with real messages).
 
 Every failure the router can report is a `RouterError` carrying the HTTP status, the OpenAI
 error `type`, a message that says what went wrong and where, and, for pushback statuses, a

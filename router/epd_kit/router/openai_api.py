@@ -1,5 +1,5 @@
 """The OpenAI chat-completions surface: request validation, SamplingParams builtins
-(contract §1.2 step 4) and the response / chunk bodies.
+(docs/contract.md §1.2 step 4) and the response / chunk bodies.
 
 Structured outputs reach the PD the way vLLM's own chat server sends them: `response_format`
 (`json_object`, `json_schema`) or vLLM's `structured_outputs` become

@@ -2,7 +2,7 @@
 
 The service and the benchmark's discrete-event simulation drive the same functions.
 
-VE: rendezvous hashing on the content hash (contract §4.1 scoring, `epd_kit.hrw`) over the
+VE: rendezvous hashing on the content hash (docs/contract.md §4.1 scoring, `epd_kit.hrw`) over the
 eligible VE ids, with a bounded-load rule: a VE is skipped when its in-flight work plus the
 new item would exceed `bound × mean + slack_items × the item's work` (mean over eligible VEs,
 counting the new item), and the item takes its next HRW choice. So a hot image stays on one VE
@@ -32,7 +32,7 @@ class Item:
 
 
 def dedupe(items: Iterable[Item]) -> list[Item]:
-    """Unique items by hash, first occurrence wins (contract §2.1)."""
+    """Unique items by hash, first occurrence wins (docs/contract.md §2.1)."""
     seen: dict[str, Item] = {}
     for item in items:
         seen.setdefault(item.mm_hash, item)

@@ -1,8 +1,8 @@
-"""What the router sends the engines (`POST /inference/v1/generate` bodies, contract §2 and
+"""What the router sends the engines (`POST /inference/v1/generate` bodies, docs/contract.md §2 and
 §3) and how it reads their answers: responses, and failures classified into client statuses,
 engine-health signals and typed errors (no I/O here: engine_client.py does the calls).
 
-Rules (anchors.md (c) 5): connect errors, timeouts (incl. a call's own deadline), broken
+Rules (docs/contract.md §1.3): connect errors, timeouts (incl. a call's own deadline), broken
 connections and 5xx count against the engine, each as a `Failure` kind that health.py weighs;
 a 4xx never does (it is about the request); 429 is pushback: try elsewhere, do not mark the
 engine down.

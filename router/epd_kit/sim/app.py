@@ -224,7 +224,7 @@ async def _complete(pd: PrefillDecodeEngine, seq: Sequence, request: Request) ->
 
 
 def token_frame(request_id_json: str, tokens: list[int], finish: str | None) -> bytes:
-    """`sse_frame(StreamChunk(...))` for a plain token chunk (contract §3.3), without pydantic."""
+    """`sse_frame(StreamChunk(...))` for a plain token chunk (docs/contract.md §3.3), without pydantic."""
     fin = "null" if finish is None else json.dumps(finish)
     ids = ",".join(map(str, tokens))
     return (

@@ -2,7 +2,7 @@
 
 `FakeImage` stands in for one preprocessed image (Qwen3-VL layout: pixel_values
 [t*h*w, patch_dim] + image_grid_thw); `ve_body`/`pd_body` assemble the wire bodies of
-contract §2.2 and §3.1 exactly as a router would.
+docs/contract.md §2.2 and §3.1 exactly as a router would.
 """
 
 from __future__ import annotations

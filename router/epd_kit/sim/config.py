@@ -1,7 +1,7 @@
 """From `vllm serve` flags + environment to a validated engine configuration.
 
 Startup checks raise `StartupFailure` carrying the exception type and message the real
-engine prints (contract §7.2, tutorial "Common issues"), so logs read the same.
+engine prints (docs/contract.md §7.2, tutorial "Common issues"), so logs read the same.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class EngineConfig:
 
     @property
     def block_len(self) -> int:
-        """Bytes per encoder-cache block, as the NIXL handshake advertises it (contract §2.4)."""
+        """Bytes per encoder-cache block, as the NIXL handshake advertises it (docs/contract.md §2.4)."""
         return self.block_tokens * self.vision.fat_dim * self.dtype_bytes
 
     @property
@@ -250,7 +250,7 @@ def build_engine_config(args: ServeArgs, env: Mapping[str, str]) -> EngineConfig
         )
     block_tokens = vab // geometry.merge_factor
     configured_blocks = _int(vision_cfg, "encoder_cache_num_blocks", 128)
-    # The configured value is a floor raised to the scheduler-derived minimum (contract §7.2).
+    # The configured value is a floor raised to the scheduler-derived minimum (docs/contract.md §7.2).
     minimum = math.ceil(max(mnbt, block_tokens) / block_tokens) + 1
     num_blocks = configured_blocks
     if configured_blocks < minimum:

@@ -1,5 +1,5 @@
 """PD side of the embedding transfer: handshake once per VE engine_id, READ each item's block,
-verify the bytes, all within transfer_timeout_sec (contract §3.5)."""
+verify the bytes, all within transfer_timeout_sec (docs/contract.md §3.5)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The VE's on-device encoder cache: fixed blocks, one image per block, LRU with a minimum
-hold time after each write (contract §3.5: no pin-until-consumed; the hold is the only guard
+hold time after each write (docs/contract.md §3.5: no pin-until-consumed; the hold is the only guard
 against a PD reading a block that was already reused)."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every argv and environment here comes from the kit's one engine command model
 (epd_kit.plan): `serve_argv` is the kit's `serve` command for one local engine on any port,
 with `epd-sim` as the executable; `ve_argv` / `pd_argv` are the tutorial's Step 1 / Step 2 with
 keyword knobs, including the deliberate departures the failure tests need; `engine_env` is the
-environment the kit sets (contract §6.4). `SimProcess` runs one engine as a subprocess and always
+environment the kit sets (docs/contract.md §6.4). `SimProcess` runs one engine as a subprocess and always
 cleans up. Only 127.0.0.1-style local use: nothing here picks hosts.
 """
 
@@ -197,7 +197,7 @@ def pd_argv(
 
 
 def engine_env(cores: str, *, efa: bool = True, base: Mapping[str, str] | None = None, **sim: str) -> dict[str, str]:
-    """The kit's engine environment (contract §6.4) + EPD_SIM_* settings (`profile="zero"`...).
+    """The kit's engine environment (docs/contract.md §6.4) + EPD_SIM_* settings (`profile="zero"`...).
     `efa=False` leaves the EFA settings out (a failure test). Inherited EPD_SIM_*, FI_EFA_* and
     NEURON_* variables are dropped so a test is explicit."""
     env = {

@@ -1,4 +1,4 @@
-"""The prefill+decode role (ec_consumer): contract §3.
+"""The prefill+decode role (ec_consumer): docs/contract.md §3.
 
 One engine loop steps every running sequence together (continuous batching): a step costs
 prefill time for the prompt tokens it processes plus one decode step for the decoders, and
@@ -63,7 +63,7 @@ class Sequence:
 
 
 def build_sequence(req: GenerateRequest, cfg: EngineConfig, request_id: str) -> Sequence:
-    """Validate a PD body (contract §3.1) into a sequence; RequestRejected for a bad body."""
+    """Validate a PD body (docs/contract.md §3.1) into a sequence; RequestRejected for a bad body."""
     prompt = req.token_ids
     remaining = cfg.max_model_len - len(prompt)
     if remaining < 1:

@@ -1,4 +1,4 @@
-"""The vision-encoder role (ec_producer): contract §2."""
+"""The vision-encoder role (ec_producer): docs/contract.md §2."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class EncodeItem:
 
 
 def parse_items(req: GenerateRequest, cfg: EngineConfig) -> list[EncodeItem]:
-    """Validate the VE body far enough to know each item's geometry (contract §2.2, §2.6)."""
+    """Validate the VE body far enough to know each item's geometry (docs/contract.md §2.2, §2.6)."""
     if len(req.token_ids) > cfg.max_model_len:
         raise RequestRejected(
             f"The prompt has {len(req.token_ids)} tokens, more than max_model_len={cfg.max_model_len}."
@@ -88,7 +88,7 @@ def parse_items(req: GenerateRequest, cfg: EngineConfig) -> list[EncodeItem]:
 
 
 def _check_encodable(item: EncodeItem, cfg: EngineConfig) -> None:
-    """The compiled vision encoder's limits (tutorial Common issues; contract §2.6)."""
+    """The compiled vision encoder's limits (tutorial Common issues; docs/contract.md §2.6)."""
     max_embeds = cfg.max_vision_tokens // cfg.vision.merge_factor
     if item.placeholder.length > max_embeds:
         raise RequestRejected(

@@ -1,5 +1,5 @@
 """Upstream failure classification (incl. the typed EC-load failure) and the error envelope
-(contract §1.3, improved)."""
+(docs/contract.md §1.3, improved)."""
 
 import httpx
 import pytest

@@ -1,4 +1,4 @@
-"""Request validation and SamplingParams builtins (contract §1.2 step 4)."""
+"""Request validation and SamplingParams builtins (docs/contract.md §1.2 step 4)."""
 
 import pytest
 

@@ -11,7 +11,7 @@ from epd_kit.router.placement import Item, RoundRobin, choose_ve, dedupe, group_
 
 
 def test_contract_vectors_through_placement():
-    # contract §4.1: with no load, placement is exactly the reference HRW choice
+    # docs/contract.md §4.1: with no load, placement is exactly the reference HRW choice
     idle3 = {"ve-0": 0, "ve-1": 0, "ve-2": 0}
     assert choose_ve(Item("img-hash-1"), idle3, bound=1.25) == "ve-1"
     assert choose_ve(Item("a3f1"), idle3, bound=1.25) == "ve-2"

@@ -1,4 +1,4 @@
-"""The exact VE/PD bodies (contract §2.2, §3.1) and their JSON encoding."""
+"""The exact VE/PD bodies (docs/contract.md §2.2, §3.1) and their JSON encoding."""
 
 from __future__ import annotations
 

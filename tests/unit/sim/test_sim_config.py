@@ -25,7 +25,7 @@ def test_tutorial_ve_and_pd(tiny_ckpt) -> None:
 def test_block_len_is_10_mib_for_qwen3_vl_32b(qwen32b_config_dir) -> None:
     cfg = config(pd_args(str(qwen32b_config_dir)), "0-7")
     assert cfg.block_tokens == 256 and cfg.vision.fat_dim == 20480
-    assert cfg.block_len == 10 * 1024 * 1024  # contract §2.4
+    assert cfg.block_len == 10 * 1024 * 1024  # docs/contract.md §2.4
 
 
 def test_visible_devices_forms() -> None:
