@@ -1,5 +1,6 @@
 #!/bin/bash
-# THE test command: every tier (unit, contract, router, ansible, real systemd).
+# THE test command: ruff (lint + format check), then every tier (unit, contract, router,
+# ansible, real systemd, vLLM compat).
 #   scripts/test.sh                 everything
 #   scripts/test.sh tests/unit -x   any pytest arguments are passed through (no compat tier)
 #   scripts/test.sh --compat [ARGS] also the vLLM-compat tier, whatever the arguments
@@ -51,6 +52,9 @@ teardown() {
 }
 
 phase bootstrap scripts/bootstrap.sh
+# Python lint and format first (seconds); a finding fails the run like a failed test, after the tests ran
+lint_rc=0
+phase lint sh -c '.venv/bin/ruff check --no-cache . && .venv/bin/ruff format --no-cache --check .' || lint_rc=$?
 phase rootfs "$HOSTS" prepare
 # the deploy's controller-side wheelhouse needs a package index: build it before entering kithub
 phase wheelhouse .venv/bin/python tests/hosts/wheelhouse.py
@@ -87,4 +91,8 @@ if [ "$COMPAT" != no ]; then
 fi
 set -e
 [ -z "$compat_note" ] || echo "test.sh: $compat_note" >&2
+if [ $lint_rc -ne 0 ]; then
+  echo "test.sh: FAILED: ruff found lint or format problems (see the lint phase; fix with .venv/bin/ruff check --fix . && .venv/bin/ruff format .)" >&2
+  [ $rc -ne 0 ] || rc=$lint_rc
+fi
 exit $rc
