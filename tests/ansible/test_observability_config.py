@@ -16,9 +16,10 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from epd_kit import plan as planner
 from epd_kit.testing.checkpoint import build_tiny_checkpoint
 from epd_kit.testing.images import image_part, png_data_url, user_message
-from tests.ansible.helpers import REPO, playbook
+from tests.ansible.helpers import REPO, inventory_hostvars, playbook
 from tests.router.harness import Stack
 
 pytestmark = pytest.mark.ansible
@@ -68,14 +69,21 @@ def three_host(tmp_path_factory) -> Path:
 
 
 def test_targets_cover_every_engine_and_router_with_their_labels(three_host):
+    hostvars, groups = inventory_hostvars(REPO / "inventory/sandbox/three-host")
+    fleet_plan = planner.plan_from_hostvars(hostvars, groups["epd_engines"])
     engines = json.loads((three_host / "epd-engines.json").read_text())
     routers = json.loads((three_host / "epd-router.json").read_text())
     assert [(e["targets"], e["labels"]) for e in engines] == [
-        (["10.213.0.11:18300"], {"host": "n1", "role": "ve", "engine_id": "epd-ve-0", "instance": "ve-0"}),
-        (["10.213.0.11:18301"], {"host": "n1", "role": "ve", "engine_id": "epd-ve-1", "instance": "ve-1"}),
-        (["10.213.0.12:18100"], {"host": "n2", "role": "pd", "engine_id": "epd-pd-0", "instance": "pd-0"}),
-        (["10.213.0.12:18101"], {"host": "n2", "role": "pd", "engine_id": "epd-pd-1", "instance": "pd-1"}),
+        (
+            [f"{e['host']}:{e['port']}"],
+            {"host": name, "role": e["role"], "engine_id": e["engine_id"], "instance": e["instance"]},
+        )
+        for name, host_plan in fleet_plan.items()
+        for e in host_plan["engines"]
     ]
+    assert sorted(t for e in engines for t in e["targets"]) == [
+        "10.213.0.11:18300", "10.213.0.11:18301", "10.213.0.12:18100", "10.213.0.12:18101",
+    ]  # fmt: skip
     assert [r["targets"] for r in routers] == [["10.213.0.13:18800"]]
 
 
@@ -112,8 +120,8 @@ def test_removed_engines_leave_the_targets(three_host, tmp_path):
         REPO / "inventory/sandbox/three-host", tmp_path / "inventory", {"n2": {"epd_num_pd": 1}}
     )
     out = observe(inventory, tmp_path / "out")
-    ids = [e["labels"]["engine_id"] for e in json.loads((out / "epd-engines.json").read_text())]
-    assert ids == ["epd-ve-0", "epd-ve-1", "epd-pd-0"]
+    targets = sorted(t for e in json.loads((out / "epd-engines.json").read_text()) for t in e["targets"])
+    assert targets == ["10.213.0.11:18300", "10.213.0.11:18301", "10.213.0.12:18100"]
 
 
 def test_grafana_provider_points_at_the_dashboard(three_host):

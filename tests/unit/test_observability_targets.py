@@ -9,10 +9,13 @@ def hostvars(**hosts):
     return {name: {"epd_model": MODEL, **values} for name, values in hosts.items()}
 
 
-def files(inventory, routers=("r",), port=18800):
+def plan_of(inventory):
     engine_hosts = [h for h, v in inventory.items() if v.get("epd_num_ve") or v.get("epd_num_pd")]
-    fleet_plan = plan_from_hostvars(inventory, engine_hosts)
-    return observability.scrape_files(fleet_plan, inventory, list(routers), port)
+    return plan_from_hostvars(inventory, engine_hosts)
+
+
+def files(inventory, routers=("r",), port=18800):
+    return observability.scrape_files(plan_of(inventory), inventory, list(routers), port)
 
 
 TWO_HOSTS = hostvars(
@@ -25,13 +28,20 @@ TWO_HOSTS = hostvars(
 def test_every_engine_and_router_is_a_target_with_its_labels():
     out = files(TWO_HOSTS)
     engines = out["jobs"][observability.ENGINES_JOB]
-    assert [(e["targets"], e["labels"]["instance"]) for e in engines] == [
-        (["10.0.0.1:18100"], "pd-0"),
-        (["10.0.0.1:18101"], "pd-1"),
-        (["10.0.0.1:18300"], "ve-0"),
-        (["10.0.0.2:18100"], "pd-2"),
+    planned = [(name, e) for name, host_plan in plan_of(TWO_HOSTS).items() for e in host_plan["engines"]]
+    assert engines == [
+        {
+            "targets": [f"{e['host']}:{e['port']}"],
+            "labels": {"host": name, "role": e["role"], "engine_id": e["engine_id"], "instance": e["instance"]},
+        }
+        for name, e in planned
     ]
-    assert engines[2]["labels"] == {"host": "a", "role": "ve", "engine_id": "epd-ve-0", "instance": "ve-0"}
+    assert sorted(t for e in engines for t in e["targets"]) == [
+        "10.0.0.1:18100",
+        "10.0.0.1:18101",
+        "10.0.0.1:18300",
+        "10.0.0.2:18100",
+    ]
     # a wildcard bind is dialled on the host's inventory address
     assert out["jobs"][observability.ROUTER_JOB] == [
         {
@@ -43,13 +53,13 @@ def test_every_engine_and_router_is_a_target_with_its_labels():
 
 
 def test_engines_removed_from_the_inventory_disappear():
-    before = files(TWO_HOSTS)["jobs"][observability.ENGINES_JOB]
     fewer = {**TWO_HOSTS, "a": {**TWO_HOSTS["a"], "epd_num_pd": 1}}
     fewer.pop("b")
     after = files(fewer)["jobs"][observability.ENGINES_JOB]
-    removed = {e["labels"]["engine_id"] for e in before} - {e["labels"]["engine_id"] for e in after}
-    assert removed == {"epd-pd-1", "epd-pd-2"}
-    assert len(after) == 2
+    assert sorted((e["labels"]["host"], e["labels"]["role"]) for e in after) == [("a", "pd"), ("a", "ve")]
+    assert [t for e in after for t in e["targets"]] == [
+        f"{e['host']}:{e['port']}" for e in plan_of(fewer)["a"]["engines"]
+    ]
 
 
 def test_router_listen_host_wins_and_loopback_targets_are_reported():
