@@ -102,5 +102,5 @@ def test_an_unknown_engine_stops_an_ops_playbook_before_it_acts(deployment):
 def test_rolling_restart_refuses_an_engine_that_is_not_planned(deployment):
     result = playbook("-i", str(deployment), "playbooks/rolling_restart.yml", "-e", "engines=ve-0,pd-4")
     assert result.returncode != 0
-    assert "unknown engines pd-4; planned are pd-0, ve-0" in " ".join((result.stdout + result.stderr).split())
+    assert "unknown engines pd-4; planned are epd-pd-0, epd-ve-0" in " ".join((result.stdout + result.stderr).split())
     assert "Drain, restart and return" not in result.stdout

@@ -13,9 +13,10 @@ from tests.hosts.harness import REPO, ansible_playbook, write_inventory
 
 pytestmark = pytest.mark.systemd
 
-# what the planner must derive from inventory/sandbox/three-host (ids fleet-wide, ports per host)
-EXPECTED_VE = {"epd-ve-0": "http://10.213.0.11:18300", "epd-ve-1": "http://10.213.0.11:18301"}
-EXPECTED_PD = {"epd-pd-0": "http://10.213.0.12:18100", "epd-pd-1": "http://10.213.0.12:18101"}
+# what the planner must derive from inventory/sandbox/three-host (several engine hosts: ids carry
+# the host label, instances and ports are numbered per host)
+EXPECTED_VE = {"epd-n1-ve-0": "http://10.213.0.11:18300", "epd-n1-ve-1": "http://10.213.0.11:18301"}
+EXPECTED_PD = {"epd-n2-pd-0": "http://10.213.0.12:18100", "epd-n2-pd-1": "http://10.213.0.12:18101"}
 ENGINE_UNITS = {
     "n1": ["epd-engine@ve-0.service", "epd-engine@ve-1.service"],
     "n2": ["epd-engine@pd-0.service", "epd-engine@pd-1.service"],
@@ -121,18 +122,18 @@ def test_adding_an_engine_host_reloads_the_router_and_restarts_no_engine(three_h
         router_before = stack.hosts["n3"].show("epd-router.service", "MainPID", "NRestarts")
         result = ansible_playbook(inventory, "playbooks/deploy.yml")
         assert result.returncode == 0, result.describe()
-        assert n4.is_active("epd-engine@pd-2.service") == "active"
+        assert n4.is_active("epd-engine@pd-0.service") == "active"
         assert main_pids(stack) == engines_before, "an existing engine was restarted"
         assert stack.hosts["n3"].show("epd-router.service", "MainPID", "NRestarts") == router_before, (
             "the router was restarted instead of reloaded"
         )
         wait_for(
             lambda: any(
-                e["id"] == "epd-pd-2" and e["url"] == f"http://{n4.address}:18100" and is_healthy(e)
+                e["id"] == "epd-n4-pd-0" and e["url"] == f"http://{n4.address}:18100" and is_healthy(e)
                 for e in stack.pools()
             ),
             timeout=30,
-            what="epd-pd-2 in the router's pools",
+            what="epd-n4-pd-0 in the router's pools",
         )
         for i in range(4):
             assert stack.chat(image_message(f"with a fourth host #{i}", (90, 200, 90)), max_tokens=4).choices

@@ -50,6 +50,7 @@ def error_of(*args, **kwargs):
 
 # --------------------------------------------------------------------------- golden: tutorial
 
+
 @pytest.mark.parametrize("instance", ["ve-0", "pd-0"])
 def test_single_node_example_is_the_tutorial_command(instance):
     hostvars, hosts = load_example("single-node-1e1pd")
@@ -68,8 +69,11 @@ def test_single_node_example_layout_is_the_tutorial_table():
     hostvars, hosts = load_example("single-node-1e1pd")
     plan = planner.plan_from_hostvars(hostvars, hosts)
     host = plan["trn2-node1"]
-    assert [(e["instance"], e["engine_id"], e["role"], e["cores"], e["port"], e["side_channel_port"]) for e in host["engines"]] == [
-        ("pd-0", "epd-pd-0", "pd", list(range(0, 8)), 18100, None),
+    assert [
+        (e["instance"], e["engine_id"], e["role"], e["cores"], e["port"], e["side_channel_port"])
+        for e in host["engines"]
+    ] == [
+        ("pd-0", "epd-pd-0", "pd", list(range(8)), 18100, None),
         ("ve-0", "epd-ve-0", "ve", list(range(8, 12)), 18300, 14600),
     ]
     assert engines(plan, "trn2-node1")["ve-0"]["side_channel_ports"] == [14600, 14601, 14602, 14603]
@@ -85,7 +89,10 @@ def test_single_node_example_layout_is_the_tutorial_table():
 def test_2e7pd_fills_64_cores_widest_first():
     hostvars, hosts = load_example("trn2-2e7pd")
     plan = planner.plan_from_hostvars(hostvars, hosts)
-    layout = [(e["instance"], e["cores"][0], e["cores"][-1], e["port"], e["side_channel_port"]) for e in plan["trn2-node1"]["engines"]]
+    layout = [
+        (e["instance"], e["cores"][0], e["cores"][-1], e["port"], e["side_channel_port"])
+        for e in plan["trn2-node1"]["engines"]
+    ]
     assert layout == [(f"pd-{j}", 8 * j, 8 * j + 7, 18100 + j, None) for j in range(7)] + [
         ("ve-0", 56, 59, 18300, 14600),
         ("ve-1", 60, 63, 18301, 14604),
@@ -93,24 +100,59 @@ def test_2e7pd_fills_64_cores_widest_first():
     assert [e["start_delay_s"] for e in plan["trn2-node1"]["engines"]] == [10 * i for i in range(9)]
 
 
-def test_multi_node_ids_are_fleet_wide_and_ports_per_host():
+def test_multi_node_ids_carry_the_host_label_and_numbers_are_per_host():
     hostvars, hosts = load_example("multi-node")
     plan = planner.plan_from_hostvars(hostvars, hosts)
     assert hosts == ["trn2-a", "trn2-b", "trn2-c"]
     a, b, c = (engines(plan, h) for h in hosts)
     assert sorted(a) == [f"pd-{j}" for j in range(6)] + [f"ve-{i}" for i in range(4)]
-    assert sorted(b, key=lambda i: int(i.split("-")[1])) == [f"pd-{j}" for j in range(6, 14)]
-    assert sorted(c, key=lambda i: int(i.split("-")[1])) == [f"pd-{j}" for j in range(14, 22)]
-    assert (b["pd-6"]["port"], c["pd-14"]["port"], c["pd-21"]["port"]) == (18100, 18100, 18107)
-    assert b["pd-6"]["url"] == "http://10.0.1.32:18100"
+    assert sorted(b) == sorted(c) == [f"pd-{j}" for j in range(8)]
+    assert (b["pd-0"]["port"], c["pd-0"]["port"], c["pd-7"]["port"]) == (18100, 18100, 18107)
+    assert (b["pd-0"]["engine_id"], c["pd-7"]["engine_id"]) == ("epd-trn2-b-pd-0", "epd-trn2-c-pd-7")
+    assert b["pd-0"]["url"] == "http://10.0.1.32:18100"
     ve3 = json.loads(a["ve-3"]["argv"][a["ve-3"]["argv"].index("--ec-transfer-config") + 1])
-    assert ve3["engine_id"] == "epd-ve-3"
+    assert ve3["engine_id"] == "epd-trn2-a-ve-3"
     assert ve3["ec_connector_extra_config"]["side_channel_host"] == "10.0.1.31"
     assert ve3["ec_connector_extra_config"]["side_channel_port"] == 14612
     assert a["ve-3"]["cores"] == [60, 61, 62, 63] and a["pd-5"]["cores"] == list(range(40, 48))
     endpoints = planner.router_endpoints(plan)
-    assert [e["id"] for e in endpoints["pd"]] == [f"epd-pd-{j}" for j in range(22)]
+    assert [e["id"] for e in endpoints["pd"]] == [
+        *(f"epd-trn2-a-pd-{j}" for j in range(6)),
+        *(f"epd-{host}-pd-{j}" for host in ("trn2-b", "trn2-c") for j in range(8)),
+    ]
     assert len({e["url"] for e in endpoints["pd"] + endpoints["ve"]}) == 26
+
+
+def engine_units(plan, host):
+    """What a host's engines run: unit instance -> (argv, env file) as the unit expands them."""
+    return {
+        e["instance"]: planner.engine_unit(e, "/venv/bin/vllm", plan[host]["start_timeout_s"])
+        for e in plan[host]["engines"]
+    }
+
+
+def test_removing_a_pd_on_one_host_changes_no_engine_of_the_other_hosts():
+    hostvars, hosts = load_example("multi-node")
+    before = planner.plan_from_hostvars(hostvars, hosts)
+    fewer = {**hostvars, "trn2-a": {**hostvars["trn2-a"], "epd_num_pd": hostvars["trn2-a"]["epd_num_pd"] - 1}}
+    after = planner.plan_from_hostvars(fewer, hosts)
+    assert len(after["trn2-a"]["engines"]) == len(before["trn2-a"]["engines"]) - 1
+    for host in ("trn2-b", "trn2-c"):
+        assert after[host] == before[host]
+        assert engine_units(after, host) == engine_units(before, host)
+
+
+def test_an_id_label_pins_a_hosts_ids_and_must_be_unique_and_id_safe():
+    hosts = {
+        "n1": {"epd_num_ve": 1, "epd_bind_address": "10.0.0.1"},
+        "n2": {"epd_num_pd": 1, "epd_bind_address": "10.0.0.2"},
+    }
+    pinned = plan_of(hosts={**hosts, "n2": {**hosts["n2"], "epd_engine_id_label": "rack7"}})
+    assert [e["engine_id"] for e in pinned["n2"]["engines"]] == ["epd-rack7-pd-0"]
+    same = {**hosts, "n2": {**hosts["n2"], "epd_engine_id_label": "n1"}}
+    assert "n1 and n2 both label their engine ids 'n1'" in error_of(hosts=same)
+    bad = {**hosts, "n2": {**hosts["n2"], "epd_engine_id_label": "rack 7"}}
+    assert "n2: the engine id label 'rack 7' must be letters, digits" in error_of(hosts=bad)
 
 
 # --------------------------------------------------------------------------- rules
@@ -119,7 +161,9 @@ def test_multi_node_ids_are_fleet_wide_and_ports_per_host():
 def test_derived_vision_bucket_and_block():
     settings = planner.read_settings({"epd_model": MODEL})
     assert (settings.vision_tokens_bucket, settings.vision_attention_block_size) == (30720, 1024)
-    other = planner.read_settings({"epd_model": MODEL, "epd_images_per_prompt": 4, "epd_image_edge": 448, "epd_patch_size": 14})
+    other = planner.read_settings(
+        {"epd_model": MODEL, "epd_images_per_prompt": 4, "epd_image_edge": 448, "epd_patch_size": 14}
+    )
     assert (other.vision_tokens_bucket, other.vision_attention_block_size) == (4 * 32 * 32, 1024)
     pd = engines(plan_of({"epd_num_pd": 1}, epd_images_per_prompt=4, epd_image_edge=448, epd_patch_size=14))["pd-0"]
     config = json.loads(pd["argv"][pd["argv"].index("--additional-config") + 1])
@@ -174,7 +218,13 @@ def test_env_and_backend_and_model_kinds():
 def test_mxfp8_renders_modules_to_not_convert_in_neuron_config():
     ve = engines(plan_of({"epd_num_ve": 1}, epd_quantization="mxfp8", epd_modules_to_not_convert=["lm_head"]))["ve-0"]
     neuron = json.loads(ve["argv"][ve["argv"].index("--additional-config") + 1])["neuron_config"]
-    assert list(neuron) == ["quantization", "num_batched_tokens_buckets", "on_device_sampling_config", "modules_to_not_convert", "num_seqs_buckets"]
+    assert list(neuron) == [
+        "quantization",
+        "num_batched_tokens_buckets",
+        "on_device_sampling_config",
+        "modules_to_not_convert",
+        "num_seqs_buckets",
+    ]
     assert neuron["modules_to_not_convert"] == ["lm_head"] and neuron["quantization"] == "mxfp8"
     bf16 = engines(plan_of({"epd_num_ve": 1}, epd_modules_to_not_convert=["lm_head"]))["ve-0"]
     assert "modules_to_not_convert" not in bf16["argv"][bf16["argv"].index("--additional-config") + 1]
@@ -187,7 +237,9 @@ def test_extra_args_go_last_and_string_numbers_are_accepted():
 
 def test_engine_environment_extends_env_and_leaves_argv_alone():
     plain = engines(plan_of({"epd_num_pd": 1}))["pd-0"]
-    pd = engines(plan_of({"epd_num_pd": 1}, epd_engine_environment={"EPD_SIM_COMPILE_S": 0.5, "NEURON_RT_LOG_LEVEL": "INFO"}))["pd-0"]
+    pd = engines(
+        plan_of({"epd_num_pd": 1}, epd_engine_environment={"EPD_SIM_COMPILE_S": 0.5, "NEURON_RT_LOG_LEVEL": "INFO"})
+    )["pd-0"]
     assert pd["argv"] == plain["argv"]
     assert pd["env"] == {**plain["env"], "EPD_SIM_COMPILE_S": "0.5", "NEURON_RT_LOG_LEVEL": "INFO"}
 
@@ -246,13 +298,23 @@ def test_no_fit_without_exclusions_and_when_one_pool_alone_is_too_big():
 @pytest.mark.parametrize(
     ("slices", "expected"),
     [
-        ({"pd": [4]}, "epd_slices.pd[0] = 4 (cores 4-11) is misaligned: a tp=8 slice must start at a multiple of 8 (e.g. 0 or 8)"),
+        (
+            {"pd": [4]},
+            "epd_slices.pd[0] = 4 (cores 4-11) is misaligned: a tp=8 slice must start at a multiple of 8 (e.g. 0 or 8)",
+        ),
         ({"ve": [2]}, "epd_slices.ve[0] = 2 (cores 2-5) is misaligned"),
-        ({"pd": [0], "ve": [4]}, "epd_slices.pd[0] = 0 (cores 0-7) overlaps epd_slices.ve[0] on core 4; slices must be disjoint"),
+        (
+            {"pd": [0], "ve": [4]},
+            "epd_slices.pd[0] = 0 (cores 0-7) overlaps epd_slices.ve[0] on core 4; slices must be disjoint",
+        ),
         ({"pd": [0, 0]}, "overlaps epd_slices.pd[0] on core 0"),
         ({"pd": [64]}, "epd_slices.pd[0] = 64 (cores 64-71) is over budget: the host has 64 cores (0-63)"),
         ({"pd": [16]}, "epd_slices.pd[0] = 16 (cores 16-23) uses unusable cores (excluded 20-23)"),
-        ({"ve": [[8, 9, 10]]}, "epd_slices.ve[0] has 3 cores (8-10) but the VE tensor-parallel size is 4: TP must equal the number of cores"),
+        (
+            {"ve": [[8, 9, 10]]},
+            "epd_slices.ve[0] has 3 cores (8-10) but the VE tensor-parallel size is 4: "
+            "TP must equal the number of cores",
+        ),
         ({"ve": [[8, 9, 10, 12]]}, "is not contiguous"),
         ({"ve": [-4]}, "epd_slices.ve[0] must be >= 0"),
         ({"ve": [True]}, "epd_slices.ve[0] must be an integer, got True (bool)"),
@@ -271,14 +333,19 @@ def test_pinned_slice_on_a_faulted_core():
 
 
 def test_pinned_count_must_agree_with_the_count():
-    assert "epd_num_pd is 7 but epd_slices.pd pins 2 slices" in error_of({"epd_num_pd": 7, "epd_slices": {"pd": [0, 8]}})
+    assert "epd_num_pd is 7 but epd_slices.pd pins 2 slices" in error_of(
+        {"epd_num_pd": 7, "epd_slices": {"pd": [0, 8]}}
+    )
 
 
 @pytest.mark.parametrize(
     ("common", "expected"),
     [
         ({"epd_ve_port_base": 18100}, "port 18100 is used by both epd-pd-0 (HTTP) and epd-ve-0 (HTTP)"),
-        ({"epd_side_channel_port_base": 18798}, "port 18800 is used by both the router (epd_router_port) and epd-ve-0 (side channel rank 2)"),
+        (
+            {"epd_side_channel_port_base": 18798},
+            "port 18800 is used by both the router (epd_router_port) and epd-ve-0 (side channel rank 2)",
+        ),
         ({"epd_pd_port_base": 18800}, "port 18800 is used by both the router (epd_router_port) and epd-pd-0 (HTTP)"),
         ({"epd_side_channel_port_base": 65534}, "port 65536 of epd-ve-0 (side channel rank 2) is outside 1024-65535"),
         ({"epd_router_port": 80}, "epd_router_port must be >= 1024, got 80"),
@@ -290,15 +357,25 @@ def test_port_collisions(common, expected):
 
 def test_duplicate_engine_ids_are_refused():
     settings = planner.read_settings({"epd_model": MODEL})
-    plan = plan_of(hosts={"n1": {"epd_num_pd": 1, "epd_bind_address": "10.0.0.1"}, "n2": {"epd_num_pd": 1, "epd_bind_address": "10.0.0.2"}})
-    plan["n2"]["engines"][0]["engine_id"] = "epd-pd-0"
-    with pytest.raises(PlanError, match="duplicate engine id epd-pd-0 on n1 and n2: engine ids key NIXL handshakes"):
+    plan = plan_of(
+        hosts={
+            "n1": {"epd_num_pd": 1, "epd_bind_address": "10.0.0.1"},
+            "n2": {"epd_num_pd": 1, "epd_bind_address": "10.0.0.2"},
+        }
+    )
+    plan["n2"]["engines"][0]["engine_id"] = "epd-n1-pd-0"
+    with pytest.raises(PlanError, match="duplicate engine id epd-n1-pd-0 on n1 and n2: engine ids key NIXL handshakes"):
         planner.validate_plan(plan, settings)
 
 
 def test_two_hosts_with_one_address_are_refused():
-    hosts = {"n1": {"epd_num_pd": 1, "epd_bind_address": "10.0.0.1"}, "n2": {"epd_num_pd": 1, "epd_bind_address": "10.0.0.1"}}
-    assert "n2 and n1 both serve http://10.0.0.1:18100: give each host its own epd_bind_address" in error_of(hosts=hosts)
+    hosts = {
+        "n1": {"epd_num_pd": 1, "epd_bind_address": "10.0.0.1"},
+        "n2": {"epd_num_pd": 1, "epd_bind_address": "10.0.0.1"},
+    }
+    assert "n2 and n1 both serve http://10.0.0.1:18100: give each host its own epd_bind_address" in error_of(
+        hosts=hosts
+    )
 
 
 def test_loopback_in_a_multi_host_fleet_is_refused():
@@ -309,7 +386,10 @@ def test_loopback_in_a_multi_host_fleet_is_refused():
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        (["--enable-prefix-caching"], "epd_extra_args contains '--enable-prefix-caching': prefix caching must stay off on both pools"),
+        (
+            ["--enable-prefix-caching"],
+            "epd_extra_args contains '--enable-prefix-caching': prefix caching must stay off on both pools",
+        ),
         (["--enable-prefix-caching=true"], "prefix caching must stay off"),
         (["--mm-encoder-only"], "gives every PD engine both build roles"),
         (["--mm-language-model-only"], "there is no such vllm flag"),
@@ -370,7 +450,10 @@ def test_bad_host_variables(host_vars, expected):
 
 
 def test_pool_settings_must_agree_across_hosts():
-    hosts = {"n1": {"epd_pd_tp": 8, "epd_bind_address": "10.0.0.1"}, "n2": {"epd_pd_tp": 4, "epd_bind_address": "10.0.0.2"}}
+    hosts = {
+        "n1": {"epd_pd_tp": 8, "epd_bind_address": "10.0.0.1"},
+        "n2": {"epd_pd_tp": 4, "epd_bind_address": "10.0.0.2"},
+    }
     assert "epd_pd_tp differs between engine hosts (n1: 8, n2: 4)" in error_of(hosts=hosts)
 
 
@@ -413,11 +496,27 @@ def test_filter_shims_load_the_bundled_planner_without_the_kit(tmp_path):
 
 
 def run_plan(inventory, *extra):
-    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
-           "ANSIBLE_STDOUT_CALLBACK": "default", "ANSIBLE_CALLBACK_RESULT_FORMAT": "yaml"}
+    env = {
+        **os.environ,
+        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_STDOUT_CALLBACK": "default",
+        "ANSIBLE_CALLBACK_RESULT_FORMAT": "yaml",
+    }
     return subprocess.run(
-        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory), str(REPO / "playbooks" / "plan.yml"), *extra],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
+        [
+            str(Path(sys.executable).parent / "ansible-playbook"),
+            "-i",
+            str(inventory),
+            str(REPO / "playbooks" / "plan.yml"),
+            *extra,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 
@@ -425,10 +524,15 @@ def run_plan(inventory, *extra):
 @pytest.mark.parametrize(
     ("example", "expected_rows"),
     [
-        ("single-node-1e1pd", ["trn2-node1  pd-0    pd tp8  0-7    18100  -             epd-pd-0",
-                               "trn2-node1  ve-0    ve tp4  8-11   18300  14600-14603   epd-ve-0"]),
+        (
+            "single-node-1e1pd",
+            [
+                "trn2-node1  pd-0    pd tp8  0-7    18100  -             epd-pd-0",
+                "trn2-node1  ve-0    ve tp4  8-11   18300  14600-14603   epd-ve-0",
+            ],
+        ),
         ("trn2-2e7pd", ["pd-6    pd tp8  48-55  18106", "ve-1    ve tp4  60-63  18301  14604-14607   epd-ve-1"]),
-        ("multi-node", ["trn2-c  pd-21   pd tp8  56-63  18107", "url: http://10.0.1.31:18303"]),
+        ("multi-node", ["trn2-c  pd-7    pd tp8  56-63  18107", "url: http://10.0.1.31:18303"]),
     ],
 )
 def test_plan_playbook_prints_the_table(example, expected_rows):
@@ -444,4 +548,7 @@ def test_plan_playbook_fails_with_the_planner_message():
     result = run_plan(EXAMPLES / "trn2-2e7pd", "-e", json.dumps({"epd_plan_faulted": {"trn2-node1": [20, 21, 22, 23]}}))
     assert result.returncode != 0
     output = " ".join((result.stdout + result.stderr).split())
-    assert "trn2-node1: layout does not fit: 60 usable cores (of 64; excluded/faulted: 20-23): 2 VE + 6 PD or 1 VE + 7 PD fit" in output
+    assert (
+        "trn2-node1: layout does not fit: 60 usable cores (of 64; excluded/faulted: 20-23): "
+        "2 VE + 6 PD or 1 VE + 7 PD fit" in output
+    )

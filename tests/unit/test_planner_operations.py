@@ -9,38 +9,77 @@ MODEL = "/models/Qwen3-VL-32B-Instruct"
 
 def fleet(hosts, **common):
     settings = plan.read_settings({"epd_model": MODEL, **common})
-    return plan.plan_fleet(settings, [plan.read_host(name, values, settings) for name, values in hosts.items()]), settings
+    return plan.plan_fleet(
+        settings, [plan.read_host(name, values, settings) for name, values in hosts.items()]
+    ), settings
 
 
-TWO_HOSTS = {"a": {"epd_num_ve": 1, "epd_num_pd": 2, "epd_bind_address": "10.0.0.1"},
-             "b": {"epd_num_pd": 1, "epd_bind_address": "10.0.0.2"}}
+TWO_HOSTS = {
+    "a": {"epd_num_ve": 1, "epd_num_pd": 2, "epd_bind_address": "10.0.0.1"},
+    "b": {"epd_num_pd": 1, "epd_bind_address": "10.0.0.2"},
+}
 
 
 def test_router_config_takes_model_limits_and_endpoints_from_the_plan():
     fleet_plan, settings = fleet(TWO_HOSTS, epd_quantization="mxfp8", epd_images_per_prompt=4)
     config = plan.router_config(
-        fleet_plan, settings, listen_host="10.0.0.9",
-        sections={"limits": {"oversized_image": "reject", "images_per_prompt": 99}, "placement": {"pd_max_inflight": 32}},
-        draining=["epd-pd-1"], extra={"placement": {"queue_size": 8}, "auth": {"protect_pools": False}},
+        fleet_plan,
+        settings,
+        listen_host="10.0.0.9",
+        sections={
+            "limits": {"oversized_image": "reject", "images_per_prompt": 99},
+            "placement": {"pd_max_inflight": 32},
+        },
+        draining=["epd-a-pd-1"],
+        extra={"placement": {"queue_size": 8}, "auth": {"protect_pools": False}},
     )
-    assert list(config) == ["model", "served_model_name", "quantization", "listen", "timeouts", "limits", "media",
-                            "health", "placement", "retries", "auth", "endpoints"]
-    assert (config["model"], config["quantization"], config["listen"]) == (MODEL, "mxfp8", {"host": "10.0.0.9", "port": 18800})
+    assert list(config) == [
+        "model",
+        "served_model_name",
+        "quantization",
+        "listen",
+        "timeouts",
+        "limits",
+        "media",
+        "health",
+        "placement",
+        "retries",
+        "auth",
+        "endpoints",
+    ]
+    assert (config["model"], config["quantization"], config["listen"]) == (
+        MODEL,
+        "mxfp8",
+        {"host": "10.0.0.9", "port": 18800},
+    )
     assert config["limits"] == {"oversized_image": "reject", "images_per_prompt": 4, "max_image_patches": 1024}
     assert config["placement"] == {"pd_max_inflight": 32, "queue_size": 8}
     assert config["auth"] == {"api_keys_file": None, "protect_pools": False}
     assert [(e["id"], e["state"]) for e in config["endpoints"]["pd"]] == [
-        ("epd-pd-0", "active"), ("epd-pd-1", "draining"), ("epd-pd-2", "active")]
-    assert config["endpoints"]["ve"] == [{"id": "epd-ve-0", "url": "http://10.0.0.1:18300", "state": "active"}]
-    assert plan.router_config(fleet_plan, plan.read_settings({"epd_model": MODEL}), listen_host="h")["quantization"] is None
+        ("epd-a-pd-0", "active"),
+        ("epd-a-pd-1", "draining"),
+        ("epd-b-pd-0", "active"),
+    ]
+    assert config["endpoints"]["ve"] == [{"id": "epd-a-ve-0", "url": "http://10.0.0.1:18300", "state": "active"}]
+    assert (
+        plan.router_config(fleet_plan, plan.read_settings({"epd_model": MODEL}), listen_host="h")["quantization"]
+        is None
+    )
 
 
 def test_router_defaults_agree_with_the_planner():
     """The router's own defaults for what the plan sets are the planner's (one list of defaults)."""
     from epd_kit.router.config import RouterConfig
 
-    config = RouterConfig.model_validate({"model": MODEL, "endpoints": {
-        "ve": [{"id": "epd-ve-0", "url": "http://127.0.0.1:18300"}], "pd": [{"id": "epd-pd-0", "url": "http://127.0.0.1:18100"}]}})
+    config = RouterConfig.model_validate(
+        {
+            "model": MODEL,
+            "endpoints": {
+                "ve": [{"id": "epd-ve-0", "url": "http://127.0.0.1:18300"}],
+                "pd": [{"id": "epd-pd-0", "url": "http://127.0.0.1:18100"}],
+            },
+        }
+    )
     settings = plan.read_settings({"epd_model": MODEL})
     assert config.limits.images_per_prompt == settings.images_per_prompt
     assert config.limits.max_image_patches == settings.vision_attention_block_size
@@ -50,7 +89,9 @@ def test_router_defaults_agree_with_the_planner():
 def test_unreachable_engines_of_a_loopback_host():
     fleet_plan, _ = fleet({"h1": {"epd_num_pd": 1}})
     assert plan.unreachable_engines(fleet_plan, ["h1"]) == []
-    assert plan.unreachable_engines(fleet_plan, ["r1"]) == ["router host r1 cannot reach the engines of h1 on 127.0.0.1"]
+    assert plan.unreachable_engines(fleet_plan, ["r1"]) == [
+        "router host r1 cannot reach the engines of h1 on 127.0.0.1"
+    ]
     remote, _ = fleet(TWO_HOSTS)
     assert plan.unreachable_engines(remote, ["r1"]) == []
 
@@ -61,32 +102,56 @@ def test_engine_selection_takes_instances_and_engine_ids():
     files = ["/etc/epd/engines/pd-1.env", "/etc/epd/engines/ve-0.env", "/etc/epd/engines/pd-0.env"]
     assert plan.deployed_engines(files) == ["pd-0", "pd-1", "ve-0"]
     assert plan.deployed_engines(files, "epd-pd-1,ve-9") == ["pd-1"]
+    # with several engine hosts, an id selects only on the host whose label it carries
+    assert plan.deployed_engines(files, "epd-n1-pd-1,ve-0", "n1") == ["pd-1", "ve-0"]
+    assert plan.deployed_engines(files, "epd-n1-pd-1,ve-0", "n2") == ["ve-0"]
 
 
 def test_rolling_queue_is_in_plan_order_and_refuses_unknown_engines():
     fleet_plan, _ = fleet(TWO_HOSTS)
     queue = plan.rolling_queue(fleet_plan)
     assert [(q["host"], q["instance"], q["engine_id"]) for q in queue] == [
-        ("a", "pd-0", "epd-pd-0"), ("a", "pd-1", "epd-pd-1"), ("a", "ve-0", "epd-ve-0"), ("b", "pd-2", "epd-pd-2")]
-    assert [q["instance"] for q in plan.rolling_queue(fleet_plan, "epd-pd-2, ve-0")] == ["ve-0", "pd-2"]
-    with pytest.raises(plan.EpdPlanError, match="unknown engines pd-7; planned are pd-0, pd-1, ve-0, pd-2"):
-        plan.rolling_queue(fleet_plan, "pd-7,pd-0")
+        ("a", "pd-0", "epd-a-pd-0"),
+        ("a", "pd-1", "epd-a-pd-1"),
+        ("a", "ve-0", "epd-a-ve-0"),
+        ("b", "pd-0", "epd-b-pd-0"),
+    ]
+    assert [(q["host"], q["instance"]) for q in plan.rolling_queue(fleet_plan, "epd-b-pd-0, ve-0")] == [
+        ("a", "ve-0"),
+        ("b", "pd-0"),
+    ]
+    assert [q["engine_id"] for q in plan.rolling_queue(fleet_plan, "pd-0")] == ["epd-a-pd-0", "epd-b-pd-0"]
+    with pytest.raises(plan.EpdPlanError, match="unknown engines pd-7, epd-pd-0; planned are epd-a-pd-0, epd-a-pd-1"):
+        plan.rolling_queue(fleet_plan, "pd-7,pd-0,epd-pd-0")
 
 
 def test_status_rows_and_table():
-    rows = plan.status_rows("n1", ["pd-0", "ve-0"], ["active", "failed", "active"],
-                            [{"status": 200}, {"status": -1, "msg": "refused"}], {"status": 503})
-    assert rows == [["n1", "epd-engine@pd-0.service", "active", "ok"],
-                    ["n1", "epd-engine@ve-0.service", "failed", "down (-1)"],
-                    ["n1", "epd-router.service", "active", "not ready (503)"]]
-    assert plan.status_rows("r1", [], [], [], {"skipped": True}) == [["r1", "epd-router.service", "?", "not ready (-1)"]]
+    rows = plan.status_rows(
+        "n1",
+        ["pd-0", "ve-0"],
+        ["active", "failed", "active"],
+        [{"status": 200}, {"status": -1, "msg": "refused"}],
+        {"status": 503},
+    )
+    assert rows == [
+        ["n1", "epd-engine@pd-0.service", "active", "ok"],
+        ["n1", "epd-engine@ve-0.service", "failed", "down (-1)"],
+        ["n1", "epd-router.service", "active", "not ready (503)"],
+    ]
+    assert plan.status_rows("r1", [], [], [], {"skipped": True}) == [
+        ["r1", "epd-router.service", "?", "not ready (-1)"]
+    ]
     assert plan.status_rows("n2", [], [], []) == [["n2", "-", "no EPD units", "-"]]
     table = plan.status_table({"n1": rows}, ["n1", "n3"], ["n1", "r9"])
     assert table[0].split() == ["HOST", "UNIT", "STATE", "HEALTH"]
-    assert table[1] == "%-24s %-30s %-12s %s" % ("n1", "epd-engine@pd-0.service", "active", "ok")
+    assert table[1] == f"{'n1':<24} {'epd-engine@pd-0.service':<30} {'active':<12} ok"
     assert [line.split()[:3] for line in table[4:]] == [["n3", "-", "unreachable"], ["r9", "-", "unreachable"]]
 
 
 def test_read_env_file_reads_what_the_env_template_writes():
-    text = "# header\nA='{\"k\": 1}'\nB=\"it's \\$HOME \\\"q\\\"\"\nEPD_HEALTH_URL='http://127.0.0.1:18100/health'\n"
-    assert plan.read_env_file(text) == {"A": '{"k": 1}', "B": 'it\'s $HOME "q"', "EPD_HEALTH_URL": "http://127.0.0.1:18100/health"}
+    text = '# header\nA=\'{"k": 1}\'\nB="it\'s \\$HOME \\"q\\""\nEPD_HEALTH_URL=\'http://127.0.0.1:18100/health\'\n'
+    assert plan.read_env_file(text) == {
+        "A": '{"k": 1}',
+        "B": 'it\'s $HOME "q"',
+        "EPD_HEALTH_URL": "http://127.0.0.1:18100/health",
+    }

@@ -45,6 +45,8 @@ HOST_DEFAULTS: dict[str, Any] = {
     "epd_excluded_cores": [],
     "epd_slices": None,
     "epd_bind_address": "127.0.0.1",
+    # None: the inventory name; the host's part of its engine ids in a fleet of several engine hosts
+    "epd_engine_id_label": None,
 }
 
 # Read only by the inventory check (checks.py): not part of the plan, so not in the inventory table.

@@ -20,7 +20,11 @@ from .values import format_cores
 
 
 def plan_fleet(settings: Settings, hosts: Sequence[HostSpec]) -> dict[str, dict[str, Any]]:
-    """Plan every host in inventory order; engine ids are numbered fleet-wide."""
+    """Plan every host in inventory order. Identity is local to a host, so a change to one host's
+    engines changes nothing planned for another: instances (`pd-0`) and ports are numbered per
+    host; engine ids are `<prefix>-<role>-<n>` in a one-host fleet (the tutorial's) and
+    `<prefix>-<label>-<role>-<n>` with several engine hosts (label: epd_engine_id_label, by
+    default the inventory name)."""
     names = [h.name for h in hosts]
     if not hosts:
         raise EpdPlanError("no engine hosts: add hosts to the epd_engines group")
@@ -28,7 +32,16 @@ def plan_fleet(settings: Settings, hosts: Sequence[HostSpec]) -> dict[str, dict[
         raise EpdPlanError(
             f"host listed twice in the engine hosts: {sorted(n for n in names if names.count(n) > 1)[0]}"
         )
-    next_index = dict.fromkeys(ROLES, 0)
+    labels: dict[str, str] = {}
+    for host in hosts:
+        label = host.id_label or host.name
+        if label in labels:
+            raise EpdPlanError(
+                f"{labels[label]} and {host.name} both label their engine ids {label!r}: engine ids must be "
+                "unique fleet-wide, so give each host its own epd_engine_id_label"
+            )
+        labels[label] = host.name
+    host_part = {host.name: "" if len(hosts) == 1 else f"{host.id_label or host.name}-" for host in hosts}
     plan: dict[str, dict[str, Any]] = {}
     for host in hosts:
         starts = place(host, settings)
@@ -38,15 +51,14 @@ def plan_fleet(settings: Settings, hosts: Sequence[HostSpec]) -> dict[str, dict[
         for role in ROLES:
             tp = settings.tp(role)
             for local, start in enumerate(starts[role]):
-                number = next_index[role] + local
-                engine_id = f"{settings.engine_id_prefix}-{role}-{number}"
+                engine_id = f"{settings.engine_id_prefix}-{host_part[host.name]}{role}-{local}"
                 port = (settings.ve_port_base if role == "ve" else settings.pd_port_base) + local
                 side = settings.side_channel_port_base + local * tp if role == "ve" else None
                 cores = list(range(start, start + tp))
                 command = engine_command(settings, role, engine_id, host.bind_address, port, side)
                 engines.append(
                     {
-                        "instance": f"{role}-{number}",
+                        "instance": f"{role}-{local}",
                         "role": role,
                         "engine_id": engine_id,
                         "tp": tp,
@@ -63,7 +75,6 @@ def plan_fleet(settings: Settings, hosts: Sequence[HostSpec]) -> dict[str, dict[
                         "env": engine_env(settings, cores),
                     }
                 )
-            next_index[role] += len(starts[role])
         engines.sort(key=lambda e: e["cores"][0])
         for position, engine in enumerate(engines):
             engine["start_delay_s"] = position * settings.start_stagger_s
@@ -141,14 +152,13 @@ def validate_plan(plan: Mapping[str, Mapping[str, Any]], settings: Settings) -> 
 def router_endpoints(
     plan: Mapping[str, Mapping[str, Any]], draining: Sequence[str] = ()
 ) -> dict[str, list[dict[str, str]]]:
-    """The router's endpoint lists in fleet-wide engine order; ids in `draining` are marked so."""
+    """The router's endpoint lists, host by host in inventory order and by number on each host;
+    ids in `draining` are marked so."""
     out: dict[str, list[dict[str, Any]]] = {role: [] for role in ROLES}
     for host_plan in plan.values():
-        for engine in host_plan["engines"]:
+        for engine in sorted(host_plan["engines"], key=lambda e: int(e["instance"].rsplit("-", 1)[1])):
             state = "draining" if engine["engine_id"] in draining else "active"
             out[engine["role"]].append({"id": engine["engine_id"], "url": engine["url"], "state": state})
-    for role in ROLES:
-        out[role].sort(key=lambda e: int(e["id"].rsplit("-", 1)[1]))
     return out
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from .command import ROLES
 from .defaults import HOST_DEFAULTS
 from .errors import EpdPlanError
-from .settings import Settings
+from .settings import ID_PART, Settings
 from .values import as_core_set, as_int, as_str, describe, format_cores
 
 
@@ -28,6 +28,8 @@ class HostSpec:
     # role -> hand-pinned slice starts, in engine order (None: the planner places that role)
     slices: Mapping[str, tuple[int, ...]] | None = None
     bind_address: str = "127.0.0.1"
+    # the host's part of its engine ids when the fleet has several engine hosts (epd-<label>-pd-0)
+    id_label: str = ""
 
     def count(self, role: str) -> int:
         return self.num_ve if role == "ve" else self.num_pd
@@ -48,7 +50,9 @@ def check_bind_address(host: str, value: Any) -> str:
         ip = ipaddress.ip_address(address)
     except ValueError:
         if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", address):
-            raise EpdPlanError(f"{host}: epd_bind_address {address!r} is neither an IP address nor a host name") from None
+            raise EpdPlanError(
+                f"{host}: epd_bind_address {address!r} is neither an IP address nor a host name"
+            ) from None
         return address
     if ip.is_unspecified:
         raise EpdPlanError(
@@ -56,6 +60,16 @@ def check_bind_address(host: str, value: Any) -> str:
             "the router and (VE side channel) to PD engines, so set the host's own address"
         )
     return address
+
+
+def check_id_label(host: str, value: Any) -> str:
+    label = host if value is None else as_str(f"{host}: epd_engine_id_label", value).strip()
+    if not ID_PART.fullmatch(label):
+        raise EpdPlanError(
+            f"{host}: the engine id label {label!r} must be letters, digits, '.', '_' or '-': set "
+            "epd_engine_id_label of that host to one (the inventory name is the default)"
+        )
+    return label
 
 
 def _slice_entry(host: str, role: str, index: int, entry: Any, tp: int) -> int:
@@ -94,7 +108,9 @@ def read_host(name: str, variables: Mapping[str, Any], settings: Settings, fault
     slices: dict[str, tuple[int, ...]] | None = None
     if raw_slices not in (None, {}):
         if not isinstance(raw_slices, Mapping):
-            raise EpdPlanError(f"{name}: epd_slices must be a mapping like {{ve: [0, 4], pd: [8, 16]}}, got {describe(raw_slices)}")
+            raise EpdPlanError(
+                f"{name}: epd_slices must be a mapping like {{ve: [0, 4], pd: [8, 16]}}, got {describe(raw_slices)}"
+            )
         unknown = sorted(set(map(str, raw_slices)) - set(ROLES))
         if unknown:
             raise EpdPlanError(f"{name}: epd_slices has unknown key(s) {', '.join(unknown)}; use ve and pd")
@@ -124,4 +140,5 @@ def read_host(name: str, variables: Mapping[str, Any], settings: Settings, fault
         faulted_cores=faulted_set,
         slices=slices,
         bind_address=check_bind_address(name, get("epd_bind_address")),
+        id_label=check_id_label(name, variables.get("epd_engine_id_label")),
     )

@@ -14,6 +14,8 @@ from .values import as_int, as_str, as_str_list, is_power_of_two
 
 QUANTIZATIONS = ("bf16", "mxfp8")
 MIN_PORT, MAX_PORT = 1024, 65535
+# a piece of an engine id (the prefix, a host's label): ids key NIXL handshakes and unit names
+ID_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 # A hub id is owner/name; an owner that is a usual directory name means a relative path.
 DIRECTORY_NAMES = frozenset(
@@ -169,7 +171,7 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
             f"e.g. {edge // patch * patch or patch}"
         )
     prefix = as_str("epd_engine_id_prefix", get("epd_engine_id_prefix"))
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", prefix):
+    if not ID_PART.fullmatch(prefix):
         raise EpdPlanError(f"epd_engine_id_prefix must be letters, digits, '.', '_' or '-', got {prefix!r}")
     modules = as_str_list("epd_modules_to_not_convert", get("epd_modules_to_not_convert"))
     return Settings(
