@@ -1,4 +1,5 @@
 """Bad input: each case fails in preflight, before any unit is written, with what to change."""
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,18 @@ LOCAL_HOST = {"ansible_connection": "local", "ansible_python_interpreter": sys.e
 def write_inventory(root: Path, hosts: dict[str, dict], router: list[str], group_vars: dict) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     (root / "group_vars").mkdir(exist_ok=True)
-    (root / "hosts.yml").write_text(yaml.safe_dump({"all": {"children": {
-        "epd_engines": {"hosts": hosts},
-        "epd_router": {"hosts": {name: None for name in router}},
-    }}}))
+    (root / "hosts.yml").write_text(
+        yaml.safe_dump(
+            {
+                "all": {
+                    "children": {
+                        "epd_engines": {"hosts": hosts},
+                        "epd_router": {"hosts": dict.fromkeys(router)},
+                    }
+                }
+            }
+        )
+    )
     (root / "group_vars/all.yml").write_text(yaml.safe_dump(group_vars))
     return root
 
@@ -47,14 +56,18 @@ def assert_stopped_on_controller(result, message: str) -> None:
     assert "Preflight on every host" not in output, "the deploy went on to the hosts"
 
 
-@pytest.mark.parametrize(("group_vars", "host_vars", "message"), [
-    ({"epd_model": ""}, {}, "epd_model is unset or empty"),
-    ({"epd_extra_args": ["--enable-prefix-caching"]}, {}, "prefix caching must stay off"),
-    ({"epd_extra_args": ["--mm-encoder-only"]}, {}, "both build roles"),
-    ({}, {"epd_slices": {"pd": [4], "ve": [12]}}, "aligned"),
-    ({"epd_ve_port_base": 18100, "epd_pd_port_base": 18100}, {}, "port 18100 is used by both"),
-    ({"epd_num_pds": 3}, {}, "h1: unknown variable epd_num_pds; did you mean epd_num_pd?"),
-], ids=["empty-model", "prefix-caching", "both-build-roles", "misaligned-slice", "duplicate-port", "typo"])
+@pytest.mark.parametrize(
+    ("group_vars", "host_vars", "message"),
+    [
+        ({"epd_model": ""}, {}, "epd_model is unset or empty"),
+        ({"epd_extra_args": ["--enable-prefix-caching"]}, {}, "prefix caching must stay off"),
+        ({"epd_extra_args": ["--mm-encoder-only"]}, {}, "both build roles"),
+        ({}, {"epd_slices": {"pd": [4], "ve": [12]}}, "aligned"),
+        ({"epd_ve_port_base": 18100, "epd_pd_port_base": 18100}, {}, "port 18100 is used by both"),
+        ({"epd_num_pds": 3}, {}, "h1: unknown variable epd_num_pds; did you mean epd_num_pd?"),
+    ],
+    ids=["empty-model", "prefix-caching", "both-build-roles", "misaligned-slice", "duplicate-port", "typo"],
+)
 def test_inventory_errors_stop_on_the_controller(tmp_path, group_vars, host_vars, message):
     assert_stopped_on_controller(deploy(one_host(tmp_path, host_vars, **group_vars)), message)
 
@@ -65,8 +78,9 @@ def test_check_mode_runs_the_same_inventory_check(tmp_path):
 
 
 def test_remote_router_cannot_reach_loopback_engines(tmp_path):
-    inventory = write_inventory(tmp_path / "inv", {"h1": {"epd_num_pd": 1, **UNUSABLE_HOST}},
-                                ["r1"], {"epd_model": "/models/m"})
+    inventory = write_inventory(
+        tmp_path / "inv", {"h1": {"epd_num_pd": 1, **UNUSABLE_HOST}}, ["r1"], {"epd_model": "/models/m"}
+    )
     (inventory / "host_vars").mkdir()
     (inventory / "host_vars/r1.yml").write_text(yaml.safe_dump(UNUSABLE_HOST))
     assert_stopped_on_controller(deploy(inventory), "router host r1 cannot reach the engines of h1 on 127.0.0.1")
@@ -107,7 +121,9 @@ def test_text_only_checkpoint_fails_with_the_tutorial_explanation(tmp_path):
     model = checkpoint(tmp_path / "text", ["Qwen3ForCausalLM"])
     result = host_check(tmp_path, "model", epd_model=str(model))
     assert result.returncode != 0
-    assert "text-only model" in result.stdout and "unexpected" in result.stdout and "text_neuron_config" in result.stdout
+    assert (
+        "text-only model" in result.stdout and "unexpected" in result.stdout and "text_neuron_config" in result.stdout
+    )
 
 
 def test_missing_checkpoint_fails(tmp_path):
@@ -121,8 +137,15 @@ def test_port_already_bound_fails_naming_the_process(tmp_path):
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        result = host_check(tmp_path, "ports", {"epd_num_ve": 0}, epd_model="/models/m", epd_text_only=True, epd_pd_port_base=port,
-                            epd_router_port=port + 7)
+        result = host_check(
+            tmp_path,
+            "ports",
+            {"epd_num_ve": 0},
+            epd_model="/models/m",
+            epd_text_only=True,
+            epd_pd_port_base=port,
+            epd_router_port=port + 7,
+        )
     assert result.returncode != 0
     assert f"port {port} on h1 is already" in result.stdout and "epd_pd_port_base" in result.stdout
 
@@ -131,18 +154,31 @@ def test_free_ports_pass(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    result = host_check(tmp_path, "ports", {"epd_num_ve": 0}, epd_model="/models/m", epd_text_only=True, epd_pd_port_base=port,
-                        epd_router_port=port + 7)
+    result = host_check(
+        tmp_path,
+        "ports",
+        {"epd_num_ve": 0},
+        epd_model="/models/m",
+        epd_text_only=True,
+        epd_pd_port_base=port,
+        epd_router_port=port + 7,
+    )
     assert result.returncode == 0, result.stdout[-3000:]
 
 
 def test_several_dlami_venvs_and_none_chosen_fails(tmp_path):
     for version in ("0_24_0", "0_25_0"):
         (tmp_path / f"aws_neuronx_venv_pytorch_inference_vllm_{version}/bin").mkdir(parents=True)
-    result = host_check(tmp_path, "vllm", epd_model="/models/m",
-                        epd_dlami_venv_glob=str(tmp_path / "aws_neuronx_venv_pytorch_inference_vllm_*"))
+    result = host_check(
+        tmp_path,
+        "vllm",
+        epd_model="/models/m",
+        epd_dlami_venv_glob=str(tmp_path / "aws_neuronx_venv_pytorch_inference_vllm_*"),
+    )
     assert result.returncode != 0
-    assert "several vLLM Neuron venvs on h1" in result.stdout and "0_24_0" in result.stdout and "0_25_0" in result.stdout
+    assert (
+        "several vLLM Neuron venvs on h1" in result.stdout and "0_24_0" in result.stdout and "0_25_0" in result.stdout
+    )
     assert "set epd_engine_venv" in result.stdout
 
 

@@ -38,6 +38,7 @@ def test_router_config_takes_model_limits_and_endpoints_from_the_plan():
         "served_model_name",
         "quantization",
         "listen",
+        "dtype",
         "timeouts",
         "limits",
         "media",
@@ -54,7 +55,8 @@ def test_router_config_takes_model_limits_and_endpoints_from_the_plan():
     )
     assert config["limits"] == {"oversized_image": "reject", "images_per_prompt": 4, "max_image_patches": 1024}
     assert config["placement"] == {"pd_max_inflight": 32, "queue_size": 8}
-    assert config["auth"] == {"api_keys_file": None, "protect_pools": False}
+    assert config["dtype"] == "bfloat16"  # the engines' --dtype
+    assert config["auth"] == {"enabled": False, "protect_pools": False}  # no keys: off, said outright
     assert [(e["id"], e["state"]) for e in config["endpoints"]["pd"]] == [
         ("epd-a-pd-0", "active"),
         ("epd-a-pd-1", "draining"),
@@ -155,3 +157,15 @@ def test_read_env_file_reads_what_the_env_template_writes():
         "B": 'it\'s $HOME "q"',
         "EPD_HEALTH_URL": "http://127.0.0.1:18100/health",
     }
+
+
+def test_router_config_auth_follows_the_api_keys_file_and_parses():
+    from epd_kit.router.config import parse_config
+
+    fleet_plan, settings = fleet(TWO_HOSTS)
+    with_keys = plan.router_config(fleet_plan, settings, listen_host="10.0.0.9", api_keys_file="/etc/epd/keys")
+    without = plan.router_config(fleet_plan, settings, listen_host="10.0.0.9")
+    assert with_keys["auth"] == {"api_keys_file": "/etc/epd/keys"}
+    assert without["auth"] == {"enabled": False}
+    assert not parse_config(without).auth.on
+    assert parse_config(without).dtype == "bfloat16"

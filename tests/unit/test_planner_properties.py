@@ -1,6 +1,6 @@
 """Planner properties (hypothesis): every plan is valid, and any layout that fits is found."""
 
-from functools import lru_cache
+from functools import cache
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -25,8 +25,9 @@ def hosts(draw, max_cores, tps=TPS):
     capacity = core_count // min(ve_tp, pd_tp)
     num_ve = draw(st.integers(0, min(6, capacity)))
     num_pd = draw(st.integers(0 if num_ve else 1, min(6, capacity)))
-    host = planner.HostSpec(name="n1", num_ve=num_ve, num_pd=num_pd, core_count=core_count,
-                            excluded_cores=excluded, faulted_cores=faulted)
+    host = planner.HostSpec(
+        name="n1", num_ve=num_ve, num_pd=num_pd, core_count=core_count, excluded_cores=excluded, faulted_cores=faulted
+    )
     return host, make_settings(ve_tp, pd_tp)
 
 
@@ -43,14 +44,18 @@ def brute_force_fits(core_count, blocked, ve_tp, pd_tp, num_ve, num_pd):
 
     ve_slots, pd_slots = slots(ve_tp), slots(pd_tp)
 
-    @lru_cache(maxsize=None)
+    @cache
     def search(used, ve_left, pd_left, ve_from, pd_from):
         if pd_left:
-            return any(not (used & slot) and search(used | slot, ve_left, pd_left - 1, ve_from, i + 1)
-                       for i, slot in enumerate(pd_slots[pd_from:], pd_from))
+            return any(
+                not (used & slot) and search(used | slot, ve_left, pd_left - 1, ve_from, i + 1)
+                for i, slot in enumerate(pd_slots[pd_from:], pd_from)
+            )
         if ve_left:
-            return any(not (used & slot) and search(used | slot, ve_left - 1, 0, i + 1, 0)
-                       for i, slot in enumerate(ve_slots[ve_from:], ve_from))
+            return any(
+                not (used & slot) and search(used | slot, ve_left - 1, 0, i + 1, 0)
+                for i, slot in enumerate(ve_slots[ve_from:], ve_from)
+            )
         return True
 
     return search(0, num_ve, num_pd, 0, 0)
@@ -72,7 +77,9 @@ def assert_valid(plan, host, settings):
             used[core] = engine["engine_id"]
     counts = [e["role"] for e in plan["n1"]["engines"]]
     assert (counts.count("ve"), counts.count("pd")) == (host.num_ve, host.num_pd)
-    ports = [e["port"] for e in plan["n1"]["engines"]] + [p for e in plan["n1"]["engines"] for p in e["side_channel_ports"]]
+    ports = [e["port"] for e in plan["n1"]["engines"]] + [
+        p for e in plan["n1"]["engines"] for p in e["side_channel_ports"]
+    ]
     assert len(ports) == len(set(ports)) and settings.router_port not in ports
 
 
@@ -83,7 +90,7 @@ def test_every_plan_is_aligned_disjoint_in_budget_and_avoids_excluded_cores(case
     try:
         plan = planner.plan_fleet(settings_, [host])
     except planner.EpdPlanError as error:
-        assert "layout does not fit" in str(error)
+        assert "layout does not fit" in str(error)  # noqa: PT017 (hypothesis: some draws must fail)
         assert host.num_ve * settings_.ve_tp + host.num_pd * settings_.pd_tp > 0
         return
     assert_valid(plan, host, settings_)
@@ -134,8 +141,9 @@ def test_hand_pinned_slices_are_kept_and_the_rest_fills_around_them(data, ve_tp,
     starts = data.draw(st.lists(st.integers(0, core_count // ve_tp - 1), max_size=4, unique=True))
     pinned_ve = tuple(s * ve_tp for s in starts)  # aligned VE slots, disjoint by construction
     num_pd = data.draw(st.integers(0, 4))
-    host = planner.HostSpec(name="n1", num_ve=len(pinned_ve), num_pd=num_pd, core_count=core_count,
-                            slices={"ve": pinned_ve})
+    host = planner.HostSpec(
+        name="n1", num_ve=len(pinned_ve), num_pd=num_pd, core_count=core_count, slices={"ve": pinned_ve}
+    )
     result = planner.place(host, settings_)
     pinned_cores = frozenset(c for s in pinned_ve for c in range(s, s + ve_tp))
     assert (result is not None) == brute_force_fits(core_count, pinned_cores, ve_tp, pd_tp, 0, num_pd)

@@ -4,8 +4,8 @@
     build_wheelhouse.py --repo DIR --cache DIR --pin nixl==1.5.1 --pin nixl-cu12==1.5.1
 
 Runs on the controller. The wheelhouse holds the kit's wheel, every dependency as a wheel,
-and the pinned packages downloaded without their dependencies (the lean NIXL of
-test-hosts.md section E). It is keyed by a hash of pyproject.toml, the kit's sources, the
+and the pinned packages downloaded without their dependencies (the lean NIXL of the sim
+backend, docs/sandbox.md). It is keyed by a hash of pyproject.toml, the kit's sources, the
 pins and the controller's Python version, cached under --cache, and packed as one tar, so N
 hosts and repeated runs reuse it. Third-party wheels are cached separately (keyed without the
 kit's sources), so a code change rebuilds offline. Prints one JSON line: {key, archive, python, changed}.

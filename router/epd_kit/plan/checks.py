@@ -84,9 +84,14 @@ def pool_problems(plan: Mapping[str, Mapping[str, Any]], is_text_only: bool) -> 
             count[engine["role"]] += 1
     problems = []
     if not count["pd"]:
-        problems.append("no PD engine in the fleet: set epd_num_pd on at least one engine host (PDs answer every request)")
+        problems.append(
+            "no PD engine in the fleet: set epd_num_pd on at least one engine host (PDs answer every request)"
+        )
     if is_text_only and count["ve"]:
-        problems.append(f"epd_text_only is true but {count['ve']} VE engine(s) are planned: set epd_num_ve to 0 or drop epd_text_only")
+        problems.append(
+            f"epd_text_only is true but {count['ve']} VE engine(s) are planned: "
+            "set epd_num_ve to 0 or drop epd_text_only"
+        )
     if not is_text_only and not count["ve"]:
         problems.append(
             "no VE engine in the fleet: set epd_num_ve on at least one engine host, or set "

@@ -103,6 +103,9 @@ MANAGED_FLAGS = {
 }
 
 # Required, not tuning: without them LIBFABRIC may pick SHM and PD dies with ECLoadFailure.
+# the tutorial runs both pools in bfloat16; the router sends VE pixel values in the same dtype
+ENGINE_DTYPE = "bfloat16"
+
 EFA_ENVIRONMENT = {"FI_EFA_ENABLE_SHM_TRANSFER": "0", "FI_EFA_USE_DEVICE_RDMA": "1"}
 # Environment the kit derives itself; an operator cannot override it per fleet.
 MANAGED_ENV = ("NEURON_VISIBLE_DEVICES", *EFA_ENVIRONMENT)
@@ -194,21 +197,23 @@ def engine_command(
     settings: Settings, role: str, engine_id: str, bind_address: str, port: int, side_channel_port: int | None
 ) -> EngineCommand:
     """The tutorial's `serve` command for one engine (Step 1 for a VE, Step 2 for a PD)."""
-    return EngineCommand({
-        MODEL: settings.model,
-        "EPD_TENSOR_PARALLEL_SIZE": str(settings.tp(role)),
-        "EPD_HOST": bind_address,
-        "EPD_PORT": str(port),
-        "EPD_MAX_MODEL_LEN": str(settings.max_model_len),
-        "EPD_MAX_NUM_BATCHED_TOKENS": str(settings.max_model_len),
-        "EPD_MAX_NUM_SEQS": str(1 if role == "ve" else settings.max_num_seqs),
-        "EPD_DTYPE": "bfloat16",
-        "EPD_LIMIT_MM_PER_PROMPT": json.dumps({"image": settings.images_per_prompt}),
-        ROLE_ARGS: ROLE_FLAGS[role],
-        ADDITIONAL_CONFIG: json.dumps(additional_config(settings, role)),
-        EC_TRANSFER_CONFIG: json.dumps(ec_transfer_config(role, engine_id, bind_address, side_channel_port)),
-        EXTRA_ARGS: settings.extra_args,
-    })
+    return EngineCommand(
+        {
+            MODEL: settings.model,
+            "EPD_TENSOR_PARALLEL_SIZE": str(settings.tp(role)),
+            "EPD_HOST": bind_address,
+            "EPD_PORT": str(port),
+            "EPD_MAX_MODEL_LEN": str(settings.max_model_len),
+            "EPD_MAX_NUM_BATCHED_TOKENS": str(settings.max_model_len),
+            "EPD_MAX_NUM_SEQS": str(1 if role == "ve" else settings.max_num_seqs),
+            "EPD_DTYPE": ENGINE_DTYPE,
+            "EPD_LIMIT_MM_PER_PROMPT": json.dumps({"image": settings.images_per_prompt}),
+            ROLE_ARGS: ROLE_FLAGS[role],
+            ADDITIONAL_CONFIG: json.dumps(additional_config(settings, role)),
+            EC_TRANSFER_CONFIG: json.dumps(ec_transfer_config(role, engine_id, bind_address, side_channel_port)),
+            EXTRA_ARGS: settings.extra_args,
+        }
+    )
 
 
 def serve_argv(

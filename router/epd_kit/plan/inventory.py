@@ -28,7 +28,8 @@ def _lookup(variables: Mapping[str, Any], keys: Iterable[str]) -> dict[str, Any]
 
 
 def _faulted_from_facts(variables: Mapping[str, Any]) -> list[int]:
-    facts = variables["ansible_facts"] if "ansible_facts" in variables else {}
+    # Ansible's hostvars: a membership test, then an item; .get() would template unrelated values
+    facts = variables["ansible_facts"] if "ansible_facts" in variables else {}  # noqa: SIM401
     neuron = facts.get("epd_neuron") if isinstance(facts, Mapping) else None
     return list(plain(neuron.get("faulted_cores", []))) if isinstance(neuron, Mapping) else []
 
@@ -57,7 +58,10 @@ def fleet_settings(hostvars: Mapping[str, Any], hosts: Sequence[str]) -> Setting
         values = {h: v.get(key, GLOBAL_DEFAULTS[key]) for h, v in per_host.items()}
         if any(v != values[first] for v in values.values()):
             shown = ", ".join(f"{h}: {v!r}" for h, v in values.items())
-            raise EpdPlanError(f"{key} differs between engine hosts ({shown}); pool settings are fleet-wide: set it once in group_vars/all")
+            raise EpdPlanError(
+                f"{key} differs between engine hosts ({shown}); "
+                "pool settings are fleet-wide: set it once in group_vars/all"
+            )
     return read_settings(per_host[first])
 
 
@@ -69,5 +73,7 @@ def plan_from_hostvars(
     specs = []
     for name in map(str, hosts):
         variables = _host_vars(hostvars, name)
-        specs.append(read_host(name, _lookup(variables, HOST_DEFAULTS), settings, _faulted_for(faulted, name, variables)))
+        specs.append(
+            read_host(name, _lookup(variables, HOST_DEFAULTS), settings, _faulted_for(faulted, name, variables))
+        )
     return plan_fleet(settings, specs)

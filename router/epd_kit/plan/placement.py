@@ -29,7 +29,9 @@ def check_pinned(host: HostSpec, settings: Settings) -> dict[str, list[int]]:
     for role, starts in (host.slices or {}).items():
         tp = settings.tp(role)
         for index, start in enumerate(starts):
-            label = f"{host.name}: epd_slices.{role}[{index}] = {start} (cores {format_cores(range(start, start + tp))})"
+            label = (
+                f"{host.name}: epd_slices.{role}[{index}] = {start} (cores {format_cores(range(start, start + tp))})"
+            )
             if start % tp:
                 raise EpdPlanError(
                     f"{label} is misaligned: a tp={tp} slice must start at a multiple of {tp} "
@@ -37,7 +39,9 @@ def check_pinned(host: HostSpec, settings: Settings) -> dict[str, list[int]]:
                     "fails in prefill warmup (REDUCE_SCATTER not supported)"
                 )
             if start + tp > host.core_count:
-                raise EpdPlanError(f"{label} is over budget: the host has {host.core_count} cores (0-{host.core_count - 1})")
+                raise EpdPlanError(
+                    f"{label} is over budget: the host has {host.core_count} cores (0-{host.core_count - 1})"
+                )
             bad = [c for c in range(start, start + tp) if c in host.blocked]
             if bad:
                 reasons = []
@@ -45,7 +49,9 @@ def check_pinned(host: HostSpec, settings: Settings) -> dict[str, list[int]]:
                     reasons.append(f"excluded {format_cores(set(bad) & host.excluded_cores)}")
                 if set(bad) & host.faulted_cores:
                     reasons.append(f"faulted {format_cores(set(bad) & host.faulted_cores)}")
-                raise EpdPlanError(f"{label} uses unusable cores ({'; '.join(reasons)}); move it to a free aligned slice")
+                raise EpdPlanError(
+                    f"{label} uses unusable cores ({'; '.join(reasons)}); move it to a free aligned slice"
+                )
             for core in range(start, start + tp):
                 if core in owner:
                     raise EpdPlanError(f"{label} overlaps {owner[core]} on core {core}; slices must be disjoint")
@@ -123,10 +129,7 @@ def no_fit_message(host: HostSpec, settings: Settings) -> str:
     if blocked:
         where += f" (of {host.core_count}; excluded/faulted: {format_cores(blocked)})"
     fits = largest_fits(host, settings)
-    if fits:
-        what = " or ".join(f"{ve} VE + {pd} PD" for ve, pd in fits) + " fit"
-    else:
-        what = "no engine fits"
+    what = " or ".join(f"{ve} VE + {pd} PD" for ve, pd in fits) + " fit" if fits else "no engine fits"
     return (
         f"{host.name}: layout does not fit: {where}: {what}, you asked for {host.num_ve} VE "
         f"(tp {settings.ve_tp}) + {host.num_pd} PD (tp {settings.pd_tp}). Lower epd_num_ve/"

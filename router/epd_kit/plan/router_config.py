@@ -1,6 +1,6 @@
 """The router's configuration file (/etc/epd/router.yaml) from the fleet plan and the router role's overrides.
 
-Model, quantization, listen port, image limits and endpoints come from the plan; every other
+Model, quantization, engine dtype, listen port, image limits, auth and endpoints come from the plan; every other
 section is the role's overrides of the router's own defaults (the router is the one place they
 live, docs/router.md).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .command import merge
+from .command import ENGINE_DTYPE, merge
 from .fleet import router_endpoints
 from .settings import Settings
 
@@ -35,13 +35,18 @@ def router_config(
         "served_model_name": served_model_name,
         "quantization": None if settings.quantization == "bf16" else settings.quantization,
         "listen": {"host": listen_host, "port": settings.router_port},
+        # the engines' --dtype: the router sends VE pixel values in it
+        "dtype": ENGINE_DTYPE,
     }
     for name in OVERRIDABLE_SECTIONS:
         config[name] = dict(sections.get(name) or {})
-    config["limits"].update({
-        "images_per_prompt": settings.images_per_prompt,
-        "max_image_patches": settings.vision_attention_block_size,
-    })
-    config["auth"] = {"api_keys_file": api_keys_file}
+    config["limits"].update(
+        {
+            "images_per_prompt": settings.images_per_prompt,
+            "max_image_patches": settings.vision_attention_block_size,
+        }
+    )
+    # without keys, say "off" outright: a reload only drops the keys of a running router when told so
+    config["auth"] = {"api_keys_file": api_keys_file} if api_keys_file else {"enabled": False}
     config["endpoints"] = router_endpoints(plan, draining)
     return merge(config, extra or {})
