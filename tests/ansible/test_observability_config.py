@@ -29,8 +29,20 @@ DASHBOARD = REPO / "roles/epd_observability/files/epd-dashboard.json"
 RULE_TESTS = REPO / "observability/epd-alerts.test.yml"
 DOCS = REPO / "docs/observability.md"
 # the monitoring host of these renders: the controller itself
-MONITORING = {"all": {"children": {"epd_monitoring": {"hosts": {"localhost": {
-    "ansible_connection": "local", "ansible_python_interpreter": "{{ ansible_playbook_python }}"}}}}}}  # fmt: skip
+MONITORING = {
+    "all": {
+        "children": {
+            "epd_monitoring": {
+                "hosts": {
+                    "localhost": {
+                        "ansible_connection": "local",
+                        "ansible_python_interpreter": "{{ ansible_playbook_python }}",
+                    }
+                }
+            }
+        }
+    }
+}
 
 
 def with_monitoring(source: Path, dest: Path, engines: dict[str, dict] | None = None) -> Path:
@@ -48,12 +60,18 @@ def with_monitoring(source: Path, dest: Path, engines: dict[str, dict] | None = 
 def observe(inventory: Path, out: Path) -> Path:
     """playbooks/observability.yml into `out`, with a complete prometheus.yml and the dashboard."""
     result = playbook(
-        "-i", str(inventory), "playbooks/observability.yml",
-        "-e", f"epd_observability_dir={out}",
-        "-e", f"epd_observability_prometheus_config={out}/prometheus.yml",
-        "-e", f"epd_observability_grafana_dir={out}/grafana",
-        "-e", f"epd_observability_promtool={PROMTOOL}",
-    )  # fmt: skip
+        "-i",
+        str(inventory),
+        "playbooks/observability.yml",
+        "-e",
+        f"epd_observability_dir={out}",
+        "-e",
+        f"epd_observability_prometheus_config={out}/prometheus.yml",
+        "-e",
+        f"epd_observability_grafana_dir={out}/grafana",
+        "-e",
+        f"epd_observability_promtool={PROMTOOL}",
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     return out
 
@@ -82,8 +100,11 @@ def test_targets_cover_every_engine_and_router_with_their_labels(three_host):
         for e in host_plan["engines"]
     ]
     assert sorted(t for e in engines for t in e["targets"]) == [
-        "10.213.0.11:18300", "10.213.0.11:18301", "10.213.0.12:18100", "10.213.0.12:18101",
-    ]  # fmt: skip
+        "10.213.0.11:18300",
+        "10.213.0.11:18301",
+        "10.213.0.12:18100",
+        "10.213.0.12:18101",
+    ]
     assert [r["targets"] for r in routers] == [["10.213.0.13:18800"]]
 
 

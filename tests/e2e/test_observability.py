@@ -88,11 +88,19 @@ def monitored(host_pool, record_timing, tmp_path_factory) -> Iterator[Monitored]
     port = free_port()
     with open(tmp / "prometheus.log", "wb") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(
-            ["timeout", str(LIFETIME_S), PROMETHEUS,
-             f"--config.file={tmp / 'prometheus/prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [
+                "timeout",
+                str(LIFETIME_S),
+                PROMETHEUS,
+                f"--config.file={tmp / 'prometheus/prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--storage.tsdb.retention.time=1h",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     prometheus = Prometheus(f"http://127.0.0.1:{port}", proc)
     try:
         wait_for(lambda: prometheus.query("vector(1)"), timeout=30, what="prometheus to answer")
