@@ -53,7 +53,8 @@ class ActionModule(ActionBase):
         poll_s = max(float(args.get("poll_s", 5)), 0.5)
         report_s = float(args.get("report_s", 60))
         slowest = int(args.get("slowest", 3))
-        host = (task_vars or {}).get("inventory_hostname", "?")
+        # the engine's host: the delegated one when a play on the router hosts rolls engines
+        host = self._task.delegate_to or (task_vars or {}).get("inventory_hostname", "?")
 
         deadline = time.monotonic() + timeout_s
         last_report = time.monotonic()

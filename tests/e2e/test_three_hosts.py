@@ -98,6 +98,10 @@ def test_rolling_restart_under_load_fails_no_request(three_host_stack, record_ti
     record_timing("3 hosts: rolling restart of 4 engines", elapsed)
     assert result.returncode == 0, result.describe()
     assert outcome.sent >= 12 * 5 and outcome.ok == outcome.sent, outcome.failures[:10]
+    for host, units in ENGINE_UNITS.items():  # each engine's startup progress, under its own host
+        for unit in units:
+            instance = unit.removeprefix("epd-engine@").removesuffix(".service")
+            assert f"[{host}] {instance}: ready" in result.stdout, result.describe()
     after = main_pids(stack)
     assert all(after[k] != before[k] for k in before), (before, after)  # every engine restarted
     for e in stack.pools():
