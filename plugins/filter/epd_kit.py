@@ -149,6 +149,7 @@ class FilterModule:
                 "epd_engine_selection": plan.engine_selection,
                 "epd_deployed_engines": plan.deployed_engines,
                 "epd_rolling_queue": plan.rolling_queue,
+                "epd_rollout_plan": plan.rollout_plan,
                 "epd_status_rows": plan.status_rows,
                 "epd_status_table": status_table,
                 "epd_engine_render_files": engine_render_files,

@@ -104,3 +104,11 @@ def test_rolling_restart_refuses_an_engine_that_is_not_planned(deployment):
     assert result.returncode != 0
     assert "unknown engines pd-4; planned are epd-pd-0, epd-ve-0" in " ".join((result.stdout + result.stderr).split())
     assert "Drain, restart and return" not in result.stdout
+
+
+def test_rolling_restart_refuses_a_batch_that_breaks_the_floor_before_it_acts(deployment):
+    result = playbook("-i", str(deployment), "playbooks/rolling_restart.yml", "-e", "epd_rollout_batch_pd=2")
+    assert result.returncode != 0
+    output = " ".join((result.stdout + result.stderr).split())
+    assert "epd_rollout_batch_pd: 2 is more than the 1 PD engines planned; set it to at most 1" in output
+    assert "Drain, restart and return" not in result.stdout

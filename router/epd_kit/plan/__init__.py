@@ -15,6 +15,7 @@ the collection can load its bundled copy (plugins/plugin_utils/kit.py). Layout:
     checks        the inventory check every entry point runs first (typos, groups, duplicates, pools)
     router_config router.yaml from the plan
     operations    what the ops playbooks compute (engine selection, rolling queue, status)
+    rollout       batched rollouts: which engines restart together, the printed plan and estimate
 
 docs/planner.md explains the rules; docs/architecture.md fixes the plan's schema.
 """
@@ -44,6 +45,7 @@ from .inventory import fleet_settings, plan_from_hostvars
 from .net import probe_url
 from .operations import deployed_engines, engine_selection, rolling_queue, status_rows, status_table
 from .placement import largest_fits, place, placement_order
+from .rollout import rollout_batches, rollout_plan
 from .router_config import router_config
 from .settings import Settings, read_settings
 from .timeouts import START_MARGIN_S, start_timeout_s
@@ -90,6 +92,8 @@ __all__ = [
     "read_host",
     "read_settings",
     "rolling_queue",
+    "rollout_batches",
+    "rollout_plan",
     "router_config",
     "router_endpoints",
     "serve_argv",

@@ -1,0 +1,167 @@
+"""Batched rollouts (docs/operations.md "Rolling restart"): which engines restart together.
+
+A rollout restarts the selected engines batch by batch. Each batch holds engines of one pool
+only (VE or PD), at most the pool's batch size, and never so many that fewer than the pool's
+floor stay in rotation. Engines of a pool are taken round-robin over the hosts, so a batch
+spreads over hosts (they restart in parallel) and no host empties first.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import EpdPlanError
+from .operations import rolling_queue
+
+POOLS = ("pd", "ve")
+_PERCENT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*%\s*$")
+
+
+def amount(value: Any, pool_size: int, variable: str, *, round_up: bool) -> int:
+    """A count, or a percentage string of the pool ("25%"): rounded up for a floor, down for a batch."""
+    if isinstance(value, bool):
+        raise EpdPlanError(f"{variable}: {value!r} is neither a count nor a percentage like '25%'")
+    text = str(value).strip()
+    percent = _PERCENT.match(text)
+    if percent:
+        share = float(percent.group(1))
+        if share > 100:
+            raise EpdPlanError(f"{variable}: {text} is more than the whole pool")
+        exact = pool_size * share / 100
+        return math.ceil(exact) if round_up else math.floor(exact)
+    if not text.isdigit():
+        raise EpdPlanError(f"{variable}: {value!r} is neither a count nor a percentage like '25%'")
+    return int(text)
+
+
+@dataclass(frozen=True)
+class PoolRule:
+    """One pool's rollout limits, resolved to counts."""
+
+    pool: str
+    size: int  # engines of the pool in the whole plan, selected or not
+    batch: int
+    floor: int  # engines that stay in rotation during every batch
+
+    @classmethod
+    def resolve(cls, pool: str, size: int, batch: Any, min_available: Any) -> PoolRule:
+        batch_variable = f"epd_rollout_batch_{pool}"
+        floor_variable = f"epd_rollout_min_available_{pool}"
+        count = amount(batch, size, batch_variable, round_up=False)
+        if count == 0 and not _PERCENT.match(str(batch)):
+            raise EpdPlanError(f"{batch_variable}: a batch holds at least 1 engine")
+        count = max(1, count)  # a small percentage of a small pool still restarts one at a time
+        # unset: one engine stays in; a pool of one can only restart by leaving rotation
+        floor = (
+            min(1, size - 1)
+            if min_available in (None, "")
+            else amount(min_available, size, floor_variable, round_up=True)
+        )
+        if size - floor < 1:
+            raise EpdPlanError(
+                f"{floor_variable}: keeping {floor} of the {size} {pool.upper()} engines in rotation leaves none "
+                f"to restart; lower it to at most {size - 1}"
+            )
+        if count > size:
+            raise EpdPlanError(
+                f"{batch_variable}: {count} is more than the {size} {pool.upper()} engines planned; "
+                f"set it to at most {size - floor}"
+            )
+        if count > size - floor:
+            raise EpdPlanError(
+                f"{batch_variable}: a batch of {count} {pool.upper()} engines leaves {size - count} of {size} in "
+                f"rotation, below {floor_variable} {floor}; set it to at most {size - floor}"
+            )
+        return cls(pool, size, count, floor)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Engines that leave rotation, restart and come back together."""
+
+    pool: str
+    engines: tuple[Mapping[str, str], ...]  # {host, instance, engine_id} each
+
+    def as_dict(self) -> dict[str, Any]:
+        hosts: dict[str, list[str]] = {}
+        for engine in self.engines:
+            hosts.setdefault(engine["host"], []).append(engine["instance"])
+        return {
+            "pool": self.pool,
+            "engines": [dict(engine) for engine in self.engines],
+            "engine_ids": [engine["engine_id"] for engine in self.engines],
+            "hosts": [{"host": host, "instances": instances} for host, instances in hosts.items()],
+        }
+
+
+def _round_robin(engines: Sequence[Mapping[str, str]]) -> list[Mapping[str, str]]:
+    """The engines in turns over their hosts: the first of each host, then the second, ..."""
+    by_host: dict[str, list[Mapping[str, str]]] = {}
+    for engine in engines:
+        by_host.setdefault(engine["host"], []).append(engine)
+    turns = max((len(queue) for queue in by_host.values()), default=0)
+    return [queue[turn] for turn in range(turns) for queue in by_host.values() if turn < len(queue)]
+
+
+def rollout_batches(
+    plan: Mapping[str, Mapping[str, Any]],
+    engines: str | None = None,
+    batch: Mapping[str, Any] | None = None,
+    min_available: Mapping[str, Any] | None = None,
+) -> tuple[list[Batch], dict[str, PoolRule]]:
+    """The batches restarting the selected engines (all when none is named), PD pool first, and the
+    resolved rule of each pool that has a selected engine. batch / min_available: per pool ("ve",
+    "pd"), a count or a percentage; a setting that cannot keep the pool's floor is refused."""
+    role = {(host, e["instance"]): e["role"] for host, host_plan in plan.items() for e in host_plan["engines"]}
+    sizes = {pool: sum(1 for r in role.values() if r == pool) for pool in POOLS}
+    selected = rolling_queue(plan, engines)
+    batches: list[Batch] = []
+    rules: dict[str, PoolRule] = {}
+    for pool in POOLS:
+        members = [e for e in selected if role[(e["host"], e["instance"])] == pool]
+        if not members:
+            continue
+        rule = PoolRule.resolve(pool, sizes[pool], (batch or {}).get(pool, 1), (min_available or {}).get(pool))
+        rules[pool] = rule
+        ordered = _round_robin(members)
+        batches += [Batch(pool, tuple(ordered[i : i + rule.batch])) for i in range(0, len(ordered), rule.batch)]
+    return batches, rules
+
+
+def rollout_estimate_s(batches: Sequence[Batch], plan: Mapping[str, Mapping[str, Any]], drain_timeout_s: int) -> int:
+    """The rollout's upper bound: per batch, the drain timeout plus the longest start timeout of its hosts."""
+    return sum(
+        drain_timeout_s + max(int(plan[e["host"]]["start_timeout_s"]) for e in batch.engines) for batch in batches
+    )
+
+
+def rollout_plan(
+    plan: Mapping[str, Mapping[str, Any]],
+    engines: str | None = None,
+    batch: Mapping[str, Any] | None = None,
+    min_available: Mapping[str, Any] | None = None,
+    drain_timeout_s: int = 600,
+) -> dict[str, Any]:
+    """rolling_restart.yml's input: {batches, lines}, lines being the plan it prints before starting."""
+    batches, rules = rollout_batches(plan, engines, batch, min_available)
+    count = sum(len(b.engines) for b in batches)
+    lines = [f"{count} engines in {len(batches)} batches"]
+    for rule in rules.values():
+        alone = " (a pool of one leaves rotation while it restarts)" if rule.size == 1 else ""
+        kept = f"at least {rule.floor} of {rule.size} stay in rotation"
+        lines.append(f"{rule.pool.upper()}: batches of up to {rule.batch}, {kept}{alone}")
+    for number, item in enumerate(batches, 1):
+        members = ", ".join(f"{e['engine_id']} ({e['host']})" for e in item.engines)
+        lines.append(f"batch {number}/{len(batches)} {item.pool.upper()}: {members}")
+    bound = rollout_estimate_s(batches, plan, drain_timeout_s)
+    lines.append(
+        f"estimate: {len(batches)} batches x (drain + engine start); "
+        f"upper bound {bound} s (~{math.ceil(bound / 60)} min)"
+        f" = per batch the drain timeout {drain_timeout_s} s plus its hosts' start timeout (TimeoutStartSec);"
+        " a warm start (compile cache present) takes a fraction of that"
+    )
+    return {"batches": [b.as_dict() for b in batches], "lines": lines}

@@ -1,0 +1,142 @@
+"""Batched rollouts: the batches rolling_restart.yml restarts together, their floors, the printed plan."""
+
+import itertools
+
+import pytest
+
+from epd_kit import plan
+
+MODEL = "/models/Qwen3-VL-32B-Instruct"
+
+
+def fleet(shape: dict[str, tuple[int, int]]) -> dict:
+    """A plan of hosts named by (VE count, PD count); TP 4 so eight engines fit on a host."""
+    settings = plan.read_settings({"epd_model": MODEL, "epd_pd_tp_size": 4})
+    hosts = [
+        plan.read_host(name, {"epd_num_ve": ve, "epd_num_pd": pd, "epd_bind_address": f"10.0.0.{i}"}, settings)
+        for i, (name, (ve, pd)) in enumerate(shape.items(), 1)
+    ]
+    return plan.plan_fleet(settings, hosts)
+
+
+def ids(batches):
+    return [[e["engine_id"] for e in b.engines] for b in batches]
+
+
+THREE = fleet({"a": (1, 2), "b": (1, 2), "c": (0, 1)})
+
+
+def test_defaults_restart_one_engine_at_a_time_pd_pool_first():
+    batches, rules = plan.rollout_batches(THREE)
+    assert ids(batches) == [
+        ["epd-a-pd-0"],
+        ["epd-b-pd-0"],
+        ["epd-c-pd-0"],
+        ["epd-a-pd-1"],
+        ["epd-b-pd-1"],
+        ["epd-a-ve-0"],
+        ["epd-b-ve-0"],
+    ]
+    assert rules["pd"] == plan.rollout.PoolRule("pd", size=5, batch=1, floor=1)
+
+
+def test_a_batch_spreads_over_hosts_and_never_mixes_pools():
+    batches, _ = plan.rollout_batches(THREE, batch={"pd": 3, "ve": "50%"})
+    assert ids(batches) == [
+        ["epd-a-pd-0", "epd-b-pd-0", "epd-c-pd-0"],
+        ["epd-a-pd-1", "epd-b-pd-1"],
+        ["epd-a-ve-0"],
+        ["epd-b-ve-0"],
+    ]
+    assert batches[1].as_dict()["hosts"] == [{"host": "a", "instances": ["pd-1"]}, {"host": "b", "instances": ["pd-1"]}]
+
+
+def test_percentages_round_batches_down_and_floors_up():
+    _, rules = plan.rollout_batches(THREE, batch={"pd": "50%"}, min_available={"pd": "30%"})
+    assert (rules["pd"].batch, rules["pd"].floor) == (2, 2)  # 2.5 -> 2 restart, 1.5 -> 2 stay
+    _, rules = plan.rollout_batches(THREE, batch={"pd": "10%"})
+    assert rules["pd"].batch == 1  # a batch holds at least one engine
+
+
+@pytest.mark.parametrize(
+    ("batch", "min_available", "message"),
+    [
+        (
+            {"pd": 5},
+            {},
+            "epd_rollout_batch_pd: a batch of 5 PD engines leaves 0 of 5 in rotation, below "
+            "epd_rollout_min_available_pd 1; set it to at most 4",
+        ),
+        ({"pd": "80%"}, {"pd": 2}, "epd_rollout_batch_pd: a batch of 4 PD engines .* set it to at most 3"),
+        ({"pd": 0}, {}, "epd_rollout_batch_pd: a batch holds at least 1 engine"),
+        ({"pd": 6}, {}, "epd_rollout_batch_pd: 6 is more than the 5 PD engines planned; set it to at most 4"),
+        ({}, {"ve": "100%"}, "epd_rollout_min_available_ve: keeping 2 of the 2 VE engines in rotation leaves none"),
+        ({"ve": "two"}, {}, "epd_rollout_batch_ve: 'two' is neither a count nor a percentage"),
+        ({"ve": "150%"}, {}, "epd_rollout_batch_ve: 150% is more than the whole pool"),
+    ],
+)
+def test_a_setting_that_breaks_the_floor_is_refused(batch, min_available, message):
+    with pytest.raises(plan.EpdPlanError, match=message):
+        plan.rollout_batches(THREE, batch=batch, min_available=min_available)
+
+
+def test_a_pool_of_one_restarts_out_of_rotation_unless_a_floor_forbids_it():
+    one = fleet({"solo": (1, 1)})
+    assert ids(plan.rollout_batches(one)[0]) == [["epd-pd-0"], ["epd-ve-0"]]
+    assert "a pool of one leaves rotation" in " ".join(plan.rollout_plan(one)["lines"])
+    with pytest.raises(plan.EpdPlanError, match="keeping 1 of the 1 VE"):
+        plan.rollout_batches(one, min_available={"ve": 1})
+
+
+def test_a_selection_rolls_only_the_named_engines_and_refuses_unknown_ones():
+    batches, rules = plan.rollout_batches(THREE, "pd-1,epd-c-pd-0", batch={"pd": 2})
+    assert ids(batches) == [["epd-a-pd-1", "epd-b-pd-1"], ["epd-c-pd-0"]]
+    assert list(rules) == ["pd"]
+    with pytest.raises(plan.EpdPlanError, match="unknown engines pd-9"):
+        plan.rollout_batches(THREE, "pd-9")
+
+
+def test_the_printed_plan_lists_batches_and_bounds_the_duration_by_the_start_timeouts():
+    rollout = plan.rollout_plan(THREE, batch={"pd": 3}, drain_timeout_s=60)
+    start = THREE["a"]["start_timeout_s"]
+    assert rollout["lines"][:4] == [
+        "7 engines in 4 batches",
+        "PD: batches of up to 3, at least 1 of 5 stay in rotation",
+        "VE: batches of up to 1, at least 1 of 2 stay in rotation",
+        "batch 1/4 PD: epd-a-pd-0 (a), epd-b-pd-0 (b), epd-c-pd-0 (c)",
+    ]
+    assert f"upper bound {4 * (60 + start)} s" in rollout["lines"][-1]
+    assert "start timeout (TimeoutStartSec)" in rollout["lines"][-1]
+    assert rollout["batches"][0]["engine_ids"] == ["epd-a-pd-0", "epd-b-pd-0", "epd-c-pd-0"]
+
+
+SHAPES = [{"a": (1, 1)}, {"a": (2, 3)}, {"a": (1, 4), "b": (2, 0), "c": (0, 3)}, {"a": (3, 2), "b": (3, 2)}]
+AMOUNTS = [1, 2, 3, 7, "0", "25%", "50%", "99%", "100%"]
+FLOORS = ["", 0, 1, 2, "10%", "50%", "90%"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_engine_restarts_exactly_once_and_no_batch_breaks_a_floor(shape):
+    """Property over a grid of fleets and settings: a plan is either refused or sound."""
+    fleet_plan = fleet(shape)
+    engines = [(host, e["instance"]) for host, p in fleet_plan.items() for e in p["engines"]]
+    role = {(host, e["instance"]): e["role"] for host, p in fleet_plan.items() for e in p["engines"]}
+    planned = refused = 0
+    for batch, floor in itertools.product(AMOUNTS, FLOORS):
+        settings = {"batch": {"ve": batch, "pd": batch}, "min_available": {"ve": floor, "pd": floor}}
+        try:
+            batches, rules = plan.rollout_batches(fleet_plan, **settings)
+        except plan.EpdPlanError:
+            refused += 1
+            continue
+        planned += 1
+        restarted = [(e["host"], e["instance"]) for b in batches for e in b.engines]
+        assert sorted(restarted) == sorted(engines)
+        for item in batches:
+            rule = rules[item.pool]
+            assert {role[(e["host"], e["instance"])] for e in item.engines} == {item.pool}
+            assert 1 <= len(item.engines) <= rule.batch
+            assert rule.size - len(item.engines) >= rule.floor
+            if floor == "" and rule.size > 1:  # the default keeps one engine of the pool in
+                assert rule.size - len(item.engines) >= 1
+    assert planned and refused
