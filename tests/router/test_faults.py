@@ -164,7 +164,9 @@ def test_kill_a_pd_under_load(make_stack, oracle):
 
 
 def test_kill_a_ve_under_load(make_stack, oracle):
-    ve_env = {"EPD_SIM_EXTRA_LATENCY_MS": "15"}
+    # encodes long enough (100 ms) that polling /pools sees one in flight on epd-ve-1 even on a
+    # loaded machine: at 15 ms the 20 requests could all finish between two polls
+    ve_env = {"EPD_SIM_EXTRA_LATENCY_MS": "100"}
     stack = make_stack(3, 3, sim_env={f"epd-ve-{i}": ve_env for i in range(3)})
     router = stack.router
     results, _ = run_load(
