@@ -112,6 +112,15 @@ class RunRecord:
         return path
 
 
+def emit_summary(summary: dict, out: Path | None) -> dict:
+    """Print a run's summary as JSON and, with --out, write it there too."""
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if out:
+        out.write_text(text + "\n")
+    return summary
+
+
 def _python_name() -> str:
     exe = Path(sys.executable)
     try:

@@ -22,7 +22,6 @@ import io
 import json
 import random
 import socket
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -32,7 +31,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from bench.common import percentile
+from bench.common import emit_summary, percentile
 
 CHAT = "/v1/chat/completions"
 MAX_BODY = 64 * 1024 * 1024  # the router's default limits.max_body_bytes
@@ -599,28 +598,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.url:
         summary = run(args.url, selected, args.concurrency)
     else:
-        from bench.stack import engine_proc, router_proc
-        from epd_kit.testing.checkpoint import build_tiny_checkpoint
+        from bench.stack import tiny_stack
 
-        work = Path(tempfile.mkdtemp(prefix="bench-hostile-"))
-        ckpt = build_tiny_checkpoint(work / "checkpoint")
-        procs = [engine_proc("ve", 0, ckpt, work).start(), engine_proc("pd", 0, ckpt, work).start()]
-        try:
-            for p in procs:
-                p.wait_healthy()
-            router = router_proc(ckpt, procs[:1], procs[1:], work).start()
-            procs.append(router)
-            router.wait_healthy()
+        with tiny_stack("bench-hostile-") as router:
             summary = run(router.url, selected, args.concurrency)
             summary["router_log_tracebacks"] = router.log_path.read_text(errors="replace").count("Traceback")
-        finally:
-            for p in reversed(procs):
-                p.stop()
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return summary
+    return emit_summary(summary, args.out)
 
 
 if __name__ == "__main__":

@@ -14,18 +14,15 @@ run is bounded in connections and time; all traffic goes to 127.0.0.1.
 from __future__ import annotations
 
 import argparse
-import json
 import selectors
 import socket
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import yaml
-
+from bench.common import emit_summary
 from bench.hostile import Probe
 
 KINDS = ("silent", "trickled head", "short body", "trickled body")
@@ -139,32 +136,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.url:
         summary = run(args.url, args.connections, args.header_timeout_s, args.body_timeout_s)
     else:
-        from bench.stack import engine_proc, router_proc
-        from epd_kit.testing.checkpoint import build_tiny_checkpoint
+        from bench.stack import tiny_stack
 
-        work = Path(tempfile.mkdtemp(prefix="bench-slowloris-"))
-        ckpt = build_tiny_checkpoint(work / "checkpoint")
-        procs = [engine_proc("ve", 0, ckpt, work).start(), engine_proc("pd", 0, ckpt, work).start()]
-        try:
-            for p in procs:
-                p.wait_healthy()
-            router = router_proc(ckpt, procs[:1], procs[1:], work)
-            cfg_path = work / "router.yaml"  # the timeouts under test join its listen section
-            cfg = yaml.safe_load(cfg_path.read_text())
-            cfg["listen"].update(header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s)
-            cfg_path.write_text(yaml.safe_dump(cfg))
-            router.start()
-            procs.append(router)
-            router.wait_healthy()
+        # the timeouts under test join the router's listen section
+        listen = {"header_timeout_s": args.header_timeout_s, "body_timeout_s": args.body_timeout_s}
+        with tiny_stack("bench-slowloris-", listen=listen) as router:
             summary = run(router.url, args.connections, args.header_timeout_s, args.body_timeout_s)
-        finally:
-            for p in reversed(procs):
-                p.stop()
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return summary
+    return emit_summary(summary, args.out)
 
 
 if __name__ == "__main__":

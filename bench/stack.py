@@ -8,7 +8,10 @@ appended.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -64,13 +67,15 @@ def router_proc(
     work_dir: Path,
     *,
     extra: dict | None = None,
+    listen: dict | None = None,
     launcher: list[str] | None = None,
 ) -> Proc:
-    """epd-router serve --config FILE, with a config like the one Ansible renders."""
+    """epd-router serve --config FILE, with a config like the one Ansible renders; `listen`
+    settings join the listen section (host and port stay the bench's)."""
     port = free_port()
     cfg = {
         "model": str(checkpoint),
-        "listen": {"host": "127.0.0.1", "port": port},
+        "listen": {**(listen or {}), "host": "127.0.0.1", "port": port},
         "endpoints": {
             "ve": [{"id": p.name, "url": p.url, "state": "active"} for p in ve],
             "pd": [{"id": p.name, "url": p.url, "state": "active"} for p in pd],
@@ -81,6 +86,27 @@ def router_proc(
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     argv = (launcher or [str(VENV_BIN / "epd-router")]) + ["serve", "--config", str(path), "--log-level", "WARNING"]
     return Proc(name="epd-router", argv=argv, port=port, health_path="/health", log_path=work_dir / "router.log")
+
+
+@contextlib.contextmanager
+def tiny_stack(prefix: str, *, listen: dict | None = None) -> Iterator[Proc]:
+    """The tiny checkpoint, one VE and one PD sim and a router in front of them, healthy; all
+    stopped on exit (the hostile-input and slowloris runs)."""
+    from epd_kit.testing.checkpoint import build_tiny_checkpoint
+
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    ckpt = build_tiny_checkpoint(work / "checkpoint")
+    procs = [engine_proc("ve", 0, ckpt, work).start(), engine_proc("pd", 0, ckpt, work).start()]
+    try:
+        for p in procs:
+            p.wait_healthy()
+        router = router_proc(ckpt, procs[:1], procs[1:], work, listen=listen).start()
+        procs.append(router)
+        router.wait_healthy()
+        yield router
+    finally:
+        for p in reversed(procs):
+            p.stop()
 
 
 def floor_proc(ve: Proc, pd: Proc, work_dir: Path) -> Proc:
