@@ -8,7 +8,9 @@
 # ROOTFS_DIR by a hash of this file, so changing the package list means a new rootfs.
 set -euo pipefail
 ROOT=${1:?usage: build-rootfs.sh ROOTFS_DIR}
-PKGS=systemd,systemd-sysv,dbus,python3,python3-venv,libfabric1,curl,ca-certificates,openssh-server,iproute2,procps
+PKGS=systemd,systemd-sysv,dbus,python3,python3-venv,libfabric1,curl,ca-certificates,openssh-server,iproute2,procps,sudo
+# kitops: a normal login with password-less sudo, for deploying as a non-root ansible_user
+OPS_USER=kitops
 SRC=/etc/apt/sources.list.d/debian.sources   # the machine's own apt sources (deb822)
 
 ready() { [ -x "$ROOT/lib/systemd/systemd" ]; }
@@ -33,6 +35,9 @@ else
 fi
 chroot "$R" ssh-keygen -A >/dev/null                   # mmdebstrap leaves no host keys
 chroot "$R" systemctl enable systemd-networkd >/dev/null 2>&1
+chroot "$R" useradd --create-home --shell /bin/bash "$OPS_USER"
+echo "$OPS_USER ALL=(ALL:ALL) NOPASSWD: ALL" > "$R/etc/sudoers.d/$OPS_USER"
+chmod 0440 "$R/etc/sudoers.d/$OPS_USER"
 # nothing in the guests may try to reach the outside: no apt timers, no DNS
 chroot "$R" systemctl mask apt-daily.timer apt-daily-upgrade.timer dpkg-db-backup.timer \
   e2scrub_all.timer fstrim.timer console-getty.service getty@.service >/dev/null 2>&1

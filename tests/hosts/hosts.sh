@@ -78,8 +78,17 @@ up_one() {
   mkdir -p "$d/upper/etc/systemd/network" "$d/upper/root/.ssh"
   [ -n "${SEED:-}" ] && cp -a "$SEED/." "$d/upper/"
   echo "$name" > "$d/upper/etc/hostname"
+  # the host name resolves locally (sudo looks it up on every call)
+  printf '127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n127.0.1.1 %s\n' "$name" > "$d/upper/etc/hosts"
   install -m600 "$SSH_KEY.pub" "$d/upper/root/.ssh/authorized_keys"
   chmod 700 "$d/upper/root/.ssh"
+  # the same key for the sudo user kitops (uid/gid from the base rootfs)
+  local ops_ids; ops_ids=$(awk -F: '$1=="kitops"{print $3":"$4}' "$BASE/etc/passwd")
+  if [ -n "$ops_ids" ]; then
+    install -d -m"$(stat -c %a "$BASE/home/kitops")" -o "${ops_ids%:*}" -g "${ops_ids#*:}" "$d/upper/home/kitops"
+    install -d -m700 -o "${ops_ids%:*}" -g "${ops_ids#*:}" "$d/upper/home/kitops/.ssh"
+    install -m600 -o "${ops_ids%:*}" -g "${ops_ids#*:}" "$SSH_KEY.pub" "$d/upper/home/kitops/.ssh/authorized_keys"
+  fi
   cat > "$d/upper/etc/systemd/network/10-host0.network" <<NETWORK
 [Match]
 Name=host0
