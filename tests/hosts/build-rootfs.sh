@@ -1,14 +1,22 @@
 #!/bin/bash
-# Build the shared, read-only base rootfs of the test hosts. It plays the trn2 DLAMI:
-# python3 with venv, libfabric, curl, sshd, systemd; nothing of the kit (the deploy
-# playbook installs the kit, exactly as on a real host).
-#   usage: build-rootfs.sh ROOTFS_DIR
+# Build the shared, read-only base rootfs of the test hosts. The default variant plays the
+# trn2 DLAMI: python3 with venv, libfabric, curl, sshd, systemd; nothing of the kit (the deploy
+# playbook installs the kit, exactly as on a real host). The variant "bare" plays a hardened
+# image of a fleet's own: the same without what the DLAMI brings and playbooks/provision.yml
+# installs (libfabric; docs/provisioning.md).
+#   usage: build-rootfs.sh ROOTFS_DIR [dlami|bare]
 # Concurrent callers build once (flock on ROOTFS_DIR.lock); the tree is built in
 # ROOTFS_DIR.tmp and renamed, so a half-built tree is never used. The caller keys
 # ROOTFS_DIR by a hash of this file, so changing the package list means a new rootfs.
 set -euo pipefail
-ROOT=${1:?usage: build-rootfs.sh ROOTFS_DIR}
-PKGS=systemd,systemd-sysv,dbus,python3,python3-venv,libfabric1,curl,ca-certificates,openssh-server,iproute2,procps,sudo
+ROOT=${1:?usage: build-rootfs.sh ROOTFS_DIR [dlami|bare]}
+VARIANT=${2:-dlami}
+PKGS=systemd,systemd-sysv,dbus,python3,python3-venv,curl,ca-certificates,openssh-server,iproute2,procps,sudo
+case "$VARIANT" in
+  dlami) PKGS=$PKGS,libfabric1 ;;
+  bare) ;;
+  *) echo "build-rootfs.sh: unknown variant '$VARIANT' (dlami or bare)" >&2; exit 2 ;;
+esac
 # kitops: a normal login with password-less sudo, for deploying as a non-root ansible_user
 OPS_USER=kitops
 SRC=/etc/apt/sources.list.d/debian.sources   # the machine's own apt sources (deb822)
@@ -46,4 +54,4 @@ rm -f "$R/etc/hostname"; : > "$R/etc/machine-id"       # per-host identity at fi
 rm -rf "$R/var/cache/apt/archives/"*.deb "$R/var/lib/apt/lists/"* 2>/dev/null || true
 mv "$R" "$ROOT"
 trap - EXIT
-echo "rootfs built: $ROOT"
+echo "rootfs built: $ROOT ($VARIANT)"

@@ -4,7 +4,7 @@
 # (PID 1), sshd and address 10.213.0.x on a bridge inside the network namespace $HUB,
 # which has no uplink: nothing in there can reach anything but lo and the other hosts.
 #
-#   hosts.sh prepare                    ssh key + base rootfs (cached by a hash of build-rootfs.sh)
+#   hosts.sh prepare                    ssh key + base rootfs of every variant (cached by a hash of build-rootfs.sh)
 #   hosts.sh net-up                     tmpfs for nspawn, safety route, hub netns + bridge
 #   hosts.sh up NAME:IP [NAME:IP ...]   boot (fresh by default), wait for systemd and sshd
 #   hosts.sh down NAME [NAME ...]       poweroff, then hard-stop and sweep what is left
@@ -14,13 +14,18 @@
 #   hosts.sh ssh IP [CMD ...]           ssh as root into a host (from inside the hub netns)
 #   hosts.sh env                        print the resolved settings (shell syntax)
 #
-# env: KIT_DIR (/var/tmp/epd-kit), BASE, STATE, SSH_KEY, MODE=hub|host, HUB, BR, NET,
+# env: KIT_DIR (/var/tmp/epd-kit), VARIANT=dlami|bare (the base rootfs hosts boot on: the DLAMI
+#      stand-in, or a bare image without libfabric for playbooks/provision.yml), BASE, STATE,
+#      SSH_KEY, MODE=hub|host, HUB, BR, NET,
 #      FRESH=1|0 (wipe the host's upper dir on up), SEED=DIR (copied into every host's / on up)
 # Reserved names/addresses: n1-n9 = 10.213.0.11-19 (tests, demo), cp1-cp3 = 10.213.0.21-23.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 KIT_DIR=${KIT_DIR:-/var/tmp/epd-kit}
-BASE=${BASE:-$KIT_DIR/rootfs-$(sha256sum "$HERE/build-rootfs.sh" | cut -c1-12)}
+VARIANT=${VARIANT:-dlami}
+ROOTFS_HASH=$(sha256sum "$HERE/build-rootfs.sh" | cut -c1-12)
+rootfs_dir() { if [ "$1" = dlami ]; then echo "$KIT_DIR/rootfs-$ROOTFS_HASH"; else echo "$KIT_DIR/rootfs-$1-$ROOTFS_HASH"; fi; }
+BASE=${BASE:-$(rootfs_dir "$VARIANT")}
 STATE=${STATE:-$KIT_DIR/hosts}
 SSH_KEY=${SSH_KEY:-$KIT_DIR/id_ed25519}
 MODE=${MODE:-hub}          # hub: bridge in netns $HUB (no uplink); host: bridge in the host netns
@@ -43,7 +48,11 @@ leader_alive() {   # the container's PID 1 still runs
 prepare() {
   mkdir -p "$KIT_DIR"
   ( flock 9; [ -f "$SSH_KEY" ] || ssh-keygen -t ed25519 -N '' -q -C epd-kit-test-hosts -f "$SSH_KEY" ) 9>"$SSH_KEY.lock"
-  "$HERE/build-rootfs.sh" "$BASE"
+  "$HERE/build-rootfs.sh" "$BASE" "$VARIANT"
+  local other
+  for other in dlami bare; do
+    [ "$other" = "$VARIANT" ] || "$HERE/build-rootfs.sh" "$(rootfs_dir "$other")" "$other"
+  done
 }
 
 ensure_runtime() {
@@ -204,7 +213,7 @@ case "$cmd" in
   net-down) net_down "${1:-}" ;;
   list) running_hosts ;;
   ssh) ip=${1:?usage: hosts.sh ssh IP [CMD ...]}; shift; in_hub ssh "${SSH_OPTS[@]}" root@"$ip" "$@" ;;
-  env) printf 'KIT_DIR=%q\nBASE=%q\nSTATE=%q\nSSH_KEY=%q\nMODE=%q\nHUB=%q\nBR=%q\nNET=%q\n' \
-         "$KIT_DIR" "$BASE" "$STATE" "$SSH_KEY" "$MODE" "$HUB" "$BR" "$NET" ;;
+  env) printf 'KIT_DIR=%q\nVARIANT=%q\nBASE=%q\nSTATE=%q\nSSH_KEY=%q\nMODE=%q\nHUB=%q\nBR=%q\nNET=%q\n' \
+         "$KIT_DIR" "$VARIANT" "$BASE" "$STATE" "$SSH_KEY" "$MODE" "$HUB" "$BR" "$NET" ;;
   *) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; [ "$cmd" = help ]; exit ;;
 esac
