@@ -2,6 +2,7 @@
 show pool status.
 
     epd-router serve --config /etc/epd/router.yaml
+    epd-router serve --config /etc/epd/router.yaml --worker 0        (one of several: epd-router@0)
     epd-router --model M --ve-endpoint 127.0.0.1:18300 --pd-endpoint 127.0.0.1:18100   (drop-in)
     epd-router check-config /etc/epd/router.yaml
     epd-router status --url http://127.0.0.1:18800
@@ -10,6 +11,7 @@ show pool status.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +50,12 @@ def _reference_flags(func):
         click.option("--pd-timeout-s", type=float, default=None, help="PD call timeout [600]"),
         click.option("--quantization", default=None, help="e.g. mxfp8 (reported only)"),
         click.option("--log-level", default="INFO", show_default=True),
+        click.option(
+            "--worker",
+            default=None,
+            metavar="NAME",
+            help="this process's name among the host's router processes (epd-router@NAME; names its metrics files)",
+        ),
     ]
     for opt in reversed(opts):
         func = opt(func)
@@ -81,18 +89,22 @@ def _resolve(
     )
 
 
-def _serve(log_level: str, **kwargs) -> None:
+def _serve(log_level: str, worker: str | None, **kwargs) -> None:
     from epd_kit.router.signals import EarlySignals
 
     early = EarlySignals().install()  # before the slow imports and checkpoint loading
 
     from epd_kit.router.logs import setup_logging
+    from epd_kit.router.metrics import shared_metrics_dir, use_worker_files
     from epd_kit.router.server import make_server
 
     setup_logging(log_level.upper())
+    worker = worker or str(os.getpid())
+    if shared_metrics_dir() is not None:
+        use_worker_files(worker)
     try:
         cfg = _resolve(**kwargs)
-        server = make_server(cfg, config_path=kwargs["config_path"], early=early)
+        server = make_server(cfg, config_path=kwargs["config_path"], early=early, worker=worker)
     except ConfigError as exc:
         click.echo(f"epd-router: {exc}", err=True)
         sys.exit(2)

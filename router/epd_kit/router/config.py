@@ -33,6 +33,9 @@ class Listen(Section):
     body_timeout_s: float = Field(default=60.0, gt=0)
     # keep-alive: a connection idle between requests this long is closed
     idle_timeout_s: float = Field(default=75.0, gt=0)
+    # accept queue length (listen(2)); under socket activation the queue every router process
+    # of the host takes from, which also holds connections while a process restarts
+    backlog: int = Field(default=4096, ge=1)
 
 
 class Timeouts(Section):

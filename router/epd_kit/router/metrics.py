@@ -1,12 +1,23 @@
-"""Prometheus metrics on the app's own registry (prefix `epd_router_`)."""
+"""Prometheus metrics on the app's own registry (prefix `epd_router_`).
+
+Several router processes behind one listener (docs/router.md "Scale-out") share their metrics
+through prometheus_client's multiprocess mode: with `PROMETHEUS_MULTIPROC_DIR` set (the unit
+sets it), every counter and histogram lives in memory-mapped files there and any process's
+/metrics sums them all. The files are keyed by the worker's name (`use_worker_files`), not by
+PID, so a restarted worker continues its own counters instead of leaving a dead file behind.
+Values read from the live state at scrape time (per-engine gauges, the preprocessor's cache
+counters) are copied into shared series by `publish()`, which each process runs every second.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -69,20 +80,94 @@ class _PreprocessCollector(Collector):
         stats = self._stats()
         if stats is None:
             return
-        for name, attr, doc in (
-            ("epd_router_preprocess_cache_hits", "cache_hits", "Preprocessed-image cache hits"),
-            ("epd_router_preprocess_cache_misses", "cache_misses", "Preprocessed-image cache misses"),
-            ("epd_router_preprocess_inflight_joins", "inflight_joins", "Images shared with a concurrent request"),
-            ("epd_router_preprocess_images_downscaled", "images_downscaled", "Images downscaled to the patch budget"),
-        ):
+        for name, attr, doc in _PREPROCESS_COUNTERS:
             value = getattr(stats, attr, None)
             if isinstance(value, int):
                 yield CounterMetricFamily(name, doc, value=value)
 
 
+_PREPROCESS_COUNTERS = (
+    ("epd_router_preprocess_cache_hits", "cache_hits", "Preprocessed-image cache hits"),
+    ("epd_router_preprocess_cache_misses", "cache_misses", "Preprocessed-image cache misses"),
+    ("epd_router_preprocess_inflight_joins", "inflight_joins", "Images shared with a concurrent request"),
+    ("epd_router_preprocess_images_downscaled", "images_downscaled", "Images downscaled to the patch budget"),
+)
+
+
+def shared_metrics_dir() -> Path | None:
+    """The multiprocess directory, when this process shares its metrics with others."""
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    return Path(path) if path else None
+
+
+def use_worker_files(worker: str) -> None:
+    """Key this process's metric files by `worker` (unique among the running processes) and
+    drop the live gauges a previous run of the same worker left (it may have been killed).
+    Process-wide by prometheus_client's design: call it once, before any metric exists."""
+    directory = shared_metrics_dir()
+    if directory is None:
+        return
+    multiprocess.mark_process_dead(worker, str(directory))
+    values.ValueClass = values.MultiProcessValue(lambda: worker)
+
+
+def forget_worker(worker: str) -> None:
+    """A stopping worker's live gauges (in-flight counts) leave the sums; its counters stay."""
+    directory = shared_metrics_dir()
+    if directory is not None:
+        multiprocess.mark_process_dead(worker, str(directory))
+
+
+class _SharedLiveValues:
+    """The per-process live values as shared series: engine gauges summed (in flight) or
+    combined (healthy: every process sees it so; draining: any does), cache counters as
+    increments since the last publish."""
+
+    def __init__(self, pools: Callable[[], Pools], preprocess_stats: Callable[[], Any], registry) -> None:
+        self._pools = pools
+        self._stats = preprocess_stats
+        labels = ["engine", "role"]
+        self._inflight = Gauge(
+            "epd_router_engine_inflight",
+            "Requests in flight per engine",
+            labels,
+            multiprocess_mode="livesum",
+            registry=registry,
+        )
+        self._healthy = Gauge(
+            "epd_router_engine_healthy",
+            "1 if the engine passes health checks",
+            labels,
+            multiprocess_mode="livemin",
+            registry=registry,
+        )
+        self._draining = Gauge(
+            "epd_router_engine_draining",
+            "1 if the engine is draining",
+            labels,
+            multiprocess_mode="livemax",
+            registry=registry,
+        )
+        self._counters = {attr: Counter(name, doc, registry=registry) for name, attr, doc in _PREPROCESS_COUNTERS}
+        self._published: dict[str, int] = {}
+
+    def publish(self) -> None:
+        for e in self._pools().all():
+            self._inflight.labels(e.id, e.role).set(e.inflight)
+            self._healthy.labels(e.id, e.role).set(1.0 if e.healthy else 0.0)
+            self._draining.labels(e.id, e.role).set(1.0 if e.state.value == "draining" else 0.0)
+        stats = self._stats()
+        for attr, counter in self._counters.items():
+            value = getattr(stats, attr, None)
+            if isinstance(value, int):
+                counter.inc(max(0, value - self._published.get(attr, 0)))
+                self._published[attr] = value
+
+
 class RouterMetrics:
     def __init__(self, pools: Callable[[], Pools], preprocess_stats: Callable[[], Any] = lambda: None) -> None:
         self.registry = CollectorRegistry()
+        self.shared_dir = shared_metrics_dir()
         r = self.registry
         self.requests = Counter("epd_router_requests", "Chat requests by final HTTP status", ["status"], registry=r)
         self.latency = Histogram(
@@ -132,11 +217,25 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
-        r.register(_PoolCollector(pools))
-        r.register(_PreprocessCollector(preprocess_stats))
+        if self.shared_dir is None:
+            r.register(_PoolCollector(pools))
+            r.register(_PreprocessCollector(preprocess_stats))
+            self._shared_live = None
+        else:
+            self._shared_live = _SharedLiveValues(pools, preprocess_stats, r)
+
+    def publish(self) -> None:
+        """Copy this process's live values into the shared series (multiprocess mode only)."""
+        if self._shared_live is not None:
+            self._shared_live.publish()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.shared_dir is None:
+            return generate_latest(self.registry)
+        self.publish()
+        fleet = CollectorRegistry()
+        multiprocess.MultiProcessCollector(fleet, str(self.shared_dir))
+        return generate_latest(fleet)
 
     def track_request(self) -> RequestOutcome:
         return RequestOutcome(self)

@@ -3,6 +3,15 @@
 SIGHUP: reload the config file (systemctl reload). SIGTERM/SIGINT: flip /ready to 503, let
 in-flight requests finish within `timeouts.shutdown_grace_s`, then stop. A second SIGINT
 forces the exit.
+
+Under systemd socket activation (epd-router.socket, docs/router.md "Scale-out") the listening
+socket belongs to PID 1 and every router process of the host accepts from it. A draining
+process then stops accepting at once and closes its idle keep-alive connections (the others,
+or its successor, take the new ones from the shared queue; nothing is refused), answers what
+it has in flight with `Connection: close`, and exits when that is done. A process that bound
+its own socket keeps accepting while it drains (a load balancer moves away on /ready).
+With NOTIFY_SOCKET set it tells systemd when it serves (Type=notify), so `systemctl restart`
+of one process returns when its successor accepts.
 """
 
 from __future__ import annotations
@@ -10,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import resource
 import signal
+import socket
 from pathlib import Path
 
 import uvicorn
@@ -19,6 +30,7 @@ import uvicorn
 from epd_kit.router.app import create_app
 from epd_kit.router.config import RouterConfig
 from epd_kit.router.listener import protocol_factory
+from epd_kit.router.metrics import forget_worker
 from epd_kit.router.rendering import Renderer
 from epd_kit.router.service import RouterService
 from epd_kit.router.signals import EarlySignals
@@ -26,12 +38,52 @@ from epd_kit.router.signals import EarlySignals
 log = logging.getLogger("epd_router.server")
 
 
+# how often a process copies its live values (engine gauges) into the shared metrics
+_PUBLISH_INTERVAL_S = 1.0
+
+
 class RouterServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, service: RouterService, early: EarlySignals | None = None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        service: RouterService,
+        early: EarlySignals | None = None,
+        *,
+        inherited: list[socket.socket] | None = None,
+        worker: str | None = None,
+    ) -> None:
         super().__init__(config)
         self.service = service
         self.early = early
+        self.inherited = inherited or []
+        self.worker = worker
         self._drain_task: asyncio.Task | None = None
+        self._publisher: asyncio.Task | None = None
+
+    def run(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            super().run(sockets or self.inherited or None)
+        finally:
+            if self.worker is not None:
+                forget_worker(self.worker)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.should_exit:  # startup failed
+            return
+        if self.service.metrics.shared_dir is not None:
+            self._publisher = asyncio.get_running_loop().create_task(self._publish_metrics())
+        _notify_systemd("READY=1")
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._publisher is not None:
+            self._publisher.cancel()
+        await super().shutdown(sockets)
+
+    async def _publish_metrics(self) -> None:
+        while True:
+            self.service.metrics.publish()
+            await asyncio.sleep(_PUBLISH_INTERVAL_S)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -61,18 +113,66 @@ class RouterServer(uvicorn.Server):
                 self.force_exit = True
             return
         self.service.begin_drain()  # /ready says 503 from now on
+        _notify_systemd("STOPPING=1")
+        if self.inherited:
+            self._hand_over_listener()
         self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+
+    def _hand_over_listener(self) -> None:
+        """Stop accepting from the shared socket (its queue stays with PID 1 and the other
+        processes). Idle keep-alive connections close now; a busy one, or a new one whose first
+        request is still on its way, closes after its response (`_CloseWhileDraining`)."""
+        for server in self.servers:
+            server.close()
+        for connection in list(self.server_state.connections):
+            fresh = getattr(getattr(connection, "conn", None), "their_http_version", "") is None
+            if not fresh:
+                connection.shutdown()
+        log.info("stopped accepting from the shared listener", extra={"worker": self.worker})
 
     async def _drain(self) -> None:
         grace = self.service.state.cfg.timeouts.shutdown_grace_s
         log.info("draining", extra={"active_requests": self.service.active_requests, "grace_s": grace})
-        idle = await self.service.wait_idle(grace)
-        if not idle:
+        if self.inherited:
+            done = await self._connections_closed(grace)
+        else:
+            done = await self.service.wait_idle(grace)
+        if not done:
             log.warning(
                 "grace period over; exiting with requests in flight",
                 extra={"active_requests": self.service.active_requests},
             )
         self.should_exit = True
+
+    async def _connections_closed(self, grace_s: float) -> bool:
+        """Every client connection gone (each closes after its response while draining)."""
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while self.server_state.connections:
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+
+class _CloseWhileDraining:
+    """ASGI wrapper: while the process drains, every response says `Connection: close`, so a
+    client's next request opens a connection that another process accepts."""
+
+    def __init__(self, app, state) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_closing(message) -> None:
+            if message["type"] == "http.response.start" and self.state.draining:
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, send_closing)
 
 
 def make_server(
@@ -81,23 +181,54 @@ def make_server(
     config_path: Path | None = None,
     renderer: Renderer | None = None,
     early: EarlySignals | None = None,
+    worker: str | None = None,
 ) -> RouterServer:
+    """`worker`: this process's name among the host's router processes (metrics files)."""
+    inherited = inherited_sockets()
     app = create_app(cfg, renderer, config_path=config_path)
     service: RouterService = app.state.service
     listen = cfg.listen
     _allow_descriptors(listen.max_connections + _DESCRIPTORS_BESIDES_CLIENTS)
     uv = uvicorn.Config(
-        app,
+        _CloseWhileDraining(app, service.state) if inherited else app,
         host=listen.host,
         port=listen.port,
         http=protocol_factory(listen, lambda reason: service.metrics.connections_closed.labels(reason).inc()),
         log_config=None,
         access_log=False,
         lifespan="on",
+        # asyncio calls listen() again on an inherited socket: this is the queue for all processes
+        backlog=listen.backlog,
         timeout_graceful_shutdown=5,
         timeout_keep_alive=listen.idle_timeout_s,  # type: ignore[arg-type] - a float works
     )
-    return RouterServer(uv, service, early)
+    if inherited:
+        log.info(
+            "serving on sockets from systemd",
+            extra={"addresses": [str(s.getsockname()) for s in inherited], "worker": worker},
+        )
+    return RouterServer(uv, service, early, inherited=inherited, worker=worker)
+
+
+def inherited_sockets() -> list[socket.socket]:
+    """Listening sockets passed by systemd (sd_listen_fds: fds 3.. when LISTEN_PID is ours).
+    The variables are removed so that nothing this process starts takes them for its own."""
+    mine = os.environ.get("LISTEN_PID") == str(os.getpid())
+    count = int(os.environ.get("LISTEN_FDS", "0") or 0) if mine else 0
+    for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(name, None)
+    return [socket.socket(fileno=fd) for fd in range(3, 3 + count)]
+
+
+def _notify_systemd(state: str) -> None:
+    """sd_notify: one datagram to NOTIFY_SOCKET (absent outside a Type=notify unit)."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):  # abstract namespace
+        address = "\0" + address[1:]
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.sendto(state.encode(), address)
 
 
 # engine connections, media fetches, log and checkpoint files

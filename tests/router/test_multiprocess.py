@@ -1,0 +1,142 @@
+"""Several router processes on one listening socket (docs/router.md "Scale-out"): what systemd's
+epd-router.socket gives epd-router@0..N-1, reproduced without systemd (bench.router_processes).
+
+Placement must not depend on which process takes a request, the shared /metrics must count the
+whole group, and a process that drains must hand its share to the others without a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.mmap_dict import MmapedDict
+
+from bench.router_processes import router_group
+from bench.stack import engine_proc
+
+CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
+
+_PLACE_ITEMS = """
+import json, sys
+from epd_kit.router.placement import Item, place_items
+items = [Item(f"{n:064x}", work=1 + n % 5) for n in range(300)]
+loads = {f"epd-n{h}-ve-{i}": float((h * 7 + i) % 4) for h in range(3) for i in range(4)}
+print(json.dumps(place_items(items, loads, bound=1.15, slack_items=6.0), sort_keys=True))
+"""
+
+
+def test_placement_is_identical_in_every_process():
+    """HRW and the bounded-load rule are pure functions of the hash, the VE ids and their loads:
+    no per-process salt (Python's string hashing is randomized per process and must not leak in)."""
+    answers = {
+        subprocess.run(
+            [sys.executable, "-c", _PLACE_ITEMS],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+        for seed in ("1", "2", "random")
+    }
+    assert len(answers) == 1
+    assert len(set(json.loads(answers.pop()).values())) > 1  # the items did spread over several VEs
+
+
+@pytest.fixture
+def engines(ckpt, tmp_path):
+    procs = [engine_proc("ve", 0, ckpt, tmp_path).start(), engine_proc("pd", 0, ckpt, tmp_path).start()]
+    try:
+        for proc in procs:
+            proc.wait_healthy()
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.fixture
+def config(ckpt, engines, tmp_path) -> Path:
+    ve, pd = engines
+    path = tmp_path / "router.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(ckpt),
+                "listen": {"host": "127.0.0.1", "port": 0},  # the socket comes from the launcher
+                "endpoints": {"ve": [{"id": ve.name, "url": ve.url}], "pd": [{"id": pd.name, "url": pd.url}]},
+            }
+        )
+    )
+    return path
+
+
+async def _chats(url: str, count: int, concurrency: int) -> list[int]:
+    """`count` chat requests, each on a new connection (so the kernel spreads them over the
+    processes' accepts), `concurrency` at a time; the statuses (-1: no answer)."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one() -> int:
+        async with gate, httpx.AsyncClient(base_url=url, timeout=30, trust_env=False) as client:
+            try:
+                return (await client.post("/v1/chat/completions", json=CHAT)).status_code
+            except httpx.HTTPError:
+                return -1
+
+    return list(await asyncio.gather(*(one() for _ in range(count))))
+
+
+def _requests_in_file(path: Path) -> float:
+    return sum(
+        value
+        for key, value, _, _ in MmapedDict.read_all_values_from_file(str(path))
+        if json.loads(key)[1] == "epd_router_requests_total"
+    )
+
+
+def _fleet_requests(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5, trust_env=False).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("epd_router_requests_total{")
+    )
+
+
+def test_two_processes_share_the_listener_and_count_as_one(config, tmp_path):
+    with router_group(config, 2, tmp_path / "group") as group:
+        statuses = asyncio.run(_chats(group.url, 60, 12))
+        assert statuses == [200] * 60
+        per_worker = {w: _requests_in_file(group.metrics_dir / f"counter_{w}.db") for w in (0, 1)}
+        assert all(per_worker.values()), f"one process served everything: {per_worker}"
+        assert sum(per_worker.values()) == 60
+        # any process answers /metrics (the scrape lands on either), always with the group's total
+        assert {_fleet_requests(group.url) for _ in range(6)} == {60.0}
+
+
+def test_a_draining_process_hands_its_share_to_the_other(config, tmp_path):
+    """SIGTERM to one process under load: it stops accepting at once, finishes what it has, and
+    the other takes every new connection; no request fails and no count is lost."""
+    with router_group(config, 2, tmp_path / "group") as group:
+
+        async def load_with_a_drain() -> list[int]:
+            load = asyncio.create_task(_chats(group.url, 120, 8))
+            await asyncio.sleep(0.5)
+            group.processes[0].send_signal(signal.SIGTERM)
+            return await load
+
+        statuses = asyncio.run(load_with_a_drain())
+        assert statuses == [200] * 120
+        assert group.processes[0].wait(30) == 0
+        assert group.processes[1].poll() is None
+        # the stopped process's counters stay in the sum; its live gauges (in flight) are gone
+        assert _fleet_requests(group.url) == 120
+        assert not list(group.metrics_dir.glob("gauge_live*_0.db"))
+        assert asyncio.run(_chats(group.url, 4, 4)) == [200] * 4
