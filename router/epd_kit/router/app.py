@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import httpx
 from fastapi import FastAPI
 
 from epd_kit.router.config import RouterConfig
@@ -47,9 +46,7 @@ def create_app(
     renderer: Renderer | None = None,
     *,
     config_path: Path | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
 ) -> FastAPI:
-    """`transport`: the engine client's (tests script the engines with one)."""
     app = FastAPI(
         title="epd-router",
         lifespan=_lifespan,
@@ -58,8 +55,6 @@ def create_app(
         redoc_url=None,
         openapi_url=None,
     )
-    app.state.service = RouterService(
-        cfg, renderer or build_renderer(cfg), config_path=config_path, transport=transport
-    )
+    app.state.service = RouterService(cfg, renderer or build_renderer(cfg), config_path=config_path)
     app.include_router(routes)
     return app

@@ -4,6 +4,13 @@ call (the rules are health.py).
 
 Each call either returns the parsed answer or raises an `UpstreamError` (classified in
 upstream.py) after charging the failure to the engine when it is the engine's fault.
+
+The engine calls go through one `aiohttp.ClientSession`: per request it costs a fifth to a
+tenth of the CPU of `httpx.AsyncClient` (docs/dependencies.md has the figures). Kept-alive
+connections survive idle pauses (`ENGINE_KEEPALIVE_S`); an engine that closes an idle one
+itself (vLLM's uvicorn after 5 s) is noticed by the pool, which then dials anew, and a
+request that races such a close is resent once on a fresh connection (`_send`). The
+`/health` prober keeps its own small httpx client (health.py).
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-import anyio
+import aiohttp
 import httpx
 
 from epd_kit.router import deadlines, upstream
@@ -25,9 +32,14 @@ from epd_kit.router.rendering import PreparedItemLike
 from epd_kit.router.state import RouterState
 from epd_kit.wire import EcLocator, GenerateResponse, iter_sse_payloads
 
-# httpx's own read timeout stays a little behind the call's deadline, so the deadline (whose
-# message says what it was derived from) is what fires
-_HTTPX_SLACK_S = 1.0
+# the client's own read timeout stays a little behind the call's deadline, so the deadline
+# (whose message says what it was derived from) is what fires
+_READ_SLACK_S = 1.0
+
+# How long an idle pooled engine connection is kept: well above the pauses between bursts a
+# router sees (a burst after 30 s idle must not redial every engine connection). Engines
+# may close sooner; the pool then drops those connections (see the module docstring).
+ENGINE_KEEPALIVE_S = 120.0
 
 
 @dataclass
@@ -35,21 +47,19 @@ class PdStream:
     """An open PD stream whose first payload has already been read (so it is committed)."""
 
     engine: Engine
-    response: httpx.Response
+    response: aiohttp.ClientResponse
     payloads: AsyncIterator[bytes]
     first: bytes
     closed: bool = False
 
 
 class EngineClient:
-    def __init__(
-        self, state: RouterState, metrics: RouterMetrics, transport: httpx.AsyncBaseTransport | None = None
-    ) -> None:
+    def __init__(self, state: RouterState, metrics: RouterMetrics) -> None:
         self._state = state
         self._metrics = metrics
-        self._transport = transport
         self.health = EngineHealth(lambda: state.cfg.health, lambda: state.pools)
-        self._client: httpx.AsyncClient | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._probe_client: httpx.AsyncClient | None = None
         self._prober: HealthProber | None = None
         self._probes: ServingProbes | None = None
 
@@ -57,10 +67,12 @@ class EngineClient:
         """`probes`: the serving probes that readmit an engine ejected as hung (without them,
         `/health` alone readmits it)."""
         self._probes = probes
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self._client = httpx.AsyncClient(limits=limits, transport=self._transport, trust_env=False)
+        # limit=0: no cap of our own (engines' slots are admission.py's business)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=ENGINE_KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self._probe_client = httpx.AsyncClient(trust_env=False)
         self._prober = HealthProber(
-            self._client,
+            self._probe_client,
             lambda: self._state.pools,
             lambda: self._state.cfg.health,
             self.health,
@@ -72,13 +84,15 @@ class EngineClient:
     async def aclose(self) -> None:
         if self._prober:
             await self._prober.stop()
-        if self._client:
-            await self._client.aclose()
+        if self._session:
+            await self._session.close()
+        if self._probe_client:
+            await self._probe_client.aclose()
 
     @property
-    def client(self) -> httpx.AsyncClient:
-        assert self._client is not None, "EngineClient.start() was not awaited"
-        return self._client
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "EngineClient.start() was not awaited"
+        return self._session
 
     def probe_soon(self) -> None:
         """Run a probe round now (after a reload or an ejection), not a full interval later."""
@@ -142,8 +156,9 @@ class EngineClient:
     async def check(self, engine: Engine) -> None:
         """One immediate /health probe; an engine that refuses connections is ejected now."""
         health = self._state.cfg.health
+        assert self._probe_client is not None, "EngineClient.start() was not awaited"
         try:
-            resp = await self.client.get(f"{engine.url}/health", timeout=health.timeout_s)
+            resp = await self._probe_client.get(f"{engine.url}/health", timeout=health.timeout_s)
         except httpx.ConnectError as exc:
             self.health.probe_definitive(engine, f"/health: {type(exc).__name__}")
             return
@@ -167,10 +182,10 @@ class EngineClient:
         deadline = deadlines.encode_s(self._state.cfg.timeouts, engine.inflight_work)
         what = f"{len(items)} item(s), {engine.inflight_work} embedding tokens in flight on it"
         body = upstream.encode_body(upstream.ve_request_body(request_id, engine.id, items))
-        resp = await self._post(engine, body, deadline, what)
-        if resp.status_code != 200:
-            raise upstream.classify_status(resp, engine)
-        return upstream.parse_ve_response(resp, engine, [i.mm_hash for i in items])
+        answer = await self._post(engine, body, deadline, what)
+        if answer.status != 200:
+            raise upstream.classify_status(answer, engine)
+        return upstream.parse_ve_response(answer, engine, [i.mm_hash for i in items])
 
     async def _generate(
         self, engine: Engine, body: dict, prompt_tokens: int, max_tokens: int | None
@@ -179,46 +194,52 @@ class EngineClient:
         try:
             deadline = deadlines.answer_s(self._state.cfg.timeouts, engine.inflight_work, max_tokens)
             what = f"{prompt_tokens} prompt tokens, max_tokens {max_tokens}, {engine.inflight_work} waiting on it"
-            resp = await self._post(engine, upstream.encode_body(body), deadline, what)
+            answer = await self._post(engine, upstream.encode_body(body), deadline, what)
         finally:
             engine.inflight_work -= prompt_tokens
-        if resp.status_code != 200:
-            raise upstream.classify_status(resp, engine)
-        return upstream.parse_pd_response(resp, engine)
+        if answer.status != 200:
+            raise upstream.classify_status(answer, engine)
+        return upstream.parse_pd_response(answer, engine)
 
-    async def _post(self, engine: Engine, content: bytes, deadline: float, what: str) -> httpx.Response:
+    async def _post(self, engine: Engine, content: bytes, deadline: float, what: str) -> upstream.EngineAnswer:
+        """One POST read in full within `deadline`."""
         try:
             async with asyncio.timeout(deadline):
-                return await self.client.post(
-                    upstream.generate_url(engine),
-                    content=content,
-                    headers=upstream.JSON_HEADERS,
-                    timeout=self._timeout(deadline + _HTTPX_SLACK_S),
-                )
+                resp = await self._send(engine, content, deadline + _READ_SLACK_S)
+                async with resp:
+                    return upstream.EngineAnswer(resp.status, await resp.read(), resp.headers)
+        except aiohttp.ClientError as exc:  # before TimeoutError: aiohttp's timeouts are both
+            raise upstream.classify_exception(exc, engine) from None
         except TimeoutError:
             raise upstream.deadline_exceeded(engine, deadline, what) from None
-        except httpx.HTTPError as exc:
-            raise upstream.classify_exception(exc, engine) from None
+
+    async def _send(self, engine: Engine, content: bytes, read_s: float) -> aiohttp.ClientResponse:
+        """POST `content` to the engine's generate route; the response with its head read.
+        A connection the engine closed just as the request went out (its keep-alive expiry
+        racing our reuse) ends before any answer byte: that POST is resent once, on a fresh
+        connection. A dead engine then refuses the second dial, which is what health.py
+        should see; an engine that drops requests it has read fails the resend too."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._state.cfg.timeouts.connect_s, sock_read=read_s)
+        url = upstream.generate_url(engine)
+        try:
+            return await self.session.post(url, data=content, headers=upstream.JSON_HEADERS, timeout=timeout)
+        except aiohttp.ServerDisconnectedError:
+            return await self.session.post(url, data=content, headers=upstream.JSON_HEADERS, timeout=timeout)
 
     async def _open_stream(self, engine: Engine, body: dict) -> PdStream:
         timeouts = self._state.cfg.timeouts
         deadline = deadlines.first_token_s(timeouts, engine.inflight_work)
-        request = self.client.build_request(
-            "POST",
-            upstream.generate_url(engine),
-            content=upstream.encode_body(body),
-            headers=upstream.JSON_HEADERS,
-            timeout=self._timeout(timeouts.pd_s),  # after the first payload: the longest gap
-        )
-        resp: httpx.Response | None = None
+        resp: aiohttp.ClientResponse | None = None
         committed = False
         try:
             async with asyncio.timeout(deadline):
-                resp = await self.client.send(request, stream=True)
-                if resp.status_code != 200:
-                    await resp.aread()
-                    raise upstream.classify_status(resp, engine)
-                payloads = iter_sse_payloads(resp.aiter_raw())
+                # after the first payload the read timeout bounds the longest gap between events
+                resp = await self._send(engine, upstream.encode_body(body), timeouts.pd_s)
+                if resp.status != 200:
+                    raise upstream.classify_status(
+                        upstream.EngineAnswer(resp.status, await resp.read(), resp.headers), engine
+                    )
+                payloads = iter_sse_payloads(resp.content.iter_any())
                 try:
                     first = await anext(payloads)
                 except StopAsyncIteration:
@@ -228,15 +249,11 @@ class EngineClient:
                 raise err
             committed = True
             return PdStream(engine=engine, response=resp, payloads=payloads, first=first)
+        except aiohttp.ClientError as exc:  # before TimeoutError: aiohttp's timeouts are both
+            raise upstream.classify_exception(exc, engine) from None
         except TimeoutError:
             what = f"first token, {engine.inflight_work} prompt tokens waiting on it"
             raise upstream.deadline_exceeded(engine, deadline, what) from None
-        except httpx.HTTPError as exc:
-            raise upstream.classify_exception(exc, engine) from None
         finally:
             if resp is not None and not committed:
-                with anyio.CancelScope(shield=True):
-                    await resp.aclose()
-
-    def _timeout(self, read_s: float) -> httpx.Timeout:
-        return httpx.Timeout(read_s, connect=self._state.cfg.timeouts.connect_s)
+                resp.close()

@@ -14,8 +14,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import aiohttp
 import anyio
-import httpx
 
 from epd_kit.router import translate, upstream
 from epd_kit.router.admission import PdAdmission
@@ -164,7 +164,7 @@ class Generation:
                 yield usage
             ok = True
             pd.engine.served += 1
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             err = self._engines.failed(upstream.classify_exception(exc, pd.engine), pd.engine)
             log.warning("PD stream failed after start", extra={"request_id": ctx.request_id, "error": err.message})
             yield err.sse_frame(ctx.request_id)
@@ -197,6 +197,8 @@ class Generation:
         if pd.closed:
             return
         pd.closed = True
+        # release: back to the pool after a complete stream; a stream cut short closes the
+        # connection instead, which is how the PD learns to abort
+        pd.response.release()
         with anyio.CancelScope(shield=True):
-            await pd.response.aclose()
             await self._admission.release(pd.engine)

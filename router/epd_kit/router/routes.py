@@ -275,7 +275,7 @@ class _CleanupStreamingResponse(StreamingResponse):
 
 async def _race_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     """Run `work`; if the client disconnects first, cancel it (which aborts the engine
-    request: httpx closes the connection) and return None."""
+    request: the engine client closes the connection) and return None."""
     task = asyncio.ensure_future(work)
 
     async def disconnected() -> None:

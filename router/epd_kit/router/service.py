@@ -17,8 +17,6 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
-
 from epd_kit.router.admission import PdAdmission
 from epd_kit.router.auth import ApiKeyChecker, load_api_keys
 from epd_kit.router.config import RouterConfig, load_config
@@ -45,7 +43,6 @@ class RouterService:
         renderer: Renderer,
         *,
         config_path: Path | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.config_path = config_path
         self.renderer = renderer
@@ -54,7 +51,7 @@ class RouterService:
         self.auth = ApiKeyChecker(load_api_keys(cfg.auth.api_keys_file) if cfg.auth.api_keys_file else ())
         self.intake = IntakeGate()
         self.decode_pool = ThreadPoolExecutor(cfg.limits.text_workers, thread_name_prefix="epd-decode")
-        self.engines = EngineClient(self.state, self.metrics, transport)
+        self.engines = EngineClient(self.state, self.metrics)
         self.admission = PdAdmission(self.state, self.metrics)
         self.encoder = Encoder(self.state, self.engines, self.metrics)
         self.generation = Generation(self.state, renderer, self.engines, self.encoder, self.admission, self.metrics)

@@ -11,9 +11,10 @@ engine down.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from epd_kit.router.errors import EcLoadFailed, Failure, UpstreamError
 from epd_kit.router.pools import Engine
@@ -37,12 +38,21 @@ STAGE_NAMES = {"ve": "encode", "pd": "generate"}
 EC_LOAD_FAILURE_MARKERS = ("ECLoadFailure", "Encoder-cache load", "ec_locator")
 
 
-def _engine_message(resp: httpx.Response) -> str:
+@dataclass(frozen=True)
+class EngineAnswer:
+    """A complete engine answer, as engine_client.py read it off the wire."""
+
+    status: int
+    body: bytes
+    headers: Mapping[str, str]
+
+
+def _engine_message(answer: EngineAnswer) -> str:
     """A short, single-line excerpt of an engine's error body (never request data)."""
     try:
-        doc = json.loads(resp.content[:4096] or b"null")
+        doc = json.loads(answer.body[:4096] or b"null")
     except ValueError:
-        text = resp.content[:200].decode("utf-8", "replace")
+        text = answer.body[:200].decode("utf-8", "replace")
     else:
         if isinstance(doc, dict):
             err = doc.get("error")
@@ -70,18 +80,17 @@ def where(engine: Engine) -> str:
     return f"{STAGE_NAMES[engine.role]} on {engine.role.upper()} {engine.id} ({engine.url})"
 
 
-def classify_exception(exc: httpx.HTTPError, engine: Engine) -> UpstreamError:
+def classify_exception(exc: aiohttp.ClientError, engine: Engine) -> UpstreamError:
+    """An engine call that raised (aiohttp's exception types; the pool is unbounded, so no
+    wait for a connection of our own)."""
     kind = type(exc).__name__
-    if isinstance(exc, httpx.ConnectTimeout):
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
         message = f"{where(engine)} failed: cannot connect ({kind})"
         return _failure(engine, 502, message, failure=Failure.connect_timeout, retry_other=True)
-    if isinstance(exc, httpx.ConnectError):
+    if isinstance(exc, aiohttp.ClientConnectorError):
         message = f"{where(engine)} failed: cannot connect ({kind})"
         return _failure(engine, 502, message, failure=Failure.refused, retry_other=True)
-    if isinstance(exc, httpx.PoolTimeout):  # our own connection pool, not the engine
-        message = f"{where(engine)} timed out waiting for a connection"
-        return _failure(engine, 504, message, failure=None, retry_other=True)
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, aiohttp.ServerTimeoutError):
         return _failure(engine, 504, f"{where(engine)} timed out ({kind})", failure=Failure.timeout, retry_other=True)
     message = f"{where(engine)} failed: connection broken ({kind})"
     return _failure(engine, 502, message, failure=Failure.error, retry_other=True)
@@ -94,14 +103,14 @@ def deadline_exceeded(engine: Engine, deadline_s: float, what: str) -> UpstreamE
     return _failure(engine, 504, message, failure=Failure.timeout, retry_other=True)
 
 
-def classify_status(resp: httpx.Response, engine: Engine) -> UpstreamError:
-    code = resp.status_code
-    said = _engine_message(resp)
+def classify_status(answer: EngineAnswer, engine: Engine) -> UpstreamError:
+    code = answer.status
+    said = _engine_message(answer)
     detail = f": {said}" if said else ""
     if code == 429:
         message = f"{where(engine)} is overloaded (HTTP 429){detail}"
         err = _failure(engine, 429, message, said, failure=None, retry_other=True)
-        err.retry_after = _retry_after(resp)
+        err.retry_after = _retry_after(answer)
         return err
     if code >= 500:
         message = f"{where(engine)} failed: HTTP {code}{detail}"
@@ -132,9 +141,9 @@ def classify_stream_error(payload: bytes, engine: Engine) -> UpstreamError | Non
     return _failure(engine, 502, message, said, failure=failure, retry_other=engine_failed)
 
 
-def _retry_after(resp: httpx.Response) -> float:
+def _retry_after(answer: EngineAnswer) -> float:
     try:
-        return max(1.0, float(resp.headers.get("retry-after", "1")))
+        return max(1.0, float(answer.headers.get("retry-after", "1")))
     except ValueError:
         return 1.0
 
@@ -216,9 +225,9 @@ def generate_url(engine: Engine) -> str:
     return engine.url + GENERATE_PATH
 
 
-def parse_ve_response(resp: httpx.Response, engine: Engine, hashes: Sequence[str]) -> dict[str, EcLocator]:
+def parse_ve_response(answer: EngineAnswer, engine: Engine, hashes: Sequence[str]) -> dict[str, EcLocator]:
     try:
-        body = GenerateResponse.model_validate_json(resp.content)
+        body = GenerateResponse.model_validate_json(answer.body)
         locators = body.ec_locators()
     except ValueError as exc:
         raise bad_body(engine, f"not a GenerateResponse with valid ec_locator ({exc.__class__.__name__})") from None
@@ -228,8 +237,8 @@ def parse_ve_response(resp: httpx.Response, engine: Engine, hashes: Sequence[str
     return {h: locators[h] for h in hashes}
 
 
-def parse_pd_response(resp: httpx.Response, engine: Engine) -> GenerateResponse:
+def parse_pd_response(answer: EngineAnswer, engine: Engine) -> GenerateResponse:
     try:
-        return GenerateResponse.model_validate_json(resp.content)
+        return GenerateResponse.model_validate_json(answer.body)
     except ValueError as exc:
         raise bad_body(engine, f"not a GenerateResponse ({exc.__class__.__name__})") from None

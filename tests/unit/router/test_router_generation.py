@@ -1,10 +1,11 @@
-"""The request path over scripted engines (httpx.MockTransport: each test decides what every
+"""The request path over scripted engines (scripted_engines.py: each test decides what every
 engine answers, which real engines cannot be made to do on cue): the one PD retry loop of the
 streaming and non-streaming paths, and the re-encode an EC-load failure triggers.
 The same path against real simulated engines is tests/router."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from epd_kit.router.context import RequestContext
 from epd_kit.router.errors import RouterError
 from epd_kit.router.openai_api import parse_request
 from epd_kit.router.service import RouterService
+from tests.unit.router import scripted_engines
 
 VE_PORTS = {11: "epd-ve-0", 12: "epd-ve-1"}
 PD_PORTS = {21: "epd-pd-0", 22: "epd-pd-1"}
@@ -101,22 +103,25 @@ def sse_response(docs: list[dict]) -> httpx.Response:
 @pytest.fixture
 async def make_service(char_renderer, make_item):
     started: list[RouterService] = []
+    stack = contextlib.AsyncExitStack()
 
     async def make(engines: Engines, max_attempts: int = 3) -> RouterService:
+        logical = [f"http://127.0.0.1:{port}" for port in [*VE_PORTS, *PD_PORTS]]
+        real = await stack.enter_async_context(scripted_engines.serve(engines.handler, logical))
         cfg = parse_config(
             {
                 "model": "/m",
                 "health": {"interval_s": 60},
                 "retries": {"max_attempts": max_attempts},
                 "endpoints": {
-                    "ve": [{"id": ve, "url": f"http://127.0.0.1:{port}"} for port, ve in VE_PORTS.items()],
-                    "pd": [{"id": pd, "url": f"http://127.0.0.1:{port}"} for port, pd in PD_PORTS.items()],
+                    "ve": [{"id": ve, "url": real[f"http://127.0.0.1:{port}"]} for port, ve in VE_PORTS.items()],
+                    "pd": [{"id": pd, "url": real[f"http://127.0.0.1:{port}"]} for port, pd in PD_PORTS.items()],
                 },
             }
         )
         items = [make_item("h1", 1, 4), make_item("h2", 6, 4), make_item("h1", 11, 4)]
         renderer = char_renderer(list(range(16)), items)
-        service = RouterService(cfg, renderer, transport=httpx.MockTransport(engines.handler))
+        service = RouterService(cfg, renderer)
         await service.start()
         started.append(service)
         return service
@@ -124,6 +129,7 @@ async def make_service(char_renderer, make_item):
     yield make
     for service in started:
         await service.stop()
+    await stack.aclose()
 
 
 async def answer(service: RouterService, stream: bool) -> str:

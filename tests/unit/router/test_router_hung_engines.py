@@ -1,4 +1,4 @@
-"""Hung engines and engine request ids, over scripted engines (httpx.MockTransport): a VE
+"""Hung engines and engine request ids, over scripted engines (scripted_engines.py): a VE
 that takes an encode and never answers costs each request its derived deadline, is ejected
 as hung although its /health says 200, stays out while a serving probe cannot get an answer,
 and comes back once one does. The same against a real simulated VE: tests/router."""
@@ -19,6 +19,7 @@ from epd_kit.router.context import RequestContext
 from epd_kit.router.errors import RouterError
 from epd_kit.router.openai_api import parse_request
 from epd_kit.router.service import RouterService
+from tests.unit.router import scripted_engines
 
 VE_URL, PD_URL = "http://127.0.0.1:11", "http://127.0.0.1:21"
 
@@ -56,20 +57,24 @@ class Engines:
 @pytest.fixture
 async def service(char_renderer, make_item):
     engines = Engines()
-    cfg = parse_config(
-        {
-            "model": "/m",
-            "timeouts": {"encode_base_s": 0.3, "encode_per_1k_tokens_s": 0},
-            "health": {"interval_s": 0.05, "failure_threshold": 2},
-            "endpoints": {"ve": [{"id": "epd-ve-0", "url": VE_URL}], "pd": [{"id": "epd-pd-0", "url": PD_URL}]},
-        }
-    )
-    renderer = char_renderer(list(range(12)), [make_item("h1", 2, 4)])
-    svc = RouterService(cfg, renderer, transport=httpx.MockTransport(engines.handler))
-    svc.scripted = engines  # type: ignore[attr-defined]
-    await svc.start()
-    yield svc
-    await svc.stop()
+    async with scripted_engines.serve(engines.handler, [VE_URL, PD_URL]) as real:
+        cfg = parse_config(
+            {
+                "model": "/m",
+                "timeouts": {"encode_base_s": 0.3, "encode_per_1k_tokens_s": 0},
+                "health": {"interval_s": 0.05, "failure_threshold": 2},
+                "endpoints": {
+                    "ve": [{"id": "epd-ve-0", "url": real[VE_URL]}],
+                    "pd": [{"id": "epd-pd-0", "url": real[PD_URL]}],
+                },
+            }
+        )
+        renderer = char_renderer(list(range(12)), [make_item("h1", 2, 4)])
+        svc = RouterService(cfg, renderer)
+        svc.scripted = engines  # type: ignore[attr-defined]
+        await svc.start()
+        yield svc
+        await svc.stop()
 
 
 async def ask(service: RouterService, request_id: str = "rid") -> dict:

@@ -12,6 +12,7 @@ import pytest
 
 from epd_kit.router.app import create_app
 from epd_kit.router.config import parse_config
+from tests.unit.router import scripted_engines
 
 ENGINE_CALLS: list[str] = []
 
@@ -50,15 +51,20 @@ class BrokenRenderer:
 @pytest.fixture
 async def app(config, char_renderer):
     ENGINE_CALLS.clear()
-    cfg = parse_config(config(limits={"max_requests_preprocessing": 1}))
-    renderer = BrokenRenderer(char_renderer())
-    app = create_app(cfg, renderer, transport=httpx.MockTransport(engines))
-    service = app.state.service
-    await service.start()
-    for e in service.state.pools.all():
-        e.healthy = True
-    yield app
-    await service.stop()
+    doc = config(limits={"max_requests_preprocessing": 1})
+    logical = [e["url"] for pool in doc["endpoints"].values() for e in pool]
+    async with scripted_engines.serve(engines, logical) as real:
+        for pool in doc["endpoints"].values():
+            for e in pool:
+                e["url"] = real[e["url"]]
+        renderer = BrokenRenderer(char_renderer())
+        app = create_app(parse_config(doc), renderer)
+        service = app.state.service
+        await service.start()
+        for e in service.state.pools.all():
+            e.healthy = True
+        yield app
+        await service.stop()
 
 
 @pytest.fixture
