@@ -7,6 +7,11 @@ build cannot download anything, so scripts/test.sh and scripts/demo.sh call this
 the same builder, cache and pins as the role: the deploy then finds it cached.
 
     python tests/hosts/wheelhouse.py      prints the builder's JSON line
+
+It also builds the provisioning stand-ins (tests/hosts/standins/build.py: a local Neuron apt
+repository, EFA installer tarballs, vllm/vllm-neuron stand-in wheels; they need the Debian
+mirror once) and the engine wheelhouse of each stand-in release (NIXL from PyPI), for
+tests/e2e/test_provision.py.
 """
 
 from __future__ import annotations
@@ -34,7 +39,32 @@ def main() -> int:
         return 0
     argv = [sys.executable, str(BUILDER), "--repo", str(REPO), "--cache", str(CACHE)]
     argv += [f"--pin={pin}" for pin in sim_pins()]
-    return subprocess.run(argv, check=False).returncode
+    kit_rc = subprocess.run(argv, check=False).returncode
+    return kit_rc or provisioning_standins()
+
+
+def provisioning_standins() -> int:
+    """The stand-ins and one engine wheelhouse per stand-in release (the role's builder and cache).
+
+    A failure here only warns: the deploy does not need them, and tests/e2e/test_provision.py
+    fails with the reason when they are missing."""
+    sys.path.insert(0, str(REPO))
+    from tests.hosts.standins import build as standins
+
+    try:
+        target = standins.ensure()
+    except SystemExit as error:
+        print(f"wheelhouse: WARNING: no provisioning stand-ins ({error}); tests/e2e/test_provision.py will fail")
+        return 0
+    builder = REPO / "roles/epd_provision/files/build_engine_wheelhouse.py"
+    cache = REPO / ".cache/engine-wheelhouse"  # the role's default epd_provision_engine_wheelhouse_cache
+    for release in standins.RELEASES:
+        argv = [sys.executable, str(builder), "--cache", str(cache)]
+        argv += standins.engine_wheelhouse_argv(standins.provision_vars(release, target))
+        rc = subprocess.run(argv, check=False).returncode
+        if rc:
+            return rc
+    return 0
 
 
 if __name__ == "__main__":

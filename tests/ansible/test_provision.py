@@ -1,0 +1,216 @@
+"""epd_provision without test hosts: the version facts module, the role's variable checks, the
+apt repository check against the stand-in repository, the engine wheelhouse builder's key.
+The installs themselves run on real hosts in tests/e2e/test_provision.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests import repo_modules
+from tests.ansible.helpers import REPO, playbook
+from tests.hosts.standins import build as standins
+
+pytestmark = pytest.mark.ansible
+
+versions_module = repo_modules.module("epd_host_versions")
+CHECK_APT = REPO / "roles/epd_provision/files/check_apt_repository.sh"
+ENGINE_WHEELHOUSE = REPO / "roles/epd_provision/files/build_engine_wheelhouse.py"
+
+DPKG_STATUS = """\
+Package: aws-neuronx-dkms
+Status: install ok installed
+Version: 2.24.7.0-dcd0b2d2d
+
+Package: aws-neuronx-runtime-lib
+Status: deinstall ok config-files
+Version: 2.28.23.0-1
+
+Package: libfabric1
+Status: install ok installed
+Multi-Arch: same
+Version: 1.17.0-3
+Description: libfabric
+ a continuation line: Version: 0.0
+"""
+EFA_RECORD = "# EFA installer version: 1.41.0\n# Debug packages installed: no\nlibfabric-aws-bin 2.1.0amzn3.0\n"
+
+
+def test_installed_packages_are_read_from_dpkg_status():
+    assert versions_module.installed_debian_packages(DPKG_STATUS) == {
+        "aws-neuronx-dkms": "2.24.7.0-dcd0b2d2d",
+        "libfabric1": "1.17.0-3",
+    }
+
+
+def test_the_efa_installer_version_comes_from_its_record():
+    assert versions_module.efa_installer_version(EFA_RECORD) == "1.41.0"
+    assert versions_module.efa_installer_version(None) is None
+
+
+@pytest.mark.parametrize(
+    ("pin", "installed", "matches"),
+    [
+        ("2.24.7.0", "2.24.7.0-dcd0b2d2d", True),  # the upstream part of a Debian version
+        ("2.24.7.0", "2.24.7.0", True),
+        ("2.24.7.0-1", "2.24.7.0-1", True),
+        ("2.24.7.0", "2.24.7.01-1", False),
+        ("2.24.7.0", "1:2.24.7.0-1", True),  # an epoch is not part of the pin
+        ("0.4.0+standin", "0.4.0+standin", True),
+        ("1.5.1", None, False),
+    ],
+)
+def test_a_pin_matches_the_version_or_its_upstream_part(pin, installed, matches):
+    assert versions_module.matches(pin, installed) is matches
+
+
+def test_drift_lists_what_differs_and_skips_empty_pins():
+    versions = {"driver": "2.24.7.0-1", "nixl": None, "vllm": "0.24.0"}
+    expected = {"driver": "2.24.7.0", "nixl": "1.5.1", "vllm": "0.25.0", "tools": ""}
+    assert versions_module.drift(versions, expected) == [
+        {"component": "nixl", "expected": "1.5.1", "installed": None},
+        {"component": "vllm", "expected": "0.25.0", "installed": "0.24.0"},
+    ]
+
+
+def run_module_play(tmp_path: Path, args: dict) -> dict:
+    """The module through ansible-playbook on localhost; returns its registered result."""
+    out = tmp_path / "result.json"
+    play = [
+        {
+            "name": "Read the versions",
+            "hosts": "localhost",
+            "connection": "local",
+            "gather_facts": False,
+            "vars": {"ansible_python_interpreter": sys.executable},
+            "tasks": [
+                {"name": "Read", "epd.kit.epd_host_versions": args, "register": "read"},
+                {"name": "Save", "ansible.builtin.copy": {"content": "{{ read | to_json }}", "dest": str(out)}},
+            ],
+        }
+    ]
+    book = tmp_path / "play.yml"
+    book.write_text(yaml.safe_dump(play))
+    result = playbook(str(book))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+def test_the_module_reports_versions_nulls_and_drift(tmp_path):
+    (tmp_path / "status").write_text(DPKG_STATUS)
+    (tmp_path / "efa").write_text(EFA_RECORD)
+    read = run_module_play(
+        tmp_path,
+        {
+            "dpkg_status": str(tmp_path / "status"),
+            "efa_record": str(tmp_path / "efa"),
+            "kit_python": sys.executable,  # the venv running these tests has the kit installed
+            "engine_python": str(tmp_path / "no-venv/bin/python"),
+            "expected": {"driver": "2.24.7.0", "runtime": "2.28.23.0", "efa_installer": "1.41.0", "nixl": "1.5.1"},
+        },
+    )
+    versions = read["versions"]
+    assert versions["driver"] == "2.24.7.0-dcd0b2d2d"
+    assert versions["runtime"] is None  # removed, only its configuration files are left
+    assert versions["libfabric"] == "1.17.0-3"
+    assert versions["efa_installer"] == "1.41.0"
+    assert versions["kit"] == metadata.version("epd-kit")
+    assert versions["nixl"] is versions["vllm"] is versions["vllm_neuron"] is None
+    assert sorted(d["component"] for d in read["drift"]) == ["nixl", "runtime"]
+    assert read["changed"] is False
+
+
+def provision_locally(tmp_path: Path, **variables) -> subprocess.CompletedProcess[str]:
+    """provision.yml against this machine, with variables its preflight refuses: nothing runs past it."""
+    inventory = tmp_path / "hosts.yml"
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    inventory.write_text(yaml.safe_dump({"all": {"children": {"epd_engines": {"hosts": {"local": local}}}}}))
+    extra = tmp_path / "vars.json"
+    extra.write_text(json.dumps(variables))
+    return playbook("-i", str(inventory), "playbooks/provision.yml", "-e", f"@{extra}")
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({"epd_provision_vllm_neuron_version": ""}, "vllm-neuron ''"),
+        (
+            {"epd_provision_vllm_neuron_version": "0.4.0", "epd_provision_efa_installer_sha256": "abc"},
+            "64 lowercase hex",
+        ),
+        (
+            {"epd_provision_vllm_neuron_version": "0.4.0", "epd_provision_neuron_driver_version": "latest"},
+            "every pin must be a version",
+        ),
+    ],
+)
+def test_the_preflight_refuses_bad_pins_before_reading_the_host(tmp_path, variables, message):
+    result = provision_locally(tmp_path, **variables)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert message in output, output[-3000:]
+    assert "Read the installed versions" not in output
+
+
+@pytest.fixture(scope="module")
+def standin_apt() -> Path:
+    target = standins.standin_dir()
+    if not (target / "manifest.json").exists():
+        pytest.skip(
+            f"no stand-in apt repository at {target}: tests/hosts/wheelhouse.py builds it (needs the Debian mirror)"
+        )
+    return target / "apt"
+
+
+def check_apt(tmp_path: Path, apt: Path, key: Path, *pins: str) -> subprocess.CompletedProcess[str]:
+    argv = ["bash", str(CHECK_APT), str(tmp_path / "scratch"), str(key), f"file://{apt}", standins.SUITE, *pins]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_the_repository_check_resolves_each_pin_to_its_exact_version(tmp_path, standin_apt):
+    result = check_apt(tmp_path, standin_apt, standin_apt / "GPG-PUB-KEY-EPD-STANDIN.PUB", "aws-neuronx-dkms=2.24.7.0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split() == [f"aws-neuronx-dkms=2.24.7.0-{standins.DEB_REVISION}"]
+
+
+def test_the_repository_check_refuses_a_repository_signed_with_another_key(tmp_path, standin_apt):
+    not_the_key = tmp_path / "other.asc"
+    not_the_key.write_bytes((standin_apt / f"dists/{standins.SUITE}/Release.gpg").read_bytes())
+    result = check_apt(tmp_path, standin_apt, not_the_key, "aws-neuronx-dkms=2.24.7.0")
+    assert result.returncode == 1
+    assert "is not signed" in result.stdout or "NO_PUBKEY" in result.stdout, result.stdout
+
+
+def test_the_repository_check_names_a_missing_pin(tmp_path, standin_apt):
+    key = standin_apt / "GPG-PUB-KEY-EPD-STANDIN.PUB"
+    result = check_apt(tmp_path, standin_apt, key, "aws-neuronx-dkms=2.24.7.0", "aws-neuronx-tools=9.9")
+    assert result.returncode == 1
+    assert result.stdout.strip().endswith("aws-neuronx-tools 9.9"), result.stdout
+
+
+def build_engine_wheelhouse(cache: Path, *args: str) -> dict:
+    argv = [sys.executable, str(ENGINE_WHEELHOUSE), "--cache", str(cache), "--dry-run", *args]
+    return json.loads(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
+
+
+def test_the_engine_wheelhouse_key_ignores_requirement_order_and_a_dry_run_writes_nothing(tmp_path):
+    cache = tmp_path / "cache"
+    one = build_engine_wheelhouse(cache, "--requirement=vllm==0.24.0", "--requirement=nixl==1.5.1")
+    other = build_engine_wheelhouse(cache, "--requirement=nixl==1.5.1", "--requirement=vllm==0.24.0")
+    no_deps = build_engine_wheelhouse(cache, "--requirement=nixl==1.5.1", "--requirement=vllm==0.24.0", "--no-deps")
+    assert one["key"] == other["key"] != no_deps["key"]
+    assert one["changed"] is True and not cache.exists()
+
+
+def test_every_role_variable_is_typed_in_the_argument_spec():
+    role = REPO / "roles/epd_provision"
+    defaults = yaml.safe_load((role / "defaults/main.yml").read_text())
+    options = yaml.safe_load((role / "meta/argument_specs.yml").read_text())["argument_specs"]["main"]["options"]
+    assert set(options) == set(defaults)
+    assert all(options[name]["default"] == value for name, value in defaults.items())

@@ -1,0 +1,311 @@
+"""playbooks/provision.yml on real test hosts, against the stand-ins of tests/hosts/standins.
+
+A bare host (rootfs variant without libfabric) gets Debian's real libfabric through the EFA
+installer stand-in, NIXL's real wheels through the engine wheelhouse, and stand-in Neuron
+packages from a signed local apt repository; the sim stack then deploys on it. A DLAMI-like
+host that has the pins is left alone. The stand-ins are served over http from 10.213.0.1, the
+hub bridge: inside kithub, nothing else can reach them. Tests run in file order on one bare host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.hosts.harness import (
+    HOSTS_SH,
+    REPO,
+    HostPool,
+    PlaybookResult,
+    TestHost,
+    ansible_playbook,
+    run,
+    write_inventory,
+)
+from tests.hosts.standins import build as standins
+
+pytestmark = pytest.mark.systemd
+
+PROVISION = "playbooks/provision.yml"
+BARE, DLAMI = 4, 5  # n4 boots on the bare rootfs, n5 on the default (DLAMI-like) one
+ENGINE_VENV = "/opt/epd/engine-venv"
+ENGINE_VENVS = "/opt/epd/engine-venvs"
+DLAMI_VENV = "/opt/aws_neuronx_venv_pytorch_inference_vllm_0_24"
+# what provisioning writes on a host: a failed validation must leave every one of them absent
+PROVISIONED = (
+    "/etc/apt/sources.list.d/epd-neuron.list",
+    "/etc/apt/keyrings/epd-neuron.asc",
+    "/opt/amazon",
+    ENGINE_VENVS,
+    ENGINE_VENV,
+)
+
+
+@pytest.fixture(scope="module")
+def standin_dir() -> Path:
+    target = standins.standin_dir()
+    if not (target / "manifest.json").exists():
+        pytest.fail(
+            f"no provisioning stand-ins at {target}: scripts/test.sh builds them before entering kithub "
+            "(tests/hosts/wheelhouse.py; they need the Debian mirror once)",
+            pytrace=False,
+        )
+    return target
+
+
+@pytest.fixture(scope="module")
+def server(standin_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The stand-ins (+ release A's engine wheels, for the DLAMI-like image) over http on the hub bridge."""
+    root = tmp_path_factory.mktemp("served")
+    (root / "standins").symlink_to(standin_dir)
+    wheels = root / "wheels"
+    wheels.mkdir()
+    with tarfile.open(engine_wheelhouse("a", standin_dir)) as archive:
+        archive.extractall(wheels, filter="data")
+    host, port = standins.SERVER.removeprefix("http://").split(":")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "http.server", port, "--bind", host, "--directory", str(root)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or process.poll() is not None:
+                    pytest.fail(f"the stand-in server on {standins.SERVER} did not start", pytrace=False)
+                time.sleep(0.1)
+        yield f"{standins.SERVER}/standins"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def engine_wheelhouse(release: str, standin_dir: Path) -> Path:
+    """The engine wheelhouse archive tests/hosts/wheelhouse.py pre-built for a release."""
+    argv = [sys.executable, str(REPO / "roles/epd_provision/files/build_engine_wheelhouse.py")]
+    argv += ["--cache", str(REPO / ".cache/engine-wheelhouse"), "--dry-run"]
+    argv += standins.engine_wheelhouse_argv(standins.provision_vars(release, standin_dir))
+    built = json.loads(run(argv).stdout)
+    if built["changed"]:
+        pytest.fail(
+            f"engine wheelhouse of release {release} not pre-built: run tests/hosts/wheelhouse.py", pytrace=False
+        )
+    return Path(built["archive"])
+
+
+def boot(pool: HostPool, index: int, variant: str) -> TestHost:
+    host = pool.host(index)
+    env = dict(os.environ, VARIANT=variant, FRESH="1")
+    if pool.seed is not None:
+        env["SEED"] = str(pool.seed)
+    run([str(HOSTS_SH), "up", f"{host.name}:{host.address}"], env=env, timeout=180)
+    pool.started[host.name] = host  # the pool stops it at the end of the session
+    return host
+
+
+def inventory_for(host: TestHost, directory: Path) -> Path:
+    engine = {"ansible_host": host.address, "epd_num_ve": 1, "epd_num_pd": 1, "epd_core_count": 12}
+    hosts_yml = {
+        "all": {
+            "children": {
+                "epd_engines": {"hosts": {host.name: engine}},
+                "epd_router": {"hosts": {host.name: {"epd_router_listen_host": host.address}}},
+                "epd_monitoring": {"hosts": {}},
+            }
+        }
+    }
+    return write_inventory(directory, REPO / "inventory/sandbox/one-host", hosts_yml)
+
+
+def playbook(inventory: Path, book: str, variables: dict, *args: str) -> PlaybookResult:
+    """ansible-playbook with these variables as extra vars (they win over the inventory)."""
+    extra = inventory / f"vars-{time.monotonic_ns()}.json"
+    extra.write_text(json.dumps(variables))
+    return ansible_playbook(inventory, book, "-e", f"@{extra}", *args)
+
+
+def provision(inventory: Path, variables: dict, *args: str) -> PlaybookResult:
+    return playbook(inventory, PROVISION, variables, *args)
+
+
+def pins(release: str, server: str, **overrides) -> dict:
+    return {**standins.provision_vars(release, server=server), **overrides}
+
+
+def installed(host: TestHost) -> dict[str, str]:
+    """dpkg package -> version of what provisioning installs."""
+    out = host.run("dpkg-query -W -f '${Package} ${Version} ${db:Status-Status}\\n' 2>/dev/null; true").stdout
+    wanted = set(standins.NEURON_PACKAGES) | set(standins.EFA_DEBIAN_PACKAGES)
+    return {
+        p: v
+        for p, v, s in (line.split() for line in out.splitlines() if line.count(" ") == 2)
+        if p in wanted and s == "installed"
+    }
+
+
+def engine_versions(host: TestHost, venv: str = ENGINE_VENV) -> dict[str, str]:
+    script = "from importlib import metadata as m; print(*(m.version(d) for d in ('vllm', 'vllm-neuron', 'nixl')))"
+    vllm, vllm_neuron, nixl = host.run(f'{venv}/bin/python -c "{script}"').stdout.split()
+    return {"vllm": vllm, "vllm_neuron": vllm_neuron, "nixl": nixl}
+
+
+def assert_untouched(host: TestHost) -> None:
+    present = host.run(f"ls -d {' '.join(PROVISIONED)} /tmp/epd-provision.* 2>/dev/null; true").stdout.split()
+    assert present == [], f"a failed validation left {present} on {host.name}"
+    assert installed(host) == {}, f"a failed validation installed packages on {host.name}"
+
+
+def assert_release(host: TestHost, release: str) -> None:
+    expected = standins.RELEASES[release]
+    versions = installed(host)
+    for package, version in expected.neuron.items():
+        assert versions.get(package) == f"{version}-{standins.DEB_REVISION}", versions
+    record = host.run("cat /opt/amazon/efa_installed_packages").stdout
+    assert f"EFA installer version: {expected.efa_installer}" in record
+    assert engine_versions(host) == {"vllm": expected.vllm, "vllm_neuron": expected.vllm_neuron, "nixl": "1.5.1"}
+
+
+@pytest.fixture(scope="module")
+def bare(host_pool: HostPool, server: str) -> TestHost:
+    return boot(host_pool, BARE, "bare")
+
+
+@pytest.fixture(scope="module")
+def bare_inventory(bare: TestHost, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return inventory_for(bare, tmp_path_factory.mktemp("inventory-bare"))
+
+
+def test_the_bare_host_has_no_libfabric(bare):
+    assert "libfabric.so.1" not in bare.run("ldconfig -p").stdout
+    assert_untouched(bare)
+
+
+def test_a_wrong_efa_checksum_fails_before_anything_is_installed(bare, bare_inventory, server):
+    result = provision(bare_inventory, pins("a", server, epd_provision_efa_installer_sha256="0" * 64))
+    assert result.returncode != 0, result.describe()
+    assert "expected " + "0" * 64 in result.stdout and "Nothing was installed" in result.stdout, result.describe()
+    assert_untouched(bare)
+
+
+def test_a_repository_whose_signature_does_not_verify_fails_before_anything_is_installed(bare, bare_inventory, server):
+    # a key that did not sign the repository: apt refuses the repository's InRelease
+    wrong_key = f"{server}/apt/dists/{standins.SUITE}/Release.gpg"
+    result = provision(bare_inventory, pins("a", server, epd_provision_neuron_apt_key_url=wrong_key))
+    assert result.returncode != 0, result.describe()
+    assert "the Neuron apt repository does not serve the pins, nothing was installed" in result.stdout, (
+        result.describe()
+    )
+    assert_untouched(bare)
+
+
+def test_a_pin_the_repository_does_not_have_fails_before_anything_is_installed(bare, bare_inventory, server):
+    result = provision(bare_inventory, pins("a", server, epd_provision_neuron_driver_version="9.9.9.9"))
+    assert result.returncode != 0, result.describe()
+    assert "aws-neuronx-dkms 9.9.9.9" in result.stdout, result.describe()
+    assert_untouched(bare)
+
+
+def test_fresh_install_on_a_bare_host(bare, bare_inventory, server, record_timing):
+    start = time.monotonic()
+    result = provision(bare_inventory, pins("a", server))
+    record_timing("provision: fresh bare host", time.monotonic() - start)
+    assert result.returncode == 0, result.describe()
+    assert_release(bare, "a")
+    # the real parts: Debian's libfabric and NIXL's wheels, working
+    assert "libfabric.so.1" in bare.run("ldconfig -p").stdout
+    bare.run(f"{ENGINE_VENV}/bin/python -c 'import nixl, vllm, vllm_neuron; assert vllm.STANDIN'")
+    assert bare.run(f"readlink {ENGINE_VENV}").stdout.startswith(ENGINE_VENVS + "/")
+
+
+def test_a_second_run_changes_nothing(bare, bare_inventory, server):
+    result = provision(bare_inventory, pins("a", server))
+    assert result.returncode == 0, result.describe()
+    assert result.changed == 0, result.describe()
+    assert "every pin is installed, nothing to do" in result.stdout
+
+
+def test_the_sim_stack_deploys_on_the_provisioned_bare_host(bare, bare_inventory, server, host_pool):
+    host_pool.require_model()
+    result = playbook(bare_inventory, "playbooks/deploy.yml", pins("a", server))
+    assert result.returncode == 0, result.describe()
+    for unit in ("epd-engine@ve-0.service", "epd-engine@pd-0.service", "epd-router.service"):
+        assert bare.is_active(unit) == "active", unit
+    status = playbook(bare_inventory, "playbooks/status.yml", pins("a", server))
+    assert status.returncode == 0, status.describe()
+    assert f"{bare.name}: no drift from the pins" in status.stdout, status.describe()
+    assert "vllm_neuron 0.4.0+standin" in status.stdout, status.describe()
+
+
+def test_check_mode_reports_a_pin_change_and_changes_nothing(bare, bare_inventory, server):
+    link = bare.run(f"readlink {ENGINE_VENV}").stdout
+    result = provision(bare_inventory, pins("b", server), "--check")
+    assert result.returncode == 0, result.describe()
+    assert result.changed > 0, result.describe()
+    assert "--check: would install aws-neuronx-dkms=2.24.8.0-standin1" in result.stdout, result.describe()
+    assert_release(bare, "a")
+    assert bare.run(f"readlink {ENGINE_VENV}").stdout == link
+
+
+def test_a_pin_change_upgrades_and_keeps_the_previous_venv(bare, bare_inventory, server):
+    before = bare.run(f"readlink {ENGINE_VENV}").stdout.strip()
+    result = provision(bare_inventory, pins("b", server))
+    assert result.returncode == 0, result.describe()
+    assert_release(bare, "b")
+    after = bare.run(f"readlink {ENGINE_VENV}").stdout.strip()
+    assert after != before
+    assert sorted(bare.run(f"ls -d {ENGINE_VENVS}/*").stdout.split()) == sorted([before, after])
+    # status flags a host that differs from the pins (here: the old pins against the upgraded host)
+    status = playbook(bare_inventory, "playbooks/status.yml", pins("a", server))
+    assert status.returncode == 0, status.describe()
+    assert "DRIFT vllm_neuron 0.4.1+standin" in status.stdout, status.describe()
+
+
+def test_setting_the_pins_back_rolls_back_without_reinstalling_the_venv(bare, bare_inventory, server):
+    previous = sorted(bare.run(f"ls -d {ENGINE_VENVS}/*").stdout.split())
+    stamps = {d: bare.run(f"stat -c %Y {d}/.epd-complete").stdout.strip() for d in previous}
+    result = provision(bare_inventory, pins("a", server))
+    assert result.returncode == 0, result.describe()
+    assert_release(bare, "a")
+    assert sorted(bare.run(f"ls -d {ENGINE_VENVS}/*").stdout.split()) == previous
+    assert {d: bare.run(f"stat -c %Y {d}/.epd-complete").stdout.strip() for d in previous} == stamps
+
+
+def test_a_dlami_like_host_with_the_pins_is_left_alone(host_pool, server, tmp_path_factory):
+    dlami = boot(host_pool, DLAMI, "dlami")
+    release = standins.RELEASES["a"]
+    # what the DLAMI's image build did: the Neuron packages, the EFA software, a vLLM venv
+    keyring = "/usr/share/keyrings/standin-neuron.asc"
+    debs = " ".join(f"{p}={v}-{standins.DEB_REVISION}" for p, v in release.neuron.items())
+    efa = f"aws-efa-installer-{release.efa_installer}.tar.gz"
+    dlami.run(
+        f"set -e; curl -fsS -o {keyring} {server}/apt/GPG-PUB-KEY-EPD-STANDIN.PUB; "
+        f"echo 'deb [signed-by={keyring}] {server}/apt {standins.SUITE} main' > /etc/apt/sources.list.d/image.list; "
+        "apt-get update -o Dir::Etc::SourceList=/etc/apt/sources.list.d/image.list -o Dir::Etc::SourceParts=- -qq; "
+        f"DEBIAN_FRONTEND=noninteractive apt-get install -y -qq {debs}; "
+        f"cd /tmp && curl -fsS -O {server}/efa/{efa} && tar -xzf {efa} && aws-efa-installer/efa_installer.sh -y; "
+        f"python3 -m venv {DLAMI_VENV}; "
+        f"{DLAMI_VENV}/bin/pip install -q --no-index --no-deps --find-links {server.rsplit('/', 1)[0]}/wheels/ "
+        f"--find-links {server}/pip/ vllm=={release.vllm} vllm-neuron=={release.vllm_neuron} nixl==1.5.1 "
+        f"{' '.join(standins.ENGINE_EXTRA_REQUIREMENTS)}",
+        timeout=300,
+    )
+    inventory = inventory_for(dlami, tmp_path_factory.mktemp("inventory-dlami"))
+    result = provision(inventory, pins("a", server, epd_provision_engine_venv=DLAMI_VENV))
+    assert result.returncode == 0, result.describe()
+    assert result.changed == 0, result.describe()
+    assert "every pin is installed, nothing to do" in result.stdout
+    left = dlami.run(f"ls -d {PROVISIONED[0]} {PROVISIONED[1]} {ENGINE_VENVS} 2>/dev/null; true").stdout.split()
+    assert left == [], f"provisioning touched the DLAMI-like host: {left}"
