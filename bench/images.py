@@ -27,3 +27,11 @@ def jpeg(index: int, width: int = 512, height: int = 512, quality: int = 90) -> 
 
 def data_url(data: bytes) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(data).decode("ascii")
+
+
+def jpeg_variant(jpeg: bytes, n: int) -> bytes:
+    """Same pixels, different bytes (so a different content hash): a COM segment right after
+    SOI carries `n`."""
+    comment = f"bench-{n}".encode()
+    segment = b"\xff\xfe" + (len(comment) + 2).to_bytes(2, "big") + comment
+    return jpeg[:2] + segment + jpeg[2:]

@@ -96,3 +96,40 @@ def test_as_float32_reads_every_float_wire_dtype():
     values = np.array([0.5, -1.25, 3.0], np.float32)
     for wire in (values, values.astype(np.float16), m.to_bfloat16(values)):
         np.testing.assert_array_equal(m.as_float32(wire), values)
+
+
+@pytest.mark.parametrize("nbytes", [1, 2, 3, 4, 8, 16, 17, 255, 256, 65535, 65536, 70_001])
+def test_encoding_is_byte_for_byte_msgpack(nbytes):
+    """Our one-pass writer against msgpack's own packer, across every ext header form."""
+    data = np.frombuffer(np.random.default_rng(nbytes).bytes(nbytes), dtype=np.uint8)
+    item = {
+        "pixel_values": m.FieldElem(data, m.FieldSpec.flat(0, nbytes)),
+        "nothing": m.FieldElem(None, m.FieldSpec("shared")),
+        "image_grid_thw": m.FieldElem(np.asarray([1, 2, 3], np.int64), m.FieldSpec.batched(keep_on_cpu=True)),
+    }
+    doc = {
+        key: {
+            "data": None
+            if elem.data is None
+            else [m._NAMES[elem.data.dtype], list(elem.data.shape), msgpack.ExtType(3, elem.data.tobytes())],
+            "field": [elem.spec.factory, elem.spec.kwargs],
+        }
+        for key, elem in item.items()
+    }
+    assert m.encode_item(item) == msgpack.packb(doc, use_bin_type=True)
+
+
+def test_a_tensor_slot_is_filled_in_place_and_aligned():
+    pixels = m.to_bfloat16(np.random.default_rng(3).standard_normal((64, 1536)).astype(np.float32))
+    buf, views = m.encode_item_in_place(m.qwen_vl_item(m.TensorSlot(m.BFLOAT16, (64, 1536)), (1, 8, 8)))
+    view = views["pixel_values"]
+    assert view.shape == (64, 1536) and view.dtype == m.BFLOAT16
+    assert view.ctypes.data % 64 == 0  # numpy's fast paths
+    view[...] = pixels
+    assert bytes(buf) == m.encode_item(m.qwen_vl_item(pixels, (1, 8, 8)))
+    assert m.b64(buf) == base64.b64encode(bytes(buf))
+
+
+def test_an_unfilled_slot_cannot_be_encoded_by_value():
+    with pytest.raises(m.MMSerdeError, match="in place"):
+        m.encode_item(m.qwen_vl_item(m.TensorSlot(m.BFLOAT16, (4, 1536)), (1, 2, 2)))

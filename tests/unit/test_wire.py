@@ -1,5 +1,6 @@
 """Wire models: contract bodies parse, locators are strict, SSE framing survives chunking."""
 
+import base64
 import json
 
 import pytest
@@ -68,3 +69,14 @@ def test_sse_split_across_multibyte_boundary():
 def test_sse_frame_is_lf_only_ascii():
     frame = wire.sse_frame({"t": "é"})
     assert frame.endswith(b"\n\n") and b"\r" not in frame and frame.isascii()
+
+
+def test_ve_body_chunks_pass_the_items_through_and_join_to_the_body():
+    kwargs = [base64.b64encode(bytes(range(256)) * 40), b"QUJD"]
+    items = [("a" * 64, 256, kwargs[0]), ("b" * 64, 16, kwargs[1])]
+    for some in (items[:1], items):
+        chunks = wire.encode_request_chunks("rid/enc/epd-ve-0", some)
+        as_text = [(h, n, k.decode()) for h, n, k in some]
+        body = wire.encode_request("rid/enc/epd-ve-0", as_text).wire_dict()
+        assert b"".join(chunks) == json.dumps(body, separators=(",", ":")).encode()
+        assert all(any(c is k for c in chunks) for _, _, k in some)  # the objects, not copies

@@ -8,7 +8,8 @@ API (the router codes against this; see docs/preprocessing.md for the details)::
         rendered.token_ids        prompt ids, <|image_pad|> expanded (N = t*h*w / merge^2 each)
         rendered.items            [PreparedItem] in prompt order, duplicates kept:
                                   mm_hash, offset, length, grid_thw, num_patches,
-                                  ve_kwargs_b64 (pixel_values + image_grid_thw, for a VE),
+                                  ve_kwargs (pixel_values + image_grid_thw, for a VE,
+                                  base64 ASCII bytes; ve_kwargs_b64 the same as text),
                                   pd_kwargs_b64 (image_grid_thw only, for a PD)
         rendered.unique_items()   {mm_hash: first PreparedItem}: what to encode
         rendered.pd_features()    wire.Features for the PD request

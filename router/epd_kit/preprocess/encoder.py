@@ -1,29 +1,32 @@
-"""How a prepared image becomes `kwargs_data` strings (docs/contract.md §2.5), behind a protocol.
+"""How a prepared image becomes `kwargs_data` (docs/contract.md §2.5), behind a protocol.
 
 The default encoder is our own mm_serde codec (epd_kit.mm_serde); production can plug in an
 encoder built on vLLM's `mm_serde.encode_mm_kwargs_item` without touching the pipeline.
+
+A VE item is megabytes, so the encoder owns the buffer the pixel values are written into:
+it hands `fill` an array to write them in, and ours makes that array a view of the
+serialized document itself (pixels computed once, straight into the bytes that are
+base64-encoded; no copy in between).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
 
 from .. import mm_serde
 
-try:  # SIMD base64, what vLLM itself uses; a VE item is megabytes of base64
-    from pybase64 import b64encode_as_string as _b64
-except ImportError:  # pragma: no cover - same output, slower
-    import base64
-
-    def _b64(data: bytes) -> str:
-        return base64.b64encode(data).decode("ascii")
+PixelFill = Callable[[np.ndarray], object]  # writes pixel_values into the array it is given
 
 
 class ItemEncoder(Protocol):
-    def encode_ve(self, pixel_values: np.ndarray, grid_thw: tuple[int, int, int]) -> str:
-        """The full item for a VE: pixel_values + image_grid_thw."""
+    def encode_ve(
+        self, grid_thw: tuple[int, int, int], shape: tuple[int, int], dtype: np.dtype, fill: PixelFill
+    ) -> bytes:
+        """The full item for a VE (pixel_values + image_grid_thw) as base64 ASCII bytes;
+        `fill(out)` writes pixel_values of `shape` and `dtype` into `out`."""
 
     def encode_pd(self, grid_thw: tuple[int, int, int]) -> str:
         """The LM-only item for a PD: image_grid_thw (M-RoPE)."""
@@ -32,9 +35,14 @@ class ItemEncoder(Protocol):
 class MmSerdeEncoder:
     """Qwen-VL items through epd_kit.mm_serde (base64 msgpack, tensors inline)."""
 
-    def encode_ve(self, pixel_values: np.ndarray, grid_thw: tuple[int, int, int]) -> str:
-        return _b64(mm_serde.encode_item(mm_serde.qwen_vl_item(pixel_values, grid_thw)))
+    def encode_ve(
+        self, grid_thw: tuple[int, int, int], shape: tuple[int, int], dtype: np.dtype, fill: PixelFill
+    ) -> bytes:
+        item = mm_serde.qwen_vl_item(mm_serde.TensorSlot(np.dtype(dtype), shape), grid_thw)
+        buf, views = mm_serde.encode_item_in_place(item)
+        fill(views["pixel_values"])
+        return mm_serde.b64(buf)
 
     def encode_pd(self, grid_thw: tuple[int, int, int]) -> str:
-        item = mm_serde.qwen_vl_item(np.zeros((0, 0), dtype=np.float32), grid_thw)
-        return _b64(mm_serde.encode_item(mm_serde.lm_only(item)))
+        no_pixels = mm_serde.TensorSlot(np.dtype(np.float32), (0, 0))  # stripped by lm_only
+        return mm_serde.encode_item_b64(mm_serde.lm_only(mm_serde.qwen_vl_item(no_pixels, grid_thw)))

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import ExifTags, Image, ImageOps
 
 from .. import mm_serde
 from .errors import ImageDimensionsRejected, ImageOverBudget, ImageTooLarge, NotAnImage
@@ -73,8 +73,14 @@ def upright(image: Image.Image) -> Image.Image:
     """The image as displayed: its EXIF orientation applied. A broken EXIF block leaves the
     image as stored, as vLLM's `normalize_image` does."""
     with contextlib.suppress(Exception):
-        image = ImageOps.exif_transpose(image)
+        # an upright photo (the common case) is returned as is, not copied
+        return ImageOps.exif_transpose(image, in_place=False) if _orientation(image) != 1 else image
     return image
+
+
+def _orientation(image: Image.Image) -> int:
+    """The EXIF orientation tag (1 = upright, also when absent)."""
+    return int(image.getexif().get(ExifTags.Base.Orientation, 1))
 
 
 def _check_frames(image: Image.Image, limit: int) -> None:
@@ -205,23 +211,40 @@ class PixelEncoder:
     def __init__(self, vision: VisionSettings) -> None:
         self._vision = vision
         self._table = _value_table(vision)
+        # numpy moves structured dtypes (BFLOAT16) element by element: gather and lay out
+        # the same bytes as plain integers of the same width instead (several times faster)
+        self._plain = np.dtype(f"<u{self._table.dtype.itemsize}") if self._table.dtype.names else self._table.dtype
 
     def resize(self, image: Image.Image, plan: ResizePlan) -> Image.Image:
         if image.size == (plan.width, plan.height):
             return image
         return image.resize((plan.width, plan.height), resample=Image.Resampling.BICUBIC)
 
-    def pixel_values(self, resized: Image.Image) -> np.ndarray:
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype pixel_values are written in (mm_serde.BFLOAT16 words for bfloat16)."""
+        return self._table.dtype
+
+    def shape(self, plan: ResizePlan) -> tuple[int, int]:
+        """(patches, values per patch) of the pixel_values of an image resized to `plan`."""
+        return plan.num_patches, self._vision.patch_dim
+
+    def pixel_values(self, resized: Image.Image, out: np.ndarray | None = None) -> np.ndarray:
+        """`out`: where to write them (shape `shape(plan)`, dtype `dtype`), e.g. a view into
+        the buffer that is serialized next; a new array without it."""
         v = self._vision
         p, m, t = v.patch_size, v.merge_size, v.temporal_patch_size
         hwc = np.asarray(resized, dtype=np.uint8)
         height, width, _ = hwc.shape
         gh, gw = height // p, width // p
-        chw = np.empty((3, height, width), dtype=self._table.dtype)
+        table = self._table.view(self._plain)
+        chw = np.empty((3, height, width), dtype=self._plain)
         for c in range(3):  # byte -> normalized float, one table lookup per pixel
-            np.take(self._table[c], hwc[:, :, c], out=chw[c])
+            np.take(table[c], hwc[:, :, c], out=chw[c])
         # (C, gh/m, m, p, gw/m, m, p) -> (gh/m, gw/m, m, m, C, p, p)
         blocks = chw.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
-        out = np.empty((gh // m, gw // m, m, m, 3, t, p, p), dtype=self._table.dtype)
-        out[...] = blocks[:, :, :, :, :, None]  # the still frame repeated t times
-        return out.reshape(gh * gw, 3 * t * p * p)
+        if out is None:
+            out = np.empty((gh * gw, v.patch_dim), dtype=self._table.dtype)
+        # views of `out` (C-contiguous), so the write lands in it; the frame repeated t times
+        out.view(self._plain).reshape(gh // m, gw // m, m, m, 3, t, p, p)[...] = blocks[:, :, :, :, :, None]
+        return out

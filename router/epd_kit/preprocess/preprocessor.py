@@ -40,11 +40,16 @@ class PreparedImage:
     grid_thw: tuple[int, int, int]
     num_patches: int
     num_tokens: int  # placeholder length = patches / merge_size^2
-    ve_kwargs_b64: str
+    ve_kwargs: bytes  # base64 ASCII, spliced into VE bodies as is (never copied per request)
     pd_kwargs_b64: str
     source_size: tuple[int, int]  # (width, height) as sent
     resized_size: tuple[int, int]  # (width, height) fed to the patcher
     downscaled_for_budget: bool
+
+    @property
+    def ve_kwargs_b64(self) -> str:
+        """`ve_kwargs` as text (a copy: for tools and tests, not the request path)."""
+        return self.ve_kwargs.decode()
 
 
 @dataclass(frozen=True)
@@ -56,9 +61,14 @@ class PreparedItem:
     length: int  # number of <|image_pad|> tokens
     grid_thw: tuple[int, int, int]
     num_patches: int
-    ve_kwargs_b64: str  # full item for a VE (pixel_values + image_grid_thw)
+    ve_kwargs: bytes  # full item for a VE (pixel_values + image_grid_thw), base64 ASCII
     pd_kwargs_b64: str  # LM-only item for a PD (image_grid_thw)
     downscaled_for_budget: bool = False
+
+    @property
+    def ve_kwargs_b64(self) -> str:
+        """`ve_kwargs` as text (a copy: for tools and tests, not the request path)."""
+        return self.ve_kwargs.decode()
 
     @property
     def placeholder(self) -> wire.Placeholder:
@@ -240,7 +250,7 @@ class Preprocessor:
                     length=image.num_tokens,
                     grid_thw=image.grid_thw,
                     num_patches=image.num_patches,
-                    ve_kwargs_b64=image.ve_kwargs_b64,
+                    ve_kwargs=image.ve_kwargs,
                     pd_kwargs_b64=image.pd_kwargs_b64,
                     downscaled_for_budget=image.downscaled_for_budget,
                 )
@@ -291,14 +301,19 @@ class Preprocessor:
         return out
 
     async def _load(self, ref: ImageRef, payload: bytes | memoryview | None) -> tuple[str, bytes]:
-        """Bytes and content hash of one image reference."""
+        """Bytes and content hash of one image reference (one hop to the image pool)."""
         if ref.url[:5].lower() == "data:":
-            data = await self._run(self._image_pool, _with_param, ref, decode_data_url, ref.url, self.limits, payload)
-        else:
-            fetched = await _with_param_async(ref, self._fetcher.fetch(ref.url))
-            data = await self._run(self._image_pool, _with_param, ref, check_fetched_image, ref.url, fetched)
-        mm_hash = await self._run(self._image_pool, image_hash, self.model_id, data, self._settings_blob)
-        return mm_hash, data
+            return await self._run(self._image_pool, _with_param, ref, self._read_data_url, ref.url, payload)
+        fetched = await _with_param_async(ref, self._fetcher.fetch(ref.url))
+        return await self._run(self._image_pool, _with_param, ref, self._check_fetched, ref.url, fetched)
+
+    def _read_data_url(self, url: str, payload: bytes | memoryview | None) -> tuple[str, bytes]:
+        data = decode_data_url(url, self.limits, payload)
+        return image_hash(self.model_id, data, self._settings_blob), data
+
+    def _check_fetched(self, url: str, fetched: bytes) -> tuple[str, bytes]:
+        data = check_fetched_image(url, fetched)
+        return image_hash(self.model_id, data, self._settings_blob), data
 
     async def _prepare_into(self, fut: asyncio.Future[PreparedImage], mm_hash: str, data: bytes, ref: ImageRef) -> None:
         """Runs as its own task: a cancelled client request does not cancel work others share."""
@@ -310,7 +325,7 @@ class Preprocessor:
             return
         finally:
             self._inflight.pop(mm_hash, None)
-        self._cache.put(mm_hash, image, len(image.ve_kwargs_b64) + len(image.pd_kwargs_b64))
+        self._cache.put(mm_hash, image, len(image.ve_kwargs) + len(image.pd_kwargs_b64))
         fut.set_result(image)
 
     def _prepare(self, mm_hash: str, data: bytes) -> PreparedImage:
@@ -319,14 +334,15 @@ class Preprocessor:
         rgb = decode_image(data, self.limits)
         width, height = rgb.size
         plan = plan_resize(height, width, self.vision, self.limits)
-        pixel_values = self._pixels.pixel_values(self._pixels.resize(rgb, plan))
+        resized = self._pixels.resize(rgb, plan)
+        fill = functools.partial(self._pixels.pixel_values, resized)
         merge_area = self.vision.merge_size**2
         image = PreparedImage(
             mm_hash=mm_hash,
             grid_thw=plan.grid_thw,
             num_patches=plan.num_patches,
             num_tokens=plan.num_patches // merge_area,
-            ve_kwargs_b64=self._encoder.encode_ve(pixel_values, plan.grid_thw),
+            ve_kwargs=self._encoder.encode_ve(plan.grid_thw, self._pixels.shape(plan), self._pixels.dtype, fill),
             pd_kwargs_b64=self._encoder.encode_pd(plan.grid_thw),
             source_size=(width, height),
             resized_size=(plan.width, plan.height),

@@ -1,11 +1,21 @@
 """VE encode: every unique item of a request on its HRW VE, all VEs in parallel, a failed VE
-call retried on each item's next HRW choice; and the re-encode of items whose locators went
-bad before a PD retry."""
+call retried on each item's next HRW choice; the re-encode of items whose locators went bad
+before a PD retry; and the VE body itself (`ve_body`).
+
+A VE body is megabytes of base64 pixels (docs/contract.md §2.2). The preprocessor caches each
+item's kwargs as ready-to-send bytes, keyed by its mm_hash and bounded by the image cache; a
+body is those bytes themselves between two small JSON pieces (`VeBody.chunks`), so a repeated
+image costs no copy, no JSON scan and no re-encoding on the router, only the send. Skipping
+the send for an item the VE still holds is not done: see docs/preprocessing.md "Repeated
+images".
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 from epd_kit.router.context import RequestContext
 from epd_kit.router.engine_client import EngineClient
@@ -15,9 +25,53 @@ from epd_kit.router.placement import Item, group_by_ve, place_items
 from epd_kit.router.pools import Engine
 from epd_kit.router.rendering import PreparedItemLike
 from epd_kit.router.state import RouterState
-from epd_kit.wire import EcLocator
+from epd_kit.wire import EcLocator, encode_request_chunks
 
 log = logging.getLogger("epd_router.encode")
+
+
+@dataclass(frozen=True)
+class VeBody:
+    """One VE request body (docs/contract.md §2.2) as the byte chunks to send in order; the
+    items' kwargs are the cached bytes themselves. Send them with `content_length`, without
+    joining (a join copies megabytes)."""
+
+    chunks: tuple[bytes, ...]
+
+    @property
+    def content_length(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"content-type": "application/json", "content-length": str(self.content_length)}
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """The chunks as an async iterator, a fresh one per call (a resend starts over)."""
+        for chunk in self.chunks:
+            yield chunk
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+def ve_request_id(request_id: str, engine_id: str) -> str:
+    """`<router request id>/enc/<VE id>` (docs/contract.md §2.2)."""
+    return f"{request_id}/enc/{engine_id}"
+
+
+def ve_body(request_id: str, engine_id: str, items: Sequence[PreparedItemLike]) -> VeBody:
+    """The body of one encode POST to VE `engine_id`: synthetic zero prompt, contiguous
+    placeholders, the full items, one token (docs/contract.md §2.2)."""
+    entries = [(i.mm_hash, i.length, _ve_kwargs(i)) for i in items]
+    return VeBody(tuple(encode_request_chunks(ve_request_id(request_id, engine_id), entries)))
+
+
+def _ve_kwargs(item: PreparedItemLike) -> bytes:
+    """The item's cached base64 bytes (`PreparedItem.ve_kwargs`); an item that only has the
+    text form (a test double) is encoded here."""
+    cached = getattr(item, "ve_kwargs", None)
+    return cached if isinstance(cached, bytes) else item.ve_kwargs_b64.encode("ascii")
 
 
 class Encoder:

@@ -13,9 +13,11 @@ class RecordingEncoder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[int, int, int], tuple[int, ...]]] = []
 
-    def encode_ve(self, pixel_values: np.ndarray, grid_thw: tuple[int, int, int]) -> str:
-        self.calls.append(("ve", grid_thw, pixel_values.shape))
-        return f"ve:{grid_thw}"
+    def encode_ve(self, grid_thw, shape, dtype, fill) -> bytes:
+        pixels = np.zeros(shape, dtype)
+        fill(pixels)
+        self.calls.append(("ve", grid_thw, pixels.shape))
+        return f"ve:{grid_thw}".encode()
 
     def encode_pd(self, grid_thw: tuple[int, int, int]) -> str:
         self.calls.append(("pd", grid_thw, ()))
@@ -48,5 +50,6 @@ def test_default_encoder_equals_the_shared_codec() -> None:
     pixels = np.random.default_rng(1).standard_normal((16, 1536)).astype(np.float32)
     item = mm_serde.qwen_vl_item(pixels, (1, 4, 4))
     enc = MmSerdeEncoder()
-    assert enc.encode_ve(pixels, (1, 4, 4)) == mm_serde.encode_item_b64(item)
+    ve = enc.encode_ve((1, 4, 4), pixels.shape, pixels.dtype, lambda out: np.copyto(out, pixels))
+    assert ve.decode() == mm_serde.encode_item_b64(item)
     assert enc.encode_pd((1, 4, 4)) == mm_serde.encode_item_b64(mm_serde.lm_only(item))

@@ -126,7 +126,7 @@ async def test_cache_hit_skips_decode_resize_and_serialization(pre, monkeypatch)
     monkeypatch.setattr(pre, "_prepare", must_not_run)
     second = await pre.render(msg)
     assert (pre.stats.cache_hits, pre.stats.cache_misses, pre.stats.images_prepared) == (1, 1, 1)
-    assert second.items[0].ve_kwargs_b64 is first.items[0].ve_kwargs_b64  # the cached string itself
+    assert second.items[0].ve_kwargs is first.items[0].ve_kwargs  # the cached bytes themselves
 
 
 async def test_concurrent_requests_prepare_a_new_image_once(pre) -> None:
