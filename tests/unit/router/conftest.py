@@ -36,7 +36,7 @@ def item(mm_hash: str, offset: int, length: int, ve: str = "K", pd: str = "P") -
         length=length,
         grid_thw=(1, 2, 2 * length),
         num_patches=4 * length,
-        ve_kwargs_b64=ve,
+        ve_kwargs=ve.encode(),
         pd_kwargs_b64=pd,
     )
 
