@@ -16,9 +16,9 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from epd_kit.router.context import RequestContext
-from epd_kit.router.engine_client import EngineClient
 from epd_kit.router.errors import EcLoadFailed, RouterError, UpstreamError
 from epd_kit.router.metrics import RouterMetrics
 from epd_kit.router.placement import Item, group_by_ve, place_items
@@ -26,6 +26,9 @@ from epd_kit.router.pools import Engine
 from epd_kit.router.rendering import PreparedItemLike
 from epd_kit.router.state import RouterState
 from epd_kit.wire import EcLocator, encode_request_chunks
+
+if TYPE_CHECKING:  # engine_client builds its VE bodies with `ve_body` from here
+    from epd_kit.router.engine_client import EngineClient
 
 log = logging.getLogger("epd_router.encode")
 
