@@ -1,5 +1,11 @@
-"""The FastAPI app: one `RouterService`, its lifespan, the routes and error handlers of
-routes.py. Wiring only (no module globals: two apps in one process share nothing)."""
+"""The ASGI app: one `RouterService`, its lifespan, the routes and error handlers of
+routes.py. Wiring only (no module globals: two apps in one process share nothing).
+
+`POST /v1/chat/completions` goes straight to its handler; FastAPI serves everything else
+(operations endpoints, 404/405 envelopes, the lifespan). Its routing and middleware stack
+cost about a seventh of a text request's CPU (docs/benchmarks.md §1), and the chat handler
+needs none of it: it reads the raw body and answers every outcome itself.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from starlette.datastructures import State
+from starlette.types import Receive, Scope, Send
 
 from epd_kit.router.config import RouterConfig
 from epd_kit.router.rendering import Renderer
-from epd_kit.router.routes import EXCEPTION_HANDLERS, routes
+from epd_kit.router.routes import CHAT_PATH, EXCEPTION_HANDLERS, chat_completions, routes
 from epd_kit.router.service import RouterService
 
 log = logging.getLogger("epd_router.app")
@@ -41,12 +49,35 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         await service.stop()
 
 
+class RouterApp:
+    """The router's ASGI callable: the chat route on a short path, the rest through `api`."""
+
+    def __init__(self, api: FastAPI) -> None:
+        self.api = api
+
+    @property
+    def state(self) -> State:
+        return self.api.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == CHAT_PATH:
+            scope["app"] = self.api  # what `request.app` is on FastAPI's path too
+            request = Request(scope, receive, send)
+            try:
+                response = await chat_completions(request)
+            except Exception as exc:  # a router bug outside the handler's own net: still an envelope
+                response = await EXCEPTION_HANDLERS[Exception](request, exc)
+            await response(scope, receive, send)
+            return
+        await self.api(scope, receive, send)
+
+
 def create_app(
     cfg: RouterConfig,
     renderer: Renderer | None = None,
     *,
     config_path: Path | None = None,
-) -> FastAPI:
+) -> RouterApp:
     app = FastAPI(
         title="epd-router",
         lifespan=_lifespan,
@@ -57,4 +88,4 @@ def create_app(
     )
     app.state.service = RouterService(cfg, renderer or build_renderer(cfg), config_path=config_path)
     app.include_router(routes)
-    return app
+    return RouterApp(app)

@@ -11,8 +11,8 @@ logs carry both.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -35,7 +35,8 @@ class RequestContext:
     request: ChatCompletionRequest
     model: str
     total_timeout_s: float  # timeouts.total_s when the request arrived
-    engine_request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # 32 hex digits like uuid4().hex, at a sixth of its cost (it is made for every request)
+    engine_request_id: str = field(default_factory=lambda: secrets.token_hex(16))
     intake: Releasable | None = None  # the request's place in the preprocessing limit
     # image payloads kept apart from the messages (body.py), until rendering is over
     inline: dict[str, memoryview] = field(default_factory=dict)
@@ -57,7 +58,7 @@ class RequestContext:
         inline: dict[str, memoryview] | None = None,
     ) -> RequestContext:
         return cls(
-            request_id=request_id or uuid.uuid4().hex,
+            request_id=request_id or secrets.token_hex(16),
             request=request,
             model=request.model or cfg.model_name,
             total_timeout_s=cfg.timeouts.total_s,

@@ -7,8 +7,8 @@ import asyncio
 import contextlib
 import logging
 import re
+import secrets
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -35,6 +35,8 @@ T = TypeVar("T")
 
 routes = APIRouter()
 
+CHAT_PATH = "/v1/chat/completions"
+
 
 def _service(request: Request) -> RouterService:
     return request.app.state.service
@@ -48,11 +50,12 @@ def _check_key(request: Request, protected: bool = True) -> None:
 # --- OpenAI surface ---------------------------------------------------------------------------
 
 
-@routes.post("/v1/chat/completions")
+@routes.post(CHAT_PATH)
 async def chat_completions(request: Request) -> Response:
     """Every outcome is counted once (`RequestOutcome`) and answered with the request id: a
     `RouterError` as its envelope, anything else as a 500 envelope (a router bug, logged with
-    its traceback), a client that left as a quiet 499."""
+    its traceback), a client that left as a quiet 499. app.py calls it directly, outside
+    FastAPI's routing and error handlers."""
     service = _service(request)
     outcome = service.metrics.track_request()
     given = request.headers.get("x-request-id")
@@ -221,7 +224,7 @@ async def metrics(request: Request) -> Response:
 def _request_id(request: Request) -> str:
     """The client's id when it is a valid one, else a fresh one: every error carries an id."""
     given = request.headers.get("x-request-id")
-    return given if given is not None and REQUEST_ID_RE.match(given) else uuid.uuid4().hex
+    return given if given is not None and REQUEST_ID_RE.match(given) else secrets.token_hex(16)
 
 
 async def _router_error(request: Request, exc: RouterError) -> Response:
