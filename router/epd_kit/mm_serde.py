@@ -162,14 +162,18 @@ def _layout(item: MMItem) -> tuple[list[bytes | np.ndarray | TensorSlot], int]:
     return pieces, sum(p.nbytes if not isinstance(p, bytes) else len(p) for p in pieces)
 
 
-def encode_item_in_place(item: MMItem) -> tuple[memoryview, dict[str, np.ndarray]]:
+def encode_item_in_place(item: MMItem, scratch: np.ndarray | None = None) -> tuple[memoryview, dict[str, np.ndarray]]:
     """The item's msgpack document in one buffer, plus a writable view of the buffer for each
     `TensorSlot` field: the caller fills those views before using the buffer. The first
     tensor starts on a 64-byte boundary (numpy writes to misaligned memory several times
-    slower), which is why the document sits at an offset inside a larger allocation."""
+    slower), which is why the document sits at an offset inside a larger allocation.
+    `scratch`: a uint8 array to build it in when it is large enough (`scratch_bytes`), so a
+    caller that encodes item after item reuses memory instead of faulting in fresh pages;
+    the result is then only valid until the caller's next use of `scratch`."""
     pieces, size = _layout(item)
     first_tensor = len(pieces[0]) if len(pieces) > 1 else 0
-    raw = np.empty(size + _ALIGN, np.uint8)
+    fits = scratch is not None and scratch.size >= scratch_bytes(size)
+    raw = scratch if fits else np.empty(scratch_bytes(size), np.uint8)
     start = (-(raw.ctypes.data + first_tensor)) % _ALIGN
     doc = raw[start : start + size]
     views: dict[str, np.ndarray] = {}
@@ -187,6 +191,16 @@ def encode_item_in_place(item: MMItem) -> tuple[memoryview, dict[str, np.ndarray
             region[:] = piece.reshape(-1).view(np.uint8)
         pos += piece.nbytes
     return memoryview(doc), views
+
+
+def scratch_bytes(size: int) -> int:
+    """The scratch size a document of `size` bytes needs (room to align its first tensor)."""
+    return size + _ALIGN
+
+
+def item_size(item: MMItem) -> int:
+    """The encoded size of an item in bytes (TensorSlots counted at their full size)."""
+    return _layout(item)[1]
 
 
 def encode_item(item: MMItem) -> bytes:

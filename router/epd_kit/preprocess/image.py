@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -211,6 +212,7 @@ class PixelEncoder:
     def __init__(self, vision: VisionSettings) -> None:
         self._vision = vision
         self._table = _value_table(vision)
+        self._scratch = threading.local()  # per worker thread: buffers reused image after image
         # numpy moves structured dtypes (BFLOAT16) element by element: gather and lay out
         # the same bytes as plain integers of the same width instead (several times faster)
         self._plain = np.dtype(f"<u{self._table.dtype.itemsize}") if self._table.dtype.names else self._table.dtype
@@ -219,6 +221,16 @@ class PixelEncoder:
         if image.size == (plan.width, plan.height):
             return image
         return image.resize((plan.width, plan.height), resample=Image.Resampling.BICUBIC)
+
+    def _buffers(self, height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """This thread's (channel planes, looked-up values) for a height x width image: views
+        of buffers kept across images (fresh memory costs a page fault per 4 KiB written),
+        grown to fit (a resized image is bounded by limits.max_image_patches)."""
+        n = 3 * height * width
+        s = self._scratch
+        if getattr(s, "planes", None) is None or s.planes.size < n:
+            s.planes, s.values = np.empty(n, np.uint8), np.empty(n, self._plain)
+        return s.planes[:n].reshape(3, height, width), s.values[:n].reshape(3, height, width)
 
     @property
     def dtype(self) -> np.dtype:
@@ -238,9 +250,10 @@ class PixelEncoder:
         height, width, _ = hwc.shape
         gh, gw = height // p, width // p
         table = self._table.view(self._plain)
-        chw = np.empty((3, height, width), dtype=self._plain)
-        for c in range(3):  # byte -> normalized float, one table lookup per pixel
-            np.take(table[c], hwc[:, :, c], out=chw[c])
+        planes, chw = self._buffers(height, width)
+        np.copyto(planes, hwc.transpose(2, 0, 1))  # numpy's take is ~3x slower on strided indices
+        for c in range(3):  # byte -> normalized float, one table lookup per pixel (a byte is < 256: "clip" never clips)
+            np.take(table[c], planes[c], out=chw[c], mode="clip")
         # (C, gh/m, m, p, gw/m, m, p) -> (gh/m, gw/m, m, m, C, p, p)
         blocks = chw.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
         if out is None:

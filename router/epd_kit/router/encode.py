@@ -4,8 +4,8 @@ before a PD retry; and the VE body itself (`ve_body`).
 
 A VE body is megabytes of base64 pixels (docs/contract.md §2.2). The preprocessor caches each
 item's kwargs as ready-to-send bytes, keyed by its mm_hash and bounded by the image cache; a
-body is those bytes themselves between two small JSON pieces (`VeBody.chunks`), so a repeated
-image costs no copy, no JSON scan and no re-encoding on the router, only the send. Skipping
+body is those bytes themselves between small JSON pieces (`VeBody.chunks`), so a repeated image
+costs no copy, no JSON scan and no re-encoding on the router, only the send. Skipping
 the send for an item the VE still holds is not done: see docs/preprocessing.md "Repeated
 images".
 """
@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import aiohttp.payload
+from aiohttp.abc import AbstractStreamWriter
 
 from epd_kit.router.context import RequestContext
 from epd_kit.router.errors import EcLoadFailed, RouterError, UpstreamError
@@ -33,26 +35,36 @@ if TYPE_CHECKING:  # engine_client builds its VE bodies with `ve_body` from here
 log = logging.getLogger("epd_router.encode")
 
 
-@dataclass(frozen=True)
-class VeBody:
+class VeBody(aiohttp.payload.Payload):
     """One VE request body (docs/contract.md §2.2) as the byte chunks to send in order; the
-    items' kwargs are the cached bytes themselves. Send them with `content_length`, without
-    joining (a join copies megabytes)."""
+    items' kwargs are the cached bytes themselves. An aiohttp payload, so the engine client
+    posts it as it posts bytes (`data=`): Content-Length from `size`, the chunks written one
+    by one (aiohttp joins only the first, small one with the request head), reusable for a
+    resend. Joining them would copy megabytes per request."""
 
-    chunks: tuple[bytes, ...]
+    _autoclose = True  # nothing to close: bytes in memory
 
-    @property
-    def content_length(self) -> int:
-        return sum(len(c) for c in self.chunks)
+    def __init__(self, chunks: Sequence[bytes]) -> None:
+        self.chunks = tuple(chunks)
+        super().__init__(self.chunks, content_type="application/json")
+        self._size = sum(len(c) for c in self.chunks)
 
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"content-type": "application/json", "content-length": str(self.content_length)}
+    async def write(self, writer: AbstractStreamWriter) -> None:
+        await self.write_with_length(writer, None)
 
-    async def stream(self) -> AsyncIterator[bytes]:
-        """The chunks as an async iterator, a fresh one per call (a resend starts over)."""
+    async def write_with_length(self, writer: AbstractStreamWriter, content_length: int | None) -> None:
+        remaining = self._size if content_length is None else content_length
         for chunk in self.chunks:
-            yield chunk
+            if remaining <= 0:
+                return
+            await writer.write(chunk if len(chunk) <= remaining else chunk[:remaining])
+            remaining -= len(chunk)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return bytes(self).decode(encoding, errors)
+
+    async def as_bytes(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        return bytes(self)
 
     def __bytes__(self) -> bytes:
         return b"".join(self.chunks)
@@ -67,7 +79,7 @@ def ve_body(request_id: str, engine_id: str, items: Sequence[PreparedItemLike]) 
     """The body of one encode POST to VE `engine_id`: synthetic zero prompt, contiguous
     placeholders, the full items, one token (docs/contract.md §2.2)."""
     entries = [(i.mm_hash, i.length, _ve_kwargs(i)) for i in items]
-    return VeBody(tuple(encode_request_chunks(ve_request_id(request_id, engine_id), entries)))
+    return VeBody(encode_request_chunks(ve_request_id(request_id, engine_id), entries))
 
 
 def _ve_kwargs(item: PreparedItemLike) -> bytes:
