@@ -182,7 +182,7 @@ class EngineClient:
     async def _encode(self, engine: Engine, items: Sequence[PreparedItemLike], request_id: str) -> dict[str, EcLocator]:
         deadline = deadlines.encode_s(self._state.cfg.timeouts, engine.inflight_work)
         what = f"{len(items)} item(s), {engine.inflight_work} embedding tokens in flight on it"
-        body = bytes(ve_body(request_id, engine.id, items))
+        body = ve_body(request_id, engine.id, items)
         answer = await self._post(engine, body, deadline, what)
         if answer.status != 200:
             raise upstream.classify_status(answer, engine)
