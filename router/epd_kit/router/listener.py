@@ -1,5 +1,5 @@
-"""The client-facing HTTP/1.1 listener: uvicorn's h11 protocol plus the limits uvicorn does
-not enforce. Measured with uvicorn 0.54: no header or body timeout (a half-sent head or a
+"""The client-facing HTTP/1.1 listener: uvicorn's httptools protocol plus the limits uvicorn
+does not enforce. Measured with uvicorn 0.54: no header or body timeout (a half-sent head or a
 short body holds a connection forever), a fresh connection that never sends stays open, and
 `limit_concurrency` counts requests, not sockets. So, per connection (`listen` settings):
 
@@ -9,10 +9,16 @@ short body holds a connection forever), a fresh connection that never sends stay
   sees the client leave: a quiet 499 in its log);
 - idle timeout: uvicorn's keep-alive timer (`timeout_keep_alive`);
 - connection cap: a connection beyond `max_connections` gets a 503 with Retry-After, closed;
-- a malformed request gets uvicorn's 400 as the router's JSON error envelope.
+- a malformed request gets uvicorn's 400 as the router's JSON error envelope;
+- shutdown (uvicorn's at exit, or a process of a group that stops accepting): a connection
+  whose first request head is not complete yet is not reset, since that request may already
+  be on the wire; it is served and closed after its response (or at its header timeout).
 
 Each close is counted (`epd_router_client_connections_closed_total{reason}`); no log line
 per connection, so a flood of slow clients cannot flood the journal.
+
+httptools (llhttp, C) rather than h11 (pure Python): a quarter of the server's CPU per request
+(docs/dependencies.md has the figures).
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import h11
+import httptools
 from uvicorn.config import Config
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from epd_kit.router.config import Listen
@@ -38,7 +44,7 @@ _REASONS = {408: "Request Timeout", 400: "Bad Request", 503: "Service Unavailabl
 
 def raw_response(error: RouterError) -> bytes:
     """A complete `Connection: close` response with the error envelope, written straight to
-    the socket (there may be no request h11 could answer)."""
+    the socket (there may be no request the parser could answer)."""
     body = error.body(uuid.uuid4().hex)
     headers = [
         f"HTTP/1.1 {error.status} {_REASONS.get(error.status, 'Error')}",
@@ -50,7 +56,7 @@ def raw_response(error: RouterError) -> bytes:
     return ("\r\n".join(headers) + "\r\n\r\n").encode("latin-1") + body
 
 
-class GuardedH11Protocol(H11Protocol):
+class GuardedHttpProtocol(HttpToolsProtocol):
     """One client connection; see the module docstring. Built by `protocol_factory`."""
 
     def __init__(
@@ -68,6 +74,8 @@ class GuardedH11Protocol(H11Protocol):
         self._closed = closed
         self._timer: asyncio.TimerHandle | None = None
         self._phase: str | None = None  # "header" or "body" while a deadline runs
+        self._receiving = False  # between the first byte of a request and its end
+        self._shutting_down = False  # close after the response to the request now arriving
 
     # --- asyncio.Protocol ------------------------------------------------------------------
 
@@ -82,46 +90,49 @@ class GuardedH11Protocol(H11Protocol):
         self._arm("header", self._listen.header_timeout_s)
 
     def data_received(self, data: bytes) -> None:
-        if self._phase is None and self.conn.their_state is h11.IDLE:
+        """uvicorn's, without its log line per malformed request."""
+        if self._phase is None and not self._receiving:
             self._arm("header", self._listen.header_timeout_s)  # a new request begins
+        self._unset_keepalive_if_required()
         try:
-            super().data_received(data)
-        except Exception:  # e.g. a request target that is not ASCII, which uvicorn decodes
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            pass  # no protocol upgrades here: the request is served as plain HTTP/1.1
+        except Exception:  # a parser error, or a request target uvicorn cannot decode
             if not self.transport.is_closing():
                 self._close("malformed", RouterError(400, "malformed HTTP request"))
-            return
-        self._follow()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
 
-    # --- uvicorn hooks -----------------------------------------------------------------------
+    # --- parser callbacks and uvicorn hooks ------------------------------------------------
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._follow()
+    def on_message_begin(self) -> None:
+        self._receiving = True
+        super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        if self._shutting_down and self.cycle is not None:
+            self.cycle.keep_alive = False
+        self._arm("body", self._listen.body_timeout_s)  # disarmed at once when there is none
+
+    def on_message_complete(self) -> None:
+        self._receiving = False
+        self._disarm()  # the request is in; answering is the app's business
+        super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:
-        self._disarm()
-        self._closed("malformed")
-        if not self.transport.is_closing():
-            self.transport.write(raw_response(RouterError(400, f"malformed HTTP request: {msg}")))
-            self.transport.close()
+        self._close("malformed", RouterError(400, f"malformed HTTP request: {msg}"))
+
+    def shutdown(self) -> None:
+        if self.cycle is None:  # no request head yet: see the module docstring
+            self._shutting_down = True
+            return
+        super().shutdown()
 
     # --- deadlines -----------------------------------------------------------------------
-
-    def _follow(self) -> None:
-        """Move the deadline along with the request: head, then body, then none."""
-        state = self.conn.their_state
-        if state is h11.SEND_BODY:
-            if self._phase != "body":
-                self._arm("body", self._listen.body_timeout_s)
-        elif state is h11.IDLE:
-            if self._phase is None and self.conn.trailing_data[0]:  # part of a pipelined head
-                self._arm("header", self._listen.header_timeout_s)
-        else:
-            self._disarm()  # the request is in; answering is the app's business
 
     def _arm(self, phase: str, seconds: float) -> None:
         self._disarm()
@@ -154,10 +165,10 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()  # uvicorn's connection_lost tells a waiting app the client left
 
 
-def protocol_factory(listen: Listen, closed: Callable[[str], None]) -> Callable[..., GuardedH11Protocol]:
+def protocol_factory(listen: Listen, closed: Callable[[str], None]) -> Callable[..., GuardedHttpProtocol]:
     """What `uvicorn.Config(http=...)` takes: uvicorn calls it with its own arguments."""
 
-    def make(*args: Any, **kwargs: Any) -> GuardedH11Protocol:
-        return GuardedH11Protocol(*args, listen=listen, closed=closed, **kwargs)
+    def make(*args: Any, **kwargs: Any) -> GuardedHttpProtocol:
+        return GuardedHttpProtocol(*args, listen=listen, closed=closed, **kwargs)
 
     return make
