@@ -1,6 +1,7 @@
 """The floor for router overhead: a proxy that does only the two engine HTTP hops.
 
-Same stack as epd-router (starlette under uvicorn, httpx.AsyncClient to the engines), none
+Same stack as epd-router (starlette under uvicorn with httptools and uvloop, one
+aiohttp.ClientSession to the engines), none
 of its work (no chat template, tokenization, image preprocessing, placement, health,
 detokenization, OpenAI shaping). The client sends it already-rendered engine bodies:
 
@@ -18,7 +19,7 @@ import argparse
 import json
 from contextlib import asynccontextmanager
 
-import httpx
+import aiohttp
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -30,37 +31,38 @@ JSON_HEADERS = {"content-type": "application/json"}
 
 
 def build_app(ve_url: str, pd_url: str) -> Starlette:
-    clients: dict[str, httpx.AsyncClient] = {}
+    sessions: list[aiohttp.ClientSession] = []
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        clients["ve"] = httpx.AsyncClient(base_url=ve_url, timeout=60, limits=limits)
-        clients["pd"] = httpx.AsyncClient(base_url=pd_url, timeout=60, limits=limits)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=120)
+        sessions.append(aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)))
         yield
-        for c in clients.values():
-            await c.aclose()
+        await sessions[0].close()
+
+    async def post(url: str, body: bytes) -> tuple[int, bytes]:
+        async with sessions[0].post(url + GENERATE, data=body, headers=JSON_HEADERS) as r:
+            return r.status, await r.read()
 
     async def health(request: Request) -> Response:
         return Response(b"ok")
 
     async def text(request: Request) -> Response:
-        body = await request.body()
-        r = await clients["pd"].post(GENERATE, content=body, headers=JSON_HEADERS)
-        return Response(r.content, status_code=r.status_code, media_type="application/json")
+        status, answer = await post(pd_url, await request.body())
+        return Response(answer, status_code=status, media_type="application/json")
 
     async def image(request: Request) -> Response:
         body = await request.body()
         n = int(request.headers["x-ve-length"])
-        ve = await clients["ve"].post(GENERATE, content=body[:n], headers=JSON_HEADERS)
-        if ve.status_code != 200:
-            return Response(ve.content, status_code=502, media_type="application/json")
-        locators = ve.json()["kv_transfer_params"]["ec_locator"]
+        status, ve = await post(ve_url, body[:n])
+        if status != 200:
+            return Response(ve, status_code=502, media_type="application/json")
+        locators = json.loads(ve)["kv_transfer_params"]["ec_locator"]
         pd_body = json.loads(body[n:])
         extra = pd_body["sampling_params"].setdefault("extra_args", {})
         extra["kv_transfer_params"] = {"ec_locator": locators}
-        r = await clients["pd"].post(GENERATE, content=json.dumps(pd_body), headers=JSON_HEADERS)
-        return Response(r.content, status_code=r.status_code, media_type="application/json")
+        status, answer = await post(pd_url, json.dumps(pd_body).encode())
+        return Response(answer, status_code=status, media_type="application/json")
 
     return Starlette(
         routes=[
