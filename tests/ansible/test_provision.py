@@ -214,3 +214,20 @@ def test_every_role_variable_is_typed_in_the_argument_spec():
     options = yaml.safe_load((role / "meta/argument_specs.yml").read_text())["argument_specs"]["main"]["options"]
     assert set(options) == set(defaults)
     assert all(options[name]["default"] == value for name, value in defaults.items())
+
+
+def test_status_versions_show_each_component_and_the_drift_from_the_pins(tmp_path):
+    """status.yml --tags versions on this machine (local connection): no Neuron stack here, so
+    every Neuron pin is drift, and the kit venv running these tests has the kit."""
+    inventory = tmp_path / "hosts.yml"
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    groups = {"epd_engines": {"hosts": {"local": local}}, "epd_router": {"hosts": {"local": None}}}
+    inventory.write_text(yaml.safe_dump({"all": {"children": groups}}))
+    kit_venv = Path(sys.executable).parent.parent
+    result = playbook(
+        "-i", str(inventory), "playbooks/status.yml", "--tags", "versions", "-e", f"epd_kit_venv={kit_venv}"
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert f"kit {metadata.version('epd-kit')}" in result.stdout, result.stdout[-3000:]
+    assert "DRIFT driver absent (pin 2.24.7.0)" in result.stdout, result.stdout[-3000:]
+    assert "Show host, unit, state and health" not in result.stdout  # the unit table is not part of --tags versions
