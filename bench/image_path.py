@@ -22,6 +22,7 @@ import asyncio
 import io
 import itertools
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -34,7 +35,8 @@ from pathlib import Path
 from bench import images
 from bench.common import REPO, RunRecord, percentile
 from bench.httpload import Connection, Target, closed_loop, encode_post
-from bench.procs import Proc, pin_self
+from bench.procs import VENV_BIN, Proc, pin_self
+from bench.router_overhead import summarize_stacks
 from bench.stack import engine_proc, router_proc
 
 KINDS = ("text", "image-repeated", "image-new")
@@ -123,6 +125,28 @@ async def measure(router: Proc, bodies: Bodies, kind: str, n: int, deadline_s: f
     return len(ok), len(res.samples) - len(ok), cpu, [s.latency_s for s in ok]
 
 
+def profile(router: Proc, bodies: Bodies, kind: str, n: int, deadline_s: float, out: Path) -> dict:
+    """py-spy (every thread) on `router` while `n` requests of `kind` run; the share of busy
+    samples per part of the router and the top leaf frames (bench.router_overhead's buckets)."""
+    spy = shutil.which("py-spy", path=str(VENV_BIN)) or shutil.which("py-spy")
+    if spy is None:
+        return {"skipped": "py-spy not installed (the bench extra)"}
+    raw = out / f"py-spy-{kind}.txt"
+    argv = [spy, "record", "-p", str(router.pid), "-r", "200", "-f", "raw", "-o", str(raw), "--threads"]
+    argv += ["--nonblocking", "-d", str(int(deadline_s) + 2)]
+    spy_proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)
+    asyncio.run(measure(router, bodies, kind, n, deadline_s))
+    try:
+        spy_proc.wait(timeout=deadline_s + 30)
+    except subprocess.TimeoutExpired:
+        spy_proc.kill()
+        return {"skipped": "py-spy did not finish"}
+    if not raw.exists():
+        return {"skipped": "py-spy wrote no profile"}
+    return summarize_stacks(raw.read_text())
+
+
 def run(args: argparse.Namespace, work: Path) -> dict:
     from epd_kit.testing.checkpoint import build_tiny_checkpoint
 
@@ -152,6 +176,11 @@ def run(args: argparse.Namespace, work: Path) -> dict:
                 n = args.text_requests if kind == "text" else args.image_requests
                 for name, r in routers.items():
                     cells[name][kind].add(*asyncio.run(measure(r, bodies, kind, n, args.deadline_s)))
+        profiles = {
+            kind: profile(routers["current"], bodies, kind, args.image_requests, args.deadline_s, work)
+            for kind in ("image-repeated", "image-new")
+            if args.profile
+        }
     finally:
         for p in reversed(procs):
             p.stop()
@@ -165,6 +194,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     }
     out["baseline_revision"] = args.baseline
     out["sim_decode"] = sim_decode(checkpoint)
+    out["profiles"] = profiles
     return out
 
 
@@ -230,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     ap.add_argument("--warmup", type=int, default=3, help="unrecorded requests per router and kind")
     ap.add_argument("--router-cpu", default="1", help="CPU the routers are pinned to")
     ap.add_argument("--engine-cpu", default="0", help="CPU of the sims and the load generator")
+    ap.add_argument("--profile", action="store_true", help="py-spy this checkout's router on the image kinds")
     ap.add_argument("--out-dir", type=Path, default=None)
     args = ap.parse_args(argv)
     pin_self(args.engine_cpu or None)
@@ -253,6 +284,9 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
         print(f"{kind:15s} CPU per request: {line}")
     for key, value in res["ratios"].items():
         print(f"{key}: {'-' if value is None else f'{value:.2f}'}")
+    for kind, prof in res["profiles"].items():
+        shares = prof.get("share_of_busy", {})
+        print(f"profile {kind}: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items() if v >= 0.03))
     print("sim VE, one 512x512 item:", ", ".join(f"{k} {v:.2f}" for k, v in res["sim_decode"].items()))
     print(f"wrote {path} in {rec.wall_s:.1f} s")
     return rec
