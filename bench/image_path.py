@@ -100,10 +100,13 @@ def baseline_tree(rev: str, into: Path) -> Path:
     return into / "router"
 
 
-def start_router(name: str, checkpoint: Path, ve: Proc, pd: Proc, work: Path, code: Path | None, cpu: str) -> Proc:
+def start_router(
+    name: str, checkpoint: Path, ve: Proc, pd: Proc, work: Path, code: Path | None, cpu: str, limits: dict
+) -> Proc:
     launcher = [sys.executable, "-m", "epd_kit.router.cli"]
     (work / name).mkdir(parents=True, exist_ok=True)
-    proc = router_proc(checkpoint, [ve], [pd], work / name, launcher=launcher)
+    extra = {"limits": limits} if limits else None
+    proc = router_proc(checkpoint, [ve], [pd], work / name, extra=extra, launcher=launcher)
     proc.name = name
     if code is not None:
         proc.extra_env["PYTHONPATH"] = str(code)
@@ -153,6 +156,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     checkpoint = build_tiny_checkpoint(work / "checkpoint")
     code = {"current": args.current_tree, "baseline": baseline_tree(args.baseline, work / "baseline")}
     engines = [engine_proc("ve", 0, checkpoint, work), engine_proc("pd", 0, checkpoint, work)]
+    limits = {"image_cache_items": args.image_cache_items} if args.image_cache_items is not None else {}
     procs: list[Proc] = []
     try:
         for p in engines:
@@ -160,7 +164,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         for p in engines:
             p.wait_healthy()
         routers = {
-            name: start_router(name, checkpoint, engines[0], engines[1], work, tree, args.router_cpu)
+            name: start_router(name, checkpoint, engines[0], engines[1], work, tree, args.router_cpu, limits)
             for name, tree in code.items()
         }
         procs += routers.values()
@@ -260,6 +264,12 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     ap.add_argument("--warmup", type=int, default=3, help="unrecorded requests per router and kind")
     ap.add_argument("--router-cpu", default="1", help="CPU the routers are pinned to")
     ap.add_argument("--engine-cpu", default="0", help="CPU of the sims and the load generator")
+    ap.add_argument(
+        "--image-cache-items",
+        type=int,
+        default=None,
+        help="limits.image_cache_items of both routers (default: the router's); small = a full cache, evicting",
+    )
     ap.add_argument("--profile", action="store_true", help="py-spy this checkout's router on the image kinds")
     ap.add_argument("--out-dir", type=Path, default=None)
     args = ap.parse_args(argv)

@@ -222,15 +222,16 @@ class PixelEncoder:
             return image
         return image.resize((plan.width, plan.height), resample=Image.Resampling.BICUBIC)
 
-    def _buffers(self, height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """This thread's (channel planes, looked-up values) for a height x width image: views
-        of buffers kept across images (fresh memory costs a page fault per 4 KiB written),
-        grown to fit (a resized image is bounded by limits.max_image_patches)."""
+    def _buffers(self, height: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This thread's (channel planes, looked-up values, values in patch order), flat, for
+        a height x width image: views of buffers kept across images (fresh memory costs a
+        page fault per 4 KiB written), grown to fit (a resized image is bounded by
+        limits.max_image_patches)."""
         n = 3 * height * width
         s = self._scratch
         if getattr(s, "planes", None) is None or s.planes.size < n:
-            s.planes, s.values = np.empty(n, np.uint8), np.empty(n, self._plain)
-        return s.planes[:n].reshape(3, height, width), s.values[:n].reshape(3, height, width)
+            s.planes, s.values, s.patches = np.empty(n, np.uint8), np.empty(n, self._plain), np.empty(n, self._plain)
+        return s.planes[:n], s.values[:n], s.patches[:n]
 
     @property
     def dtype(self) -> np.dtype:
@@ -250,7 +251,8 @@ class PixelEncoder:
         height, width, _ = hwc.shape
         gh, gw = height // p, width // p
         table = self._table.view(self._plain)
-        planes, chw = self._buffers(height, width)
+        planes, values, patches = self._buffers(height, width)
+        planes, chw = planes.reshape(3, height, width), values.reshape(3, height, width)
         np.copyto(planes, hwc.transpose(2, 0, 1))  # numpy's take is ~3x slower on strided indices
         for c in range(3):  # byte -> normalized float, one table lookup per pixel (a byte is < 256: "clip" never clips)
             np.take(table[c], planes[c], out=chw[c], mode="clip")
@@ -258,6 +260,8 @@ class PixelEncoder:
         blocks = chw.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
         if out is None:
             out = np.empty((gh * gw, v.patch_dim), dtype=self._table.dtype)
-        # views of `out` (C-contiguous), so the write lands in it; the frame repeated t times
-        out.view(self._plain).reshape(gh // m, gw // m, m, m, 3, t, p, p)[...] = blocks[:, :, :, :, :, None]
+        # one frame in patch order, then the frame repeated t times into `out` (through views:
+        # it is C-contiguous); two copies, the second of runs of p*p values, beat one 8-D one
+        patches.reshape(gh // m, gw // m, m, m, 3, p, p)[...] = blocks
+        out.view(self._plain).reshape(gh * gw, 3, t, p * p)[...] = patches.reshape(gh * gw, 3, 1, p * p)
         return out
