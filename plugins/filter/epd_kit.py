@@ -150,6 +150,8 @@ class FilterModule:
                 "epd_deployed_engines": plan.deployed_engines,
                 "epd_rolling_queue": plan.rolling_queue,
                 "epd_rollout_plan": plan.rollout_plan,
+                "epd_rollout_changes": plan.rollout.changed_engines,
+                "epd_rollout_retiring": plan.rollout.retiring_endpoints,
                 "epd_status_rows": plan.status_rows,
                 "epd_status_table": status_table,
                 "epd_engine_render_files": engine_render_files,

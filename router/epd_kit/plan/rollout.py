@@ -4,6 +4,9 @@ A rollout restarts the selected engines batch by batch. Each batch holds engines
 only (VE or PD), at most the pool's batch size, and never so many that fewer than the pool's
 floor stay in rotation. Engines of a pool are taken round-robin over the hosts, so a batch
 spreads over hosts (they restart in parallel) and no host empties first.
+
+A deploy against a running fleet rolls only the engines whose effective configuration changed
+(`changed_engines`) and drains engines it removes before they stop (`retiring_endpoints`).
 """
 
 from __future__ import annotations
@@ -15,9 +18,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import EpdPlanError
+from .fleet import router_endpoints
 from .operations import rolling_queue
+from .unit import read_env_file
 
 POOLS = ("pd", "ve")
+# How an engine starts, not what runs: the stagger and the readiness budget (env file) and the
+# start timeout (unit) follow the stagger and the compile budget; changing them restarts nothing.
+START_GATE_VARIABLES = frozenset({"EPD_START_DELAY_S", "EPD_READY_TIMEOUT_S"})
+START_GATE_UNIT_KEYS = ("TimeoutStartSec=",)
 _PERCENT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*%\s*$")
 
 
@@ -107,18 +116,39 @@ def _round_robin(engines: Sequence[Mapping[str, str]]) -> list[Mapping[str, str]
     return [queue[turn] for turn in range(turns) for queue in by_host.values() if turn < len(queue)]
 
 
+def _selected(
+    plan: Mapping[str, Mapping[str, Any]], engines: str | Mapping[str, Sequence[str]] | None
+) -> list[dict[str, str]]:
+    """rolling_queue's selection by name, or exactly the instances of a {host: [instance]} mapping
+    (an empty mapping selects nothing: a deploy with nothing to roll)."""
+    if engines is None or isinstance(engines, str):
+        return rolling_queue(plan, engines)
+    wanted = {(host, instance) for host, instances in engines.items() for instance in instances}
+    planned = {(host, e["instance"]) for host, host_plan in plan.items() for e in host_plan["engines"]}
+    unknown = sorted(wanted - planned)
+    if unknown:
+        raise EpdPlanError(f"not planned: {', '.join(f'{i} on {h}' for h, i in unknown)}")
+    return [
+        {"host": host, "instance": e["instance"], "engine_id": e["engine_id"]}
+        for host, host_plan in plan.items()
+        for e in host_plan["engines"]
+        if (host, e["instance"]) in wanted
+    ]
+
+
 def rollout_batches(
     plan: Mapping[str, Mapping[str, Any]],
-    engines: str | None = None,
+    engines: str | Mapping[str, Sequence[str]] | None = None,
     batch: Mapping[str, Any] | None = None,
     min_available: Mapping[str, Any] | None = None,
 ) -> tuple[list[Batch], dict[str, PoolRule]]:
     """The batches restarting the selected engines (all when none is named), PD pool first, and the
     resolved rule of each pool that has a selected engine. batch / min_available: per pool ("ve",
-    "pd"), a count or a percentage; a setting that cannot keep the pool's floor is refused."""
+    "pd"), a count or a percentage; a setting that cannot keep the pool's floor is refused.
+    engines: a selection by name (comma-separated instances or ids) or a {host: [instance]} mapping."""
     role = {(host, e["instance"]): e["role"] for host, host_plan in plan.items() for e in host_plan["engines"]}
     sizes = {pool: sum(1 for r in role.values() if r == pool) for pool in POOLS}
-    selected = rolling_queue(plan, engines)
+    selected = _selected(plan, engines)
     batches: list[Batch] = []
     rules: dict[str, PoolRule] = {}
     for pool in POOLS:
@@ -141,12 +171,12 @@ def rollout_estimate_s(batches: Sequence[Batch], plan: Mapping[str, Mapping[str,
 
 def rollout_plan(
     plan: Mapping[str, Mapping[str, Any]],
-    engines: str | None = None,
+    engines: str | Mapping[str, Sequence[str]] | None = None,
     batch: Mapping[str, Any] | None = None,
     min_available: Mapping[str, Any] | None = None,
     drain_timeout_s: int = 600,
 ) -> dict[str, Any]:
-    """rolling_restart.yml's input: {batches, lines}, lines being the plan it prints before starting."""
+    """The rollout's input: {batches, lines}, lines being the plan it prints before starting."""
     batches, rules = rollout_batches(plan, engines, batch, min_available)
     count = sum(len(b.engines) for b in batches)
     lines = [f"{count} engines in {len(batches)} batches"]
@@ -165,3 +195,54 @@ def rollout_plan(
         " a warm start (compile cache present) takes a fraction of that"
     )
     return {"batches": [b.as_dict() for b in batches], "lines": lines}
+
+
+def _effective_env(assignments: Mapping[str, str]) -> dict[str, str]:
+    return {name: value for name, value in assignments.items() if name not in START_GATE_VARIABLES}
+
+
+def _effective_unit(text: str) -> list[str]:
+    """The unit's lines that shape the running engine (comments and the start timeout dropped)."""
+    lines = (line.strip() for line in text.splitlines())
+    return [
+        line for line in lines if line and not line.startswith(("#", ";")) and not line.startswith(START_GATE_UNIT_KEYS)
+    ]
+
+
+def changed_engines(
+    env_files: Mapping[str, Mapping[str, str]],
+    deployed_env_files: Mapping[str, str],
+    unit: str,
+    deployed_unit: str | None,
+) -> list[str]:
+    """The instances whose effective command, environment or unit differ from what is deployed.
+
+    env_files: the env file each planned instance gets now ({instance: {name: value}});
+    deployed_env_files: the text of the env files on the host (instances without one are new, so
+    not a change); unit / deployed_unit: the engine unit's text now and on the host (None: none yet).
+    The stagger, the readiness budget and the start timeout are not part of the comparison.
+    """
+    unit_changed = deployed_unit is not None and _effective_unit(unit) != _effective_unit(deployed_unit)
+    return [
+        instance
+        for instance, env in env_files.items()
+        if instance in deployed_env_files
+        and (unit_changed or _effective_env(env) != _effective_env(read_env_file(deployed_env_files[instance])))
+    ]
+
+
+def retiring_endpoints(
+    plan: Mapping[str, Mapping[str, Any]], pools: Sequence[Mapping[str, Any]], draining: Sequence[str] = ()
+) -> dict[str, Any]:
+    """A router's endpoints while the engines it serves that the plan no longer has drain.
+
+    pools: the engines of the router's GET /pools ({id, url, role, state}). Returns {retiring: [id],
+    endpoints: {ve, pd}}: the plan's endpoints plus each retiring engine, state draining, so its
+    requests finish before it stops.
+    """
+    endpoints = router_endpoints(plan, draining)
+    planned = {endpoint["id"] for pool in endpoints.values() for endpoint in pool}
+    retiring = [e for e in pools if e["id"] not in planned and e.get("state") != "removed"]
+    for engine in retiring:
+        endpoints.setdefault(engine["role"], []).append({"id": engine["id"], "url": engine["url"], "state": "draining"})
+    return {"retiring": [e["id"] for e in retiring], "endpoints": endpoints}
