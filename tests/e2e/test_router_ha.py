@@ -1,0 +1,211 @@
+"""Several router hosts behind HAProxy, several router processes per host (docs/router.md
+"Scale-out" and "Several router hosts"). Layout: n1 and n2 each run 1 VE + 1 PD and a router
+with 2 processes (epd-router@0/@1 on epd-router.socket); n3 runs HAProxy (group
+epd_loadbalancer, Debian's package from .deb files: the test hosts have no mirror). Bounded load
+through HAProxy, every request counted. Tests run in file order on one deployment."""
+
+from __future__ import annotations
+
+import csv
+import io
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import deploy_stack
+from tests.e2e.stack import LoadGenerator, Stack, wait_for
+from tests.hosts.harness import REPO, HostPool, ansible_playbook, write_inventory
+
+# a first deploy of three hosts plus a kit upgrade: more than the default 300 s on a loaded VM
+pytestmark = [pytest.mark.systemd, pytest.mark.timeout(1200)]
+
+BASE = REPO / "inventory/sandbox/three-host"
+ROUTER_HOSTS = ("n1", "n2")
+LB_URL = "http://10.213.0.13:8080"
+STATS_URL = "http://10.213.0.13:8404/stats;csv"
+# the .deb files of haproxy and what the test hosts lack, fetched outside the kithub namespace
+# (no Debian mirror in there) by roles/epd_haproxy/files/fetch-debs.sh
+HAPROXY_DEBS = Path("/var/tmp/epd-kit/haproxy-debs")
+# HAProxy's checks (the role's defaults): a dead router is out after inter × fall
+CHECK_INTER_S, CHECK_FALL = 1.0, 2
+DETECTION_WINDOW_S = CHECK_INTER_S * CHECK_FALL
+RATE_PER_S = 8
+STEP_LIMIT_S = 300
+
+
+@pytest.fixture(scope="module")
+def inventory(tmp_path_factory) -> Path:
+    if not any(HAPROXY_DEBS.glob("haproxy_*.deb")):
+        pytest.fail(
+            f"no haproxy .deb in {HAPROXY_DEBS}: run roles/epd_haproxy/files/fetch-debs.sh {HAPROXY_DEBS} "
+            "outside the kithub namespace first (the test hosts have no package mirror)",
+            pytrace=False,
+        )
+    engine = {"epd_num_ve": 1, "epd_num_pd": 1, "epd_core_count": 16}  # VE tp4 + PD tp8
+    hosts_yml = {
+        "all": {
+            "children": {
+                "epd_engines": {
+                    "hosts": {
+                        name: {"ansible_host": f"10.213.0.1{i}", "epd_bind_address": f"10.213.0.1{i}", **engine}
+                        for i, name in ((1, "n1"), (2, "n2"))
+                    }
+                },
+                "epd_router": {"hosts": {name: {} for name in ROUTER_HOSTS}},
+                "epd_loadbalancer": {
+                    "hosts": {"n3": {"ansible_host": "10.213.0.13", "epd_bind_address": "10.213.0.13"}}
+                },
+                "epd_monitoring": {"hosts": {}},
+            }
+        }
+    }
+    group_vars = {"epd_router_workers": 2, "epd_haproxy_deb_dir": str(HAPROXY_DEBS)}
+    return write_inventory(tmp_path_factory.mktemp("router-ha") / "inventory", BASE, hosts_yml, group_vars)
+
+
+@pytest.fixture(scope="module")
+def stack(host_pool: HostPool, inventory: Path, record_timing) -> Iterator[Stack]:
+    try:
+        # deploy.yml's last play installs HAProxy on n3
+        stack = deploy_stack(host_pool, inventory, record_timing, "router HA (2 router hosts x 2 processes + HAProxy)")
+    except BaseException:
+        for name in ROUTER_HOSTS:
+            host = host_pool.host(int(name[1:]))
+            print(f"--- {name}", host.run("systemctl --no-pager status 'epd-router*'", check=False).stdout[-3000:])
+            print(host.run("journalctl --no-pager -q -n 80 -u 'epd-router*'", check=False).stdout[-6000:])
+        raise
+    return stack
+
+
+def router_url(name: str) -> str:
+    return f"http://10.213.0.1{name[1:]}:18800"
+
+
+def requests_total(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("epd_router_requests_total{")
+    )
+
+
+def server_states() -> dict[str, str]:
+    """HAProxy's view of each router (UP, DOWN, ...), from its statistics page."""
+    rows = csv.DictReader(io.StringIO(httpx.get(STATS_URL, timeout=5).text.lstrip("# ")))
+    return {
+        row["svname"]: row["status"] for row in rows if row["pxname"] == "epd_routers" and row["svname"] in ROUTER_HOSTS
+    }
+
+
+def router_pids(stack: Stack) -> dict[str, str]:
+    return {
+        f"{name}/{unit}": stack.hosts[name].show(unit, "MainPID")["MainPID"]
+        for name in ROUTER_HOSTS
+        for unit in ("epd-router@0.service", "epd-router@1.service")
+    }
+
+
+def chat(model: str, n: int) -> dict:
+    return {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": f"request {n}: say hello"}]}
+
+
+def load(stack: Stack, seconds: float) -> LoadGenerator:
+    return LoadGenerator(
+        LB_URL, stack.model_id(), rate_per_s=RATE_PER_S, max_requests=int(RATE_PER_S * seconds), max_seconds=seconds
+    )
+
+
+def test_two_router_hosts_with_two_processes_each_serve_through_haproxy(stack):
+    for name in ROUTER_HOSTS:
+        host = stack.hosts[name]
+        assert host.is_active("epd-router.socket") == "active", name
+        assert [u for u in host.units("epd-router@*") if host.is_active(u) == "active"] == [
+            "epd-router@0.service",
+            "epd-router@1.service",
+        ], name
+    wait_for(lambda: set(server_states().values()) == {"UP"}, timeout=30, what="both routers UP in HAProxy")
+    before = {name: requests_total(router_url(name)) for name in ROUTER_HOSTS}
+    model = stack.model_id()
+    with httpx.Client(base_url=LB_URL, timeout=30) as client:
+        for n in range(20):
+            assert client.post("/v1/chat/completions", json=chat(model, n)).status_code == 200
+    served = {name: requests_total(router_url(name)) - before[name] for name in ROUTER_HOSTS}
+    assert sum(served.values()) == 20 and all(served.values()), served
+
+
+def test_the_metrics_of_one_host_count_both_processes(stack):
+    """Ten requests straight to n1 (the socket spreads them over its two processes): every
+    scrape, whichever process answers it, counts all ten."""
+    url = router_url("n1")
+    before = requests_total(url)
+    model = stack.model_id()
+    for n in range(10):
+        with httpx.Client(base_url=url, timeout=30) as client:  # a new connection each: either process
+            assert client.post("/v1/chat/completions", json=chat(model, n)).status_code == 200
+    assert {requests_total(url) - before for _ in range(6)} == {10.0}
+
+
+def test_a_dead_router_host_fails_no_request_after_the_detection_window(stack, record_timing):
+    n2 = stack.hosts["n2"]
+    with load(stack, 3 + DETECTION_WINDOW_S + 2) as during:
+        time.sleep(3)
+        killed_at = time.monotonic()
+        n2.systemctl("kill", "--signal=SIGKILL", "epd-router@0.service", "epd-router@1.service")
+        n2.systemctl("stop", "epd-router.service")  # and its listener (PartOf): the host is gone
+        wait_for(lambda: server_states()["n2"].startswith("DOWN"), timeout=10, what="HAProxy marks n2 DOWN")
+        record_timing("router HA: HAProxy marks a killed router DOWN", time.monotonic() - killed_at)
+        outcome = during.stop()
+    # what the kill cost inside the window: requests in flight on the killed processes
+    record_timing("router HA: failed requests inside the detection window", len(outcome.failures))
+    with load(stack, 10) as after:
+        time.sleep(10)
+        outcome = after.stop()
+    assert outcome.sent >= RATE_PER_S * 5
+    assert outcome.ok == outcome.sent, (f"{len(outcome.failures)} of {outcome.sent} failed", outcome.failures[:10])
+    n2.systemctl("start", "epd-router.service")
+    wait_for(lambda: server_states()["n2"] == "UP", timeout=30, what="HAProxy puts n2 back")
+
+
+def upgraded_kit(directory: Path) -> Path:
+    """The kit's sources with one more line: a new wheel, so a deploy installs a new kit."""
+    shutil.copytree(REPO / "router", directory / "router", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, directory / name)
+    init = directory / "router/epd_kit/__init__.py"
+    init.write_text(init.read_text() + f"\n# kit upgrade test {time.time()}\n")
+    return directory
+
+
+def test_a_kit_upgrade_rolls_every_router_process_without_a_failed_request(stack, inventory, tmp_path, record_timing):
+    wait_for(lambda: set(server_states().values()) == {"UP"}, timeout=30, what="both routers UP in HAProxy")
+    before = router_pids(stack)
+    kit = upgraded_kit(tmp_path / "kit")
+    with load(stack, STEP_LIMIT_S) as during:
+        time.sleep(2)
+        start = time.monotonic()
+        result = ansible_playbook(
+            inventory,
+            "playbooks/deploy.yml",
+            "-e",
+            f"epd_deps_repo_dir={kit}",
+            "-e",
+            f"epd_deps_wheelhouse_cache={REPO / '.cache/wheelhouse'}",
+            # the port probe takes the socket unit's listener (held by PID 1) for a stranger's
+            # until epd_listen_probe knows socket-activated units
+            "-e",
+            "epd_preflight_check_ports=false",
+            timeout=STEP_LIMIT_S,
+        )
+        record_timing("router HA: deploy of a new kit (routers roll)", time.monotonic() - start)
+        time.sleep(2)
+        outcome = during.stop()
+    assert result.returncode == 0, result.describe()
+    after = router_pids(stack)
+    assert all(before[unit] != after[unit] for unit in before), (before, after)
+    assert outcome.sent >= RATE_PER_S * 5
+    assert outcome.ok == outcome.sent, (f"{len(outcome.failures)} of {outcome.sent} failed", outcome.failures[:10])
+    roll = [line for line in result.stdout.splitlines() if "Roll the router processes" in line]
+    assert roll, result.describe()
