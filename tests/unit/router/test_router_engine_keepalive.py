@@ -1,0 +1,123 @@
+"""Kept-alive engine connections (router/engine_client.py): a connection the engine closes
+while idle is dropped by the pool, and a request that races the engine's close (the
+connection dies before any answer byte) is resent once on a fresh connection, without
+charging the engine. The engine here is a raw asyncio server on 127.0.0.1 that answers the
+first request of each connection and, when told to, drops the connection on the next one
+without a byte, the way a keep-alive expiry races a reused connection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from epd_kit.router.config import parse_config
+from epd_kit.router.context import RequestContext
+from epd_kit.router.openai_api import parse_request
+from epd_kit.router.service import RouterService
+
+
+class RacingEngine:
+    """HTTP/1.1 keep-alive engine: GET /health → 200; a generate → two tokens. With
+    `drop_reused`, a second request on a connection is dropped unanswered."""
+
+    def __init__(self) -> None:
+        self.drop_reused = False
+        self.generate_connections = 0  # connections that carried a generate (probes aside)
+        self.generates = 0
+        self.dropped = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.url = ""
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        for writer in self._writers:  # ends the handlers' reads: no task is left to cancel
+            writer.close()
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        served = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                body = await reader.readexactly(length)
+                if served and self.drop_reused and not head.startswith(b"GET"):
+                    self.dropped += 1
+                    return  # closes the connection: no byte of an answer
+                served += 1
+                if head.startswith(b"GET"):
+                    answer = b""
+                else:
+                    self.generate_connections += served == 1
+                    self.generates += 1
+                    rid = json.loads(body)["request_id"]
+                    answer = json.dumps({"request_id": rid, "choices": [{"token_ids": [72, 105]}]}).encode()
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(answer)).encode()
+                    + b"\r\n\r\n"
+                    + answer
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+
+@pytest.fixture
+async def setup(char_renderer):
+    ve, pd = RacingEngine(), RacingEngine()
+    await ve.start()
+    await pd.start()
+    cfg = parse_config(
+        {
+            "model": "/m",
+            "health": {"interval_s": 60},
+            "endpoints": {"ve": [{"id": "epd-ve-0", "url": ve.url}], "pd": [{"id": "epd-pd-0", "url": pd.url}]},
+        }
+    )
+    service = RouterService(cfg, char_renderer([1, 2, 3]))
+    await service.start()
+    yield service, pd
+    await service.stop()
+    await ve.stop()
+    await pd.stop()
+
+
+async def ask(service: RouterService) -> str:
+    chat = parse_request({"messages": [{"role": "user", "content": "hi"}]})
+    answer = await service.generation.complete(RequestContext.start(chat, "rid", service.state.cfg))
+    return answer["choices"][0]["message"]["content"]
+
+
+async def test_a_request_racing_the_engines_close_is_resent_on_a_fresh_connection(setup):
+    service, pd = setup
+    assert await ask(service) == "Hi"  # one connection, kept alive in the pool
+    pd.drop_reused = True
+    assert await ask(service) == "Hi"  # reused: dropped unanswered, resent on a new connection
+    assert pd.dropped == 1 and pd.generates == 2 and pd.generate_connections == 2
+    engine = service.state.pools.pd[0]
+    assert engine.healthy and engine.call_failures == 0  # the race is not the engine's failure
+
+
+async def test_kept_alive_connections_serve_a_burst_after_a_pause(setup):
+    service, pd = setup
+    assert await ask(service) == "Hi"
+    await asyncio.sleep(0.5)
+    assert await ask(service) == "Hi"
+    assert pd.generate_connections == 1 and pd.generates == 2  # the pooled connection survived the pause
