@@ -31,6 +31,11 @@ from .text import IncrementalDetokenizer, TextCodec
 
 T = TypeVar("T")
 
+# A prompt with at most this many characters of message text is rendered and tokenized on
+# the event loop (well under a millisecond), not in the text pool: the round trip to a pool
+# thread costs more CPU than the work. Longer prompts still go to the pool.
+INLINE_TEXT_CHARS = 8192
+
 # A data: URL up to this size (base64 characters) is decoded and hashed on the event loop:
 # ~30 µs for a 100 kB photo, less than a thread-pool round trip; larger ones go to the pool.
 INLINE_DATA_URL_BYTES = 256 * 1024
@@ -214,7 +219,10 @@ class Preprocessor:
             if ref.url[:5].lower() != "data:":
                 _with_param(ref, self._fetcher.check_allowed, ref.url)
 
-        text_job = self._run(self._text_pool, self._tokenize, parsed.template_messages, add_generation_prompt)
+        if _text_chars(parsed.template_messages) <= INLINE_TEXT_CHARS:
+            text_job = _done(self._tokenize(parsed.template_messages, add_generation_prompt))
+        else:
+            text_job = self._run(self._text_pool, self._tokenize, parsed.template_messages, add_generation_prompt)
         images_job = self._prepare_all(refs, inline or {})
         results = await asyncio.gather(text_job, images_job, return_exceptions=True)
         for result in results:
@@ -397,6 +405,23 @@ def _check_budget(vision: VisionSettings, limits: Limits) -> None:
             f"limits.max_image_patches must be at least {min_patches} "
             f"(one merged token of {vision.factor}x{vision.factor} pixels)"
         )
+
+
+def _text_chars(template_messages: list[dict[str, Any]]) -> int:
+    """Characters of message text (string contents and text parts)."""
+    total = 0
+    for message in template_messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+    return total
+
+
+async def _done(value: T) -> T:
+    """An already computed value as an awaitable (to gather with work still running)."""
+    return value
 
 
 def _with_param(ref: ImageRef, fn: Callable[..., T], *args: Any) -> T:

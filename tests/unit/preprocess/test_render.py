@@ -27,6 +27,7 @@ from epd_kit.preprocess import (
     VideoNotSupported,
 )
 from epd_kit.preprocess.image import ImageDimensionsRejected
+from epd_kit.preprocess.preprocessor import INLINE_TEXT_CHARS
 from epd_kit.testing.images import data_url, encode_image, image_part, make_image, png_data_url, user_message
 
 IMG_512x341 = png_data_url(512, 341, seed=1)
@@ -329,4 +330,9 @@ async def test_cpu_work_runs_in_the_worker_pool_not_on_the_event_loop(pre, monke
     monkeypatch.setattr(pre, "_prepare", prepare)
     monkeypatch.setattr(pre, "_tokenize", tokenize)
     await pre.render([user_message(image_part(png_data_url(128, 128, seed=77)))])
-    assert len(seen) == 2 and all(name.startswith("epd-preprocess") for name in seen)
+    # a short prompt is tokenized right on the loop (cheaper than the hop); pixels never are
+    assert seen == [threading.current_thread().name, "epd-preprocess-image_0"]
+    seen.clear()
+    long_text = "word " * (INLINE_TEXT_CHARS // 5 + 1)
+    await pre.render([{"role": "user", "content": long_text}])
+    assert len(seen) == 1 and seen[0].startswith("epd-preprocess-text")
