@@ -288,6 +288,7 @@ def test_a_dlami_like_host_with_the_pins_is_left_alone(host_pool, server, tmp_pa
     keyring = "/usr/share/keyrings/standin-neuron.asc"
     debs = " ".join(f"{p}={v}-{standins.DEB_REVISION}" for p, v in release.neuron.items())
     efa = f"aws-efa-installer-{release.efa_installer}.tar.gz"
+    server_host = server.removeprefix("http://").split(":")[0]
     dlami.run(
         f"set -e; curl -fsS -o {keyring} {server}/apt/GPG-PUB-KEY-EPD-STANDIN.PUB; "
         f"echo 'deb [signed-by={keyring}] {server}/apt {standins.SUITE} main' > /etc/apt/sources.list.d/image.list; "
@@ -295,7 +296,8 @@ def test_a_dlami_like_host_with_the_pins_is_left_alone(host_pool, server, tmp_pa
         f"DEBIAN_FRONTEND=noninteractive apt-get install -y -qq {debs}; "
         f"cd /tmp && curl -fsS -O {server}/efa/{efa} && tar -xzf {efa} && aws-efa-installer/efa_installer.sh -y; "
         f"python3 -m venv {DLAMI_VENV}; "
-        f"{DLAMI_VENV}/bin/pip install -q --no-index --no-deps --find-links {server.rsplit('/', 1)[0]}/wheels/ "
+        f"{DLAMI_VENV}/bin/pip install -q --no-index --no-deps --trusted-host {server_host} "
+        f"--find-links {server.rsplit('/', 1)[0]}/wheels/ "
         f"--find-links {server}/pip/ vllm=={release.vllm} vllm-neuron=={release.vllm_neuron} nixl==1.5.1 "
         f"{' '.join(standins.ENGINE_EXTRA_REQUIREMENTS)}",
         timeout=300,
