@@ -9,6 +9,8 @@ short body holds a connection forever), a fresh connection that never sends stay
   sees the client leave: a quiet 499 in its log);
 - idle timeout: uvicorn's keep-alive timer (`timeout_keep_alive`);
 - connection cap: a connection beyond `max_connections` gets a 503 with Retry-After, closed;
+- head size: a request head over `MAX_HEAD_BYTES` -> 400 and close (h11 had this cap built
+  in; llhttp has none, so a header flood would grow memory until the header timeout);
 - a malformed request gets uvicorn's 400 as the router's JSON error envelope;
 - shutdown (uvicorn's at exit, or a process of a group that stops accepting): a connection
   whose first request head is not complete yet is not reset, since that request may already
@@ -40,6 +42,9 @@ from epd_kit.router.errors import RouterError
 log = logging.getLogger("epd_router.listener")
 
 _REASONS = {408: "Request Timeout", 400: "Bad Request", 503: "Service Unavailable"}
+
+# the request head cap uvicorn's h11 protocol applied (h11_max_incomplete_event_size)
+MAX_HEAD_BYTES = 16 * 1024
 
 
 def raw_response(error: RouterError) -> bytes:
@@ -74,7 +79,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._closed = closed
         self._timer: asyncio.TimerHandle | None = None
         self._phase: str | None = None  # "header" or "body" while a deadline runs
-        self._receiving = False  # between the first byte of a request and its end
+        self._head_bytes = 0  # received while the current head is incomplete
         self._shutting_down = False  # close after the response to the request now arriving
 
     # --- asyncio.Protocol ------------------------------------------------------------------
@@ -91,8 +96,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         """uvicorn's, without its log line per malformed request."""
-        if self._phase is None and not self._receiving:
-            self._arm("header", self._listen.header_timeout_s)  # a new request begins
         self._unset_keepalive_if_required()
         try:
             self.parser.feed_data(data)
@@ -101,6 +104,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         except Exception:  # a parser error, or a request target uvicorn cannot decode
             if not self.transport.is_closing():
                 self._close("malformed", RouterError(400, "malformed HTTP request"))
+            return
+        if self._phase == "header":  # the head is still incomplete after this chunk
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                message = f"malformed HTTP request: request head over {MAX_HEAD_BYTES // 1024} KiB"
+                self._close("malformed", RouterError(400, message))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -109,17 +118,18 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # --- parser callbacks and uvicorn hooks ------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self._receiving = True
+        if self._phase is None:  # the first byte of a request on a kept-alive connection
+            self._arm("header", self._listen.header_timeout_s)
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
+        self._head_bytes = 0
         super().on_headers_complete()
         if self._shutting_down and self.cycle is not None:
             self.cycle.keep_alive = False
         self._arm("body", self._listen.body_timeout_s)  # disarmed at once when there is none
 
     def on_message_complete(self) -> None:
-        self._receiving = False
         self._disarm()  # the request is in; answering is the app's business
         super().on_message_complete()
 

@@ -1,0 +1,90 @@
+"""The listener's request-head cap (router/listener.py): llhttp has none of its own, so a
+header flood is cut at MAX_HEAD_BYTES with the JSON 400 envelope, while a normal head that
+arrives in one chunk with a large body is not mistaken for one. A real uvicorn server on
+127.0.0.1 with the router's protocol and a trivial app."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+import uvicorn
+
+from epd_kit.router.config import Listen
+from epd_kit.router.listener import MAX_HEAD_BYTES, protocol_factory
+
+
+async def echo_length(scope, receive, send) -> None:
+    if scope["type"] != "http":
+        return
+    size, more = 0, True
+    while more:
+        message = await receive()
+        size += len(message.get("body", b""))
+        more = message.get("more_body", False)
+    body = json.dumps({"received": size}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+@contextlib.asynccontextmanager
+async def serving(closed: list[str]) -> AsyncIterator[int]:
+    config = uvicorn.Config(
+        echo_length,
+        host="127.0.0.1",
+        port=0,
+        http=protocol_factory(Listen(), closed.append),
+        lifespan="off",
+        log_config=None,
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    for _ in range(500):  # up to 5 s
+        if server.started:
+            break
+        await asyncio.sleep(0.01)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def exchange(port: int, data: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    try:
+        async with asyncio.timeout(5):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+            )
+            return head + await reader.readexactly(length)
+    finally:
+        writer.close()
+
+
+async def test_a_header_flood_is_cut_with_the_json_envelope():
+    closed: list[str] = []
+    async with serving(closed) as port:
+        flood = b"".join(b"x-filler-%d: %s\r\n" % (i, b"a" * 100) for i in range(200))  # ~22 KiB, no end
+        answer = await exchange(port, b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\n" + flood)
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+    assert f"request head over {MAX_HEAD_BYTES // 1024} KiB" in body["error"]["message"]
+    assert closed == ["malformed"]
+
+
+async def test_a_normal_head_with_a_large_body_in_one_chunk_is_served():
+    closed: list[str] = []
+    async with serving(closed) as port:
+        body = b"{" + b" " * 200_000 + b"}"
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\ncontent-length: %d\r\n\r\n" % len(body)
+        answer = await exchange(port, head + body)
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1]) == {"received": len(body)}
+    assert closed == []
