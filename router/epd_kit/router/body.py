@@ -61,8 +61,16 @@ def decode_body(body: bytes | bytearray, limits: Limits) -> DecodedBody:
     except (ValueError, UnicodeDecodeError) as exc:
         raise RouterError(400, f"request body is not valid JSON: {exc}") from None
     decoded = DecodedBody(doc)
-    _Walk(decoded, lifted, "\0" + nonce, limits.max_json_depth).run()
+    if lifted or not _nothing_to_walk_for(skeleton, limits.max_json_depth):
+        _Walk(decoded, lifted, "\0" + nonce, limits.max_json_depth).run()
     return decoded
+
+
+def _nothing_to_walk_for(skeleton: bytes | bytearray, max_depth: int) -> bool:
+    """True when the walk could find nothing (most text requests; it costs more than the
+    parse): pure ASCII without `\\u` escapes holds no surrogate, and a document cannot nest
+    deeper than it has `[` and `{`."""
+    return skeleton.isascii() and b"\\u" not in skeleton and skeleton.count(b"[") + skeleton.count(b"{") <= max_depth
 
 
 def _lift_inline_data(body: bytes | bytearray, nonce: str) -> tuple[bytes | bytearray, list[memoryview]]:
