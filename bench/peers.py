@@ -81,7 +81,7 @@ def ensure_peers() -> dict[str, str]:
         subprocess.run([str(py), "-m", "pip", "install", "-q", *wanted], check=True)
     out = subprocess.run(
         [str(py), "-m", "pip", "show", *PEERS], capture_output=True, text=True, check=True
-    ).stdout.split("\n\n")
+    ).stdout.split("\n---\n")
     return {b.split("Name: ")[1].split()[0]: b.split("Version: ")[1].split()[0] for b in out if "Name: " in b}
 
 
