@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import shutil
 import socket
 import statistics
@@ -205,13 +206,29 @@ def wrk_run(url: str, seconds: float, connections: int, work_dir: Path) -> dict:
     return summary
 
 
-def measure(workers: int, config: Path, seconds: float, connections: int, work_dir: Path) -> dict:
+def busy_cores_s() -> float:
+    """CPU-seconds the whole machine has been busy (every core, /proc/stat)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(workers: int, config: Path, seconds: float, connections: int, work_dir: Path, stubs: list[Proc]) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"w{workers}-", dir=work_dir))
     with router_group(config, workers, run_dir) as group:
         wrk_run(group.url, 2, connections, run_dir)  # warm-up: connections, tokenizer caches
-        cpu_before = group.cpu_s()
+        router_before, stubs_before, machine_before = group.cpu_s(), sum(p.cpu_s() for p in stubs), busy_cores_s()
+        wrk_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         summary = wrk_run(group.url, seconds, connections, run_dir)
-        summary["router_cpu_ms_per_request"] = (group.cpu_s() - cpu_before) * 1000 / max(1, summary["requests"])
+        wrk_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        router_s = group.cpu_s() - router_before
+        harness_s = sum(p.cpu_s() for p in stubs) - stubs_before
+        harness_s += (wrk_after.ru_utime + wrk_after.ru_stime) - (wrk_before.ru_utime + wrk_before.ru_stime)
+        summary["router_cpu_ms_per_request"] = router_s * 1000 / max(1, summary["requests"])
+        summary["router_cores"] = router_s / seconds
+        summary["wrk_and_stubs_cores"] = harness_s / seconds
+        # what else ran on the machine meanwhile (other jobs on a shared VM skew the ratio)
+        summary["other_cores"] = (busy_cores_s() - machine_before - router_s - harness_s) / seconds
         metrics = httpx.get(group.url + "/metrics", timeout=5).text
         served = sum(float(v) for v in re.findall(r'^epd_router_requests_total\{status="200"\} (\S+)$', metrics, re.M))
         summary["metrics_requests_200"] = served
@@ -240,7 +257,7 @@ def main() -> None:
         runs: list[dict] = []
         for _ in range(args.repeats):
             for workers in args.workers:
-                runs.append(measure(workers, config, args.seconds, args.connections, work))
+                runs.append(measure(workers, config, args.seconds, args.connections, work, engines))
                 print(json.dumps(runs[-1]), flush=True)
     finally:
         for engine in engines:
@@ -248,7 +265,14 @@ def main() -> None:
     medians = {
         w: {
             key: statistics.median(r[key] for r in runs if r["workers"] == w)
-            for key in ("rps", "p50_ms", "router_cpu_ms_per_request")
+            for key in (
+                "rps",
+                "p50_ms",
+                "router_cpu_ms_per_request",
+                "router_cores",
+                "wrk_and_stubs_cores",
+                "other_cores",
+            )
         }
         for w in args.workers
     }
@@ -257,11 +281,16 @@ def main() -> None:
         f"\nrouter processes, text chat, max_tokens 16, c={args.connections}, {args.seconds:g} s, "
         f"median of {args.repeats}, cores: {os.cpu_count()}"
     )
-    print("| processes | req/s | × one | p50 ms | router CPU ms/request |")
-    print("|---|---|---|---|---|")
+    columns = ["processes", "req/s", "× one", "p50 ms", "router CPU ms/request", "router cores"]
+    columns += ["wrk+stubs cores", "other jobs, cores"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
     for w, m in medians.items():
         cpu = m["router_cpu_ms_per_request"]
-        print(f"| {w} | {m['rps']:.0f} | {m['rps'] / base:.2f} | {m['p50_ms']:.1f} | {cpu:.2f} |")
+        print(
+            f"| {w} | {m['rps']:.0f} | {m['rps'] / base:.2f} | {m['p50_ms']:.1f} | {cpu:.2f} | {m['router_cores']:.2f} "
+            f"| {m['wrk_and_stubs_cores']:.2f} | {m['other_cores']:.2f} |"
+        )
     errors = sum(r["errors"] + r["non2xx"] for r in runs)
     print(f"failed requests over all runs: {errors}")
     if args.json:
