@@ -17,7 +17,8 @@ fi
 [ -r /etc/debian_version ] || { echo "bootstrap.sh: needs Debian 12 (apt, systemd 252)" >&2; exit 1; }
 
 APT_PKGS=(systemd-container mmdebstrap eatmydata openssh-client iproute2 util-linux procps
-          python3 python3-venv ca-certificates prometheus)
+          python3 python3-venv ca-certificates prometheus
+          dpkg-dev gpg)   # dpkg-dev, gpg: the provisioning stand-ins (a signed local apt repository)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q '^install ok installed' || missing+=("$p")
