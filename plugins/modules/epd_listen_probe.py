@@ -10,8 +10,9 @@ short_description: Find TCP listeners on the ports an EPD host is about to use
 description:
   - Reads /proc/net/tcp and /proc/net/tcp6 for sockets in LISTEN state on the given ports and
     maps each to its process through /proc/PID/fd.
-  - Listeners that belong to the kit's own units (epd-engine@*.service, epd-router.service,
-    found through /proc/PID/cgroup) are reported separately, as they are replaced by the deploy.
+  - Listeners that belong to the kit's own units (epd-engine@*.service, epd-router@*.service,
+    found through /proc/PID/cgroup, and the router's listener epd-router.socket, which systemd
+    itself holds) are reported separately, as they are replaced by the deploy.
   - Read-only; supports check mode.
 options:
   ports:
@@ -41,7 +42,8 @@ import re
 
 from ansible.module_utils.basic import AnsibleModule
 
-OWN_UNIT = re.compile(r"epd-engine@[^/]*\.service|epd-router\.service")
+OWN_UNIT = re.compile(r"epd-engine@[^/]*\.service|epd-router(@[^/]*)?\.service")
+ROUTER_SOCKET = "epd-router.socket"
 LISTEN = "0A"
 
 
@@ -74,18 +76,27 @@ def listening_sockets(ports: set[int]) -> dict[str, tuple[int, str]]:
     return found
 
 
-def socket_owners(inodes: set[str]) -> dict[str, int]:
-    """inode -> pid of a process holding it (first found)."""
-    owners: dict[str, int] = {}
+def socket_owners(inodes: set[str]) -> dict[str, list[int]]:
+    """inode -> pids of the processes holding it (a listener systemd passes on has several)."""
+    owners: dict[str, list[int]] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if target.startswith("socket:[") and target[8:-1] in inodes:
-                    owners.setdefault(target[8:-1], int(pid))
+                    owners.setdefault(target[8:-1], []).append(int(pid))
         except OSError:
             continue
     return owners
+
+
+def router_socket_ports(module: AnsibleModule) -> set[int]:
+    """Ports of the router's socket unit (systemd holds them between router processes)."""
+    rc, out, _ = module.run_command(["systemctl", "show", "--property=Listen", "--value", ROUTER_SOCKET])
+    if rc != 0:
+        return set()
+    # one "ADDRESS:PORT (Stream)" entry per listener
+    return {int(m) for m in re.findall(r":(\d+) \(Stream\)", out)}
 
 
 def _read(path: str) -> str:
@@ -102,16 +113,19 @@ def main() -> None:
     )
     sockets = listening_sockets(set(module.params["ports"]))
     owners = socket_owners(set(sockets))
+    systemd_held = router_socket_ports(module) if any(1 in pids for pids in owners.values()) else set()
     conflicts, own = [], []
     for inode, (port, address) in sorted(sockets.items(), key=lambda item: item[1]):
-        pid = owners.get(inode)
+        pids = owners.get(inode, [])
+        pid = next((p for p in pids if p != 1), pids[0] if pids else None)
         entry = {
             "port": port,
             "address": address,
             "pid": pid,
             "process": _read(f"/proc/{pid}/cmdline") if pid else "unknown (socket owner not visible)",
         }
-        if pid and OWN_UNIT.search(_read(f"/proc/{pid}/cgroup")):
+        in_own_unit = any(OWN_UNIT.search(_read(f"/proc/{p}/cgroup")) for p in pids if p != 1)
+        if in_own_unit or (1 in pids and port in systemd_held):
             own.append(entry)
         else:
             conflicts.append(entry)

@@ -185,7 +185,7 @@ def test_systemd_analyze_harness_catches_a_warning(rendered, tmp_path):
     inventory = next(i for i in INVENTORIES if i.name == "single-node-1e1pd")
     broken = tmp_path / "broken"
     shutil.copytree(rendered(inventory) / "trn2-node1", broken)
-    unit = broken / "etc/systemd/system/epd-router.service"
+    unit = broken / "etc/systemd/system/epd-router@.service"
     unit.write_text(unit.read_text().replace("Restart=always", "Restart=sometimes"))
     result = verify_rendered_host(broken, ["pd-0"], tmp_path / "root")
     assert "Failed to parse service restart specifier" in result.stdout + result.stderr

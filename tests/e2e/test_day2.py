@@ -46,9 +46,7 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory) -> Fleet:
     hosts_yml = yaml.safe_load((BASE / "hosts.yml").read_text())
-    # on a re-deploy systemd itself (epd-router.socket) holds the router's port, which the port
-    # preflight does not yet tell from a foreign process; this test is about the engines
-    fleet = Fleet(tmp_path_factory.mktemp("day2") / "inventory", hosts_yml, {"epd_preflight_check_ports": False})
+    fleet = Fleet(tmp_path_factory.mktemp("day2") / "inventory", hosts_yml)
     for name in ENGINE_HOSTS:
         fleet.engine_host(name).update({"epd_num_ve": 1, "epd_num_pd": 2, "epd_core_count": 32})
     fleet.write()
@@ -148,12 +146,12 @@ def test_a_removed_pd_drains_before_it_stops_and_no_other_host_restarts(stack, f
 
 def test_a_second_deploy_as_the_sudo_user_changes_nothing(stack, fleet):
     before = engine_pids(stack)
-    router_before = stack.hosts["n3"].show("epd-router.service", "MainPID")
+    router_before = stack.hosts["n3"].show("epd-router@0.service", "MainPID")
     result, _ = under_load(stack, "playbooks/deploy.yml", "-e", "ansible_user=kitops")
     for host in stack.hosts:
         assert result.recap[host]["changed"] == 0, result.describe()
     assert engine_pids(stack) == before
-    assert stack.hosts["n3"].show("epd-router.service", "MainPID") == router_before
+    assert stack.hosts["n3"].show("epd-router@0.service", "MainPID") == router_before
     # the run logged in as kitops and became root through sudo
     assert "kitops" in stack.hosts["n1"].run("journalctl -q --no-pager -t sudo", check=False).stdout
 

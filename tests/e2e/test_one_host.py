@@ -22,6 +22,7 @@ RED, BLUE = (200, 30, 30), (30, 30, 200)
 # everything the kit writes on a host (teardown must remove all of it; --check must touch none)
 KIT_FILES = (
     "/etc/epd /etc/systemd/system/epd-engine@.service /etc/systemd/system/epd-router.service "
+    "/etc/systemd/system/epd-router.socket /etc/systemd/system/epd-router@.service "
     "/etc/systemd/system/epd-engines.target /etc/systemd/system/epd.target"
 )
 
@@ -29,7 +30,8 @@ KIT_FILES = (
 def kit_state(host) -> str:
     """Content hashes of the kit's files plus the main PID of every kit unit."""
     files = host.run(f"find {KIT_FILES} -type f 2>/dev/null | sort | xargs -r sha256sum", check=False).stdout
-    pids = "\n".join(f"{u}={host.show(u, 'MainPID')['MainPID']}" for u in [*ENGINES, "epd-router.service"])
+    # the router's process units (epd-router.service groups them and has no main process)
+    pids = "\n".join(f"{u}={host.show(u, 'MainPID')['MainPID']}" for u in [*ENGINES, "epd-router@0.service"])
     return files + pids
 
 

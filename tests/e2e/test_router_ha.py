@@ -193,10 +193,6 @@ def test_a_kit_upgrade_rolls_every_router_process_without_a_failed_request(stack
             f"epd_deps_repo_dir={kit}",
             "-e",
             f"epd_deps_wheelhouse_cache={REPO / '.cache/wheelhouse'}",
-            # the port probe takes the socket unit's listener (held by PID 1) for a stranger's
-            # until epd_listen_probe knows socket-activated units
-            "-e",
-            '{"epd_preflight_check_ports": false}',  # a boolean, not the string "false"
             timeout=STEP_LIMIT_S,
         )
         record_timing("router HA: deploy of a new kit (routers roll)", time.monotonic() - start)

@@ -123,12 +123,12 @@ def test_adding_an_engine_host_reloads_the_router_and_restarts_no_engine(three_h
         }
         inventory = write_inventory(tmp_path / "four-host", base, hosts_yml)
         engines_before = main_pids(stack)
-        router_before = stack.hosts["n3"].show("epd-router.service", "MainPID", "NRestarts")
+        router_before = stack.hosts["n3"].show("epd-router@0.service", "MainPID", "NRestarts")
         result = ansible_playbook(inventory, "playbooks/deploy.yml")
         assert result.returncode == 0, result.describe()
         assert n4.is_active("epd-engine@pd-0.service") == "active"
         assert main_pids(stack) == engines_before, "an existing engine was restarted"
-        assert stack.hosts["n3"].show("epd-router.service", "MainPID", "NRestarts") == router_before, (
+        assert stack.hosts["n3"].show("epd-router@0.service", "MainPID", "NRestarts") == router_before, (
             "the router was restarted instead of reloaded"
         )
         wait_for(
