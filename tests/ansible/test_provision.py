@@ -1,6 +1,6 @@
 """epd_provision without test hosts: the version facts module, the role's variable checks, the
 apt repository check against the stand-in repository, the engine wheelhouse builder's key.
-The installs themselves run on real hosts in tests/e2e/test_provision.py."""
+The installs themselves run on real hosts in tests/e2e/test_provision_hosts.py."""
 
 from __future__ import annotations
 

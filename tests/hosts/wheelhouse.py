@@ -11,7 +11,7 @@ the same builder, cache and pins as the role: the deploy then finds it cached.
 It also builds the provisioning stand-ins (tests/hosts/standins/build.py: a local Neuron apt
 repository, EFA installer tarballs, vllm/vllm-neuron stand-in wheels; they need the Debian
 mirror once) and the engine wheelhouse of each stand-in release (NIXL from PyPI), for
-tests/e2e/test_provision.py.
+tests/e2e/test_provision_hosts.py.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def main() -> int:
 def provisioning_standins() -> int:
     """The stand-ins and one engine wheelhouse per stand-in release (the role's builder and cache).
 
-    A failure here only warns: the deploy does not need them, and tests/e2e/test_provision.py
+    A failure here only warns: the deploy does not need them, and tests/e2e/test_provision_hosts.py
     fails with the reason when they are missing."""
     sys.path.insert(0, str(REPO))
     from tests.hosts.standins import build as standins
@@ -54,7 +54,7 @@ def provisioning_standins() -> int:
     try:
         target = standins.ensure()
     except SystemExit as error:
-        print(f"wheelhouse: WARNING: no provisioning stand-ins ({error}); tests/e2e/test_provision.py will fail")
+        print(f"wheelhouse: WARNING: no provisioning stand-ins ({error}); tests/e2e/test_provision_hosts.py will fail")
         return 0
     builder = REPO / "roles/epd_provision/files/build_engine_wheelhouse.py"
     cache = REPO / ".cache/engine-wheelhouse"  # the role's default epd_provision_engine_wheelhouse_cache

@@ -3,7 +3,7 @@
     python -m tests.hosts.standins.build      prints the stand-in directory (built once, cached)
 
 The Neuron and EFA repositories are out of reach here, so the provisioning tests
-(tests/e2e/test_provision.py) install from local stand-ins with the same package names and
+(tests/e2e/test_provision_hosts.py) install from local stand-ins with the same package names and
 version scheme, checked the same way (a signed apt repository, an installer tarball with a
 sha256). Every stand-in says so in its description and installs no driver, no kernel module
 and no Neuron code. Real parts: the EFA installer stand-in bundles Debian's real libfabric1
