@@ -17,8 +17,9 @@ def test_host_runs_systemd_and_sshd(test_hosts):
     assert n1.run("cat /etc/hostname").stdout.strip() == "n1"
 
 
-def test_base_image_is_a_dlami_stand_in_without_the_kit(test_hosts):
-    (n1,) = test_hosts(1)
+def test_base_image_is_a_dlami_stand_in_without_the_kit(host_pool, test_hosts):
+    # a pristine host: an earlier module may have deployed the kit on the shared n1
+    n1 = host_pool.reset(test_hosts(1)[0])
     n1.run("python3 -m venv /tmp/probe-venv && /tmp/probe-venv/bin/python -c 'import ssl'")
     n1.run("test -e /usr/lib/x86_64-linux-gnu/libfabric.so.1 && command -v curl")
     assert n1.run("test -e /opt/epd || id epd", check=False).returncode != 0, "kit leaked into the base image"
