@@ -28,7 +28,6 @@ from epd_kit.wire import (
     Placeholder,
     SamplingParams,
     StreamOptions,
-    encode_request,
 )
 
 STAGE_NAMES = {"ve": "encode", "pd": "generate"}
@@ -151,13 +150,6 @@ def _retry_after(answer: EngineAnswer) -> float:
 def bad_body(engine: Engine, what: str) -> UpstreamError:
     message = f"{where(engine)} returned an invalid response: {what}"
     return _failure(engine, 502, message, failure=Failure.error, retry_other=True)
-
-
-def ve_request_body(request_id: str, engine_id: str, items: Sequence[PreparedItemLike]) -> dict:
-    """Contract §2.2: synthetic zero prompt, contiguous placeholders, full kwargs, 1 token.
-    `request_id` is the router's id of the request for the engines (never the client's)."""
-    rid = f"{request_id}/enc/{engine_id}"
-    return encode_request(rid, [(i.mm_hash, i.length, i.ve_kwargs_b64) for i in items]).wire_dict()
 
 
 def pd_request_body(

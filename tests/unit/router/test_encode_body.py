@@ -9,15 +9,17 @@ import socket
 import aiohttp
 from aiohttp import web
 
-from epd_kit.router import upstream
-from epd_kit.router.encode import ve_body
+from epd_kit.router.encode import ve_body, ve_request_id
+from epd_kit.wire import encode_request
 
 
 def test_ve_body_is_the_contract_body_with_the_cached_bytes_unchanged(make_item):
     big = base64.b64encode(bytes(range(256)) * 100).decode()
     items = [make_item("h1", 0, 4, big), make_item("h2", 9, 3, "QUJD")]
     body = ve_body("rid", "epd-ve-0", items)
-    expected = upstream.ve_request_body("rid", "epd-ve-0", items)
+    # the same body through the wire model (the reference the chunked writer must match)
+    entries = [(i.mm_hash, i.length, i.ve_kwargs_b64) for i in items]
+    expected = encode_request(ve_request_id("rid", "epd-ve-0"), entries).wire_dict()
     assert json.loads(bytes(body)) == expected
     assert expected["request_id"] == "rid/enc/epd-ve-0"
     assert any(chunk is items[0].ve_kwargs for chunk in body.chunks)  # sent as cached, not copied

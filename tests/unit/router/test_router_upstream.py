@@ -7,12 +7,13 @@ import json
 import os
 
 from epd_kit.router import upstream
-from epd_kit.wire import EcLocator, GenerateRequest
+from epd_kit.router.encode import ve_body, ve_request_id
+from epd_kit.wire import EcLocator, GenerateRequest, encode_request
 
 
 def test_ve_body_is_contract_exact(make_item):
     items = [make_item("h1", 15, 4, "K1", "P1"), make_item("h2", 40, 3, "K2", "P2")]
-    body = upstream.ve_request_body("rid", "epd-ve-1", items)
+    body = json.loads(bytes(ve_body("rid", "epd-ve-1", items)))
     assert body == {
         "request_id": "rid/enc/epd-ve-1",
         "token_ids": [0] * 7,
@@ -52,7 +53,8 @@ def test_encode_body_splices_blobs_losslessly(make_item):
     big = base64.b64encode(os.urandom(30_000)).decode()
     odd = 'x"\\' * 2000 + "é"  # needs escaping: must go through json.dumps
     items = [make_item("h1", 0, 4, big, "P"), make_item("h2", 4, 4, odd, "P"), make_item("h3", 8, 4, "small", "P")]
-    body = upstream.ve_request_body("rid", "epd-ve-0", items)
+    entries = [(i.mm_hash, i.length, i.ve_kwargs_b64) for i in items]
+    body = encode_request(ve_request_id("rid", "epd-ve-0"), entries).wire_dict()
     data = upstream.encode_body(body)
     assert json.loads(data) == body
     assert big.encode() in data
