@@ -124,10 +124,10 @@ class RouterServer(uvicorn.Server):
         request is still on its way, closes after its response (`_CloseWhileDraining`)."""
         for server in self.servers:
             server.close()
+        # the listener's protocol keeps a connection whose first request head is still arriving
+        # open until that request is answered (listener.py), so every connection gets shutdown()
         for connection in list(self.server_state.connections):
-            fresh = getattr(getattr(connection, "conn", None), "their_http_version", "") is None
-            if not fresh:
-                connection.shutdown()
+            connection.shutdown()
         log.info("stopped accepting from the shared listener", extra={"worker": self.worker})
 
     async def _drain(self) -> None:
