@@ -69,6 +69,14 @@ if [ "$COMPAT" = auto ] && ! scripts/compat-env.sh --ready; then
   fi
 fi
 [ "$COMPAT" = no ] || phase compat-env scripts/compat-env.sh
+# one run at a time per machine: the test hosts n1-n9 and the kithub namespace are shared, and
+# this run stops whatever another run left on them
+mkdir -p /var/tmp/epd-kit
+exec 8>/var/tmp/epd-kit/test-run.lock
+if ! flock -n 8; then
+  echo "test.sh: another test run holds the test hosts (/var/tmp/epd-kit/test-run.lock); waiting for it" >&2
+  flock 8
+fi
 # leftovers of an interrupted earlier run (CI kills processes, not namespaces or cgroups)
 "$HOSTS" down "${OUR_HOSTS[@]}" >/dev/null 2>&1 || true
 trap teardown EXIT

@@ -28,7 +28,7 @@ ROUTER_HOSTS = ("n1", "n2")
 LB_URL = "http://10.213.0.13:8080"
 STATS_URL = "http://10.213.0.13:8404/stats;csv"
 # the .deb files of haproxy and what the test hosts lack, fetched outside the kithub namespace
-# (no Debian mirror in there) by roles/epd_haproxy/files/fetch-debs.sh
+# (no Debian mirror in there) by `tests/hosts/hosts.sh prepare` (scripts/test.sh runs it)
 HAPROXY_DEBS = Path("/var/tmp/epd-kit/haproxy-debs")
 # HAProxy's checks (the role's defaults): a dead router is out after inter × fall
 CHECK_INTER_S, CHECK_FALL = 1.0, 2
@@ -41,8 +41,8 @@ STEP_LIMIT_S = 300
 def inventory(tmp_path_factory) -> Path:
     if not any(HAPROXY_DEBS.glob("haproxy_*.deb")):
         pytest.fail(
-            f"no haproxy .deb in {HAPROXY_DEBS}: run roles/epd_haproxy/files/fetch-debs.sh {HAPROXY_DEBS} "
-            "outside the kithub namespace first (the test hosts have no package mirror)",
+            f"no haproxy .deb in {HAPROXY_DEBS}: `tests/hosts/hosts.sh prepare` fetches them and "
+            "scripts/test.sh runs it before pytest; this run skipped or lost that step",
             pytrace=False,
         )
     engine = {"epd_num_ve": 1, "epd_num_pd": 1, "epd_core_count": 16}  # VE tp4 + PD tp8

@@ -4,7 +4,8 @@
 # (PID 1), sshd and address 10.213.0.x on a bridge inside the network namespace $HUB,
 # which has no uplink: nothing in there can reach anything but lo and the other hosts.
 #
-#   hosts.sh prepare                    ssh key + base rootfs of every variant (cached by a hash of build-rootfs.sh)
+#   hosts.sh prepare                    ssh key, base rootfs of every variant (cached by a hash of build-rootfs.sh),
+#                                       Debian's haproxy .debs for the HAProxy tests (cached in $KIT_DIR/haproxy-debs)
 #   hosts.sh net-up                     tmpfs for nspawn, safety route, hub netns + bridge
 #   hosts.sh up NAME:IP [NAME:IP ...]   boot (fresh by default), wait for systemd and sshd
 #   hosts.sh down NAME [NAME ...]       poweroff, then hard-stop and sweep what is left
@@ -53,6 +54,24 @@ prepare() {
   for other in dlami bare; do
     [ "$other" = "$VARIANT" ] || "$HERE/build-rootfs.sh" "$(rootfs_dir "$other")" "$other"
   done
+  fetch_haproxy_debs
+}
+
+# The test hosts have no package mirror (kithub has no uplink): the HAProxy role installs from
+# .deb files (epd_haproxy_deb_dir). Fetch them here, outside the namespace, once; a partial
+# download never counts as the cache (temporary directory, renamed when complete).
+HAPROXY_DEBS=$KIT_DIR/haproxy-debs
+fetch_haproxy_debs() {
+  compgen -G "$HAPROXY_DEBS/haproxy_*.deb" >/dev/null && return 0
+  local tmp="$HAPROXY_DEBS.tmp.$$"
+  rm -rf "$tmp"
+  # apt-get download needs the package lists; a fresh machine may have none yet
+  apt-cache show haproxy >/dev/null 2>&1 || apt-get update -qq
+  "$HERE/../../roles/epd_haproxy/files/fetch-debs.sh" "$tmp" >/dev/null \
+    || { rm -rf "$tmp"; die "could not download Debian's haproxy packages (fetch-debs.sh); the HAProxy tests need them"; }
+  rm -rf "$HAPROXY_DEBS"
+  mv "$tmp" "$HAPROXY_DEBS"
+  echo "hosts.sh: haproxy packages cached in $HAPROXY_DEBS"
 }
 
 ensure_runtime() {
