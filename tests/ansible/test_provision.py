@@ -292,3 +292,16 @@ def test_status_versions_of_a_sim_host_without_the_stack_have_no_drift_lines(tmp
     out = status_versions(tmp_path, {"epd_engine_backend": "sim"})
     assert "DRIFT" not in out, out[-3000:]
     assert "none (sim)" in out, out[-3000:]
+
+
+def test_the_trn2_render_gives_vllm_engines_the_setup_guides_loader_path(rendered):
+    """vllm-neuron setup guide: LD_LIBRARY_PATH=/opt/amazon/efa/lib64:/opt/amazon/efa/lib and
+    PATH=/opt/amazon/efa/bin in the shell that runs `vllm serve`; the kit adds the CUDA runtime's
+    directory (NIXL's LIBFABRIC plugin links libcudart.so.12) and /opt/aws/neuron/bin."""
+    out = rendered(REPO / "inventory/examples/trn2-2e7pd")
+    unit = next(out.glob("*/etc/systemd/system/epd-engine@.service")).read_text()
+    library_path = "/opt/amazon/efa/lib64:/opt/amazon/efa/lib:/usr/local/cuda-12.6/targets/x86_64-linux/lib"
+    assert f"Environment=LD_LIBRARY_PATH={library_path}\n" in unit, unit
+    assert "Environment=PATH=/opt/amazon/efa/bin:/opt/aws/neuron/bin:" in unit, unit
+    record = json.loads(next(out.glob("*/engines/pd-0.json")).read_text())
+    assert record["environment"]["LD_LIBRARY_PATH"] == library_path

@@ -362,6 +362,19 @@ else
   packages+=(./DEBS/libfabric*.deb)
 fi
 echo "== Installing EFA packages =="
+# like package_should_be_skipped: a package the host has at this version or newer is kept
+install=()
+for deb in "${{packages[@]}}"; do
+  name=$(dpkg-deb -f "$deb" Package) version=$(dpkg-deb -f "$deb" Version)
+  have=$(dpkg-query -W -f '${{Version}}' "$name" 2>/dev/null || true)
+  if [ -n "$have" ] && dpkg --compare-versions "$version" le "$have"; then
+    echo "${{name}}_$have already installed"
+  else
+    install+=("$deb")
+  fi
+done
+packages_all=("${{packages[@]}}")
+packages=("${{install[@]}}")
 if [ ${{#packages[@]}} -gt 0 ]; then
   apt-get install -y --no-install-recommends "${{packages[@]}}" ||
     {{ echo "Error: failed to install EFA packages, exiting" >&2; exit 1; }}
@@ -371,7 +384,7 @@ mkdir -p /opt/amazon
   echo "# EFA installer version: {version}"
   echo "# Debug packages installed: no"
   echo "# Packages installed:"
-  for deb in "${{packages[@]}}"; do basename "$deb" .deb; done | tr '\n' ' '; echo
+  for deb in "${{packages_all[@]}}"; do basename "$deb" .deb; done | tr '\n' ' '; echo
 }} > /opt/amazon/efa_installed_packages
 echo "==================================================="
 echo "EFA installation complete."
