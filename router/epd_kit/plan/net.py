@@ -20,7 +20,9 @@ def probe_url(address: str, port: int) -> str:
 
 # Names every resolver maps to loopback: /etc/hosts of Debian/RHEL/Amazon Linux, and any
 # name under .localhost (RFC 6761 section 6.3).
-LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "localhost4", "localhost6", "ip6-localhost", "ip6-loopback"})
+LOOPBACK_NAMES = frozenset(
+    {"localhost", "localhost.localdomain", "localhost4", "localhost6", "ip6-localhost", "ip6-loopback"}
+)
 
 
 def is_loopback(address: str) -> bool:

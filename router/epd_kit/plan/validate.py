@@ -65,7 +65,7 @@ def explicit(hostvars: Mapping[str, Any], host: str) -> dict[str, Any]:
         if str(name) in VARIABLES:
             try:
                 out[str(name)] = plain(variables[name])
-            except Exception:  # noqa: BLE001 - Ansible's templating errors; the role reports them
+            except Exception:  # Ansible's templating errors: the role that reads the value reports them
                 continue
     return out
 
@@ -216,7 +216,11 @@ def value_problems(values: Mapping[str, Mapping[str, Any]]) -> list[str]:
             problem = value_problem(var, value)
             if problem:
                 where.setdefault(problem, []).append(host)
-    return [f"{_hosts_text(hosts)}: {problem}" for problem, hosts in where.items()]
+    every = len(values) > 1
+    return [
+        f"{'every host' if every and len(hosts) == len(values) else _hosts_text(hosts)}: {problem}"
+        for problem, hosts in where.items()
+    ]
 
 
 def scope_problems(values: Mapping[str, Mapping[str, Any]], groups: Mapping[str, Sequence[str]]) -> list[str]:
@@ -244,7 +248,7 @@ def scope_problems(values: Mapping[str, Mapping[str, Any]], groups: Mapping[str,
                     continue
                 problems.append(
                     f"{host}: {name} is set but {host} is not in {var.scope}, the group whose plays read it: "
-                    f"move it to the variables of a {var.scope} host (or add {host} to {var.scope})"
+                    f"move it to the variables of a host in {var.scope} (or add {host} to {var.scope})"
                 )
     return problems
 
@@ -252,7 +256,8 @@ def scope_problems(values: Mapping[str, Mapping[str, Any]], groups: Mapping[str,
 def name_problems(hosts: Iterable[str]) -> list[str]:
     return [
         f"{host[:40]}...: the inventory name is {len(host.encode())} bytes, longer than a file name may be "
-        f"({MAX_NAME_BYTES}; render.yml writes RENDER_DIR/<name>): use a shorter name and put the address in ansible_host"
+        f"({MAX_NAME_BYTES}; render.yml writes RENDER_DIR/<name>): use a shorter name and put the address "
+        "in ansible_host"
         for host in hosts
         if len(host.encode()) > MAX_NAME_BYTES
     ]
@@ -331,4 +336,3 @@ def rollout_problems(plan: Mapping[str, Mapping[str, Any]], variables: Mapping[s
         except EpdPlanError as error:
             problems.append(str(error))
     return problems
-

@@ -393,9 +393,7 @@ def default(name: str) -> Any:
 
 def defaults_of(spec: str, scopes: tuple[str, ...] | None = None) -> dict[str, Any]:
     """{name: default} of the variables an argument spec entry point lists, in declaration order."""
-    return {
-        v.name: v.default for v in _DECLARED if v.spec == spec and (scopes is None or v.scope in scopes)
-    }
+    return {v.name: v.default for v in _DECLARED if v.spec == spec and (scopes is None or v.scope in scopes)}
 
 
 def declared(scopes: tuple[str, ...] | None = None) -> Mapping[str, Var]:
