@@ -259,3 +259,45 @@ def test_adding_a_variable_is_one_entry():
     var = Var("epd_router_example_s", 5, declaration.SECONDS, declaration.ROUTER, minimum=1)
     assert value_problem(var, "5m").endswith("write 300")
     assert value_problem(var, 0) == "epd_router_example_s must be >= 1, got 0"
+
+
+def _documented_default(cell: str) -> tuple[bool, Any]:
+    """(True, value) when a docs table cell is a plain default: a number, true/false, `""`, `[]`, `{}`
+    or one backticked word; prose (unset, "the host's codename", ...) is not compared."""
+    text = cell.strip()
+    code = re.fullmatch(r"`([^`\s]*)`", text)
+    if code:
+        literal = code[1]
+        if literal in ('""', "''"):
+            return True, ""
+        if literal in ("[]", "{}", "true", "false"):
+            return True, yaml.safe_load(literal)
+        return True, literal
+    if re.fullmatch(r"-?\d+(\.\d+)?", text):
+        return True, yaml.safe_load(text)
+    if text in ("true", "false"):
+        return True, text == "true"
+    return False, None
+
+
+def test_docs_variable_tables_show_the_declared_defaults():
+    """Every docs table row `| `epd_x` | default | ...` whose default is a plain value agrees with the declaration."""
+    problems = []
+    compared = 0
+    for page in sorted(REPO.glob("docs/*.md")):
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            name = re.fullmatch(r"`(epd_\w+)`", cells[0]) if len(cells) >= 3 else None
+            if not name or name[1] not in VARIABLES:
+                continue
+            plain_value, value = _documented_default(cells[1])
+            if not plain_value:
+                continue
+            compared += 1
+            expected = VARIABLES[name[1]].default
+            if value != expected and str(value) != str(expected):
+                problems.append(
+                    f"{page.relative_to(REPO)}:{number}: {name[1]} documented {cells[1]}, declared {expected!r}"
+                )
+    assert compared >= 30
+    assert not problems, "\n".join(problems)
