@@ -301,3 +301,22 @@ def test_docs_variable_tables_show_the_declared_defaults():
                 )
     assert compared >= 30
     assert not problems, "\n".join(problems)
+
+
+def test_pool_settings_may_live_in_the_engine_group_and_rollout_settings_in_the_router_group():
+    """group_vars/epd_engines for the pool, group_vars/epd_router for rollouts: hosts outside those
+    groups do not have them, and nothing is refused."""
+    engine = {"epd_model": "/models/m", "epd_num_ve": 1, "epd_num_pd": 1, "epd_bind_address": "10.0.0.1"}
+    hostvars = {"n1": engine, "r1": {"epd_rollout_batch_pd": 1, "epd_rr_drain_timeout_s": 300}}
+    result = planner.check_inventory(hostvars, {"epd_engines": ["n1"], "epd_router": ["r1"]}, None, set(VARIABLES))
+    assert result["problems"] == []
+
+
+def test_a_fleet_value_set_only_where_it_is_not_read_is_refused():
+    engine = {"epd_model": "/models/m", "epd_num_ve": 1, "epd_num_pd": 1, "epd_bind_address": "10.0.0.1"}
+    hostvars = {"n1": engine, "r1": {"epd_max_num_seqs": 16}}
+    result = planner.check_inventory(hostvars, {"epd_engines": ["n1"], "epd_router": ["r1"]}, None, set(VARIABLES))
+    assert result["problems"] == [
+        "epd_max_num_seqs differs between hosts (n1: 8, r1: 16); a fleet-wide setting is read from one place: "
+        "set it once in group_vars/all (or -e)"
+    ]

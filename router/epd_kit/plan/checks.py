@@ -29,6 +29,7 @@ from .validate import (
     value_problems,
 )
 from .values import describe, plain
+from .variables import GROUP_SCOPES as KIT_GROUPS
 from .variables import VARIABLES
 
 ENGINE_GROUP, ROUTER_GROUP = "epd_engines", "epd_router"
@@ -124,9 +125,9 @@ def check_inventory(
     engines = [str(h) for h in groups.get(ENGINE_GROUP) or []]
     routers = [str(h) for h in groups.get(ROUTER_GROUP) or []]
     everyone = list(dict.fromkeys(engines + routers))
-    # every host of the inventory: monitoring and load-balancer hosts' variables are the kit's too
-    inventory_hosts = list(dict.fromkeys([*everyone, *(str(h) for hosts in groups.values() for h in hosts or [])]))
-    inventory_hosts = [host for host in inventory_hosts if host in hostvars]
+    # every host of the kit's groups: monitoring and load-balancer hosts' variables are the kit's too
+    kit_hosts = (str(h) for group in KIT_GROUPS for h in groups.get(group) or [])
+    inventory_hosts = [host for host in dict.fromkeys([*everyone, *kit_hosts]) if host in hostvars]
     problems = group_problems(groups) + name_problems(inventory_hosts) + machine_problems(hostvars, everyone)
     values = {host: explicit(hostvars, host) for host in inventory_hosts}
     if known_variables is not None:

@@ -22,6 +22,7 @@ from .variables import (
     BOOL,
     DICT,
     DURATION_UNITS,
+    ENGINE,
     FLEET,
     FLOAT,
     GROUP_SCOPES,
@@ -229,7 +230,10 @@ def scope_problems(values: Mapping[str, Mapping[str, Any]], groups: Mapping[str,
     hosts = list(values)
     for name, var in VARIABLES.items():
         if var.scope == FLEET:
-            seen = {h: values[h].get(name, var.default) for h in hosts}
+            # the hosts whose value is read count unset as the default; any other host only when it
+            # sets a value (pool settings may live in group_vars/epd_engines)
+            readers = {str(h) for h in groups.get(ENGINE if var.spec else ROUTER) or []}
+            seen = {h: values[h].get(name, var.default) for h in hosts if h in readers or name in values[h]}
             if len({repr(v) for v in seen.values()}) > 1:
                 shown = ", ".join(f"{h}: {v!r}" for h, v in list(seen.items())[:4])
                 problems.append(
