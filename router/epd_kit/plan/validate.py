@@ -19,6 +19,7 @@ from .rollout import PoolRule, amount
 from .values import as_int, describe, plain
 from .variables import (
     AMOUNT,
+    ANY,
     BOOL,
     DICT,
     DURATION_UNITS,
@@ -116,7 +117,7 @@ def _number(var: Var, value: Any) -> str | None:
 
 def value_problem(var: Var, value: Any) -> str | None:
     """What is wrong with one value of `var`, or None. None values mean unset and pass."""
-    if value is None or var.kind == "any":
+    if value is None or var.kind == ANY:
         return None
     if var.kind in DURATION_UNITS:
         return _duration(var, value)
@@ -129,7 +130,7 @@ def value_problem(var: Var, value: Any) -> str | None:
     if var.kind == FLOAT:
         return _number(var, value)
     if var.kind == BOOL:
-        if isinstance(value, bool) or (isinstance(value, str) and value.strip().lower() in BOOL_STRINGS):
+        if isinstance(value, bool) or str(value).strip().lower() in BOOL_STRINGS:
             return None
         return f"{var.name} must be true or false, got {describe(value)}"
     if var.kind in (STR, PATH):
