@@ -270,7 +270,7 @@ def _documented_default(cell: str) -> tuple[bool, Any]:
         literal = code[1]
         if literal in ('""', "''"):
             return True, ""
-        if literal in ("[]", "{}", "true", "false"):
+        if literal in ("true", "false") or literal.startswith(("[", "{")):
             return True, yaml.safe_load(literal)
         return True, literal
     if re.fullmatch(r"-?\d+(\.\d+)?", text):
@@ -320,3 +320,14 @@ def test_a_fleet_value_set_only_where_it_is_not_read_is_refused():
         "epd_max_num_seqs differs between hosts (n1: 8, r1: 16); a fleet-wide setting is read from one place: "
         "set it once in group_vars/all (or -e)"
     ]
+
+
+def test_the_docs_variable_reference_is_generated_from_the_declaration():
+    from epd_kit.plan import reference
+
+    text = (REPO / "docs/architecture.md").read_text()
+    start, end = text.index(reference.BEGIN), text.index(reference.END) + len(reference.END)
+    assert text[start:end] == reference.section(), (
+        "docs/architecture.md 'Every variable' is out of date: replace it with the output of "
+        "`.venv/bin/python -m epd_kit.plan.reference`"
+    )

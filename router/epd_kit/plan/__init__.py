@@ -5,6 +5,7 @@ the collection can load its bundled copy (plugins/plugin_utils/kit.py). Layout:
 
     variables     the declaration of every variable the kit reads (default, kind, bounds, scope, readers)
     defaults      the planner's defaults, from the declaration
+    reference     docs/architecture.md's table of every variable, generated from the declaration
     values        checks for single inventory values
     settings      fleet-wide pool settings (Settings, read_settings)
     hosts         one engine host (HostSpec, read_host)
