@@ -21,6 +21,7 @@ from .hints import did_you_mean
 from .inventory import fleet_settings, plan_from_hostvars
 from .validate import (
     explicit,
+    hosts_text,
     machine_of,
     name_problems,
     port_problems,
@@ -33,10 +34,6 @@ from .variables import GROUP_SCOPES as KIT_GROUPS
 from .variables import VARIABLES
 
 ENGINE_GROUP, ROUTER_GROUP = "epd_engines", "epd_router"
-
-
-def _hosts_text(hosts: list[str]) -> str:
-    return ", ".join(hosts) if len(hosts) <= 3 else f"{', '.join(hosts[:3])} and {len(hosts) - 3} more"
 
 
 def group_problems(groups: Mapping[str, Any]) -> list[str]:
@@ -62,7 +59,7 @@ def unknown_variable_problems(
     problems = []
     for name, names in sorted(where.items()):
         fix = did_you_mean(name, known_variables, "remove it (docs/architecture.md lists the inventory variables)")
-        problems.append(f"{_hosts_text(names)}: unknown variable {name}; {fix}")
+        problems.append(f"{hosts_text(names)}: unknown variable {name}; {fix}")
     return problems
 
 

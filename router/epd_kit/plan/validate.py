@@ -54,7 +54,7 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_NAME_BYTES = 255
 
 
-def _hosts_text(hosts: Sequence[str]) -> str:
+def hosts_text(hosts: Sequence[str]) -> str:
     return ", ".join(hosts) if len(hosts) <= 3 else f"{', '.join(hosts[:3])} and {len(hosts) - 3} more"
 
 
@@ -220,7 +220,7 @@ def value_problems(values: Mapping[str, Mapping[str, Any]]) -> list[str]:
                 where.setdefault(problem, []).append(host)
     every = len(values) > 1
     return [
-        f"{'every host' if every and len(hosts) == len(values) else _hosts_text(hosts)}: {problem}"
+        f"{'every host' if every and len(hosts) == len(values) else hosts_text(hosts)}: {problem}"
         for problem, hosts in where.items()
     ]
 
