@@ -272,3 +272,26 @@ def test_router_changes_roll_process_by_process_without_a_failed_request(stack, 
         assert limits[name] == {"LimitNOFILE": "60000"} and env[name] == "1", (name, limits, env)
         assert list(after[name]) == ["epd-router@0.service", "epd-router@1.service"], (name, after)
         assert all(after[name][unit] != during[name][unit] for unit in after[name]), (name, during, after)
+
+
+def test_a_new_router_port_is_announced_and_check_mode_changes_nothing(stack, inventory):
+    """The one change that needs a new socket: `--check` names it per host, restarts nothing."""
+    sockets = {name: stack.hosts[name].show("epd-router.socket", "InvocationID") for name in ROUTER_HOSTS}
+    result = ansible_playbook(
+        inventory,
+        "playbooks/deploy.yml",
+        "--check",
+        "--tags",
+        "router",
+        "-e",
+        '{"epd_router_port": 18801}',
+        timeout=300,
+    )
+    assert result.returncode == 0, result.describe()
+    said = " ".join(result.stdout.split())  # the callback wraps long messages
+    for name in ROUTER_HOSTS:
+        address = f"10.213.0.1{name[1:]}"
+        assert f"LISTENER CHANGE on {name}: epd-router.socket moves from {address}:18800 to {address}:18801" in said, (
+            result.describe()
+        )
+        assert stack.hosts[name].show("epd-router.socket", "InvocationID") == sockets[name], name
