@@ -257,6 +257,7 @@ def test_router_changes_roll_process_by_process_without_a_failed_request(stack, 
         time.sleep(2)
         outcomes = {"n1 direct": direct.stop(), "through HAProxy": through_lb.stop()}
     for what, outcome in outcomes.items():
+        record_timing(f"router HA: requests during the router changes, {what}", outcome.sent)
         assert outcome.sent >= RATE_PER_S * 10, (what, outcome.sent)
         assert outcome.ok == outcome.sent, (
             what,
