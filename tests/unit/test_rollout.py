@@ -191,3 +191,20 @@ def test_the_plan_says_who_compiles_and_who_fetches(shared, strict, expected_res
     # rest: b-pd-0, c-pd-0 (first of their host), a-pd-1, b-pd-1 (local hit), b-ve-0
     assert rollout["expected_s"] == 2 * first_start + 3 * per_batch[expected_rest] + 2 * per_batch["local hit"]
     assert rollout["expected_s"] < rollout["bound_s"]
+
+
+def test_precompile_runs_each_configuration_once_in_cpu_compile_mode_with_the_fleets_command():
+    cache_env = {"HOME": "/var/cache/epd", "VLLM_CACHE_ROOT": "/c", "VLLM_NEURON_DISABLE_WARMUP_COMPILE": "1"}
+    jobs = plan.rollout.precompile_jobs(THREE, cache_env, "trn2", "/opt/epd/venv/bin/epd-sim", "/p")
+    assert sorted(j["engine_id"] for j in jobs) == ["epd-a-pd-0", "epd-a-ve-0"]  # one per configuration
+    for job in jobs:
+        engine = next(e for e in THREE[job["host"]]["engines"] if e["engine_id"] == job["engine_id"])
+        host = engine["argv"].index("--host")
+        assert job["argv"][0] == "/opt/epd/venv/bin/epd-sim"
+        assert job["argv"][host + 1] == "127.0.0.1"
+        assert job["argv"][1:host] + job["argv"][host + 2 :] == engine["argv"][1:host] + engine["argv"][host + 2 :]
+        env = dict(item.split("=", 1) for item in job["env"])
+        assert env["VLLM_NEURON_CPU_COMPILE"] == "1" and env["NEURON_PLATFORM_TARGET_OVERRIDE"] == "trn2"
+        assert env["VLLM_CACHE_ROOT"] == f"/p/{job['config']}" and job["local_dir"].endswith("/neuron/compile_cache")
+        assert "VLLM_NEURON_DISABLE_WARMUP_COMPILE" not in env  # a precompile must compile
+        assert env["NEURON_VISIBLE_DEVICES"] == engine["env"]["NEURON_VISIBLE_DEVICES"]

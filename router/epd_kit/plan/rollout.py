@@ -166,6 +166,49 @@ def compile_config(engine: Mapping[str, Any]) -> str:
     return f"{engine['role']}-tp{engine['tp']}-{digest}"
 
 
+def precompile_jobs(
+    plan: Mapping[str, Mapping[str, Any]],
+    cache_environment: Mapping[str, str],
+    target: str,
+    executable: str,
+    root: str,
+) -> list[dict[str, Any]]:
+    """One CPU compile per distinct engine configuration of the plan (playbooks/precompile.yml):
+    the first engine of that configuration's exact argv (argv[0] = executable) and environment,
+    plus the unit's cache variables, in CPU compile mode for `target` (cpu_compilation.md:
+    VLLM_NEURON_CPU_COMPILE=1 needs NEURON_PLATFORM_TARGET_OVERRIDE), each with its own
+    VLLM_CACHE_ROOT under `root` so its keys stay apart. Strict-mode variables are dropped (this
+    run must compile); --host becomes 127.0.0.1 (not in the cache key, and another machine's)."""
+    strict = {"NEURON_LIBTORCH_DISABLE_GRAPH_CAPTURE_BACKEND", "VLLM_NEURON_DISABLE_WARMUP_COMPILE"}
+    jobs: dict[str, dict[str, Any]] = {}
+    for host, host_plan in plan.items():
+        for engine in host_plan["engines"]:
+            config = compile_config(engine)
+            if config in jobs:
+                continue
+            argv = [executable, *engine["argv"][1:]]
+            if "--host" in argv[:-1]:
+                argv[argv.index("--host") + 1] = "127.0.0.1"
+            cache_root = f"{root}/{config}"
+            env = {
+                **engine["env"],
+                **{k: v for k, v in cache_environment.items() if k not in strict},
+                "VLLM_CACHE_ROOT": cache_root,
+                "VLLM_NEURON_CPU_COMPILE": "1",
+                "NEURON_PLATFORM_TARGET_OVERRIDE": target,
+            }
+            jobs[config] = {
+                "config": config,
+                "engine_id": engine["engine_id"],
+                "host": host,
+                "cache_root": cache_root,
+                "local_dir": f"{cache_root}/neuron/compile_cache",
+                "argv": argv,
+                "env": [f"{k}={v}" for k, v in sorted(env.items())],
+            }
+    return list(jobs.values())
+
+
 def rollout_batches(
     plan: Mapping[str, Mapping[str, Any]],
     engines: str | Mapping[str, Sequence[str]] | None = None,
