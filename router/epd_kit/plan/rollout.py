@@ -324,7 +324,7 @@ def rollout_plan(
     canaries = sum(1 for b in batches if b.canary)
     if canaries:
         lines.append(
-            f"{canaries} canaries first (one per engine configuration, alone): a failed start stops the rollout"
+            f"canaries first: {canaries} (one per engine configuration, alone): a failed start stops the rollout"
             + (" before any other batch; their graphs reach the shared tier before the rest start" if shared else "")
         )
     for rule in rules.values():
