@@ -208,3 +208,23 @@ def test_precompile_runs_each_configuration_once_in_cpu_compile_mode_with_the_fl
         assert env["VLLM_CACHE_ROOT"] == f"/p/{job['config']}" and job["local_dir"].endswith("/neuron/compile_cache")
         assert "VLLM_NEURON_DISABLE_WARMUP_COMPILE" not in env  # a precompile must compile
         assert env["NEURON_VISIBLE_DEVICES"] == engine["env"]["NEURON_VISIBLE_DEVICES"]
+
+
+def test_the_estimate_uses_this_fleets_last_start_per_configuration():
+    def unit(instance: str, began: int, ready: int) -> str:
+        return "\n".join(
+            [f"Id=epd-engine@{instance}.service", f"InactiveExitTimestampMonotonic={began}"]
+            + [f"ActiveEnterTimestampMonotonic={ready}"]
+        )
+
+    shows = {
+        "a": "\n\n".join(
+            [unit("pd-0", 10_000_000, 85_000_000), unit("pd-1", 10_000_000, 50_000_000), unit("ve-0", 0, 0)]
+        )
+    }
+    recorded = plan.rollout.recorded_starts(THREE, shows)
+    pd_config = plan.rollout.compile_config(THREE["a"]["engines"][0])
+    assert recorded == {pd_config: 75}  # the longest PD start; the VE never started since boot
+    rollout = plan.rollout_plan(THREE, systemd_shows=shows, expected={"warm_s": 10})
+    assert f"last start of {pd_config} (this fleet, systemd): 75 s" in rollout["lines"]
+    assert rollout["expected_s"] == 5 * 75 + 2 * 10  # 5 PD batches at the recorded start, 2 VE at the default

@@ -291,6 +291,31 @@ def engine_outcomes(
     return out
 
 
+def recorded_starts(plan: Mapping[str, Mapping[str, Any]], shows: Mapping[str, str]) -> dict[str, int]:
+    """The last start of each engine configuration, as systemd recorded it: per host the output of
+    `systemctl show -p Id -p InactiveExitTimestampMonotonic -p ActiveEnterTimestampMonotonic` for its
+    engine units; per configuration the longest start (stagger, load, compile, /health) of its
+    running engines, in whole seconds. Engines not started since boot are left out."""
+    by_unit = {
+        (host, f"epd-engine@{e['instance']}.service"): compile_config(e)
+        for host, host_plan in plan.items()
+        for e in host_plan["engines"]
+    }
+    out: dict[str, int] = {}
+    for host, text in shows.items():
+        for block in text.strip().split("\n\n"):
+            fields = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+            config = by_unit.get((host, fields.get("Id", "")))
+            began, ready = (
+                fields.get("InactiveExitTimestampMonotonic", ""),
+                fields.get("ActiveEnterTimestampMonotonic", ""),
+            )
+            if config is None or not began.isdigit() or not ready.isdigit() or int(ready) <= int(began):
+                continue
+            out[config] = max(out.get(config, 0), round((int(ready) - int(began)) / 1e6))
+    return out
+
+
 def rollout_estimate_s(batches: Sequence[Batch], plan: Mapping[str, Mapping[str, Any]], drain_timeout_s: int) -> int:
     """The rollout's upper bound: per batch, the drain timeout plus the longest start timeout of its hosts."""
     return sum(
@@ -312,10 +337,14 @@ def rollout_plan(
     shared: bool = False,
     strict: bool = False,
     expected: Mapping[str, Any] | None = None,
+    systemd_shows: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The rollout's input: {batches, lines}, lines being the plan it prints before starting.
     compiles / shared / strict: the rollout may change the graphs, the shared tier is set, the
-    engines are cache-hit-only; expected: StartTimes overrides (compile_s, fetch_s, warm_s)."""
+    engines are cache-hit-only; expected: StartTimes overrides (compile_s, fetch_s, warm_s);
+    systemd_shows: per engine host, `systemctl show` of its engine units (recorded_starts): this
+    fleet's last start per configuration replaces the expected time of a local hit of that
+    configuration (a restart takes about what the last one took)."""
     batches, rules = rollout_batches(plan, engines, batch, min_available, compiles=compiles)
     times = StartTimes(**{k: int(v) for k, v in (expected or {}).items() if v not in (None, "")})
     outcomes = engine_outcomes(batches, plan, compiles=compiles, shared=shared, strict=strict)
@@ -336,7 +365,19 @@ def rollout_plan(
         kind = " canary" if item.canary else ""
         lines.append(f"batch {number}/{len(batches)} {item.pool.upper()}{kind}: {members}")
     tally = {o: sum(row.count(o) for row in outcomes) for o in ("compiles", "fetches", "local hit")}
-    expected_s = sum(max(times.of(o) for o in row) for row in outcomes)
+    recorded = recorded_starts(plan, systemd_shows or {})
+    by_key = {(host, e["instance"]): e for host, host_plan in plan.items() for e in host_plan["engines"]}
+
+    def start_s(engine: Mapping[str, str], outcome: str) -> int:
+        config = compile_config(by_key[(engine["host"], engine["instance"])])
+        return recorded[config] if outcome == "local hit" and config in recorded else times.of(outcome)
+
+    expected_s = sum(
+        max(start_s(e, o) for e, o in zip(item.engines, row, strict=True))
+        for item, row in zip(batches, outcomes, strict=True)
+    )
+    for config, seconds in sorted(recorded.items()):
+        lines.append(f"last start of {config} (this fleet, systemd): {seconds} s")
     bound = rollout_estimate_s(batches, plan, drain_timeout_s)
     lines.append(
         f"estimate: ~{_minutes(expected_s)} plus draining: {tally['compiles']} compile (~{times.compile_s} s each), "
