@@ -116,7 +116,7 @@ async def _graphs(cfg: EngineConfig, sim: SimOptions, cache: CacheSettings, grap
     except CompileFailure as exc:
         _fail("RuntimeError", str(exc))
         return False
-    log.info("Compilation finished (graph %s: %s, %.1f s).", outcome.key, outcome.source, outcome.seconds)
+    log.info("Compilation finished. Graph %s: %s (%.1f s)", outcome.key, outcome.source, outcome.seconds)
     return True
 
 
