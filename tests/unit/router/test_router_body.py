@@ -56,21 +56,58 @@ def test_an_inline_image_is_kept_apart_and_other_strings_come_back_whole():
     assert isinstance(decoded.inline[parts[2]["image_url"]], memoryview)
 
 
-def test_short_and_escaped_payloads_go_through_the_parser():
+def test_short_payloads_go_through_the_parser_and_escaped_ones_are_lifted_unescaped():
+    """Issue 23 finding 7: a PNG whose base64 had '/' escaped (PHP's default) or was wrapped
+    with \\n was not lifted, counted as text and got 413."""
+    long_b64 = "A/" * LIFT_MIN_BYTES
     doc = {
         "messages": [
             {
                 "role": "user",
                 "content": [
                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
-                    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A/" * LIFT_MIN_BYTES}},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + long_b64}},
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": "data:image/png;base64," + PAYLOAD[:76] + "\n" + PAYLOAD},
+                    },
                 ],
             }
         ]
     }
     raw = body_of(doc).replace(b"A/", b"A\\/")  # some encoders escape '/'
-    decoded = decode_body(raw, LIMITS)
-    assert decoded.doc == doc and decoded.inline == {}
+    small = Limits(max_text_bytes=1024)  # the payloads alone are far bigger
+    decoded = decode_body(raw, small)
+    parts = decoded.doc["messages"][0]["content"]
+    assert parts[0] == doc["messages"][0]["content"][0]
+    assert bytes(decoded.inline[parts[1]["image_url"]["url"]]) == long_b64.encode()
+    assert bytes(decoded.inline[parts[2]["image_url"]["url"]]) == (PAYLOAD[:76] + "\n" + PAYLOAD).encode()
+    assert len(decoded.inline) == 2
+
+
+def test_punctuation_inside_text_is_text_not_json_values():
+    """Issue 23 finding 7: a 40 KB prompt of 20,000 commas, or a 90 KB JSON document pasted
+    into a prompt, tripped max_json_values (counted as all , : [ { bytes)."""
+    pasted = json.dumps([{"k": i, "v": [i, i]} for i in range(6000)])
+    for text in ("a," * 20_000, pasted):
+        doc = {"messages": [{"role": "user", "content": text}]}
+        assert decode_body(body_of(doc), LIMITS).doc == doc
+    structure = b"[" + b",".join([b"{}"] * LIMITS.max_json_values) + b"]"
+    assert refused(structure).status == 413  # real values are still counted
+
+
+@pytest.mark.parametrize(
+    ("raw", "where"),
+    [
+        (b'{"repetition_penalty": 1e400}', "repetition_penalty"),
+        (b'{"extra_args": {"a": [1, -1e999]}}', "extra_args.a.1"),
+        (b'{"structured_outputs": {"json": {"maximum": 1E+400}}}', "structured_outputs.json.maximum"),
+    ],
+)
+def test_a_number_beyond_a_double_is_a_400_naming_the_field(raw, where):
+    """Issue 23 finding 6: 1e400 parsed as infinity and reached the PD as `Infinity`."""
+    err = refused(raw)
+    assert err.status == 400 and err.param == where and "numbers must be finite" in err.message
 
 
 @pytest.mark.parametrize(

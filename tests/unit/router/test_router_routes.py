@@ -127,3 +127,25 @@ async def test_an_invalid_request_id_is_refused_with_a_fresh_one(client):
     assert r.status_code == 400 and len(r.json()["request_id"]) == 32
     r = await client.get("/nothing")
     assert r.status_code == 404 and r.json()["request_id"]
+
+
+async def test_a_slow_upload_does_not_take_a_preprocessing_slot(app, client):
+    """Issue 23 finding 2: uploads trickling their bodies held max_requests_preprocessing for
+    the whole body timeout and every other client got 429. Admission now follows the body."""
+    arrived = [asyncio.Event() for _ in range(3)]
+    finish = [asyncio.Event() for _ in range(3)]
+
+    async def trickle(n: int):
+        yield b'{"messages": [{"role": "user", '
+        arrived[n].set()
+        await finish[n].wait()
+        yield b'"content": "hi"}], "max_tokens": 2}'
+
+    slow = [asyncio.create_task(client.post("/v1/chat/completions", content=trickle(n))) for n in range(3)]
+    await asyncio.wait_for(asyncio.gather(*(a.wait() for a in arrived)), 5)
+    await asyncio.sleep(0.05)
+    assert (await client.post("/v1/chat/completions", json=BODY)).status_code == 200  # limit is 1
+    for n, task in enumerate(slow):  # each, once its body is in, is served like any other
+        finish[n].set()
+        assert (await task).status_code == 200
+    assert app.state.service.intake.active == 0 and app.state.service.intake.receiving_bytes == 0
