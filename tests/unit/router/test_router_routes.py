@@ -149,3 +149,11 @@ async def test_a_slow_upload_does_not_take_a_preprocessing_slot(app, client):
         finish[n].set()
         assert (await task).status_code == 200
     assert app.state.service.intake.active == 0 and app.state.service.intake.receiving_bytes == 0
+
+
+async def test_no_redirect_is_built_from_the_clients_host(client):
+    """Issue 23 finding 9: POST /v1/chat/completions/ answered 307 to a Location built from
+    the client's Host header."""
+    r = await client.post("/v1/chat/completions/", json=BODY, headers={"host": "evil.example"})
+    assert r.status_code == 404 and "location" not in r.headers
+    assert "no route /v1/chat/completions/" in r.json()["error"]["message"]
