@@ -51,7 +51,9 @@ class Limits(Section):
     max_image_frames: int = Field(default=1000, ge=1)  # animations; only the first frame is used
     # Formats handed to a Pillow decoder; anything else is a 400 before any plugin parses it
     # (never EPS/PS: Pillow runs Ghostscript on them). Pillow's format names.
-    image_formats: tuple[ImageFormat, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+    image_formats: list[ImageFormat] = Field(
+        default_factory=lambda: ["PNG", "JPEG", "WEBP", "GIF", "BMP"], min_length=1
+    )
     # Image jobs (decode, resize, pixel values) one client may have running or queued at once;
     # 0 means half of image_workers (at least 1), so one client cannot hold every image thread.
     image_jobs_per_client: int = Field(default=0, ge=0, le=64)

@@ -122,9 +122,9 @@ def test_formats_off_the_allow_list_never_reach_a_decoder(monkeypatch):
     png = io.BytesIO()
     make_image(8, 8).save(png, format="PNG")
     with pytest.raises(NotAnImage):
-        decode_image(png.getvalue(), Limits(image_formats=("JPEG",)))
+        decode_image(png.getvalue(), Limits(image_formats=["JPEG"]))
     with pytest.raises(ValueError, match="image_formats"):
-        Limits(image_formats=("EPS",))
+        Limits(image_formats=["EPS"])
 
 
 async def test_image_work_nobody_waits_for_is_cancelled(make_preprocessor, monkeypatch):
