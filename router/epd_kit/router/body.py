@@ -9,7 +9,8 @@ GIL for long, so the event loop keeps answering meanwhile.
   and its payload travels beside the document as a view of the body's bytes (`inline`), to
   be base64-decoded by the preprocessor straight from there: a 20 MB image is never copied
   into a Python string. Any other string that held such a payload gets it back verbatim.
-- The JSON left is bounded by `limits.max_text_bytes` (its text goes through the tokenizer)
+- The JSON left is bounded by `limits.max_text_bytes` (its text goes through the tokenizer),
+  counted in characters with a JSON escape as one (and at most 6x that in bytes),
   and `limits.max_json_values`, counted as its `, : [ {` bytes outside strings (an upper
   bound on its values; punctuation inside text is text, a prompt full of commas or a JSON
   document pasted into a prompt counts as one value) -> 413, and by `limits.max_json_depth` -> 400.
@@ -51,11 +52,7 @@ def decode_body(body: bytes | bytearray, limits: Limits) -> DecodedBody:
     nonce = os.urandom(8).hex()
     skeleton, lifted = _lift_inline_data(body, nonce)
     if len(skeleton) > limits.max_text_bytes:
-        raise RouterError(
-            413,
-            f"request body without its inline image data is {len(skeleton)} bytes, above the limit of "
-            f"{limits.max_text_bytes} (limits.max_text_bytes)",
-        )
+        _check_text_size(skeleton, limits.max_text_bytes)
     if _count_values(skeleton, limits.max_json_values) > limits.max_json_values:
         raise RouterError(
             413,
@@ -149,6 +146,32 @@ def _count_values(data: bytes | bytearray, limit: int) -> int:
     if count <= limit:
         return count
     return _punctuation(_JSON_STRING.sub(b'""', data), limit)
+
+
+def _check_text_size(skeleton: bytes | bytearray, limit: int) -> None:
+    """413 unless the body has at most `limit` characters, a JSON escape (`\\u00e9`, `\\n`)
+    counted as one: what the tokenizer sees, whatever the client's encoder escaped (Python's
+    json.dumps writes each non-ASCII character as 6 bytes). Above `_TEXT_BYTES_FACTOR` x the
+    limit in bytes it is refused as it is: parsing that much would hold the GIL too long."""
+    size = f"{len(skeleton)} bytes"
+    if len(skeleton) <= _TEXT_BYTES_FACTOR * limit:
+        try:
+            chars = len(skeleton.decode("utf-8", "surrogatepass"))
+        except UnicodeDecodeError:  # not UTF-8 (a UTF-16/32 body): counted in bytes
+            chars = len(skeleton)
+        unicode_escapes = skeleton.count(b"\\u")
+        chars -= 5 * unicode_escapes + (skeleton.count(b"\\") - unicode_escapes)
+        if chars <= limit:
+            return
+        size = f"about {chars} characters"
+    raise RouterError(
+        413,
+        f"request body without its inline image data is {size}, above the limit of {limit} characters "
+        "(limits.max_text_bytes)",
+    )
+
+
+_TEXT_BYTES_FACTOR = 6  # a \\uXXXX escape: 6 bytes for one character
 
 
 def _punctuation(data: bytes | bytearray, limit: int) -> int:

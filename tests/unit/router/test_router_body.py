@@ -190,3 +190,14 @@ def test_valid_documents_decode_like_json_loads(doc):
         assert decode_body(raw, LIMITS).doc == json.loads(raw)
     else:
         assert refusal in refused(raw).message
+
+
+def test_the_text_limit_counts_characters_a_json_escape_as_one():
+    """Issue 23 item 6: a prompt of 300,000 non-ASCII characters is 1.8 MB as json.dumps
+    writes it (\\uXXXX each) and was a 413 under the 1 MiB limit; it is 300,000 characters."""
+    doc = {"messages": [{"role": "user", "content": "é" * 300_000}]}
+    assert decode_body(body_of(doc), LIMITS).doc == doc
+    over = refused(body_of({"messages": [{"role": "user", "content": "a" * (LIMITS.max_text_bytes + 10)}]}))
+    assert over.status == 413 and "characters (limits.max_text_bytes)" in over.message
+    flood = refused(body_of({"messages": [{"role": "user", "content": "\\" * (4 * LIMITS.max_text_bytes)}]}))
+    assert flood.status == 413 and "bytes, above the limit" in flood.message  # 8 MiB: refused by size
