@@ -2,25 +2,24 @@
 
 Callers pass context through `extra={...}`; secrets and image data are never put there.
 
-Cheap enough for one line per request at INFO (the deployed level): the event loop only
-makes the record and puts it on a queue; a writer thread formats and writes it (a slow
-journal never holds up a request). Records skip what the lines do not show: the caller's
-frame, thread, process and task names (the Logging HOWTO's "Optimization" switches).
+Cheap enough for one line per request at INFO (the deployed level). On the event loop a
+record is only kept: the lines of one loop turn are formatted and written together when the
+turn ends (`_EndOfTurn`), after the responses of that turn went out, in one write. Records
+skip what the lines do not show: the caller's frame, thread, process and task names (the
+Logging HOWTO's "Optimization" switches). Measured: a writer thread instead cost more CPU
+and latency than it saved (every record woke it and it competed for the GIL;
+docs/benchmarks.md "Peers").
 """
 
 from __future__ import annotations
 
-import atexit
+import asyncio
 import json
 import logging
-import logging.handlers
-import queue
 import sys
 import time
 
 _STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
-
-_writer: list[logging.handlers.QueueListener] = []  # the running writer thread, if any
 
 
 class JsonFormatter(logging.Formatter):
@@ -44,21 +43,43 @@ class JsonFormatter(logging.Formatter):
                 doc[key] = value
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
-        elif record.exc_text:  # rendered by _Enqueue
-            doc["exc"] = record.exc_text
         return json.dumps(doc, default=str)
 
 
-class _Enqueue(logging.handlers.QueueHandler):
-    """Puts the record as it is on the queue: formatting is the writer thread's job (the
-    stock QueueHandler formats in the caller). A traceback is rendered here, while the
-    exception is still live."""
+class _EndOfTurn(logging.StreamHandler):
+    """On the event loop's thread: records kept until the loop turn ends, then formatted and
+    written in one write. Elsewhere (worker threads, no loop): written at once."""
 
-    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
-        if record.exc_info:
-            record.exc_text = logging.Formatter().formatException(record.exc_info)
-            record.exc_info = None
-        return record
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self._pending: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            super().emit(record)
+            return
+        if not self._pending:
+            loop.call_soon(self._write_pending)
+        self._pending.append(record)
+
+    def _write_pending(self) -> None:
+        records, self._pending = self._pending, []
+        if not records:
+            return
+        try:
+            text = "".join(f"{self.format(r)}\n" for r in records)
+            with self.lock:  # type: ignore[union-attr] - created by Handler.__init__
+                self.stream.write(text)
+                self.stream.flush()
+        except Exception:
+            self.handleError(records[0])
+
+    def flush(self) -> None:
+        """Also what is kept (logging.shutdown at exit calls this)."""
+        self._write_pending()
+        super().flush()
 
 
 def setup_logging(level: str = "INFO") -> None:
@@ -68,21 +89,9 @@ def setup_logging(level: str = "INFO") -> None:
     logging.logMultiprocessing = False
     if hasattr(logging, "logAsyncioTasks"):
         logging.logAsyncioTasks = False
-    stop_logging()
-    writer = logging.StreamHandler(sys.stderr)
-    writer.setFormatter(JsonFormatter())
-    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
-    listener = logging.handlers.QueueListener(records, writer)
-    listener.start()
-    _writer.append(listener)
-    atexit.register(stop_logging)
+    handler = _EndOfTurn(sys.stderr)
+    handler.setFormatter(JsonFormatter())
     root = logging.getLogger("epd_router")
-    root.handlers[:] = [_Enqueue(records)]
+    root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
-
-
-def stop_logging() -> None:
-    """Write what is queued and stop the writer thread (at exit; idempotent)."""
-    while _writer:
-        _writer.pop().stop()
