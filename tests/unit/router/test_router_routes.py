@@ -157,3 +157,28 @@ async def test_no_redirect_is_built_from_the_clients_host(client):
     r = await client.post("/v1/chat/completions/", json=BODY, headers={"host": "evil.example"})
     assert r.status_code == 404 and "location" not in r.headers
     assert "no route /v1/chat/completions/" in r.json()["error"]["message"]
+
+
+async def test_bytes_of_bodies_still_arriving_are_capped_in_all(app, client):
+    """Admission after the body must not let uploads hold unbounded memory: the bytes of
+    bodies still arriving are capped at max_requests_preprocessing x max_body_bytes (here
+    1 x 250), a 503 beyond."""
+    state = app.state.service.state
+    state.cfg = state.cfg.model_copy(update={"limits": state.cfg.limits.model_copy(update={"max_body_bytes": 250})})
+    arrived, finish = asyncio.Event(), asyncio.Event()
+
+    async def trickle():
+        yield b'{"messages": [{"role": "user", "content": "' + b"x" * 150
+        arrived.set()
+        await finish.wait()
+        yield b'"}], "max_tokens": 2}'
+
+    slow = asyncio.create_task(client.post("/v1/chat/completions", content=trickle()))
+    await asyncio.wait_for(arrived.wait(), 5)
+    await asyncio.sleep(0.05)
+    partial = b'{"messages": [{"role": "user", "content": "' + b"y" * 60
+    other = await client.post("/v1/chat/completions", content=partial)
+    assert other.status_code == 503 and "bytes of request bodies are arriving" in other.json()["error"]["message"]
+    finish.set()
+    assert (await slow).status_code == 200
+    assert app.state.service.intake.receiving_bytes == 0
