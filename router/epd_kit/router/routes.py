@@ -72,7 +72,7 @@ async def chat_completions(request: Request) -> Response:
         receiving_cap = limits.max_requests_preprocessing * limits.max_body_bytes
         body = await read_body(request, limits.max_body_bytes, service.intake, receiving_cap)
         slot = service.intake.enter(limits.max_requests_preprocessing)
-        current_client.set(_client_of(request))
+        current_client.set(_client_of(request, service.auth.enabled))
         chat, inline = await _decode(service, body)
         del body  # `inline` keeps the image payloads' bytes until they are rendered
         ctx = RequestContext.start(chat, rid, service.state.cfg, intake=slot, inline=inline)
@@ -105,11 +105,11 @@ async def chat_completions(request: Request) -> Response:
     return JSONResponse(result, headers={"x-request-id": rid})
 
 
-def _client_of(request: Request) -> str:
-    """Whose request this is, for the per-client bound on image work: its API key when it
-    sent one (the router's keys, or none), else its connection."""
+def _client_of(request: Request, keys_checked: bool) -> str:
+    """Whose request this is, for the per-client bound on image work: its API key when the
+    router checks keys (an unchecked header is no identity), else its connection."""
     key = request.headers.get("authorization")
-    if key:
+    if keys_checked and key:
         return "key:" + key
     peer = request.client
     return f"conn:{peer.host}:{peer.port}" if peer else "conn:?"
