@@ -1,0 +1,137 @@
+"""The layout advisor on saved scrapes of purpose-built imbalance (docs/advisor.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from epd_kit.advise.queueing import erlang_c, fit_service_time, mean_time_in_system
+from epd_kit.advise.scrape import ScrapeError, parse_text
+from epd_kit.advise.window import Window
+from epd_kit.router.cli import main
+from tests.unit.advise_scrapes import Load, write_inventory, write_scrapes
+
+WINDOW = 120.0
+
+
+def advise(tmp_path, load: Load, hosts: dict[str, tuple[int, int]], *extra: str) -> tuple[dict, str]:
+    before, after = write_scrapes(load, tmp_path / "scrapes")
+    inventory = write_inventory(tmp_path / "inv.json", hosts)
+    args = ["advise", "--before", str(before), "--after", str(after), "--window", str(load.seconds)]
+    args += ["--inventory", str(inventory), *extra]
+    runner = CliRunner()
+    as_json = runner.invoke(main, [*args, "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    text = runner.invoke(main, args)
+    assert text.exit_code == 0, text.output
+    return json.loads(as_json.output), text.output
+
+
+def test_image_heavy_with_too_few_ves_recommends_more_ves(tmp_path):
+    # 2 VEs encode 18 image requests/s of 0.09 s each (81% busy); 7 PDs x 8 slots are 36% busy
+    load = Load(rate=20, image_share=0.9, ve_service_s=0.09, pd_service_s=1.0, num_ve=2, num_pd=7)
+    doc, text = advise(tmp_path, load, {"n1": (2, 7)})
+    assert doc["bottleneck"] == "ve"
+    assert doc["pools"]["ve"]["busy"] == pytest.approx(0.81, abs=0.08)
+    assert doc["pools"]["ve"]["service_s"] == pytest.approx(0.09, rel=0.15)
+    assert doc["pools"]["ve"]["queueing_s"] > 0.05
+    rec = doc["recommendation"]
+    assert rec["changed"]
+    ve, pd = rec["proposed"]["n1"]
+    assert ve > 2 and pd < 7 and ve * 4 + pd * 8 <= 64
+    assert max(rec["predicted_busy"].values()) < doc["pools"]["ve"]["busy"]
+    assert "n1: epd_num_ve 2 -> " in text
+    assert "epd-ve-3" in text  # the planner's table of the new layout
+    assert "the VE pool bounds latency" in text
+
+
+def test_text_only_load_on_a_ve_heavy_layout_moves_cores_to_pd(tmp_path):
+    # no images: 8 idle VEs; 4 PDs x 8 slots carry 24 of 32 slots
+    load = Load(rate=12, image_share=0.0, ve_service_s=0.09, pd_service_s=2.0, num_ve=8, num_pd=4)
+    doc, _ = advise(tmp_path, load, {"n1": (8, 4)})
+    assert doc["bottleneck"] == "pd"
+    assert doc["pools"]["ve"]["busy"] == 0
+    rec = doc["recommendation"]
+    ve, pd = rec["proposed"]["n1"]
+    assert pd > 4 and ve >= 1  # a VE stays: the fleet is not epd_text_only
+    assert rec["predicted_busy"]["pd"] < doc["pools"]["pd"]["busy"]
+
+
+def test_balanced_layout_is_left_alone(tmp_path):
+    # VE 45% busy, PD 50%: any move of 8 cores makes one pool busier than both are now
+    load = Load(rate=20, image_share=0.9, ve_service_s=0.1, pd_service_s=1.2, num_ve=4, num_pd=6)
+    doc, text = advise(tmp_path, load, {"n1": (4, 6)})
+    assert doc["enough_traffic"]
+    assert not doc["recommendation"]["changed"]
+    assert doc["recommendation"]["inventory_change"] == []
+    assert "recommendation: no change" in text
+
+
+def test_too_little_traffic_recommends_nothing(tmp_path):
+    load = Load(rate=0.3, image_share=0.9, ve_service_s=0.09, pd_service_s=1.0, num_ve=2, num_pd=7)
+    doc, text = advise(tmp_path, load, {"n1": (2, 7)})
+    assert not doc["enough_traffic"]
+    assert doc["recommendation"] is None
+    assert doc["bottleneck"] is None
+    assert "too little traffic" in text
+    assert "recommendation: none" in text
+
+
+def test_the_recommendation_respects_faulted_cores_and_floors(tmp_path):
+    # cores 32-63 faulted leave 32: the new layout must fit in 0-31
+    load = Load(rate=10, image_share=0.9, ve_service_s=0.15, pd_service_s=1.0, num_ve=2, num_pd=3)
+    doc, text = advise(tmp_path, load, {"n1": (2, 3)}, "--faulted", "n1=" + ",".join(map(str, range(32, 64))))
+    ve, pd = doc["recommendation"]["proposed"]["n1"]
+    assert ve * 4 + pd * 8 <= 32 and ve >= 1 and pd >= 1
+    assert "faulted 32-63" in text
+
+
+def test_two_hosts_stay_within_each_hosts_cores(tmp_path):
+    load = Load(rate=30, image_share=0.9, ve_service_s=0.09, pd_service_s=1.0, num_ve=3, num_pd=14)
+    doc, _ = advise(tmp_path, load, {"n1": (2, 7), "n2": (1, 7)})
+    proposed = doc["recommendation"]["proposed"]
+    assert sum(v for v, _ in proposed.values()) > 3
+    assert all(v * 4 + p * 8 <= 64 for v, p in proposed.values())
+
+
+def test_inventory_that_does_not_plan_is_refused_before_scraping(tmp_path):
+    before = tmp_path / "b.prom"
+    before.write_text("")
+    inventory = write_inventory(tmp_path / "inv.json", {"n1": (9, 7)})  # 36 + 56 cores > 64
+    result = CliRunner().invoke(
+        main,
+        ["advise", "--before", str(before), "--after", str(before), "--window", "60", "--inventory", str(inventory)],
+    )
+    assert result.exit_code == 2
+    assert "does not plan" in result.output and "layout does not fit" in result.output
+
+
+def test_one_source_only():
+    result = CliRunner().invoke(main, ["advise", "--url", "http://127.0.0.1:1", "--prometheus", "http://127.0.0.1:2",
+                                       "--window", "5", "--inventory", "."])  # fmt: skip
+    assert result.exit_code == 2
+    assert "exactly one source" in result.output
+
+
+def test_a_router_restart_inside_the_window_is_refused():
+    after = parse_text('# TYPE epd_router_requests counter\nepd_router_requests_total{status="200"} 3\n', "after")
+    before = parse_text('# TYPE epd_router_requests counter\nepd_router_requests_total{status="200"} 9\n', "before")
+    with pytest.raises(ScrapeError, match="restarted inside the window"):
+        Window(before, after, 60).counter("epd_router_requests_total")
+
+
+def test_erlang_c_matches_known_values():
+    # M/M/1: P(wait) = rho; M/M/2 at a = 1: C = 1/3
+    assert erlang_c(1, 0.7) == pytest.approx(0.7)
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert mean_time_in_system(5, 0.1, 1) == pytest.approx(0.2)  # M/M/1: S / (1 - rho)
+    assert math.isinf(mean_time_in_system(20, 0.1, 1))
+
+
+def test_fit_inverts_the_model():
+    for servers, rate, service in ((1, 5.0, 0.1), (4, 30.0, 0.1), (56, 20.0, 2.0)):
+        w = mean_time_in_system(rate, service, servers)
+        assert fit_service_time(rate, w, servers) == pytest.approx(service, rel=1e-6)
