@@ -17,9 +17,9 @@ from tests.unit.advise_scrapes import Load, write_inventory, write_scrapes
 WINDOW = 120.0
 
 
-def advise(tmp_path, load: Load, hosts: dict[str, tuple[int, int]], *extra: str) -> tuple[dict, str]:
+def advise(tmp_path, load: Load, hosts: dict[str, tuple[int, int]], *extra: str, **group_vars) -> tuple[dict, str]:
     before, after = write_scrapes(load, tmp_path / "scrapes")
-    inventory = write_inventory(tmp_path / "inv.json", hosts)
+    inventory = write_inventory(tmp_path / "inv.json", hosts, **group_vars)
     args = ["advise", "--before", str(before), "--after", str(after), "--window", str(load.seconds)]
     args += ["--inventory", str(inventory), *extra]
     runner = CliRunner()
@@ -135,3 +135,17 @@ def test_fit_inverts_the_model():
     for servers, rate, service in ((1, 5.0, 0.1), (4, 30.0, 0.1), (56, 20.0, 2.0)):
         w = mean_time_in_system(rate, service, servers)
         assert fit_service_time(rate, w, servers) == pytest.approx(service, rel=1e-6)
+
+
+def test_a_pool_keeps_its_rollout_floor(tmp_path):
+    # the sandbox's one host: 24 cores, 1 VE + 2 PD. 4 VE + 1 PD would balance the load best,
+    # but a PD pool of 2 keeps 1 in rotation while it rolls: 1 PD cannot, so 2 VE + 2 PD.
+    load = Load(rate=10, image_share=0.9, ve_service_s=0.09, pd_service_s=0.3, num_ve=1, num_pd=2)
+    doc, _ = advise(tmp_path, load, {"n1": (1, 2)}, epd_core_count=24)
+    assert doc["recommendation"]["proposed"]["n1"] == [2, 2]
+
+
+def test_min_available_from_the_inventory_is_respected(tmp_path):
+    load = Load(rate=20, image_share=0.9, ve_service_s=0.09, pd_service_s=1.0, num_ve=2, num_pd=7)
+    doc, _ = advise(tmp_path, load, {"n1": (2, 7)}, epd_rollout_min_available_pd="100%")
+    assert doc["recommendation"]["proposed"]["n1"][1] >= 6  # floor 6 of 7 today, and it must still roll

@@ -127,7 +127,7 @@ class Analysis:
             f"the {role.upper()} pool bounds latency and throughput: {pool.busy:.0%} busy over "
             f"{pool.servers} {'engines' if role == 've' else 'slots'}, {pool.queueing_s:.3f} s queueing in front of it "
             f"per request there, {shares[stage]:.0%} of TTFT spent in {stage}; it completes at most "
-            f"{pool.model.capacity_per_s:.1f} requests/s"
+            f"{pool.model.capacity_per_s:.1f} {'image ' if role == 've' else ''}requests/s"
         )
 
 

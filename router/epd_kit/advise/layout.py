@@ -187,26 +187,28 @@ class Advisor:
         ]
 
     def floor(self, role: str) -> int:
-        """The smallest pool a layout may have: the rollout floor of today's pool, and one engine
-        (a fleet serving images needs a VE, every fleet a PD)."""
+        """Engines of `role` that must stay in rotation: today's rollout floor (at least one
+        engine for a pool that exists: a fleet serving images needs a VE, every fleet a PD)."""
         size = self.current.total(role)
         if size == 0:
             return 0
         try:
             floor = PoolRule.resolve(role, size, 1, self.min_available[role]).floor
         except EpdPlanError:
-            floor = size  # today's pool cannot even roll: do not shrink it
+            floor = size - 1  # today's setting cannot roll the pool: keep all but one
         return max(floor, 1)
 
     def refusal(self, layout: Layout) -> str | None:
-        """Why the planner or the rollout rules refuse `layout` (None: accepted)."""
+        """Why the planner or the rollout rules refuse `layout` (None: accepted). A new pool
+        keeps today's floor in rotation while it rolls in its batches; a pool of one today
+        (floor 0: it leaves rotation to restart) may stay one."""
         for role in ROLES:
-            size = layout.total(role)
-            if size < self.floor(role):
-                return f"{role.upper()} pool of {size} is below its floor {self.floor(role)}"
-            if size:
+            size, floor = layout.total(role), self.floor(role)
+            if size < floor:
+                return f"a {role.upper()} pool of {size} is below its floor of {floor}"
+            if size and self.current.total(role) > 1:
                 try:
-                    PoolRule.resolve(role, size, self.batch[role], self.min_available[role])
+                    PoolRule.resolve(role, size, self.batch[role], floor)
                 except EpdPlanError as exc:
                     return str(exc)
         problems = self._check(self.hostvars_for(layout))["problems"]

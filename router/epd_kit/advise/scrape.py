@@ -16,8 +16,10 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# Labels a Prometheus server adds per target: summing over routers drops them.
-TARGET_LABELS = frozenset({"instance", "job"})
+# Labels a Prometheus server adds per target (docs/observability.md "Scrape targets from the
+# plan"): summing over routers drops them, so two routers' series of one engine add up.
+# `role` stays: the router job honours the router's own per-engine `role` label.
+TARGET_LABELS = frozenset({"instance", "job", "host", "engine_id"})
 # The series the advisor reads (router: epd_router_*, engines: vLLM's vllm:* names).
 PROMETHEUS_SELECTOR = '{__name__=~"epd_router_.+|vllm:.+"}'
 
