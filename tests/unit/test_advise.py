@@ -149,3 +149,100 @@ def test_min_available_from_the_inventory_is_respected(tmp_path):
     load = Load(rate=20, image_share=0.9, ve_service_s=0.09, pd_service_s=1.0, num_ve=2, num_pd=7)
     doc, _ = advise(tmp_path, load, {"n1": (2, 7)}, epd_rollout_min_available_pd="100%")
     assert doc["recommendation"]["proposed"]["n1"][1] >= 6  # floor 6 of 7 today, and it must still roll
+
+
+def test_live_scrapes_of_two_routers_are_summed_and_saved(tmp_path):
+    # two routers (127.0.0.1 stubs serving saved scrapes: first `before`, then `after`) each
+    # carry half of the load: together they are the image-heavy case
+    load = Load(rate=10, image_share=0.9, ve_service_s=0.09, pd_service_s=1.0, num_ve=1, num_pd=7, seed=3)
+    before, after = write_scrapes(load, tmp_path / "scrapes")
+    texts = [before.read_text(), after.read_text()]
+    servers = [_serve_in_turn(texts), _serve_in_turn(texts)]
+    inventory = write_inventory(tmp_path / "inv.json", {"n1": (1, 7)})
+    urls = [arg for server in servers for arg in ("--url", f"http://127.0.0.1:{server.server_port}")]
+    try:
+        result = CliRunner().invoke(
+            main,
+            [
+                "advise",
+                *urls,
+                "--window",
+                "0.2",
+                "--inventory",
+                str(inventory),
+                "--save",
+                str(tmp_path / "saved"),
+                "--json",
+            ],
+        )
+    finally:
+        for server in servers:
+            server.shutdown()
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["requests"] == 2 * parse_requests(texts)  # both routers' counters add up
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == [
+        "after-0.prom",
+        "after-1.prom",
+        "before-0.prom",
+        "before-1.prom",
+    ]
+
+
+def parse_requests(texts: list[str]) -> float:
+    name = "epd_router_requests_total"
+    return parse_text(texts[1], "after").total(name) - parse_text(texts[0], "before").total(name)
+
+
+def _serve_in_turn(texts: list[str]):
+    """A 127.0.0.1 HTTP server answering GET /metrics with texts[0], then texts[1], ..."""
+    import http.server
+    import threading
+
+    answers = iter(texts)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = next(answers).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_prometheus_instant_queries_are_summed_over_targets(monkeypatch):
+    from epd_kit.advise import scrape
+
+    asked = []
+
+    class Reply:
+        status_code = 200
+        text = ""
+
+        def __init__(self, at: float) -> None:
+            self._at = at
+
+        def json(self):
+            value = "5" if self._at < 1000 else "25"
+            series = []
+            for instance, host in (("10.0.0.5:18800", "r1"), ("10.0.0.6:18800", "r2")):
+                labels = {"__name__": "epd_router_requests_total", "status": "200", "job": "epd-router"}
+                series.append({"metric": {**labels, "instance": instance, "host": host}, "value": [self._at, value]})
+            return {"status": "success", "data": {"resultType": "vector", "result": series}}
+
+    def fake_get(url, params, timeout, trust_env):
+        asked.append((url, params))
+        return Reply(float(params["time"]))
+
+    monkeypatch.setattr("httpx.get", fake_get)
+    before, after = scrape.prometheus_at("http://prom:9090", 900), scrape.prometheus_at("http://prom:9090", 1500)
+    assert asked[0][0] == "http://prom:9090/api/v1/query"
+    assert asked[0][1]["query"] == scrape.PROMETHEUS_SELECTOR
+    assert Window(before, after, 600).counter("epd_router_requests_total") == 40  # (25 - 5) x 2 routers

@@ -123,9 +123,10 @@ class Analysis:
             )
         pool = self.pools[role]
         stage = "encode" if role == "ve" else "pd"
+        unit = ("engine" if role == "ve" else "slot") + ("s" if pool.servers != 1 else "")
         return (
             f"the {role.upper()} pool bounds latency and throughput: {pool.busy:.0%} busy over "
-            f"{pool.servers} {'engines' if role == 've' else 'slots'}, {pool.queueing_s:.3f} s queueing in front of it "
+            f"{pool.servers} {unit}, {pool.queueing_s:.3f} s queueing in front of it "
             f"per request there, {shares[stage]:.0%} of TTFT spent in {stage}; it completes at most "
             f"{pool.model.capacity_per_s:.1f} {'image ' if role == 've' else ''}requests/s"
         )
