@@ -137,6 +137,10 @@ def _as_dict(analysis, rec) -> dict:
         "verdict": analysis.verdict(),
         "confidence": analysis.confidence(),
         "ttft_shares": analysis.stages.shares(),
+        "ttft_p50_s": analysis.ttft.quantile(0.5),
+        "ttft_p99_s": analysis.ttft.quantile(0.99),
+        "latency_p50_s": analysis.latency.quantile(0.5),
+        "latency_p99_s": analysis.latency.quantile(0.99),
         "pools": pools,
         "recommendation": None,
     }
