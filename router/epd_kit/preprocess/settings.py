@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from epd_kit.plan.variables import IMAGES_PER_PROMPT
+
 
 class Section(BaseModel):
     """A router.yaml section: immutable, unknown keys refused."""
@@ -19,7 +21,7 @@ class Section(BaseModel):
 
 
 class Limits(Section):
-    images_per_prompt: int = Field(default=30, ge=0)
+    images_per_prompt: int = Field(default=IMAGES_PER_PROMPT, ge=0)  # epd_images_per_prompt's default
     # Raw 16-px patches one image may produce (= vision_attention_block_size on the engines).
     max_image_patches: int = Field(default=1024, gt=0)
     oversized_image: Literal["downscale", "reject"] = "downscale"

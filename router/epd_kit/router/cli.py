@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 
+from epd_kit.plan.variables import ROUTER_PORT
 from epd_kit.router.config import ConfigError, RouterConfig, config_from_flags, load_config
 
 
@@ -149,7 +150,7 @@ def check_config(path: Path) -> None:
 
 
 @main.command()
-@click.option("--url", default="http://127.0.0.1:18800", show_default=True, help="router base URL")
+@click.option("--url", default=f"http://127.0.0.1:{ROUTER_PORT}", show_default=True, help="router base URL")
 @click.option("--api-key", envvar="EPD_ROUTER_API_KEY", default=None, help="[env EPD_ROUTER_API_KEY]")
 @click.option("--json", "as_json", is_flag=True, help="raw JSON instead of a table")
 def status(url: str, api_key: str | None, as_json: bool) -> None:

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from epd_kit.plan.variables import ROUTER_PORT
 from epd_kit.preprocess.model_files import ENGINE_DTYPES
 from epd_kit.preprocess.settings import Limits, Media, Section
 
@@ -25,7 +26,7 @@ class Listen(Section):
     front (whose idle timeout, often 60 s, must be below `idle_timeout_s`) and direct clients."""
 
     host: str = "127.0.0.1"
-    port: int = Field(default=18800, ge=0, lt=65536)
+    port: int = Field(default=ROUTER_PORT, ge=0, lt=65536)  # epd_router_port's default
     max_connections: int = Field(default=1024, ge=1)
     # from the connection (or the first byte of the next request) to the end of the headers
     header_timeout_s: float = Field(default=10.0, gt=0)
