@@ -106,8 +106,11 @@ def test_a_pd_setting_fleet_wide_rolls_every_pd_in_batches_and_no_ve(stack, flee
     fleet.write()
     result, elapsed = under_load(stack, "playbooks/deploy.yml", "-e", "epd_rollout_batch_pd=2")
     record_timing("day 2: deploy rolling a PD setting (4 PDs, batches of 2)", elapsed)
-    assert "4 engines in 2 batches" in result.stdout, result.describe()
-    assert "batch 1/2 PD: epd-n1-pd-0 (n1), epd-n2-pd-0 (n2)" in result.stdout, result.describe()
+    # the change reaches the compiled graphs (max_num_seqs): one canary for the PD configuration
+    # first, alone, then batches of 2 (docs/operations.md "Compile cache")
+    assert "4 engines in 3 batches" in result.stdout, result.describe()
+    assert "batch 1/3 PD canary: epd-n1-pd-0 (n1, compiles)" in result.stdout, result.describe()
+    assert "batch 2/3 PD: epd-n2-pd-0 (n2, compiles), epd-n1-pd-1 (n1, local hit)" in result.stdout, result.describe()
     after = engine_pids(stack)
     assert restarted(before, after) == {"n1/pd-0", "n1/pd-1", "n2/pd-0", "n2/pd-1"}
     assert (
