@@ -123,18 +123,18 @@ def baseline_router(rev: str, ckpt: Path, ve: list[Proc], pd: list[Proc], work: 
 def wait_serving(proc: Proc, timeout_s: float = 60.0) -> None:
     """Until one chat request through `proc` answers 200 (the gateways register workers
     asynchronously after they start listening)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.popen is not None and proc.popen.poll() is not None:
-            raise RuntimeError(f"{proc.name} exited:\n{proc.log_tail()}")
+
+    def serves() -> bool:
         try:
-            r = httpx.post(proc.url + "/v1/chat/completions", json=BODY, timeout=2.0, trust_env=False)
-            if r.status_code == 200:
-                return
+            return (
+                httpx.post(proc.url + "/v1/chat/completions", json=BODY, timeout=2.0, trust_env=False).status_code
+                == 200
+            )
         except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{proc.name} did not serve within {timeout_s} s:\n{proc.log_tail()}")
+            return False
+
+    assert proc.process is not None, f"{proc.name} was never started"
+    proc.process.wait_until(serves, timeout_s, "serving", interval=0.2)
 
 
 def cpu_ticks(pid: int) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from epd_kit.sim.launch import SimProcess, free_port, pd_argv, ve_argv
 from epd_kit.sim.launch import engine_env as launch_env
+from epd_kit.testing.process import stop_all
 
 __all__ = ["free_port", "pd_argv", "ve_argv"]
 
@@ -52,8 +53,7 @@ class Launcher:
         return eng
 
     def stop_all(self) -> None:
-        for eng in reversed(self.engines):
-            eng.stop()
+        stop_all(list(reversed(self.engines)))
 
 
 class Pair:

@@ -21,10 +21,10 @@ import httpx
 import pytest
 import yaml
 
+from epd_kit.testing.process import free_port
 from tests.e2e.conftest import deploy_stack
 from tests.e2e.stack import Stack, image_message, wait_for
 from tests.hosts.harness import REPO, ansible_playbook
-from tests.router.harness import free_port
 
 pytestmark = pytest.mark.systemd
 
