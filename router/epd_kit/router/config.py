@@ -41,9 +41,14 @@ class Listen(Section):
 
 class Timeouts(Section):
     connect_s: float = Field(default=5.0, gt=0)
-    # caps: an encode call; a PD call until its first token (streams: then every gap between events)
+    # caps: an encode call; a PD call until its first token
     ve_s: float = Field(default=600.0, gt=0)
     pd_s: float = Field(default=600.0, gt=0)
+    # a started stream: the longest silence between two events before the PD is held hung
+    # (its streams end with an error naming it, and it counts against the PD). A decoding
+    # vLLM sends a token every few tens of ms; 30 s covers preemption and long prefills of
+    # others scheduled between its steps.
+    stream_gap_s: float = Field(default=30.0, gt=0)
     total_s: float = Field(default=900.0, gt=0)
     # extension: how long SIGTERM waits for in-flight requests before exiting
     shutdown_grace_s: float = Field(default=30.0, ge=0)
