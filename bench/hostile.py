@@ -3,10 +3,17 @@ surrogates, deep nesting, huge flat bodies, broken JSON and types, unsupported f
 decompression bombs and broken images, malformed HTTP) sent over raw sockets, while /health,
 /ready and /metrics are timed. Done when no answer is a 500, every error is a JSON envelope
 with a request id, the valid requests among them succeed and the operations endpoints stay
-responsive (docs/router.md "Limits and timeouts" has the figures).
+responsive (docs/router.md "Limits and timeouts" has the figures). Cases with an expected
+status (issue 23's findings: Upgrade, escaped base64, non-finite numbers, integer bounds,
+transfer codings, ...) must get it.
+
+`--attacks` then runs the attacks of one client on the others (issue 23), each while
+legitimate text and image requests and /health are timed: 64 uploads that trickle their
+bodies, animated GIFs of 999 large frames, and six 60 MB bodies at once.
 
     python -m bench.hostile                      # starts sims + router, >= 500 cases
     python -m bench.hostile --url http://127.0.0.1:18800 --random 50
+    python -m bench.hostile --attacks --random 0
 
 tests/router/test_hostile.py runs a smaller selection of the same cases. Every loop is
 bounded in count and time; all traffic goes to 127.0.0.1.
@@ -42,6 +49,7 @@ class Case:
     name: str
     raw: bytes  # the whole HTTP request, `Connection: close`
     valid: bool = False  # a well-formed request the router must answer 200
+    expect: tuple[int, ...] = ()  # the statuses it must get (empty: any error envelope)
 
 
 def http(
@@ -81,6 +89,15 @@ def _png(width: int, height: int, mode: str = "RGB") -> bytes:
     return buf.getvalue()
 
 
+def _noise_png(width: int, height: int) -> bytes:
+    """A PNG that does not compress (its size on the wire is about its pixel bytes)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.frombytes("RGB", (width, height), random.Random(23).randbytes(width * height * 3)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def _gif(frames: int) -> bytes:
     from PIL import Image
 
@@ -110,8 +127,8 @@ def cases(*, random_count: int = 300, big: bool = True, seed: int = 11) -> list[
     the multi-megabyte bodies (the test tier's selection)."""
     out: list[Case] = []
 
-    def add(name: str, raw: bytes, valid: bool = False) -> None:
-        out.append(Case(name, raw, valid))
+    def add(name: str, raw: bytes, valid: bool = False, expect: tuple[int, ...] = ()) -> None:
+        out.append(Case(name, raw, valid, expect))
 
     # well-formed requests: the router must keep serving them in the middle of all this
     add("valid text", chat(user("hello")), True)
@@ -370,14 +387,86 @@ def cases(*, random_count: int = 300, big: bool = True, seed: int = 11) -> list[
     for name, raw in raw_http.items():
         add(f"http {name}", raw)
 
+    for name, raw, valid, expect in issue23_cases(big):
+        add(name, raw, valid, expect)
+
     # seeded random documents from a small grammar (like the hypothesis strategies of the tests)
     rng = random.Random(seed)
     for i in range(random_count):
         add(f"random #{i}", http(json.dumps(_random_request(rng))))
     distinct: dict[bytes, Case] = {}
-    for case in out:
-        distinct.setdefault(case.raw, case)
+    for case in out:  # a case with an expected status wins over an equal one without
+        if case.raw not in distinct or (case.expect and not distinct[case.raw].expect):
+            distinct[case.raw] = case
     return list(distinct.values())
+
+
+def many_frame_gif(frames: int, side: int) -> bytes:
+    """`frames` copies of one `side`x`side` frame: small on the wire, each frame costly to
+    decode (issue 23: 999 frames of 4096x4096 in 14 MB passed every size limit)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("P", (side, side), 0).save(buf, format="GIF", duration=10)
+    one = buf.getvalue()
+    start = one.index(b"\x2c", 13)  # the image block (Pillow writes no control block for a still)
+    return one[:start] + one[start:-1] * frames + b"\x3b"
+
+
+def issue23_cases(big: bool) -> list[tuple[str, bytes, bool, tuple[int, ...]]]:
+    """(name, raw, valid, expected statuses): issue 23's single-request findings."""
+    out: list[tuple[str, bytes, bool, tuple[int, ...]]] = []
+    body = json.dumps(user("x")).encode()
+    for name, up in {
+        "h2c": {
+            "Upgrade": "h2c",
+            "Connection": "Upgrade, HTTP2-Settings",
+            "HTTP2-Settings": "AAMAAABkAAQCAAAAAAIAAAAA",
+        },
+        "foo": {"Upgrade": "foo", "Connection": "upgrade"},
+    }.items():
+        out.append((f"upgrade {name} with a body", http(body, headers=up), True, (200,)))
+        pipelined = http(body, headers={**up, "Connection": up["Connection"].replace("close", "")}) + http(body)
+        out.append((f"upgrade {name} then a pipelined request", pipelined, True, (200,)))
+    side = 700 if big else 160  # 700: 1.4 MB, over max_text_bytes if counted as text (the finding)
+    png = base64.b64encode(_noise_png(side, side)).decode()
+    escaped = json.dumps(user([image("data:image/png;base64," + png)])).replace("/", "\\/")
+    out.append(("escaped base64 image (PHP)", http(escaped), True, (200,)))
+    wrapped = "\n".join(png[i : i + 76] for i in range(0, len(png), 76))
+    out.append(("line-wrapped base64 image", chat(user([image("data:image/png;base64," + wrapped)])), True, (200,)))
+    # not a 413 from the router; a small model may find the prompt too long for its context (400)
+    out.append(("20,000 commas in a prompt", chat(user("a," * 20_000)), False, (200, 400)))
+    pasted = json.dumps([{"k": i, "v": [i, i]} for i in range(4000)])
+    out.append(("a JSON document pasted into a prompt", chat(user(pasted)), False, (200, 400)))
+    x = json.dumps(user("x"))[:-1]
+    for field_, raw in {
+        "repetition_penalty": '"repetition_penalty": 1e400',
+        "extra_args": '"extra_args": {"a": -1e400}',
+        "structured_outputs": '"structured_outputs": {"json": {"type": "number", "maximum": 1e400}}',
+        "response_format": '"response_format": {"type": "json_schema", "json_schema": {"name": "n", '
+        '"schema": {"maximum": 1e999}}}',
+    }.items():
+        out.append((f"1e400 in {field_}", http(f"{x}, {raw}}}"), False, (400,)))
+    for field_, value in {"top_k": 10**30, "stop_token_ids": [10**30], "min_tokens": 5}.items():
+        out.append((f"{field_} out of bounds", chat({**user("x"), field_: value}), False, (400,)))
+    coding = {"Transfer-Encoding": "gzip, chunked", "Content-Length": None}
+    chunked = b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+    out.append(("transfer coding gzip, chunked", http(chunked, headers=coding), False, (501,)))
+    slash = http(body, target=CHAT + "/", headers={"Host": "evil.example"})
+    out.append(("trailing slash with a foreign Host", slash, False, (404,)))
+    out.append(("one 100 KB header in one write", http(body, headers={"X-Big": "a" * 100_000}), False, (400,)))
+    out.append(("1,500 headers in one write", http(body, headers={f"X-H{i}": "v" for i in range(1500)}), False, (400,)))
+    out.append(
+        ("120 KB Authorization", http(body, headers={"Authorization": "Bearer " + "k" * 120_000}), False, (400,))
+    )
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 16 16\nshowpage\n"
+    out.append(("EPS image (Ghostscript)", chat(user([image(_data_url(eps, "image/eps"))])), False, (400,)))
+    side = 4096 if big else 512
+    gif = _data_url(many_frame_gif(999, side), "image/gif")
+    out.append((f"999-frame {side}x{side} gif", chat(user([image(gif)])), True, (200,)))
+    over = _data_url(many_frame_gif(1001, side), "image/gif")
+    out.append((f"1001-frame {side}x{side} gif", chat(user([image(over)])), False, (400,)))
+    return out
 
 
 def _random_value(rng: random.Random, depth: int = 0) -> object:
@@ -506,7 +595,9 @@ def _judge(case: Case, data: bytes, seconds: float) -> Answer:
         return Answer(case, None, seconds, "no HTTP answer" if not data else f"not HTTP: {data[:60]!r}")
     status, head, body, _ = first
     problem = ""
-    if case.valid and status != 200:
+    if case.expect and status not in case.expect:
+        problem = f"expected {'/'.join(map(str, case.expect))}, got {status}: {body[:200]!r}"
+    elif case.valid and status != 200:
         problem = f"valid request answered {status}: {body[:200]!r}"
     elif status >= 400:
         try:
@@ -587,21 +678,121 @@ def run(url: str, selected: list[Case], concurrency: int = 8, max_s: float = 600
     }
 
 
+# --- attacks of one client on the others (issue 23) -------------------------------------------
+
+
+def _slow_uploads(host: str, port: int, stop: threading.Event, n: int = 64) -> None:
+    """`n` connections that send a chat head, then their body a byte every 0.5 s."""
+    body = json.dumps(user("slow")).encode()
+    socks = []
+    try:
+        for _ in range(n):
+            sock = socket.create_connection((host, port), timeout=5)
+            sock.sendall(http(body)[: -len(body)])
+            socks.append(sock)
+        sent = 0
+        while not stop.wait(0.5) and sent < len(body) - 1:
+            for sock in socks:
+                with contextlib.suppress(OSError):
+                    sock.sendall(body[sent : sent + 1])
+            sent += 1
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _repeat(host: str, port: int, stop: threading.Event, raw: bytes, max_count: int) -> None:
+    """Send `raw` again and again (one connection each) until `stop` or `max_count` sends."""
+    for _ in range(max_count):
+        if stop.is_set():
+            return
+        send(host, port, Case("attack", raw), timeout_s=120)
+
+
+def attacks(url: str, *, big: bool = True, seconds: float = 20.0) -> dict:
+    """Each attack for `seconds` while legitimate text and image requests (one at a time,
+    two clients) and /health are timed. Done when every legitimate request is answered 200
+    with p99 under 2 s and /health p99 under 100 ms (docs/router.md "Hardening")."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    assert host == "127.0.0.1", "hostile input goes to 127.0.0.1 only"
+    side = 4096 if big else 1024
+    gif = chat(user([image(_data_url(many_frame_gif(999, side), "image/gif"))]))
+    huge = chat(user("a" * ((60 if big else 8) * 1024 * 1024)))
+    scenarios = {
+        "64 slow uploads": lambda stop: _slow_uploads(host, port, stop),
+        f"999-frame {side}x{side} GIFs, 2 clients": lambda stop: _parallel(2, _repeat, host, port, stop, gif, 50),
+        "six 60 MB bodies" if big else "six 8 MB bodies": lambda stop: _parallel(6, _repeat, host, port, stop, huge, 3),
+    }
+    return {name: _under_attack(url, attack, seconds) for name, attack in scenarios.items()}
+
+
+def _parallel(n: int, fn, *args) -> None:
+    threads = [threading.Thread(target=fn, args=args, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+
+
+def _under_attack(url: str, attack, seconds: float) -> dict:
+    stop = threading.Event()
+    attacker = threading.Thread(target=attack, args=(stop,), daemon=True)
+    attacker.start()
+    time.sleep(min(2.0, seconds / 4))  # the attack in full swing
+    probe = Probe(url)
+    prober = threading.Thread(target=probe.run, args=(seconds + 30,), daemon=True)
+    prober.start()
+    legit = {"text": chat(user("hello")), "image": chat(user([image(_data_url(_noise_png(64, 64)))]))}
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    answers: dict[str, list[Answer]] = {k: [] for k in legit}
+
+    def client(kind: str) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and len(answers[kind]) < 1000:
+            answers[kind].append(send(host, port, Case(kind, legit[kind], valid=True), timeout_s=30))
+
+    clients = [threading.Thread(target=client, args=(k,), daemon=True) for k in legit]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(timeout=seconds + 60)
+    probe.stop()
+    prober.join(timeout=10)
+    stop.set()
+    attacker.join(timeout=60)
+    out: dict = {"/health": probe.summary()["/health"], "probe_failures": probe.failures}
+    for kind, got in answers.items():
+        out[kind] = {
+            "n": len(got),
+            "not_200": sum(a.status != 200 for a in got),
+            "p99_s": round(percentile([a.seconds for a in got], 99), 3) if got else None,
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.hostile", description=__doc__.split("\n")[0])
     ap.add_argument("--url", help="a running router (default: start sims + a router here)")
     ap.add_argument("--random", type=int, default=300, help="seeded random documents after the named cases")
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--attacks", action="store_true", help="then the attacks of one client on the others")
+    ap.add_argument("--attack-s", type=float, default=20.0, help="legitimate traffic per attack")
     ap.add_argument("--out", type=Path, help="write the summary as JSON here")
     args = ap.parse_args(argv)
     selected = cases(random_count=args.random)
     if args.url:
         summary = run(args.url, selected, args.concurrency)
+        if args.attacks:
+            summary["attacks"] = attacks(args.url, seconds=args.attack_s)
     else:
         from bench.stack import tiny_stack
 
         with tiny_stack("bench-hostile-") as router:
             summary = run(router.url, selected, args.concurrency)
+            if args.attacks:
+                summary["attacks"] = attacks(router.url, seconds=args.attack_s)
             summary["router_log_tracebacks"] = router.log_path.read_text(errors="replace").count("Traceback")
     return emit_summary(summary, args.out)
 

@@ -96,23 +96,11 @@ def server_cell(protocol: str, loop: str, work: Path, wrk: str, body: Path, seco
     proc = Proc(name=f"uvicorn-{protocol}-{loop}", argv=argv, port=port, health_path="/", log_path=work / "srv.log")
     proc.start(PROXY_CPU)
     try:
-        _wait_listening(proc)
+        proc.wait_healthy(20)  # the app answers 200 on every path
         run_wrk(wrk, proc.url, body, 16, 1)
         return run_wrk(wrk, proc.url, body, 16, seconds, proc.pid).cpu_ms_per_req or float("nan")
     finally:
         proc.stop()
-
-
-def _wait_listening(proc: Proc, timeout_s: float = 20.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", proc.port)) == 0:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"{proc.name} did not listen:\n{proc.log_tail()}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,9 +9,12 @@ the same C stub engines behind every proxy, in one run.
 
 Pinning: wrk and the stubs on CPU 0, the proxy under test alone on CPU 1 (the others are
 stopped while it is measured). Per proxy and round: a warm-up, c=1 for the added p50 (the
-proxy's p50 minus the stubs' own p50 measured directly in the same round), then c=64 for
-requests/s; CPU per request = the proxy's utime+stime delta (/proc, every thread of every
-process of the proxy) over the requests wrk completed. Rounds interleave the proxies; the
+proxy's p50 minus the stubs' own p50 measured directly in the same round), then c=16 and
+c=64; CPU per request = the proxy's utime+stime delta (/proc, every thread of every
+process of the proxy) over the requests wrk completed. epd-router logs at `--log-level`
+(default INFO, the level the kit deploys: one line per request); the peers at warning, their
+quietest level that still reports problems (neither logs a line per request at info either
+way: vllm-router's per-request lines are at debug). Rounds interleave the proxies; the
 tables report medians over rounds. For epd-router also a burst after `--idle-s` of idleness
 against a warm burst (CPU per request): kept-alive engine connections must survive the pause.
 Every wrk run is bounded in time; everything talks to 127.0.0.1 only.
@@ -123,18 +126,18 @@ def baseline_router(rev: str, ckpt: Path, ve: list[Proc], pd: list[Proc], work: 
 def wait_serving(proc: Proc, timeout_s: float = 60.0) -> None:
     """Until one chat request through `proc` answers 200 (the gateways register workers
     asynchronously after they start listening)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.popen is not None and proc.popen.poll() is not None:
-            raise RuntimeError(f"{proc.name} exited:\n{proc.log_tail()}")
+
+    def serves() -> bool:
         try:
-            r = httpx.post(proc.url + "/v1/chat/completions", json=BODY, timeout=2.0, trust_env=False)
-            if r.status_code == 200:
-                return
+            return (
+                httpx.post(proc.url + "/v1/chat/completions", json=BODY, timeout=2.0, trust_env=False).status_code
+                == 200
+            )
         except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{proc.name} did not serve within {timeout_s} s:\n{proc.log_tail()}")
+            return False
+
+    assert proc.process is not None, f"{proc.name} was never started"
+    proc.process.wait_until(serves, timeout_s, "serving", interval=0.2)
 
 
 def cpu_ticks(pid: int) -> int:
@@ -203,6 +206,7 @@ class Cell:
 
     direct_p50_ms: float
     c1: WrkResult
+    c16: WrkResult
     c64: WrkResult
 
     @property
@@ -223,8 +227,9 @@ def measure(peer: Peer, wrk: str, direct_url: str, body: Path, seconds: float) -
     run_wrk(wrk, peer.proc.url, body, 64, 1)  # warm-up: engine pools, caches
     direct = run_wrk(wrk, direct_url, body, 1, seconds)
     c1 = run_wrk(wrk, peer.proc.url, body, 1, seconds, peer.proc.pid)
+    c16 = run_wrk(wrk, peer.proc.url, body, 16, seconds, peer.proc.pid)
     c64 = run_wrk(wrk, peer.proc.url, body, 64, seconds, peer.proc.pid)
-    return Cell(direct.p50_ms, c1, c64)
+    return Cell(direct.p50_ms, c1, c16, c64)
 
 
 def idle_burst(peer: Peer, wrk: str, body: Path, idle_s: float, seconds: float) -> dict:
@@ -254,12 +259,14 @@ def summarize(peer: Peer) -> dict:
         "does": peer.does,
         "added_p50_ms": median([c.added_p50_ms for c in cells]),
         "cpu_ms_per_req_c1": median([c.c1.cpu_ms_per_req or 0 for c in cells]),
+        "cpu_ms_per_req_c16": median([c.c16.cpu_ms_per_req or 0 for c in cells]),
         "cpu_ms_per_req_c64": median([c.c64.cpu_ms_per_req or 0 for c in cells]),
         "rps_c64": median([c.c64.rps for c in cells]),
         "p99_ms_c64": median([c.c64.p99_ms for c in cells]),
-        "errors": sum(c.c1.errors + c.c64.errors for c in cells),
+        "errors": sum(c.c1.errors + c.c16.errors + c.c64.errors for c in cells),
         "rounds": [
-            {"added_p50_ms": c.added_p50_ms, "direct_p50_ms": c.direct_p50_ms, "c1": c.c1, "c64": c.c64} for c in cells
+            {"added_p50_ms": c.added_p50_ms, "direct_p50_ms": c.direct_p50_ms, "c1": c.c1, "c16": c.c16, "c64": c.c64}
+            for c in cells
         ],
     }
 
@@ -267,16 +274,18 @@ def summarize(peer: Peer) -> dict:
 def markdown(results: dict, reference: str) -> str:
     ref = results[reference]
     rows = [
-        "| proxy | what it does per request | added p50 at c=1 | CPU per request c=1 / c=64 | req/s at c=64 |"
-        " CPU ÷ vllm-router (c=64) | added p50 ÷ vllm-router |",
-        "|---|---|---|---|---|---|---|",
+        "| proxy | added p50 at c=1 | CPU per request c=1 / c=16 / c=64 | req/s at c=64 |"
+        " CPU ÷ vllm-router c=16 / c=64 | added p50 ÷ vllm-router |",
+        "|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
-        cpu_ratio = r["cpu_ms_per_req_c64"] / ref["cpu_ms_per_req_c64"]
+        ratio16 = r["cpu_ms_per_req_c16"] / ref["cpu_ms_per_req_c16"]
+        ratio64 = r["cpu_ms_per_req_c64"] / ref["cpu_ms_per_req_c64"]
         p50_ratio = r["added_p50_ms"] / ref["added_p50_ms"] if ref["added_p50_ms"] > 0 else float("nan")
         rows.append(
-            f"| {name} | {r['does']} | {r['added_p50_ms']:.2f} ms | {r['cpu_ms_per_req_c1']:.2f} / "
-            f"{r['cpu_ms_per_req_c64']:.2f} ms | {r['rps_c64']:,.0f} | {cpu_ratio:.1f}× | {p50_ratio:.1f}× |"
+            f"| {name} | {r['added_p50_ms']:.2f} ms | {r['cpu_ms_per_req_c1']:.2f} / {r['cpu_ms_per_req_c16']:.2f} / "
+            f"{r['cpu_ms_per_req_c64']:.2f} ms | {r['rps_c64']:,.0f} | {ratio16:.1f}× / {ratio64:.1f}× "
+            f"| {p50_ratio:.1f}× |"
         )
     return "\n".join(rows)
 
@@ -296,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--idle-s", type=float, default=30.0, help="pause before epd-router's cold burst (0: skip)")
     ap.add_argument("--baseline", metavar="REV", help="also run epd-router as of git revision REV")
     ap.add_argument("--no-peers", action="store_true", help="epd-router (and --baseline) only")
+    ap.add_argument("--log-level", default="INFO", help="epd-router's (INFO: the deployed default)")
     args = ap.parse_args(argv)
     if os.cpu_count() is None or os.cpu_count() < 2:
         sys.exit("needs 2 CPUs: the load and stubs on CPU 0, the proxy under test on CPU 1")
@@ -328,6 +338,11 @@ def main(argv: list[str] | None = None) -> None:
                 )
             )
         peers.append(Peer("epd-router", DOES["epd-router"], router_proc(ckpt, ve, pds, work)))
+        for peer in peers:  # bench/stack.py starts routers at WARNING: the level under test instead
+            if peer.name.startswith("epd-router"):
+                argv = peer.proc.argv
+                argv[argv.index("--log-level") + 1] = args.log_level
+        rec.notes.append(f"epd-router log level: {args.log_level}")
         for rnd in range(args.rounds):
             for peer in peers:  # one proxy alive at a time: it has CPU 1 to itself
                 peer.proc.start(PROXY_CPU)

@@ -546,14 +546,8 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
 
 
 def _wait_ready(router: Proc, timeout_s: float = 30.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if httpx.get(router.url + "/ready", timeout=2).status_code == 200:
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"router not ready after {timeout_s} s:\n{router.log_tail()}")
+    assert router.process is not None, "the router was never started"
+    router.process.wait_http(router.url + "/ready", timeout_s, interval=0.2)
 
 
 if __name__ == "__main__":

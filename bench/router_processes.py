@@ -23,13 +23,11 @@ import json
 import os
 import re
 import resource
-import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +36,8 @@ import httpx
 import yaml
 
 from bench.common import REPO
-from bench.procs import VENV_BIN, Proc, free_port
+from bench.procs import VENV_BIN, Proc, cpu_seconds, free_port, taskset_prefix
+from epd_kit.testing.process import ManagedProcess, http_ok, stop_all
 
 STUB_SOURCE = REPO / "bench" / "stub_engine.c"
 STUB_BINARY = Path("/var/tmp/epd-kit/bench/stub_engine")
@@ -61,34 +60,31 @@ class RouterGroup:
 
     port: int
     metrics_dir: Path
-    processes: list[subprocess.Popen] = field(default_factory=list)
+    members: list[ManagedProcess] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def processes(self) -> list[subprocess.Popen]:
+        return [member.popen for member in self.members]
+
     def cpu_s(self) -> float:
         """utime + stime of every router process (whole processes, every thread)."""
-        total = 0.0
-        for process in self.processes:
-            fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return total
+        return sum(cpu_seconds(member.pid) for member in self.members)
 
     def wait_healthy(self, timeout_s: float = 60.0) -> None:
         """Every process has started (each answers /health once it accepts; a poll through the
         shared socket reaches any of them, so wait for each one's metrics files instead)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for process in self.processes:
-                if process.poll() is not None:
-                    raise RuntimeError(f"router process {process.pid} exited with {process.returncode}")
-            started = all(any(self.metrics_dir.glob(f"*_{worker}.db")) for worker in range(len(self.processes)))
-            with contextlib.suppress(httpx.HTTPError):
-                if started and httpx.get(self.url + "/ready", timeout=1.0).status_code == 200:
-                    return
-            time.sleep(0.1)
-        raise RuntimeError(f"router processes not ready after {timeout_s} s")
+
+        def ready() -> bool:
+            for member in self.members:
+                member.check_running()
+            started = all(any(self.metrics_dir.glob(f"*_{worker}.db")) for worker in range(len(self.members)))
+            return started and http_ok(self.url + "/ready")
+
+        self.members[0].wait_until(ready, timeout_s, "ready (every router process)", interval=0.1)
 
 
 @contextlib.contextmanager
@@ -103,33 +99,22 @@ def router_group(config: Path, workers: int, work_dir: Path, cpus: str | None = 
     metrics_dir.mkdir(parents=True, exist_ok=True)
     group = RouterGroup(port=listener.getsockname()[1], metrics_dir=metrics_dir)
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
-    pin = ["taskset", "-c", cpus] if cpus and shutil.which("taskset") else []
     try:
         for worker in range(workers):
             argv = [str(VENV_BIN / "epd-router"), "serve", "--config", str(config), "--worker", str(worker)]
-            with (work_dir / f"router-{worker}.log").open("wb") as log:
-                group.processes.append(
-                    subprocess.Popen(
-                        [*pin, sys.executable, "-c", _SOCKET_ACTIVATE, str(listener.fileno()), *argv],
-                        pass_fds=[listener.fileno()],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=env,
-                        start_new_session=True,
-                    )
+            group.members.append(
+                ManagedProcess(
+                    [*taskset_prefix(cpus), sys.executable, "-c", _SOCKET_ACTIVATE, str(listener.fileno()), *argv],
+                    work_dir / f"router-{worker}.log",
+                    env=env,
+                    name=f"router process {worker}",
+                    pass_fds=[listener.fileno()],
                 )
+            )
         group.wait_healthy()
         yield group
     finally:
-        for process in group.processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in group.processes:
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
+        stop_all(group.members, 15)
         listener.close()
 
 

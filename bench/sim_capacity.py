@@ -17,8 +17,6 @@ import json
 import os
 import resource
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,12 +24,6 @@ from pathlib import Path
 
 HOST = "127.0.0.1"
 TICK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -103,7 +95,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="sim-capacity-"))
     model = build_tiny_checkpoint(work / "ckpt")
-    port = free_port()
+    port = launch.free_port()
     sim = Path(sys.executable).parent / "epd-sim"
     argv = launch.serve_argv(
         "pd", str(model), port, engine_id="cap", tp=8, max_num_seqs=args.streams, executable=str(sim)
@@ -120,18 +112,9 @@ def main() -> int:
         ),
         "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "router"),
     }
-    log = open(work / "sim.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = launch.SimProcess(argv, env, work / "sim.log")
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection((HOST, port), 0.2).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        else:
-            raise SystemExit(f"sim did not start; see {work / 'sim.log'}")
+        proc.wait_ready(30)
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, {args.client_core})
         me0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -141,9 +124,7 @@ def main() -> int:
         me1 = resource.getrusage(resource.RUSAGE_SELF)
         client_cpu = me1.ru_utime + me1.ru_stime - me0.ru_utime - me0.ru_stime
     finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
+        proc.stop()
     tokens = sum(t for t, _ in results)
     ttfts = sorted(f for _, f in results)
     step_ms = args.decode_ms + args.decode_ms_per_extra_seq * (args.streams - 1)

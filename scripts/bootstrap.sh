@@ -18,7 +18,8 @@ fi
 
 APT_PKGS=(systemd-container mmdebstrap eatmydata openssh-client iproute2 util-linux procps
           python3 python3-venv ca-certificates prometheus
-          dpkg-dev gpg)   # dpkg-dev, gpg: the provisioning stand-ins (a signed local apt repository)
+          dpkg-dev gpg gcc)   # dpkg-dev, gpg: the provisioning stand-ins (a signed local apt repository);
+                              # gcc: their stub libfabric/libcuda/libcudart (tests/hosts/standins)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q '^install ok installed' || missing+=("$p")

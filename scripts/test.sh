@@ -1,7 +1,7 @@
 #!/bin/bash
 # THE test command: ruff (lint + format check), then every tier (unit, contract, router,
 # ansible, real systemd, vLLM compat).
-#   scripts/test.sh                 everything
+#   scripts/test.sh                 everything (the host-free tiers run beside the e2e tier)
 #   scripts/test.sh tests/unit -x   any pytest arguments are passed through (no compat tier)
 #   scripts/test.sh --compat [ARGS] also the vLLM-compat tier, whatever the arguments
 #   scripts/test.sh --no-compat     everything but the vLLM-compat tier
@@ -42,9 +42,11 @@ phase() {   # phase NAME CMD...: run, time, remember
 summary() {
   echo "== timings"; printf '   %s\n' "${TIMES[@]}"; printf '   %-22s %4ss\n' total $((SECONDS - T0))
 }
+hostfree_pid=""
 teardown() {
   local rc=$?
   trap - EXIT INT TERM
+  [ -z "$hostfree_pid" ] || kill -- "-$hostfree_pid" 2>/dev/null || true   # a host-free lane still running
   "$HOSTS" down "${OUR_HOSTS[@]}" >/dev/null 2>&1 || true
   "$HOSTS" net-down || true
   summary
@@ -83,19 +85,70 @@ trap teardown EXIT
 trap 'exit 130' INT TERM
 phase net-up "$HOSTS" net-up
 
-set +e
 # PIP_RETRIES=0: inside kithub any package-index access fails at once instead of retrying for minutes
-phase pytest nsenter --net=/run/netns/kithub env PIP_RETRIES=0 \
-  .venv/bin/python -m pytest -ra "$@"
-rc=$?
-if [ $rc -eq 5 ]; then
-  echo "test.sh: FAILED: pytest collected no tests (arguments: ${*:-none}); a test run that tests nothing is a failure" >&2
-  exit 1
-fi
-if [ "$COMPAT" != no ]; then
-  phase compat nsenter --net=/run/netns/kithub env PIP_RETRIES=0 scripts/compat-env.sh pytest tests/compat -ra
-  compat_rc=$?
-  [ $rc -ne 0 ] || rc=$compat_rc
+in_kithub() { nsenter --net=/run/netns/kithub env PIP_RETRIES=0 "$@"; }
+pytest_run() {   # pytest_run ARGS...: pytest in kithub; "no tests collected" (rc 5) is a failure
+  local rc=0
+  in_kithub .venv/bin/python -m pytest -ra "$@" || rc=$?
+  if [ $rc -eq 5 ]; then
+    echo "test.sh: FAILED: pytest collected no tests (arguments: ${*:-none}); a test run that tests nothing is a failure" >&2
+    rc=1
+  fi
+  return $rc
+}
+compat_run() { in_kithub scripts/compat-env.sh pytest tests/compat -ra; }
+
+set +e
+if [ $# -gt 0 ]; then
+  phase pytest pytest_run "$@"
+  rc=$?
+  if [ "$COMPAT" != no ]; then
+    phase compat compat_run
+    compat_rc=$?
+    [ $rc -ne 0 ] || rc=$compat_rc
+  fi
+else
+  # The full run: two lanes at once on the 2 cores. The end-to-end tier (tests/e2e: the only
+  # tests that use the test hosts) waits on its hosts most of the time; the host-free tiers
+  # (unit, contract, router, ansible, then vLLM-compat) run beside it, their output shown when
+  # both lanes are done. Each lane prints its own --durations. Only tests/e2e touches the hosts
+  # (tests/hosts/fixtures.py refuses them in the host-free lane). The e2e lane is the longer one
+  # (the run's critical path), so the host-free lane runs at a lower CPU priority (nice 5).
+  lanes=$(mktemp -d /var/tmp/epd-kit/lanes.XXXXXX)
+  set -m   # the lane gets its own process group: teardown can stop it (and only it) on an early exit
+  (
+    t=$SECONDS
+    renice -n 5 -p $BASHPID >/dev/null
+    EPD_TEST_LANE=host-free pytest_run --ignore=tests/e2e tests
+    echo "$? $((SECONDS - t))" >"$lanes/host-free"
+    if [ "$COMPAT" != no ]; then
+      t=$SECONDS
+      compat_run
+      echo "$? $((SECONDS - t))" >"$lanes/compat"
+    fi
+  ) >"$lanes/host-free.log" 2>&1 &
+  hostfree_pid=$!
+  set +m
+  phase pytest-e2e pytest_run tests/e2e
+  rc=$?
+  t=$SECONDS
+  wait $hostfree_pid
+  TIMES+=("$(printf '%-22s %4ss' "(host-free wait)" $((SECONDS - t)))")
+  echo "== pytest-host-free (ran beside pytest-e2e)"
+  cat "$lanes/host-free.log"
+  hostfree_pid=""
+  for lane in host-free compat; do
+    if [ ! -f "$lanes/$lane" ]; then
+      [ "$lane" = compat ] && [ "$COMPAT" = no ] && continue
+      echo "test.sh: FAILED: the $lane lane did not finish" >&2
+      rc=1
+      continue
+    fi
+    read -r lane_rc lane_s <"$lanes/$lane"
+    TIMES+=("$(printf '%-22s %4ss' "pytest-$lane" "$lane_s")")
+    [ $rc -ne 0 ] || rc=$lane_rc
+  done
+  rm -rf "$lanes"
 fi
 set -e
 [ -z "$compat_note" ] || echo "test.sh: $compat_note" >&2

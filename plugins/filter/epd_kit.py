@@ -152,6 +152,7 @@ class FilterModule:
                 "epd_rollout_plan": plan.rollout_plan,
                 "epd_rollout_changes": plan.rollout.changed_engines,
                 "epd_rollout_retiring": plan.rollout.retiring_endpoints,
+                "epd_precompile_jobs": plan.rollout.precompile_jobs,
                 "epd_status_rows": plan.status_rows,
                 "epd_status_table": status_table,
                 "epd_engine_render_files": engine_render_files,

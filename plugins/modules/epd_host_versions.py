@@ -14,7 +14,9 @@ description:
   - What is not installed is reported as null.
   - With O(expected), also lists every component whose installed version differs from its pin (drift).
     A pin matches an installed Debian version when it equals the version or its upstream part
-    (C(2.24.7.0) matches C(2.24.7.0-dcd0b2d2d)).
+    (C(2.24.7.0) matches C(2.24.7.0-dcd0b2d2d)), and a Python version without its local label
+    (C(0.6.0) matches C(0.6.0+standin), as pip's C(==) does). Each drift entry says whether the
+    installed version is newer than the pin (a host that must not be downgraded).
   - Read-only; supports check mode. Also sets the fact C(epd_host_versions).
 options:
   engine_python:
@@ -69,7 +71,7 @@ drift:
   type: list
   elements: dict
   returned: always
-  sample: [{component: nixl, expected: 1.5.1, installed: null}]
+  sample: [{component: nixl, expected: 1.5.1, installed: null, newer: false}]
 """
 
 import json
@@ -88,7 +90,14 @@ DEBIAN_COMPONENTS = {
     "libfabric": ("libfabric-aws-bin", "libfabric1-aws", "libfabric1"),
 }
 # component -> Python distribution, read in the venv that holds it
-ENGINE_DISTRIBUTIONS = {"nixl": "nixl", "vllm": "vllm", "vllm_neuron": "vllm-neuron"}
+ENGINE_DISTRIBUTIONS = {
+    "nixl": "nixl",
+    "vllm": "vllm",
+    "vllm_neuron": "vllm-neuron",
+    "neuronx_cc": "neuronx-cc",
+    "torch_neuronx": "torch-neuronx",
+    "nki": "nki",
+}
 KIT_DISTRIBUTIONS = {"kit": "epd-kit"}
 EFA_VERSION_LINE = re.compile(r"^#\s*EFA installer version:\s*(\S+)", re.MULTILINE)
 DRIVER_VERSION_FILE = "/sys/module/neuron/version"
@@ -132,17 +141,44 @@ def distribution_versions(python: str | None, names: list[str]) -> dict[str, str
     return json.loads(result.stdout) if result.returncode == 0 else absent
 
 
+def upstream(installed: str) -> str:
+    """A Debian version without epoch and revision (1:2.24.7.0-1 -> 2.24.7.0)."""
+    return installed.split(":", 1)[-1].rsplit("-", 1)[0]
+
+
 def matches(pin: str, installed: str | None) -> bool:
-    """A pin matches the installed version itself or a Debian version's upstream part."""
+    """A pin matches the installed version itself, a Debian version's upstream part, or a
+    Python version without its local label when the pin has none."""
     if installed is None:
         return False
-    upstream = installed.split(":", 1)[-1].rsplit("-", 1)[0]
-    return pin in (installed, upstream)
+    candidates = {installed, upstream(installed)}
+    if "+" not in pin:
+        candidates.add(installed.split("+", 1)[0])
+    return pin in candidates
 
 
-def drift(versions: dict[str, str | None], expected: dict[str, str]) -> list[dict[str, str | None]]:
+def version_key(version: str) -> tuple:
+    """Numbers compare as numbers, words as words (2.30.10.0 > 2.30.9.0; 2.30.2.0 > 2.30.2.0rc1 is not needed)."""
+    return tuple(
+        (0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.findall(r"\d+|[a-z]+", version.lower())
+    )
+
+
+def newer(installed: str | None, pin: str) -> bool:
+    """Whether the installed version is above the pin (compared on the upstream part, no local label)."""
+    if installed is None:
+        return False
+    return version_key(upstream(installed).split("+", 1)[0]) > version_key(pin.split("+", 1)[0])
+
+
+def drift(versions: dict[str, str | None], expected: dict[str, str]) -> list[dict]:
     return [
-        {"component": component, "expected": str(pin), "installed": versions.get(component)}
+        {
+            "component": component,
+            "expected": str(pin),
+            "installed": versions.get(component),
+            "newer": newer(versions.get(component), str(pin)),
+        }
         for component, pin in expected.items()
         if pin not in (None, "") and not matches(str(pin), versions.get(component))
     ]

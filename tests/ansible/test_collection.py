@@ -1,14 +1,17 @@
 """The repository as the collection epd.kit: build it, install it elsewhere, run it by FQCN.
 
-The installed copy runs from an unrelated directory on a controller whose Python cannot import
-the kit (an empty `epd_kit` shadows it), so the filters use the collection's bundled
-epd_kit.plan; its render must equal the in-repo render byte for byte.
+docs/operations.md's build/install/run lines run exactly as written, typed in the repository
+(whose ansible.cfg finds the repository itself as epd.kit). The installed copy runs from an
+unrelated directory on a controller whose Python cannot import the kit (an empty `epd_kit`
+shadows it), so the filters use the collection's bundled epd_kit.plan; its render must equal
+the in-repo render byte for byte.
 """
 
 from __future__ import annotations
 
 import filecmp
 import os
+import re
 import subprocess
 import tomllib
 from pathlib import Path
@@ -21,6 +24,9 @@ from tests.ansible.helpers import BIN, REPO
 pytestmark = pytest.mark.ansible
 
 INVENTORIES = [REPO / "inventory/examples/single-node-1e1pd", REPO / "inventory/sandbox/one-host"]
+
+
+OPERATIONS = REPO / "docs/operations.md"
 
 
 def galaxy() -> dict:
@@ -93,3 +99,50 @@ def assert_same_tree(expected: Path, actual: Path) -> None:
     assert files, f"nothing rendered in {expected}"
     _, mismatch, errors = filecmp.cmpfiles(expected, actual, [str(f) for f in files], shallow=False)
     assert not mismatch and not errors, f"differ: {mismatch + errors}"
+
+
+def documented_sequence() -> list[str]:
+    """The commands of docs/operations.md's block that builds the collection, comments dropped."""
+    blocks = re.findall(r"```bash\n(.*?)```", OPERATIONS.read_text(), flags=re.DOTALL)
+    block = next(b for b in blocks if "ansible-galaxy collection build" in b)
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_the_documented_sequence_installs_and_runs_when_typed_in_the_repository(tmp_path):
+    """Build, install, run: typed in the repository as written (only the inventory placeholder
+    filled in), with a fresh home whose ~/.ansible/collections receives the collection; the run
+    line then works in the repository (the working tree) and in any other directory (the
+    installed copy)."""
+    build, install, play = documented_sequence()
+    version = galaxy()["version"]
+    assert f"epd-kit-{version}.tar.gz" in install, f"docs/operations.md installs another version than {version}"
+    home = tmp_path / "home"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(parents=True)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("ANSIBLE_")}
+    env.update({"HOME": str(home), "ANSIBLE_NOCOLOR": "1", "PATH": f"{BIN}:{env.get('PATH', '')}"})
+    env.pop("HF_TOKEN", None)
+    play = play.replace("/abs/path/to/INVENTORY", str(INVENTORIES[0]))
+    artifact = REPO / "dist" / f"epd-kit-{version}.tar.gz"
+
+    def typed(line: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            ["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False
+        )
+        assert done.returncode == 0, f"{line}\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
+        return done
+
+    try:
+        typed(build, REPO)
+        installed = typed(install, REPO)
+    finally:
+        artifact.unlink(missing_ok=True)
+    assert "Nothing to do" not in installed.stdout, installed.stdout
+    manifest = home / ".ansible/collections/ansible_collections/epd/kit/MANIFEST.json"
+    assert manifest.is_file(), installed.stdout
+    assert "[WARNING]" not in installed.stderr, installed.stderr
+    for cwd in (REPO, elsewhere):
+        result = typed(play, cwd)
+        assert "ve-0    ve tp4  8-11   18300  14600-14603   epd-ve-0" in result.stdout, result.stdout[-3000:]
+    listed = typed("ansible-galaxy collection list epd.kit", elsewhere).stdout
+    assert str(manifest.parent.parent.parent) in listed and str(REPO) not in listed, listed

@@ -63,6 +63,8 @@ def test_the_efa_installer_version_comes_from_its_record():
         ("2.24.7.0", "2.24.7.01-1", False),
         ("2.24.7.0", "1:2.24.7.0-1", True),  # an epoch is not part of the pin
         ("0.4.0+standin", "0.4.0+standin", True),
+        ("0.6.0", "0.6.0+standin", True),  # pip's == ignores a local label the pin does not have
+        ("0.6.0+other", "0.6.0+standin", False),
         ("1.5.1", None, False),
     ],
 )
@@ -74,9 +76,23 @@ def test_drift_lists_what_differs_and_skips_empty_pins():
     versions = {"driver": "2.24.7.0-1", "nixl": None, "vllm": "0.24.0"}
     expected = {"driver": "2.24.7.0", "nixl": "1.5.1", "vllm": "0.25.0", "tools": ""}
     assert versions_module.drift(versions, expected) == [
-        {"component": "nixl", "expected": "1.5.1", "installed": None},
-        {"component": "vllm", "expected": "0.25.0", "installed": "0.24.0"},
+        {"component": "nixl", "expected": "1.5.1", "installed": None, "newer": False},
+        {"component": "vllm", "expected": "0.25.0", "installed": "0.24.0", "newer": False},
     ]
+
+
+@pytest.mark.parametrize(
+    ("installed", "pin", "newer"),
+    [
+        ("2.30.3.0-standin1", "2.30.2.0", True),  # a newer DLAMI driver: kept
+        ("2.30.2.0-1", "2.30.10.0", False),  # numbers compare as numbers
+        ("0.24.0.1.2.0+standin", "0.24.0.1.1.0", True),
+        ("1:2.35.0.0-1", "2.34.10.0", True),  # an epoch is not part of the comparison
+        (None, "1.5.1", False),
+    ],
+)
+def test_drift_says_whether_the_host_is_newer_than_the_pin(installed, pin, newer):
+    assert versions_module.newer(installed, pin) is newer
 
 
 def run_module_play(tmp_path: Path, args: dict) -> dict:
@@ -136,25 +152,55 @@ def provision_locally(tmp_path: Path, **variables) -> subprocess.CompletedProces
     return playbook("-i", str(inventory), "playbooks/provision.yml", "-e", f"@{extra}")
 
 
+SHA = "0" * 64
+
+
 @pytest.mark.parametrize(
     ("variables", "message"),
     [
-        ({"epd_provision_vllm_neuron_version": ""}, "vllm-neuron ''"),
+        ({}, "64 lowercase hex digits AWS publishes for aws-efa-installer-1.47.0.tar.gz (got '')"),
         (
-            {"epd_provision_vllm_neuron_version": "0.4.0", "epd_provision_efa_installer_sha256": "abc"},
-            "64 lowercase hex",
+            {"epd_provision_vllm_neuron_version": "", "epd_provision_efa_installer_sha256": SHA},
+            "every pin must be a version",
+        ),
+        ({"epd_provision_efa_installer_sha256": "abc"}, "64 lowercase hex"),
+        ({"epd_provision_neuron_driver_version": "latest", "epd_provision_efa_installer_sha256": SHA}, "every pin"),
+        # the 2.26.1 pins the kit had: below the plugin's floor (Neuron 2.31)
+        (
+            {"epd_provision_neuron_driver_version": "2.24.7.0", "epd_provision_efa_installer_sha256": SHA},
+            "epd_provision_neuron_driver_version 2.24.7.0 is below 2.29.0.0",
         ),
         (
-            {"epd_provision_vllm_neuron_version": "0.4.0", "epd_provision_neuron_driver_version": "latest"},
-            "every pin must be a version",
+            {"epd_provision_vllm_neuron_version": "0.4.0", "epd_provision_efa_installer_sha256": SHA},
+            "epd_provision_vllm_neuron_version 0.4.0 is below 0.21.0.1.0.0",
+        ),
+        # mistake: --minimal installs no libfabric (efa_installer.sh usage text)
+        (
+            {"epd_provision_efa_installer_options": ["--yes", "--minimal"], "epd_provision_efa_installer_sha256": SHA},
+            "Remove --minimal",
         ),
     ],
 )
 def test_the_preflight_refuses_bad_pins_before_reading_the_host(tmp_path, variables, message):
     result = provision_locally(tmp_path, **variables)
-    output = result.stdout + result.stderr
+    output = " ".join((result.stdout + result.stderr).split())
     assert result.returncode != 0, output[-3000:]
     assert message in output, output[-3000:]
+    assert "Read the installed versions" not in output
+
+
+def test_a_python_below_3_11_is_refused_before_anything_changes(tmp_path):
+    """mistake: the engine venv's Python is 3.10 (Ubuntu 22.04's default): refused in preflight, naming the fix."""
+    python = tmp_path / "python3.10"
+    python.write_text("#!/bin/sh\necho 3.10\n")
+    python.chmod(0o755)
+    result = provision_locally(
+        tmp_path, epd_provision_efa_installer_sha256=SHA, epd_provision_engine_python=str(python)
+    )
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode != 0, output[-3000:]
+    assert "is Python 3.10: vllm-neuron needs Python 3.11 or later" in output, output[-3000:]
+    assert "set epd_provision_engine_python" in output and "Nothing was changed" in output, output[-3000:]
     assert "Read the installed versions" not in output
 
 
@@ -174,22 +220,22 @@ def check_apt(tmp_path: Path, apt: Path, key: Path, *pins: str) -> subprocess.Co
 
 
 def test_the_repository_check_resolves_each_pin_to_its_exact_version(tmp_path, standin_apt):
-    result = check_apt(tmp_path, standin_apt, standin_apt / "GPG-PUB-KEY-EPD-STANDIN.PUB", "aws-neuronx-dkms=2.24.7.0")
+    result = check_apt(tmp_path, standin_apt, standin_apt / "GPG-PUB-KEY-EPD-STANDIN.PUB", "aws-neuronx-dkms=2.30.2.0")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.split() == [f"aws-neuronx-dkms=2.24.7.0-{standins.DEB_REVISION}"]
+    assert result.stdout.split() == [f"aws-neuronx-dkms=2.30.2.0-{standins.DEB_REVISION}"]
 
 
 def test_the_repository_check_refuses_a_repository_signed_with_another_key(tmp_path, standin_apt):
     not_the_key = tmp_path / "other.asc"
     not_the_key.write_bytes((standin_apt / f"dists/{standins.SUITE}/Release.gpg").read_bytes())
-    result = check_apt(tmp_path, standin_apt, not_the_key, "aws-neuronx-dkms=2.24.7.0")
+    result = check_apt(tmp_path, standin_apt, not_the_key, "aws-neuronx-dkms=2.30.2.0")
     assert result.returncode == 1
     assert "is not signed" in result.stdout or "NO_PUBKEY" in result.stdout, result.stdout
 
 
 def test_the_repository_check_names_a_missing_pin(tmp_path, standin_apt):
     key = standin_apt / "GPG-PUB-KEY-EPD-STANDIN.PUB"
-    result = check_apt(tmp_path, standin_apt, key, "aws-neuronx-dkms=2.24.7.0", "aws-neuronx-tools=9.9")
+    result = check_apt(tmp_path, standin_apt, key, "aws-neuronx-dkms=2.30.2.0", "aws-neuronx-tools=9.9")
     assert result.returncode == 1
     assert result.stdout.strip().endswith("aws-neuronx-tools 9.9"), result.stdout
 
@@ -216,11 +262,9 @@ def test_every_role_variable_is_typed_in_the_argument_spec():
     assert all(options[name]["default"] == value for name, value in defaults.items())
 
 
-def test_status_versions_show_each_component_and_the_drift_from_the_pins(tmp_path):
-    """status.yml --tags versions on this machine (local connection): no Neuron stack here, so
-    every Neuron pin is drift, and the kit venv running these tests has the kit."""
+def status_versions(tmp_path: Path, engine: dict) -> str:
     inventory = tmp_path / "hosts.yml"
-    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable, **engine}
     groups = {"epd_engines": {"hosts": {"local": local}}, "epd_router": {"hosts": {"local": None}}}
     inventory.write_text(yaml.safe_dump({"all": {"children": groups}}))
     kit_venv = Path(sys.executable).parent.parent
@@ -228,6 +272,36 @@ def test_status_versions_show_each_component_and_the_drift_from_the_pins(tmp_pat
         "-i", str(inventory), "playbooks/status.yml", "--tags", "versions", "-e", f"epd_kit_venv={kit_venv}"
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert f"kit {metadata.version('epd-kit')}" in result.stdout, result.stdout[-3000:]
-    assert "DRIFT driver absent (pin 2.24.7.0)" in result.stdout, result.stdout[-3000:]
     assert "Show host, unit, state and health" not in result.stdout  # the unit table is not part of --tags versions
+    return result.stdout
+
+
+def test_status_versions_compare_a_vllm_host_with_the_pins(tmp_path):
+    """status.yml --tags versions on this machine: no Neuron stack here, so on a vllm-backend host
+    every Neuron pin is drift; one table, no quoted reprs."""
+    out = status_versions(tmp_path, {"epd_engine_backend": "vllm"})
+    table = [line for line in out.splitlines() if line.strip().startswith(("HOST ", "local ")) and "ok=" not in line]
+    assert len(table) == 2, out[-3000:]
+    assert table[1].split()[1] == metadata.version("epd-kit"), out[-3000:]
+    assert table[1].rstrip().endswith("differ"), out[-3000:]
+    assert "DRIFT local: driver absent, pin 2.30.2.0" in out, out[-3000:]
+    assert "'local:" not in out and '"local:' not in out, out[-3000:]
+
+
+def test_status_versions_of_a_sim_host_without_the_stack_have_no_drift_lines(tmp_path):
+    out = status_versions(tmp_path, {"epd_engine_backend": "sim"})
+    assert "DRIFT" not in out, out[-3000:]
+    assert "none (sim)" in out, out[-3000:]
+
+
+def test_the_trn2_render_gives_vllm_engines_the_setup_guides_loader_path(rendered):
+    """vllm-neuron setup guide: LD_LIBRARY_PATH=/opt/amazon/efa/lib64:/opt/amazon/efa/lib and
+    PATH=/opt/amazon/efa/bin in the shell that runs `vllm serve`; the kit adds the CUDA runtime's
+    directory (NIXL's LIBFABRIC plugin links libcudart.so.12) and /opt/aws/neuron/bin."""
+    out = rendered(REPO / "inventory/examples/trn2-2e7pd")
+    unit = next(out.glob("*/etc/systemd/system/epd-engine@.service")).read_text()
+    library_path = "/opt/amazon/efa/lib64:/opt/amazon/efa/lib:/usr/local/cuda-12.6/targets/x86_64-linux/lib"
+    assert f"Environment=LD_LIBRARY_PATH={library_path}\n" in unit, unit
+    assert "Environment=PATH=/opt/amazon/efa/bin:/opt/aws/neuron/bin:" in unit, unit
+    record = json.loads(next(out.glob("*/engines/pd-0.json")).read_text())
+    assert record["environment"]["LD_LIBRARY_PATH"] == library_path

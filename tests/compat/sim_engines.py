@@ -5,25 +5,22 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from epd_kit.testing.process import LOOPBACK, ManagedProcess, free_port
 from tests.compat.stack import READY_TIMEOUT_S, tutorial_argv
-from tests.compat.vllm_server import LOOPBACK, free_port
 from tests.golden.tutorial import TUTORIAL_EXPORTS, tutorial_command
 
 
 @dataclass
 class SimEngine:
     url: str
-    process: subprocess.Popen
-    log: Path
+    process: ManagedProcess
 
     @classmethod
     def start(cls, instance: str, model: Path, workdir: Path) -> SimEngine:
@@ -40,31 +37,17 @@ class SimEngine:
             "EPD_SIM_PROFILE": "zero",
             "PYTHONPATH": os.pathsep.join(sys.path),
         }
-        log = workdir / f"sim-{instance}.log"
-        with open(log, "wb") as out:
-            process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        engine = cls(f"http://{LOOPBACK}:{port}", process, log)
-        engine._wait_healthy()
-        return engine
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"epd-sim exited {self.process.returncode}:\n{self.log.read_text()}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(self.url + "/health", timeout=1.0, trust_env=False).status_code == 200:
-                    return
-            time.sleep(0.1)
-        raise RuntimeError(f"epd-sim was not healthy within {READY_TIMEOUT_S} s:\n{self.log.read_text()}")
+        url = f"http://{LOOPBACK}:{port}"
+        process = ManagedProcess(argv, workdir / f"sim-{instance}.log", env=env, name=f"epd-sim {instance}")
+        try:
+            process.wait_http(url + "/health", READY_TIMEOUT_S, interval=0.1)
+        except BaseException:
+            process.stop()
+            raise
+        return cls(url, process)
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        self.process.stop(10)
 
     def generate(self, body: dict) -> httpx.Response:
         return httpx.post(self.url + "/inference/v1/generate", json=body, timeout=60, trust_env=False)

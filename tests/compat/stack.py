@@ -12,10 +12,8 @@ import asyncio
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +21,8 @@ from typing import Any, TypeVar
 
 import httpx
 
-from tests.compat.vllm_server import LOOPBACK, VllmServer, free_port, vllm_server
+from epd_kit.testing.process import LOOPBACK, ManagedProcess, free_port
+from tests.compat.vllm_server import VllmServer, vllm_server
 from tests.golden.tutorial import tutorial_command
 
 T = TypeVar("T")
@@ -88,60 +87,42 @@ class CompatStack:
     def start(cls, model: Path, workdir: Path) -> Iterator[CompatStack]:
         loop = BackgroundLoop()
         servers = contextlib.AsyncExitStack()
-        router: subprocess.Popen | None = None
+        router: ManagedProcess | None = None
         try:
             ve = loop.run(
                 servers.enter_async_context(vllm_server(tutorial_argv("ve-0", model, free_port(), free_port())))
             )
             pd = loop.run(servers.enter_async_context(vllm_server(tutorial_argv("pd-0", model, free_port()))))
             port = free_port()
-            with open(workdir / "router.log", "wb") as log:  # the child keeps its own descriptor
-                router = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "epd_kit.router.cli",
-                        "serve",
-                        "--model",
-                        str(model),
-                        "--ve-endpoint",
-                        ve.host_port,
-                        "--pd-endpoint",
-                        pd.host_port,
-                        "--host",
-                        LOOPBACK,
-                        "--port",
-                        str(port),
-                    ],
-                    env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                )
+            router = ManagedProcess(
+                [
+                    sys.executable,
+                    "-m",
+                    "epd_kit.router.cli",
+                    "serve",
+                    "--model",
+                    str(model),
+                    "--ve-endpoint",
+                    ve.host_port,
+                    "--pd-endpoint",
+                    pd.host_port,
+                    "--host",
+                    LOOPBACK,
+                    "--port",
+                    str(port),
+                ],
+                workdir / "router.log",
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                name="the router",
+            )
             stack = cls(loop, ve, pd, f"http://{LOOPBACK}:{port}", model)
-            stack._wait_ready(router, workdir / "router.log")
+            router.wait_http(stack.router_url + "/ready", READY_TIMEOUT_S, interval=0.1)
             yield stack
         finally:
             if router is not None:
-                router.terminate()
-                try:
-                    router.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    router.kill()
-                    router.wait()
+                router.stop(10)
             loop.run(servers.aclose())
             loop.close()
-
-    def _wait_ready(self, router: subprocess.Popen, log: Path) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if router.poll() is not None:
-                raise RuntimeError(f"the router exited {router.returncode}:\n{log.read_text()}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(self.router_url + "/ready", timeout=1.0, trust_env=False).status_code == 200:
-                    return
-            time.sleep(0.1)
-        raise RuntimeError(f"the router was not ready within {READY_TIMEOUT_S} s:\n{log.read_text()}")
 
     # --- requests ---
 

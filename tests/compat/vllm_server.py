@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -29,9 +28,10 @@ from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_se
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.engine.core_client import EngineCoreClient
 
+from epd_kit.testing.process import LOOPBACK, free_port
 from tests.compat.engine_core import StandInEngineCore
 
-LOOPBACK = "127.0.0.1"
+__all__ = ["LOOPBACK", "VllmServer", "free_port", "parse_serve_argv", "vllm_server"]
 
 
 @dataclass
@@ -95,12 +95,6 @@ def parse_serve_argv(argv: Sequence[str]) -> Any:
     args.model = args.model_tag or args.model
     validate_parsed_serve_args(args)
     return args
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 @asynccontextmanager

@@ -6,10 +6,12 @@ The conftest fixtures own every process started here and kill it, whatever the o
 from __future__ import annotations
 
 import socket
+import tempfile
 from pathlib import Path
 
 from epd_kit.sim.launch import SimProcess, free_port, pd_argv, ve_argv
 from epd_kit.sim.launch import engine_env as launch_env
+from epd_kit.testing.process import stop_all
 
 __all__ = ["free_port", "pd_argv", "ve_argv"]
 
@@ -19,6 +21,8 @@ HOST = "127.0.0.1"
 IMAGE_TOKEN_ID_KEY = "image_token_id"
 VE_CORES, PD_CORES = "8,9,10,11", "0,1,2,3,4,5,6,7"
 Engine = SimProcess
+# the plugin's cache root (VLLM_CACHE_ROOT) of every engine of this run: not the runner's ~/.cache
+CACHE_ROOT = Path(tempfile.mkdtemp(prefix="epd-sim-vllm-cache-"))
 
 
 def port_open(port: int) -> bool:
@@ -32,6 +36,7 @@ def engine_env(cores: str, *, efa: bool = True, **sim: str) -> dict[str, str]:
     settings = {"profile": "zero", "dead_linger_s": "0.5", "grace_s": "3", **sim}
     env = launch_env(cores, efa=efa, **settings)
     env["PYTHONPATH"] = str(ROUTER_SRC)
+    env.setdefault("VLLM_CACHE_ROOT", str(CACHE_ROOT))
     return env
 
 
@@ -48,8 +53,7 @@ class Launcher:
         return eng
 
     def stop_all(self) -> None:
-        for eng in reversed(self.engines):
-            eng.stop()
+        stop_all(list(reversed(self.engines)))
 
 
 class Pair:

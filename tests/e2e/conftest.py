@@ -1,4 +1,7 @@
-"""End-to-end fixtures: a freshly booted and deployed sandbox stack per test module.
+"""End-to-end fixtures: a freshly booted and deployed sandbox stack per test module, except
+where a module continues on the stack the one before it leaves (`shared_stacks`: test_day2
+takes over the four-host fleet test_three_hosts ends with, saving a boot and a first deploy;
+`CONTINUES` runs it right after). Run alone, such a module deploys its own stack.
 
 Timings of the expensive steps (host boot, first deploy, re-deploy, rolling restart) are
 collected with `record_timing` and printed at the end of the run (docs/sandbox.md)."""
@@ -18,10 +21,49 @@ from tests.hosts.sandbox import SandboxInventory
 
 TIMINGS = pytest.StashKey[dict[str, float]]()
 DEPLOY = "playbooks/deploy.yml"
+# module -> the module whose deployed stack it continues on (it runs right after that one)
+CONTINUES = {"test_day2": "test_three_hosts"}
+FOUR_HOSTS = "four hosts"  # the stack test_three_hosts leaves for test_day2
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[TIMINGS] = {}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Collection order, except that a module in CONTINUES runs right after the one it continues."""
+    here = Path(__file__).parent
+    files = list(dict.fromkeys(item.path for item in items))
+    for follower, leader in CONTINUES.items():
+        follower_path, leader_path = here / f"{follower}.py", here / f"{leader}.py"
+        if follower_path in files and leader_path in files:
+            files.remove(follower_path)
+            files.insert(files.index(leader_path) + 1, follower_path)
+    rank = {path: i for i, path in enumerate(files)}
+    items.sort(key=lambda item: rank[item.path])
+
+
+class SharedStacks:
+    """Deployed stacks that a later module may continue on instead of booting and deploying its
+    own; a stack is handed over only if none of its hosts was re-booted or stopped since."""
+
+    def __init__(self, pool: HostPool) -> None:
+        self.pool = pool
+        self._kept: dict[str, tuple[Stack, tuple[int, ...]]] = {}
+
+    def keep(self, name: str, stack: Stack) -> None:
+        self._kept[name] = (stack, self.pool.generation(stack.hosts))
+
+    def take(self, name: str) -> Stack | None:
+        stack, generation = self._kept.pop(name, (None, ()))
+        if stack is None or self.pool.generation(stack.hosts) != generation:
+            return None
+        return stack
+
+
+@pytest.fixture(scope="session")
+def shared_stacks(host_pool: HostPool) -> SharedStacks:
+    return SharedStacks(host_pool)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
-"""A deployed sandbox stack as the end-to-end tests see it: the inventory, its hosts, the
-router (real HTTP, real openai client) and a bounded load generator."""
+"""A deployed sandbox stack as the end-to-end tests (and the sandbox benches) see it: the
+inventory, its hosts, the router (real HTTP, real openai client), a bounded load generator, and
+the four-host fleet that test_three_hosts grows and test_day2 rewrites step by step."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
+import yaml
 
-from tests.hosts.harness import TestHost
+from tests.hosts.harness import REPO, PlaybookResult, TestHost, ansible_playbook, host_address, write_inventory
 from tests.hosts.sandbox import SandboxInventory
 
 
@@ -209,3 +212,84 @@ class LoadGenerator:
                 self._stop.wait(self.interval)
             for worker in self._workers:
                 worker.join(timeout=60)
+
+
+@dataclass
+class Fleet:
+    """An inventory derived from a sandbox inventory (`base`) and rewritten per step."""
+
+    directory: Path
+    base: Path
+    hosts_yml: dict
+    group_vars: dict = field(default_factory=dict)
+
+    def engine_host(self, name: str) -> dict:
+        return self.hosts_yml["all"]["children"]["epd_engines"]["hosts"][name]
+
+    def write(self) -> Path:
+        return write_inventory(self.directory, self.base, self.hosts_yml, self.group_vars)
+
+
+THREE_HOST = REPO / "inventory/sandbox/three-host"
+# test_three_hosts grows the three-host fleet by n4 (one PD) and test_day2 continues on it
+FOUR_HOST_ENGINE_HOSTS = ("n1", "n2", "n4")
+
+
+def four_host_fleet(directory: Path) -> Fleet:
+    """inventory/sandbox/three-host (n1: 2 VE, n2: 2 PD, n3: the router) plus n4 with 1 PD."""
+    fleet = Fleet(directory, THREE_HOST, yaml.safe_load((THREE_HOST / "hosts.yml").read_text()))
+    n4 = host_address(4)
+    fleet.hosts_yml["all"]["children"]["epd_engines"]["hosts"]["n4"] = {
+        "ansible_host": n4,
+        "epd_bind_address": n4,
+        "epd_num_ve": 0,
+        "epd_num_pd": 1,
+        "epd_core_count": 8,
+    }
+    fleet.write()
+    return fleet
+
+
+def engine_pids(stack: Stack, hosts: tuple[str, ...] = FOUR_HOST_ENGINE_HOSTS) -> dict[str, str]:
+    """host/instance -> MainPID of every active engine."""
+    pids = {}
+    for name in hosts:
+        host = stack.hosts[name]
+        for unit in host.units("epd-engine@*"):
+            state = host.show(unit, "ActiveState", "MainPID")
+            if state["ActiveState"] == "active":
+                pids[f"{name}/{unit.removeprefix('epd-engine@').removesuffix('.service')}"] = state["MainPID"]
+    return pids
+
+
+def restarted(before: dict[str, str], after: dict[str, str]) -> set[str]:
+    return {engine for engine in before.keys() & after.keys() if before[engine] != after[engine]}
+
+
+def under_load(
+    stack: Stack,
+    playbook: str,
+    *args: str,
+    inventory: Path | None = None,
+    rate_per_s: float = 8,
+    limit_s: float = 600,
+) -> tuple[PlaybookResult, float]:
+    """Run a playbook while bounded load goes through the router (at most `limit_s`, which
+    every step ends well within); no request may fail. The playbook's own wall-clock comes back."""
+    with LoadGenerator(
+        stack.router_url,
+        stack.model_id(),
+        rate_per_s=rate_per_s,
+        max_requests=int(rate_per_s * limit_s),
+        max_seconds=limit_s,
+    ) as load:
+        time.sleep(1)  # the load is flowing before the playbook starts
+        start = time.monotonic()
+        result = ansible_playbook(inventory or stack.inventory.directory, playbook, *args, timeout=limit_s)
+        elapsed = time.monotonic() - start
+        time.sleep(1)  # ... and still after it ends
+        outcome = load.stop()
+    assert result.returncode == 0, result.describe()
+    assert outcome.sent >= rate_per_s * 5, f"the load ran only {outcome.sent} requests"
+    assert outcome.ok == outcome.sent, (f"{len(outcome.failures)} of {outcome.sent} failed", outcome.failures[:10])
+    return result, elapsed

@@ -21,10 +21,10 @@ import httpx
 import pytest
 import yaml
 
+from epd_kit.testing.process import free_port
 from tests.e2e.conftest import deploy_stack
 from tests.e2e.stack import Stack, image_message, wait_for
 from tests.hosts.harness import REPO, ansible_playbook
-from tests.router.harness import free_port
 
 pytestmark = pytest.mark.systemd
 
@@ -43,6 +43,8 @@ def monitored_one_host(dest: Path, prometheus_dir: Path) -> Path:
     settings_file = dest / "group_vars/all/epd.yml"
     settings = yaml.safe_load(settings_file.read_text())
     settings["epd_engine_environment"]["EPD_SIM_COMPILE_S"] = COMPILE_S
+    # every start compiles, the restart too (a warm compile cache would skip it: docs/sim.md)
+    settings["epd_engine_environment"]["NEURON_LIBTORCH_DISABLE_COMPILE_CACHE"] = "1"
     settings_file.write_text(yaml.safe_dump(settings))
     monitoring = {
         "ansible_connection": "local",

@@ -123,6 +123,20 @@ def test_kill_9_restarts_the_engine_and_the_router_readmits_it(one_host_stack):
         assert stack.chat(image_message(f"after kill -9 #{i}", RED), max_tokens=4).choices
 
 
+def test_each_configuration_compiled_once_into_the_kits_cache(one_host_stack):
+    """Every start so far (deploy, stop/start, kill -9) went through the plugin's cache root under
+    the kit's directory: the two PDs share a configuration, so the host compiled two graphs (PD,
+    VE) once each, and every later start was a local hit (docs/sim.md "Compile cache")."""
+    n1 = one_host_stack.hosts["n1"]
+    local = "/var/cache/epd/neuron-compile-cache/neuron/compile_cache"
+    keys = n1.run(f"find {local} -mindepth 1 -maxdepth 1 -type d -user epd -name '????????????????????????????????'")
+    assert len(keys.stdout.split()) == 2, keys.stdout
+    log = n1.run("journalctl -q --no-pager -o cat -u 'epd-engine@*'").stdout
+    assert log.count("Compile cache miss: compiling graph") <= 2, log[-3000:]  # at most once per key
+    assert log.count("Compilation finished. Graph") >= 4  # 3 engines + the kill -9 restart
+    assert "Compile cache hit (local" in log
+
+
 def test_second_deploy_changes_nothing(one_host_stack, record_timing):
     n1 = one_host_stack.hosts["n1"]
     before = kit_state(n1)

@@ -1,10 +1,12 @@
 """playbooks/provision.yml on real test hosts, against the stand-ins of tests/hosts/standins.
 
-A bare host (rootfs variant without libfabric) gets Debian's real libfabric through the EFA
-installer stand-in, NIXL's real wheels through the engine wheelhouse, and stand-in Neuron
-packages from a signed local apt repository; the sim stack then deploys on it. A DLAMI-like
-host that has the pins is left alone. The stand-ins are served over http from 10.213.0.1, the
-hub bridge: inside kithub, nothing else can reach them. Tests run in file order on one bare host.
+A bare host (rootfs variant without libfabric) gets the stand-in libfabric (NIXL's ABI, no
+provider) under /opt/amazon/efa through the EFA installer stand-in, NIXL's real wheels through
+the engine wheelhouse, the CUDA driver stub, Debian's hwloc and stand-in Neuron packages from a
+signed local apt repository; NIXL's real LIBFABRIC plugin then loads (the provision probe's ldd
+scan), and the sim stack deploys on it. A DLAMI-like host newer than the pins is left alone.
+The stand-ins are served over http from 10.213.0.1, the hub bridge:
+inside kithub, nothing else can reach them. Tests run in file order on one bare host.
 """
 
 from __future__ import annotations
@@ -148,7 +150,7 @@ def pins(release: str, server: str, **overrides) -> dict:
 def installed(host: TestHost) -> dict[str, str]:
     """dpkg package -> version of what provisioning installs."""
     out = host.run("dpkg-query -W -f '${Package} ${Version} ${db:Status-Status}\\n' 2>/dev/null; true").stdout
-    wanted = set(standins.NEURON_PACKAGES) | set(standins.EFA_DEBIAN_PACKAGES)
+    wanted = set(standins.NEURON_PACKAGES) | set(standins.EFA_PACKAGES)
     return {
         p: v
         for p, v, s in (line.split() for line in out.splitlines() if line.count(" ") == 2)
@@ -156,10 +158,12 @@ def installed(host: TestHost) -> dict[str, str]:
     }
 
 
+ENGINE_DISTRIBUTIONS = ("vllm", "vllm-neuron", "neuronx-cc", "torch-neuronx", "nki", "nixl")
+
+
 def engine_versions(host: TestHost, venv: str = ENGINE_VENV) -> dict[str, str]:
-    script = "from importlib import metadata as m; print(*(m.version(d) for d in ('vllm', 'vllm-neuron', 'nixl')))"
-    vllm, vllm_neuron, nixl = host.run(f'{venv}/bin/python -c "{script}"').stdout.split()
-    return {"vllm": vllm, "vllm_neuron": vllm_neuron, "nixl": nixl}
+    script = f"from importlib import metadata as m; print(*(m.version(d) for d in {ENGINE_DISTRIBUTIONS}))"
+    return dict(zip(ENGINE_DISTRIBUTIONS, host.run(f'{venv}/bin/python -c "{script}"').stdout.split(), strict=True))
 
 
 def assert_untouched(host: TestHost) -> None:
@@ -175,7 +179,7 @@ def assert_release(host: TestHost, release: str) -> None:
         assert versions.get(package) == f"{version}-{standins.DEB_REVISION}", versions
     record = host.run("cat /opt/amazon/efa_installed_packages").stdout
     assert f"EFA installer version: {expected.efa_installer}" in record
-    assert engine_versions(host) == {"vllm": expected.vllm, "vllm_neuron": expected.vllm_neuron, "nixl": "1.5.1"}
+    assert engine_versions(host) == {**standins.release_pip_versions(expected), "nixl": "1.5.1"}
 
 
 @pytest.fixture(scope="module")
@@ -218,16 +222,36 @@ def test_a_pin_the_repository_does_not_have_fails_before_anything_is_installed(b
     assert_untouched(bare)
 
 
+def test_a_missing_cuda_stub_fails_provisioning_naming_the_fix(bare, bare_inventory, server):
+    """mistake: no libcuda.so.1 (epd_provision_cuda_stub=false on a host without one): the probe's
+    ldd scan of NIXL's LIBFABRIC plugin finds it missing, and the message names the setting."""
+    result = provision(bare_inventory, pins("a", server, epd_provision_cuda_stub=False))
+    assert result.returncode != 0, result.describe()
+    out = " ".join(result.stdout.split())
+    assert "libcuda.so.1 => not found" in out, result.describe()
+    assert "set epd_provision_cuda_stub=true" in out, result.describe()
+
+
 def test_fresh_install_on_a_bare_host(bare, bare_inventory, server, record_timing):
     start = time.monotonic()
     result = provision(bare_inventory, pins("a", server))
     record_timing("provision: fresh bare host", time.monotonic() - start)
     assert result.returncode == 0, result.describe()
     assert_release(bare, "a")
-    # the real parts: Debian's libfabric and NIXL's wheels, working
-    assert "libfabric.so.1" in bare.run("ldconfig -p").stdout
-    bare.run(f"{ENGINE_VENV}/bin/python -c 'import nixl, vllm, vllm_neuron; assert vllm.STANDIN'")
+    # libfabric where the EFA installer puts it, off the system loader path (the engines' LD_LIBRARY_PATH)
+    assert bare.run("test -e /opt/amazon/efa/lib/libfabric.so.1 && echo yes").stdout.strip() == "yes"
+    assert "libfabric.so.1" not in bare.run("ldconfig -p").stdout
+    loader = bare.run("ldconfig -p").stdout
+    assert "libcuda.so.1" in loader and "libhwloc.so.15" in loader, loader
+    # NIXL's real LIBFABRIC plugin loads: nothing `not found` (the probe's scan, run again here)
+    plugin = bare.run(f"find {ENGINE_VENV}/ -name libplugin_LIBFABRIC.so | head -1").stdout.strip()
+    ldd = bare.run(f"LD_LIBRARY_PATH=/opt/amazon/efa/lib:/usr/local/cuda-12.6/targets/x86_64-linux/lib ldd {plugin}")
+    assert "not found" not in ldd.stdout, ldd.stdout
+    bare.run(f"{ENGINE_VENV}/bin/python -c 'import nixl, vllm, vllm_neuron, neuronxcc, torch_neuronx, nki'")
     assert bare.run(f"readlink {ENGINE_VENV}").stdout.startswith(ENGINE_VENVS + "/")
+    # the security doc's device access
+    assert 'GROUP="neuron"' in bare.run("cat /etc/udev/rules.d/neuron-udev.rules").stdout
+    bare.run("getent group neuron")
 
 
 def test_a_second_run_changes_nothing(bare, bare_inventory, server):
@@ -243,10 +267,15 @@ def versions_status(inventory: Path, variables: dict) -> str:
     return result.stdout
 
 
+def version_row(out: str, host: TestHost) -> list[str]:
+    return next(line.split() for line in out.splitlines() if line.split()[:1] == [host.name] and "ok=" not in line)
+
+
 def test_status_shows_the_versions_and_no_drift(bare, bare_inventory, server):
     out = versions_status(bare_inventory, pins("a", server))
-    assert f"{bare.name}: no drift from the pins" in out, out
-    assert "vllm_neuron 0.4.0+standin" in out and "libfabric 1.17.0-3" in out, out
+    row = version_row(out, bare)
+    assert row[-1] == "ok" and "DRIFT" not in out, out
+    assert standins.RELEASE_A.vllm_neuron in row and "1.47.0amzn1.0-standin1" in row, out
 
 
 def test_check_mode_reports_a_pin_change_and_changes_nothing(bare, bare_inventory, server):
@@ -254,7 +283,7 @@ def test_check_mode_reports_a_pin_change_and_changes_nothing(bare, bare_inventor
     result = provision(bare_inventory, pins("b", server), "--check")
     assert result.returncode == 0, result.describe()
     assert result.changed > 0, result.describe()
-    assert "--check: would install aws-neuronx-dkms=2.24.8.0-standin1" in result.stdout, result.describe()
+    assert "--check: would install aws-neuronx-dkms=2.30.3.0-standin1" in result.stdout, result.describe()
     assert_release(bare, "a")
     assert bare.run(f"readlink {ENGINE_VENV}").stdout == link
 
@@ -268,37 +297,53 @@ def test_a_pin_change_upgrades_and_keeps_the_previous_venv(bare, bare_inventory,
     assert after != before
     assert sorted(bare.run(f"ls -d {ENGINE_VENVS}/*").stdout.split()) == sorted([before, after])
     # status flags a host that differs from the pins (here: the old pins against the upgraded host)
-    assert "DRIFT vllm_neuron 0.4.1+standin" in versions_status(bare_inventory, pins("a", server))
+    out = versions_status(bare_inventory, pins("a", server))
+    new, old = standins.RELEASE_B.vllm_neuron, standins.RELEASE_A.vllm_neuron
+    assert f"DRIFT {bare.name}: vllm_neuron {new}, pin {old} (newer: kept)" in " ".join(out.split()), out
 
 
-def test_setting_the_pins_back_rolls_back_without_reinstalling_the_venv(bare, bare_inventory, server):
+def test_older_pins_leave_a_newer_host_alone(bare, bare_inventory, server):
+    result = provision(bare_inventory, pins("a", server))
+    assert result.returncode == 0, result.describe()
+    assert result.changed == 0, result.describe()
+    assert "newer than the pin: kept" in " ".join(result.stdout.split()), result.describe()
+    assert_release(bare, "b")
+
+
+def test_setting_the_pins_back_with_allow_downgrade_rolls_back_without_reinstalling_the_venv(
+    bare, bare_inventory, server
+):
     previous = sorted(bare.run(f"ls -d {ENGINE_VENVS}/*").stdout.split())
     stamps = {d: bare.run(f"stat -c %Y {d}/.epd-complete").stdout.strip() for d in previous}
-    result = provision(bare_inventory, pins("a", server))
+    result = provision(bare_inventory, pins("a", server, epd_provision_allow_downgrade=True))
     assert result.returncode == 0, result.describe()
     assert_release(bare, "a")
     assert sorted(bare.run(f"ls -d {ENGINE_VENVS}/*").stdout.split()) == previous
     assert {d: bare.run(f"stat -c %Y {d}/.epd-complete").stdout.strip() for d in previous} == stamps
 
 
-def test_a_dlami_like_host_with_the_pins_is_left_alone(host_pool, server, tmp_path_factory):
+def test_a_dlami_like_host_newer_than_the_pins_is_left_alone(host_pool, server, tmp_path_factory):
     dlami = boot(host_pool, DLAMI, "dlami")
-    release = standins.RELEASES["a"]
-    # what the DLAMI's image build did: the Neuron packages, the EFA software, a vLLM venv
+    release = standins.RELEASES["b"]  # the image is newer than the kit's pins (release a)
+    # what the DLAMI's image build did: the Neuron packages, the EFA software, the CUDA stub, hwloc, a vLLM venv
     keyring = "/usr/share/keyrings/standin-neuron.asc"
     debs = " ".join(f"{p}={v}-{standins.DEB_REVISION}" for p, v in release.neuron.items())
+    debs += " " + " ".join(standins.HWLOC_PACKAGES + standins.CUDA_STUB_PACKAGES[:1])
     efa = f"aws-efa-installer-{release.efa_installer}.tar.gz"
     server_host = server.removeprefix("http://").split(":")[0]
+    wheels = " ".join(f"{d}=={v}" for d, v in standins.release_pip_versions(release).items())
     dlami.run(
         f"set -e; curl -fsS -o {keyring} {server}/apt/GPG-PUB-KEY-EPD-STANDIN.PUB; "
         f"echo 'deb [signed-by={keyring}] {server}/apt {standins.SUITE} main' > /etc/apt/sources.list.d/image.list; "
         "apt-get update -o Dir::Etc::SourceList=/etc/apt/sources.list.d/image.list -o Dir::Etc::SourceParts=- -qq; "
+        f"DEBIAN_FRONTEND=noninteractive apt-get install -y -qq linux-headers-{standins.KERNEL}; "
         f"DEBIAN_FRONTEND=noninteractive apt-get install -y -qq {debs}; "
+        "ln -sf /usr/local/cuda-12.6/targets/x86_64-linux/lib/stubs/libcuda.so /usr/local/lib/libcuda.so.1; ldconfig; "
         f"cd /tmp && curl -fsS -O {server}/efa/{efa} && tar -xzf {efa} && aws-efa-installer/efa_installer.sh -y; "
         f"python3 -m venv {DLAMI_VENV}; "
         f"{DLAMI_VENV}/bin/pip install -q --no-index --no-deps --trusted-host {server_host} "
         f"--find-links {server.rsplit('/', 1)[0]}/wheels/ "
-        f"--find-links {server}/pip/ vllm=={release.vllm} vllm-neuron=={release.vllm_neuron} nixl==1.5.1 "
+        f"--find-links {server}/pip/ {wheels} nixl==1.5.1 "
         f"{' '.join(standins.ENGINE_EXTRA_REQUIREMENTS)}",
         timeout=300,
     )
@@ -306,7 +351,10 @@ def test_a_dlami_like_host_with_the_pins_is_left_alone(host_pool, server, tmp_pa
     result = provision(inventory, pins("a", server, epd_provision_engine_venv=DLAMI_VENV))
     assert result.returncode == 0, result.describe()
     assert result.changed == 0, result.describe()
-    assert "every pin is installed, nothing to do" in result.stdout
+    assert "newer than the pin: kept" in " ".join(result.stdout.split()), result.describe()
+    assert f"aws-neuronx-dkms {release.neuron['aws-neuronx-dkms']}-{standins.DEB_REVISION}" in " ".join(
+        dlami.run("dpkg-query -W aws-neuronx-dkms").stdout.split()
+    )
     left = dlami.run(f"ls -d {PROVISIONED[0]} {PROVISIONED[1]} {ENGINE_VENVS} 2>/dev/null; true").stdout.split()
     assert left == [], f"provisioning touched the DLAMI-like host: {left}"
 
@@ -320,4 +368,4 @@ def test_the_sim_stack_deploys_on_the_provisioned_bare_host(bare, bare_inventory
         assert bare.is_active(unit) == "active", unit
     status = playbook(bare_inventory, "playbooks/status.yml", pins("a", server))
     assert status.returncode == 0, status.describe()
-    assert f"{bare.name}: no drift from the pins" in status.stdout, status.describe()
+    assert version_row(status.stdout, bare)[-1] == "ok" and "DRIFT" not in status.stdout, status.describe()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import shutil
 import time
 from collections.abc import Iterator
@@ -205,3 +206,93 @@ def test_a_kit_upgrade_rolls_every_router_process_without_a_failed_request(stack
     assert outcome.ok == outcome.sent, (f"{len(outcome.failures)} of {outcome.sent} failed", outcome.failures[:10])
     roll = [line for line in result.stdout.splitlines() if "Roll the router processes" in line]
     assert roll, result.describe()
+
+
+def processes(stack: Stack, name: str) -> dict[str, str]:
+    """The host's running router processes and their PIDs."""
+    host = stack.hosts[name]
+    running = [unit for unit in host.units("epd-router@*") if host.is_active(unit) == "active"]
+    return {unit: host.show(unit, "MainPID")["MainPID"] for unit in running}
+
+
+def deploy_router(inventory: Path, change: dict) -> tuple[object, float]:
+    start = time.monotonic()
+    result = ansible_playbook(
+        inventory, "playbooks/deploy.yml", "--tags", "router", "-e", json.dumps(change), timeout=STEP_LIMIT_S
+    )
+    assert result.returncode == 0, result.describe()
+    return result, time.monotonic() - start
+
+
+def test_router_changes_roll_process_by_process_without_a_failed_request(stack, inventory, record_timing):
+    """A process count, an environment, a process unit and a config section read only at start,
+    changed in one deploy and changed back in another, under load straight to n1's router (no
+    HAProxy retry to hide a reset) and through HAProxy: no request fails and the listener
+    (epd-router.socket) is never restarted (issue 21 item 3)."""
+    wait_for(lambda: set(server_states().values()) == {"UP"}, timeout=30, what="both routers UP in HAProxy")
+    sockets = {name: stack.hosts[name].show("epd-router.socket", "InvocationID") for name in ROUTER_HOSTS}
+    before = {name: processes(stack, name) for name in ROUTER_HOSTS}
+    assert all(list(units) == ["epd-router@0.service", "epd-router@1.service"] for units in before.values()), before
+    changed = {
+        "epd_router_workers": 3,
+        "epd_router_environment": {"EPD_ROLL_TEST": "1"},  # the env file
+        "epd_router_limit_nofile": 60000,  # the process unit
+        "epd_router_media": {"fetch_timeout_s": 7},  # a section read only at start
+    }
+    direct = LoadGenerator(
+        router_url("n1"), stack.model_id(), rate_per_s=RATE_PER_S, max_requests=RATE_PER_S * 400, max_seconds=400
+    )
+    with direct, load(stack, 400) as through_lb:
+        time.sleep(2)
+        result, took = deploy_router(inventory, changed)
+        record_timing("router HA: deploy of a router change (processes roll, 2 -> 3)", took)
+        during = {name: processes(stack, name) for name in ROUTER_HOSTS}
+        limits = {name: stack.hosts[name].show("epd-router@0.service", "LimitNOFILE") for name in ROUTER_HOSTS}
+        env = {
+            name: stack.hosts[name].run("grep -c EPD_ROLL_TEST /etc/epd/router.env", check=False).stdout.strip()
+            for name in ROUTER_HOSTS
+        }
+        _, took = deploy_router(inventory, {})
+        record_timing("router HA: deploy back (processes roll, 3 -> 2)", took)
+        time.sleep(2)
+        outcomes = {"n1 direct": direct.stop(), "through HAProxy": through_lb.stop()}
+    for what, outcome in outcomes.items():
+        record_timing(f"router HA: requests during the router changes, {what}", outcome.sent)
+        assert outcome.sent >= RATE_PER_S * 10, (what, outcome.sent)
+        assert outcome.ok == outcome.sent, (
+            what,
+            f"{len(outcome.failures)} of {outcome.sent} failed",
+            outcome.failures[:10],
+        )
+    assert "Roll the router processes" in result.stdout and "LISTENER CHANGE" not in result.stdout, result.describe()
+    after = {name: processes(stack, name) for name in ROUTER_HOSTS}
+    for name in ROUTER_HOSTS:
+        assert stack.hosts[name].show("epd-router.socket", "InvocationID") == sockets[name], f"{name}: socket restarted"
+        assert list(during[name]) == [f"epd-router@{n}.service" for n in range(3)], (name, during)
+        assert all(during[name][unit] != pid for unit, pid in before[name].items()), (name, before, during)
+        assert limits[name] == {"LimitNOFILE": "60000"} and env[name] == "1", (name, limits, env)
+        assert list(after[name]) == ["epd-router@0.service", "epd-router@1.service"], (name, after)
+        assert all(after[name][unit] != during[name][unit] for unit in after[name]), (name, during, after)
+
+
+def test_a_new_router_port_is_announced_and_check_mode_changes_nothing(stack, inventory):
+    """The one change that needs a new socket: `--check` names it per host, restarts nothing."""
+    sockets = {name: stack.hosts[name].show("epd-router.socket", "InvocationID") for name in ROUTER_HOSTS}
+    result = ansible_playbook(
+        inventory,
+        "playbooks/deploy.yml",
+        "--check",
+        "--tags",
+        "router",
+        "-e",
+        '{"epd_router_port": 18801}',
+        timeout=300,
+    )
+    assert result.returncode == 0, result.describe()
+    said = " ".join(result.stdout.split())  # the callback wraps long messages
+    for name in ROUTER_HOSTS:
+        address = f"10.213.0.1{name[1:]}"
+        assert f"LISTENER CHANGE on {name}: epd-router.socket moves from {address}:18800 to {address}:18801" in said, (
+            result.describe()
+        )
+        assert stack.hosts[name].show("epd-router.socket", "InvocationID") == sockets[name], name

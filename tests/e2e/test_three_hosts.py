@@ -1,5 +1,6 @@
 """Three hosts (inventory/sandbox/three-host): VEs on n1, PDs on n2, the router on n3,
-engines bound to their private addresses. Tests run in file order on one deployment."""
+engines bound to their private addresses. Tests run in file order on one deployment; the last
+grows it to the four-host fleet, on which test_day2 continues (conftest: shared stacks)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import time
 import pytest
 import yaml
 
-from tests.e2e.stack import LoadGenerator, image_message, is_healthy, wait_for
-from tests.hosts.harness import REPO, ansible_playbook, write_inventory
+from tests.e2e.conftest import FOUR_HOSTS
+from tests.e2e.stack import LoadGenerator, Stack, four_host_fleet, image_message, is_healthy, wait_for
+from tests.hosts.harness import ansible_playbook
+from tests.hosts.sandbox import SandboxInventory
 
 pytestmark = pytest.mark.systemd
 
@@ -108,23 +111,17 @@ def test_rolling_restart_under_load_fails_no_request(three_host_stack, record_ti
         assert is_healthy(e) and e["state"] == "active", e
 
 
-def test_adding_an_engine_host_reloads_the_router_and_restarts_no_engine(three_host_stack, host_pool, tmp_path):
+def test_adding_an_engine_host_reloads_the_router_and_restarts_no_engine(
+    three_host_stack, host_pool, shared_stacks, tmp_path
+):
     stack = three_host_stack
     (n4,) = host_pool.up(4)
+    kept = False
     try:
-        base = REPO / "inventory/sandbox/three-host"
-        hosts_yml = yaml.safe_load((base / "hosts.yml").read_text())
-        hosts_yml["all"]["children"]["epd_engines"]["hosts"]["n4"] = {
-            "ansible_host": n4.address,
-            "epd_bind_address": n4.address,
-            "epd_num_ve": 0,
-            "epd_num_pd": 1,
-            "epd_core_count": 8,
-        }
-        inventory = write_inventory(tmp_path / "four-host", base, hosts_yml)
+        fleet = four_host_fleet(tmp_path / "four-host")
         engines_before = main_pids(stack)
         router_before = stack.hosts["n3"].show("epd-router@0.service", "MainPID", "NRestarts")
-        result = ansible_playbook(inventory, "playbooks/deploy.yml")
+        result = ansible_playbook(fleet.directory, "playbooks/deploy.yml")
         assert result.returncode == 0, result.describe()
         assert n4.is_active("epd-engine@pd-0.service") == "active"
         assert main_pids(stack) == engines_before, "an existing engine was restarted"
@@ -141,5 +138,9 @@ def test_adding_an_engine_host_reloads_the_router_and_restarts_no_engine(three_h
         )
         for i in range(4):
             assert stack.chat(image_message(f"with a fourth host #{i}", (90, 200, 90)), max_tokens=4).choices
+        # test_day2 continues on this four-host fleet (conftest: shared stacks)
+        shared_stacks.keep(FOUR_HOSTS, Stack(SandboxInventory.load(fleet.directory), {**stack.hosts, "n4": n4}))
+        kept = True
     finally:
-        host_pool.down(n4)
+        if not kept:
+            host_pool.down(n4)

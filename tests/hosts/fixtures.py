@@ -13,6 +13,7 @@ that cannot run is never skipped silently.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -29,6 +30,11 @@ HOW_TO_RUN = (
 
 @pytest.fixture(scope="session")
 def host_pool() -> Iterator[HostPool]:
+    if os.environ.get("EPD_TEST_LANE") == "host-free":
+        # scripts/test.sh runs this lane beside tests/e2e, which owns the hosts for the whole run
+        pytest.fail(
+            "a test outside tests/e2e asked for the test hosts: tests that use them live in tests/e2e", pytrace=False
+        )
     problem = environment_problem()
     if problem:
         pytest.fail(f"real-systemd test hosts unavailable: {problem}; {HOW_TO_RUN}", pytrace=False)

@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import subprocess
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,6 +156,12 @@ class HostPool:
         self.seed = seed
         self.seed_problem: str | None = None
         self.started: dict[str, TestHost] = {}
+        self.boots: dict[str, int] = {}  # host -> how often it was booted or stopped (see `generation`)
+
+    def generation(self, names: Iterable[str]) -> tuple[int, ...]:
+        """Changes whenever one of these hosts is re-booted or stopped: what was deployed on them
+        at one generation is still there only while the generation is the same."""
+        return tuple(self.boots.get(name, 0) for name in names)
 
     def require_model(self) -> None:
         """Fail the calling test when the hosts carry no sandbox checkpoint."""
@@ -174,6 +181,8 @@ class HostPool:
         extra = {"FRESH": "1"}
         if seed and self.seed is not None:
             extra["SEED"] = str(self.seed)
+        for h in hosts:
+            self.boots[h.name] = self.boots.get(h.name, 0) + 1
         self._script("up", *(f"{h.name}:{h.address}" for h in hosts), extra_env=extra)
         self.started.update({h.name: h for h in hosts})
         return hosts
@@ -195,6 +204,8 @@ class HostPool:
 
     def down(self, *hosts: TestHost) -> None:
         names = [h.name for h in hosts] or list(self.started)
+        for name in names:
+            self.boots[name] = self.boots.get(name, 0) + 1
         if names:
             self._script("down", *names)
         for name in names:

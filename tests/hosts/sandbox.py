@@ -24,9 +24,8 @@ import yaml
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from epd_kit.plan.variables import ROUTER_PORT as DEFAULT_ROUTER_PORT  # epd_router_port's default
 from tests.hosts.harness import NET_PREFIX, run
-
-DEFAULT_ROUTER_PORT = 18800  # docs/architecture.md, epd_router_port
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,17 +18,14 @@ import httpx
 import yaml
 
 from epd_kit.sim import launch
+from epd_kit.testing.process import ManagedProcess, free_port, http_ok, stop_all
+
+__all__ = ["ROUTER", "SIM", "RouterProc", "SimEngine", "Stack", "free_port", "http_ok", "router_config", "wait_until"]
 
 BIN = Path(sys.executable).parent
 SIM = str(BIN / "epd-sim")
 ROUTER = str(BIN / "epd-router")
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05) -> None:
@@ -39,13 +35,6 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.05) -> 
             return
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def http_ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=0.5, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def engine_argv(
@@ -75,7 +64,11 @@ class SimEngine:
     sim_env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     side_port: int | None = None
-    proc: subprocess.Popen | None = None
+    process: ManagedProcess | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.process.popen if self.process is not None else None
 
     def __post_init__(self) -> None:
         if self.role == "ve" and self.side_port is None:
@@ -87,38 +80,26 @@ class SimEngine:
 
     def start(self) -> SimEngine:
         env = {**launch.engine_env("0", profile="zero", dead_linger_s="0.2", grace_s="2"), **self.sim_env}
-        log = open(self.log_dir / f"{self.engine_id}.log", "ab")  # noqa: SIM115 (closed once the child has it)
-        self.proc = subprocess.Popen(
+        self.process = ManagedProcess(
             engine_argv(self.ckpt, self.role, self.engine_id, self.port, self.side_port),
-            stdout=log,
-            stderr=subprocess.STDOUT,
+            self.log_dir / f"{self.engine_id}.log",
             env=env,
-            start_new_session=True,
+            name=self.engine_id,
+            append_log=True,  # a restarted engine keeps its earlier log
         )
-        log.close()
         return self
 
     def wait_healthy(self, timeout: float = 30) -> None:
-        def up() -> bool:
-            if self.proc is not None and self.proc.poll() is not None:
-                tail = (self.log_dir / f"{self.engine_id}.log").read_text()[-2000:]
-                raise AssertionError(f"{self.engine_id} exited ({self.proc.returncode}):\n{tail}")
-            return http_ok(self.url + "/health")
-
-        wait_until(up, timeout, f"{self.engine_id} /health")
+        assert self.process is not None, f"{self.engine_id} was never started"
+        self.process.wait_http(self.url + "/health", timeout)
 
     def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        if self.process is not None:
+            self.process.kill()
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.process is not None:
+            self.process.stop(10)
 
 
 def router_config(
@@ -148,29 +129,26 @@ class RouterProc:
     config_path: Path
     log_path: Path
     port: int
-    proc: subprocess.Popen | None = None
+    process: ManagedProcess | None = None
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
+    @property
+    def proc(self) -> subprocess.Popen:
+        assert self.process is not None, "the router was never started"
+        return self.process.popen
+
     def start(self, wait_ready: bool = True, timeout: float = 60) -> RouterProc:
-        log = open(self.log_path, "ab")  # noqa: SIM115 (closed once the child has it)
-        self.proc = subprocess.Popen(
+        self.process = ManagedProcess(
             [ROUTER, "serve", "--config", str(self.config_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            self.log_path,
             env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            name="router",
+            append_log=True,
         )
-        log.close()
-
-        def up() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"router exited ({self.proc.returncode}):\n{self.log()[-3000:]}")
-            return http_ok(self.url + ("/ready" if wait_ready else "/health"))
-
-        wait_until(up, timeout, "router")
+        self.process.wait_http(self.url + ("/ready" if wait_ready else "/health"), timeout)
         return self
 
     def log(self) -> str:
@@ -182,7 +160,6 @@ class RouterProc:
         tmp.replace(self.config_path)
 
     def reload(self) -> None:
-        assert self.proc is not None
         self.proc.send_signal(signal.SIGHUP)
 
     def pools(self) -> dict[str, dict[str, Any]]:
@@ -190,13 +167,8 @@ class RouterProc:
         return {e["id"]: e for e in doc["engines"]}
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        if self.process is not None:
+            self.process.stop(20)
 
 
 @dataclass
@@ -239,8 +211,4 @@ class Stack:
 
     def stop(self) -> None:
         self.router.stop()
-        engines = [e for e in self.ves + self.pds if e.proc and e.proc.poll() is None]
-        for engine in engines:  # signal all first, then wait: teardown in parallel
-            engine.proc.terminate()
-        for engine in engines:
-            engine.stop()
+        stop_all([e.process for e in self.ves + self.pds if e.process is not None])

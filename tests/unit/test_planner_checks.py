@@ -19,7 +19,7 @@ from tests import repo_modules
 REPO = Path(__file__).resolve().parents[2]
 BASE_GROUP_VARS = {"epd_model": "/models/m"}
 BASE_HOST = {"epd_num_ve": 1, "epd_num_pd": 1}
-GROUPS = ("epd_engines", "epd_router")
+GROUPS = ("epd_engines", "epd_router", "epd_loadbalancer", "epd_monitoring")
 
 
 def bad_inventories() -> list[tuple[str, dict[str, Any], str]]:

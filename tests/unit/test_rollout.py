@@ -103,10 +103,13 @@ def test_the_printed_plan_lists_batches_and_bounds_the_duration_by_the_start_tim
         "7 engines in 4 batches",
         "PD: batches of up to 3, at least 1 of 5 stay in rotation",
         "VE: batches of up to 1, at least 1 of 2 stay in rotation",
-        "batch 1/4 PD: epd-a-pd-0 (a), epd-b-pd-0 (b), epd-c-pd-0 (c)",
+        "batch 1/4 PD: epd-a-pd-0 (a, local hit), epd-b-pd-0 (b, local hit), epd-c-pd-0 (c, local hit)",
     ]
-    assert f"upper bound {4 * (60 + start)} s" in rollout["lines"][-1]
+    assert f"worst case {4 * (60 + start)} s" in rollout["lines"][-1]
     assert "start timeout (TimeoutStartSec)" in rollout["lines"][-1]
+    # nothing changed: every engine hits its local cache, 4 batches x the warm start
+    assert rollout["expected_s"] == 4 * plan.rollout.StartTimes().warm_s
+    assert "0 compile" in rollout["lines"][-1] and "7 local hit" in rollout["lines"][-1]
     assert rollout["batches"][0]["engine_ids"] == ["epd-a-pd-0", "epd-b-pd-0", "epd-c-pd-0"]
 
 
@@ -140,3 +143,88 @@ def test_every_engine_restarts_exactly_once_and_no_batch_breaks_a_floor(shape):
             if floor == "" and rule.size > 1:  # the default keeps one engine of the pool in
                 assert rule.size - len(item.engines) >= 1
     assert planned and refused
+
+
+def test_a_compiling_rollout_starts_one_canary_per_configuration_alone_first():
+    batches, _ = plan.rollout_batches(THREE, batch={"pd": 2}, compiles=True)
+    assert [b.canary for b in batches] == [True, True, False, False, False]
+    assert ids(batches) == [
+        ["epd-a-pd-0"],
+        ["epd-a-ve-0"],
+        ["epd-b-pd-0", "epd-c-pd-0"],
+        ["epd-a-pd-1", "epd-b-pd-1"],
+        ["epd-b-ve-0"],
+    ]
+    configs = {plan.rollout.compile_config(e) for p in THREE.values() for e in p["engines"]}
+    assert len(configs) == 2  # the core slice, port and engine id are not part of it
+
+
+def test_a_different_configuration_gets_its_own_canary():
+    two = fleet({"a": (1, 2), "b": (1, 2)})
+    two["b"]["engines"][0]["env"] = {**two["b"]["engines"][0]["env"], "NEURON_CC_FLAGS": "--optlevel=1"}
+    batches, _ = plan.rollout_batches(two, compiles=True)
+    assert sum(b.canary for b in batches) == 3
+
+
+@pytest.mark.parametrize(
+    ("shared", "strict", "expected_rest"),
+    [(True, False, "fetches"), (False, False, "compiles"), (True, True, "fetches")],
+)
+def test_the_plan_says_who_compiles_and_who_fetches(shared, strict, expected_rest):
+    rollout = plan.rollout_plan(
+        THREE,
+        compiles=True,
+        shared=shared,
+        strict=strict,
+        expected={"compile_s": 1000, "fetch_s": 100, "warm_s": 10},
+    )
+    lines = rollout["lines"]
+    canary = [line for line in lines if " canary: " in line]
+    assert len(canary) == 2
+    assert all(("fetches" if strict else "compiles") in line for line in canary)
+    rest = [line for line in lines if line.startswith("batch ") and " canary: " not in line]
+    # epd-b-pd-0 is the first on host b: it fetches or compiles; a's second PD hits a's local cache
+    assert expected_rest in rest[0]
+    assert "epd-a-pd-1 (a, local hit)" in " ".join(rest)
+    per_batch = {"compiles": 1000, "fetches": 100, "local hit": 10}
+    first_start = 100 if strict else 1000
+    # rest: b-pd-0, c-pd-0 (first of their host), a-pd-1, b-pd-1 (local hit), b-ve-0
+    assert rollout["expected_s"] == 2 * first_start + 3 * per_batch[expected_rest] + 2 * per_batch["local hit"]
+    assert rollout["expected_s"] < rollout["bound_s"]
+
+
+def test_precompile_runs_each_configuration_once_in_cpu_compile_mode_with_the_fleets_command():
+    cache_env = {"HOME": "/var/cache/epd", "VLLM_CACHE_ROOT": "/c", "VLLM_NEURON_DISABLE_WARMUP_COMPILE": "1"}
+    jobs = plan.rollout.precompile_jobs(THREE, cache_env, "trn2", "/opt/epd/venv/bin/epd-sim", "/p")
+    assert sorted(j["engine_id"] for j in jobs) == ["epd-a-pd-0", "epd-a-ve-0"]  # one per configuration
+    for job in jobs:
+        engine = next(e for e in THREE[job["host"]]["engines"] if e["engine_id"] == job["engine_id"])
+        host = engine["argv"].index("--host")
+        assert job["argv"][0] == "/opt/epd/venv/bin/epd-sim"
+        assert job["argv"][host + 1] == "127.0.0.1"
+        assert job["argv"][1:host] + job["argv"][host + 2 :] == engine["argv"][1:host] + engine["argv"][host + 2 :]
+        env = dict(item.split("=", 1) for item in job["env"])
+        assert env["VLLM_NEURON_CPU_COMPILE"] == "1" and env["NEURON_PLATFORM_TARGET_OVERRIDE"] == "trn2"
+        assert env["VLLM_CACHE_ROOT"] == f"/p/{job['config']}" and job["local_dir"].endswith("/neuron/compile_cache")
+        assert "VLLM_NEURON_DISABLE_WARMUP_COMPILE" not in env  # a precompile must compile
+        assert env["NEURON_VISIBLE_DEVICES"] == engine["env"]["NEURON_VISIBLE_DEVICES"]
+
+
+def test_the_estimate_uses_this_fleets_last_start_per_configuration():
+    def unit(instance: str, began: int, ready: int) -> str:
+        return "\n".join(
+            [f"Id=epd-engine@{instance}.service", f"InactiveExitTimestampMonotonic={began}"]
+            + [f"ActiveEnterTimestampMonotonic={ready}"]
+        )
+
+    shows = {
+        "a": "\n\n".join(
+            [unit("pd-0", 10_000_000, 85_000_000), unit("pd-1", 10_000_000, 50_000_000), unit("ve-0", 0, 0)]
+        )
+    }
+    recorded = plan.rollout.recorded_starts(THREE, shows)
+    pd_config = plan.rollout.compile_config(THREE["a"]["engines"][0])
+    assert recorded == {pd_config: 75}  # the longest PD start; the VE never started since boot
+    rollout = plan.rollout_plan(THREE, systemd_shows=shows, expected={"warm_s": 10})
+    assert f"last start of {pd_config} (this fleet, systemd): 75 s" in rollout["lines"]
+    assert rollout["expected_s"] == 5 * 75 + 2 * 10  # 5 PD batches at the recorded start, 2 VE at the default

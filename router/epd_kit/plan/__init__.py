@@ -3,7 +3,9 @@
 Stdlib only and relative imports only, so it imports inside any Ansible controller's Python and
 the collection can load its bundled copy (plugins/plugin_utils/kit.py). Layout:
 
-    defaults      the defaults of every inventory variable (the one list of them)
+    variables     the declaration of every variable the kit reads (default, kind, bounds, scope, readers)
+    defaults      the planner's defaults, from the declaration
+    reference     docs/architecture.md's table of every variable, generated from the declaration
     values        checks for single inventory values
     settings      fleet-wide pool settings (Settings, read_settings)
     hosts         one engine host (HostSpec, read_host)
@@ -13,6 +15,8 @@ the collection can load its bundled copy (plugins/plugin_utils/kit.py). Layout:
     fleet         the fleet plan, its checks, the router endpoints, the plan table
     inventory     the planner's input read from Ansible's hostvars
     checks        the inventory check every entry point runs first (typos, groups, duplicates, pools)
+    validate      its checks of every declared value, dict key, scope, port per machine, rollout setting
+    hints         "did you mean": the known name most likely meant
     router_config router.yaml from the plan
     operations    what the ops playbooks compute (engine selection, rolling queue, status)
     rollout       batched rollouts: which engines restart together, the printed plan and estimate

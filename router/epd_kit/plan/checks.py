@@ -1,29 +1,39 @@
 """The inventory check: the one validation path of plan.yml, render.yml and deploy's preflight.
 
 It runs on the controller before any host is touched and reports what the planner alone cannot
-see: missing groups, unknown `epd_*` variables (typos), one machine under two inventory names,
-a pool with no engines, engines a router cannot reach. Then it plans, so every planner error
-comes through the same path. Each problem is one short line naming the host, the variable and
+see: missing groups, unknown `epd_*` variables (typos) on any host, every declared variable's
+value, dict keys and scope (validate.py), one machine under two inventory names or aliases,
+names too long for a file name, a pool with no engines, engines a router cannot reach, ports
+shared on one machine, rollout settings the pools cannot meet. Then it plans, so every planner
+error comes through the same path. Each problem is one short line naming the host, the variable and
 the fix; docs/planner.md "Bad inventories and their messages" lists them.
 """
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from .defaults import CHECK_DEFAULTS
 from .errors import EpdPlanError
 from .fleet import unreachable_engines
+from .hints import did_you_mean
 from .inventory import fleet_settings, plan_from_hostvars
+from .validate import (
+    explicit,
+    hosts_text,
+    machine_of,
+    name_problems,
+    port_problems,
+    rollout_problems,
+    scope_problems,
+    value_problems,
+)
 from .values import describe, plain
+from .variables import GROUP_SCOPES as KIT_GROUPS
+from .variables import VARIABLES
 
 ENGINE_GROUP, ROUTER_GROUP = "epd_engines", "epd_router"
-
-
-def _hosts_text(hosts: list[str]) -> str:
-    return ", ".join(hosts) if len(hosts) <= 3 else f"{', '.join(hosts[:3])} and {len(hosts) - 3} more"
 
 
 def group_problems(groups: Mapping[str, Any]) -> list[str]:
@@ -48,22 +58,20 @@ def unknown_variable_problems(
                 where.setdefault(str(name), []).append(host)
     problems = []
     for name, names in sorted(where.items()):
-        near = difflib.get_close_matches(name, list(known_variables), n=1, cutoff=0.75)
-        fix = f"did you mean {near[0]}?" if near else "remove it (docs/architecture.md lists the inventory variables)"
-        problems.append(f"{_hosts_text(names)}: unknown variable {name}; {fix}")
+        fix = did_you_mean(name, known_variables, "remove it (docs/architecture.md lists the inventory variables)")
+        problems.append(f"{hosts_text(names)}: unknown variable {name}; {fix}")
     return problems
 
 
 def machine_problems(hostvars: Mapping[str, Any], hosts: Iterable[str]) -> list[str]:
-    """One machine (ansible_host and ansible_port) under two inventory names plans the same cores and ports twice."""
+    """One machine under two inventory names (or two aliases: letter case, loopback names) plans the
+    same cores and ports twice."""
     names_of: dict[tuple[str, str], list[str]] = {}
     for host in hosts:
-        variables = hostvars[host]
-        address = str(plain(variables["ansible_host"])) if "ansible_host" in variables else host
-        port = str(plain(variables["ansible_port"])) if "ansible_port" in variables else "22"
-        names_of.setdefault((address, port), []).append(host)
+        names_of.setdefault(machine_of(host, hostvars[host]), []).append(host)
     return [
-        f"{' and '.join(names)} are the same machine (ansible_host {address}): list it once under one "
+        f"{' and '.join(names)} are the same machine "
+        f"({'both loopback' if address == 'loopback' else f'ansible_host {address}'}): list it once under one "
         "name and put that name in every group it belongs to"
         for (address, _), names in names_of.items()
         if len(names) > 1
@@ -114,9 +122,15 @@ def check_inventory(
     engines = [str(h) for h in groups.get(ENGINE_GROUP) or []]
     routers = [str(h) for h in groups.get(ROUTER_GROUP) or []]
     everyone = list(dict.fromkeys(engines + routers))
-    problems = group_problems(groups) + machine_problems(hostvars, everyone)
+    # every host of the kit's groups: monitoring and load-balancer hosts' variables are the kit's too
+    kit_hosts = (str(h) for group in KIT_GROUPS for h in groups.get(group) or [])
+    inventory_hosts = [host for host in dict.fromkeys([*everyone, *kit_hosts]) if host in hostvars]
+    problems = group_problems(groups) + name_problems(inventory_hosts) + machine_problems(hostvars, everyone)
+    values = {host: explicit(hostvars, host) for host in inventory_hosts}
     if known_variables is not None:
-        problems += unknown_variable_problems(hostvars, everyone, known_variables)
+        known = {*known_variables, *VARIABLES}
+        problems += unknown_variable_problems(hostvars, inventory_hosts, known)
+        problems += value_problems(values) + scope_problems(values, groups)
     if problems:
         return {"problems": problems, "plan": None, "settings": None}
     try:
@@ -129,6 +143,8 @@ def check_inventory(
         f"{problem}: set epd_bind_address of that engine host to its private address, or put the router on it"
         for problem in unreachable_engines(plan, routers)
     ]
+    problems += port_problems(plan, settings.router_port, hostvars, groups)
+    problems += rollout_problems(plan, values[routers[0]] if routers else {})
     if problems:
         return {"problems": problems, "plan": None, "settings": None}
     return {"problems": [], "plan": plan, "settings": settings.as_dict()}

@@ -18,10 +18,18 @@ def probe_url(address: str, port: int) -> str:
     return url("127.0.0.1" if address in WILDCARD_ADDRESSES else address, port)
 
 
+# Names every resolver maps to loopback: /etc/hosts of Debian/RHEL/Amazon Linux, and any
+# name under .localhost (RFC 6761 section 6.3).
+LOOPBACK_NAMES = frozenset(
+    {"localhost", "localhost.localdomain", "localhost4", "localhost6", "ip6-localhost", "ip6-loopback"}
+)
+
+
 def is_loopback(address: str) -> bool:
-    if address == "localhost":
+    name = address.strip().lower().rstrip(".")
+    if name in LOOPBACK_NAMES or name.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(address).is_loopback
+        return ipaddress.ip_address(name.strip("[]")).is_loopback
     except ValueError:
         return False

@@ -7,10 +7,18 @@ spreads over hosts (they restart in parallel) and no host empties first.
 
 A deploy against a running fleet rolls only the engines whose effective configuration changed
 (`changed_engines`) and drains engines it removes before they stop (`retiring_endpoints`).
+
+Cache-aware (docs/operations.md "Compile cache"): a rollout that may change what the engines
+compile (`compile=True`: a deploy's changed engines) first restarts one canary per distinct
+engine configuration (`compile_config`), alone, so a configuration that fails to compile stops
+the rollout before any other batch, and its artifacts reach the shared tier before the rest
+start, which then fetch instead of compiling.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -94,6 +102,7 @@ class Batch:
 
     pool: str
     engines: tuple[Mapping[str, str], ...]  # {host, instance, engine_id} each
+    canary: bool = False  # the first engine of its configuration in a compiling rollout
 
     def as_dict(self) -> dict[str, Any]:
         hosts: dict[str, list[str]] = {}
@@ -101,6 +110,7 @@ class Batch:
             hosts.setdefault(engine["host"], []).append(engine["instance"])
         return {
             "pool": self.pool,
+            "canary": self.canary,
             "engines": [dict(engine) for engine in self.engines],
             "engine_ids": [engine["engine_id"] for engine in self.engines],
             "hosts": [{"host": host, "instances": instances} for host, instances in hosts.items()],
@@ -136,30 +146,174 @@ def _selected(
     ]
 
 
+# per-instance values that do not reach the compiled graphs (listen address, port, NIXL engine
+# id and side channel, the core slice: the plugin normalises device indices, compilation_cache.md
+# "Cache Key")
+_INSTANCE_VARIABLES = frozenset({"EPD_HOST", "EPD_PORT", "EPD_EC_TRANSFER_CONFIG"})
+_INSTANCE_ENV = frozenset({"NEURON_VISIBLE_DEVICES"})
+
+
+def compile_config(engine: Mapping[str, Any]) -> str:
+    """A short name of what the engine compiles: its role, TP and every command and environment
+    value except the per-instance ones. Engines with equal names share their cache keys."""
+    shaping = {
+        "role": engine["role"],
+        "tp": engine["tp"],
+        "command": {k: v for k, v in engine["unit_variables"].items() if k not in _INSTANCE_VARIABLES},
+        "env": {k: v for k, v in engine["env"].items() if k not in _INSTANCE_ENV},
+    }
+    digest = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{engine['role']}-tp{engine['tp']}-{digest}"
+
+
+def precompile_jobs(
+    plan: Mapping[str, Mapping[str, Any]],
+    cache_environment: Mapping[str, str],
+    target: str,
+    executable: str,
+    root: str,
+) -> list[dict[str, Any]]:
+    """One CPU compile per distinct engine configuration of the plan (playbooks/precompile.yml):
+    the first engine of that configuration's exact argv (argv[0] = executable) and environment,
+    plus the unit's cache variables, in CPU compile mode for `target` (cpu_compilation.md:
+    VLLM_NEURON_CPU_COMPILE=1 needs NEURON_PLATFORM_TARGET_OVERRIDE), each with its own
+    VLLM_CACHE_ROOT under `root` so its keys stay apart. Strict-mode variables are dropped (this
+    run must compile); --host becomes 127.0.0.1 (not in the cache key, and another machine's)."""
+    strict = {"NEURON_LIBTORCH_DISABLE_GRAPH_CAPTURE_BACKEND", "VLLM_NEURON_DISABLE_WARMUP_COMPILE"}
+    jobs: dict[str, dict[str, Any]] = {}
+    for host, host_plan in plan.items():
+        for engine in host_plan["engines"]:
+            config = compile_config(engine)
+            if config in jobs:
+                continue
+            argv = [executable, *engine["argv"][1:]]
+            if "--host" in argv[:-1]:
+                argv[argv.index("--host") + 1] = "127.0.0.1"
+            cache_root = f"{root}/{config}"
+            env = {
+                **engine["env"],
+                **{k: v for k, v in cache_environment.items() if k not in strict},
+                "VLLM_CACHE_ROOT": cache_root,
+                "VLLM_NEURON_CPU_COMPILE": "1",
+                "NEURON_PLATFORM_TARGET_OVERRIDE": target,
+            }
+            jobs[config] = {
+                "config": config,
+                "engine_id": engine["engine_id"],
+                "host": host,
+                "cache_root": cache_root,
+                "local_dir": f"{cache_root}/neuron/compile_cache",
+                "argv": argv,
+                "env": [f"{k}={v}" for k, v in sorted(env.items())],
+            }
+    return list(jobs.values())
+
+
 def rollout_batches(
     plan: Mapping[str, Mapping[str, Any]],
     engines: str | Mapping[str, Sequence[str]] | None = None,
     batch: Mapping[str, Any] | None = None,
     min_available: Mapping[str, Any] | None = None,
+    compiles: bool = False,
 ) -> tuple[list[Batch], dict[str, PoolRule]]:
     """The batches restarting the selected engines (all when none is named), PD pool first, and the
     resolved rule of each pool that has a selected engine. batch / min_available: per pool ("ve",
     "pd"), a count or a percentage; a setting that cannot keep the pool's floor is refused.
-    engines: a selection by name (comma-separated instances or ids) or a {host: [instance]} mapping."""
-    role = {(host, e["instance"]): e["role"] for host, host_plan in plan.items() for e in host_plan["engines"]}
-    sizes = {pool: sum(1 for r in role.values() if r == pool) for pool in POOLS}
+    engines: a selection by name (comma-separated instances or ids) or a {host: [instance]} mapping.
+    compiles: the rollout may change the compiled graphs, so one canary per distinct configuration
+    restarts alone first (every pool's canaries before any other batch)."""
+    by_key = {(host, e["instance"]): e for host, host_plan in plan.items() for e in host_plan["engines"]}
+    sizes = {pool: sum(1 for e in by_key.values() if e["role"] == pool) for pool in POOLS}
     selected = _selected(plan, engines)
+    canaries: list[Batch] = []
     batches: list[Batch] = []
     rules: dict[str, PoolRule] = {}
     for pool in POOLS:
-        members = [e for e in selected if role[(e["host"], e["instance"])] == pool]
+        members = [e for e in selected if by_key[(e["host"], e["instance"])]["role"] == pool]
         if not members:
             continue
         rule = PoolRule.resolve(pool, sizes[pool], (batch or {}).get(pool, 1), (min_available or {}).get(pool))
         rules[pool] = rule
         ordered = _round_robin(members)
+        if compiles:
+            first: dict[str, Mapping[str, str]] = {}
+            for e in ordered:
+                first.setdefault(compile_config(by_key[(e["host"], e["instance"])]), e)
+            canaries += [Batch(pool, (e,), canary=True) for e in first.values()]
+            ordered = [e for e in ordered if e not in first.values()]
         batches += [Batch(pool, tuple(ordered[i : i + rule.batch])) for i in range(0, len(ordered), rule.batch)]
-    return batches, rules
+    return canaries + batches, rules
+
+
+@dataclass(frozen=True)
+class StartTimes:
+    """What one engine start is expected to take, per way it gets its graphs (operator estimates,
+    epd_rollout_expected_*_s; no source gives these for a model: docs/operations.md "Compile cache")."""
+
+    compile_s: int = 1800  # a cache miss: neuronx-cc compiles every graph
+    fetch_s: int = 300  # a local miss answered by the shared tier
+    warm_s: int = 120  # a local hit: load weights and NEFFs, warm up
+
+    def of(self, outcome: str) -> int:
+        return {"compiles": self.compile_s, "fetches": self.fetch_s}.get(outcome, self.warm_s)
+
+
+def engine_outcomes(
+    batches: Sequence[Batch],
+    plan: Mapping[str, Mapping[str, Any]],
+    *,
+    compiles: bool,
+    shared: bool,
+    strict: bool,
+) -> list[list[str]]:
+    """Per batch and engine: "compiles", "fetches" (from the shared tier) or "local hit".
+
+    Without a graph change every engine hits its host's local cache. With one, a canary compiles
+    (strict mode: it must fetch, precompile.yml put the keys there); the rest fetch from the shared
+    tier, or without one hit the local cache of a host whose canary compiled their configuration,
+    or compile."""
+    by_key = {(host, e["instance"]): e for host, host_plan in plan.items() for e in host_plan["engines"]}
+    compiled_on: set[tuple[str, str]] = set()
+    out: list[list[str]] = []
+    for item in batches:
+        row = []
+        for e in item.engines:
+            config = compile_config(by_key[(e["host"], e["instance"])])
+            if not compiles or (e["host"], config) in compiled_on:
+                outcome = "local hit"
+            elif strict or (shared and not item.canary):
+                outcome = "fetches"
+            else:
+                outcome = "compiles"
+            compiled_on.add((e["host"], config))
+            row.append(outcome)
+        out.append(row)
+    return out
+
+
+def recorded_starts(plan: Mapping[str, Mapping[str, Any]], shows: Mapping[str, str]) -> dict[str, int]:
+    """The last start of each engine configuration, as systemd recorded it: per host the output of
+    `systemctl show -p Id -p InactiveExitTimestampMonotonic -p ActiveEnterTimestampMonotonic` for its
+    engine units; per configuration the longest start (stagger, load, compile, /health) of its
+    running engines, in whole seconds. Engines not started since boot are left out."""
+    by_unit = {
+        (host, f"epd-engine@{e['instance']}.service"): compile_config(e)
+        for host, host_plan in plan.items()
+        for e in host_plan["engines"]
+    }
+    out: dict[str, int] = {}
+    for host, text in shows.items():
+        for block in text.strip().split("\n\n"):
+            fields = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+            config = by_unit.get((host, fields.get("Id", "")))
+            began, ready = (
+                fields.get("InactiveExitTimestampMonotonic", ""),
+                fields.get("ActiveEnterTimestampMonotonic", ""),
+            )
+            if config is None or not began.isdigit() or not ready.isdigit() or int(ready) <= int(began):
+                continue
+            out[config] = max(out.get(config, 0), round((int(ready) - int(began)) / 1e6))
+    return out
 
 
 def rollout_estimate_s(batches: Sequence[Batch], plan: Mapping[str, Mapping[str, Any]], drain_timeout_s: int) -> int:
@@ -169,32 +323,69 @@ def rollout_estimate_s(batches: Sequence[Batch], plan: Mapping[str, Mapping[str,
     )
 
 
+def _minutes(seconds: int) -> str:
+    return f"{seconds} s (~{math.ceil(seconds / 60)} min)"
+
+
 def rollout_plan(
     plan: Mapping[str, Mapping[str, Any]],
     engines: str | Mapping[str, Sequence[str]] | None = None,
     batch: Mapping[str, Any] | None = None,
     min_available: Mapping[str, Any] | None = None,
     drain_timeout_s: int = 600,
+    compiles: bool = False,
+    shared: bool = False,
+    strict: bool = False,
+    expected: Mapping[str, Any] | None = None,
+    systemd_shows: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The rollout's input: {batches, lines}, lines being the plan it prints before starting."""
-    batches, rules = rollout_batches(plan, engines, batch, min_available)
+    """The rollout's input: {batches, lines}, lines being the plan it prints before starting.
+    compiles / shared / strict: the rollout may change the graphs, the shared tier is set, the
+    engines are cache-hit-only; expected: StartTimes overrides (compile_s, fetch_s, warm_s);
+    systemd_shows: per engine host, `systemctl show` of its engine units (recorded_starts): this
+    fleet's last start per configuration replaces the expected time of a local hit of that
+    configuration (a restart takes about what the last one took)."""
+    batches, rules = rollout_batches(plan, engines, batch, min_available, compiles=compiles)
+    times = StartTimes(**{k: int(v) for k, v in (expected or {}).items() if v not in (None, "")})
+    outcomes = engine_outcomes(batches, plan, compiles=compiles, shared=shared, strict=strict)
     count = sum(len(b.engines) for b in batches)
     lines = [f"{count} engines in {len(batches)} batches"]
+    canaries = sum(1 for b in batches if b.canary)
+    if canaries:
+        lines.append(
+            f"canaries first: {canaries} (one per engine configuration, alone): a failed start stops the rollout"
+            + (" before any other batch; their graphs reach the shared tier before the rest start" if shared else "")
+        )
     for rule in rules.values():
         alone = " (a pool of one leaves rotation while it restarts)" if rule.size == 1 else ""
         kept = f"at least {rule.floor} of {rule.size} stay in rotation"
         lines.append(f"{rule.pool.upper()}: batches of up to {rule.batch}, {kept}{alone}")
-    for number, item in enumerate(batches, 1):
-        members = ", ".join(f"{e['engine_id']} ({e['host']})" for e in item.engines)
-        lines.append(f"batch {number}/{len(batches)} {item.pool.upper()}: {members}")
+    for number, (item, row) in enumerate(zip(batches, outcomes, strict=True), 1):
+        members = ", ".join(f"{e['engine_id']} ({e['host']}, {o})" for e, o in zip(item.engines, row, strict=True))
+        kind = " canary" if item.canary else ""
+        lines.append(f"batch {number}/{len(batches)} {item.pool.upper()}{kind}: {members}")
+    tally = {o: sum(row.count(o) for row in outcomes) for o in ("compiles", "fetches", "local hit")}
+    recorded = recorded_starts(plan, systemd_shows or {})
+    by_key = {(host, e["instance"]): e for host, host_plan in plan.items() for e in host_plan["engines"]}
+
+    def start_s(engine: Mapping[str, str], outcome: str) -> int:
+        config = compile_config(by_key[(engine["host"], engine["instance"])])
+        return recorded[config] if outcome == "local hit" and config in recorded else times.of(outcome)
+
+    expected_s = sum(
+        max(start_s(e, o) for e, o in zip(item.engines, row, strict=True))
+        for item, row in zip(batches, outcomes, strict=True)
+    )
+    for config, seconds in sorted(recorded.items()):
+        lines.append(f"last start of {config} (this fleet, systemd): {seconds} s")
     bound = rollout_estimate_s(batches, plan, drain_timeout_s)
     lines.append(
-        f"estimate: {len(batches)} batches x (drain + engine start); "
-        f"upper bound {bound} s (~{math.ceil(bound / 60)} min)"
-        f" = per batch the drain timeout {drain_timeout_s} s plus its hosts' start timeout (TimeoutStartSec);"
-        " a warm start (compile cache present) takes a fraction of that"
+        f"estimate: ~{_minutes(expected_s)} plus draining: {tally['compiles']} compile (~{times.compile_s} s each), "
+        f"{tally['fetches']} fetch (~{times.fetch_s} s), {tally['local hit']} local hit (~{times.warm_s} s), "
+        f"the slowest start of each batch; worst case {_minutes(bound)} = per batch the drain timeout "
+        f"{drain_timeout_s} s plus its hosts' start timeout (TimeoutStartSec)"
     )
-    return {"batches": [b.as_dict() for b in batches], "lines": lines}
+    return {"batches": [b.as_dict() for b in batches], "lines": lines, "expected_s": expected_s, "bound_s": bound}
 
 
 def _effective_env(assignments: Mapping[str, str]) -> dict[str, str]:

@@ -10,6 +10,12 @@ lookup table), which gives the same values as the elementwise path, only faster.
 
 A photo's EXIF orientation is applied on decode (as vLLM's media loader does), so the
 encoder sees it upright.
+
+Only formats on `limits.image_formats` reach a Pillow plugin (`Image.open(formats=...)`):
+Pillow's EPS plugin, for one, hands client bytes to Ghostscript wherever that is installed.
+Frame counts come from the container without decoding a frame: Pillow counts a GIF's
+frames by seeking through them, and each seek decodes the frame before it (a 999-frame
+4096x4096 GIF held an image thread for minutes), so GIF blocks are walked here instead.
 """
 
 from __future__ import annotations
@@ -40,30 +46,38 @@ def check_encoded_size(num_bytes: int, limits: Limits) -> None:
         )
 
 
-def decode_image(data: bytes, limits: Limits) -> Image.Image:
+def open_image(data: bytes, limits: Limits) -> Image.Image:
+    """The image's header parsed by a plugin on the allow-list (nothing decoded yet)."""
+    # (No warnings filter here: it is process-global and this runs in worker threads.)
+    return Image.open(io.BytesIO(data), formats=limits.image_formats)
+
+
+def decode_image(data: bytes, limits: Limits, cancelled: threading.Event | None = None) -> Image.Image:
     """Encoded bytes -> upright RGB PIL image (first frame of animations). The decode cost
-    is bounded before any pixel is decoded: bytes, pixels and frames (limits.max_image_*)."""
+    is bounded before any pixel is decoded: bytes, pixels and frames (limits.max_image_*).
+    `cancelled`: set when nobody waits for the image any more (checked before decoding)."""
     check_encoded_size(len(data), limits)
     try:
         # open() reads only the header: check the pixel count before decoding anything.
-        # (No warnings filter here: it is process-global and this runs in worker threads.)
-        image = Image.open(io.BytesIO(data))
+        image = open_image(data, limits)
         width, height = image.size
         if width * height > limits.max_image_pixels:
             raise ImageDimensionsRejected(
                 f"image is {width}x{height} = {width * height} pixels, above the decode "
                 f"limit of {limits.max_image_pixels} pixels (limits.max_image_pixels)"
             )
-        _check_frames(image, limits.max_image_frames)
+        _check_frames(image, data, limits.max_image_frames)
+        if cancelled is not None and cancelled.is_set():
+            raise WorkCancelled("the request this image was for has ended")
         image.load()
-    except ImageDimensionsRejected:
+    except (ImageDimensionsRejected, WorkCancelled):
         raise
     except Image.DecompressionBombError as exc:
         raise ImageDimensionsRejected(f"image refused as a decompression bomb: {exc}") from exc
     except Exception as exc:  # Pillow raises many types for corrupt or unknown data
         raise NotAnImage(
             f"the data is not a decodable image ({type(exc).__name__}: {exc}); "
-            "send PNG, JPEG, WebP, GIF or another format Pillow reads"
+            f"send one of the formats this router takes ({', '.join(limits.image_formats)}; limits.image_formats)"
         ) from exc
     if width == 0 or height == 0:
         raise NotAnImage(f"image has an empty dimension ({width}x{height})")
@@ -84,25 +98,52 @@ def _orientation(image: Image.Image) -> int:
     return int(image.getexif().get(ExifTags.Base.Orientation, 1))
 
 
-def _check_frames(image: Image.Image, limit: int) -> None:
-    """Refuse an animation with more than `limit` frames. Counting stops at the limit: some
-    formats (GIF) only know their frame count by walking every frame."""
-    if not getattr(image, "is_animated", False):
-        return
-    frames = 1
-    try:
-        while frames <= limit:
-            image.seek(frames)
-            frames += 1
-    except EOFError:
-        pass
-    finally:
-        image.seek(0)
+class WorkCancelled(Exception):
+    """Image work stopped because the request it was for has ended (nobody reads the error)."""
+
+
+def _check_frames(image: Image.Image, data: bytes, limit: int) -> None:
+    """Refuse an animation with more than `limit` frames, without decoding any: a GIF by
+    walking its blocks (`gif_frames`), the other allowed formats by the count their header
+    declares (PNG's acTL, WebP's ANIM info, MPO's index: Pillow reads them on open)."""
+    gif = image.format == "GIF"
+    frames = gif_frames(data, limit + 1) if gif else int(getattr(image, "n_frames", 1) or 1)
     if frames > limit:
         raise ImageDimensionsRejected(
             f"animated image has more than {limit} frames (limits.max_image_frames); "
             "only the first frame is used, send it as a still image"
         )
+
+
+def gif_frames(data: bytes | memoryview, stop_at: int) -> int:
+    """Image descriptors in a GIF stream, counted up to `stop_at`, by its block structure
+    (GIF89a spec: header, logical screen descriptor, optional global colour table, then
+    extension (0x21), image (0x2C) and trailer (0x3B) blocks, each image's data in
+    length-prefixed sub-blocks). A truncated or unknown block ends the count."""
+    view = memoryview(data)
+    size = len(view)
+    if size < 13:
+        return 0
+    pos = 13 + (3 << ((view[10] & 7) + 1) if view[10] & 0x80 else 0)
+    frames = 0
+    while pos < size and frames < stop_at:
+        kind = view[pos]
+        if kind == 0x2C:  # image descriptor (10 bytes), local colour table, LZW code size
+            if pos + 10 > size:
+                break
+            packed = view[pos + 9]
+            pos += 10 + (3 << ((packed & 7) + 1) if packed & 0x80 else 0) + 1
+            frames += 1
+        elif kind == 0x21:  # extension: introducer and label
+            pos += 2
+        else:  # 0x3B trailer, or not a block
+            break
+        while pos < size:  # the data sub-blocks, ended by a zero length
+            length = view[pos]
+            pos += 1 + length
+            if length == 0:
+                break
+    return frames
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

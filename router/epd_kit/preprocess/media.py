@@ -5,7 +5,9 @@ allow-list (a host-only entry allows the scheme's default port only), no proxies
 environment, no credentials on any hop (a redirect's user:password is dropped), redirects
 followed by hand and only to the same scheme, host and port, the body streamed and cut at
 max_image_bytes, and one deadline for the whole fetch (httpx's own timeouts are per phase,
-so a slow drip would never trip them).
+so a slow drip would never trip them). Fetches share nothing a client could plant or read:
+no cookie jar (a `Set-Cookie` answered to one client's fetch would go out on the next
+client's), and no headers beyond httpx's defaults.
 
 Every failure after the policy check (refused connection, timeout, HTTP status, redirect
 elsewhere, oversize, a body that is not an image) reaches the client as the same message:
@@ -19,6 +21,7 @@ import asyncio
 import binascii
 import io
 import logging
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from urllib.parse import urljoin, urlsplit
 
 import httpx
@@ -174,6 +177,7 @@ class MediaFetcher:
             self._client = httpx.AsyncClient(
                 follow_redirects=False,
                 trust_env=False,  # never route through an environment proxy
+                cookies=_no_cookies(),
                 timeout=httpx.Timeout(self.policy.fetch_timeout_s),
                 limits=httpx.Limits(max_connections=32, max_keepalive_connections=8),
             )
@@ -185,11 +189,16 @@ class MediaFetcher:
             self._client = None
 
 
-def check_fetched_image(url: str, data: bytes) -> bytes:
-    """A fetched body must at least have an image header (read only, nothing decoded): a
-    server that answers with something else is a failed fetch like any other."""
+def _no_cookies() -> CookieJar:
+    """A jar whose policy allows no domain: nothing is stored, nothing is sent."""
+    return CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+
+
+def check_fetched_image(url: str, data: bytes, limits: Limits) -> bytes:
+    """A fetched body must at least have the header of an allowed image format (read only,
+    nothing decoded): a server that answers with something else is a failed fetch like any other."""
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with Image.open(io.BytesIO(data), formats=limits.image_formats) as image:
             image.size  # noqa: B018 - the header parsed
     except Exception as exc:  # Pillow raises many types for unknown data
         raise fetch_failed(url, f"the body is not an image ({type(exc).__name__})") from None

@@ -5,12 +5,18 @@ two bounded thread pools: one for the chat template and tokenizer, one for image
 hashing, decode, resize, pixel_values, serialization), so a burst of large images cannot
 delay a text-only request. It skips all image work for an image it has prepared before (LRU
 by mm_hash) or is preparing right now for another request (single flight).
+
+Image work lasts no longer than someone waits for it: when every request waiting for an
+image has ended (timeout, client gone), its job is cancelled (a queued one never starts, a
+running one stops at its next stage), and one client holds at most
+`limits.image_jobs_per_client` image jobs at once (fairness.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,8 +27,9 @@ from .. import wire
 from .cache import LruCache
 from .encoder import ItemEncoder, MmSerdeEncoder
 from .errors import ModelHasNoVision, PreprocessError, PromptMismatch, TooManyImages
+from .fairness import ClientSlots, current_client
 from .hashing import image_hash, settings_bytes
-from .image import PixelEncoder, decode_image, plan_resize
+from .image import PixelEncoder, WorkCancelled, decode_image, plan_resize
 from .media import MediaFetcher, check_fetched_image, decode_data_url
 from .messages import ImageRef, parse_messages
 from .model_files import CheckpointFiles, VisionSettings
@@ -151,7 +158,8 @@ class Preprocessor:
             max_workers=workers or limits.image_workers, thread_name_prefix="epd-preprocess-image"
         )
         self._cache: LruCache[PreparedImage] = LruCache(limits.image_cache_items, limits.image_cache_bytes)
-        self._inflight: dict[str, asyncio.Future[PreparedImage]] = {}
+        self._inflight: dict[str, _Inflight] = {}
+        self._client_slots = ClientSlots(limits.image_jobs_per_client_effective)
         self._tasks: set[asyncio.Task[None]] = set()
         self._joins = self._duplicates = self._prepared = self._downscaled = 0
 
@@ -280,7 +288,7 @@ class Preprocessor:
             if isinstance(result, BaseException):
                 raise result
         by_hash: dict[str, asyncio.Future[PreparedImage] | PreparedImage] = {}
-        pending: list[asyncio.Future[PreparedImage]] = []
+        pending: list[_Inflight] = []
         for ref, (mm_hash, data) in zip(refs, loaded, strict=True):  # type: ignore[misc]
             if mm_hash in by_hash:
                 self._duplicates += 1
@@ -289,20 +297,25 @@ class Preprocessor:
             if cached is not None:
                 by_hash[mm_hash] = cached
                 continue
-            fut = self._inflight.get(mm_hash)
-            if fut is not None:
+            job = self._inflight.get(mm_hash)
+            if job is not None and not job.cancelled.is_set():
                 self._joins += 1
             else:
                 # registered before the first await, so a concurrent request joins it
-                fut = asyncio.get_running_loop().create_future()
-                self._inflight[mm_hash] = fut
-                task = asyncio.create_task(self._prepare_into(fut, mm_hash, data, ref))
-                self._tasks.add(task)  # the loop keeps only weak references to tasks
-                task.add_done_callback(self._tasks.discard)
-            by_hash[mm_hash] = fut
-            pending.append(fut)
+                job = _Inflight(asyncio.get_running_loop().create_future())
+                self._inflight[mm_hash] = job
+                job.task = asyncio.create_task(self._prepare_into(job, mm_hash, data, ref))
+                self._tasks.add(job.task)  # the loop keeps only weak references to tasks
+                job.task.add_done_callback(self._tasks.discard)
+            job.waiters += 1
+            by_hash[mm_hash] = job.future
+            pending.append(job)
         if pending:
-            done = await asyncio.gather(*(asyncio.shield(f) for f in pending), return_exceptions=True)
+            try:
+                done = await asyncio.gather(*(asyncio.shield(j.future) for j in pending), return_exceptions=True)
+            finally:
+                for job in pending:
+                    job.leave()
             for result in done:
                 if isinstance(result, BaseException):
                     raise result
@@ -328,29 +341,36 @@ class Preprocessor:
         return image_hash(self.model_id, data, self._settings_blob), data
 
     def _check_fetched(self, url: str, fetched: bytes) -> tuple[str, bytes]:
-        data = check_fetched_image(url, fetched)
+        data = check_fetched_image(url, fetched, self.limits)
         return image_hash(self.model_id, data, self._settings_blob), data
 
-    async def _prepare_into(self, fut: asyncio.Future[PreparedImage], mm_hash: str, data: bytes, ref: ImageRef) -> None:
-        """Runs as its own task: a cancelled client request does not cancel work others share."""
+    async def _prepare_into(self, job: _Inflight, mm_hash: str, data: bytes, ref: ImageRef) -> None:
+        """Runs as its own task: one request that leaves does not cancel work others share;
+        the last one to leave does (`_Inflight.leave`)."""
+        fut = job.future
         try:
-            image = await self._run(self._image_pool, _with_param, ref, self._prepare, mm_hash, data)
+            async with self._client_slots.hold(current_client.get()):
+                image = await self._run(self._image_pool, _with_param, ref, self._prepare, mm_hash, data, job.cancelled)
         except BaseException as exc:
-            fut.set_exception(exc)
+            fut.set_exception(exc if not isinstance(exc, asyncio.CancelledError) else WorkCancelled("cancelled"))
             fut.exception()  # marked retrieved: the requests awaiting it re-raise it
             return
         finally:
-            self._inflight.pop(mm_hash, None)
+            if self._inflight.get(mm_hash) is job:
+                del self._inflight[mm_hash]
         self._cache.put(mm_hash, image, len(image.ve_kwargs) + len(image.pd_kwargs_b64))
         fut.set_result(image)
 
-    def _prepare(self, mm_hash: str, data: bytes) -> PreparedImage:
-        """Worker thread: decode, resize, pixel_values, serialize."""
+    def _prepare(self, mm_hash: str, data: bytes, cancelled: threading.Event | None = None) -> PreparedImage:
+        """Worker thread: decode, resize, pixel_values, serialize; stops between stages once
+        `cancelled` is set (nobody waits for the image any more)."""
         assert self.vision is not None and self._pixels is not None
-        rgb = decode_image(data, self.limits)
+        rgb = decode_image(data, self.limits, cancelled)
         width, height = rgb.size
         plan = plan_resize(height, width, self.vision, self.limits)
+        _stop_if(cancelled)
         resized = self._pixels.resize(rgb, plan)
+        _stop_if(cancelled)
         fill = functools.partial(self._pixels.pixel_values, resized)
         merge_area = self.vision.merge_size**2
         image = PreparedImage(
@@ -396,6 +416,30 @@ class Preprocessor:
         await self._fetcher.aclose()
         for pool in (self._text_pool, self._image_pool):
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Inflight:
+    """One image being prepared: its result, its task, and the requests waiting for it."""
+
+    def __init__(self, future: asyncio.Future[PreparedImage]) -> None:
+        self.future = future
+        self.task: asyncio.Task[None] | None = None
+        self.waiters = 0
+        self.cancelled = threading.Event()  # read by the worker thread between stages
+
+    def leave(self) -> None:
+        """A waiting request is done with it (answered or ended); the last one out stops
+        work nobody will read."""
+        self.waiters -= 1
+        if self.waiters == 0 and not self.future.done():
+            self.cancelled.set()
+            if self.task is not None:
+                self.task.cancel()
+
+
+def _stop_if(cancelled: threading.Event | None) -> None:
+    if cancelled is not None and cancelled.is_set():
+        raise WorkCancelled("the request this image was for has ended")
 
 
 def _check_budget(vision: VisionSettings, limits: Limits) -> None:

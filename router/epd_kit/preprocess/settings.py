@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from epd_kit.plan.variables import IMAGES_PER_PROMPT
+
 
 class Section(BaseModel):
     """A router.yaml section: immutable, unknown keys refused."""
@@ -18,8 +20,13 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# The formats `limits.image_formats` may list: single-image raster formats of Pillow with a
+# header parsed without decoding. Deliberately absent: EPS/PS/PDF (Ghostscript) and the rest.
+ImageFormat = Literal["PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"]
+
+
 class Limits(Section):
-    images_per_prompt: int = Field(default=30, ge=0)
+    images_per_prompt: int = Field(default=IMAGES_PER_PROMPT, ge=0)  # epd_images_per_prompt's default
     # Raw 16-px patches one image may produce (= vision_attention_block_size on the engines).
     max_image_patches: int = Field(default=1024, gt=0)
     oversized_image: Literal["downscale", "reject"] = "downscale"
@@ -32,7 +39,9 @@ class Limits(Section):
     # parsing stays a few milliseconds of CPU whatever the body holds).
     max_json_depth: int = Field(default=32, ge=4, le=256)
     max_json_values: int = Field(default=16384, ge=64)
-    # Requests receiving their body or being preprocessed at once; more get a 429.
+    # Requests being preprocessed at once (counted from a complete body on); more get a 429.
+    # Bodies still arriving are bounded per connection (listen.*), and their bytes in all by
+    # this x max_body_bytes (503).
     max_requests_preprocessing: int = Field(default=64, ge=1)
     # Threads for chat-template rendering + tokenizing, and for image decoding, apart so a
     # burst of large images cannot delay text-only requests.
@@ -42,9 +51,21 @@ class Limits(Section):
     max_image_bytes: int = Field(default=20 * 1024 * 1024, gt=0)
     max_image_pixels: int = Field(default=8192 * 8192, gt=0)  # decompression-bomb guard
     max_image_frames: int = Field(default=1000, ge=1)  # animations; only the first frame is used
+    # Formats handed to a Pillow decoder; anything else is a 400 before any plugin parses it
+    # (never EPS/PS: Pillow runs Ghostscript on them). Pillow's format names.
+    image_formats: list[ImageFormat] = Field(
+        default_factory=lambda: ["PNG", "JPEG", "WEBP", "GIF", "BMP"], min_length=1
+    )
+    # Image jobs (decode, resize, pixel values) one client may have running or queued at once;
+    # 0 means half of image_workers (at least 1), so one client cannot hold every image thread.
+    image_jobs_per_client: int = Field(default=0, ge=0, le=64)
     # Prepared-image LRU (by mm_hash); the byte bound is what limits memory (0 disables).
     image_cache_items: int = Field(default=256, ge=0)
     image_cache_bytes: int = Field(default=1024 * 1024 * 1024, ge=0)
+
+    @property
+    def image_jobs_per_client_effective(self) -> int:
+        return self.image_jobs_per_client or max(1, self.image_workers // 2)
 
 
 class Media(Section):

@@ -85,6 +85,9 @@ def create_app(
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        # no 307 to the path with(out) a trailing slash: Starlette builds that Location from
+        # the client's Host header; a wrong path is a 404 naming it
+        redirect_slashes=False,
     )
     app.state.service = RouterService(cfg, renderer or build_renderer(cfg), config_path=config_path)
     app.include_router(routes)

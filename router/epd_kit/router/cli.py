@@ -6,6 +6,7 @@ show pool status.
     epd-router --model M --ve-endpoint 127.0.0.1:18300 --pd-endpoint 127.0.0.1:18100   (drop-in)
     epd-router check-config /etc/epd/router.yaml
     epd-router status --url http://127.0.0.1:18800
+    epd-router advise --url http://127.0.0.1:18800 --window 120 --inventory INV   (docs/advisor.md)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from epd_kit.plan.variables import ROUTER_PORT
 from epd_kit.router.config import ConfigError, RouterConfig, config_from_flags, load_config
 
 
@@ -149,7 +151,7 @@ def check_config(path: Path) -> None:
 
 
 @main.command()
-@click.option("--url", default="http://127.0.0.1:18800", show_default=True, help="router base URL")
+@click.option("--url", default=f"http://127.0.0.1:{ROUTER_PORT}", show_default=True, help="router base URL")
 @click.option("--api-key", envvar="EPD_ROUTER_API_KEY", default=None, help="[env EPD_ROUTER_API_KEY]")
 @click.option("--json", "as_json", is_flag=True, help="raw JSON instead of a table")
 def status(url: str, api_key: str | None, as_json: bool) -> None:
@@ -170,6 +172,14 @@ def status(url: str, api_key: str | None, as_json: bool) -> None:
     doc = resp.json()
     click.echo(json.dumps(doc, indent=2) if as_json else pools_table(doc))
 
+
+def _register_advise() -> None:
+    from epd_kit.advise.cli import advise
+
+    main.add_command(advise)
+
+
+_register_advise()
 
 if __name__ == "__main__":
     main()

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from epd_kit.plan.variables import ROUTER_PORT
 from epd_kit.preprocess.model_files import ENGINE_DTYPES
 from epd_kit.preprocess.settings import Limits, Media, Section
 
@@ -25,7 +26,7 @@ class Listen(Section):
     front (whose idle timeout, often 60 s, must be below `idle_timeout_s`) and direct clients."""
 
     host: str = "127.0.0.1"
-    port: int = Field(default=18800, ge=0, lt=65536)
+    port: int = Field(default=ROUTER_PORT, ge=0, lt=65536)  # epd_router_port's default
     max_connections: int = Field(default=1024, ge=1)
     # from the connection (or the first byte of the next request) to the end of the headers
     header_timeout_s: float = Field(default=10.0, gt=0)
@@ -40,9 +41,14 @@ class Listen(Section):
 
 class Timeouts(Section):
     connect_s: float = Field(default=5.0, gt=0)
-    # caps: an encode call; a PD call until its first token (streams: then every gap between events)
+    # caps: an encode call; a PD call until its first token
     ve_s: float = Field(default=600.0, gt=0)
     pd_s: float = Field(default=600.0, gt=0)
+    # a started stream: the longest silence between two events before the PD is held hung
+    # (its streams end with an error naming it, and it counts against the PD). A decoding
+    # vLLM sends a token every few tens of ms; 30 s covers preemption and long prefills of
+    # others scheduled between its steps.
+    stream_gap_s: float = Field(default=30.0, gt=0)
     total_s: float = Field(default=900.0, gt=0)
     # extension: how long SIGTERM waits for in-flight requests before exiting
     shutdown_grace_s: float = Field(default=30.0, ge=0)

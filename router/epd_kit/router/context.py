@@ -85,10 +85,13 @@ class RequestContext:
     async def time_limit(self, stage: str) -> AsyncIterator[None]:
         """Run a stage under the request's deadline; running out is a 504 naming the stage."""
         loop = asyncio.get_running_loop()
+        limit = asyncio.timeout_at(loop.time() + (self.deadline - time.monotonic()))
         try:
-            async with asyncio.timeout_at(loop.time() + (self.deadline - time.monotonic())):
+            async with limit:
                 yield
         except TimeoutError:
+            if not limit.expired():  # another timeout (an engine call's, aiohttp's): not ours to name
+                raise
             raise RouterError(
                 504, f"request exceeded the router's total timeout of {self.total_timeout_s:g}s during {stage}"
             ) from None

@@ -234,7 +234,8 @@ class EngineClient:
         committed = False
         try:
             async with asyncio.timeout(deadline):
-                # after the first payload the read timeout bounds the longest gap between events
+                # after the first payload, generation.GapWatch bounds the gaps between events
+                # (timeouts.stream_gap_s); this read timeout is only a backstop
                 resp = await self._send(engine, upstream.encode_body(body), timeouts.pd_s)
                 if resp.status != 200:
                     raise upstream.classify_status(

@@ -3,7 +3,9 @@ PD, as one OpenAI body or as a relayed stream.
 
 A failed PD call moves to another PD only while the client has received nothing: for a
 non-streaming request until the answer, for a stream until the PD's first event (read
-before the router answers 200). Both paths share one retry loop (`_on_a_pd`).
+before the router answers 200). Both paths share one retry loop (`_on_a_pd`). A started
+stream that goes silent for `timeouts.stream_gap_s` ends with an error naming its PD, and
+counts against that PD (`GapWatch`).
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ class Generation:
         translator = translate.StreamTranslator(ctx, self._renderer)
         ok = client_left = False
         t = time.monotonic()
+        watch = GapWatch(self._state.cfg.timeouts.stream_gap_s, pd.response.close)
         try:
             async with ctx.time_limit("generate"):
                 payload: bytes | None = pd.first
@@ -159,13 +162,15 @@ class Generation:
                         payload = await anext(pd.payloads)
                     except StopAsyncIteration:
                         payload = None
+                    watch.last = watch.loop.time()
             usage = translator.closing_usage()
             if usage is not None:
                 yield usage
             ok = True
             pd.engine.served += 1
         except aiohttp.ClientError as exc:
-            err = self._engines.failed(upstream.classify_exception(exc, pd.engine), pd.engine)
+            cause = upstream.stream_stalled(pd.engine, watch.gap_s) if watch.fired else None
+            err = self._engines.failed(cause or upstream.classify_exception(exc, pd.engine), pd.engine)
             log.warning("PD stream failed after start", extra={"request_id": ctx.request_id, "error": err.message})
             yield err.sse_frame(ctx.request_id)
         except RouterError as err:
@@ -177,6 +182,7 @@ class Generation:
             log.exception("stream translation failed", extra={"request_id": ctx.request_id})
             yield RouterError(500, "internal error in the router while streaming").sse_frame(ctx.request_id)
         finally:
+            watch.stop()
             await self.close(pd)
             self._metrics.pd.observe(time.monotonic() - t)
             outcome.status = "200" if ok else ("client_closed" if client_left else "stream_error")
@@ -202,3 +208,31 @@ class Generation:
         pd.response.release()
         with anyio.CancelScope(shield=True):
             await self._admission.release(pd.engine)
+
+
+class GapWatch:
+    """Calls `expire` once no event has arrived for `gap_s` (the relay sets `last` per
+    event). One timer per gap rather than one per event: an event only stores a time, and
+    the timer, when it fires early, re-arms for the rest of the gap."""
+
+    def __init__(self, gap_s: float, expire: Callable[[], object]) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.gap_s = gap_s
+        self.last = self.loop.time()
+        self.fired = False
+        self._expire = expire
+        self._timer: asyncio.TimerHandle | None = self.loop.call_at(self.last + gap_s, self._check)
+
+    def _check(self) -> None:
+        due = self.last + self.gap_s
+        if self.loop.time() < due:
+            self._timer = self.loop.call_at(due, self._check)
+            return
+        self._timer = None
+        self.fired = True
+        self._expire()  # closing the PD response wakes the relay's read with a ClientError
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

@@ -10,7 +10,15 @@ short body holds a connection forever), a fresh connection that never sends stay
 - idle timeout: uvicorn's keep-alive timer (`timeout_keep_alive`);
 - connection cap: a connection beyond `max_connections` gets a 503 with Retry-After, closed;
 - head size: a request head over `MAX_HEAD_BYTES` -> 400 and close (h11 had this cap built
-  in; llhttp has none, so a header flood would grow memory until the header timeout);
+  in; llhttp has none, so a header flood would grow memory until the header timeout),
+  however the head arrives: counted per received chunk while it is incomplete, and per
+  parsed URL and header (a whole head in one write never shows as incomplete);
+- `Upgrade`: ignored, as RFC 9110 §7.8 lets a server do (the router takes no protocol
+  upgrade; uvicorn's websockets are off). httptools treats a request with `Connection:
+  upgrade` as having no body, so the body is read here (`Content-Length` bytes after the
+  head), the request is served as plain HTTP/1.1, and what follows is parsed afresh;
+- transfer coding: anything but `chunked` -> 501 and close (RFC 9112 §6.1: a server that does
+  not understand a transfer coding should answer 501);
 - a malformed request gets uvicorn's 400 as the router's JSON error envelope;
 - shutdown (uvicorn's at exit, or a process of a group that stops accepting): a connection
   whose first request head is not complete yet is not reset, since that request may already
@@ -41,7 +49,7 @@ from epd_kit.router.errors import RouterError
 
 log = logging.getLogger("epd_router.listener")
 
-_REASONS = {408: "Request Timeout", 400: "Bad Request", 503: "Service Unavailable"}
+_REASONS = {408: "Request Timeout", 400: "Bad Request", 501: "Not Implemented", 503: "Service Unavailable"}
 
 # the request head cap uvicorn's h11 protocol applied (h11_max_incomplete_event_size)
 MAX_HEAD_BYTES = 16 * 1024
@@ -80,6 +88,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._phase: str | None = None  # "header" or "body" while a deadline runs
         self._head_bytes = 0  # received while the current head is incomplete
+        self._head_parsed = 0  # URL and header bytes of the current head, as parsed
+        self._refusal: RouterError | None = None  # why a parser callback stopped the parse
+        self._upgrade_body: int | None = None  # body bytes still due after an Upgrade head
         self._shutting_down = False  # close after the response to the request now arriving
 
     # --- asyncio.Protocol ------------------------------------------------------------------
@@ -96,20 +107,55 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         """uvicorn's, without its log line per malformed request."""
+        if self._upgrade_body is not None:
+            self._upgrade_body_received(data)
+            return
         self._unset_keepalive_if_required()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            pass  # no protocol upgrades here: the request is served as plain HTTP/1.1
+        except httptools.HttpParserUpgrade as exc:
+            self._upgrade_body_received(data[exc.args[0] :])  # not an upgrade here: the body follows
+            return
         except Exception:  # a parser error, or a request target uvicorn cannot decode
             if not self.transport.is_closing():
-                self._close("malformed", RouterError(400, "malformed HTTP request"))
+                self._close("malformed", self._refusal or RouterError(400, "malformed HTTP request"))
             return
         if self._phase == "header":  # the head is still incomplete after this chunk
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
-                message = f"malformed HTTP request: request head over {MAX_HEAD_BYTES // 1024} KiB"
-                self._close("malformed", RouterError(400, message))
+                self._close("malformed", _head_too_large())
+
+    def _upgrade_body_received(self, data: bytes) -> None:
+        """Bytes after the head of a request with `Connection: upgrade`: its body (which
+        httptools does not parse), then whatever the client sent next, for a fresh parser."""
+        if self._upgrade_body is None:
+            self.parser = httptools.HttpRequestParser(self)
+            self._upgrade_body = self._declared_length()
+            if self._upgrade_body is None:
+                self._close(
+                    "malformed", RouterError(400, "a request with Upgrade must send its body with Content-Length")
+                )
+                return
+        take = data[: self._upgrade_body]
+        self._upgrade_body -= len(take)
+        if take:
+            super().on_body(take)
+        if self._upgrade_body:
+            return
+        self._upgrade_body = None
+        self.on_message_complete()
+        if len(data) > len(take):
+            self.data_received(data[len(take) :])
+
+    def _declared_length(self) -> int | None:
+        """The Content-Length of the request now arriving (0 without one, None if chunked)."""
+        length = 0
+        for name, value in self.headers:
+            if name == b"content-length" and value.strip().isdigit():
+                length = int(value)
+            elif name == b"transfer-encoding":
+                return None
+        return length
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -120,16 +166,47 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         if self._phase is None:  # the first byte of a request on a kept-alive connection
             self._arm("header", self._listen.header_timeout_s)
+        self._head_parsed = 0
         super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)  # ": " and CRLF
+        super().on_header(name, value)
+
+    def _count_head(self, size: int) -> None:
+        self._head_parsed += size
+        if self._head_parsed > MAX_HEAD_BYTES:
+            self._refuse(_head_too_large())
+
+    def _refuse(self, error: RouterError) -> None:
+        """Stop the parse from inside a parser callback; data_received answers `error`."""
+        self._refusal = error
+        raise _Refused(error.message)
 
     def on_headers_complete(self) -> None:
         self._head_bytes = 0
+        for name, value in self.headers:
+            if name == b"transfer-encoding" and [c.strip() for c in value.lower().split(b",")] != [b"chunked"]:
+                coding = value.decode("latin-1")[:100]
+                self._refuse(
+                    RouterError(
+                        501,
+                        f"transfer coding {coding!r} is not implemented; send the body with Content-Length "
+                        "or Transfer-Encoding: chunked",
+                    )
+                )
         super().on_headers_complete()
         if self._shutting_down and self.cycle is not None:
             self.cycle.keep_alive = False
         self._arm("body", self._listen.body_timeout_s)  # disarmed at once when there is none
 
     def on_message_complete(self) -> None:
+        if self.parser.should_upgrade():  # the body comes after: _upgrade_body_received
+            return
         self._disarm()  # the request is in; answering is the app's business
         super().on_message_complete()
 
@@ -173,6 +250,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if error is not None:
             self.transport.write(raw_response(error))
         self.transport.close()  # uvicorn's connection_lost tells a waiting app the client left
+
+
+class _Refused(Exception):
+    """Raised in a parser callback to stop the parse (httptools re-raises it from feed_data)."""
+
+
+def _head_too_large() -> RouterError:
+    return RouterError(400, f"malformed HTTP request: request head over {MAX_HEAD_BYTES // 1024} KiB")
 
 
 def protocol_factory(listen: Listen, closed: Callable[[str], None]) -> Callable[..., GuardedHttpProtocol]:

@@ -1,9 +1,19 @@
 """Structured logs: one JSON object per line, with the request id when there is one.
 
-Callers pass context through `extra={...}`; secrets and image data are never put there."""
+Callers pass context through `extra={...}`; secrets and image data are never put there.
+
+Cheap enough for one line per request at INFO (the deployed level). On the event loop a
+record is only kept: the lines of one loop turn are formatted and written together when the
+turn ends (`_EndOfTurn`), after the responses of that turn went out, in one write. Records
+skip what the lines do not show: the caller's frame, thread, process and task names (the
+Logging HOWTO's "Optimization" switches). Measured: a writer thread instead cost more CPU
+and latency than it saved (every record woke it and it competed for the GIL;
+docs/benchmarks.md "Peers").
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
@@ -13,9 +23,17 @@ _STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "ta
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__()
+        self._second = -1
+        self._stamp = ""
+
     def format(self, record: logging.LogRecord) -> str:
+        second = int(record.created)
+        if second != self._second:  # one strftime per second, not per line
+            self._second, self._stamp = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
         doc = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "ts": f"{self._stamp}.{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -28,8 +46,50 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, default=str)
 
 
+class _EndOfTurn(logging.StreamHandler):
+    """On the event loop's thread: records kept until the loop turn ends, then formatted and
+    written in one write. Elsewhere (worker threads, no loop): written at once."""
+
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self._pending: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            super().emit(record)
+            return
+        if not self._pending:
+            loop.call_soon(self._write_pending)
+        self._pending.append(record)
+
+    def _write_pending(self) -> None:
+        records, self._pending = self._pending, []
+        if not records:
+            return
+        try:
+            text = "".join(f"{self.format(r)}\n" for r in records)
+            with self.lock:  # type: ignore[union-attr] - created by Handler.__init__
+                self.stream.write(text)
+                self.stream.flush()
+        except Exception:
+            self.handleError(records[0])
+
+    def flush(self) -> None:
+        """Also what is kept (logging.shutdown at exit calls this)."""
+        self._write_pending()
+        super().flush()
+
+
 def setup_logging(level: str = "INFO") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    logging._srcfile = None  # type: ignore[attr-defined] - no caller lookup per record (HOWTO "Optimization")
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
+    if hasattr(logging, "logAsyncioTasks"):
+        logging.logAsyncioTasks = False
+    handler = _EndOfTurn(sys.stderr)
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger("epd_router")
     root.handlers[:] = [handler]

@@ -11,11 +11,17 @@ question. Other unknown fields are tolerated, as vLLM does.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from epd_kit.router.errors import RouterError, bad_request
+
+# Integer fields are bounded to what a 32-bit signed integer holds (token ids, counts): the
+# engine's sampling state keeps them in fixed-width tensors, and no real value comes near.
+# vLLM itself refuses top_k above the vocabulary and min_tokens above max_tokens; the router
+# checks what it can without the vocabulary (the engine still checks the rest).
+INT32_MAX = 2**31 - 1
 
 # vLLM RequestOutputKind: the chat server asks DELTA when streaming, FINAL_ONLY otherwise
 OUTPUT_KIND_DELTA = 1
@@ -123,22 +129,22 @@ class ChatCompletionRequest(BaseModel):
     messages: list[Message] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=100.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(default=None, max_length=1024)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -153,7 +159,7 @@ class ChatCompletionRequest(BaseModel):
     @classmethod
     def _token_biases(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for token, value in (bias or {}).items():
-            if not token.isdigit():
+            if not token.isdigit() or len(token) > 10 or int(token) > INT32_MAX:
                 raise ValueError(f"keys are token ids, got {token[:20]!r}")
             if not -100 <= value <= 100:
                 raise ValueError(f"bias {value} for token {token} is outside [-100, 100]")
@@ -170,6 +176,9 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("top_logprobs needs logprobs: true")
         if isinstance(self.stop, list) and len(self.stop) > 16:
             raise ValueError("at most 16 stop sequences")
+        max_tokens = self.resolved_max_tokens
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})")
         return self
 
     @property

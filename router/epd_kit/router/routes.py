@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from epd_kit.preprocess.fairness import current_client
 from epd_kit.preprocess.settings import Limits
 from epd_kit.router.body import decode_body
 from epd_kit.router.context import RequestContext
@@ -66,8 +67,12 @@ async def chat_completions(request: Request) -> Response:
             raise RouterError(400, "x-request-id must be 1-128 characters of [A-Za-z0-9._:+=@-]")
         _check_key(request)
         limits = service.state.cfg.limits
+        # admitted once the body is in: a slow or stalled upload costs its own connection
+        # (bounded by listen.body_timeout_s and listen.max_connections), never others' slots
+        receiving_cap = limits.max_requests_preprocessing * limits.max_body_bytes
+        body = await read_body(request, limits.max_body_bytes, service.intake, receiving_cap)
         slot = service.intake.enter(limits.max_requests_preprocessing)
-        body = await read_body(request, limits.max_body_bytes)
+        current_client.set(_client_of(request, service.auth.enabled))
         chat, inline = await _decode(service, body)
         del body  # `inline` keeps the image payloads' bytes until they are rendered
         ctx = RequestContext.start(chat, rid, service.state.cfg, intake=slot, inline=inline)
@@ -98,6 +103,16 @@ async def chat_completions(request: Request) -> Response:
         extra={"request_id": rid, "engine_request_id": ctx.engine_request_id, "status": 200, "duration_s": duration},
     )
     return JSONResponse(result, headers={"x-request-id": rid})
+
+
+def _client_of(request: Request, keys_checked: bool) -> str:
+    """Whose request this is, for the per-client bound on image work: its API key when the
+    router checks keys (an unchecked header is no identity), else its connection."""
+    key = request.headers.get("authorization")
+    if keys_checked and key:
+        return "key:" + key
+    peer = request.client
+    return f"conn:{peer.host}:{peer.port}" if peer else "conn:?"
 
 
 # Bodies up to this size are decoded on the event loop (well under a millisecond); bigger ones

@@ -196,6 +196,7 @@ def make_server(
         http=protocol_factory(listen, lambda reason: service.metrics.connections_closed.labels(reason).inc()),
         log_config=None,
         access_log=False,
+        ws="none",  # no WebSocket upgrade: an Upgrade header is ignored (listener.py)
         lifespan="on",
         # asyncio calls listen() again on an inherited socket: this is the queue for all processes
         backlog=listen.backlog,

@@ -1,6 +1,6 @@
 """The router's app object: builds the request path out of its parts and owns the lifecycle.
 
-    intake      intake.IntakeGate            requests receiving a body or preprocessing, capped
+    intake      intake.IntakeGate            requests preprocessing (after their body), capped
     decode_pool                              threads that decode big request bodies (body.py)
     engines     engine_client.EngineClient   HTTP to the engines, health rules and probes
     encoder     encode.Encoder               VE fan-out, retries, re-encode

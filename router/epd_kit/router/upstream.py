@@ -102,6 +102,13 @@ def deadline_exceeded(engine: Engine, deadline_s: float, what: str) -> UpstreamE
     return _failure(engine, 504, message, failure=Failure.timeout, retry_other=True)
 
 
+def stream_stalled(engine: Engine, gap_s: float) -> UpstreamError:
+    """A started stream that went silent for `gap_s`: the engine took the request and stopped
+    sending, which is how a PD that hangs mid-stream looks."""
+    message = f"{where(engine)} timed out: no stream event for {gap_s:g}s (timeouts.stream_gap_s)"
+    return _failure(engine, 504, message, failure=Failure.timeout, retry_other=False)
+
+
 def classify_status(answer: EngineAnswer, engine: Engine) -> UpstreamError:
     code = answer.status
     said = _engine_message(answer)

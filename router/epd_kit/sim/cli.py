@@ -130,7 +130,8 @@ def _sim(name: str, **kw: Any) -> Any:
     show_default=True,
     help="[sim] Latency profile (docs/sim.md).",
 )
-@_sim("compile-s", type=float, default=None, help="[sim] Simulated load+compile seconds.")
+@_sim("compile-s", type=float, default=None, help="[sim] Seconds to compile on a compile cache miss.")
+@_sim("fetch-s", type=float, default=None, help="[sim] Seconds to fetch from the remote compile cache tier.")
 @_sim("warmup-s", type=float, default=None, help="[sim] Simulated warmup seconds.")
 @_sim(
     "encode-ms-per-1k-patches",
@@ -188,6 +189,7 @@ def serve(model_tag: str | None, **opts: Any) -> None:
         profile = build_profile(
             opts["sim_profile"],
             compile_s=opts["sim_compile_s"],
+            fetch_s=opts["sim_fetch_s"],
             warmup_s=opts["sim_warmup_s"],
             encode_ms_per_1k_patches=opts["sim_encode_ms_per_1k_patches"],
             prefill_ms_per_1k_tokens=opts["sim_prefill_ms_per_1k_tokens"],

@@ -4,36 +4,28 @@ Every argv and environment here comes from the kit's one engine command model
 (epd_kit.plan): `serve_argv` is the kit's `serve` command for one local engine on any port,
 with `epd-sim` as the executable; `ve_argv` / `pd_argv` are the tutorial's Step 1 / Step 2 with
 keyword knobs, including the deliberate departures the failure tests need; `engine_env` is the
-environment the kit sets (docs/contract.md §6.4). `SimProcess` runs one engine as a subprocess and always
-cleans up. Only 127.0.0.1-style local use: nothing here picks hosts.
+environment the kit sets (docs/contract.md §6.4). `SimProcess` runs one engine as a subprocess
+(the plumbing is epd_kit.testing.process) and always cleans up. Only 127.0.0.1-style local
+use: nothing here picks hosts.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import httpx
-
 from epd_kit import plan
+from epd_kit.testing.process import ManagedProcess, free_port
+
+__all__ = ["SimProcess", "engine_command", "engine_env", "free_port", "pd_argv", "serve_argv", "ve_argv"]
 
 DEFAULT_SIM = Path(sys.executable).parent / "epd-sim"
 HOST = "127.0.0.1"
 # The simulator always loads a local checkpoint directory: the kit then sets HF_HUB_OFFLINE=1.
 _LOCAL_SETTINGS = plan.read_settings({"epd_model": "/checkpoint", "epd_engine_backend": "sim"})
-
-
-def free_port(host: str = HOST) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def engine_command(
@@ -213,52 +205,17 @@ def engine_env(cores: str, *, efa: bool = True, base: Mapping[str, str] | None =
     return env
 
 
-class SimProcess:
-    """One engine subprocess; stdout+stderr go to `log_path`. Use `stop()` in a finalizer."""
+class SimProcess(ManagedProcess):
+    """One engine subprocess (epd_kit.testing.process); stdout+stderr go to `log_path`.
+    Use `stop()` in a finalizer."""
 
     def __init__(self, argv: list[str], env: Mapping[str, str], log_path: Path) -> None:
-        self.argv, self.log_path = argv, Path(log_path)
         self.host = argv[argv.index("--host") + 1] if "--host" in argv else "0.0.0.0"
         self.port = int(argv[argv.index("--port") + 1])
         self.url = f"http://{'127.0.0.1' if self.host == '0.0.0.0' else self.host}:{self.port}"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            argv, env=dict(env), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
+        super().__init__(argv, log_path, env=env, name="engine")
 
     def wait_ready(self, timeout: float = 30.0) -> SimProcess:
         """Poll /health until 200 (the units' readiness gate); fail fast if the process exits."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"engine not ready after {timeout}s:\n{self.log()}")
-
-    def wait_exit(self, timeout: float = 20.0) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired as exc:
-            raise RuntimeError(f"engine still running after {timeout}s:\n{self.log()}") from exc
-
-    def signal(self, sig: int = signal.SIGTERM) -> None:
-        self.proc.send_signal(sig)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
+        self.wait_http(self.url + "/health", timeout)
+        return self

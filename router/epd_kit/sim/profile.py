@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True)
 class LatencyProfile:
-    compile_s: float = 2.0  # simulated load + compile before the socket opens
+    compile_s: float = 2.0  # a compile cache miss: compiling the engine's graphs (docs/sim.md "Compile cache")
+    fetch_s: float = 0.3  # a local miss that the remote tier (NEURON_LIBTORCH_REMOTE_CACHE) answers
     warmup_s: float = 0.2  # warmup after compile (where a misaligned slice fails)
     encode_ms_per_1k_patches: float = 40.0  # per vision DP replica
     encode_overhead_ms: float = 3.0  # per VE request (scheduling + device drain)
@@ -42,6 +43,7 @@ PROFILES: dict[str, LatencyProfile] = {
     # For tests: no simulated time at all (the engine still runs every code path).
     "zero": LatencyProfile(
         compile_s=0.0,
+        fetch_s=0.0,
         warmup_s=0.0,
         encode_ms_per_1k_patches=0.0,
         encode_overhead_ms=0.0,

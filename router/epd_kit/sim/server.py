@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .compile_cache import CacheSettings, CompileFailure, cache_key, key_inputs, load_or_compile
 from .config import EngineConfig, ServeArgs, StartupFailure, build_engine_config
 from .faults import Faults
 from .profile import LatencyProfile
@@ -62,12 +63,73 @@ def run(args: ServeArgs, sim: SimOptions, env: Mapping[str, str]) -> int:
         cfg = build_engine_config(args, env)
     except StartupFailure as exc:
         return _fail(exc.exc_type, exc.message)
+    try:
+        cache = CacheSettings.from_env(env)
+    except ValueError as exc:
+        return _fail("ValueError", str(exc))
     for warning in cfg.warnings:
         log.warning("%s", warning)
-    return asyncio.run(_serve(cfg, sim))
+    graph = _GraphKey.of(args, cfg, cache, env)
+    if cache.cpu_compile:
+        return asyncio.run(_cpu_compile(cfg, sim, cache, graph))
+    return asyncio.run(_serve(cfg, sim, cache, graph))
 
 
-async def _load_and_warmup(cfg: EngineConfig, sim: SimOptions) -> bool:
+@dataclass(frozen=True)
+class _GraphKey:
+    key: str
+    inputs: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, args: ServeArgs, cfg: EngineConfig, cache: CacheSettings, env: Mapping[str, str]) -> _GraphKey:
+        shapes = {
+            "max_model_len": cfg.max_model_len,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "max_num_seqs": cfg.max_num_seqs,
+            "dtype_bytes": cfg.dtype_bytes,
+            "max_vision_tokens": cfg.max_vision_tokens,
+            "additional_config": args.additional_config,
+        }
+        inputs = key_inputs(
+            architecture=cfg.checkpoint.architecture,
+            role=cfg.role,
+            shapes=shapes,
+            tp=cfg.tp,
+            target=cache.target,
+            env=env,
+        )
+        return cls(cache_key(inputs), inputs)
+
+
+async def _graphs(cfg: EngineConfig, sim: SimOptions, cache: CacheSettings, graph: _GraphKey) -> bool:
+    """Load the engine's graphs through the plugin's compile cache (compile_cache.py)."""
+    log.info("Loading weights and compiling for Neuron (cache %s, graph %s)...", cache.local_dir, graph.key)
+    try:
+        outcome = await load_or_compile(
+            cache,
+            graph.key,
+            graph.inputs,
+            compile_s=sim.profile.compile_s,
+            fetch_s=sim.profile.fetch_s,
+            engine=cfg.engine_id,
+        )
+    except CompileFailure as exc:
+        _fail("RuntimeError", str(exc))
+        return False
+    log.info("Compilation finished. Graph %s: %s (%.1f s)", outcome.key, outcome.source, outcome.seconds)
+    return True
+
+
+async def _cpu_compile(cfg: EngineConfig, sim: SimOptions, cache: CacheSettings, graph: _GraphKey) -> int:
+    """VLLM_NEURON_CPU_COMPILE=1 (cpu_compilation.md): compile for the target, execute nothing."""
+    log.info("CPU compilation for target %s (VLLM_NEURON_CPU_COMPILE=1): graphs are compiled, not run", cache.target)
+    if not await _graphs(cfg, sim, cache, graph):
+        return 1
+    log.info("CPU compilation complete: graph %s in %s", graph.key, cache.local_dir)
+    return 0
+
+
+async def _load_and_warmup(cfg: EngineConfig, sim: SimOptions, cache: CacheSettings, graph: _GraphKey) -> bool:
     role = "vision encoder (ec_producer)" if cfg.role == "ve" else "language model (ec_consumer)"
     log.info(
         "model=%r architecture=%s role=%s engine_id=%s tp=%d cores=%s",
@@ -78,9 +140,8 @@ async def _load_and_warmup(cfg: EngineConfig, sim: SimOptions) -> bool:
         cfg.tp,
         list(cfg.visible_cores) if cfg.visible_cores else "all",
     )
-    log.info("Loading weights and compiling for Neuron (simulated, %.1f s)...", sim.profile.compile_s)
-    await asyncio.sleep(sim.profile.compile_s)
-    log.info("Compilation finished.")
+    if not await _graphs(cfg, sim, cache, graph):
+        return False
     bucket = cfg.max_vision_tokens if cfg.role == "ve" else cfg.max_num_batched_tokens
     kind = "vision encoder" if cfg.role == "ve" else "prefill"
     log.info("Warming up %s bucket %d...", kind, bucket)
@@ -101,8 +162,8 @@ async def _load_and_warmup(cfg: EngineConfig, sim: SimOptions) -> bool:
     return True
 
 
-async def _serve(cfg: EngineConfig, sim: SimOptions) -> int:
-    if not await _load_and_warmup(cfg, sim):
+async def _serve(cfg: EngineConfig, sim: SimOptions, cache: CacheSettings, graph: _GraphKey) -> int:
+    if not await _load_and_warmup(cfg, sim, cache, graph):
         return 1
     import uvicorn  # the HTTP stack is only loaded by an engine that got this far
 

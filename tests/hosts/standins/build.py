@@ -6,17 +6,28 @@ The Neuron and EFA repositories are out of reach here, so the provisioning tests
 (tests/e2e/test_provision_hosts.py) install from local stand-ins with the same package names and
 version scheme, checked the same way (a signed apt repository, an installer tarball with a
 sha256). Every stand-in says so in its description and installs no driver, no kernel module
-and no Neuron code. Real parts: the EFA installer stand-in bundles Debian's real libfabric1
-(+ libfabric-bin and the dependencies the bare test image lacks), downloaded with
-`apt-get download`; NIXL comes from PyPI through the engine wheelhouse. Needs the network
-(Debian mirror) the first time: run it outside the kithub namespace (tests/hosts/wheelhouse.py).
+and no Neuron code. Each fails where the real part fails, flag by flag:
+- the EFA installer takes efa_installer.sh's options (its usage text): --minimal installs the
+  kernel module and rdma-core only (no libfabric), --skip-kmod no kernel module, and without
+  --skip-kmod it needs the running kernel's headers (exit_kernel_hdr_not_installed);
+- aws-neuronx-dkms, like dkms, fails to install without the running kernel's headers
+  (linux-headers-<uname -r>, a stand-in package in the same repository);
+- libfabric (under /opt/amazon/efa, as the real installer puts it) is a stub with the ABI
+  NIXL's LIBFABRIC plugin links (symbol versions up to FABRIC_1.10; Debian bookworm's
+  libfabric 1.17 stops at FABRIC_1.6) and no provider, like a host without an EFA interface;
+- the CUDA driver stub (cuda-cudart-dev-12-6) and cuda-cudart-12-6 are stub libraries with the
+  symbols the plugin links; hwloc is Debian's real libhwloc15;
+- the pip stand-ins carry the real distribution names (vllm, vllm-neuron, neuronx-cc,
+  torch-neuronx, nki), version <pin>+standin.
+NIXL comes from PyPI through the engine wheelhouse. Needs the network (Debian mirror) and a C
+compiler the first time: run it outside the kithub namespace (tests/hosts/wheelhouse.py).
 
 Layout of the cached directory (served over http from 10.213.0.1 inside kithub by the tests):
 
     apt/          dists/<suite>/{InRelease,Release,Release.gpg,main/binary-amd64/Packages}, pool/*.deb,
                   GPG-PUB-KEY-EPD-STANDIN.PUB (the signing key; the real one is GPG-PUB-KEY-AMAZON-AWS-NEURON.PUB)
     efa/          aws-efa-installer-<version>.tar.gz (+ .sha256)
-    pip/          vllm and vllm-neuron stand-in wheels (local version label +standin, never on PyPI)
+    pip/          stand-in wheels of the Neuron pip repository's names (local version label +standin)
     manifest.json the releases below with the installer checksums
 """
 
@@ -39,8 +50,14 @@ from pathlib import Path
 
 SUITE = "bookworm"  # the test hosts' codename: the role points apt at <repository> <codename> main
 NEURON_PACKAGES = ("aws-neuronx-dkms", "aws-neuronx-runtime-lib", "aws-neuronx-collectives", "aws-neuronx-tools")
-# Debian packages the EFA installer stand-in bundles (the real installer bundles libfabric-aws)
-EFA_DEBIAN_PACKAGES = ("libfabric1", "libfabric-bin")
+# what the EFA installer stand-in installs (dpkg names of the real installer's Debian packages)
+EFA_PACKAGES = ("libfabric1-aws", "libfabric-aws-bin")
+EFA_KMOD_PACKAGE = "efa"
+# the other system packages provisioning installs: the CUDA driver stub (setup guide) and hwloc
+CUDA_STUB_PACKAGES = ("cuda-cudart-dev-12-6", "cuda-cudart-12-6")
+CUDA_VERSION = "12.6.77"  # stand-in only: no source names the exact 12.6 patch release
+HWLOC_PACKAGES = ("libhwloc15",)
+KERNEL = os.uname().release  # the test hosts share the controller's kernel (systemd-nspawn)
 STANDIN_NOTE = "STAND-IN built by the epd-kit test harness: not AWS software, no driver, no kernel module"
 
 
@@ -52,31 +69,41 @@ class Release:
     efa_installer: str
     vllm: str
     vllm_neuron: str
+    neuronx_cc: str
+    torch_neuronx: str
+    nki: str
 
 
-# A: the Neuron 2.26.1 component versions (release content page) and EFA installer 1.41.0;
-# B: the same with newer stand-in versions, for the upgrade and rollback tests.
+# A: the Neuron 2.32.0 versions the role pins by default (src/helperscripts/n2-manifest.json,
+# setup/pytorch/manual.rst; docs/provisioning.md); B: newer stand-in versions, for the upgrade,
+# rollback and newer-host tests.
 RELEASE_A = Release(
     neuron={
-        "aws-neuronx-dkms": "2.24.7.0",
-        "aws-neuronx-runtime-lib": "2.28.23.0",
-        "aws-neuronx-collectives": "2.28.27.0",
-        "aws-neuronx-tools": "2.26.14.0",
+        "aws-neuronx-dkms": "2.30.2.0",
+        "aws-neuronx-runtime-lib": "2.34.10.0",
+        "aws-neuronx-collectives": "2.34.10.0",
+        "aws-neuronx-tools": "2.32.28.0",
     },
-    efa_installer="1.41.0",
+    efa_installer="1.47.0",
     vllm="0.24.0+standin",
-    vllm_neuron="0.4.0+standin",
+    vllm_neuron="0.24.0.1.1.0+standin",
+    neuronx_cc="2.27.5334.0+standin",
+    torch_neuronx="2.9.0.2.15.32035+standin",
+    nki="0.6.0+standin",
 )
 RELEASE_B = Release(
     neuron={
-        "aws-neuronx-dkms": "2.24.8.0",
-        "aws-neuronx-runtime-lib": "2.28.24.0",
-        "aws-neuronx-collectives": "2.28.28.0",
-        "aws-neuronx-tools": "2.26.15.0",
+        "aws-neuronx-dkms": "2.30.3.0",
+        "aws-neuronx-runtime-lib": "2.34.11.0",
+        "aws-neuronx-collectives": "2.34.11.0",
+        "aws-neuronx-tools": "2.32.29.0",
     },
-    efa_installer="1.41.1",
+    efa_installer="1.47.1",
     vllm="0.24.0+standin",
-    vllm_neuron="0.4.1+standin",
+    vllm_neuron="0.24.0.1.2.0+standin",
+    neuronx_cc="2.27.5334.0+standin",
+    torch_neuronx="2.9.0.2.15.32035+standin",
+    nki="0.6.0+standin",
 )
 RELEASES = {"a": RELEASE_A, "b": RELEASE_B}
 DEB_REVISION = "standin1"  # Debian revision of every stand-in package: <upstream>-standin1
@@ -103,29 +130,139 @@ def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess[str]:
     return result
 
 
-# --- apt repository -------------------------------------------------------------------------
+# --- stub libraries -------------------------------------------------------------------------
+
+# The symbols (and symbol versions) NIXL 1.5.1's libplugin_LIBFABRIC.so links from each library
+# (`nm -D --undefined-only`); each stub returns the "nothing there" error of the real library.
+STUBS = {
+    "libfabric.so.1": (
+        """#include <stddef.h>
+/* STAND-IN libfabric: NIXL's ABI, no provider (a host without an EFA interface). */
+int fi_getinfo(unsigned v, const char *n, const char *s, unsigned long long f, const void *h, void **i)
+{ if (i) *i = NULL; return -61; }
+void fi_freeinfo(void *i) {}
+void *fi_dupinfo(const void *i) { return NULL; }
+int fi_fabric(void *a, void **f, void *c) { return -61; }
+const char *fi_strerror(int e) { return "No data available (STAND-IN libfabric: no provider)"; }
+unsigned fi_version(void) { return (1u << 16) | 22u; }
+""",
+        "FABRIC_1.0 { global: fi_strerror; fi_version; local: *; };\\n"
+        "FABRIC_1.1 { global: fi_fabric; } FABRIC_1.0;\\n"
+        "FABRIC_1.10 { global: fi_getinfo; fi_freeinfo; fi_dupinfo; } FABRIC_1.1;\\n",
+    ),
+    "libcuda.so.1": (
+        """/* STAND-IN CUDA driver stub: every call answers CUDA_ERROR_STUB_LIBRARY (34). */
+int cuInit(unsigned f) { return 34; }
+int cuCtxSetCurrent(void *c) { return 34; }
+int cuDeviceGetPCIBusId(char *b, int l, int d) { return 34; }
+int cuPointerGetAttributes(unsigned n, void *a, void **d, unsigned long long p) { return 34; }
+""",
+        None,
+    ),
+    "libcudart.so.12": (
+        """/* STAND-IN CUDA runtime: no device. */
+const char *cudaGetErrorString(int e) { return "CUDA driver is a stub library"; }
+int cudaSetDevice(int d) { return 34; }
+""",
+        "libcudart.so.12 { global: *; };\\n",
+    ),
+}
 
 
-def build_deb(pool: Path, package: str, version: str, work: Path) -> None:
-    root = work / f"{package}_{version}"
-    doc = root / "usr/share/doc" / package
+def build_stub(soname: str, target: Path, work: Path) -> None:
+    source, version_script = STUBS[soname]
+    c = work / f"{soname}.c"
+    c.write_text(source)
+    argv = ["gcc", "-shared", "-fPIC", "-O1", "-o", str(target), f"-Wl,-soname,{soname}", str(c)]
+    if version_script:
+        (work / f"{soname}.map").write_text(version_script.replace("\\n", "\n"))
+        argv.append(f"-Wl,--version-script={work / f'{soname}.map'}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    run(argv)
+
+
+# --- debs -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Deb:
+    package: str
+    version: str  # the full Debian version
+    depends: str = ""
+    files: dict[str, Path | str] | None = None  # path in the package -> a built file or text
+    postinst: str = ""
+    description: str = ""
+
+
+def build_deb(pool: Path, deb: Deb, work: Path) -> Path:
+    out = pool / f"{deb.package}_{deb.version}_amd64.deb"
+    if out.exists():
+        return out
+    root = work / f"deb-{deb.package}_{deb.version}"
+    doc = root / "usr/share/doc" / deb.package
     doc.mkdir(parents=True)
-    (doc / "STAND-IN").write_text(f"{package} {version}\n{STANDIN_NOTE}\n")
+    (doc / "STAND-IN").write_text(f"{deb.package} {deb.version}\n{STANDIN_NOTE}\n")
+    for path, content in (deb.files or {}).items():
+        dest = root / path.lstrip("/")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, Path):
+            shutil.copy2(content, dest)
+        else:
+            dest.write_text(content)
+            dest.chmod(0o755 if content.startswith("#!") else 0o644)
     (root / "DEBIAN").mkdir()
+    depends = f"Depends: {deb.depends}\n" if deb.depends else ""
     (root / "DEBIAN/control").write_text(
-        f"Package: {package}\nVersion: {version}-{DEB_REVISION}\nArchitecture: amd64\n"
+        f"Package: {deb.package}\nVersion: {deb.version}\nArchitecture: amd64\n{depends}"
         "Maintainer: epd-kit test harness <nobody@invalid>\nSection: misc\nPriority: optional\n"
-        f"Description: STAND-IN for AWS {package} (epd-kit tests only)\n {STANDIN_NOTE}.\n"
+        f"Description: STAND-IN for {deb.description or deb.package} (epd-kit tests only)\n {STANDIN_NOTE}.\n"
     )
-    run(
-        [
-            "dpkg-deb",
-            "--root-owner-group",
-            "--build",
-            str(root),
-            str(pool / f"{package}_{version}-{DEB_REVISION}_amd64.deb"),
-        ]
-    )
+    if deb.postinst:
+        (root / "DEBIAN/postinst").write_text(deb.postinst)
+        (root / "DEBIAN/postinst").chmod(0o755)
+    run(["dpkg-deb", "--root-owner-group", "--build", str(root), str(out)])
+    return out
+
+
+# dkms builds the module against the running kernel's headers and fails without them
+DKMS_POSTINST = """#!/bin/sh
+set -e
+[ "$1" = configure ] || exit 0
+kernel=$(uname -r)
+if [ ! -e "/usr/src/linux-headers-$kernel/STAND-IN" ] && [ ! -d "/lib/modules/$kernel/build" ]; then
+  echo "Error! Your kernel headers for kernel $kernel cannot be found." >&2
+  echo "Please install the linux-headers-$kernel package (dkms cannot build the neuron module)." >&2
+  exit 1
+fi
+echo "aws-neuronx-dkms (STAND-IN): no module built; kernel headers of $kernel present"
+"""
+
+
+def neuron_debs() -> list[Deb]:
+    debs = []
+    for release in RELEASES.values():
+        for package, version in release.neuron.items():
+            postinst = DKMS_POSTINST if package == "aws-neuronx-dkms" else ""
+            debs.append(Deb(package, f"{version}-{DEB_REVISION}", postinst=postinst, description=f"AWS {package}"))
+    headers = f"/usr/src/linux-headers-{KERNEL}/STAND-IN"
+    debs.append(Deb(f"linux-headers-{KERNEL}", f"1-{DEB_REVISION}", files={headers: STANDIN_NOTE + "\n"}))
+    return debs
+
+
+def cuda_debs(work: Path) -> list[Deb]:
+    base = "/usr/local/cuda-12.6/targets/x86_64-linux/lib"
+    build_stub("libcuda.so.1", work / "stubs/libcuda.so", work)
+    build_stub("libcudart.so.12", work / "stubs/libcudart.so.12", work)
+    version = f"{CUDA_VERSION}-1"
+    return [
+        Deb("cuda-cudart-12-6", version, files={f"{base}/libcudart.so.12": work / "stubs/libcudart.so.12"}),
+        Deb(
+            "cuda-cudart-dev-12-6",
+            version,
+            depends=f"cuda-cudart-12-6 (= {version})",
+            files={f"{base}/stubs/libcuda.so": work / "stubs/libcuda.so"},
+        ),
+    ]
 
 
 def release_file(dists: Path) -> str:
@@ -146,13 +283,13 @@ def release_file(dists: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_apt_repository(target: Path, work: Path) -> None:
+def build_apt_repository(target: Path, work: Path, bare_rootfs: Path) -> None:
+    """The Neuron packages, the kernel headers, the CUDA stub and Debian's hwloc in one signed repository."""
     pool = target / "pool"
     pool.mkdir(parents=True)
-    for release in RELEASES.values():
-        for package, version in release.neuron.items():
-            if not (pool / f"{package}_{version}-{DEB_REVISION}_amd64.deb").exists():
-                build_deb(pool, package, version, work)
+    for deb in neuron_debs() + cuda_debs(work):
+        build_deb(pool, deb, work)
+    run(["apt-get", "download", *missing_from(bare_rootfs, HWLOC_PACKAGES)], cwd=pool)
     dists = target / "dists" / SUITE
     binary = dists / "main/binary-amd64"
     binary.mkdir(parents=True)
@@ -171,27 +308,112 @@ def build_apt_repository(target: Path, work: Path) -> None:
 
 # --- EFA installer ----------------------------------------------------------------------------
 
-INSTALLER = """#!/bin/bash
+# efa_installer.sh's options and behaviour (its usage text and install_efa_packages): --minimal
+# skips libfabric, openmpi and efa-profile; --skip-kmod skips the kernel module and its headers;
+# the kernel module needs the running kernel's headers (exit_kernel_hdr_not_installed).
+INSTALLER = r"""#!/bin/bash
 # {note}
-# Takes the real efa_installer.sh's options; installs the bundled Debian libfabric packages
-# and records what it installed in /opt/amazon/efa_installed_packages like the real one.
-set -euo pipefail
+# Takes the real efa_installer.sh's options and installs like it, from the bundled packages.
+set -uo pipefail
 cd "$(dirname "$0")"
-for option in "$@"; do
-  case "$option" in
-    -y|--yes|-k|--skip-kmod|-l|--skip-limit-conf|-n|--no-verify|-m|--minimal|-g|--enable-gdr|-d|--debug-packages) ;;
-    *) echo "efa_installer.sh (stand-in): unknown option $option" >&2; exit 2 ;;
+usage() {{
+  cat <<EOF
+usage: $(basename "$0") [options]
+ -d, --debug-packages, -u, --uninstall, -y, --yes, -n, --no-verify, -l, --skip-limit-conf,
+ -k, --skip-kmod, -g, --enable-gdr,
+ -m, --minimal          Only install kernel module and rdma-core, do not install openmpi and libfabric
+EOF
+}}
+long=debug-packages,no-verify,uninstall,yes,skip-limit-conf,skip-kmod,minimal,enable-gdr
+TEMP=$(getopt -o :dnuylkmg --long "$long" -- "$@") || {{ usage; exit 1; }}
+eval set -- "$TEMP"
+SKIP_KMOD=0 MINIMAL=0 UNATTENDED=0
+while true; do
+  case "$1" in
+    -k|--skip-kmod) SKIP_KMOD=1; shift ;;
+    -m|--minimal) MINIMAL=1; shift ;;
+    -y|--yes) UNATTENDED=1; shift ;;
+    -u|--uninstall) echo "efa_installer.sh (stand-in): --uninstall is not part of the stand-in" >&2; exit 2 ;;
+    -d|--debug-packages|-n|--no-verify|-l|--skip-limit-conf|-g|--enable-gdr) shift ;;
+    --) shift; break ;;
+    *) usage; exit 1 ;;
   esac
 done
-apt-get install -y --no-install-recommends ./DEBS/*.deb
+[ "$UNATTENDED" -eq 1 ] || {{ echo "efa_installer.sh (stand-in): run with --yes (no prompt here)" >&2; exit 1; }}
+echo "= Starting Amazon Elastic Fabric Adapter Installation Script ="
+echo "= EFA Installer Version: {version} ="
+packages=()
+if [ "$SKIP_KMOD" -eq 0 ]; then
+  echo "== Installing EFA dependencies =="
+  if ! apt-get install -y "linux-headers-$(uname -r)"; then
+    cat >&2 <<EOF
+The kernel header of the current kernel version cannot be installed and is required
+to build the EFA kernel module. Please install the kernel header package for your
+distribution manually or build the EFA kernel driver manually and re-run the installer
+with --skip-kmod.
+EOF
+    exit 1
+  fi
+  packages+=(./DEBS/{kmod}_*.deb)
+fi
+if [ "$MINIMAL" -eq 1 ]; then
+  for deb in ./DEBS/libfabric*.deb; do echo "skipping $(basename "$deb" .deb) because of minimal installation"; done
+else
+  packages+=(./DEBS/libfabric*.deb)
+fi
+echo "== Installing EFA packages =="
+# like package_should_be_skipped: a package the host has at this version or newer is kept
+install=()
+for deb in "${{packages[@]}}"; do
+  name=$(dpkg-deb -f "$deb" Package) version=$(dpkg-deb -f "$deb" Version)
+  have=$(dpkg-query -W -f '${{Version}}' "$name" 2>/dev/null || true)
+  if [ -n "$have" ] && dpkg --compare-versions "$version" le "$have"; then
+    echo "${{name}}_$have already installed"
+  else
+    install+=("$deb")
+  fi
+done
+packages_all=("${{packages[@]}}")
+packages=("${{install[@]}}")
+if [ ${{#packages[@]}} -gt 0 ]; then
+  apt-get install -y --no-install-recommends "${{packages[@]}}" ||
+    {{ echo "Error: failed to install EFA packages, exiting" >&2; exit 1; }}
+fi
 mkdir -p /opt/amazon
 {{
   echo "# EFA installer version: {version}"
   echo "# Debug packages installed: no"
-  echo "# {note}"
-  dpkg-query -W -f '${{Package}} ${{Version}}\\n' {packages}
+  echo "# Packages installed:"
+  for deb in "${{packages_all[@]}}"; do basename "$deb" .deb; done | tr '\n' ' '; echo
 }} > /opt/amazon/efa_installed_packages
+echo "==================================================="
+echo "EFA installation complete."
+echo "- Please logout/login to complete the installation."
+[ "$MINIMAL" -eq 1 ] || echo "- Libfabric was installed in /opt/amazon/efa"
+echo "==================================================="
 """
+
+# `fi_info -p efa` on a host without an EFA provider: libfabric's error, exit 1
+FI_INFO = """#!/bin/sh
+# STAND-IN fi_info: the stand-in libfabric has no provider
+echo "fi_getinfo: -61 (No data available)" >&2
+exit 1
+"""
+
+
+def efa_debs(work: Path, version: str) -> list[Deb]:
+    build_stub("libfabric.so.1", work / "stubs/libfabric.so.1", work)
+    deb_version = f"{version}amzn1.0-{DEB_REVISION}"
+    return [
+        Deb("libfabric1-aws", deb_version, files={"/opt/amazon/efa/lib/libfabric.so.1": work / "stubs/libfabric.so.1"}),
+        Deb(
+            "libfabric-aws-bin",
+            deb_version,
+            depends=f"libfabric1-aws (= {deb_version})",
+            files={"/opt/amazon/efa/bin/fi_info": FI_INFO},
+        ),
+        Deb(EFA_KMOD_PACKAGE, deb_version, description="the EFA kernel module (nothing is built)"),
+    ]
 
 
 def missing_from(rootfs: Path, packages: tuple[str, ...]) -> list[str]:
@@ -202,17 +424,16 @@ def missing_from(rootfs: Path, packages: tuple[str, ...]) -> list[str]:
     return [line.split()[1] for line in out.splitlines() if line.startswith("Inst ")]
 
 
-def build_efa_installers(target: Path, work: Path, bare_rootfs: Path) -> None:
-    debs = work / "efa-debs"
-    debs.mkdir()
-    run(["apt-get", "download", *missing_from(bare_rootfs, EFA_DEBIAN_PACKAGES)], cwd=debs)
+def build_efa_installers(target: Path, work: Path) -> None:
     target.mkdir(parents=True)
     for release in RELEASES.values():
         version = release.efa_installer
         tree = work / f"efa-{version}" / "aws-efa-installer"
-        shutil.copytree(debs, tree / "DEBS")
+        (tree / "DEBS").mkdir(parents=True)
+        for deb in efa_debs(work, version):
+            build_deb(tree / "DEBS", deb, work)
         script = tree / "efa_installer.sh"
-        script.write_text(INSTALLER.format(note=STANDIN_NOTE, version=version, packages=" ".join(EFA_DEBIAN_PACKAGES)))
+        script.write_text(INSTALLER.format(note=STANDIN_NOTE, version=version, kmod=EFA_KMOD_PACKAGE))
         script.chmod(0o755)
         (tree / "README.STAND-IN").write_text(STANDIN_NOTE + "\n")
         tarball = target / f"aws-efa-installer-{version}.tar.gz"
@@ -251,13 +472,33 @@ def build_wheel(target: Path, dist: str, version: str, module: str, console_scri
             wheel.writestr(name, text)
 
 
+# distribution -> (import name, console script): the names the Neuron pip repository serves
+PIP_STANDINS = {
+    "vllm": ("vllm", "vllm"),
+    "vllm-neuron": ("vllm_neuron", None),
+    "neuronx-cc": ("neuronxcc", "neuronx-cc"),
+    "torch-neuronx": ("torch_neuronx", None),
+    "nki": ("nki", None),
+}
+
+
+def release_pip_versions(release: Release) -> dict[str, str]:
+    return {
+        "vllm": release.vllm,
+        "vllm-neuron": release.vllm_neuron,
+        "neuronx-cc": release.neuronx_cc,
+        "torch-neuronx": release.torch_neuronx,
+        "nki": release.nki,
+    }
+
+
 def build_pip_standins(target: Path) -> None:
     target.mkdir(parents=True)
     for release in RELEASES.values():
-        if not any(target.glob(f"vllm-{release.vllm}-*.whl")):
-            build_wheel(target, "vllm", release.vllm, "vllm", "vllm")
-        if not any(target.glob(f"vllm_neuron-{release.vllm_neuron}-*.whl")):
-            build_wheel(target, "vllm-neuron", release.vllm_neuron, "vllm_neuron", None)
+        for dist, version in release_pip_versions(release).items():
+            if not any(target.glob(f"{dist.replace('-', '_')}-{version}-*.whl")):
+                module, script = PIP_STANDINS[dist]
+                build_wheel(target, dist, version, module, script)
 
 
 # --- the role's variables for the stand-ins -----------------------------------------------------------
@@ -281,14 +522,16 @@ def provision_vars(release_name: str, target: Path | None = None, server: str = 
         "epd_provision_neuron_runtime_version": release.neuron["aws-neuronx-runtime-lib"],
         "epd_provision_neuron_collectives_version": release.neuron["aws-neuronx-collectives"],
         "epd_provision_neuron_tools_version": release.neuron["aws-neuronx-tools"],
-        "epd_provision_neuron_kernel_headers": False,  # no kernel build here: the stand-in dkms has no module
         "epd_provision_neuron_check_devices": False,  # no Neuron device in a container
         "epd_provision_efa_installer_version": release.efa_installer,
         "epd_provision_efa_installer_url": f"{server}/efa/{efa_tarball}",
         "epd_provision_efa_installer_sha256": manifest(target)["efa_sha256"][efa_tarball],
-        "epd_provision_efa_check_provider": False,  # Debian's libfabric has no efa provider (no EFA device either)
+        "epd_provision_efa_check_provider": False,  # the stand-in libfabric has no provider (no EFA device either)
         "epd_provision_vllm_version": release.vllm,
         "epd_provision_vllm_neuron_version": release.vllm_neuron,
+        "epd_provision_neuronx_cc_version": release.neuronx_cc,
+        "epd_provision_torch_neuronx_version": release.torch_neuronx,
+        "epd_provision_nki_version": release.nki,
         "epd_provision_nixl_version": NIXL_VERSION,
         "epd_provision_engine_extra_requirements": ENGINE_EXTRA_REQUIREMENTS,
         "epd_provision_engine_resolve_dependencies": False,
@@ -305,6 +548,9 @@ def engine_wheelhouse_argv(variables: dict) -> list[str]:
     requirements = [
         f"vllm=={merged['epd_provision_vllm_version']}",
         f"vllm-neuron=={merged['epd_provision_vllm_neuron_version']}",
+        f"neuronx-cc=={merged['epd_provision_neuronx_cc_version']}",
+        f"torch-neuronx=={merged['epd_provision_torch_neuronx_version']}",
+        f"nki=={merged['epd_provision_nki_version']}",
         f"nixl=={merged['epd_provision_nixl_version']}",
         *merged["epd_provision_engine_extra_requirements"],
     ]
@@ -335,8 +581,8 @@ def build(target: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="epd-standins-") as tmp:
         work = Path(tmp)
         staging = work / "out"
-        build_apt_repository(staging / "apt", work)
-        build_efa_installers(staging / "efa", work, rootfs)
+        build_apt_repository(staging / "apt", work, rootfs)
+        build_efa_installers(staging / "efa", work)
         build_pip_standins(staging / "pip")
         manifest = {
             "note": STANDIN_NOTE,

@@ -28,6 +28,7 @@ class _Server:
     def __init__(self) -> None:
         self.hits: Counter[str] = Counter()
         self.authorization: list[str | None] = []
+        self.cookies: list[str | None] = []
         self.stop = threading.Event()
         server = self
 
@@ -38,6 +39,7 @@ class _Server:
             def do_GET(self) -> None:
                 server.hits[self.path] += 1
                 server.authorization.append(self.headers.get("Authorization"))
+                server.cookies.append(self.headers.get("Cookie"))
                 route = getattr(
                     server, "route_" + self.path.split("?")[0].strip("/").replace("-", "_").replace(".", "_"), None
                 )
@@ -88,6 +90,9 @@ class _Server:
                 return
             h.wfile.write(bytes([byte]))
             h.wfile.flush()
+
+    def route_img_cookie_png(self, h) -> None:  # an image host that sets a session cookie
+        self._send(h, 200, PNG, **{"Content-Type": "image/png", "Set-Cookie": "session=client-a; Path=/"})
 
     def route_redirect_same(self, h) -> None:
         self._send(h, 302, b"", Location="/img.png")
@@ -244,3 +249,17 @@ async def test_every_fetch_failure_looks_the_same_to_the_client(
     assert messages == {"could not fetch an image from URL (the router's log has the reason)"}
     for reason in ("ConnectError", "answered HTTP 404", "not an image", "another origin"):
         assert reason in _reasons(caplog)
+
+
+async def test_no_cookie_from_one_fetch_reaches_another(make_preprocessor, server: _Server) -> None:
+    """Issue 23 finding 3: a Set-Cookie answered to client A's fetch went out on client B's."""
+    from epd_kit.preprocess.fairness import current_client
+
+    pre = _allowing(make_preprocessor, f"127.0.0.1:{server.port}")
+    current_client.set("client-a")
+    await pre.render(_msg(f"{server.base}/img-cookie.png"))
+    before = len(server.cookies)
+    current_client.set("client-b")
+    await pre.render(_msg(f"{server.base}/img.png?b"))
+    await pre.render(_msg(f"{server.base}/img-cookie.png?again"))
+    assert server.cookies[before:] == [None, None]

@@ -56,21 +56,58 @@ def test_an_inline_image_is_kept_apart_and_other_strings_come_back_whole():
     assert isinstance(decoded.inline[parts[2]["image_url"]], memoryview)
 
 
-def test_short_and_escaped_payloads_go_through_the_parser():
+def test_short_payloads_go_through_the_parser_and_escaped_ones_are_lifted_unescaped():
+    """Issue 23 finding 7: a PNG whose base64 had '/' escaped (PHP's default) or was wrapped
+    with \\n was not lifted, counted as text and got 413."""
+    long_b64 = "A/" * LIFT_MIN_BYTES
     doc = {
         "messages": [
             {
                 "role": "user",
                 "content": [
                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
-                    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A/" * LIFT_MIN_BYTES}},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + long_b64}},
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": "data:image/png;base64," + PAYLOAD[:76] + "\n" + PAYLOAD},
+                    },
                 ],
             }
         ]
     }
     raw = body_of(doc).replace(b"A/", b"A\\/")  # some encoders escape '/'
-    decoded = decode_body(raw, LIMITS)
-    assert decoded.doc == doc and decoded.inline == {}
+    small = Limits(max_text_bytes=1024)  # the payloads alone are far bigger
+    decoded = decode_body(raw, small)
+    parts = decoded.doc["messages"][0]["content"]
+    assert parts[0] == doc["messages"][0]["content"][0]
+    assert bytes(decoded.inline[parts[1]["image_url"]["url"]]) == long_b64.encode()
+    assert bytes(decoded.inline[parts[2]["image_url"]["url"]]) == (PAYLOAD[:76] + "\n" + PAYLOAD).encode()
+    assert len(decoded.inline) == 2
+
+
+def test_punctuation_inside_text_is_text_not_json_values():
+    """Issue 23 finding 7: a 40 KB prompt of 20,000 commas, or a 90 KB JSON document pasted
+    into a prompt, tripped max_json_values (counted as all , : [ { bytes)."""
+    pasted = json.dumps([{"k": i, "v": [i, i]} for i in range(6000)])
+    for text in ("a," * 20_000, pasted):
+        doc = {"messages": [{"role": "user", "content": text}]}
+        assert decode_body(body_of(doc), LIMITS).doc == doc
+    structure = b"[" + b",".join([b"{}"] * LIMITS.max_json_values) + b"]"
+    assert refused(structure).status == 413  # real values are still counted
+
+
+@pytest.mark.parametrize(
+    ("raw", "where"),
+    [
+        (b'{"repetition_penalty": 1e400}', "repetition_penalty"),
+        (b'{"extra_args": {"a": [1, -1e999]}}', "extra_args.a.1"),
+        (b'{"structured_outputs": {"json": {"maximum": 1E+400}}}', "structured_outputs.json.maximum"),
+    ],
+)
+def test_a_number_beyond_a_double_is_a_400_naming_the_field(raw, where):
+    """Issue 23 finding 6: 1e400 parsed as infinity and reached the PD as `Infinity`."""
+    err = refused(raw)
+    assert err.status == 400 and err.param == where and "numbers must be finite" in err.message
 
 
 @pytest.mark.parametrize(
@@ -153,3 +190,14 @@ def test_valid_documents_decode_like_json_loads(doc):
         assert decode_body(raw, LIMITS).doc == json.loads(raw)
     else:
         assert refusal in refused(raw).message
+
+
+def test_the_text_limit_counts_characters_a_json_escape_as_one():
+    """Issue 23 item 6: a prompt of 300,000 non-ASCII characters is 1.8 MB as json.dumps
+    writes it (\\uXXXX each) and was a 413 under the 1 MiB limit; it is 300,000 characters."""
+    doc = {"messages": [{"role": "user", "content": "é" * 300_000}]}
+    assert decode_body(body_of(doc), LIMITS).doc == doc
+    over = refused(body_of({"messages": [{"role": "user", "content": "a" * (LIMITS.max_text_bytes + 10)}]}))
+    assert over.status == 413 and "characters (limits.max_text_bytes)" in over.message
+    flood = refused(body_of({"messages": [{"role": "user", "content": "\\" * (4 * LIMITS.max_text_bytes)}]}))
+    assert flood.status == 413 and "bytes, above the limit" in flood.message  # 8 MiB: refused by size

@@ -5,8 +5,10 @@ The same path against real simulated engines is tests/router."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import time
 from dataclasses import dataclass, field
 
 import httpx
@@ -39,6 +41,7 @@ class Engines:
     encodes: list[tuple[str, list[str]]] = field(default_factory=list)
     pd_calls: list[PdCall] = field(default_factory=list)
     blocks: int = 0
+    hang_mid_stream: bool = False  # a PD that sends one event, then nothing
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         port = request.url.port
@@ -88,13 +91,15 @@ class Engines:
             {"request_id": rid, "choices": [{"index": 0, "token_ids": [72]}]},
             {"request_id": rid, "choices": [{"index": 0, "token_ids": [105], "finish_reason": "stop"}]},
         ]
-        return sse_response(frames)
+        return sse_response(frames, hang=self.hang_mid_stream)
 
 
-def sse_response(docs: list[dict]) -> httpx.Response:
+def sse_response(docs: list[dict], hang: bool = False) -> httpx.Response:
     async def body():  # a stream, as an engine sends it (bytes would arrive already read)
         for doc in docs:
             yield b"data: " + json.dumps(doc).encode() + b"\n\n"
+            if hang:
+                await asyncio.sleep(3600)
         yield b"data: [DONE]\n\n"
 
     return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
@@ -105,7 +110,7 @@ async def make_service(char_renderer, make_item):
     started: list[RouterService] = []
     stack = contextlib.AsyncExitStack()
 
-    async def make(engines: Engines, max_attempts: int = 3) -> RouterService:
+    async def make(engines: Engines, max_attempts: int = 3, **timeouts: float) -> RouterService:
         logical = [f"http://127.0.0.1:{port}" for port in [*VE_PORTS, *PD_PORTS]]
         real = await stack.enter_async_context(scripted_engines.serve(engines.handler, logical))
         cfg = parse_config(
@@ -113,6 +118,7 @@ async def make_service(char_renderer, make_item):
                 "model": "/m",
                 "health": {"interval_s": 60},
                 "retries": {"max_attempts": max_attempts},
+                "timeouts": {"pd_s": 30, **timeouts},
                 "endpoints": {
                     "ve": [{"id": ve, "url": real[f"http://127.0.0.1:{port}"]} for port, ve in VE_PORTS.items()],
                     "pd": [{"id": pd, "url": real[f"http://127.0.0.1:{port}"]} for port, pd in PD_PORTS.items()],
@@ -203,3 +209,25 @@ async def test_attempts_are_bounded_and_the_last_failure_is_reported(make_servic
     assert len(engines.pd_calls) == 2 and len({c.engine for c in engines.pd_calls}) == 2
     assert retries(service, "generate") == 1
     assert all_slots_free(service)
+
+
+async def test_a_pd_hung_mid_stream_ends_its_stream_within_the_gap_naming_it(make_service):
+    """Issue 23 finding 4: streams on a PD that hung mid-stream waited pd_s and got 'exceeded
+    the router's total timeout'; the failure was not counted against the PD. Now the stream
+    ends after timeouts.stream_gap_s with an error naming the PD and the cause, counted."""
+    engines = Engines(hang_mid_stream=True)
+    service = await make_service(engines, stream_gap_s=0.3)
+    chat = parse_request({"messages": [{"role": "user", "content": "hi"}], "stream": True})
+    ctx = RequestContext.start(chat, "rid", service.state.cfg)
+    pd = await service.generation.open_stream(ctx)
+    outcome = service.metrics.track_request()
+    t = time.monotonic()
+    frames = [f async for f in service.generation.relay(ctx, pd, outcome)]
+    assert time.monotonic() - t < 0.3 + 1.0  # the gap, not pd_s (30 s here)
+    error = json.loads(frames[-2][6:])["error"]
+    assert frames[-1] == b"data: [DONE]\n\n" and outcome.status == "stream_error"
+    assert pd.engine.id in error["message"] and "no stream event for 0.3s (timeouts.stream_gap_s)" in error["message"]
+    failures = service.metrics.registry.get_sample_value(
+        "epd_router_engine_failures_total", {"engine": pd.engine.id, "role": "pd"}
+    )
+    assert failures == 1 and all_slots_free(service)

@@ -10,6 +10,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 
+import pytest
 import uvicorn
 
 from epd_kit.router.config import Listen
@@ -88,3 +89,67 @@ async def test_a_normal_head_with_a_large_body_in_one_chunk_is_served():
     assert answer.startswith(b"HTTP/1.1 200 ")
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1]) == {"received": len(body)}
     assert closed == []
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict]:
+    async with asyncio.timeout(5):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+        )
+        return int(head.split()[1]), json.loads(await reader.readexactly(length))
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        b"authorization: Bearer " + b"k" * 120_000 + b"\r\n",  # one 120 KB header
+        b"".join(b"x-h-%d: v\r\n" % i for i in range(1500)),  # 1,500 small ones (~20 KB)
+    ],
+    ids=["one-huge-header", "many-headers"],
+)
+async def test_the_head_cap_holds_for_a_head_sent_in_one_write(headers):
+    """Issue 23 finding 8: the 16 KiB cap held only for heads that arrived in pieces."""
+    closed: list[str] = []
+    async with serving(closed) as port:
+        answer = await exchange(port, b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\n" + headers + b"\r\n")
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"request head over 16 KiB" in answer
+    assert closed == ["malformed"]
+
+
+@pytest.mark.parametrize(
+    "upgrade",
+    [
+        b"upgrade: h2c\r\nconnection: Upgrade, HTTP2-Settings\r\nhttp2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n",
+        b"upgrade: foo\r\nconnection: upgrade\r\n",
+        b"upgrade: websocket\r\nconnection: upgrade\r\n",
+        b"upgrade: foo\r\n",
+    ],
+    ids=["h2c", "foo", "websocket", "no-connection-upgrade"],
+)
+async def test_an_upgrade_is_ignored_the_body_read_and_the_next_request_served(upgrade):
+    """Issue 23 finding 5: `curl --http2` (Upgrade: h2c) got 400 'not valid JSON' (the body
+    was dropped) and a request pipelined after it got no answer."""
+    closed: list[str] = []
+    async with serving(closed) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = b'{"messages": []}'
+        first = b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\n" + upgrade
+        first += b"content-length: %d\r\n\r\n" % len(body) + body
+        second = b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\ncontent-length: 3\r\n\r\nabc"
+        writer.write(first + second)  # pipelined
+        try:
+            assert await read_answer(reader) == (200, {"received": len(body)})
+            assert await read_answer(reader) == (200, {"received": 3})
+        finally:
+            writer.close()
+    assert closed == []
+
+
+async def test_an_unsupported_transfer_coding_is_a_501():
+    """Issue 23 finding 9: `Transfer-Encoding: gzip, chunked` with a plain body was accepted."""
+    closed: list[str] = []
+    async with serving(closed) as port:
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\ntransfer-encoding: gzip, chunked\r\n\r\n"
+        answer = await exchange(port, head + b"3\r\nabc\r\n0\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 501 ") and b"transfer coding 'gzip, chunked' is not implemented" in answer

@@ -152,3 +152,28 @@ def test_bad_structured_output_requests_are_400(extra, needle):
     with pytest.raises(RouterError) as info:
         parse_request({"messages": MSG, **extra})
     assert info.value.status == 400 and needle in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"top_k": 10**30}, "top_k"),
+        ({"stop_token_ids": [10**30]}, "stop_token_ids.0"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"min_tokens": 10**30}, "min_tokens"),
+        ({"logit_bias": {"9" * 30: 1}}, "logit_bias"),
+    ],
+)
+def test_integer_fields_are_bounded_with_a_400_naming_the_field(extra, field):
+    """Issue 23 finding 9: top_k 10^30 and stop_token_ids [10^30] reached the PD."""
+    with pytest.raises(RouterError) as info:
+        parse_request({"messages": [{"role": "user", "content": "hi"}], **extra})
+    assert info.value.status == 400 and info.value.param == field
+
+
+def test_min_tokens_above_max_tokens_is_a_400():
+    with pytest.raises(RouterError) as info:
+        parse_request({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "min_tokens": 5})
+    assert info.value.status == 400 and "min_tokens (5) must not exceed max_tokens (4)" in info.value.message
+    assert parse_request({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "min_tokens": 5})

@@ -127,3 +127,58 @@ async def test_an_invalid_request_id_is_refused_with_a_fresh_one(client):
     assert r.status_code == 400 and len(r.json()["request_id"]) == 32
     r = await client.get("/nothing")
     assert r.status_code == 404 and r.json()["request_id"]
+
+
+async def test_a_slow_upload_does_not_take_a_preprocessing_slot(app, client):
+    """Issue 23 finding 2: uploads trickling their bodies held max_requests_preprocessing for
+    the whole body timeout and every other client got 429. Admission now follows the body."""
+    arrived = [asyncio.Event() for _ in range(3)]
+    finish = [asyncio.Event() for _ in range(3)]
+
+    async def trickle(n: int):
+        yield b'{"messages": [{"role": "user", '
+        arrived[n].set()
+        await finish[n].wait()
+        yield b'"content": "hi"}], "max_tokens": 2}'
+
+    slow = [asyncio.create_task(client.post("/v1/chat/completions", content=trickle(n))) for n in range(3)]
+    await asyncio.wait_for(asyncio.gather(*(a.wait() for a in arrived)), 5)
+    await asyncio.sleep(0.05)
+    assert (await client.post("/v1/chat/completions", json=BODY)).status_code == 200  # limit is 1
+    for n, task in enumerate(slow):  # each, once its body is in, is served like any other
+        finish[n].set()
+        assert (await task).status_code == 200
+    assert app.state.service.intake.active == 0 and app.state.service.intake.receiving_bytes == 0
+
+
+async def test_no_redirect_is_built_from_the_clients_host(client):
+    """Issue 23 finding 9: POST /v1/chat/completions/ answered 307 to a Location built from
+    the client's Host header."""
+    r = await client.post("/v1/chat/completions/", json=BODY, headers={"host": "evil.example"})
+    assert r.status_code == 404 and "location" not in r.headers
+    assert "no route /v1/chat/completions/" in r.json()["error"]["message"]
+
+
+async def test_bytes_of_bodies_still_arriving_are_capped_in_all(app, client):
+    """Admission after the body must not let uploads hold unbounded memory: the bytes of
+    bodies still arriving are capped at max_requests_preprocessing x max_body_bytes (here
+    1 x 250), a 503 beyond."""
+    state = app.state.service.state
+    state.cfg = state.cfg.model_copy(update={"limits": state.cfg.limits.model_copy(update={"max_body_bytes": 250})})
+    arrived, finish = asyncio.Event(), asyncio.Event()
+
+    async def trickle():
+        yield b'{"messages": [{"role": "user", "content": "' + b"x" * 150
+        arrived.set()
+        await finish.wait()
+        yield b'"}], "max_tokens": 2}'
+
+    slow = asyncio.create_task(client.post("/v1/chat/completions", content=trickle()))
+    await asyncio.wait_for(arrived.wait(), 5)
+    await asyncio.sleep(0.05)
+    partial = b'{"messages": [{"role": "user", "content": "' + b"y" * 60
+    other = await client.post("/v1/chat/completions", content=partial)
+    assert other.status_code == 503 and "bytes of request bodies are arriving" in other.json()["error"]["message"]
+    finish.set()
+    assert (await slow).status_code == 200
+    assert app.state.service.intake.receiving_bytes == 0

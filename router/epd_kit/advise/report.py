@@ -1,0 +1,116 @@
+"""The printed report: what the window showed, the verdict, the recommendation."""
+
+from __future__ import annotations
+
+import math
+
+from .analysis import Analysis
+from .layout import Recommendation
+
+STAGE_NAMES = {"preprocess": "preprocess (router)", "encode": "encode (VE pool)", "pd": "PD to first token"}
+
+
+def _s(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return "inf" if math.isinf(value) else f"{value:.3f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else ("inf" if math.isinf(value) else f"{value:.0%}")
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def analysis_lines(a: Analysis) -> list[str]:
+    lines = [
+        f"window: {a.seconds:.0f} s, {a.requests:.0f} requests ({a.failed:.0f} not 200), "
+        f"{a.image_requests:.0f} with images, {a.requests / a.seconds:.2f} requests/s",
+    ]
+    if a.rejections:
+        lines.append("rejected by the router: " + ", ".join(f"{k} {v:.0f}" for k, v in a.rejections.items()))
+    lines.append(
+        f"TTFT p50 {_s(a.ttft.quantile(0.5))} s, p99 {_s(a.ttft.quantile(0.99))} s; "
+        f"request latency p50 {_s(a.latency.quantile(0.5))} s, p99 {_s(a.latency.quantile(0.99))} s"
+    )
+    shares = a.stages.shares()
+    stage_s = {"preprocess": a.stages.preprocess_s, "encode": a.stages.encode_s, "pd": a.stages.pd_first_token_s}
+    rows = [("stage", "mean s/request", "share of TTFT")]
+    rows += [(STAGE_NAMES[k], _s(stage_s[k]), _pct(shares[k])) for k in STAGE_NAMES]
+    rows.append(("TTFT", _s(a.stages.ttft_s), "100%"))
+    lines += [""] + _table(rows)
+    rows = [
+        (
+            "pool",
+            "engines",
+            "slots",
+            "requests/s",
+            "busy",
+            "in flight: mean/slots (scraped)",
+            "cap",
+            "time in stage s",
+            "service s",
+            "queueing s",
+        )
+    ]
+    for p in a.pools.values():
+        rows.append(
+            (
+                p.role.upper(),
+                str(p.engines),
+                str(p.servers),
+                f"{p.model.rate:.2f}",
+                _pct(p.busy),
+                f"{p.inflight_mean:.1f}/{p.servers} ({p.inflight_scraped[0]:.0f}, {p.inflight_scraped[1]:.0f})",
+                "-" if p.cap is None else str(p.cap),
+                _s(p.time_in_stage_s),
+                _s(p.model.service_s),
+                _s(p.queueing_s),
+            )
+        )
+    lines += [""] + _table(rows)
+    caches = [
+        f"router preprocess cache hit {_pct(a.preprocess_cache_hit)}",
+        f"in-request duplicates {_pct(a.dedupe_share)}",
+    ]
+    caches.append(
+        f"VE encoder cache hit {_pct(a.encoder_cache_hit)}"
+        if a.encoder_cache_hit is not None
+        else "VE encoder cache hit: not scraped (add --engine-url for the VEs)"
+    )
+    lines += ["", "caches: " + "; ".join(caches)]
+    lines += [f"note: {n}" for n in a.notes]
+    lines += ["", f"verdict: {a.verdict()}", f"confidence: {a.confidence()}"]
+    return lines
+
+
+def recommendation_lines(rec: Recommendation | None) -> list[str]:
+    if rec is None:
+        return ["recommendation: none (the window does not support one)"]
+    b, f = rec.before, rec.after
+    model = (
+        f"VE busy {_pct(b.ve.utilisation)} -> {_pct(f.ve.utilisation)}, PD busy {_pct(b.pd.utilisation)} -> "
+        f"{_pct(f.pd.utilisation)}; VE+PD mean time per request {_s(b.mean_s)} -> {_s(f.mean_s)} s; "
+        f"most requests/s at this mix {b.max_rate:.1f} -> {f.max_rate:.1f}"
+    )
+    if not rec.changed:
+        return [
+            f"recommendation: no change ({rec.reason})",
+            f"model (M/M/c per pool, docs/advisor.md): VE busy {_pct(b.ve.utilisation)}, PD busy "
+            f"{_pct(b.pd.utilisation)}; most requests/s at this mix {b.max_rate:.1f}",
+        ]
+    lines = ["recommendation: change the layout (the planner accepts it; the rollout floors hold)"]
+    lines.append(f"predicted at the same load (M/M/c per pool, docs/advisor.md): {model}")
+    lines += ["", "inventory change (host_vars or the host's line in the inventory):"]
+    lines += [f"  {line}" for line in rec.inventory_change()]
+    lines += ["", "plan of the new layout:"] + [f"  {line}" for line in rec.plan_lines]
+    lines += [
+        "",
+        "apply: edit the inventory, then `ansible-playbook -i <inventory> playbooks/deploy.yml`; the rolling "
+        "change restarts only the engines whose slice or port moved and drains removed ones. The advisor "
+        "changed nothing.",
+    ]
+    return lines

@@ -1,0 +1,342 @@
+"""Checks of every declared variable (variables.py) beyond the planner's own: values, dict keys,
+scopes, ports on each machine, name lengths and rollout settings.
+
+Part of the inventory check (checks.py), so plan.yml, render.yml, deploy's controller
+preflight and --check refuse these before any host is contacted. Each problem is one line
+naming the host(s), the variable and the fix.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from .errors import EpdPlanError
+from .hints import did_you_mean
+from .net import is_loopback
+from .rollout import PoolRule, amount
+from .values import as_int, describe, plain
+from .variables import (
+    AMOUNT,
+    ANY,
+    BOOL,
+    DICT,
+    DURATION_UNITS,
+    ENGINE,
+    FLEET,
+    FLOAT,
+    GROUP_SCOPES,
+    INT,
+    INTERNAL,
+    LIST,
+    LOADBALANCER,
+    MILLISECONDS,
+    MINUTES,
+    PATH,
+    PLANNED_KEYS,
+    PORT,
+    ROUTER,
+    ROUTER_SECTIONS,
+    SECONDS,
+    STR,
+    VARIABLES,
+    Var,
+)
+
+# Ansible's `| bool` reads these strings (and -e passes every value as a string)
+BOOL_STRINGS = frozenset({"true", "false", "yes", "no", "on", "off", "1", "0", "y", "n", "t", "f"})
+WITH_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*$")
+UNIT_SECONDS = {"ms": 0.001, "s": 1, "sec": 1, "secs": 1, "m": 60, "min": 60, "mins": 60, "h": 3600, "d": 86400}
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# NAME_MAX of Linux file systems: an inventory name is a directory name on the controller
+# (render.yml's RENDER_DIR/<host>, Ansible's fact cache)
+MAX_NAME_BYTES = 255
+
+
+def hosts_text(hosts: Sequence[str]) -> str:
+    return ", ".join(hosts) if len(hosts) <= 3 else f"{', '.join(hosts[:3])} and {len(hosts) - 3} more"
+
+
+def explicit(hostvars: Mapping[str, Any], host: str) -> dict[str, Any]:
+    """The declared variables set for `host` (inventory or -e), as plain values; a value Ansible cannot
+    template here is left to the role that reads it."""
+    out = {}
+    variables = hostvars[host]
+    for name in list(variables):
+        if str(name) in VARIABLES:
+            try:
+                out[str(name)] = plain(variables[name])
+            except Exception:  # Ansible's templating errors: the role that reads the value reports them
+                continue
+    return out
+
+
+# --------------------------------------------------------------------------- one value
+
+
+def _duration(var: Var, value: Any) -> str | None:
+    unit = DURATION_UNITS[var.kind]
+    word = {SECONDS: "seconds", MILLISECONDS: "milliseconds", MINUTES: "minutes"}[var.kind]
+    match = WITH_UNIT.match(value) if isinstance(value, str) else None
+    if match:
+        given = match[2].lower()
+        if given in UNIT_SECONDS:
+            scale = {SECONDS: 1, MILLISECONDS: 0.001, MINUTES: 60}[var.kind]
+            converted = float(match[1]) * UNIT_SECONDS[given] / scale
+            shown = f"{converted:g}"
+            return (
+                f"{var.name} is {value!r}: a whole number of {word} without a unit (the name ends in _{unit}); "
+                f"write {shown}"
+            )
+        return f"{var.name} is {value!r}: a whole number of {word} without a unit (the name ends in _{unit})"
+    if isinstance(value, float) and not value.is_integer():
+        return f"{var.name} is {value!r}: a whole number of {word}"
+    try:
+        as_int(var.name, int(value) if isinstance(value, float) else value, minimum=var.minimum, maximum=var.maximum)
+    except EpdPlanError as error:
+        return str(error)
+    return None
+
+
+def _number(var: Var, value: Any) -> str | None:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            unit = " without a unit" if WITH_UNIT.match(value) else ""
+            return f"{var.name} must be a number{unit}, got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{var.name} must be a number, got {describe(value)}"
+    if var.minimum is not None and value < var.minimum:
+        return f"{var.name} must be >= {var.minimum:g}, got {value}"
+    if var.maximum is not None and value > var.maximum:
+        return f"{var.name} must be <= {var.maximum:g}, got {value}"
+    return None
+
+
+def value_problem(var: Var, value: Any) -> str | None:
+    """What is wrong with one value of `var`, or None. None values mean unset and pass."""
+    if value is None or var.kind == ANY:
+        return None
+    if var.kind in DURATION_UNITS:
+        return _duration(var, value)
+    if var.kind in (INT, PORT):
+        try:
+            as_int(var.name, value, minimum=var.minimum, maximum=var.maximum)
+        except EpdPlanError as error:
+            return str(error)
+        return None
+    if var.kind == FLOAT:
+        return _number(var, value)
+    if var.kind == BOOL:
+        if isinstance(value, bool) or str(value).strip().lower() in BOOL_STRINGS:
+            return None
+        return f"{var.name} must be true or false, got {describe(value)}"
+    if var.kind in (STR, PATH):
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            return f"{var.name} must be a string, got {describe(value)}"
+        if var.choices and str(value) not in var.choices:
+            return f"{var.name} must be one of {', '.join(var.choices)}, got {value!r}"
+        return None
+    if var.kind == LIST:
+        return None if isinstance(value, list) else f"{var.name} must be a list, got {describe(value)}"
+    if var.kind == DICT:
+        if not isinstance(value, Mapping):
+            return f"{var.name} must be a mapping, got {describe(value)}"
+        return "; ".join(key_problems(var, value)) or None
+    if var.kind == AMOUNT:
+        try:
+            amount(value, 100, var.name, round_up=True)
+        except EpdPlanError as error:
+            return str(error)
+        return None
+    return None
+
+
+# --------------------------------------------------------------------------- keys of dict variables
+
+
+def _section_problems(where: str, section: str, value: Any) -> list[str]:
+    if not isinstance(value, Mapping):
+        return [f"{where} must be a mapping of {section} settings, got {describe(value)}"]
+    allowed = ROUTER_SECTIONS[section]
+    problems = []
+    for key, item in value.items():
+        path = f"{section}.{key}"
+        if path in PLANNED_KEYS:
+            problems.append(f"{where} sets {key}: the kit writes {path} from {PLANNED_KEYS[path]}; set that instead")
+        elif key not in allowed:
+            hint = did_you_mean(str(key), allowed, f"the {section} keys are {', '.join(allowed)}")
+            problems.append(f"{where} has unknown key {key}; {hint}")
+        else:
+            problem = value_problem(Var(f"{where}.{key}", None, allowed[key], ROUTER), item)
+            if problem:
+                problems.append(problem)
+    return problems
+
+
+def key_problems(var: Var, value: Mapping[str, Any]) -> list[str]:
+    """Every key of a dict variable: a router section's keys, router.yaml's, or environment names."""
+    if var.keys in ROUTER_SECTIONS:
+        return _section_problems(var.name, var.keys, value)
+    if var.keys == "router.yaml":
+        problems = []
+        for key, item in value.items():
+            where = f"{var.name}.{key}"
+            if key in PLANNED_KEYS:
+                problems.append(f"{var.name} sets {key}: the kit writes it from {PLANNED_KEYS[key]}; set that instead")
+            elif key in ROUTER_SECTIONS:
+                problems += _section_problems(where, key, item)
+            else:
+                known = [*ROUTER_SECTIONS, *PLANNED_KEYS]
+                problems.append(f"{var.name} has unknown key {key}; {did_you_mean(str(key), known, 'remove it')}")
+        return problems
+    if var.keys == "environment":
+        problems = []
+        for key, item in value.items():
+            if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
+                problems.append(f"{var.name}: {key!r} is not an environment variable name")
+            elif isinstance(item, (bool, Mapping, list)) or "\n" in str(item):
+                problems.append(f"{var.name}[{key}] must be one line of text or a number, got {describe(item)}")
+        return problems
+    return []
+
+
+# --------------------------------------------------------------------------- all hosts
+
+
+def value_problems(values: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Each declared value on each host (the planner's own are checked by the planner), once per
+    distinct problem with the hosts that have it."""
+    where: dict[str, list[str]] = {}
+    for host, variables in values.items():
+        for name, value in variables.items():
+            var = VARIABLES[name]
+            if var.spec in ("epd_common.plan", "epd_preflight.controller") or var.scope == INTERNAL:
+                continue
+            problem = value_problem(var, value)
+            if problem:
+                where.setdefault(problem, []).append(host)
+    every = len(values) > 1
+    return [
+        f"{'every host' if every and len(hosts) == len(values) else hosts_text(hosts)}: {problem}"
+        for problem, hosts in where.items()
+    ]
+
+
+def scope_problems(values: Mapping[str, Mapping[str, Any]], groups: Mapping[str, Sequence[str]]) -> list[str]:
+    """Fleet-wide values that differ between hosts; group values set on a host no play of that group reads."""
+    problems = []
+    hosts = list(values)
+    for name, var in VARIABLES.items():
+        if var.scope == FLEET:
+            # the hosts whose value is read count unset as the default; any other host only when it
+            # sets a value (pool settings may live in group_vars/epd_engines)
+            readers = {str(h) for h in groups.get(ENGINE if var.spec else ROUTER) or []}
+            seen = {h: values[h].get(name, var.default) for h in hosts if h in readers or name in values[h]}
+            if len({repr(v) for v in seen.values()}) > 1:
+                shown = ", ".join(f"{h}: {v!r}" for h, v in list(seen.items())[:4])
+                problems.append(
+                    f"{name} differs between hosts ({shown}); a fleet-wide setting is read from one place: "
+                    "set it once in group_vars/all (or -e)"
+                )
+        elif var.scope in GROUP_SCOPES:
+            members = [str(h) for h in groups.get(var.scope) or [] if str(h) in values]
+            for host in hosts:
+                if host in members or name not in values[host]:
+                    continue
+                # the same value on every reader (or, with no readers, on every host): inherited
+                # from a common group such as group_vars/all, not meant for this host alone
+                same_as = members or hosts
+                if all(repr(values[h].get(name, var.default)) == repr(values[host][name]) for h in same_as):
+                    continue
+                problems.append(
+                    f"{host}: {name} is set but {host} is not in {var.scope}, the group whose plays read it: "
+                    f"move it to the variables of a host in {var.scope} (or add {host} to {var.scope})"
+                )
+    return problems
+
+
+def name_problems(hosts: Iterable[str]) -> list[str]:
+    return [
+        f"{host[:40]}...: the inventory name is {len(host.encode())} bytes, longer than a file name may be "
+        f"({MAX_NAME_BYTES}; render.yml writes RENDER_DIR/<name>): use a shorter name and put the address "
+        "in ansible_host"
+        for host in hosts
+        if len(host.encode()) > MAX_NAME_BYTES
+    ]
+
+
+# --------------------------------------------------------------------------- machines and their ports
+
+
+def machine_of(host: str, variables: Mapping[str, Any]) -> tuple[str, str]:
+    """(address, ssh port) of the machine a host name reaches: letter case and a trailing dot do
+    not matter, every loopback name is one machine. A local connection is not taken as loopback:
+    the kit's tests stand several hosts in for remote ones that way."""
+    address = str(plain(variables["ansible_host"])) if "ansible_host" in variables else host
+    address = address.strip().lower().rstrip(".")
+    port = str(plain(variables["ansible_port"])) if "ansible_port" in variables else "22"
+    return ("loopback" if is_loopback(address) else address, port)
+
+
+def port_problems(
+    plan: Mapping[str, Mapping[str, Any]],
+    router_port: int,
+    hostvars: Mapping[str, Any],
+    groups: Mapping[str, Sequence[str]],
+) -> list[str]:
+    """Every port a machine listens on (engines, router, HAProxy and its stats page) against every other,
+    whatever names the machine has in the inventory."""
+    uses: dict[tuple[str, str], dict[int, tuple[str, str]]] = {}
+    problems = []
+
+    def use(host: str, port: Any, what: str) -> None:
+        machine = machine_of(host, hostvars[host])
+        try:
+            number = as_int(what, port)
+        except EpdPlanError:
+            return  # a bad value is value_problems' to report
+        held = uses.setdefault(machine, {})
+        if number in held and held[number][1] != what:
+            names = held[number][0] if held[number][0] == host else f"{held[number][0]} (also {host})"
+            problems.append(
+                f"{names}: port {number} is used by both {held[number][1]} and {what}; give one of them another port"
+            )
+        held.setdefault(number, (host, what))
+
+    for host, host_plan in plan.items():
+        for engine in host_plan["engines"]:
+            use(host, engine["port"], f"{engine['engine_id']} (HTTP)")
+            for rank, port in enumerate(engine["side_channel_ports"]):
+                use(host, port, f"{engine['engine_id']} (side channel rank {rank})")
+    for host in groups.get(ROUTER) or []:
+        use(str(host), router_port, "the router (epd_router_port)")
+    for host in groups.get(LOADBALANCER) or []:
+        variables = explicit(hostvars, str(host))
+        for name, what in (("epd_haproxy_port", "HAProxy"), ("epd_haproxy_stats_port", "HAProxy's stats page")):
+            use(str(host), variables.get(name, VARIABLES[name].default), f"{what} ({name})")
+    return problems
+
+
+# --------------------------------------------------------------------------- rollouts
+
+
+def rollout_problems(plan: Mapping[str, Mapping[str, Any]], variables: Mapping[str, Any]) -> list[str]:
+    """The rollout batch and floor of each planned pool, resolved as a rollout would (rollout.py)."""
+    sizes = {"ve": 0, "pd": 0}
+    for host_plan in plan.values():
+        for engine in host_plan["engines"]:
+            sizes[engine["role"]] += 1
+    problems = []
+    for pool, size in sizes.items():
+        if not size:
+            continue
+        batch = variables.get(f"epd_rollout_batch_{pool}", VARIABLES[f"epd_rollout_batch_{pool}"].default)
+        floor = variables.get(f"epd_rollout_min_available_{pool}")
+        try:
+            PoolRule.resolve(pool, size, batch, floor)
+        except EpdPlanError as error:
+            problems.append(str(error))
+    return problems

@@ -1,0 +1,115 @@
+"""Saved-scrape fixtures for the advisor's tests, written by the router's own metrics code.
+
+A seeded discrete-event run of the two pools (FIFO, c servers each, exponential service times:
+the model the advisor states) records every request into a real RouterMetrics; its /metrics text
+is saved before and after the window, as `epd-router advise --save` would.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+from epd_kit.router.metrics import RouterMetrics
+
+PREPROCESS_S = 0.005
+
+
+@dataclass(frozen=True)
+class Load:
+    rate: float  # requests/s
+    image_share: float
+    ve_service_s: float
+    pd_service_s: float
+    num_ve: int
+    num_pd: int
+    pd_slots: int = 8
+    seconds: float = 120.0
+    warmup_s: float = 20.0
+    seed: int = 7
+
+
+class _Servers:
+    """c servers, FIFO: a request starts when the earliest server frees up."""
+
+    def __init__(self, count: int) -> None:
+        self._free = [0.0] * count
+        heapq.heapify(self._free)
+
+    def serve(self, arrival: float, service: float) -> float:
+        start = max(arrival, heapq.heappop(self._free))
+        heapq.heappush(self._free, start + service)
+        return start + service
+
+
+def _engines(load: Load) -> list[SimpleNamespace]:
+    def engine(role: str, n: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            id=f"epd-{role}-{n}", role=role, inflight=0, healthy=True, state=SimpleNamespace(value="active")
+        )
+
+    return [engine("ve", n) for n in range(load.num_ve)] + [engine("pd", n) for n in range(load.num_pd)]
+
+
+def write_scrapes(load: Load, directory: Path) -> tuple[Path, Path]:
+    """before.prom (after the warm-up) and after.prom (`seconds` later)."""
+    engines = _engines(load)
+    metrics = RouterMetrics(lambda: SimpleNamespace(all=lambda: engines))
+    rng = random.Random(load.seed)
+    ve, pd = _Servers(load.num_ve), _Servers(load.num_pd * load.pd_slots)
+    arrival, end = 0.0, load.warmup_s + load.seconds
+    before_text = None
+    while True:
+        arrival += rng.expovariate(load.rate)
+        if before_text is None and arrival >= load.warmup_s:
+            before_text = metrics.render().decode()
+        if arrival >= end:
+            break
+        ready = arrival + PREPROCESS_S
+        metrics.preprocess.observe(PREPROCESS_S)
+        if rng.random() < load.image_share:
+            encoded = ve.serve(ready, rng.expovariate(1 / load.ve_service_s))
+            metrics.encode.observe(encoded - ready)
+            metrics.items.inc()
+            ready = encoded
+        service = rng.expovariate(1 / load.pd_service_s)
+        done = pd.serve(ready, service)
+        metrics.pd.observe(done - ready)
+        metrics.ttft.observe(done - service * 0.8 - arrival)  # first token after the prefill part
+        metrics.latency.observe(done - arrival)
+        metrics.requests.labels("200").inc()
+    directory.mkdir(parents=True, exist_ok=True)
+    before, after = directory / "before.prom", directory / "after.prom"
+    before.write_text(before_text or "")
+    after.write_text(metrics.render().decode())
+    return before, after
+
+
+def write_inventory(path: Path, hosts: dict[str, tuple[int, int]], **group_vars) -> Path:
+    """An `ansible-inventory --list` document: engine hosts with their counts, sim backend."""
+    common = {
+        "epd_model": "/models/Qwen3-VL-32B-Instruct",
+        "epd_engine_backend": "sim",
+        **group_vars,
+    }
+    hostvars = {}
+    for index, (name, (ve, pd)) in enumerate(hosts.items()):
+        hostvars[name] = {
+            **common,
+            "ansible_host": f"10.213.0.{11 + index}",
+            "epd_num_ve": ve,
+            "epd_num_pd": pd,
+            "epd_bind_address": f"10.213.0.{11 + index}",
+        }
+    doc = {
+        "_meta": {"hostvars": hostvars},
+        "all": {"children": ["ungrouped", "epd_engines", "epd_router"]},
+        "epd_engines": {"hosts": list(hosts)},
+        "epd_router": {"hosts": [next(iter(hosts))]},
+    }
+    path.write_text(json.dumps(doc))
+    return path

@@ -1,0 +1,248 @@
+"""The layout advisor on saved scrapes of purpose-built imbalance (docs/advisor.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from epd_kit.advise.queueing import erlang_c, fit_service_time, mean_time_in_system
+from epd_kit.advise.scrape import ScrapeError, parse_text
+from epd_kit.advise.window import Window
+from epd_kit.router.cli import main
+from tests.unit.advise_scrapes import Load, write_inventory, write_scrapes
+
+WINDOW = 120.0
+
+
+def advise(tmp_path, load: Load, hosts: dict[str, tuple[int, int]], *extra: str, **group_vars) -> tuple[dict, str]:
+    before, after = write_scrapes(load, tmp_path / "scrapes")
+    inventory = write_inventory(tmp_path / "inv.json", hosts, **group_vars)
+    args = ["advise", "--before", str(before), "--after", str(after), "--window", str(load.seconds)]
+    args += ["--inventory", str(inventory), *extra]
+    runner = CliRunner()
+    as_json = runner.invoke(main, [*args, "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    text = runner.invoke(main, args)
+    assert text.exit_code == 0, text.output
+    return json.loads(as_json.output), text.output
+
+
+def test_image_heavy_with_too_few_ves_recommends_more_ves(tmp_path):
+    # 2 VEs encode 18 image requests/s of 0.09 s each (81% busy); 7 PDs x 8 slots are 36% busy
+    load = Load(rate=20, image_share=0.9, ve_service_s=0.09, pd_service_s=1.0, num_ve=2, num_pd=7)
+    doc, text = advise(tmp_path, load, {"n1": (2, 7)})
+    assert doc["bottleneck"] == "ve"
+    assert doc["pools"]["ve"]["busy"] == pytest.approx(0.81, abs=0.08)
+    assert doc["pools"]["ve"]["service_s"] == pytest.approx(0.09, rel=0.15)
+    assert doc["pools"]["ve"]["queueing_s"] > 0.05
+    rec = doc["recommendation"]
+    assert rec["changed"]
+    ve, pd = rec["proposed"]["n1"]
+    assert ve > 2 and pd < 7 and ve * 4 + pd * 8 <= 64
+    assert max(rec["predicted_busy"].values()) < doc["pools"]["ve"]["busy"]
+    assert "n1: epd_num_ve 2 -> " in text
+    assert "epd-ve-3" in text  # the planner's table of the new layout
+    assert "the VE pool bounds latency" in text
+
+
+def test_text_only_load_on_a_ve_heavy_layout_moves_cores_to_pd(tmp_path):
+    # no images: 8 idle VEs; 4 PDs x 8 slots carry 24 of 32 slots
+    load = Load(rate=12, image_share=0.0, ve_service_s=0.09, pd_service_s=2.0, num_ve=8, num_pd=4)
+    doc, _ = advise(tmp_path, load, {"n1": (8, 4)})
+    assert doc["bottleneck"] == "pd"
+    assert doc["pools"]["ve"]["busy"] == 0
+    rec = doc["recommendation"]
+    ve, pd = rec["proposed"]["n1"]
+    assert pd > 4 and ve >= 1  # a VE stays: the fleet is not epd_text_only
+    assert rec["predicted_busy"]["pd"] < doc["pools"]["pd"]["busy"]
+
+
+def test_balanced_layout_is_left_alone(tmp_path):
+    # VE 45% busy, PD 50%: any move of 8 cores makes one pool busier than both are now
+    load = Load(rate=20, image_share=0.9, ve_service_s=0.1, pd_service_s=1.2, num_ve=4, num_pd=6)
+    doc, text = advise(tmp_path, load, {"n1": (4, 6)})
+    assert doc["enough_traffic"]
+    assert not doc["recommendation"]["changed"]
+    assert doc["recommendation"]["inventory_change"] == []
+    assert "recommendation: no change" in text
+
+
+def test_too_little_traffic_recommends_nothing(tmp_path):
+    load = Load(rate=0.3, image_share=0.9, ve_service_s=0.09, pd_service_s=1.0, num_ve=2, num_pd=7)
+    doc, text = advise(tmp_path, load, {"n1": (2, 7)})
+    assert not doc["enough_traffic"]
+    assert doc["recommendation"] is None
+    assert doc["bottleneck"] is None
+    assert "too little traffic" in text
+    assert "recommendation: none" in text
+
+
+def test_the_recommendation_respects_faulted_cores_and_floors(tmp_path):
+    # cores 32-63 faulted leave 32: the new layout must fit in 0-31
+    load = Load(rate=10, image_share=0.9, ve_service_s=0.15, pd_service_s=1.0, num_ve=2, num_pd=3)
+    doc, text = advise(tmp_path, load, {"n1": (2, 3)}, "--faulted", "n1=" + ",".join(map(str, range(32, 64))))
+    ve, pd = doc["recommendation"]["proposed"]["n1"]
+    assert ve * 4 + pd * 8 <= 32 and ve >= 1 and pd >= 1
+    assert "faulted 32-63" in text
+
+
+def test_two_hosts_stay_within_each_hosts_cores(tmp_path):
+    load = Load(rate=30, image_share=0.9, ve_service_s=0.09, pd_service_s=1.0, num_ve=3, num_pd=14)
+    doc, _ = advise(tmp_path, load, {"n1": (2, 7), "n2": (1, 7)})
+    proposed = doc["recommendation"]["proposed"]
+    assert sum(v for v, _ in proposed.values()) > 3
+    assert all(v * 4 + p * 8 <= 64 for v, p in proposed.values())
+
+
+def test_inventory_that_does_not_plan_is_refused_before_scraping(tmp_path):
+    before = tmp_path / "b.prom"
+    before.write_text("")
+    inventory = write_inventory(tmp_path / "inv.json", {"n1": (9, 7)})  # 36 + 56 cores > 64
+    result = CliRunner().invoke(
+        main,
+        ["advise", "--before", str(before), "--after", str(before), "--window", "60", "--inventory", str(inventory)],
+    )
+    assert result.exit_code == 2
+    assert "does not plan" in result.output and "layout does not fit" in result.output
+
+
+def test_one_source_only():
+    result = CliRunner().invoke(main, ["advise", "--url", "http://127.0.0.1:1", "--prometheus", "http://127.0.0.1:2",
+                                       "--window", "5", "--inventory", "."])  # fmt: skip
+    assert result.exit_code == 2
+    assert "exactly one source" in result.output
+
+
+def test_a_router_restart_inside_the_window_is_refused():
+    after = parse_text('# TYPE epd_router_requests counter\nepd_router_requests_total{status="200"} 3\n', "after")
+    before = parse_text('# TYPE epd_router_requests counter\nepd_router_requests_total{status="200"} 9\n', "before")
+    with pytest.raises(ScrapeError, match="restarted inside the window"):
+        Window(before, after, 60).counter("epd_router_requests_total")
+
+
+def test_erlang_c_matches_known_values():
+    # M/M/1: P(wait) = rho; M/M/2 at a = 1: C = 1/3
+    assert erlang_c(1, 0.7) == pytest.approx(0.7)
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert mean_time_in_system(5, 0.1, 1) == pytest.approx(0.2)  # M/M/1: S / (1 - rho)
+    assert math.isinf(mean_time_in_system(20, 0.1, 1))
+
+
+def test_fit_inverts_the_model():
+    for servers, rate, service in ((1, 5.0, 0.1), (4, 30.0, 0.1), (56, 20.0, 2.0)):
+        w = mean_time_in_system(rate, service, servers)
+        assert fit_service_time(rate, w, servers) == pytest.approx(service, rel=1e-6)
+
+
+def test_a_pool_keeps_its_rollout_floor(tmp_path):
+    # the sandbox's one host: 24 cores, 1 VE + 2 PD. 4 VE + 1 PD would balance the load best,
+    # but a PD pool of 2 keeps 1 in rotation while it rolls: 1 PD cannot, so 2 VE + 2 PD.
+    load = Load(rate=10, image_share=0.9, ve_service_s=0.09, pd_service_s=0.3, num_ve=1, num_pd=2)
+    doc, _ = advise(tmp_path, load, {"n1": (1, 2)}, epd_core_count=24)
+    assert doc["recommendation"]["proposed"]["n1"] == [2, 2]
+
+
+def test_min_available_from_the_inventory_is_respected(tmp_path):
+    load = Load(rate=20, image_share=0.9, ve_service_s=0.09, pd_service_s=1.0, num_ve=2, num_pd=7)
+    doc, _ = advise(tmp_path, load, {"n1": (2, 7)}, epd_rollout_min_available_pd="100%")
+    assert doc["recommendation"]["proposed"]["n1"][1] >= 6  # floor 6 of 7 today, and it must still roll
+
+
+def test_live_scrapes_of_two_routers_are_summed_and_saved(tmp_path):
+    # two routers (127.0.0.1 stubs serving saved scrapes: first `before`, then `after`) each
+    # carry half of the load: together they are the image-heavy case
+    load = Load(rate=10, image_share=0.9, ve_service_s=0.09, pd_service_s=1.0, num_ve=1, num_pd=7, seed=3)
+    before, after = write_scrapes(load, tmp_path / "scrapes")
+    texts = [before.read_text(), after.read_text()]
+    servers = [_serve_in_turn(texts), _serve_in_turn(texts)]
+    inventory = write_inventory(tmp_path / "inv.json", {"n1": (1, 7)})
+    urls = [arg for server in servers for arg in ("--url", f"http://127.0.0.1:{server.server_port}")]
+    try:
+        result = CliRunner().invoke(
+            main,
+            [
+                "advise",
+                *urls,
+                "--window",
+                "0.2",
+                "--inventory",
+                str(inventory),
+                "--save",
+                str(tmp_path / "saved"),
+                "--json",
+            ],
+        )
+    finally:
+        for server in servers:
+            server.shutdown()
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["requests"] == 2 * parse_requests(texts)  # both routers' counters add up
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == [
+        "after-0.prom",
+        "after-1.prom",
+        "before-0.prom",
+        "before-1.prom",
+    ]
+
+
+def parse_requests(texts: list[str]) -> float:
+    name = "epd_router_requests_total"
+    return parse_text(texts[1], "after").total(name) - parse_text(texts[0], "before").total(name)
+
+
+def _serve_in_turn(texts: list[str]):
+    """A 127.0.0.1 HTTP server answering GET /metrics with texts[0], then texts[1], ..."""
+    import http.server
+    import threading
+
+    answers = iter(texts)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = next(answers).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_prometheus_instant_queries_are_summed_over_targets(monkeypatch):
+    from epd_kit.advise import scrape
+
+    asked = []
+
+    class Reply:
+        status_code = 200
+        text = ""
+
+        def __init__(self, at: float) -> None:
+            self._at = at
+
+        def json(self):
+            value = "5" if self._at < 1000 else "25"
+            series = []
+            for instance, host in (("10.0.0.5:18800", "r1"), ("10.0.0.6:18800", "r2")):
+                labels = {"__name__": "epd_router_requests_total", "status": "200", "job": "epd-router"}
+                series.append({"metric": {**labels, "instance": instance, "host": host}, "value": [self._at, value]})
+            return {"status": "success", "data": {"resultType": "vector", "result": series}}
+
+    def fake_get(url, params, timeout, trust_env):
+        asked.append((url, params))
+        return Reply(float(params["time"]))
+
+    monkeypatch.setattr("httpx.get", fake_get)
+    before, after = scrape.prometheus_at("http://prom:9090", 900), scrape.prometheus_at("http://prom:9090", 1500)
+    assert asked[0][0] == "http://prom:9090/api/v1/query"
+    assert asked[0][1]["query"] == scrape.PROMETHEUS_SELECTOR
+    assert Window(before, after, 600).counter("epd_router_requests_total") == 40  # (25 - 5) x 2 routers
