@@ -146,9 +146,23 @@ def test_a_pool_keeps_its_rollout_floor(tmp_path):
 
 
 def test_min_available_from_the_inventory_is_respected(tmp_path):
+    # the image-heavy case would move PD cores to VEs (above); a floor of 6 PDs that must still
+    # roll one at a time keeps 7
     load = Load(rate=20, image_share=0.9, ve_service_s=0.09, pd_service_s=1.0, num_ve=2, num_pd=7)
-    doc, _ = advise(tmp_path, load, {"n1": (2, 7)}, epd_rollout_min_available_pd="100%")
-    assert doc["recommendation"]["proposed"]["n1"][1] >= 6  # floor 6 of 7 today, and it must still roll
+    doc, _ = advise(tmp_path, load, {"n1": (2, 7)}, epd_rollout_min_available_pd=6)
+    assert doc["recommendation"]["proposed"]["n1"][1] >= 7
+
+
+def test_an_inventory_the_planner_refuses_is_refused_with_the_planners_reason(tmp_path):
+    load = Load(rate=20, image_share=0.9, ve_service_s=0.09, pd_service_s=1.0, num_ve=2, num_pd=7)
+    before, after = write_scrapes(load, tmp_path / "scrapes")
+    inventory = write_inventory(tmp_path / "inv.json", {"n1": (2, 7)}, epd_rollout_min_available_pd="100%")
+    args = ["advise", "--before", str(before), "--after", str(after), "--window", str(load.seconds)]
+    args += ["--inventory", str(inventory)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert "the inventory does not plan" in result.output
+    assert "epd_rollout_min_available_pd: keeping 7 of the 7 PD engines" in result.output
 
 
 def test_live_scrapes_of_two_routers_are_summed_and_saved(tmp_path):

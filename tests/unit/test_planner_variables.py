@@ -32,6 +32,7 @@ SPEC_TYPES = {
     declaration.MILLISECONDS: "int",
     declaration.MINUTES: "int",
     declaration.FLOAT: "float",
+    declaration.ANY: "raw",
 }
 KIND_OF_SPEC_TYPE = {
     "str": "STR",
@@ -41,6 +42,7 @@ KIND_OF_SPEC_TYPE = {
     "dict": "DICT",
     "int": "INT",
     "float": "FLOAT",
+    "raw": "ANY",
 }
 SCOPE_OF_ROLE = {
     "epd_engines": "ENGINE",
@@ -329,5 +331,5 @@ def test_the_docs_variable_reference_is_generated_from_the_declaration():
     start, end = text.index(reference.BEGIN), text.index(reference.END) + len(reference.END)
     assert text[start:end] == reference.section(), (
         "docs/architecture.md 'Every variable' is out of date: replace it with the output of "
-        "`.venv/bin/python -m epd_kit.plan.reference`"
+        "`.venv/bin/python -m epd_kit.plan.reference --write docs/architecture.md`"
     )

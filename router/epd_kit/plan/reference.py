@@ -1,6 +1,7 @@
 """The variable reference of docs/architecture.md, generated from the declaration (variables.py).
 
-    python -m epd_kit.plan.reference    # prints the table; paste it between the markers
+    python -m epd_kit.plan.reference                            # prints the table
+    python -m epd_kit.plan.reference --write docs/architecture.md  # replaces it between the markers
 
 tests/unit/test_planner_variables.py fails when the docs' copy differs from this output.
 """
@@ -8,6 +9,8 @@ tests/unit/test_planner_variables.py fails when the docs' copy differs from this
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
 from .variables import INTERNAL, VARIABLES, Var
@@ -58,5 +61,19 @@ def section() -> str:
     return "\n".join([BEGIN, *table(), END])
 
 
+def write(path: Path) -> None:
+    """Replace the generated section of a document (markers included) with the current one."""
+    text = path.read_text()
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"{path}: no generated variables section (markers {BEGIN!r} ... {END!r})")
+    path.write_text(text[:start] + section() + text[end + len(END) :])
+
+
 if __name__ == "__main__":
-    print(section())
+    if sys.argv[1:2] == ["--write"] and len(sys.argv) == 3:
+        write(Path(sys.argv[2]))
+    elif len(sys.argv) == 1:
+        print(section())
+    else:
+        raise SystemExit("usage: python -m epd_kit.plan.reference [--write DOCUMENT]")

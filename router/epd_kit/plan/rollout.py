@@ -29,6 +29,7 @@ from .errors import EpdPlanError
 from .fleet import router_endpoints
 from .operations import rolling_queue
 from .unit import read_env_file
+from .variables import VARIABLES
 
 POOLS = ("pd", "ve")
 # How an engine starts, not what runs: the stagger and the readiness budget (env file) and the
@@ -250,9 +251,9 @@ class StartTimes:
     """What one engine start is expected to take, per way it gets its graphs (operator estimates,
     epd_rollout_expected_*_s; no source gives these for a model: docs/operations.md "Compile cache")."""
 
-    compile_s: int = 1800  # a cache miss: neuronx-cc compiles every graph
-    fetch_s: int = 300  # a local miss answered by the shared tier
-    warm_s: int = 120  # a local hit: load weights and NEFFs, warm up
+    compile_s: int = VARIABLES["epd_rollout_expected_compile_s"].default  # a cache miss: neuronx-cc compiles
+    fetch_s: int = VARIABLES["epd_rollout_expected_fetch_s"].default  # a local miss the shared tier answers
+    warm_s: int = VARIABLES["epd_rollout_expected_warm_s"].default  # a local hit: load weights and NEFFs, warm up
 
     def of(self, outcome: str) -> int:
         return {"compiles": self.compile_s, "fetches": self.fetch_s}.get(outcome, self.warm_s)
