@@ -82,7 +82,8 @@ def deployment(tmp_path, server):
 def test_status_table_reads_the_deployed_engines_and_probes_them(deployment):
     result = playbook("-i", str(deployment), "playbooks/status.yml")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    rows = [line.strip(" -'") for line in result.stdout.splitlines() if " epd-" in line or "HOST " in line]
+    lines = [line.strip(" -'") for line in result.stdout.splitlines()]
+    rows = [line for line in lines if " epd-" in line or line.split()[0:2] == ["HOST", "UNIT"]]
     assert [row.split()[0:2] for row in rows] == [
         ["HOST", "UNIT"],
         ["h1", "epd-engine@pd-0.service"],

@@ -19,7 +19,7 @@ import pytest
 
 from tests.e2e.conftest import deploy_stack
 from tests.e2e.stack import LoadGenerator, Stack, wait_for
-from tests.hosts.harness import REPO, HostPool, ansible_playbook, write_inventory
+from tests.hosts.harness import REPO, HostPool, ansible_playbook, hosts_env, write_inventory
 
 # a first deploy of three hosts plus a kit upgrade: more than the default 300 s on a loaded VM
 pytestmark = [pytest.mark.systemd, pytest.mark.timeout(1200)]
@@ -28,9 +28,6 @@ BASE = REPO / "inventory/sandbox/three-host"
 ROUTER_HOSTS = ("n1", "n2")
 LB_URL = "http://10.213.0.13:8080"
 STATS_URL = "http://10.213.0.13:8404/stats;csv"
-# the .deb files of haproxy and what the test hosts lack, fetched outside the kithub namespace
-# (no Debian mirror in there) by `tests/hosts/hosts.sh prepare` (scripts/test.sh runs it)
-HAPROXY_DEBS = Path("/var/tmp/epd-kit/haproxy-debs")
 # HAProxy's checks (the role's defaults): a dead router is out after inter × fall
 CHECK_INTER_S, CHECK_FALL = 1.0, 2
 DETECTION_WINDOW_S = CHECK_INTER_S * CHECK_FALL
@@ -40,9 +37,12 @@ STEP_LIMIT_S = 300
 
 @pytest.fixture(scope="module")
 def inventory(tmp_path_factory) -> Path:
-    if not any(HAPROXY_DEBS.glob("haproxy_*.deb")):
+    # the .deb files of haproxy and what the test hosts lack, fetched outside the kithub namespace
+    # (no Debian mirror in there) by `tests/hosts/hosts.sh prepare` (scripts/test.sh runs it)
+    haproxy_debs = Path(hosts_env()["KIT_DIR"]) / "haproxy-debs"
+    if not any(haproxy_debs.glob("haproxy_*.deb")):
         pytest.fail(
-            f"no haproxy .deb in {HAPROXY_DEBS}: `tests/hosts/hosts.sh prepare` fetches them and "
+            f"no haproxy .deb in {haproxy_debs}: `tests/hosts/hosts.sh prepare` fetches them and "
             "scripts/test.sh runs it before pytest; this run skipped or lost that step",
             pytrace=False,
         )
@@ -64,7 +64,7 @@ def inventory(tmp_path_factory) -> Path:
             }
         }
     }
-    group_vars = {"epd_router_workers": 2, "epd_haproxy_deb_dir": str(HAPROXY_DEBS)}
+    group_vars = {"epd_router_workers": 2, "epd_haproxy_deb_dir": str(haproxy_debs)}
     return write_inventory(tmp_path_factory.mktemp("router-ha") / "inventory", BASE, hosts_yml, group_vars)
 
 
