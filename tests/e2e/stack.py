@@ -181,14 +181,17 @@ class LoadGenerator:
             worker.join(timeout=60)
         return self.result
 
-    def _one(self, client: httpx.Client, n: int) -> None:
-        body = {
+    def body(self, n: int) -> dict:
+        """Request n's chat body: an image of one of 7 colours and a text."""
+        return {
             "model": self.model,
             "max_tokens": 4,
             "messages": image_message(f"request {n}: what is in the picture?", (n % 7 * 30, 90, 200)),
         }
+
+    def _one(self, client: httpx.Client, n: int) -> None:
         try:
-            reply = client.post("/v1/chat/completions", json=body)
+            reply = client.post("/v1/chat/completions", json=self.body(n))
             ok = reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] is not None
             reason = f"HTTP {reply.status_code}: {reply.text[:200]}"
         except Exception as exc:

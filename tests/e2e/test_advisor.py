@@ -17,7 +17,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
@@ -52,8 +51,8 @@ class NewImageLoad(LoadGenerator):
         self._mean_interval = value
         self._rng = random.Random(22)
 
-    def _one(self, client: httpx.Client, n: int) -> None:
-        body = {
+    def body(self, n: int) -> dict:
+        return {
             "model": self.model,
             "max_tokens": 4,
             "messages": [
@@ -69,17 +68,6 @@ class NewImageLoad(LoadGenerator):
                 }
             ],
         }
-        try:
-            reply = client.post("/v1/chat/completions", json=body)
-            ok = reply.status_code == 200
-            reason = f"HTTP {reply.status_code}: {reply.text[:200]}"
-        except Exception as exc:
-            ok, reason = False, repr(exc)
-        with self._lock:
-            if ok:
-                self.result.ok += 1
-            else:
-                self.result.failures.append(f"#{n} at {time.strftime('%H:%M:%S')}: {reason}")
 
 
 @pytest.fixture(scope="module")
