@@ -4,10 +4,11 @@ processes (docs/benchmarks.md "Peers at INFO"), an instruction count barely move
 
 The peers setup (bench/peers.py: C stub engines, the tiny checkpoint, wrk, the router at
 `--log-level`), with the router under callgrind with instrumentation off; it is switched on
-after a warm-up, for one bounded wrk run, then dumped. Instructions per request = the dump's
-total over the requests wrk completed (it also holds the health probes of those seconds, a
-few percent). Under valgrind the router runs ~50x slower, so few requests complete: compare
-revisions run back to back, not with other sections' figures. Talks to 127.0.0.1 only.
+after a warm-up, for an idle period and then one bounded wrk run of the same length, each
+dumped. Instructions per request = the run's total, less the idle period's (health probes,
+timers) scaled to the run's length, over the requests wrk completed. Under valgrind the
+router runs ~50x slower, so few requests complete: compare revisions run back to back, not
+with other sections' figures. Talks to 127.0.0.1 only.
 
     python -m bench.instructions [--baseline REV] [--seconds 20] [--concurrency 16]
 """
@@ -20,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench import peers
@@ -42,13 +44,30 @@ def measure(tree: Path, ckpt: Path, stubs: list, work: Path, body: Path, args: a
         peers.run_wrk(wrk, proc.url, body, args.concurrency, 5)  # warm-up, not counted
         control = ["callgrind_control"]
         subprocess.run([*control, "-i", "on", str(proc.pid)], check=True, capture_output=True, timeout=60)
+        time.sleep(args.seconds)  # idle: the health probes and timers alone, subtracted below
+        subprocess.run([*control, "-d", str(proc.pid)], check=True, capture_output=True, timeout=60)
+        idle = _dumped(work)
+        t0 = time.monotonic()
         run = peers.run_wrk(wrk, proc.url, body, args.concurrency, args.seconds)
         subprocess.run([*control, "-d", str(proc.pid)], check=True, capture_output=True, timeout=60)
+        loaded_s = time.monotonic() - t0
+        loaded = _dumped(work) - idle
     finally:
         proc.stop(30.0)
-    dumps = list(work.glob("callgrind.out.*"))  # the dump; callgrind.out (at exit) is the shutdown
-    total = sum(int(line.split()[1]) for p in dumps for line in p.open() if line.startswith("totals:"))
-    return {"requests": run.requests, "errors": run.errors, "instructions_per_request": total / max(run.requests, 1)}
+    background = idle * loaded_s / args.seconds
+    per_request = (loaded - background) / max(run.requests, 1)
+    return {
+        "requests": run.requests,
+        "errors": run.errors,
+        "instructions_per_request": per_request,
+        "background_share": background / loaded if loaded else 0.0,
+    }
+
+
+def _dumped(work: Path) -> int:
+    """Instructions in every dump so far (callgrind.out at exit, the shutdown, is not one)."""
+    lines = (line for p in work.glob("callgrind.out.*") for line in p.open())
+    return sum(int(line.split()[1]) for line in lines if line.startswith("totals:"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
             rec.results[name] = result
             print(
                 f"{name}: {result['instructions_per_request'] / 1e6:.2f} M instructions per request "
-                f"({result['requests']} requests, {result['errors']} errors, c={args.concurrency})"
+                f"({result['requests']} requests, {result['errors']} errors, c={args.concurrency}, "
+                f"idle background {result['background_share']:.0%} subtracted)"
             )
     finally:
         for s in stubs:
