@@ -3,7 +3,7 @@
 # plots to docs/img/bench-*.png, and `bench.report` prints the Markdown tables for
 # docs/benchmarks.md. Each section is bounded (count and time) and talks to 127.0.0.1 only.
 #
-#   bench/run.sh overhead|peers|preprocess|ve|pd|pd-sim|report|all [extra args for the section]
+#   bench/run.sh overhead|peers|instructions|preprocess|ve|pd|pd-sim|report|all [extra args for the section]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -12,6 +12,7 @@ shift || true
 case "$section" in
   overhead)   exec "$PY" -m bench.router_overhead --profile "$@" ;;
   peers)      exec "$PY" -m bench.peers "$@" ;;
+  instructions) exec "$PY" -m bench.instructions "$@" ;;
   preprocess) exec "$PY" -m bench.preprocess "$@" ;;
   ve)         exec "$PY" -m bench.ve_placement --sweep --what-if-slack 0 4 "$@" ;;
   pd)         exec "$PY" -m bench.pd_placement --through-router "$@" ;;
@@ -23,6 +24,6 @@ case "$section" in
     done
     "$0" report ;;
   *)
-    echo "usage: bench/run.sh overhead|peers|preprocess|ve|pd|pd-sim|report|all [args]" >&2
+    echo "usage: bench/run.sh overhead|peers|instructions|preprocess|ve|pd|pd-sim|report|all [args]" >&2
     exit 2 ;;
 esac

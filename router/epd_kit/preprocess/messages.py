@@ -45,6 +45,12 @@ def parse_messages(messages: Any) -> ParsedMessages:
         where = f"messages[{i}]"
         if not isinstance(raw, dict):
             raise InvalidMessages("each message must be an object with 'role' and 'content'", param=where)
+        role, text = raw.get("role"), raw.get("content")
+        if type(role) is str and type(text) is str and len(raw) == 2:  # plain text: nothing to validate
+            if role not in ROLES:
+                raise InvalidMessages(f"role {role!r} is not one of {', '.join(ROLES)}", param=f"{where}.role")
+            out.append({"role": role, "content": text})
+            continue
         try:
             msg = _Message.model_validate(raw)
         except ValidationError as exc:

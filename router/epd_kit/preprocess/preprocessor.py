@@ -228,7 +228,10 @@ class Preprocessor:
                 _with_param(ref, self._fetcher.check_allowed, ref.url)
 
         if _text_chars(parsed.template_messages) <= INLINE_TEXT_CHARS:
-            text_job = _done(self._tokenize(parsed.template_messages, add_generation_prompt))
+            token_ids = self._tokenize(parsed.template_messages, add_generation_prompt)
+            if not refs:  # text only: nothing to wait for (no tasks for a gather)
+                return self._expand(token_ids, [], refs)
+            text_job = _done(token_ids)
         else:
             text_job = self._run(self._text_pool, self._tokenize, parsed.template_messages, add_generation_prompt)
         images_job = self._prepare_all(refs, inline or {})
@@ -255,6 +258,8 @@ class Preprocessor:
                 "(<|image_pad|>) itself",
                 param="messages",
             )
+        if not images:
+            return RenderedPrompt(token_ids=token_ids, items=[])
         out: list[int] = []
         items: list[PreparedItem] = []
         it = iter(images)

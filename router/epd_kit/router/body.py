@@ -49,8 +49,9 @@ class DecodedBody:
 
 
 def decode_body(body: bytes | bytearray, limits: Limits) -> DecodedBody:
-    nonce = os.urandom(8).hex()
-    skeleton, lifted = _lift_inline_data(body, nonce)
+    # the marker's nonce only matters when there is something to lift (most text bodies have not)
+    nonce = os.urandom(8).hex() if _INLINE_MARK in body else ""
+    skeleton, lifted = _lift_inline_data(body, nonce) if nonce else (body, [])
     if len(skeleton) > limits.max_text_bytes:
         _check_text_size(skeleton, limits.max_text_bytes)
     if _count_values(skeleton, limits.max_json_values) > limits.max_json_values:

@@ -13,9 +13,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Protocol
 
 from epd_kit.router.config import RouterConfig
@@ -81,17 +80,41 @@ class RequestContext:
         """`time.monotonic()` value by which the whole request must be done."""
         return self.t0 + self.total_timeout_s
 
-    @asynccontextmanager
-    async def time_limit(self, stage: str) -> AsyncIterator[None]:
+    def time_limit(self, stage: str) -> StageLimit:
         """Run a stage under the request's deadline; running out is a 504 naming the stage."""
+        return StageLimit(self, stage)
+
+    def stage_timed_out(self, stage: str) -> RouterError:
+        return RouterError(
+            504, f"request exceeded the router's total timeout of {self.total_timeout_s:g}s during {stage}"
+        )
+
+
+class StageLimit:
+    """`RequestContext.time_limit`: an `asyncio.Timeout` at the request's deadline whose
+    expiry becomes a 504 naming the stage. A class, not a generator context manager: two of
+    them per request. A TimeoutError that is not this limit's own (an engine call's,
+    aiohttp's) passes unchanged."""
+
+    __slots__ = ("_ctx", "_limit", "_stage")
+
+    def __init__(self, ctx: RequestContext, stage: str) -> None:
+        self._ctx = ctx
+        self._stage = stage
         loop = asyncio.get_running_loop()
-        limit = asyncio.timeout_at(loop.time() + (self.deadline - time.monotonic()))
+        self._limit = asyncio.timeout_at(loop.time() + (ctx.deadline - time.monotonic()))
+
+    async def __aenter__(self) -> None:
+        await self._limit.__aenter__()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:
-            async with limit:
-                yield
+            await self._limit.__aexit__(exc_type, exc, tb)
         except TimeoutError:
-            if not limit.expired():  # another timeout (an engine call's, aiohttp's): not ours to name
+            if not self._limit.expired():
                 raise
-            raise RouterError(
-                504, f"request exceeded the router's total timeout of {self.total_timeout_s:g}s during {stage}"
-            ) from None
+            raise self._ctx.stage_timed_out(self._stage) from None
+        if exc_type is not None and issubclass(exc_type, TimeoutError) and self._limit.expired():
+            raise self._ctx.stage_timed_out(self._stage) from None

@@ -14,12 +14,17 @@ docs/benchmarks.md "Peers").
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import sys
 import time
 
 _STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
+# LogRecord.__init__ sets these first; `extra` keys come after them, so they are skipped
+# unread (the filter below still guards what follows)
+_INIT_KEYS = len(logging.LogRecord("", logging.INFO, "", 0, "", (), None).__dict__)
+_dumps = json.JSONEncoder(default=str).encode  # json.dumps(doc, default=str) without a new encoder per line
 
 
 class JsonFormatter(logging.Formatter):
@@ -38,12 +43,12 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        for key, value in record.__dict__.items():
+        for key, value in itertools.islice(record.__dict__.items(), _INIT_KEYS, None):
             if key not in _STANDARD and not key.startswith("_"):
                 doc[key] = value
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str)
+        return _dumps(doc)
 
 
 class _EndOfTurn(logging.StreamHandler):

@@ -170,6 +170,7 @@ class RouterMetrics:
         self.shared_dir = shared_metrics_dir()
         r = self.registry
         self.requests = Counter("epd_router_requests", "Chat requests by final HTTP status", ["status"], registry=r)
+        self._requests_by_status: dict[str, Any] = {}
         self.latency = Histogram(
             "epd_router_request_duration_seconds",
             "Total request latency",
@@ -237,6 +238,14 @@ class RouterMetrics:
         multiprocess.MultiProcessCollector(fleet, str(self.shared_dir))
         return generate_latest(fleet)
 
+    def requests_with(self, status: str) -> Any:
+        """`requests.labels(status)`, looked up once per status (a label lookup takes a lock
+        and validates the labels every time)."""
+        child = self._requests_by_status.get(status)
+        if child is None:
+            child = self._requests_by_status[status] = self.requests.labels(status)
+        return child
+
     def track_request(self) -> RequestOutcome:
         return RequestOutcome(self)
 
@@ -265,7 +274,7 @@ class RequestOutcome:
         self._recorded = True
         if status is not None:
             self.status = status
-        self._metrics.requests.labels(self.status).inc()
+        self._metrics.requests_with(self.status).inc()
         self._metrics.latency.observe(time.monotonic() - self.started)
         if self._first_byte_s is not None:
             self._metrics.ttft.observe(self._first_byte_s)

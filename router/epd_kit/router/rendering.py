@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from epd_kit.preprocess.errors import PreprocessError
 from epd_kit.router.errors import RouterError
-from epd_kit.router.openai_api import ChatCompletionRequest
+from epd_kit.router.openai_api import ChatCompletionRequest, Message
 
 
 class PreparedItemLike(Protocol):
@@ -54,7 +54,7 @@ async def render_request(
     renderer: Renderer, request: ChatCompletionRequest, inline: Mapping[str, bytes | memoryview] | None = None
 ) -> RenderedPromptLike:
     """The request's prompt; bad input becomes a 400/413 naming where it is in the request."""
-    messages = [m.model_dump(exclude_none=True) for m in request.messages]
+    messages = [_as_dict(m) for m in request.messages]
     try:
         return await renderer.render(messages, add_generation_prompt=request.add_generation_prompt, inline=inline)
     except RouterError:
@@ -64,3 +64,10 @@ async def render_request(
         raise RouterError(exc.status, f"{param}: {exc.message}", param=param) from None
     except ValueError as exc:
         raise RouterError(400, f"cannot render the prompt: {exc}", param="messages") from None
+
+
+def _as_dict(message: Message) -> dict[str, Any]:
+    """`message.model_dump(exclude_none=True)`, without the dump for the common text message."""
+    if isinstance(message.content, str) and not message.__pydantic_extra__:
+        return {"role": message.role, "content": message.content}
+    return message.model_dump(exclude_none=True)

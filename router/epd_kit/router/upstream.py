@@ -23,11 +23,9 @@ from epd_kit.wire import (
     GENERATE_PATH,
     EcLocator,
     Features,
-    GenerateRequest,
     GenerateResponse,
     Placeholder,
     SamplingParams,
-    StreamOptions,
 )
 
 STAGE_NAMES = {"ve": "encode", "pd": "generate"}
@@ -168,22 +166,43 @@ def pd_request_body(
     stream: bool,
 ) -> dict:
     """Contract §3.1: real prompt, per-item placeholders with duplicates kept, LM-only
-    kwargs, locators under sampling_params.extra_args.kv_transfer_params.ec_locator."""
-    params = SamplingParams.model_validate(sampling).with_ec_locators(locators)
-    req = GenerateRequest(
-        request_id=request_id,
-        token_ids=token_ids,
-        features=Features.of_images(
+    kwargs, locators under sampling_params.extra_args.kv_transfer_params.ec_locator.
+
+    Built as builtins directly: the same dict, key for key and in the same order, as
+    `GenerateRequest(...).wire_dict()` (tests/unit/router/test_router_upstream.py compares
+    them), without a pydantic validate and dump per request. `sampling` is the router's own
+    (`ChatCompletionRequest.sampling_params`), already validated."""
+    if items:  # the image path keeps the model's alignment checks (its cost is elsewhere)
+        features = Features.of_images(
             [i.mm_hash for i in items],
             [Placeholder(offset=i.offset, length=i.length) for i in items],
             [i.pd_kwargs_b64 for i in items],
-        ),
-        sampling_params=params,
-        stream=stream,
-        # we always ask for the usage chunk; the client sees it only if it asked (OpenAI rule)
-        stream_options=StreamOptions(include_usage=True) if stream else None,
-    )
-    return req.wire_dict()
+        ).model_dump()
+    else:
+        features = {"mm_hashes": {}, "mm_placeholders": {}, "kwargs_data": {}}
+    extra = dict(sampling.get("extra_args") or {})
+    extra["kv_transfer_params"] = {"ec_locator": {h: loc.model_dump() for h, loc in locators.items()}}
+    params = {}
+    for name in _SAMPLING_DECLARED:
+        if name == "extra_args":
+            params[name] = extra
+        elif (value := sampling.get(name)) is not None:
+            params[name] = value
+    params.update((k, v) for k, v in sampling.items() if k not in _SAMPLING_DECLARED and v is not None)
+    body: dict = {"request_id": request_id, "token_ids": token_ids, "features": features, "sampling_params": params}
+    if stream:  # we always ask for the usage chunk; the client sees it only if it asked (OpenAI rule)
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+# wire.SamplingParams' declared fields in declaration order: a dump lists them first, then
+# the extra ones in the order given
+_SAMPLING_DECLARED = tuple(SamplingParams.model_fields)
+
+
+# json.dumps(doc, separators=(",", ":")), without building an encoder per call
+_compact_json = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def encode_body(body: dict) -> bytes:
@@ -203,9 +222,9 @@ def encode_body(body: dict) -> bytes:
             else:
                 marked[modality].append(value)
     if not blobs:
-        return json.dumps(body, separators=(",", ":")).encode()
+        return _compact_json(body).encode()
     skeleton = {**body, "features": {**features, "kwargs_data": marked}}
-    text = json.dumps(skeleton, separators=(",", ":")).encode()
+    text = _compact_json(skeleton).encode()
     parts: list[bytes] = []
     pos = 0
     for i, blob in enumerate(blobs):

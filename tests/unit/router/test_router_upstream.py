@@ -60,3 +60,46 @@ def test_encode_body_splices_blobs_losslessly(make_item):
     assert big.encode() in data
     text_only = upstream.pd_request_body("r", [1], [], {"output_kind": 2}, {}, stream=False)
     assert json.loads(upstream.encode_body(text_only)) == text_only
+
+
+def _pd_body_through_the_models(request_id, token_ids, items, sampling, locators, stream):
+    """What pd_request_body built before it skipped pydantic: the reference it must equal."""
+    from epd_kit.wire import Features, Placeholder, SamplingParams, StreamOptions
+
+    params = SamplingParams.model_validate(sampling).with_ec_locators(locators)
+    return GenerateRequest(
+        request_id=request_id,
+        token_ids=token_ids,
+        features=Features.of_images(
+            [i.mm_hash for i in items],
+            [Placeholder(offset=i.offset, length=i.length) for i in items],
+            [i.pd_kwargs_b64 for i in items],
+        ),
+        sampling_params=params,
+        stream=stream,
+        stream_options=StreamOptions(include_usage=True) if stream else None,
+    ).wire_dict()
+
+
+def test_pd_body_equals_the_models_byte_for_byte(make_item):
+    from epd_kit.router.openai_api import parse_request
+
+    items = [make_item("h1", 2, 4, "K1", "P1"), make_item("h1", 12, 4, "K1", "P1")]
+    loc = {"h1": EcLocator(engine_id="epd-ve-0", host="127.0.0.1", port=14600, remote_block_ids=[3], num_tokens=4)}
+    requests = [
+        {},
+        {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "n": 2, "seed": 3, "stop": "x", "stop_token_ids": [5]},
+        {"top_k": 5, "min_p": 0.1, "ignore_eos": True, "skip_special_tokens": False, "min_tokens": 1},
+        {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, "logprobs": True},
+        {"extra_args": {"a": None, "b": {"c": None}, "kv_transfer_params": {"x": 1}}, "logit_bias": {"5": 1}},
+        {"response_format": {"type": "json_object"}, "include_stop_str_in_output": True, "temperature": 1},
+        {"structured_outputs": {"regex": "a+"}, "max_completion_tokens": 3, "stream": True},
+    ]
+    for extra in requests:
+        request = parse_request({"messages": [{"role": "user", "content": "hi"}], **extra})
+        sampling = request.sampling_params()
+        for its, locs in (([], {}), (items, loc)):
+            for stream in (False, True):
+                got = upstream.pd_request_body("rid", [1, 2, 3], its, sampling, locs, stream)
+                want = _pd_body_through_the_models("rid", [1, 2, 3], its, sampling, locs, stream)
+                assert upstream.encode_body(got) == upstream.encode_body(want), (extra, stream)
