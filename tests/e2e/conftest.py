@@ -19,7 +19,7 @@ from tests.e2e.stack import Stack
 from tests.hosts.harness import REPO, HostPool, ansible_playbook, hosts_env
 from tests.hosts.sandbox import SandboxInventory
 
-TIMINGS = pytest.StashKey[dict[str, float]]()
+TIMINGS = pytest.StashKey[dict[str, tuple[float, str]]]()  # name -> (value, unit)
 DEPLOY = "playbooks/deploy.yml"
 # module -> the module whose deployed stack it continues on (it runs right after that one)
 CONTINUES = {"test_day2": "test_three_hosts"}
@@ -67,9 +67,12 @@ def shared_stacks(host_pool: HostPool) -> SharedStacks:
 
 
 @pytest.fixture(scope="session")
-def record_timing(pytestconfig: pytest.Config) -> Callable[[str, float], None]:
-    def record(name: str, seconds: float) -> None:
-        pytestconfig.stash[TIMINGS][name] = round(seconds, 1)
+def record_timing(pytestconfig: pytest.Config) -> Callable[..., None]:
+    """record(name, value, unit="s"): a figure for the end-of-run summary (seconds unless a
+    unit says otherwise, e.g. "requests")."""
+
+    def record(name: str, value: float, unit: str = "s") -> None:
+        pytestconfig.stash[TIMINGS][name] = (round(value, 1), unit)
 
     return record
 
@@ -79,11 +82,14 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     if not timings:
         return
     terminalreporter.section("sandbox timings")
-    for name, seconds in timings.items():
-        terminalreporter.write_line(f"{name:<40} {seconds:7.1f} s")
+    for name, (value, unit) in timings.items():
+        figure = f"{value:7.1f}" if unit == "s" else f"{value:7.0f}"
+        terminalreporter.write_line(f"{name:<40} {figure} {unit}")
     try:
         out = Path(hosts_env()["KIT_DIR"]) / "e2e-timings.json"
-        out.write_text(json.dumps(timings, indent=2))
+        out.write_text(
+            json.dumps({name: {"value": value, "unit": unit} for name, (value, unit) in timings.items()}, indent=2)
+        )
     except Exception:
         pass
 

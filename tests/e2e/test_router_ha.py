@@ -160,7 +160,7 @@ def test_a_dead_router_host_fails_no_request_after_the_detection_window(stack, r
         record_timing("router HA: HAProxy marks a killed router DOWN", time.monotonic() - killed_at)
         outcome = during.stop()
     # what the kill cost inside the window: requests in flight on the killed processes
-    record_timing("router HA: failed requests inside the detection window", len(outcome.failures))
+    record_timing("router HA: failed requests inside the detection window", len(outcome.failures), "requests")
     with load(stack, 10) as after:
         time.sleep(10)
         outcome = after.stop()
@@ -257,7 +257,7 @@ def test_router_changes_roll_process_by_process_without_a_failed_request(stack, 
         time.sleep(2)
         outcomes = {"n1 direct": direct.stop(), "through HAProxy": through_lb.stop()}
     for what, outcome in outcomes.items():
-        record_timing(f"router HA: requests during the router changes, {what}", outcome.sent)
+        record_timing(f"router HA: requests during the router changes, {what}", outcome.sent, "requests")
         assert outcome.sent >= RATE_PER_S * 10, (what, outcome.sent)
         assert outcome.ok == outcome.sent, (
             what,
