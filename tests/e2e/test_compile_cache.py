@@ -167,7 +167,7 @@ def test_a_setting_the_precompile_did_not_produce_fails_its_canary_and_stops_the
         outcome = load.stop()
 
     assert result.returncode != 0, result.describe()
-    stopped = re.search(r"rollout stopped at canary batch 1 \((epd-n2-(pd-\d))\)", result.stdout)
+    stopped = re.search(r"rollout stopped at canary batch 1 \((epd-[\w-]*?(pd-\d))\)", result.stdout)
     assert stopped, result.describe()
     canary_id, canary = stopped.groups()
     other = "pd-1" if canary == "pd-0" else "pd-0"
@@ -188,6 +188,6 @@ def test_a_setting_the_precompile_did_not_produce_fails_its_canary_and_stops_the
     assert outcome.sent >= rate * 20, f"the load ran only {outcome.sent} requests"
     assert outcome.ok == outcome.sent, (f"{len(outcome.failures)} of {outcome.sent} failed", outcome.failures[:10])
     health = {engine["id"]: is_healthy(engine) for engine in stack.pools()}
-    assert health == {"epd-n2-ve-0": True, f"epd-n2-{other}": True, canary_id: False}, health
+    assert len(health) == 3 and health.pop(canary_id) is False and all(health.values()), health
     reply = stack.chat(image_message("still serving?", (200, 40, 40)))
     assert reply.choices[0].message.content
