@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.stack import Stack
-from tests.hosts.harness import REPO, HostPool, ansible_playbook, hosts_env
+from tests.hosts.harness import REPO, HostPool, TestHost, ansible_playbook, hosts_env
 from tests.hosts.sandbox import SandboxInventory
 
 TIMINGS = pytest.StashKey[dict[str, tuple[float, str]]]()  # name -> (value, unit)
@@ -94,15 +94,27 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
         pass
 
 
-def deploy_stack(pool: HostPool, inventory_dir: Path, record: Callable[[str, float], None], label: str) -> Stack:
+def deploy_stack(
+    pool: HostPool,
+    inventory_dir: Path,
+    record: Callable[[str, float], None],
+    label: str,
+    *,
+    shared: tuple[Path, str] | None = None,
+    prepare: Callable[[dict[str, TestHost]], None] | None = None,
+) -> Stack:
+    """Boot the inventory's hosts fresh and deploy it. shared=(DIR, PATH): every host sees the
+    controller's DIR at PATH (HostPool.up); prepare(hosts) runs between the boot and the deploy."""
     if not (REPO / DEPLOY).exists():
         pytest.fail(f"{DEPLOY} does not exist yet: the end-to-end tier cannot deploy", pytrace=False)
     pool.require_model()
     inventory = SandboxInventory.load(inventory_dir)
     indexes = [int(name[1:]) for name in inventory.hosts]
     start = time.monotonic()
-    booted = pool.up(*indexes)
+    booted = pool.up(*indexes, shared=shared)
     record(f"{label}: boot {len(booted)} fresh host(s)", time.monotonic() - start)
+    if prepare is not None:
+        prepare({h.name: h for h in booted})
     start = time.monotonic()
     result = ansible_playbook(inventory.directory, DEPLOY)
     record(f"{label}: first deploy", time.monotonic() - start)

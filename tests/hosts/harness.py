@@ -175,12 +175,28 @@ class HostPool:
     def host(self, index: int) -> TestHost:
         return TestHost(f"n{index}", host_address(index), self.env["SSH_KEY"])
 
-    def up(self, *indexes: int, seed: bool = True) -> list[TestHost]:
-        """Boot fresh hosts (a running one is stopped and wiped first)."""
+    def shared_dir(self, name: str, *, fresh: bool = True) -> Path:
+        """A controller directory for `up(..., shared=...)`: $KIT_DIR/shared/<name>, emptied when fresh."""
+        if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,40}", name):
+            raise ValueError(f"bad shared directory name {name!r}")
+        directory = Path(self.env["KIT_DIR"]) / "shared" / name
+        if fresh and directory.exists():
+            import shutil
+
+            shutil.rmtree(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        return directory
+
+    def up(self, *indexes: int, seed: bool = True, shared: tuple[Path, str] | None = None) -> list[TestHost]:
+        """Boot fresh hosts (a running one is stopped and wiped first). shared=(DIR, PATH): every
+        host of this call sees the controller's DIR (from `shared_dir`) at PATH, one file system
+        for all of them (hosts.sh SHARED=: the sandbox's NFS/FSx share)."""
         hosts = [self.host(i) for i in indexes]
         extra = {"FRESH": "1"}
         if seed and self.seed is not None:
             extra["SEED"] = str(self.seed)
+        if shared is not None:
+            extra["SHARED"] = f"{shared[0]}:{shared[1]}"
         for h in hosts:
             self.boots[h.name] = self.boots.get(h.name, 0) + 1
         self._script("up", *(f"{h.name}:{h.address}" for h in hosts), extra_env=extra)

@@ -18,7 +18,9 @@
 # env: KIT_DIR (/var/tmp/epd-kit), VARIANT=dlami|bare (the base rootfs hosts boot on: the DLAMI
 #      stand-in, or a bare image without libfabric for playbooks/provision.yml), BASE, STATE,
 #      SSH_KEY, MODE=hub|host, HUB, BR, NET,
-#      FRESH=1|0 (wipe the host's upper dir on up), SEED=DIR (copied into every host's / on up)
+#      FRESH=1|0 (wipe the host's upper dir on up), SEED=DIR (copied into every host's / on up),
+#      SHARED=HOSTDIR:PATH (up: bind-mount HOSTDIR, which must lie under $KIT_DIR/shared/, into every
+#      host of this call at PATH: one file system the same everywhere, the sandbox's NFS/FSx share)
 # Reserved names/addresses: n1-n9 = 10.213.0.11-19 (tests, demo), cp1-cp3 = 10.213.0.21-23.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -37,6 +39,7 @@ SSH_OPTS=(-i "$SSH_KEY" -o BatchMode=yes -o StrictHostKeyChecking=no
           -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o ConnectTimeout=2)
 
 die() { echo "hosts.sh: $*" >&2; exit 1; }
+SHARED=${SHARED:-}
 [ "$(id -u)" = 0 ] || die "must run as root (systemd-nspawn, network namespaces, cgroups)"
 
 in_hub() { if [ "$MODE" = hub ]; then nsenter --net=/run/netns/$HUB "$@"; else "$@"; fi; }
@@ -129,6 +132,13 @@ LLDP=no
 EmitLLDP=no
 NETWORK
   echo "$ip" > "$d/address"
+  local binds=()
+  if [ -n "$SHARED" ]; then   # checked in `up`: HOSTDIR:PATH
+    binds=(--bind="$SHARED")
+    echo "$SHARED" > "$d/shared"
+  else
+    rm -f "$d/shared"
+  fi
   # one cgroup per container: with --keep-unit and no systemd on the host, nspawn splits
   # its *current* cgroup into payload/ + supervisor/, so two containers started from
   # the same cgroup would collide
@@ -139,11 +149,23 @@ NETWORK
     pre=(); [ "$MODE" = hub ] && pre=(nsenter --net=/run/netns/$HUB)   # NOT `ip netns exec`: it remounts /sys and hides the cgroup mounts
     exec setsid "${pre[@]}" systemd-nspawn --quiet --boot --directory="$BASE" \
       --overlay="$BASE:$d/upper:/" \
-      --machine="$name" --register=no --keep-unit \
+      --machine="$name" --register=no --keep-unit "${binds[@]}" \
       --network-bridge="$BR" --console=passive --resolv-conf=off --timezone=off \
       </dev/null >"$d/nspawn.log" 2>&1
   ) &
   echo $! > "$d/nspawn.pid"
+}
+
+# SHARED=HOSTDIR:PATH: HOSTDIR (created when missing) must be a directory under $KIT_DIR/shared/ and
+# PATH absolute; both without '..', ':' or ','. The hosts see one directory: what one writes, the
+# others read at once (findmnt in each host shows the same source and type, as for an NFS export)
+check_shared() {
+  [ -n "$SHARED" ] || return 0
+  local src=${SHARED%%:*} dst=${SHARED#*:}
+  [[ $SHARED == *:* && $src == "$KIT_DIR/shared/"?* && $dst == /?* ]] \
+    || die "SHARED=$SHARED: want HOSTDIR:PATH with HOSTDIR under $KIT_DIR/shared/ and PATH absolute"
+  [[ $SHARED != *..* && $dst != *:* && $SHARED != *,* ]] || die "SHARED=$SHARED: no '..', ',' or second ':'"
+  mkdir -p "$src"
 }
 
 register() {   # /run/systemd/machines/NAME with LEADER= is all `systemctl -M`/`systemd-run -M` need
@@ -221,6 +243,7 @@ case "$cmd" in
   up)
     [ $# -gt 0 ] || die "usage: hosts.sh up NAME:IP [NAME:IP ...]"
     ensure_runtime; ensure_net; mkdir -p "$STATE"
+    check_shared
     for spec in "$@"; do up_one "${spec%%:*}" "${spec##*:}"; done
     for spec in "$@"; do register "${spec%%:*}"; done
     for spec in "$@"; do wait_up "${spec%%:*}" "${spec##*:}"; done ;;
@@ -232,7 +255,7 @@ case "$cmd" in
   net-down) net_down "${1:-}" ;;
   list) running_hosts ;;
   ssh) ip=${1:?usage: hosts.sh ssh IP [CMD ...]}; shift; in_hub ssh "${SSH_OPTS[@]}" root@"$ip" "$@" ;;
-  env) printf 'KIT_DIR=%q\nVARIANT=%q\nBASE=%q\nSTATE=%q\nSSH_KEY=%q\nMODE=%q\nHUB=%q\nBR=%q\nNET=%q\n' \
-         "$KIT_DIR" "$VARIANT" "$BASE" "$STATE" "$SSH_KEY" "$MODE" "$HUB" "$BR" "$NET" ;;
-  *) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; [ "$cmd" = help ]; exit ;;
+  env) printf 'KIT_DIR=%q\nVARIANT=%q\nBASE=%q\nSTATE=%q\nSSH_KEY=%q\nMODE=%q\nHUB=%q\nBR=%q\nNET=%q\nSHARED_ROOT=%q\n' \
+         "$KIT_DIR" "$VARIANT" "$BASE" "$STATE" "$SSH_KEY" "$MODE" "$HUB" "$BR" "$NET" "$KIT_DIR/shared" ;;
+  *) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; [ "$cmd" = help ]; exit ;;
 esac

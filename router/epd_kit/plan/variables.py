@@ -336,6 +336,7 @@ _DECLARED: tuple[Var, ...] = (
             ("epd_fleet_plan", ("deploy", "plan", "render")),
             ("epd_deps_kit_install", ("deploy",)),
             ("epd_rr_headers", ROLLOUT_PLAYS),
+            ("epd_rr_wait_healthy", ROLLOUT_PLAYS),  # false: a failed batch returns without waiting
             ("epd_render_root", ("render",)),
             ("epd_ops_component", ("restart", "start", "stop")),
             ("epd_ops_engines_selected", ("restart", "start", "stop")),
