@@ -35,7 +35,7 @@ import yaml
 from tests.e2e.conftest import deploy_stack
 from tests.e2e.stack import Fleet, LoadGenerator, Stack, engine_pids, restarted
 from tests.hosts.fixtures import host_pool  # noqa: F401 - the fixture, outside tests/ (no conftest here)
-from tests.hosts.harness import REPO, HostPool, TestHost, host_address, hosts_env
+from tests.hosts.harness import REPO, HostPool, TestHost, host_address, hosts_env, playbook_command
 
 pytestmark = [pytest.mark.systemd, pytest.mark.timeout(3600)]
 
@@ -93,9 +93,7 @@ def fleet(directory: Path, shared: bool) -> Fleet:
 
 def timed_playbook(inventory: Path, playbook: str, *args: str) -> tuple[int, list[tuple[float, str]]]:
     """ansible-playbook as tests.hosts.harness.ansible_playbook runs it, each output line timestamped."""
-    argv = [str(REPO / ".venv/bin/ansible-playbook"), "-i", str(inventory), str(REPO / playbook), *args]
-    env = dict(os.environ, ANSIBLE_FORCE_COLOR="0", ANSIBLE_NOCOLOR="1")
-    env["PATH"] = f"{REPO / '.venv/bin'}:{env.get('PATH', '/usr/bin:/bin')}"
+    argv, env = playbook_command(inventory, playbook, *args)
     lines: list[tuple[float, str]] = []
     with subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         deadline = time.monotonic() + LIMIT_S

@@ -8,12 +8,16 @@ for tests and the demo: n1-n9 = 10.213.0.11-19 (docs/sandbox.md).
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import shlex
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 import yaml
@@ -267,13 +271,37 @@ class PlaybookResult:
 _RECAP_LINE = re.compile(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$")
 
 
+@cache
+def _ssh_control_dir() -> str:
+    """This test process's own directory for Ansible's ssh master connections. The default
+    (~/.ansible/cp) is shared by every run on the machine: a master that an interrupted run left
+    open to an address whose host has since been re-booted made the next run's playbook hang."""
+    directory = tempfile.mkdtemp(prefix="epd-cp-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
+
+
+def playbook_command(
+    inventory: Path | str, playbook: str, *args: str, env: dict[str, str] | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of ansible-playbook as the tests run it (from the repo root)."""
+    argv = [str(REPO / ".venv/bin/ansible-playbook"), "-i", str(inventory), str(REPO / playbook), *args]
+    full_env = dict(
+        os.environ,
+        ANSIBLE_FORCE_COLOR="0",
+        ANSIBLE_NOCOLOR="1",
+        ANSIBLE_SSH_CONTROL_PATH_DIR=_ssh_control_dir(),
+        **(env or {}),
+    )
+    full_env["PATH"] = f"{REPO / '.venv/bin'}:{full_env.get('PATH', '/usr/bin:/bin')}"
+    return argv, full_env
+
+
 def ansible_playbook(
     inventory: Path | str, playbook: str, *args: str, timeout: float = 600, env: dict[str, str] | None = None
 ) -> PlaybookResult:
     """Run ansible-playbook from the repo root (its ansible.cfg) and parse the recap."""
-    argv = [str(REPO / ".venv/bin/ansible-playbook"), "-i", str(inventory), str(REPO / playbook), *args]
-    full_env = dict(os.environ, ANSIBLE_FORCE_COLOR="0", ANSIBLE_NOCOLOR="1", **(env or {}))
-    full_env["PATH"] = f"{REPO / '.venv/bin'}:{full_env.get('PATH', '/usr/bin:/bin')}"
+    argv, full_env = playbook_command(inventory, playbook, *args, env=env)
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env, check=False)
     recap: dict[str, dict[str, int]] = {}
     in_recap = False
