@@ -185,8 +185,6 @@ class HostPool:
             raise ValueError(f"bad shared directory name {name!r}")
         directory = Path(self.env["KIT_DIR"]) / "shared" / name
         if fresh and directory.exists():
-            import shutil
-
             shutil.rmtree(directory)
         directory.mkdir(parents=True, exist_ok=True)
         return directory
