@@ -63,6 +63,16 @@ def kit_path(relative: str) -> str:
     return str(COLLECTION / relative)
 
 
+def declared_default(name: str):
+    """The default of a variable as the kit declares it (epd_kit.plan.variables): a task that reads
+    an optional variable writes `epd_x | default('epd_x' | epd.kit.epd_declared_default)`, so the
+    value lives in the declaration only."""
+    try:
+        return plan.variables.VARIABLES[name].default
+    except KeyError:
+        raise plan.EpdPlanError(f"{name} is not a declared variable (router/epd_kit/plan/variables.py)") from None
+
+
 @cache
 def known_variables() -> frozenset[str]:
     """Every epd_* name the kit reads: the options of every role entry point (the planner's
@@ -158,5 +168,6 @@ class FilterModule:
                 "epd_engine_render_files": engine_render_files,
                 "epd_env_file": plan.read_env_file,
                 "epd_kit_path": kit_path,
+                "epd_declared_default": declared_default,
             }.items()
         }

@@ -145,12 +145,12 @@ def test_every_engine_restarts_exactly_once_and_no_batch_breaks_a_floor(shape):
     assert planned and refused
 
 
-def test_a_compiling_rollout_starts_one_canary_per_configuration_alone_first():
+def test_a_compiling_rollout_starts_one_canary_per_configuration_first_the_pools_together():
     batches, _ = plan.rollout_batches(THREE, batch={"pd": 2}, compiles=True)
-    assert [b.canary for b in batches] == [True, True, False, False, False]
+    assert [b.canary for b in batches] == [True, False, False, False]
+    assert batches[0].pool == "pd+ve"  # a VE and a PD configuration compile at the same time
     assert ids(batches) == [
-        ["epd-a-pd-0"],
-        ["epd-a-ve-0"],
+        ["epd-a-pd-0", "epd-a-ve-0"],
         ["epd-b-pd-0", "epd-c-pd-0"],
         ["epd-a-pd-1", "epd-b-pd-1"],
         ["epd-b-ve-0"],
@@ -162,8 +162,15 @@ def test_a_compiling_rollout_starts_one_canary_per_configuration_alone_first():
 def test_a_different_configuration_gets_its_own_canary():
     two = fleet({"a": (1, 2), "b": (1, 2)})
     two["b"]["engines"][0]["env"] = {**two["b"]["engines"][0]["env"], "NEURON_CC_FLAGS": "--optlevel=1"}
-    batches, _ = plan.rollout_batches(two, compiles=True)
-    assert sum(b.canary for b in batches) == 3
+    batches, rules = plan.rollout_batches(two, compiles=True)
+    canaries = [b for b in batches if b.canary]
+    assert sum(len(b.engines) for b in canaries) == 3
+    # PD batches of one: the two PD configurations' canaries never leave rotation together
+    assert [b.pool for b in canaries] == ["pd+ve", "pd"]
+    for item in canaries:
+        for pool, rule in rules.items():
+            out = sum(1 for e in item.engines if e["instance"].startswith(pool))
+            assert out <= rule.batch and rule.size - out >= rule.floor
 
 
 @pytest.mark.parametrize(
@@ -180,8 +187,9 @@ def test_the_plan_says_who_compiles_and_who_fetches(shared, strict, expected_res
     )
     lines = rollout["lines"]
     canary = [line for line in lines if " canary: " in line]
-    assert len(canary) == 2
-    assert all(("fetches" if strict else "compiles") in line for line in canary)
+    assert len(canary) == 1 and "PD+VE canary" in canary[0]  # both configurations at once
+    first = "fetches" if strict else "compiles"
+    assert f"epd-a-pd-0 (a, {first})" in canary[0] and f"epd-a-ve-0 (a, {first})" in canary[0]
     rest = [line for line in lines if line.startswith("batch ") and " canary: " not in line]
     # epd-b-pd-0 is the first on host b: it fetches or compiles; a's second PD hits a's local cache
     assert expected_rest in rest[0]
@@ -189,7 +197,7 @@ def test_the_plan_says_who_compiles_and_who_fetches(shared, strict, expected_res
     per_batch = {"compiles": 1000, "fetches": 100, "local hit": 10}
     first_start = 100 if strict else 1000
     # rest: b-pd-0, c-pd-0 (first of their host), a-pd-1, b-pd-1 (local hit), b-ve-0
-    assert rollout["expected_s"] == 2 * first_start + 3 * per_batch[expected_rest] + 2 * per_batch["local hit"]
+    assert rollout["expected_s"] == first_start + 3 * per_batch[expected_rest] + 2 * per_batch["local hit"]
     assert rollout["expected_s"] < rollout["bound_s"]
 
 

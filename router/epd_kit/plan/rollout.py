@@ -10,9 +10,11 @@ A deploy against a running fleet rolls only the engines whose effective configur
 
 Cache-aware (docs/operations.md "Compile cache"): a rollout that may change what the engines
 compile (`compile=True`: a deploy's changed engines) first restarts one canary per distinct
-engine configuration (`compile_config`), alone, so a configuration that fails to compile stops
-the rollout before any other batch, and its artifacts reach the shared tier before the rest
-start, which then fetch instead of compiling.
+engine configuration (`compile_config`), so a configuration that fails to compile stops the
+rollout before any other batch, and its artifacts reach the shared tier before the rest start,
+which then fetch instead of compiling. The canaries of different pools restart together (a VE
+and a PD configuration compile at the same time, not one after the other); within a pool they
+keep its batch size and floor.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ class PoolRule:
 class Batch:
     """Engines that leave rotation, restart and come back together."""
 
-    pool: str
+    pool: str  # "pd" or "ve"; a canary batch holding both pools' canaries: "pd+ve"
     engines: tuple[Mapping[str, str], ...]  # {host, instance, engine_id} each
     canary: bool = False  # the first engine of its configuration in a compiling rollout
 
@@ -222,28 +224,46 @@ def rollout_batches(
     "pd"), a count or a percentage; a setting that cannot keep the pool's floor is refused.
     engines: a selection by name (comma-separated instances or ids) or a {host: [instance]} mapping.
     compiles: the rollout may change the compiled graphs, so one canary per distinct configuration
-    restarts alone first (every pool's canaries before any other batch)."""
+    restarts first, before any other batch; the pools' canaries restart together, up to each
+    pool's batch size per canary batch."""
     by_key = {(host, e["instance"]): e for host, host_plan in plan.items() for e in host_plan["engines"]}
     sizes = {pool: sum(1 for e in by_key.values() if e["role"] == pool) for pool in POOLS}
     selected = _selected(plan, engines)
-    canaries: list[Batch] = []
+    canaries: dict[str, list[Mapping[str, str]]] = {}  # per pool, its canaries in order
     batches: list[Batch] = []
     rules: dict[str, PoolRule] = {}
     for pool in POOLS:
         members = [e for e in selected if by_key[(e["host"], e["instance"])]["role"] == pool]
         if not members:
             continue
-        rule = PoolRule.resolve(pool, sizes[pool], (batch or {}).get(pool, 1), (min_available or {}).get(pool))
+        size = (batch or {}).get(pool, VARIABLES[f"epd_rollout_batch_{pool}"].default)
+        rule = PoolRule.resolve(pool, sizes[pool], size, (min_available or {}).get(pool))
         rules[pool] = rule
         ordered = _round_robin(members)
         if compiles:
             first: dict[str, Mapping[str, str]] = {}
             for e in ordered:
                 first.setdefault(compile_config(by_key[(e["host"], e["instance"])]), e)
-            canaries += [Batch(pool, (e,), canary=True) for e in first.values()]
+            canaries[pool] = list(first.values())
             ordered = [e for e in ordered if e not in first.values()]
         batches += [Batch(pool, tuple(ordered[i : i + rule.batch])) for i in range(0, len(ordered), rule.batch)]
-    return canaries + batches, rules
+    return _canary_batches(canaries, rules) + batches, rules
+
+
+def _canary_batches(canaries: Mapping[str, Sequence[Mapping[str, str]]], rules: Mapping[str, PoolRule]) -> list[Batch]:
+    """The canaries in as few batches as the pools' rules allow: batch k holds each pool's k-th
+    slice of up to its batch size. Different pools compile at the same time; a pool never has
+    more engines out than its own batches would take."""
+    slices = {
+        pool: [tuple(engines[i : i + rules[pool].batch]) for i in range(0, len(engines), rules[pool].batch)]
+        for pool, engines in canaries.items()
+    }
+    rounds = max((len(s) for s in slices.values()), default=0)
+    out = []
+    for k in range(rounds):
+        pools = [pool for pool in POOLS if k < len(slices.get(pool, ()))]
+        out.append(Batch("+".join(pools), tuple(e for pool in pools for e in slices[pool][k]), canary=True))
+    return out
 
 
 @dataclass(frozen=True)
@@ -333,7 +353,7 @@ def rollout_plan(
     engines: str | Mapping[str, Sequence[str]] | None = None,
     batch: Mapping[str, Any] | None = None,
     min_available: Mapping[str, Any] | None = None,
-    drain_timeout_s: int = 600,
+    drain_timeout_s: int = VARIABLES["epd_rr_drain_timeout_s"].default,
     compiles: bool = False,
     shared: bool = False,
     strict: bool = False,
@@ -351,10 +371,11 @@ def rollout_plan(
     outcomes = engine_outcomes(batches, plan, compiles=compiles, shared=shared, strict=strict)
     count = sum(len(b.engines) for b in batches)
     lines = [f"{count} engines in {len(batches)} batches"]
-    canaries = sum(1 for b in batches if b.canary)
+    canaries = sum(len(b.engines) for b in batches if b.canary)
     if canaries:
         lines.append(
-            f"canaries first: {canaries} (one per engine configuration, alone): a failed start stops the rollout"
+            f"canaries first: {canaries} (one per engine configuration; the pools' canaries together):"
+            " a failed start stops the rollout"
             + (" before any other batch; their graphs reach the shared tier before the rest start" if shared else "")
         )
     for rule in rules.values():
