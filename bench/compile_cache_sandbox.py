@@ -12,7 +12,7 @@ every host mounts: hosts.sh SHARED=), on fresh hosts per tier:
 For each: the playbook's wall-clock, the rollout play's share of it (deploy.yml), and the compiles
 and fetches the engines logged (journal, every host).
 
-    scripts/test.sh bench/compile_cache_sandbox.py                  # both tiers, ~25 min
+    scripts/test.sh bench/compile_cache_sandbox.py                  # both tiers, ~30 min
     EPD_BENCH_TIERS=shared scripts/test.sh bench/compile_cache_sandbox.py
 
 It needs the test hosts, so it runs through the test command (inside the kithub namespace, with
@@ -149,7 +149,12 @@ def scenario(stack: Stack, playbook: str, inventory: Path, *args: str) -> dict:
         **cache_events(stack.hosts, since),
         "requests": outcome.sent,
         "failed": len(outcome.failures),
-        "plan": [line.strip().strip('",') for _, line in lines if re.search(r'"(batch \d+/\d+|\d+ engines in)', line)],
+        # the printed plan (yaml callback: "- batch 1/5 PD+VE canary: ...")
+        "plan": [
+            line.strip().lstrip("- ").strip("\"',")
+            for _, line in lines
+            if re.search(r"^\s*-?\s*[\"']?(batch \d+/\d+|\d+ engines in|canaries first)", line)
+        ],
     }
 
 
