@@ -205,28 +205,34 @@ class EngineClient:
         return upstream.parse_pd_response(answer, engine)
 
     async def _post(self, engine: Engine, content: bytes | VeBody, deadline: float, what: str) -> upstream.EngineAnswer:
-        """One POST read in full within `deadline`."""
+        """One POST read in full within `deadline` (the client's own deadline: what an
+        `asyncio.timeout(deadline)` around the call did, one timer cheaper)."""
         try:
-            async with asyncio.timeout(deadline):
-                resp, body = await self._send(engine, content, deadline + _READ_SLACK_S)
-                return upstream.EngineAnswer(resp.status, body, resp.headers)
+            resp, body = await self._send(engine, content, deadline + _READ_SLACK_S, self.http.loop.time() + deadline)
+            return upstream.EngineAnswer(resp.status, body, resp.headers)
         except engine_http.ClientError as exc:  # before TimeoutError: the client's timeouts are both
             raise upstream.classify_exception(exc, engine) from None
-        except TimeoutError:
+        except TimeoutError:  # engine_http.DeadlineExceeded
             raise upstream.deadline_exceeded(engine, deadline, what) from None
 
-    async def _send(self, engine: Engine, content: bytes | VeBody, read_s: float) -> tuple[engine_http.Response, bytes]:
-        """POST `content` to the engine's generate route; the answer read whole. A
-        connection the engine closed just as the request went out (its keep-alive expiry
-        racing our reuse) ends before any answer byte: that POST is resent once, on a fresh
-        connection. A dead engine then refuses the second dial, which is what health.py
-        should see; an engine that drops requests it has read fails the resend too."""
+    async def _send(
+        self, engine: Engine, content: bytes | VeBody, read_s: float, deadline_at: float
+    ) -> tuple[engine_http.Response, bytes]:
+        """POST `content` to the engine's generate route; the answer read whole, all by the
+        loop time `deadline_at`. A connection the engine closed just as the request went
+        out (its keep-alive expiry racing our reuse) ends before any answer byte: that POST
+        is resent once, on a fresh connection. A dead engine then refuses the second dial,
+        which is what health.py should see; an engine that drops requests it has read fails
+        the resend too."""
         connect_s = self._state.cfg.timeouts.connect_s
+        http = self.http
         try:
-            return await self.http.post(engine.url, GENERATE_PATH, content, connect_s=connect_s, read_s=read_s)
+            return await http.post(
+                engine.url, GENERATE_PATH, content, connect_s=connect_s, read_s=read_s, deadline=deadline_at
+            )
         except engine_http.ServerDisconnectedError:
-            return await self.http.post(
-                engine.url, GENERATE_PATH, content, connect_s=connect_s, read_s=read_s, fresh=True
+            return await http.post(
+                engine.url, GENERATE_PATH, content, connect_s=connect_s, read_s=read_s, deadline=deadline_at, fresh=True
             )
 
     async def _open(self, engine: Engine, content: bytes, read_s: float) -> engine_http.Response:

@@ -23,7 +23,10 @@ sorts and what the error messages name:
   read waited on it.
 
 `ServerTimeoutError` is also a `TimeoutError`, as aiohttp's is: callers catch `ClientError`
-before `TimeoutError`.
+before `TimeoutError`. A call may also carry a `deadline` (a loop time) for the whole call,
+dial and answer included; past it the call fails with `DeadlineExceeded`, a `TimeoutError`
+and not a `ClientError`: what an `asyncio.timeout` around the call would raise, without the
+cost of one (the call's own read timer watches both).
 
 A connection goes back to its pool only after a complete answer that allows keep-alive;
 every other end (an error, a cancelled call, a stream closed before its end) closes it. An
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import socket
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Protocol
@@ -88,6 +92,10 @@ class ClientPayloadError(ClientError):
 
 class ClientResponseError(ClientError):
     pass
+
+
+class DeadlineExceeded(TimeoutError):
+    """The call's own `deadline` passed (see the module docstring): not an HTTP failure."""
 
 
 # --- request bodies ----------------------------------------------------------------------
@@ -280,21 +288,23 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._last_data = 0.0
         self._read_s = 0.0
+        self._deadline = math.inf
         self._timer: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future[None] | None = None
         self._paused = False
 
     # --- the caller's side -----------------------------------------------------------------
 
-    async def send(self, head: bytes, content: bytes | ChunkedBody, read_s: float) -> Response:
+    async def send(self, head: bytes, content: bytes | ChunkedBody, read_s: float, deadline: float) -> Response:
         """Write one request; its answer (`Response`) fills as bytes arrive."""
         resp = self.response = Response(self)
         transport = self.transport
         assert transport is not None
         self._read_s = read_s
+        self._deadline = deadline
         loop = self.loop
         self._last_data = now = loop.time()
-        self._timer = loop.call_at(now + read_s, self._read_check)
+        self._timer = loop.call_at(min(now + read_s, deadline), self._read_check)
         if isinstance(content, bytes):
             transport.write(head + content)
         else:
@@ -327,10 +337,18 @@ class _Connection(asyncio.Protocol):
             self.pool.put(self)
 
     def close(self) -> None:
+        """Drop the connection: unsent request bytes are discarded (a hung engine that reads
+        nothing must not keep the socket), and a send waiting to write more stops."""
         self.stop_timer()
-        if self.transport is not None:
-            self.transport.close()
         self.lost = True
+        transport = self.transport
+        if transport is not None:
+            if transport.get_write_buffer_size():
+                transport.abort()
+            else:
+                transport.close()
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
 
     def stop_timer(self) -> None:
         if self._timer is not None:
@@ -342,9 +360,14 @@ class _Connection(asyncio.Protocol):
         resp = self.response
         if resp is None or resp.complete or resp._exc is not None:
             return
+        now = self.loop.time()
+        if now >= self._deadline:
+            resp._fail(DeadlineExceeded())
+            self.close()
+            return
         due = self._last_data + self._read_s
-        if self.loop.time() < due:
-            self._timer = self.loop.call_at(due, self._read_check)
+        if now < due:
+            self._timer = self.loop.call_at(min(due, self._deadline), self._read_check)
             return
         resp._fail(SocketTimeoutError("Timeout on reading data from socket"))
         self.close()
@@ -443,7 +466,7 @@ class _Pool:
             ).encode("latin-1")
         return prefix + str(length).encode() + b"\r\n\r\n"
 
-    async def acquire(self, connect_s: float, fresh: bool) -> _Connection:
+    async def acquire(self, connect_s: float, fresh: bool, deadline: float) -> _Connection:
         if not fresh:
             idle = self.idle
             if idle:
@@ -456,15 +479,18 @@ class _Pool:
                         conn.close()
                         continue
                     return conn
-        return await self._dial(connect_s)
+        return await self._dial(connect_s, deadline)
 
-    async def _dial(self, connect_s: float) -> _Connection:
+    async def _dial(self, connect_s: float, deadline: float) -> _Connection:
+        connect_by = self.loop.time() + connect_s
         try:
-            async with asyncio.timeout(connect_s) as limit:
+            async with asyncio.timeout_at(min(connect_by, deadline)) as limit:
                 _, conn = await self.loop.create_connection(lambda: _Connection(self), self.host, self.port)
         except TimeoutError:
             if not limit.expired():
                 raise
+            if deadline <= connect_by:
+                raise DeadlineExceeded() from None
             raise ConnectionTimeoutError(f"Connection timeout to host {self.netloc}") from None
         except OSError as exc:
             message = f"Cannot connect to host {self.netloc} [{exc.strerror or exc}]"
@@ -537,17 +563,18 @@ class EngineHTTP:
         connect_s: float,
         read_s: float,
         fresh: bool = False,
+        deadline: float = math.inf,
     ) -> Response:
         """POST `content` (JSON) to `url` + `path`; the answer with its head read. The caller
         reads it and then `release`s or `close`s it. `fresh`: dial a new connection rather
-        than reuse an idle one."""
+        than reuse an idle one. `deadline`: the loop time by which the call must be done."""
         if self.closed:
             raise ClientConnectionError("the client is closed")
         pool = self._pool(url)
-        conn = await pool.acquire(connect_s, fresh)
+        conn = await pool.acquire(connect_s, fresh, deadline)
         size = len(content) if isinstance(content, bytes) else content.size
         try:
-            resp = await conn.send(pool.head(path, size), content, read_s)
+            resp = await conn.send(pool.head(path, size), content, read_s, deadline)
             await resp.wait_head()
         except BaseException:
             conn.close()
@@ -563,15 +590,16 @@ class EngineHTTP:
         connect_s: float,
         read_s: float,
         fresh: bool = False,
+        deadline: float = math.inf,
     ) -> tuple[Response, bytes]:
         """POST and read the whole answer: the response (released) and its body."""
         if self.closed:
             raise ClientConnectionError("the client is closed")
         pool = self._pool(url)
-        conn = await pool.acquire(connect_s, fresh)
+        conn = await pool.acquire(connect_s, fresh, deadline)
         size = len(content) if isinstance(content, bytes) else content.size
         try:
-            resp = await conn.send(pool.head(path, size), content, read_s)
+            resp = await conn.send(pool.head(path, size), content, read_s, deadline)
             body = await resp.read()
         except BaseException:
             conn.close()

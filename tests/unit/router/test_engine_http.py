@@ -377,3 +377,36 @@ async def test_a_closed_client_refuses_calls(client):
     client.close()
     with pytest.raises(engine_http.ClientConnectionError):
         await client.post("http://127.0.0.1:1", PATH, b"{}", connect_s=1, read_s=1)
+
+
+async def test_the_call_deadline_fires_as_deadline_exceeded_also_while_the_body_is_sent(client):
+    """`deadline` bounds the whole call (not a ClientError: the caller words it), also when
+    the engine reads nothing and the request body cannot be written out."""
+    stop = asyncio.Event()
+    writers: list[asyncio.StreamWriter] = []
+
+    async def never_reads(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await stop.wait()
+        writer.close()
+
+    server = await asyncio.start_server(never_reads, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        loop = asyncio.get_running_loop()
+        for content in (b"{}", Chunks([b"x" * 65536] * 400)):  # 26 MB: more than the socket buffers hold
+            t = loop.time()
+            with pytest.raises(engine_http.DeadlineExceeded) as info:
+                await client.post(url, PATH, content, connect_s=2, read_s=30, deadline=t + 0.3)
+            assert not isinstance(info.value, engine_http.ClientError) and isinstance(info.value, TimeoutError)
+            assert 0.25 < loop.time() - t < 3
+        assert client._pools[url].open == set() or all(c.lost for c in client._pools[url].open)
+    finally:
+        stop.set()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_deadline_shorter_than_the_connect_timeout_is_the_deadline(client):
+    with pytest.raises(engine_http.DeadlineExceeded):
+        await client.post("http://127.0.0.1:1", PATH, b"{}", connect_s=5, read_s=5, deadline=0.0)
