@@ -7,10 +7,12 @@ upstream.py) after charging the failure to the engine when it is the engine's fa
 
 The engine calls go through the router's own small client (engine_http.py: asyncio.Protocol
 and httptools, a keep-alive pool per engine origin). It replaced an `aiohttp.ClientSession`
-(issue 23, item 7): one POST with its answer took about 400 k instructions through aiohttp,
-a quarter of a text request, against about 90 k here (docs/benchmarks.md "Item 7"); aiohttp
-in turn had replaced httpx, which cost 6-16x more again (docs/dependencies.md). Its errors
-keep aiohttp's class names, so the classification and the messages are the same. Kept-alive
+(issue 23, item 7): one POST with its answer took 388 k instructions through aiohttp, about a
+quarter of a text request, against 58 k here, and the whole text request fell from 1.80 M to
+1.41 M (callgrind; docs/benchmarks.md "Item 7, second round"); aiohttp in turn had replaced
+httpx, which cost 6-16x more again (docs/dependencies.md). An engine POST's deadline is the
+client's own timer (`DeadlineExceeded`), not an `asyncio.timeout` around the call. The client's
+errors keep aiohttp's class names, so the classification and the messages are the same. Kept-alive
 connections survive idle pauses (`ENGINE_KEEPALIVE_S`); one the engine closed while idle
 (vLLM's uvicorn after 5 s) is dropped when the pool next looks at it, and a request that
 races such a close (the connection ends before any answer byte) is resent once on a fresh
