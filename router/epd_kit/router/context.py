@@ -94,7 +94,7 @@ class StageLimit:
     """`RequestContext.time_limit`: an `asyncio.Timeout` at the request's deadline whose
     expiry becomes a 504 naming the stage. A class, not a generator context manager: two of
     them per request. A TimeoutError that is not this limit's own (an engine call's,
-    aiohttp's) passes unchanged."""
+    the engine client's) passes unchanged."""
 
     __slots__ = ("_ctx", "_limit", "_stage")
 

@@ -17,9 +17,6 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import aiohttp.payload
-from aiohttp.abc import AbstractStreamWriter
-
 from epd_kit.router.context import RequestContext
 from epd_kit.router.errors import EcLoadFailed, RouterError, UpstreamError
 from epd_kit.router.metrics import RouterMetrics
@@ -35,36 +32,20 @@ if TYPE_CHECKING:  # engine_client builds its VE bodies with `ve_body` from here
 log = logging.getLogger("epd_router.encode")
 
 
-class VeBody(aiohttp.payload.Payload):
+class VeBody:
     """One VE request body (docs/contract.md §2.2) as the byte chunks to send in order; the
-    items' kwargs are the cached bytes themselves. An aiohttp payload, so the engine client
-    posts it as it posts bytes (`data=`): Content-Length from `size`, the chunks written one
-    by one (aiohttp joins only the first, small one with the request head), reusable for a
-    resend. Joining them would copy megabytes per request."""
+    items' kwargs are the cached bytes themselves. The engine client (engine_http.py) sends
+    it with a `Content-Length` of `size`, the chunks one by one (only the first, small one
+    joined with the request head), and can send it again for a resend. Joining them would
+    copy megabytes per request."""
 
-    _autoclose = True  # nothing to close: bytes in memory
+    __slots__ = ("chunks", "size")
+
+    content_type = "application/json"
 
     def __init__(self, chunks: Sequence[bytes]) -> None:
         self.chunks = tuple(chunks)
-        super().__init__(self.chunks, content_type="application/json")
-        self._size = sum(len(c) for c in self.chunks)
-
-    async def write(self, writer: AbstractStreamWriter) -> None:
-        await self.write_with_length(writer, None)
-
-    async def write_with_length(self, writer: AbstractStreamWriter, content_length: int | None) -> None:
-        remaining = self._size if content_length is None else content_length
-        for chunk in self.chunks:
-            if remaining <= 0:
-                return
-            await writer.write(chunk if len(chunk) <= remaining else chunk[:remaining])
-            remaining -= len(chunk)
-
-    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
-        return bytes(self).decode(encoding, errors)
-
-    async def as_bytes(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
-        return bytes(self)
+        self.size = sum(len(c) for c in self.chunks)
 
     def __bytes__(self) -> bytes:
         return b"".join(self.chunks)

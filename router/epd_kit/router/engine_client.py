@@ -5,12 +5,18 @@ call (the rules are health.py).
 Each call either returns the parsed answer or raises an `UpstreamError` (classified in
 upstream.py) after charging the failure to the engine when it is the engine's fault.
 
-The engine calls go through one `aiohttp.ClientSession`: per request it costs a fifth to a
-tenth of the CPU of `httpx.AsyncClient` (docs/dependencies.md has the figures). Kept-alive
-connections survive idle pauses (`ENGINE_KEEPALIVE_S`); an engine that closes an idle one
-itself (vLLM's uvicorn after 5 s) is noticed by the pool, which then dials anew, and a
-request that races such a close is resent once on a fresh connection (`_send`). The
-`/health` prober keeps its own small httpx client (health.py).
+The engine calls go through the router's own small client (engine_http.py: asyncio.Protocol
+and httptools, a keep-alive pool per engine origin). It replaced an `aiohttp.ClientSession`
+(issue 23, item 7): one POST with its answer took 388 k instructions through aiohttp, about a
+quarter of a text request, against 58 k here, and the whole text request fell from 1.80 M to
+1.41 M (callgrind; docs/benchmarks.md "Item 7, second round"); aiohttp in turn had replaced
+httpx, which cost 6-16x more again (docs/dependencies.md). An engine POST's deadline is the
+client's own timer (`DeadlineExceeded`), not an `asyncio.timeout` around the call. The client's
+errors keep aiohttp's class names, so the classification and the messages are the same. Kept-alive
+connections survive idle pauses (`ENGINE_KEEPALIVE_S`); one the engine closed while idle
+(vLLM's uvicorn after 5 s) is dropped when the pool next looks at it, and a request that
+races such a close (the connection ends before any answer byte) is resent once on a fresh
+connection (`_send`). The `/health` prober keeps its own small httpx client (health.py).
 """
 
 from __future__ import annotations
@@ -19,11 +25,10 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-import aiohttp
 import httpx
 
-from epd_kit.router import deadlines, upstream
-from epd_kit.router.encode import ve_body
+from epd_kit.router import deadlines, engine_http, upstream
+from epd_kit.router.encode import VeBody, ve_body
 from epd_kit.router.errors import UpstreamError
 from epd_kit.router.health import EngineHealth, HealthProber
 from epd_kit.router.metrics import RouterMetrics
@@ -31,7 +36,7 @@ from epd_kit.router.pools import Engine
 from epd_kit.router.probes import ServingProbes
 from epd_kit.router.rendering import PreparedItemLike
 from epd_kit.router.state import RouterState
-from epd_kit.wire import EcLocator, GenerateResponse, iter_sse_payloads
+from epd_kit.wire import GENERATE_PATH, EcLocator, GenerateResponse, iter_sse_payloads
 
 # the client's own read timeout stays a little behind the call's deadline, so the deadline
 # (whose message says what it was derived from) is what fires
@@ -48,7 +53,7 @@ class PdStream:
     """An open PD stream whose first payload has already been read (so it is committed)."""
 
     engine: Engine
-    response: aiohttp.ClientResponse
+    response: engine_http.Response
     payloads: AsyncIterator[bytes]
     first: bytes
     closed: bool = False
@@ -59,7 +64,7 @@ class EngineClient:
         self._state = state
         self._metrics = metrics
         self.health = EngineHealth(lambda: state.cfg.health, lambda: state.pools)
-        self._session: aiohttp.ClientSession | None = None
+        self._http: engine_http.EngineHTTP | None = None
         self._probe_client: httpx.AsyncClient | None = None
         self._prober: HealthProber | None = None
         self._probes: ServingProbes | None = None
@@ -68,9 +73,8 @@ class EngineClient:
         """`probes`: the serving probes that readmit an engine ejected as hung (without them,
         `/health` alone readmits it)."""
         self._probes = probes
-        # limit=0: no cap of our own (engines' slots are admission.py's business)
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=ENGINE_KEEPALIVE_S)
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        # no cap on connections of our own (engines' slots are admission.py's business)
+        self._http = engine_http.EngineHTTP(keepalive_s=ENGINE_KEEPALIVE_S)
         self._probe_client = httpx.AsyncClient(trust_env=False)
         self._prober = HealthProber(
             self._probe_client,
@@ -85,15 +89,15 @@ class EngineClient:
     async def aclose(self) -> None:
         if self._prober:
             await self._prober.stop()
-        if self._session:
-            await self._session.close()
+        if self._http:
+            self._http.close()
         if self._probe_client:
             await self._probe_client.aclose()
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "EngineClient.start() was not awaited"
-        return self._session
+    def http(self) -> engine_http.EngineHTTP:
+        assert self._http is not None, "EngineClient.start() was not awaited"
+        return self._http
 
     def probe_soon(self) -> None:
         """Run a probe round now (after a reload or an ejection), not a full interval later."""
@@ -202,46 +206,62 @@ class EngineClient:
             raise upstream.classify_status(answer, engine)
         return upstream.parse_pd_response(answer, engine)
 
-    async def _post(self, engine: Engine, content: bytes, deadline: float, what: str) -> upstream.EngineAnswer:
-        """One POST read in full within `deadline`."""
+    async def _post(self, engine: Engine, content: bytes | VeBody, deadline: float, what: str) -> upstream.EngineAnswer:
+        """One POST read in full within `deadline` (the client's own deadline: what an
+        `asyncio.timeout(deadline)` around the call did, one timer cheaper)."""
         try:
-            async with asyncio.timeout(deadline):
-                resp = await self._send(engine, content, deadline + _READ_SLACK_S)
-                async with resp:
-                    return upstream.EngineAnswer(resp.status, await resp.read(), resp.headers)
-        except aiohttp.ClientError as exc:  # before TimeoutError: aiohttp's timeouts are both
+            resp, body = await self._send(engine, content, deadline + _READ_SLACK_S, self.http.loop.time() + deadline)
+            return upstream.EngineAnswer(resp.status, body, resp.headers)
+        except engine_http.ClientError as exc:  # before TimeoutError: the client's timeouts are both
             raise upstream.classify_exception(exc, engine) from None
-        except TimeoutError:
+        except TimeoutError:  # engine_http.DeadlineExceeded
             raise upstream.deadline_exceeded(engine, deadline, what) from None
 
-    async def _send(self, engine: Engine, content: bytes, read_s: float) -> aiohttp.ClientResponse:
-        """POST `content` to the engine's generate route; the response with its head read.
-        A connection the engine closed just as the request went out (its keep-alive expiry
-        racing our reuse) ends before any answer byte: that POST is resent once, on a fresh
-        connection. A dead engine then refuses the second dial, which is what health.py
-        should see; an engine that drops requests it has read fails the resend too."""
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._state.cfg.timeouts.connect_s, sock_read=read_s)
-        url = upstream.generate_url(engine)
+    async def _send(
+        self, engine: Engine, content: bytes | VeBody, read_s: float, deadline_at: float
+    ) -> tuple[engine_http.Response, bytes]:
+        """POST `content` to the engine's generate route; the answer read whole, all by the
+        loop time `deadline_at`. A connection the engine closed just as the request went
+        out (its keep-alive expiry racing our reuse) ends before any answer byte: that POST
+        is resent once, on a fresh connection. A dead engine then refuses the second dial,
+        which is what health.py should see; an engine that drops requests it has read fails
+        the resend too."""
+        connect_s = self._state.cfg.timeouts.connect_s
+        http = self.http
         try:
-            return await self.session.post(url, data=content, headers=upstream.JSON_HEADERS, timeout=timeout)
-        except aiohttp.ServerDisconnectedError:
-            return await self.session.post(url, data=content, headers=upstream.JSON_HEADERS, timeout=timeout)
+            return await http.post(
+                engine.url, GENERATE_PATH, content, connect_s=connect_s, read_s=read_s, deadline=deadline_at
+            )
+        except engine_http.ServerDisconnectedError:
+            return await http.post(
+                engine.url, GENERATE_PATH, content, connect_s=connect_s, read_s=read_s, deadline=deadline_at, fresh=True
+            )
+
+    async def _open(self, engine: Engine, content: bytes, read_s: float) -> engine_http.Response:
+        """As `_send`, for a stream: the answer with its head read (the same resend rule)."""
+        connect_s = self._state.cfg.timeouts.connect_s
+        try:
+            return await self.http.open(engine.url, GENERATE_PATH, content, connect_s=connect_s, read_s=read_s)
+        except engine_http.ServerDisconnectedError:
+            return await self.http.open(
+                engine.url, GENERATE_PATH, content, connect_s=connect_s, read_s=read_s, fresh=True
+            )
 
     async def _open_stream(self, engine: Engine, body: dict) -> PdStream:
         timeouts = self._state.cfg.timeouts
         deadline = deadlines.first_token_s(timeouts, engine.inflight_work)
-        resp: aiohttp.ClientResponse | None = None
+        resp: engine_http.Response | None = None
         committed = False
         try:
             async with asyncio.timeout(deadline):
                 # after the first payload, generation.GapWatch bounds the gaps between events
                 # (timeouts.stream_gap_s); this read timeout is only a backstop
-                resp = await self._send(engine, upstream.encode_body(body), timeouts.pd_s)
+                resp = await self._open(engine, upstream.encode_body(body), timeouts.pd_s)
                 if resp.status != 200:
                     raise upstream.classify_status(
                         upstream.EngineAnswer(resp.status, await resp.read(), resp.headers), engine
                     )
-                payloads = iter_sse_payloads(resp.content.iter_any())
+                payloads = iter_sse_payloads(resp.iter_any())
                 try:
                     first = await anext(payloads)
                 except StopAsyncIteration:
@@ -251,7 +271,7 @@ class EngineClient:
                 raise err
             committed = True
             return PdStream(engine=engine, response=resp, payloads=payloads, first=first)
-        except aiohttp.ClientError as exc:  # before TimeoutError: aiohttp's timeouts are both
+        except engine_http.ClientError as exc:  # before TimeoutError: the client's timeouts are both
             raise upstream.classify_exception(exc, engine) from None
         except TimeoutError:
             what = f"first token, {engine.inflight_work} prompt tokens waiting on it"

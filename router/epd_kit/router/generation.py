@@ -16,10 +16,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-import aiohttp
 import anyio
 
-from epd_kit.router import translate, upstream
+from epd_kit.router import engine_http, translate, upstream
 from epd_kit.router.admission import PdAdmission
 from epd_kit.router.context import RequestContext
 from epd_kit.router.encode import Encoder
@@ -168,7 +167,7 @@ class Generation:
                 yield usage
             ok = True
             pd.engine.served += 1
-        except aiohttp.ClientError as exc:
+        except engine_http.ClientError as exc:
             cause = upstream.stream_stalled(pd.engine, watch.gap_s) if watch.fired else None
             err = self._engines.failed(cause or upstream.classify_exception(exc, pd.engine), pd.engine)
             log.warning("PD stream failed after start", extra={"request_id": ctx.request_id, "error": err.message})

@@ -24,6 +24,11 @@ short body holds a connection forever), a fresh connection that never sends stay
   whose first request head is not complete yet is not reset, since that request may already
   be on the wire; it is served and closed after its response (or at its header timeout).
 
+For the app's race against a client that leaves (routes.py `_race_disconnect`), each request's
+scope carries a `DisconnectSignal` (`CLIENT_GONE`) that fires when uvicorn marks the request's
+cycle disconnected, which is when its `receive()` would answer `http.disconnect`: the app
+learns it without a task of its own per request waiting on `receive()`.
+
 Each close is counted (`epd_router_client_connections_closed_total{reason}`); no log line
 per connection, so a flood of slow clients cannot flood the journal.
 
@@ -51,6 +56,9 @@ log = logging.getLogger("epd_router.listener")
 
 _REASONS = {408: "Request Timeout", 400: "Bad Request", 501: "Not Implemented", 503: "Service Unavailable"}
 
+# the scope key of a request's DisconnectSignal
+CLIENT_GONE = "epd.client_gone"
+
 # the request head cap uvicorn's h11 protocol applied (h11_max_incomplete_event_size)
 MAX_HEAD_BYTES = 16 * 1024
 
@@ -67,6 +75,40 @@ def raw_response(error: RouterError) -> bytes:
         *(f"{k}: {v}" for k, v in error.headers(None).items()),
     ]
     return ("\r\n".join(headers) + "\r\n\r\n").encode("latin-1") + body
+
+
+class DisconnectSignal:
+    """Tells one request's app that its client left (see the module docstring)."""
+
+    __slots__ = ("_callback", "_flow", "_soon", "gone")
+
+    def __init__(self, flow: Any) -> None:
+        self._flow = flow
+        self._callback: Callable[[], None] | None = None
+        self._soon: asyncio.Handle | None = None
+        self.gone = False
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the client is gone: from the loop's next turn if it is gone
+        already (when a task waiting on `receive()` would have learnt it), else as the
+        connection is lost."""
+        self._flow.resume_reading()  # what uvicorn's receive() does while an app waits on it
+        if self.gone:
+            self._soon = asyncio.get_running_loop().call_soon(callback)
+        else:
+            self._callback = callback
+
+    def unwatch(self) -> None:
+        self._callback = None
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
+
+    def fire(self) -> None:
+        self.gone = True
+        callback, self._callback = self._callback, None
+        if callback is not None:
+            callback()
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -160,6 +202,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+        cycle = self.cycle
+        if cycle is not None and cycle.disconnected:  # what makes its receive() say http.disconnect
+            signal = cycle.scope.get(CLIENT_GONE)
+            if signal is not None:
+                signal.fire()
 
     # --- parser callbacks and uvicorn hooks ------------------------------------------------
 
@@ -199,6 +246,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                         "or Transfer-Encoding: chunked",
                     )
                 )
+        self.scope[CLIENT_GONE] = DisconnectSignal(self.flow)  # type: ignore[literal-required]
         super().on_headers_complete()
         if self._shutting_down and self.cycle is not None:
             self.cycle.keep_alive = False

@@ -24,6 +24,7 @@ from epd_kit.router.body import decode_body
 from epd_kit.router.context import RequestContext
 from epd_kit.router.errors import RouterError
 from epd_kit.router.intake import ClientGone, IntakeSlot, read_body
+from epd_kit.router.listener import CLIENT_GONE, DisconnectSignal
 from epd_kit.router.metrics import RequestOutcome
 from epd_kit.router.openai_api import ChatCompletionRequest, parse_request
 from epd_kit.router.service import RouterService
@@ -299,23 +300,34 @@ async def _race_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     """Run `work`; if the client disconnects first, cancel it (which aborts the engine
     request: the engine client closes the connection) and return None.
 
-    `work` runs in the caller's own task and only the watcher is a task of its own: a
-    second task per request and `asyncio.wait` cost more CPU than the rest of this race.
-    The watcher cancels the caller only while the caller still awaits `work`."""
+    `work` runs in the caller's own task. Under the router's listener the disconnect comes
+    from the request's `DisconnectSignal` (listener.py), with no task at all; elsewhere (an
+    ASGI test transport) a watcher task waits on `receive()`: a second task per request and
+    `asyncio.wait` cost more CPU than the rest of this race. Either cancels the caller only
+    while the caller still awaits `work`."""
     caller = asyncio.current_task()
     assert caller is not None, "_race_disconnect runs in a task"
     race = _Race()
 
-    async def disconnected() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                if not race.finished:
-                    race.client_left = True
-                    caller.cancel()
-                return
+    def left() -> None:
+        if not race.finished:
+            race.client_left = True
+            caller.cancel()
 
-    watcher = asyncio.ensure_future(disconnected())
+    signal: DisconnectSignal | None = request.scope.get(CLIENT_GONE)
+    watcher: asyncio.Future[None] | None = None
+    if signal is not None:
+        signal.watch(left)
+    else:
+
+        async def disconnected() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    left()
+                    return
+
+        watcher = asyncio.ensure_future(disconnected())
     try:
         result = await work
     except BaseException:
@@ -326,7 +338,11 @@ async def _race_disconnect(request: Request, work: Awaitable[T]) -> T | None:
         return None
     finally:
         race.finished = True
-        watcher.cancel()
+        if signal is not None:
+            signal.unwatch()
+        else:
+            assert watcher is not None
+            watcher.cancel()
     if race.client_left:  # work ended just as the client left (our cancel came too late)
         caller.uncancel()
         return None

@@ -14,13 +14,11 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import aiohttp
-
+from epd_kit.router import engine_http
 from epd_kit.router.errors import EcLoadFailed, Failure, UpstreamError
 from epd_kit.router.pools import Engine
 from epd_kit.router.rendering import PreparedItemLike
 from epd_kit.wire import (
-    GENERATE_PATH,
     EcLocator,
     Features,
     GenerateResponse,
@@ -77,17 +75,17 @@ def where(engine: Engine) -> str:
     return f"{STAGE_NAMES[engine.role]} on {engine.role.upper()} {engine.id} ({engine.url})"
 
 
-def classify_exception(exc: aiohttp.ClientError, engine: Engine) -> UpstreamError:
-    """An engine call that raised (aiohttp's exception types; the pool is unbounded, so no
-    wait for a connection of our own)."""
+def classify_exception(exc: engine_http.ClientError, engine: Engine) -> UpstreamError:
+    """An engine call that raised (engine_http.py's exception types, which keep aiohttp's
+    names; the pool is unbounded, so no wait for a connection of our own)."""
     kind = type(exc).__name__
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+    if isinstance(exc, engine_http.ConnectionTimeoutError):
         message = f"{where(engine)} failed: cannot connect ({kind})"
         return _failure(engine, 502, message, failure=Failure.connect_timeout, retry_other=True)
-    if isinstance(exc, aiohttp.ClientConnectorError):
+    if isinstance(exc, engine_http.ClientConnectorError):
         message = f"{where(engine)} failed: cannot connect ({kind})"
         return _failure(engine, 502, message, failure=Failure.refused, retry_other=True)
-    if isinstance(exc, aiohttp.ServerTimeoutError):
+    if isinstance(exc, engine_http.ServerTimeoutError):
         return _failure(engine, 504, f"{where(engine)} timed out ({kind})", failure=Failure.timeout, retry_other=True)
     message = f"{where(engine)} failed: connection broken ({kind})"
     return _failure(engine, 502, message, failure=Failure.error, retry_other=True)
@@ -234,13 +232,6 @@ def encode_body(body: dict) -> bytes:
         pos = at + len(mark)
     parts.append(text[pos:])
     return b"".join(parts)
-
-
-JSON_HEADERS = {"content-type": "application/json"}
-
-
-def generate_url(engine: Engine) -> str:
-    return engine.url + GENERATE_PATH
 
 
 def parse_ve_response(answer: EngineAnswer, engine: Engine, hashes: Sequence[str]) -> dict[str, EcLocator]:

@@ -6,9 +6,9 @@ import base64
 import json
 import socket
 
-import aiohttp
 from aiohttp import web
 
+from epd_kit.router import engine_http
 from epd_kit.router.encode import ve_body, ve_request_id
 from epd_kit.wire import encode_request
 
@@ -27,7 +27,8 @@ def test_ve_body_is_the_contract_body_with_the_cached_bytes_unchanged(make_item)
 
 
 async def test_an_engine_receives_the_body_whole_with_its_length_also_on_a_resend(make_item):
-    """Posted with aiohttp (the router's engine client) to a real server on 127.0.0.1."""
+    """Posted with the router's engine client (engine_http.py) to a real aiohttp server on
+    127.0.0.1, once on a kept-alive connection and once on a fresh one."""
     body = ve_body("rid", "epd-ve-0", [make_item("h1", 0, 4, base64.b64encode(b"x" * 300_000).decode())])
     received: list[tuple[str | None, str | None, bytes]] = []
 
@@ -46,10 +47,15 @@ async def test_an_engine_receives_the_body_whole_with_its_length_also_on_a_resen
     port = sock.getsockname()[1]
     await web.SockSite(runner, sock).start()
     try:
-        async with aiohttp.ClientSession() as session:
-            for _ in range(2):  # the engine client resends the same body after a raced keep-alive close
-                async with session.post(f"http://127.0.0.1:{port}/inference/v1/generate", data=body) as resp:
-                    assert resp.status == 200
+        client = engine_http.EngineHTTP(keepalive_s=60)
+        try:
+            for fresh in (False, True):  # the engine client resends the same body after a raced keep-alive close
+                resp, _ = await client.post(
+                    f"http://127.0.0.1:{port}", "/inference/v1/generate", body, connect_s=5, read_s=5, fresh=fresh
+                )
+                assert resp.status == 200
+        finally:
+            client.close()
     finally:
         await runner.cleanup()
     assert received == [(str(body.size), None, bytes(body))] * 2

@@ -1,13 +1,10 @@
 """Upstream failure classification (incl. the typed EC-load failure) and the error envelope
 (docs/contract.md §1.3, improved)."""
 
-from types import SimpleNamespace
-
-import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from epd_kit.router import upstream
+from epd_kit.router import engine_http, upstream
 from epd_kit.router.errors import EcLoadFailed, Failure, RouterError, UpstreamError
 from epd_kit.router.pools import Engine
 
@@ -19,18 +16,18 @@ def response(status, body=b"", headers=None):
     return upstream.EngineAnswer(status, body, CIMultiDict(headers or {}))
 
 
-REFUSED = aiohttp.ClientConnectorError(SimpleNamespace(host="127.0.0.1", port=18301, ssl=None), OSError(111, "refused"))
+REFUSED = engine_http.ClientConnectorError(111, "Cannot connect to host 127.0.0.1:18301 [Connection refused]")
 
 
 @pytest.mark.parametrize(
     ("exc", "status", "failure", "retry"),
     [
         (REFUSED, 502, Failure.refused, True),
-        (aiohttp.ConnectionTimeoutError("slow"), 502, Failure.connect_timeout, True),
-        (aiohttp.SocketTimeoutError("slow"), 504, Failure.timeout, True),
-        (aiohttp.ServerDisconnectedError(), 502, Failure.error, True),
-        (aiohttp.ClientPayloadError("cut short"), 502, Failure.error, True),
-        (aiohttp.ClientOSError(104, "reset"), 502, Failure.error, True),
+        (engine_http.ConnectionTimeoutError("slow"), 502, Failure.connect_timeout, True),
+        (engine_http.SocketTimeoutError("slow"), 504, Failure.timeout, True),
+        (engine_http.ServerDisconnectedError(), 502, Failure.error, True),
+        (engine_http.ClientPayloadError("cut short"), 502, Failure.error, True),
+        (engine_http.ClientOSError(104, "reset"), 502, Failure.error, True),
     ],
 )
 def test_exceptions(exc, status, failure, retry):
@@ -107,7 +104,7 @@ def test_a_pd_ec_load_failure_is_typed_once_at_the_boundary():
     # same words from a VE, or another PD failure: not an EC-load failure
     assert not isinstance(upstream.classify_status(response(500, EC_LOAD), VE), EcLoadFailed)
     assert not isinstance(upstream.classify_status(response(500, b'{"detail":"engine dead"}'), PD), EcLoadFailed)
-    assert not isinstance(upstream.classify_exception(aiohttp.ClientOSError(104, "reset"), PD), EcLoadFailed)
+    assert not isinstance(upstream.classify_exception(engine_http.ClientOSError(104, "reset"), PD), EcLoadFailed)
 
 
 def test_stream_error_frames_are_classified():
