@@ -569,17 +569,7 @@ class EngineHTTP:
         """POST `content` (JSON) to `url` + `path`; the answer with its head read. The caller
         reads it and then `release`s or `close`s it. `fresh`: dial a new connection rather
         than reuse an idle one. `deadline`: the loop time by which the call must be done."""
-        if self.closed:
-            raise ClientConnectionError("the client is closed")
-        pool = self._pool(url)
-        conn = await pool.acquire(connect_s, fresh, deadline)
-        size = len(content) if isinstance(content, bytes) else content.size
-        try:
-            resp = await conn.send(pool.head(path, size), content, read_s, deadline)
-            await resp.wait_head()
-        except BaseException:
-            conn.close()
-            raise
+        resp, _ = await self._call(url, path, content, connect_s, read_s, fresh, deadline, whole=False)
         return resp
 
     async def post(
@@ -594,6 +584,24 @@ class EngineHTTP:
         deadline: float = math.inf,
     ) -> tuple[Response, bytes]:
         """POST and read the whole answer: the response (released) and its body."""
+        resp, body = await self._call(url, path, content, connect_s, read_s, fresh, deadline, whole=True)
+        resp.release()
+        return resp, body
+
+    async def _call(
+        self,
+        url: str,
+        path: str,
+        content: bytes | ChunkedBody,
+        connect_s: float,
+        read_s: float,
+        fresh: bool,
+        deadline: float,
+        *,
+        whole: bool,
+    ) -> tuple[Response, bytes]:
+        """One POST on a pooled connection, read to its head or (`whole`) to its end; the
+        connection is closed on any failure or cancellation before that."""
         if self.closed:
             raise ClientConnectionError("the client is closed")
         pool = self._pool(url)
@@ -601,12 +609,13 @@ class EngineHTTP:
         size = len(content) if isinstance(content, bytes) else content.size
         try:
             resp = await conn.send(pool.head(path, size), content, read_s, deadline)
-            body = await resp.read()
+            if whole:
+                return resp, await resp.read()
+            await resp.wait_head()
+            return resp, b""
         except BaseException:
             conn.close()
             raise
-        resp.release()
-        return resp, body
 
     def close(self) -> None:
         """Close every connection; calls after this fail with `ClientConnectionError`."""
