@@ -16,6 +16,7 @@ import pytest
 from epd_kit.router import engine_http, upstream
 from epd_kit.router.errors import Failure
 from epd_kit.router.pools import Engine
+from tests.unit.router.raw_http import read_message
 
 PATH = "/inference/v1/generate"
 
@@ -61,13 +62,7 @@ class Server:
         n = 0
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                body = await reader.readexactly(length)
+                head, body = await read_message(reader)
                 self.requests.append((head, body))
                 await self.script(n, head, body, writer)
                 n += 1

@@ -16,6 +16,7 @@ from epd_kit.router.config import parse_config
 from epd_kit.router.context import RequestContext
 from epd_kit.router.openai_api import parse_request
 from epd_kit.router.service import RouterService
+from tests.unit.router.raw_http import read_message
 
 
 class RacingEngine:
@@ -47,13 +48,7 @@ class RacingEngine:
         served = 0
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                body = await reader.readexactly(length)
+                head, body = await read_message(reader)
                 if served and self.drop_reused and not head.startswith(b"GET"):
                     self.dropped += 1
                     return  # closes the connection: no byte of an answer

@@ -15,6 +15,7 @@ import uvicorn
 
 from epd_kit.router.config import Listen
 from epd_kit.router.listener import MAX_HEAD_BYTES, protocol_factory
+from tests.unit.router.raw_http import read_message
 
 
 async def echo_length(scope, receive, send) -> None:
@@ -60,11 +61,8 @@ async def exchange(port: int, data: bytes) -> bytes:
     await writer.drain()
     try:
         async with asyncio.timeout(5):
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next(
-                int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
-            )
-            return head + await reader.readexactly(length)
+            head, body = await read_message(reader)
+            return head + body
     finally:
         writer.close()
 
@@ -93,11 +91,8 @@ async def test_a_normal_head_with_a_large_body_in_one_chunk_is_served():
 
 async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict]:
     async with asyncio.timeout(5):
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(
-            int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
-        )
-        return int(head.split()[1]), json.loads(await reader.readexactly(length))
+        head, body = await read_message(reader)
+        return int(head.split()[1]), json.loads(body)
 
 
 @pytest.mark.parametrize(
