@@ -246,18 +246,20 @@ def rollout_batches(
                 first.setdefault(compile_config(by_key[(e["host"], e["instance"])]), e)
             canaries[pool] = list(first.values())
             ordered = [e for e in ordered if e not in first.values()]
-        batches += [Batch(pool, tuple(ordered[i : i + rule.batch])) for i in range(0, len(ordered), rule.batch)]
+        batches += [Batch(pool, chunk) for chunk in _chunks(ordered, rule.batch)]
     return _canary_batches(canaries, rules) + batches, rules
+
+
+def _chunks(engines: Sequence[Mapping[str, str]], size: int) -> list[tuple[Mapping[str, str], ...]]:
+    """The engines in order, `size` at a time (the last chunk may be shorter)."""
+    return [tuple(engines[i : i + size]) for i in range(0, len(engines), size)]
 
 
 def _canary_batches(canaries: Mapping[str, Sequence[Mapping[str, str]]], rules: Mapping[str, PoolRule]) -> list[Batch]:
     """The canaries in as few batches as the pools' rules allow: batch k holds each pool's k-th
     slice of up to its batch size. Different pools compile at the same time; a pool never has
     more engines out than its own batches would take."""
-    slices = {
-        pool: [tuple(engines[i : i + rules[pool].batch]) for i in range(0, len(engines), rules[pool].batch)]
-        for pool, engines in canaries.items()
-    }
+    slices = {pool: _chunks(engines, rules[pool].batch) for pool, engines in canaries.items()}
     rounds = max((len(s) for s in slices.values()), default=0)
     out = []
     for k in range(rounds):
