@@ -16,7 +16,7 @@ import pytest
 from epd_kit.router import engine_http, upstream
 from epd_kit.router.errors import Failure
 from epd_kit.router.pools import Engine
-from tests.unit.router.raw_http import read_message
+from tests.unit.router.raw_http import RawServer, read_message
 
 PATH = "/inference/v1/generate"
 
@@ -32,48 +32,27 @@ def answer(body: bytes = b'{"ok":1}', extra: bytes = b"") -> bytes:
     )
 
 
-class Server:
+class Server(RawServer):
     """A raw HTTP/1.1 server: reads each request (head, Content-Length body) and lets the
     test's script write whatever it likes; counts connections and requests."""
 
     def __init__(self, script: Script) -> None:
+        super().__init__()
         self.script = script
         self.connections = 0
         self.requests: list[tuple[bytes, bytes]] = []
-        self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-        self.url = ""
 
-    async def __aenter__(self) -> Server:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        for writer in list(self._writers):
-            writer.close()
-        self._server.close()
-        await self._server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
-        self._writers.add(writer)
         n = 0
-        try:
-            while True:
-                head, body = await read_message(reader)
-                self.requests.append((head, body))
-                await self.script(n, head, body, writer)
-                n += 1
-                if writer.is_closing():
-                    return
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            self._writers.discard(writer)
-            writer.close()
+        while True:
+            head, body = await read_message(reader)
+            self.requests.append((head, body))
+            await self.script(n, head, body, writer)
+            n += 1
+            if writer.is_closing():
+                return
+            await writer.drain()
 
 
 VE = Engine(id="epd-ve-0", url="http://127.0.0.1:1", role="ve")

@@ -16,62 +16,42 @@ from epd_kit.router.config import parse_config
 from epd_kit.router.context import RequestContext
 from epd_kit.router.openai_api import parse_request
 from epd_kit.router.service import RouterService
-from tests.unit.router.raw_http import read_message
+from tests.unit.router.raw_http import RawServer, read_message
 
 
-class RacingEngine:
+class RacingEngine(RawServer):
     """HTTP/1.1 keep-alive engine: GET /health → 200; a generate → two tokens. With
     `drop_reused`, a second request on a connection is dropped unanswered."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.drop_reused = False
         self.generate_connections = 0  # connections that carried a generate (probes aside)
         self.generates = 0
         self.dropped = 0
-        self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-        self.url = ""
 
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-
-    async def stop(self) -> None:
-        assert self._server is not None
-        for writer in self._writers:  # ends the handlers' reads: no task is left to cancel
-            writer.close()
-        self._server.close()
-        await self._server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
+    async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         served = 0
-        try:
-            while True:
-                head, body = await read_message(reader)
-                if served and self.drop_reused and not head.startswith(b"GET"):
-                    self.dropped += 1
-                    return  # closes the connection: no byte of an answer
-                served += 1
-                if head.startswith(b"GET"):
-                    answer = b""
-                else:
-                    self.generate_connections += served == 1
-                    self.generates += 1
-                    rid = json.loads(body)["request_id"]
-                    answer = json.dumps({"request_id": rid, "choices": [{"token_ids": [72, 105]}]}).encode()
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                    + str(len(answer)).encode()
-                    + b"\r\n\r\n"
-                    + answer
-                )
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            self._writers.discard(writer)
-            writer.close()
+        while True:
+            head, body = await read_message(reader)
+            if served and self.drop_reused and not head.startswith(b"GET"):
+                self.dropped += 1
+                return  # closes the connection: no byte of an answer
+            served += 1
+            if head.startswith(b"GET"):
+                answer = b""
+            else:
+                self.generate_connections += served == 1
+                self.generates += 1
+                rid = json.loads(body)["request_id"]
+                answer = json.dumps({"request_id": rid, "choices": [{"token_ids": [72, 105]}]}).encode()
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                + str(len(answer)).encode()
+                + b"\r\n\r\n"
+                + answer
+            )
+            await writer.drain()
 
 
 @pytest.fixture
