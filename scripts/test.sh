@@ -42,11 +42,11 @@ phase() {   # phase NAME CMD...: run, time, remember
 summary() {
   echo "== timings"; printf '   %s\n' "${TIMES[@]}"; printf '   %-22s %4ss\n' total $((SECONDS - T0))
 }
-hostfree_pid=""
+background_pids=()
 teardown() {
-  local rc=$?
+  local rc=$? pid
   trap - EXIT INT TERM
-  [ -z "$hostfree_pid" ] || kill -- "-$hostfree_pid" 2>/dev/null || true   # a host-free lane still running
+  for pid in "${background_pids[@]}"; do kill -- "-$pid" 2>/dev/null || true; done   # lanes still running
   "$HOSTS" down "${OUR_HOSTS[@]}" >/dev/null 2>&1 || true
   "$HOSTS" net-down || true
   summary
@@ -84,6 +84,7 @@ fi
 trap teardown EXIT
 trap 'exit 130' INT TERM
 phase net-up "$HOSTS" net-up
+rm -f /var/tmp/epd-kit/e2e-timings.json   # this run's figures only (both e2e lanes add theirs)
 
 # PIP_RETRIES=0: inside kithub any package-index access fails at once instead of retrying for minutes
 in_kithub() { nsenter --net=/run/netns/kithub env PIP_RETRIES=0 "$@"; }
@@ -108,14 +109,16 @@ if [ $# -gt 0 ]; then
     [ $rc -ne 0 ] || rc=$compat_rc
   fi
 else
-  # The full run: two lanes at once on the 2 cores. The end-to-end tier (tests/e2e: the only
-  # tests that use the test hosts) waits on its hosts most of the time; the host-free tiers
-  # (unit, contract, router, ansible, then vLLM-compat) run beside it, their output shown when
-  # both lanes are done. Each lane prints its own --durations. Only tests/e2e touches the hosts
-  # (tests/hosts/fixtures.py refuses them in the host-free lane). The e2e lane is the longer one
-  # (the run's critical path), so the host-free lane runs at a lower CPU priority (nice 5).
+  # The full run: three lanes at once on the 2 cores. The end-to-end tier (tests/e2e: the only
+  # tests that use the test hosts) runs as two pytest processes on hosts of their own (e2e-a on
+  # n1-n5, e2e-b on n6-n9; tests/e2e/conftest.py LANE_B says which modules run where): each waits
+  # on its hosts, engines and load much of the time, so together they fill the cores one alone
+  # leaves idle. The host-free tiers (unit, contract, router, ansible, then vLLM-compat) run beside
+  # them at a lower CPU priority (nice 5): the e2e lanes are the run's critical path. Each lane
+  # prints its own --durations; the logs of the background lanes follow when all are done. Only
+  # tests/e2e touches the hosts (tests/hosts/fixtures.py refuses them in the host-free lane).
   lanes=$(mktemp -d /var/tmp/epd-kit/lanes.XXXXXX)
-  set -m   # the lane gets its own process group: teardown can stop it (and only it) on an early exit
+  set -m   # each background lane gets its own process group: teardown can stop it (and only it)
   (
     t=$SECONDS
     renice -n 5 -p $BASHPID >/dev/null
@@ -127,17 +130,25 @@ else
       echo "$? $((SECONDS - t))" >"$lanes/compat"
     fi
   ) >"$lanes/host-free.log" 2>&1 &
-  hostfree_pid=$!
+  background_pids+=($!)
+  (
+    t=$SECONDS
+    EPD_E2E_LANE=b pytest_run tests/e2e
+    echo "$? $((SECONDS - t))" >"$lanes/e2e-b"
+  ) >"$lanes/e2e-b.log" 2>&1 &
+  background_pids+=($!)
   set +m
-  phase pytest-e2e pytest_run tests/e2e
+  EPD_E2E_LANE=a phase pytest-e2e-a pytest_run tests/e2e
   rc=$?
   t=$SECONDS
-  wait $hostfree_pid
-  TIMES+=("$(printf '%-22s %4ss' "(host-free wait)" $((SECONDS - t)))")
-  echo "== pytest-host-free (ran beside pytest-e2e)"
-  cat "$lanes/host-free.log"
-  hostfree_pid=""
-  for lane in host-free compat; do
+  wait "${background_pids[@]}"
+  TIMES+=("$(printf '%-22s %4ss' "(background wait)" $((SECONDS - t)))")
+  for log in e2e-b host-free; do
+    echo "== pytest-$log (ran beside pytest-e2e-a)"
+    cat "$lanes/$log.log"
+  done
+  background_pids=()
+  for lane in e2e-b host-free compat; do
     if [ ! -f "$lanes/$lane" ]; then
       [ "$lane" = compat ] && [ "$COMPAT" = no ] && continue
       echo "test.sh: FAILED: the $lane lane did not finish" >&2

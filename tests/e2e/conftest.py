@@ -8,7 +8,9 @@ collected with `record_timing` and printed at the end of the run (docs/sandbox.m
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.stack import Stack
-from tests.hosts.harness import REPO, HostPool, TestHost, ansible_playbook, hosts_env
+from tests.hosts.harness import REPO, HostPool, TestHost, ansible_playbook, copy_inventory, host_offset, hosts_env
 from tests.hosts.sandbox import SandboxInventory
 
 TIMINGS = pytest.StashKey[dict[str, tuple[float, str]]]()  # name -> (value, unit)
@@ -24,6 +26,11 @@ DEPLOY = "playbooks/deploy.yml"
 # module -> the module whose deployed stack it continues on (it runs right after that one)
 CONTINUES = {"test_day2": "test_three_hosts"}
 FOUR_HOSTS = "four hosts"  # the stack test_three_hosts leaves for test_day2
+# scripts/test.sh runs this tier as two pytest processes at once, each on test hosts of its own
+# (EPD_E2E_LANE=a|b; tests.hosts.harness.LANE_HOST_OFFSET): the modules below run in lane b,
+# every other in lane a. Without EPD_E2E_LANE every module runs, in one process. The lanes are
+# about even (docs/sandbox.md "Timings"); a module and the one it CONTINUES share a lane.
+LANE_B = {"test_three_hosts", "test_day2", "test_observability", "test_advisor"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -31,7 +38,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Collection order, except that a module in CONTINUES runs right after the one it continues."""
+    """Collection order, except that a module in CONTINUES runs right after the one it continues;
+    under EPD_E2E_LANE only that lane's modules."""
+    lane = os.environ.get("EPD_E2E_LANE")
+    if lane is not None:
+        host_offset()  # an unknown lane fails here, before any host boots
+        keep = [item for item in items if (item.path.stem in LANE_B) == (lane == "b")]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
     here = Path(__file__).parent
     files = list(dict.fromkeys(item.path for item in items))
     for follower, leader in CONTINUES.items():
@@ -52,11 +66,11 @@ class SharedStacks:
         self._kept: dict[str, tuple[Stack, tuple[int, ...]]] = {}
 
     def keep(self, name: str, stack: Stack) -> None:
-        self._kept[name] = (stack, self.pool.generation(stack.hosts))
+        self._kept[name] = (stack, self.pool.generation(h.name for h in stack.hosts.values()))
 
     def take(self, name: str) -> Stack | None:
         stack, generation = self._kept.pop(name, (None, ()))
-        if stack is None or self.pool.generation(stack.hosts) != generation:
+        if stack is None or self.pool.generation(h.name for h in stack.hosts.values()) != generation:
             return None
         return stack
 
@@ -85,11 +99,13 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     for name, (value, unit) in timings.items():
         figure = f"{value:7.1f}" if unit == "s" else f"{value:7.0f}"
         terminalreporter.write_line(f"{name:<40} {figure} {unit}")
-    try:
+    try:  # one file for both lanes: each adds its figures to what is there
         out = Path(hosts_env()["KIT_DIR"]) / "e2e-timings.json"
-        out.write_text(
-            json.dumps({name: {"value": value, "unit": unit} for name, (value, unit) in timings.items()}, indent=2)
-        )
+        with open(f"{out}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            figures = json.loads(out.read_text()) if out.exists() else {}
+            figures.update({name: {"value": value, "unit": unit} for name, (value, unit) in timings.items()})
+            out.write_text(json.dumps(figures, indent=2))
     except Exception:
         pass
 
@@ -102,34 +118,55 @@ def deploy_stack(
     *,
     shared: tuple[Path, str] | None = None,
     prepare: Callable[[dict[str, TestHost]], None] | None = None,
+    preinstalled: bool = True,
 ) -> Stack:
     """Boot the inventory's hosts fresh and deploy it. shared=(DIR, PATH): every host sees the
-    controller's DIR at PATH (HostPool.up); prepare(hosts) runs between the boot and the deploy."""
+    controller's DIR at PATH (HostPool.up); prepare(hosts) runs between the boot and the deploy.
+
+    preinstalled: the hosts boot with the kit as an earlier deploy of this session installed it
+    (HostPool.capture_kit), so this deploy skips the ~30 s of shipping and pip per host that it
+    would repeat byte for byte; the first deploy of a session, and every preinstalled=False one
+    (test_one_host, whose hosts start as bare as an operator's), installs for real and is what
+    later boots copy."""
     if not (REPO / DEPLOY).exists():
         pytest.fail(f"{DEPLOY} does not exist yet: the end-to-end tier cannot deploy", pytrace=False)
     pool.require_model()
     inventory = SandboxInventory.load(inventory_dir)
-    indexes = [int(name[1:]) for name in inventory.hosts]
+    machines = {name: pool.host(int(name[1:])) for name in inventory.hosts}
+    elsewhere = {name: a for name, a in inventory.hosts.items() if a != machines[name].address}
+    if elsewhere:  # an inventory that skipped write_inventory/copy_inventory in lane b
+        pytest.fail(f"{inventory_dir}: {elsewhere} are not this lane's machines {machines}", pytrace=False)
     start = time.monotonic()
-    booted = pool.up(*indexes, shared=shared)
-    record(f"{label}: boot {len(booted)} fresh host(s)", time.monotonic() - start)
+    kit_seeded = preinstalled and pool.kit_seed is not None
+    pool.up(*(int(name[1:]) for name in machines), kit=kit_seeded, shared=shared)
+    record(f"{label}: boot {len(machines)} fresh host(s)", time.monotonic() - start)
     if prepare is not None:
-        prepare({h.name: h for h in booted})
+        prepare(machines)
     start = time.monotonic()
     result = ansible_playbook(inventory.directory, DEPLOY)
-    record(f"{label}: first deploy", time.monotonic() - start)
+    record(f"{label}: first deploy{' (kit preinstalled)' if kit_seeded else ''}", time.monotonic() - start)
     if result.returncode != 0:
         pytest.fail(f"first deploy of {inventory_dir} failed:\n{result.describe()}", pytrace=False)
-    stack = Stack(inventory, {h.name: h for h in booted})
+    if pool.kit_seed is None:
+        lane = os.environ.get("EPD_E2E_LANE", "a")
+        pool.capture_kit(machines[inventory.engine_hosts[0]], Path(pool.env["KIT_DIR"]) / f"kit-seed-{lane}")
+    stack = Stack(inventory, machines)
     stack.wait_ready(timeout=60)
     return stack
 
 
-@pytest.fixture(scope="module")
-def one_host_stack(host_pool: HostPool, record_timing) -> Iterator[Stack]:
-    return deploy_stack(host_pool, REPO / "inventory/sandbox/one-host", record_timing, "1 host")
+def sandbox_inventory(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """inventory/sandbox/<name>, relocated to this lane's machines."""
+    return copy_inventory(REPO / "inventory/sandbox" / name, tmp_path_factory.mktemp(name) / "inventory")
 
 
 @pytest.fixture(scope="module")
-def three_host_stack(host_pool: HostPool, record_timing) -> Iterator[Stack]:
-    return deploy_stack(host_pool, REPO / "inventory/sandbox/three-host", record_timing, "3 hosts")
+def one_host_stack(host_pool: HostPool, record_timing, tmp_path_factory) -> Iterator[Stack]:
+    # the operator's first deploy on a host without the kit: the install runs for real here
+    inventory = sandbox_inventory("one-host", tmp_path_factory)
+    return deploy_stack(host_pool, inventory, record_timing, "1 host", preinstalled=False)
+
+
+@pytest.fixture(scope="module")
+def three_host_stack(host_pool: HostPool, record_timing, tmp_path_factory) -> Iterator[Stack]:
+    return deploy_stack(host_pool, sandbox_inventory("three-host", tmp_path_factory), record_timing, "3 hosts")

@@ -24,7 +24,7 @@ import yaml
 from epd_kit.testing.process import free_port
 from tests.e2e.conftest import deploy_stack
 from tests.e2e.stack import Stack, image_message, wait_for
-from tests.hosts.harness import REPO, ansible_playbook
+from tests.hosts.harness import REPO, ansible_playbook, copy_inventory
 
 pytestmark = pytest.mark.systemd
 
@@ -35,7 +35,7 @@ LIFETIME_S = 600  # Prometheus never outlives this, whatever happens to the test
 
 def monitored_one_host(dest: Path, prometheus_dir: Path) -> Path:
     """inventory/sandbox/one-host + engines on n1's address + a slow sim compile + epd_monitoring."""
-    shutil.copytree(REPO / "inventory/sandbox/one-host", dest)
+    copy_inventory(REPO / "inventory/sandbox/one-host", dest)
     hosts = yaml.safe_load((dest / "hosts.yml").read_text())
     n1 = hosts["all"]["children"]["epd_engines"]["hosts"]["n1"]
     n1["epd_bind_address"] = n1["ansible_host"]

@@ -19,15 +19,15 @@ import pytest
 
 from tests.e2e.conftest import deploy_stack
 from tests.e2e.stack import LoadGenerator, Stack, wait_for
-from tests.hosts.harness import REPO, HostPool, ansible_playbook, hosts_env, write_inventory
+from tests.hosts.harness import REPO, HostPool, ansible_playbook, hosts_env, machine_address, write_inventory
 
 # a first deploy of three hosts plus a kit upgrade: more than the default 300 s on a loaded VM
 pytestmark = [pytest.mark.systemd, pytest.mark.timeout(1200)]
 
 BASE = REPO / "inventory/sandbox/three-host"
 ROUTER_HOSTS = ("n1", "n2")
-LB_URL = "http://10.213.0.13:8080"
-STATS_URL = "http://10.213.0.13:8404/stats;csv"
+LB_URL = f"http://{machine_address(3)}:8080"
+STATS_URL = f"http://{machine_address(3)}:8404/stats;csv"
 # HAProxy's checks (the role's defaults): a dead router is out after inter × fall
 CHECK_INTER_S, CHECK_FALL = 1.0, 2
 DETECTION_WINDOW_S = CHECK_INTER_S * CHECK_FALL
@@ -83,7 +83,7 @@ def stack(host_pool: HostPool, inventory: Path, record_timing) -> Iterator[Stack
 
 
 def router_url(name: str) -> str:
-    return f"http://10.213.0.1{name[1:]}:18800"
+    return f"http://{machine_address(int(name[1:]))}:18800"
 
 
 def requests_total(url: str) -> float:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from epd_kit.plan.variables import default
+
 HOSTS_DIR = Path(__file__).resolve().parent
 HOSTS_SH = HOSTS_DIR / "hosts.sh"
 REPO = HOSTS_DIR.parent.parent
@@ -29,13 +31,59 @@ HUB_NETNS = "kithub"
 NET_PREFIX = "10.213.0"
 # where the sandbox checkpoint lives on every host (inventory/sandbox uses this path)
 HOST_MODEL_DIR = "/models/tiny-qwen3-vl"
+# what epd_deps leaves on a host: the kit's venv (with its wheelhouse marker) and the shipped
+# archive (the defaults of epd_kit_venv and epd_deps_host_wheelhouse_dir; HostPool.capture_kit)
+KIT_INSTALL_VARIABLES = ("epd_kit_venv", "epd_deps_host_wheelhouse_dir")
+
+
+# scripts/test.sh runs tests/e2e as two pytest processes at once (EPD_E2E_LANE=a|b, docs/sandbox.md),
+# each on machines of its own. Tests always name hosts n1, n2, ... with the inventory addresses
+# 10.213.0.11, ...; a lane with an offset k runs host n<i> on the machine n<i+k>. The offset is
+# applied where a name or address meets a machine: HostPool.host, machine_address (a URL a test
+# builds) and relocated/write_inventory/copy_inventory (the addresses an inventory holds).
+LANE_HOST_OFFSET = {"a": 0, "b": 5}  # lane a: n1-n5, lane b: n6-n9 (its modules use n1-n4)
+_INVENTORY_ADDRESS = re.compile(re.escape(NET_PREFIX) + r"\.1([1-9])\b")
 
 
 def host_address(index: int) -> str:
-    """n<index> lives at 10.213.0.(10+index); index 1..9."""
+    """n<index> lives at 10.213.0.(10+index) in the inventories; index 1..9."""
     if not 1 <= index <= 9:
         raise ValueError(f"test host index {index} outside the reserved n1-n9")
     return f"{NET_PREFIX}.{10 + index}"
+
+
+def host_offset() -> int:
+    lane = os.environ.get("EPD_E2E_LANE", "a")
+    if lane not in LANE_HOST_OFFSET:
+        raise ValueError(f"EPD_E2E_LANE={lane!r}: the lanes are {sorted(LANE_HOST_OFFSET)}")
+    return LANE_HOST_OFFSET[lane]
+
+
+def machine_address(index: int) -> str:
+    """The address of the machine that plays host n<index> in this lane."""
+    if index + host_offset() > 9:
+        raise ValueError(f"host n{index} in lane {os.environ.get('EPD_E2E_LANE')} would be n{index + host_offset()}")
+    return host_address(index + host_offset())
+
+
+def relocated(value):
+    """`value` (a string, or lists and dicts of them) with every inventory address of a host
+    n1-n9 replaced by its machine's address in this lane."""
+    if isinstance(value, str):
+        return _INVENTORY_ADDRESS.sub(lambda m: machine_address(int(m.group(1))), value)
+    if isinstance(value, list):
+        return [relocated(v) for v in value]
+    if isinstance(value, dict):
+        return {k: relocated(v) for k, v in value.items()}
+    return value
+
+
+def copy_inventory(source: Path, dest: Path) -> Path:
+    """A copy of an inventory directory, relocated to this lane's machines."""
+    shutil.copytree(source, dest)
+    for path in dest.rglob("*.yml"):
+        path.write_text(relocated(path.read_text()))
+    return dest
 
 
 def hosts_env() -> dict[str, str]:
@@ -159,6 +207,8 @@ class HostPool:
         self.env = hosts_env()
         self.seed = seed
         self.seed_problem: str | None = None
+        # a copy of the kit as epd_deps installed it on a host of this session (capture_kit)
+        self.kit_seed: Path | None = None
         self.started: dict[str, TestHost] = {}
         self.boots: dict[str, int] = {}  # host -> how often it was booted or stopped (see `generation`)
 
@@ -177,7 +227,12 @@ class HostPool:
         return run([str(HOSTS_SH), *args], timeout=timeout, env=env).stdout
 
     def host(self, index: int) -> TestHost:
-        return TestHost(f"n{index}", host_address(index), self.env["SSH_KEY"])
+        """The machine that plays host n<index> in this lane (host_offset)."""
+        return TestHost(f"n{index + host_offset()}", machine_address(index), self.env["SSH_KEY"])
+
+    def index(self, host: TestHost) -> int:
+        """The host number tests use for this machine (the inverse of `host`)."""
+        return int(host.name[1:]) - host_offset()
 
     def shared_dir(self, name: str, *, fresh: bool = True) -> Path:
         """A controller directory for `up(..., shared=...)`: $KIT_DIR/shared/<name>, emptied when fresh."""
@@ -189,14 +244,19 @@ class HostPool:
         directory.mkdir(parents=True, exist_ok=True)
         return directory
 
-    def up(self, *indexes: int, seed: bool = True, shared: tuple[Path, str] | None = None) -> list[TestHost]:
-        """Boot fresh hosts (a running one is stopped and wiped first). shared=(DIR, PATH): every
-        host of this call sees the controller's DIR (from `shared_dir`) at PATH, one file system
-        for all of them (hosts.sh SHARED=: the sandbox's NFS/FSx share)."""
+    def up(
+        self, *indexes: int, seed: bool = True, kit: bool = False, shared: tuple[Path, str] | None = None
+    ) -> list[TestHost]:
+        """Boot fresh hosts (a running one is stopped and wiped first). kit=True: with the kit
+        already installed when one was captured (capture_kit), so a deploy skips the install.
+        shared=(DIR, PATH): every host of this call sees the controller's DIR (from `shared_dir`)
+        at PATH, one file system for all of them (hosts.sh SHARED=: the sandbox's NFS/FSx share)."""
         hosts = [self.host(i) for i in indexes]
         extra = {"FRESH": "1"}
         if seed and self.seed is not None:
             extra["SEED"] = str(self.seed)
+        if kit and self.kit_seed is not None:
+            extra["LAYERS"] = str(self.kit_seed)  # read-only under the host's own files: nothing to copy
         if shared is not None:
             extra["SHARED"] = f"{shared[0]}:{shared[1]}"
         for h in hosts:
@@ -205,9 +265,26 @@ class HostPool:
         self.started.update({h.name: h for h in hosts})
         return hosts
 
+    def capture_kit(self, host: TestHost, directory: Path) -> Path:
+        """Copy what epd_deps installed on `host` (its venv, marker included, and the shipped
+        wheelhouse archive) into `directory`, a layer for later boots (`up(..., kit=True)`). The copy
+        is the kit's own install, byte for byte; the marker names the wheelhouse it came from, so
+        a deploy of another kit (an upgrade test, other pins) still installs for real."""
+        upper = Path(self.env["STATE"]) / host.name / "upper"
+        tmp = directory.with_name(directory.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        for path in (default(name).lstrip("/") for name in KIT_INSTALL_VARIABLES):
+            if not (upper / path).is_dir():
+                raise AssertionError(f"{host.name} has no {'/' + path}: the kit is not installed there")
+            shutil.copytree(upper / path, tmp / path, symlinks=True)
+        shutil.rmtree(directory, ignore_errors=True)
+        tmp.rename(directory)
+        self.kit_seed = directory
+        return directory
+
     def ensure(self, count: int) -> list[TestHost]:
         """Hosts n1..n<count>, booting only the ones not running yet."""
-        missing = [i for i in range(1, count + 1) if not self.is_running(f"n{i}")]
+        missing = [i for i in range(1, count + 1) if not self.is_running(self.host(i).name)]
         if missing:
             self.up(*missing)
         return [self.host(i) for i in range(1, count + 1)]
@@ -218,7 +295,7 @@ class HostPool:
 
     def reset(self, host: TestHost, *, seed: bool = True) -> TestHost:
         """A pristine host again (wiped overlay, fresh boot): about 1-2 s."""
-        return self.up(int(host.name[1:]), seed=seed)[0]
+        return self.up(self.index(host), seed=seed)[0]
 
     def down(self, *hosts: TestHost) -> None:
         names = [h.name for h in hosts] or list(self.started)
@@ -232,22 +309,25 @@ class HostPool:
 
 def write_inventory(directory: Path, base: Path, hosts_yml: dict, group_vars: dict | None = None) -> Path:
     """An inventory directory: `base`'s group_vars (copied), the given hosts.yml and
-    extra group_vars/all overrides (written as group_vars/all/zz-test.yml, so they win)."""
-    import shutil
-
+    extra group_vars/all overrides (written as group_vars/all/zz-test.yml, so they win).
+    Addresses of hosts n1-n9 are written relocated to this lane's machines (`relocated`)."""
     directory.mkdir(parents=True, exist_ok=True)
-    if (base / "group_vars").is_dir():
-        shutil.copytree(base / "group_vars", directory / "group_vars", dirs_exist_ok=True)
-    if (base / "host_vars").is_dir():
-        shutil.copytree(base / "host_vars", directory / "host_vars", dirs_exist_ok=True)
-    (directory / "hosts.yml").write_text(yaml.safe_dump(hosts_yml, sort_keys=False))
+    for part in ("group_vars", "host_vars"):
+        for source in sorted((base / part).rglob("*")):
+            dest = directory / source.relative_to(base)
+            if source.is_dir():
+                dest.mkdir(parents=True, exist_ok=True)
+            else:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_text(relocated(source.read_text()))
+    (directory / "hosts.yml").write_text(yaml.safe_dump(relocated(hosts_yml), sort_keys=False))
     if group_vars:
         all_dir = directory / "group_vars" / "all"
         if (directory / "group_vars" / "all.yml").exists():
             all_dir.mkdir(exist_ok=True)
             shutil.move(directory / "group_vars" / "all.yml", all_dir / "main.yml")
         all_dir.mkdir(parents=True, exist_ok=True)
-        (all_dir / "zz-test.yml").write_text(yaml.safe_dump(group_vars, sort_keys=False))
+        (all_dir / "zz-test.yml").write_text(yaml.safe_dump(relocated(group_vars), sort_keys=False))
     return directory
 
 

@@ -19,6 +19,8 @@
 #      stand-in, or a bare image without libfabric for playbooks/provision.yml), BASE, STATE,
 #      SSH_KEY, MODE=hub|host, HUB, BR, NET,
 #      FRESH=1|0 (wipe the host's upper dir on up), SEED=DIR (copied into every host's / on up),
+#      LAYERS=DIR[:DIR...] (up: read-only layers between the base rootfs and the host's own upper
+#      dir, leftmost lowest; a file there is copied up when the host changes it),
 #      SHARED=HOSTDIR:PATH (up: bind-mount HOSTDIR, which must lie under $KIT_DIR/shared/, into every
 #      host of this call at PATH: one file system the same everywhere, the sandbox's NFS/FSx share)
 # Reserved names/addresses: n1-n9 = 10.213.0.11-19 (tests, demo), cp1-cp3 = 10.213.0.21-23.
@@ -148,7 +150,7 @@ NETWORK
     echo $BASHPID > /sys/fs/cgroup/unified/kit-$name/cgroup.procs
     pre=(); [ "$MODE" = hub ] && pre=(nsenter --net=/run/netns/$HUB)   # NOT `ip netns exec`: it remounts /sys and hides the cgroup mounts
     exec setsid "${pre[@]}" systemd-nspawn --quiet --boot --directory="$BASE" \
-      --overlay="$BASE:$d/upper:/" \
+      --overlay="$BASE${LAYERS:+:$LAYERS}:$d/upper:/" \
       --machine="$name" --register=no --keep-unit "${binds[@]}" \
       --network-bridge="$BR" --console=passive --resolv-conf=off --timezone=off \
       </dev/null >"$d/nspawn.log" 2>&1
@@ -166,6 +168,13 @@ check_shared() {
     || die "SHARED=$SHARED: want HOSTDIR:PATH with HOSTDIR under $KIT_DIR/shared/ and PATH absolute"
   [[ $SHARED != *..* && $dst != *:* && $SHARED != *,* ]] || die "SHARED=$SHARED: no '..', ',' or second ':'"
   mkdir -p "$src"
+}
+
+check_layers() {   # LAYERS=DIR[:DIR...]: absolute directories, no ',' (overlayfs separates options with it)
+  local layer layers; IFS=: read -ra layers <<<"${LAYERS:-}"
+  for layer in "${layers[@]}"; do
+    [[ $layer == /* && -d $layer && $layer != *,* ]] || die "LAYERS: '$layer' is not an existing absolute directory (no ',')"
+  done
 }
 
 register() {   # /run/systemd/machines/NAME with LEADER= is all `systemctl -M`/`systemd-run -M` need
@@ -243,7 +252,7 @@ case "$cmd" in
   up)
     [ $# -gt 0 ] || die "usage: hosts.sh up NAME:IP [NAME:IP ...]"
     ensure_runtime; ensure_net; mkdir -p "$STATE"
-    check_shared
+    check_shared; check_layers
     for spec in "$@"; do up_one "${spec%%:*}" "${spec##*:}"; done
     for spec in "$@"; do register "${spec%%:*}"; done
     for spec in "$@"; do wait_up "${spec%%:*}" "${spec##*:}"; done ;;
@@ -257,5 +266,5 @@ case "$cmd" in
   ssh) ip=${1:?usage: hosts.sh ssh IP [CMD ...]}; shift; in_hub ssh "${SSH_OPTS[@]}" root@"$ip" "$@" ;;
   env) printf 'KIT_DIR=%q\nVARIANT=%q\nBASE=%q\nSTATE=%q\nSSH_KEY=%q\nMODE=%q\nHUB=%q\nBR=%q\nNET=%q\nSHARED_ROOT=%q\n' \
          "$KIT_DIR" "$VARIANT" "$BASE" "$STATE" "$SSH_KEY" "$MODE" "$HUB" "$BR" "$NET" "$KIT_DIR/shared" ;;
-  *) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; [ "$cmd" = help ]; exit ;;
+  *) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; [ "$cmd" = help ]; exit ;;
 esac
