@@ -22,8 +22,6 @@ from pathlib import Path
 
 import yaml
 
-from epd_kit.plan.variables import default
-
 HOSTS_DIR = Path(__file__).resolve().parent
 HOSTS_SH = HOSTS_DIR / "hosts.sh"
 REPO = HOSTS_DIR.parent.parent
@@ -270,6 +268,9 @@ class HostPool:
         wheelhouse archive) into `directory`, a layer for later boots (`up(..., kit=True)`). The copy
         is the kit's own install, byte for byte; the marker names the wheelhouse it came from, so
         a deploy of another kit (an upgrade test, other pins) still installs for real."""
+        # imported here: the vLLM-compat tier loads this module in a venv without the kit
+        from epd_kit.plan.variables import default
+
         upper = Path(self.env["STATE"]) / host.name / "upper"
         tmp = directory.with_name(directory.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
