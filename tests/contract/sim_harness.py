@@ -32,8 +32,9 @@ def port_open(port: int) -> bool:
 
 
 def engine_env(cores: str, *, efa: bool = True, **sim: str) -> dict[str, str]:
-    """Tutorial env, the `zero` latency profile, short death linger and SIGTERM grace."""
-    settings = {"profile": "zero", "dead_linger_s": "0.5", "grace_s": "3", **sim}
+    """Tutorial env, the `zero` latency profile, a short SIGTERM grace, and a death linger long
+    enough for a test on a loaded machine to still see the 503 before the exit."""
+    settings = {"profile": "zero", "dead_linger_s": "3", "grace_s": "3", **sim}
     env = launch_env(cores, efa=efa, **settings)
     env["PYTHONPATH"] = str(ROUTER_SRC)
     env.setdefault("VLLM_CACHE_ROOT", str(CACHE_ROOT))

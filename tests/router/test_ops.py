@@ -131,7 +131,7 @@ def test_saturation_429_and_upstream_timeout_504(engines, ckpt):
                 [ve],
                 [hung],
                 router.port,
-                timeouts={"pd_s": 1.5},
+                timeouts={"pd_s": 4},  # holds the slot long enough to see the 429 on a loaded machine
                 placement={"pd_max_inflight": 1, "queue_size": 0},
                 health={"failure_threshold": 10},
             )
