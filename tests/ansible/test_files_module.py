@@ -1,0 +1,104 @@
+"""epd.kit.epd_files, the module that writes a role's files in one run, through real
+ansible-playbook on this machine: check mode writes nothing, a second run changes nothing, a
+change names exactly the paths it touched, and a bad entry fails with what was wrong."""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+import stat
+import sys
+
+import pytest
+import yaml
+
+from tests.ansible.helpers import playbook
+
+pytestmark = pytest.mark.ansible
+
+OWNER = pwd.getpwuid(os.getuid()).pw_name
+GROUP = grp.getgrgid(os.getgid()).gr_name
+
+
+def _entry(path, mode, content=None):
+    entry = {"path": str(path), "owner": OWNER, "group": GROUP, "mode": mode}
+    if content is not None:
+        entry["content"] = content
+    return entry
+
+
+def test_files_are_written_once_and_each_change_is_named(tmp_path):
+    root = tmp_path / "etc"
+    unit, env, empty = root / "units/a.service", root / "a.env", root / "empty"
+    first = [
+        _entry(root, "0750"),
+        _entry(root / "units", "0755"),
+        _entry(unit, "0644", "[Unit]\nDescription=a\n"),
+        _entry(env, "0640", "X='1'\n"),
+    ]
+    changed = [*first[:2], _entry(unit, "0644", "[Unit]\nDescription=b\n"), _entry(env, "0600", "X='1'\n")]
+    out = tmp_path / "results.json"
+
+    def write(name, files, **task):
+        return {"name": name, "epd.kit.epd_files": {"files": files}, "register": name, **task}
+
+    play = [
+        {
+            "hosts": "localhost",
+            "connection": "local",
+            "gather_facts": False,
+            "vars": {"ansible_python_interpreter": sys.executable},
+            "tasks": [
+                write("checked", first, check_mode=True, diff=True),
+                {"name": "after_check", "ansible.builtin.stat": {"path": str(root)}, "register": "after_check"},
+                write("written", first),
+                {"name": "inode", "ansible.builtin.stat": {"path": str(unit)}, "register": "inode"},
+                write("again", first),
+                write("changed", changed, diff=True),
+                write("no_parent", [_entry(tmp_path / "missing/x", "0644", "")], ignore_errors=True),
+                write("bad_mode", [_entry(tmp_path / "y", "644x", "")], ignore_errors=True),
+                write("dir_as_file", [_entry(root, "0644", "")], ignore_errors=True),
+                write("file_as_dir", [_entry(env, "0755")], ignore_errors=True),
+                write("empty", [_entry(empty, "0600", "")]),
+                {
+                    "name": "Save",
+                    "ansible.builtin.copy": {
+                        "dest": str(out),
+                        "content": "{{ {'checked': checked, 'after_check': after_check, 'written': written,"
+                        " 'inode': inode, 'again': again, 'changed': changed, 'no_parent': no_parent,"
+                        " 'bad_mode': bad_mode, 'dir_as_file': dir_as_file, 'file_as_dir': file_as_dir} | to_json }}",
+                    },
+                },
+            ],
+        }
+    ]
+    book = tmp_path / "play.yml"
+    book.write_text(yaml.safe_dump(play, sort_keys=False))
+    result = playbook(str(book))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    r = json.loads(out.read_text())
+
+    every_path = [e["path"] for e in first]
+    assert r["checked"]["changed_paths"] == every_path  # check mode reports all four...
+    assert not r["after_check"]["stat"]["exists"]  # ...and writes none
+    assert [d["after_header"] for d in r["checked"]["diff"]] == every_path
+    assert r["written"]["changed_paths"] == every_path
+    assert r["again"] == {**r["again"], "changed": False, "changed_paths": []}
+
+    assert r["changed"]["changed_paths"] == [str(unit), str(env)]  # content, then mode only
+    unit_diff, env_diff = r["changed"]["diff"]
+    assert (unit_diff["before"], unit_diff["after"]) == ("[Unit]\nDescription=a\n", "[Unit]\nDescription=b\n")
+    assert (env_diff["before"]["mode"], env_diff["after"]["mode"]) == ("0640", "0600")
+    assert unit.read_text() == "[Unit]\nDescription=b\n"
+    assert os.stat(unit).st_ino != r["inode"]["stat"]["inode"]  # replaced by a rename, not rewritten in place
+    assert stat.S_IMODE(os.stat(env).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o750
+    assert empty.read_text() == "" and stat.S_IMODE(os.stat(empty).st_mode) == 0o600  # empty content is a file
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+    assert r["no_parent"]["failed"] and "does not exist" in r["no_parent"]["msg"]
+    assert r["bad_mode"]["failed"] and "'644x' is not an octal mode" in r["bad_mode"]["msg"]
+    assert r["dir_as_file"]["failed"] and "is a directory, not a file" in r["dir_as_file"]["msg"]
+    assert r["file_as_dir"]["failed"] and "exists and is not a directory" in r["file_as_dir"]["msg"]
