@@ -1,6 +1,7 @@
-"""epd.kit.epd_files, the module that writes a role's files in one run, through real
-ansible-playbook on this machine: check mode writes nothing, a second run changes nothing, a
-change names exactly the paths it touched, and a bad entry fails with what was wrong."""
+"""epd.kit.epd_files and epd.kit.epd_host_state, the modules that write and read a role's files in
+one module run each, through real ansible-playbook on this machine: check mode writes nothing, a
+second run changes nothing, a change names exactly the paths it touched, and a bad entry fails
+with what was wrong."""
 
 from __future__ import annotations
 
@@ -102,3 +103,50 @@ def test_files_are_written_once_and_each_change_is_named(tmp_path):
     assert r["bad_mode"]["failed"] and "'644x' is not an octal mode" in r["bad_mode"]["msg"]
     assert r["dir_as_file"]["failed"] and "is a directory, not a file" in r["dir_as_file"]["msg"]
     assert r["file_as_dir"]["failed"] and "exists and is not a directory" in r["file_as_dir"]["msg"]
+
+
+def test_host_state_reads_files_globs_and_unit_states_in_one_run(tmp_path):
+    """epd.kit.epd_host_state, the read side: missing files read as null, globs come back sorted,
+    and it runs in check mode (the reads a --check deploy decides on)."""
+    (tmp_path / "b.env").write_text("B=1\n")
+    (tmp_path / "a.env").write_text("A='x y'\n")
+    (tmp_path / "a.pending").write_text("")
+    (tmp_path / ".hidden.env").write_text("")  # an epd_files temporary file is not an engine
+    out = tmp_path / "state.json"
+    play = [
+        {
+            "hosts": "localhost",
+            "connection": "local",
+            "gather_facts": False,
+            "vars": {"ansible_python_interpreter": sys.executable},
+            "tasks": [
+                {
+                    "name": "Read",
+                    "epd.kit.epd_host_state": {
+                        "files": [str(tmp_path / "a.env"), str(tmp_path / "gone.env")],
+                        "globs": {
+                            "env": f"{tmp_path}/*.env",
+                            "pending": f"{tmp_path}/*.pending",
+                            "none": "/nonexistent/*",
+                        },
+                    },
+                    "register": "state",
+                    "check_mode": True,
+                },
+                {"name": "Save", "ansible.builtin.copy": {"content": "{{ state | to_json }}", "dest": str(out)}},
+            ],
+        }
+    ]
+    book = tmp_path / "play.yml"
+    book.write_text(yaml.safe_dump(play, sort_keys=False))
+    result = playbook(str(book))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    state = json.loads(out.read_text())
+    assert state["changed"] is False
+    assert state["files"] == {str(tmp_path / "a.env"): "A='x y'\n", str(tmp_path / "gone.env"): None}
+    assert state["globs"] == {
+        "env": [str(tmp_path / "a.env"), str(tmp_path / "b.env")],
+        "pending": [str(tmp_path / "a.pending")],
+        "none": [],
+    }
+    assert state["units"] == {}  # the unit states are read on the test hosts (tests/e2e), which run systemd

@@ -11,8 +11,10 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -140,3 +142,46 @@ def test_a_draining_process_hands_its_share_to_the_other(config, tmp_path):
         assert _fleet_requests(group.url) == 120
         assert not list(group.metrics_dir.glob("gauge_live*_0.db"))
         assert asyncio.run(_chats(group.url, 4, 4)) == [200] * 4
+
+
+def _read_response(sock: socket.socket) -> tuple[bytes, bytes]:
+    """(head, body) of one HTTP/1.1 response with a Content-Length; b"" when the server closed."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return b"", b""
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next(
+        int(line.split(b":")[1]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")
+    )
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head, body
+
+
+def test_a_request_arriving_on_a_kept_alive_connection_when_the_drain_begins_is_answered(config, tmp_path):
+    """A client reuses its kept-alive connection; the first half of its request head is in when
+    the process is told to stop. The drain must not close that connection as idle (the request
+    would be lost, the client sees the server disconnect without an answer): it answers it with
+    `Connection: close`, and the process exits."""
+    request = b"GET /v1/models HTTP/1.1\r\nHost: router\r\n"
+    with router_group(config, 1, tmp_path / "group") as group:
+        process = group.processes[0]
+        with socket.create_connection(("127.0.0.1", group.port), timeout=30) as sock:
+            sock.sendall(request + b"\r\n")
+            head, _ = _read_response(sock)
+            assert head.startswith(b"HTTP/1.1 200") and b"connection: close" not in head.lower()  # kept alive
+            sock.sendall(request[:20])
+            time.sleep(0.5)  # the process reads it: a request head has begun
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.5)  # the process stops accepting and shuts its connections down
+            sock.sendall(request[20:] + b"\r\n")
+            head, _ = _read_response(sock)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert b"connection: close" in head.lower()
+        assert process.wait(30) == 0

@@ -22,7 +22,10 @@ short body holds a connection forever), a fresh connection that never sends stay
 - a malformed request gets uvicorn's 400 as the router's JSON error envelope;
 - shutdown (uvicorn's at exit, or a process of a group that stops accepting): a connection
   whose first request head is not complete yet is not reset, since that request may already
-  be on the wire; it is served and closed after its response (or at its header timeout).
+  be on the wire; it is served and closed after its response (or at its header timeout). The
+  same holds for a kept-alive connection whose next request has begun to arrive, or waits
+  unread in the socket (a loaded event loop reads it late): closing it would drop a request
+  the client already sent. Only a kept-alive connection with nothing arriving closes at once.
 
 For the app's race against a client that leaves (routes.py `_race_disconnect`), each request's
 scope carries a `DisconnectSignal` (`CLIENT_GONE`) that fires when uvicorn marks the request's
@@ -39,7 +42,10 @@ httptools (llhttp, C) rather than h11 (pure Python): a quarter of the server's C
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import struct
+import termios
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -61,6 +67,17 @@ CLIENT_GONE = "epd.client_gone"
 
 # the request head cap uvicorn's h11 protocol applied (h11_max_incomplete_event_size)
 MAX_HEAD_BYTES = 16 * 1024
+
+
+def _unread_bytes(transport: asyncio.BaseTransport) -> int:
+    """Bytes the kernel holds for this connection that the event loop has not read yet."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:  # closed meanwhile
+        return 0
 
 
 def raw_response(error: RouterError) -> bytes:
@@ -262,7 +279,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._close("malformed", RouterError(400, f"malformed HTTP request: {msg}"))
 
     def shutdown(self) -> None:
-        if self.cycle is None:  # no request head yet: see the module docstring
+        between_requests = self.cycle is None or self.cycle.response_complete
+        arriving = self.cycle is None or self._phase == "header" or _unread_bytes(self.transport) > 0
+        if between_requests and arriving:  # see the module docstring
             self._shutting_down = True
             return
         super().shutdown()
