@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 INVENTORIES = sorted(
@@ -42,6 +44,27 @@ def run(argv: list[str], timeout: float = 300, **env: str) -> subprocess.Complet
 
 def playbook(*args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess[str]:
     return run([str(BIN / "ansible-playbook"), *args], timeout=timeout, **env)
+
+
+def local_play(tmp_path: Path, tasks: list[dict[str, Any]], registered: list[str]) -> dict[str, Any]:
+    """`tasks` through ansible-playbook on localhost with this venv's Python (how the kit's own
+    modules are tested without a host); returns the results the tasks registered under the
+    names in `registered`."""
+    out = tmp_path / "registered.json"
+    content = "{{ {" + ", ".join(f"'{name}': {name}" for name in registered) + "} | to_json }}"
+    save = {"name": "Save the registered results", "ansible.builtin.copy": {"content": content, "dest": str(out)}}
+    play = {
+        "hosts": "localhost",
+        "connection": "local",
+        "gather_facts": False,
+        "vars": {"ansible_python_interpreter": sys.executable},
+        "tasks": [*tasks, save],
+    }
+    book = tmp_path / "play.yml"
+    book.write_text(yaml.safe_dump([play], sort_keys=False))
+    result = playbook(str(book))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    return json.loads(out.read_text())
 
 
 def inventory_hostvars(inventory: Path) -> tuple[dict[str, Any], dict[str, list[str]]]:

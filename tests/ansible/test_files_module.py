@@ -6,16 +6,13 @@ with what was wrong."""
 from __future__ import annotations
 
 import grp
-import json
 import os
 import pwd
 import stat
-import sys
 
 import pytest
-import yaml
 
-from tests.ansible.helpers import playbook
+from tests.ansible.helpers import local_play
 
 pytestmark = pytest.mark.ansible
 
@@ -40,46 +37,27 @@ def test_files_are_written_once_and_each_change_is_named(tmp_path):
         _entry(env, "0640", "X='1'\n"),
     ]
     changed = [*first[:2], _entry(unit, "0644", "[Unit]\nDescription=b\n"), _entry(env, "0600", "X='1'\n")]
-    out = tmp_path / "results.json"
 
     def write(name, files, **task):
         return {"name": name, "epd.kit.epd_files": {"files": files}, "register": name, **task}
 
-    play = [
-        {
-            "hosts": "localhost",
-            "connection": "local",
-            "gather_facts": False,
-            "vars": {"ansible_python_interpreter": sys.executable},
-            "tasks": [
-                write("checked", first, check_mode=True, diff=True),
-                {"name": "after_check", "ansible.builtin.stat": {"path": str(root)}, "register": "after_check"},
-                write("written", first),
-                {"name": "inode", "ansible.builtin.stat": {"path": str(unit)}, "register": "inode"},
-                write("again", first),
-                write("changed", changed, diff=True),
-                write("no_parent", [_entry(tmp_path / "missing/x", "0644", "")], ignore_errors=True),
-                write("bad_mode", [_entry(tmp_path / "y", "644x", "")], ignore_errors=True),
-                write("dir_as_file", [_entry(root, "0644", "")], ignore_errors=True),
-                write("file_as_dir", [_entry(env, "0755")], ignore_errors=True),
-                write("empty", [_entry(empty, "0600", "")]),
-                {
-                    "name": "Save",
-                    "ansible.builtin.copy": {
-                        "dest": str(out),
-                        "content": "{{ {'checked': checked, 'after_check': after_check, 'written': written,"
-                        " 'inode': inode, 'again': again, 'changed': changed, 'no_parent': no_parent,"
-                        " 'bad_mode': bad_mode, 'dir_as_file': dir_as_file, 'file_as_dir': file_as_dir} | to_json }}",
-                    },
-                },
-            ],
-        }
+    def look(name, path):
+        return {"name": name, "ansible.builtin.stat": {"path": str(path)}, "register": name}
+
+    tasks = [
+        write("checked", first, check_mode=True, diff=True),
+        look("after_check", root),
+        write("written", first),
+        look("inode", unit),
+        write("again", first),
+        write("changed", changed, diff=True),
+        write("no_parent", [_entry(tmp_path / "missing/x", "0644", "")], ignore_errors=True),
+        write("bad_mode", [_entry(tmp_path / "y", "644x", "")], ignore_errors=True),
+        write("dir_as_file", [_entry(root, "0644", "")], ignore_errors=True),
+        write("file_as_dir", [_entry(env, "0755")], ignore_errors=True),
+        write("empty", [_entry(empty, "0600", "")]),
     ]
-    book = tmp_path / "play.yml"
-    book.write_text(yaml.safe_dump(play, sort_keys=False))
-    result = playbook(str(book))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    r = json.loads(out.read_text())
+    r = local_play(tmp_path, tasks, [task["register"] for task in tasks if task["register"] != "empty"])
 
     every_path = [e["path"] for e in first]
     assert r["checked"]["changed_paths"] == every_path  # check mode reports all four...
@@ -112,36 +90,16 @@ def test_host_state_reads_files_globs_and_unit_states_in_one_run(tmp_path):
     (tmp_path / "a.env").write_text("A='x y'\n")
     (tmp_path / "a.pending").write_text("")
     (tmp_path / ".hidden.env").write_text("")  # an epd_files temporary file is not an engine
-    out = tmp_path / "state.json"
-    play = [
-        {
-            "hosts": "localhost",
-            "connection": "local",
-            "gather_facts": False,
-            "vars": {"ansible_python_interpreter": sys.executable},
-            "tasks": [
-                {
-                    "name": "Read",
-                    "epd.kit.epd_host_state": {
-                        "files": [str(tmp_path / "a.env"), str(tmp_path / "gone.env")],
-                        "globs": {
-                            "env": f"{tmp_path}/*.env",
-                            "pending": f"{tmp_path}/*.pending",
-                            "none": "/nonexistent/*",
-                        },
-                    },
-                    "register": "state",
-                    "check_mode": True,
-                },
-                {"name": "Save", "ansible.builtin.copy": {"content": "{{ state | to_json }}", "dest": str(out)}},
-            ],
-        }
-    ]
-    book = tmp_path / "play.yml"
-    book.write_text(yaml.safe_dump(play, sort_keys=False))
-    result = playbook(str(book))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    state = json.loads(out.read_text())
+    read = {
+        "name": "Read",
+        "epd.kit.epd_host_state": {
+            "files": [str(tmp_path / "a.env"), str(tmp_path / "gone.env")],
+            "globs": {"env": f"{tmp_path}/*.env", "pending": f"{tmp_path}/*.pending", "none": "/nonexistent/*"},
+        },
+        "register": "state",
+        "check_mode": True,
+    }
+    state = local_play(tmp_path, [read], ["state"])["state"]
     assert state["changed"] is False
     assert state["files"] == {str(tmp_path / "a.env"): "A='x y'\n", str(tmp_path / "gone.env"): None}
     assert state["globs"] == {

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests import repo_modules
-from tests.ansible.helpers import REPO, playbook
+from tests.ansible.helpers import REPO, local_play, playbook
 from tests.hosts.standins import build as standins
 
 pytestmark = pytest.mark.ansible
@@ -97,25 +97,9 @@ def test_drift_says_whether_the_host_is_newer_than_the_pin(installed, pin, newer
 
 def run_module_play(tmp_path: Path, args: dict) -> dict:
     """The module through ansible-playbook on localhost; returns its registered result."""
-    out = tmp_path / "result.json"
-    play = [
-        {
-            "name": "Read the versions",
-            "hosts": "localhost",
-            "connection": "local",
-            "gather_facts": False,
-            "vars": {"ansible_python_interpreter": sys.executable},
-            "tasks": [
-                {"name": "Read", "epd.kit.epd_host_versions": args, "register": "read"},
-                {"name": "Save", "ansible.builtin.copy": {"content": "{{ read | to_json }}", "dest": str(out)}},
-            ],
-        }
+    return local_play(tmp_path, [{"name": "Read", "epd.kit.epd_host_versions": args, "register": "read"}], ["read"])[
+        "read"
     ]
-    book = tmp_path / "play.yml"
-    book.write_text(yaml.safe_dump(play))
-    result = playbook(str(book))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    return json.loads(out.read_text())
 
 
 def test_the_module_reports_versions_nulls_and_drift(tmp_path):
