@@ -167,3 +167,30 @@ def test_architecture_inventory_table_shows_the_planner_defaults():
         assert documented.get(name) == expected, (
             f"{name}: docs/architecture.md says {documented.get(name)!r}, the planner {expected!r}"
         )
+
+
+def _strings(node):
+    if isinstance(node, dict):
+        for value in node.values():
+            yield from _strings(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _strings(value)
+    elif isinstance(node, str):
+        yield node
+
+
+def test_no_doubled_backslash_reaches_a_jinja_expression():
+    """`regex_replace('\\\\.env$', '')` written in a folded (>-) or plain YAML scalar reaches Jinja
+    with both backslashes, and under ansible-core 2.19 the pattern then never matches: a deploy
+    found no engine to retire and no restart mark to resume. Only a double-quoted YAML string
+    halves them. Write such a pattern as '[.]env$' instead."""
+    import yaml
+
+    found = [
+        f"{path.relative_to(REPO)}: {text.strip()[:100]}"
+        for path in sorted([*REPO.glob("roles/**/*.yml"), *REPO.glob("playbooks/**/*.yml")])
+        for text in _strings(yaml.safe_load(path.read_text()))
+        if "{{" in text and "\\\\" in text
+    ]
+    assert not found, "\n".join(found)

@@ -22,8 +22,10 @@ import pytest
 import yaml
 from prometheus_client.mmap_dict import MmapedDict
 
-from bench.router_processes import router_group
+from bench.procs import VENV_BIN
+from bench.router_processes import _SOCKET_ACTIVATE, router_group
 from bench.stack import engine_proc
+from epd_kit.testing.process import ManagedProcess
 
 CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
 
@@ -185,3 +187,32 @@ def test_a_request_arriving_on_a_kept_alive_connection_when_the_drain_begins_is_
         assert head.startswith(b"HTTP/1.1 200"), head
         assert b"connection: close" in head.lower()
         assert process.wait(30) == 0
+
+
+def test_a_sigterm_while_the_process_starts_stops_it_once_it_serves(config, tmp_path):
+    """systemd may stop a router process that is still starting (a deploy rolls it again, an
+    operator stops the group). The signal arrives before uvicorn has its listeners: it must be
+    kept and acted on when they exist (drain, exit 0), not lost while the process goes on."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    argv = [str(VENV_BIN / "epd-router"), "serve", "--config", str(config), "--worker", "0"]
+    router = ManagedProcess(
+        [sys.executable, "-c", _SOCKET_ACTIVATE, str(listener.fileno()), *argv],
+        tmp_path / "router.log",
+        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
+        name="router process 0",
+        pass_fds=[listener.fileno()],
+    )
+    try:
+        # logged when the app and its socket are set up, before uvicorn's startup
+        router.wait_until(
+            lambda: "serving on sockets from systemd" in router.log(), 60, "the socket set up", interval=0.01
+        )
+        router.signal(signal.SIGTERM)
+        assert router.wait_exit(60) == 0, router.log_tail()
+        assert "stopped accepting from the shared listener" in router.log()
+        assert "Traceback" not in router.log(), router.log_tail()
+    finally:
+        router.stop()
+        listener.close()

@@ -58,6 +58,7 @@ class RouterServer(uvicorn.Server):
         self.inherited = inherited or []
         self.worker = worker
         self._drain_task: asyncio.Task | None = None
+        self._stop_signal_in_startup: int | None = None  # SIGTERM/SIGINT before the listeners existed
         self._publisher: asyncio.Task | None = None
 
     def run(self, sockets: list[socket.socket] | None = None) -> None:
@@ -70,6 +71,9 @@ class RouterServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.should_exit:  # startup failed
+            return
+        if self._stop_signal_in_startup is not None:  # told to stop while starting: stop now
+            self.begin_shutdown(self._stop_signal_in_startup)
             return
         if self.service.metrics.shared_dir is not None:
             self._publisher = asyncio.get_running_loop().create_task(self._publish_metrics())
@@ -108,6 +112,9 @@ class RouterServer(uvicorn.Server):
                 loop.remove_signal_handler(sig)
 
     def begin_shutdown(self, sig: int = signal.SIGTERM) -> None:
+        if not self.started:  # no listener to hand over yet: startup() acts on it when it has one
+            self._stop_signal_in_startup = sig
+            return
         if self._drain_task is not None:
             if sig == signal.SIGINT:
                 self.force_exit = True
