@@ -181,7 +181,11 @@ def test_a_request_arriving_on_a_kept_alive_connection_when_the_drain_begins_is_
             sock.sendall(request[:20])
             time.sleep(0.5)  # the process reads it: a request head has begun
             process.send_signal(signal.SIGTERM)
-            time.sleep(0.5)  # the process stops accepting and shuts its connections down
+            log = tmp_path / "group/router-0.log"  # the drain has shut the connections down:
+            deadline = time.monotonic() + 30
+            while "stopped accepting from the shared listener" not in log.read_text():
+                assert time.monotonic() < deadline, "the process did not begin to drain within 30 s"
+                time.sleep(0.05)
             sock.sendall(request[20:] + b"\r\n")
             head, _ = _read_response(sock)
         assert head.startswith(b"HTTP/1.1 200"), head
