@@ -279,9 +279,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._close("malformed", RouterError(400, f"malformed HTTP request: {msg}"))
 
     def shutdown(self) -> None:
-        between_requests = self.cycle is None or self.cycle.response_complete
-        arriving = self.cycle is None or self._phase == "header" or _unread_bytes(self.transport) > 0
-        if between_requests and arriving:  # see the module docstring
+        # see the module docstring; the socket is asked only between requests
+        arriving = self.cycle is None or (
+            self.cycle.response_complete and (self._phase == "header" or _unread_bytes(self.transport) > 0)
+        )
+        if arriving:
             self._shutting_down = True
             return
         super().shutdown()
