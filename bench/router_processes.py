@@ -44,7 +44,7 @@ STUB_BINARY = Path("/var/tmp/epd-kit/bench/stub_engine")
 
 # what systemd does for a socket unit with Accept=no: the listening socket as fd 3, LISTEN_FDS=1 and
 # LISTEN_PID = the pid of the process that will be the router (this one, which then execs it)
-_SOCKET_ACTIVATE = """import os, sys
+SOCKET_ACTIVATE = """import os, sys
 fd = int(sys.argv[1])
 if fd != 3:
     os.dup2(fd, 3)
@@ -104,7 +104,7 @@ def router_group(config: Path, workers: int, work_dir: Path, cpus: str | None = 
             argv = [str(VENV_BIN / "epd-router"), "serve", "--config", str(config), "--worker", str(worker)]
             group.members.append(
                 ManagedProcess(
-                    [*taskset_prefix(cpus), sys.executable, "-c", _SOCKET_ACTIVATE, str(listener.fileno()), *argv],
+                    [*taskset_prefix(cpus), sys.executable, "-c", SOCKET_ACTIVATE, str(listener.fileno()), *argv],
                     work_dir / f"router-{worker}.log",
                     env=env,
                     name=f"router process {worker}",

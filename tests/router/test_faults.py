@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import re
 import signal
 import threading
@@ -296,7 +297,7 @@ def test_sigterm_drains_in_flight_then_exits(make_stack, oracle):
     messages = case(5)
     _, tokens, _, text = oracle.expect(messages, 60)
     # the stream lasts 6 s whatever its length: it outlasts the checks below on a starved machine
-    per_token_ms = -(-6000 // len(tokens))
+    per_token_ms = math.ceil(6000 / len(tokens))
     stack = make_stack(1, 1, sim_env={"epd-pd-0": {"EPD_SIM_DECODE_MS_PER_TOKEN": str(per_token_ms)}})
     router = stack.router
     got: dict = {}

@@ -23,7 +23,7 @@ import yaml
 from prometheus_client.mmap_dict import MmapedDict
 
 from bench.procs import VENV_BIN
-from bench.router_processes import _SOCKET_ACTIVATE, router_group
+from bench.router_processes import SOCKET_ACTIVATE, router_group
 from bench.stack import engine_proc
 from epd_kit.testing.process import ManagedProcess
 
@@ -202,7 +202,7 @@ def test_a_sigterm_while_the_process_starts_stops_it_once_it_serves(config, tmp_
     listener.listen(16)
     argv = [str(VENV_BIN / "epd-router"), "serve", "--config", str(config), "--worker", "0"]
     router = ManagedProcess(
-        [sys.executable, "-c", _SOCKET_ACTIVATE, str(listener.fileno()), *argv],
+        [sys.executable, "-c", SOCKET_ACTIVATE, str(listener.fileno()), *argv],
         tmp_path / "router.log",
         env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
         name="router process 0",
