@@ -6,7 +6,7 @@ from __future__ import annotations
 DOCUMENTATION = r"""
 ---
 module: epd_host_state
-short_description: Read several files, globs and systemd unit states of a host in one module run
+short_description: Read several files, globs, owners, groups and systemd unit states of a host in one module run
 description:
   - What a role reads before it decides (which engines run, what their env files and unit say,
     which restart marks a stopped rollout left), in one start of the host's Python instead of one
@@ -28,6 +28,23 @@ options:
     type: list
     elements: str
     default: []
+  unit_patterns:
+    description:
+      - Unit name patterns (C(systemctl list-units) syntax, C(epd-router@*.service)); each returns
+        the loaded units it matches that run or are on their way (active, activating, reloading).
+    type: list
+    elements: str
+    default: []
+  groups:
+    description: Group names; each returns whether the host knows it (through NSS, as C(getent group) does).
+    type: list
+    elements: str
+    default: []
+  owners:
+    description: Paths whose owner to read (user name, or the uid when no user has it); a missing path reads as null.
+    type: list
+    elements: path
+    default: []
 author: epd-kit
 """
 
@@ -37,6 +54,9 @@ EXAMPLES = r"""
     units: [epd-engine@pd0.service]
     files: [/etc/epd/engines/pd0.env]
     globs: {pending: /etc/epd/engines/*.pending}
+    unit_patterns: [epd-router@*.service]
+    groups: [neuron]
+    owners: [/var/cache/epd/compile]
   register: state
 """
 
@@ -54,11 +74,28 @@ units:
   type: dict
   returned: always
   sample: {"epd-engine@pd0.service": "active"}
+unit_patterns:
+  description: Pattern to the sorted names of the running units it matches.
+  type: dict
+  returned: always
+  sample: {"epd-router@*.service": ["epd-router@0.service", "epd-router@1.service"]}
+groups:
+  description: Group name to whether it exists.
+  type: dict
+  returned: always
+owners:
+  description: Path to its owner's user name (null when the path is missing).
+  type: dict
+  returned: always
 """
 
 import glob
+import grp
+import os
+import pwd
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.epd.kit.plugins.module_utils.epd_systemd import active_states
 
 
 def _read(path: str) -> str | None:
@@ -69,15 +106,29 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _unit_states(module: AnsibleModule, units: list[str]) -> dict[str, str]:
-    if not units:
-        return {}
-    # one line per unit, in order; the exit code is non-zero as soon as one is not active
-    _rc, out, err = module.run_command(["systemctl", "is-active", "--", *units], check_rc=False)
-    states = out.splitlines()
-    if len(states) != len(units):
-        module.fail_json(msg=f"systemctl is-active printed {len(states)} states for {len(units)} units: {err.strip()}")
-    return dict(zip(units, states, strict=True))
+def _owner(path: str) -> str | None:
+    try:
+        uid = os.stat(path).st_uid
+    except FileNotFoundError:
+        return None
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:  # a uid no user has any more (a teardown removed the user)
+        return str(uid)
+
+
+def _group_exists(name: str) -> bool:
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        return False
+    return True
+
+
+def _running_units(module: AnsibleModule, pattern: str) -> list[str]:
+    argv = ["systemctl", "list-units", "--plain", "--no-legend", "--state=active,activating,reloading", "--", pattern]
+    _rc, out, _err = module.run_command(argv, check_rc=True)
+    return sorted(line.split()[0] for line in out.splitlines() if line.strip())
 
 
 def main() -> None:
@@ -86,6 +137,9 @@ def main() -> None:
             "files": {"type": "list", "elements": "path", "default": []},
             "globs": {"type": "dict", "default": {}},
             "units": {"type": "list", "elements": "str", "default": []},
+            "unit_patterns": {"type": "list", "elements": "str", "default": []},
+            "groups": {"type": "list", "elements": "str", "default": []},
+            "owners": {"type": "list", "elements": "path", "default": []},
         },
         supports_check_mode=True,
     )
@@ -94,7 +148,10 @@ def main() -> None:
         changed=False,
         files={path: _read(path) for path in params["files"]},
         globs={name: sorted(glob.glob(str(pattern))) for name, pattern in params["globs"].items()},
-        units=_unit_states(module, params["units"]),
+        units=active_states(module, params["units"]),
+        unit_patterns={pattern: _running_units(module, pattern) for pattern in params["unit_patterns"]},
+        groups={name: _group_exists(name) for name in params["groups"]},
+        owners={path: _owner(path) for path in params["owners"]},
     )
 
 

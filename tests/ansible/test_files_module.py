@@ -85,7 +85,7 @@ def test_files_are_written_once_and_each_change_is_named(tmp_path):
 
 def test_host_state_reads_files_globs_and_unit_states_in_one_run(tmp_path):
     """epd.kit.epd_host_state, the read side: missing files read as null, globs come back sorted,
-    and it runs in check mode (the reads a --check deploy decides on)."""
+    groups and owners through NSS, and it runs in check mode (the reads a --check deploy decides on)."""
     (tmp_path / "b.env").write_text("B=1\n")
     (tmp_path / "a.env").write_text("A='x y'\n")
     (tmp_path / "a.pending").write_text("")
@@ -95,6 +95,8 @@ def test_host_state_reads_files_globs_and_unit_states_in_one_run(tmp_path):
         "epd.kit.epd_host_state": {
             "files": [str(tmp_path / "a.env"), str(tmp_path / "gone.env")],
             "globs": {"env": f"{tmp_path}/*.env", "pending": f"{tmp_path}/*.pending", "none": "/nonexistent/*"},
+            "groups": [GROUP, "epd-no-such-group"],
+            "owners": [str(tmp_path / "a.env"), str(tmp_path / "gone.env")],
         },
         "register": "state",
         "check_mode": True,
@@ -107,4 +109,7 @@ def test_host_state_reads_files_globs_and_unit_states_in_one_run(tmp_path):
         "pending": [str(tmp_path / "a.pending")],
         "none": [],
     }
-    assert state["units"] == {}  # the unit states are read on the test hosts (tests/e2e), which run systemd
+    assert state["groups"] == {GROUP: True, "epd-no-such-group": False}
+    assert state["owners"] == {str(tmp_path / "a.env"): OWNER, str(tmp_path / "gone.env"): None}
+    # unit states and patterns are read on the test hosts (tests/e2e), which run systemd
+    assert state["units"] == {} and state["unit_patterns"] == {}

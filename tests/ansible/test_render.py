@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from epd_kit import plan as planner
-from tests.ansible.helpers import BIN, INVENTORIES, INVENTORY_IDS, inventory_hostvars
+from tests.ansible.helpers import BIN, INVENTORIES, INVENTORY_IDS, REPO, inventory_hostvars, playbook
 from tests.ansible.systemd_expand import expand_specifiers, parse_unit, service_command
 
 pytestmark = pytest.mark.ansible
@@ -189,3 +189,18 @@ def test_systemd_analyze_harness_catches_a_warning(rendered, tmp_path):
     unit.write_text(unit.read_text().replace("Restart=always", "Restart=sometimes"))
     result = verify_rendered_host(broken, ["pd-0"], tmp_path / "root")
     assert "Failed to parse service restart specifier" in result.stdout + result.stderr
+
+
+def test_a_count_given_on_the_command_line_renders_like_the_same_count_in_the_inventory(tmp_path):
+    """`-e epd_router_workers=3` reaches the roles as the string "3" (the planner accepts digits for
+    an integer, docs/planner.md): the router units must still list processes 0..2, where the
+    template once failed with "unsupported operand type(s) for -"."""
+    result = playbook(
+        "-i", str(REPO / "inventory/sandbox/one-host"), "playbooks/render.yml",
+        "-e", f"render_dir={tmp_path}", "-e", "epd_router_workers=3",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    unit = (tmp_path / "n1/etc/systemd/system/epd-router.service").read_text()
+    assert "(epd-router@0..2)" in unit, unit
+    wants = next(line for line in unit.splitlines() if line.startswith("Wants="))
+    assert wants.split("=", 1)[1].split()[:3] == [f"epd-router@{n}.service" for n in range(3)], wants

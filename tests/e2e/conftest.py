@@ -30,7 +30,11 @@ FOUR_HOSTS = "four hosts"  # the stack test_three_hosts leaves for test_day2
 # (EPD_E2E_LANE=a|b; tests.hosts.harness.LANE_HOST_OFFSET): the modules below run in lane b,
 # every other in lane a. Without EPD_E2E_LANE every module runs, in one process. The lanes are
 # about even (docs/sandbox.md "Timings"); a module and the one it CONTINUES share a lane.
-LANE_B = {"test_three_hosts", "test_day2", "test_observability", "test_advisor"}
+LANE_B = {"test_three_hosts", "test_day2", "test_advisor", "test_compile_cache"}
+# run first in their lane, in this order: the harness's own checks, then the one module whose
+# first deploy installs the kit as an operator's does (preinstalled=False); every later boot of
+# the lane starts with what that install left (deploy_stack, HostPool.capture_kit)
+FIRST = ("test_hosts_harness", "test_one_host")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -38,8 +42,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Collection order, except that a module in CONTINUES runs right after the one it continues;
-    under EPD_E2E_LANE only that lane's modules."""
+    """Collection order, except that the FIRST modules lead and a module in CONTINUES runs right
+    after the one it continues; under EPD_E2E_LANE only that lane's modules."""
     lane = os.environ.get("EPD_E2E_LANE")
     if lane is not None:
         host_offset()  # an unknown lane fails here, before any host boots
@@ -48,6 +52,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = keep
     here = Path(__file__).parent
     files = list(dict.fromkeys(item.path for item in items))
+    files.sort(key=lambda path: FIRST.index(path.stem) if path.stem in FIRST else len(FIRST))  # stable
     for follower, leader in CONTINUES.items():
         follower_path, leader_path = here / f"{follower}.py", here / f"{leader}.py"
         if follower_path in files and leader_path in files:

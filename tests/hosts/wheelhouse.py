@@ -8,6 +8,9 @@ the same builder, cache and pins as the role: the deploy then finds it cached.
 
     python tests/hosts/wheelhouse.py      prints the builder's JSON line
 
+A fresh clone shares the machine's cache ($KIT_DIR/repo-cache, linked as .cache/): a second
+checkout of the same sources finds its wheelhouse built.
+
 It also builds the provisioning stand-ins (tests/hosts/standins/build.py: a local Neuron apt
 repository, EFA installer tarballs, vllm/vllm-neuron stand-in wheels; they need the Debian
 mirror once) and the engine wheelhouse of each stand-in release (NIXL from PyPI), for
@@ -16,6 +19,7 @@ tests/e2e/test_provision_hosts.py.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +37,21 @@ def sim_pins() -> list[str]:
     return list(defaults.get("epd_deps_sim_pins") or [])
 
 
+def share_the_machines_cache() -> None:
+    """A checkout without .cache/ (a fresh clone) uses the machine's: REPO/.cache becomes a link to
+    $KIT_DIR/repo-cache, shared by every checkout here. Safe to share: each archive is named by
+    a hash of what it holds, and each builder locks its cache while it builds."""
+    link = REPO / ".cache"
+    if link.exists() or link.is_symlink():
+        return
+    shared = Path(os.environ.get("KIT_DIR", "/var/tmp/epd-kit")) / "repo-cache"
+    shared.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(shared, target_is_directory=True)
+    print(f"wheelhouse: {link} -> {shared} (the wheelhouses of this machine's checkouts)")
+
+
 def main() -> int:
+    share_the_machines_cache()
     if not BUILDER.exists():
         print(f"wheelhouse: {BUILDER.relative_to(REPO)} not in this checkout; nothing to pre-build")
         return 0

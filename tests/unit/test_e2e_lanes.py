@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.conftest import CONTINUES, LANE_B
+from tests.e2e.conftest import CONTINUES, FIRST, LANE_B
 from tests.hosts.harness import (
     LANE_HOST_OFFSET,
     REPO,
@@ -79,5 +79,6 @@ def test_every_e2e_module_has_a_lane_and_a_continued_stack_stays_in_its_lane():
     modules = {path.stem for path in E2E.glob("test_*.py")}
     assert LANE_B.issubset(modules), f"LANE_B names modules that do not exist: {LANE_B - modules}"
     assert modules - LANE_B, "lane a would run nothing"
+    assert set(FIRST) <= modules, f"FIRST names modules that do not exist: {set(FIRST) - modules}"
     for follower, leader in CONTINUES.items():
         assert (follower in LANE_B) == (leader in LANE_B), f"{follower} continues {leader}'s stack: one lane"

@@ -1,0 +1,121 @@
+"""epd.kit.epd_units, the module that enables and starts a role's units in one module run, through
+real ansible-playbook on this machine against a stand-in `systemctl` (no systemd runs here; the
+e2e tier runs the module against real systemd in every deploy): one call per verb, only the units
+that need it, nothing in check mode, and a unit systemd does not know fails with systemctl's words."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.ansible.helpers import local_play
+
+pytestmark = pytest.mark.ansible
+
+# the answers of systemd 252 (Debian 12) for the verbs the module uses; a unit not in the state
+# file does not exist
+FAKE_SYSTEMCTL = """#!{python}
+import json, sys
+state_file, log_file = {state!r}, {log!r}
+units = json.load(open(state_file))
+args = [a for a in sys.argv[1:] if a != "--"]
+with open(log_file, "a") as log:
+    log.write(json.dumps(sys.argv[1:]) + "\\n")
+verb, names = args[0], [a for a in args[1:] if not a.startswith("--")]
+rc = 0
+for name in names:
+    unit = units.get(name)
+    if verb == "is-enabled":
+        if unit is None:
+            print(f"Failed to get unit file state for {{name}}: No such file or directory", file=sys.stderr)
+            rc = 1
+        else:
+            print("enabled" if unit["enabled"] else "disabled")
+            rc = rc if unit["enabled"] else 1
+    elif verb == "is-active":
+        print(unit["active"] if unit else "inactive")
+        rc = rc if unit and unit["active"] == "active" else 3
+    elif verb == "enable":
+        if unit is None:
+            print(f"Failed to enable unit: Unit file {{name}} does not exist.", file=sys.stderr)
+            sys.exit(1)
+        unit["enabled"] = True
+    elif verb == "start":
+        if unit is None:
+            print(f"Failed to start {{name}}: Unit {{name}} not found.", file=sys.stderr)
+            sys.exit(5)
+        unit["active"] = "activating" if "--no-block" in args else "active"
+json.dump(units, open(state_file, "w"))
+sys.exit(rc)
+"""
+
+
+def test_units_are_enabled_and_started_in_one_call_per_verb_and_only_when_needed(tmp_path: Path):
+    state, log = tmp_path / "units.json", tmp_path / "calls.log"
+    state.write_text(
+        json.dumps(
+            {
+                "epd.target": {"enabled": True, "active": "inactive"},
+                "epd-engines.target": {"enabled": False, "active": "inactive"},
+                "epd-engine@pd-0.service": {"enabled": False, "active": "inactive"},
+                "epd-engine@pd-1.service": {"enabled": True, "active": "active"},
+            }
+        )
+    )
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "systemctl"
+    fake.write_text(FAKE_SYSTEMCTL.format(python=sys.executable, state=str(state), log=str(log)))
+    fake.chmod(0o755)
+    engines = ["epd-engine@pd-0.service", "epd-engine@pd-1.service"]
+    units = {"enabled": ["epd.target", "epd-engines.target", *engines], "started": engines, "no_block": True}
+
+    def task(name: str, params: dict, **extra) -> dict:
+        return {
+            "name": name,
+            "epd.kit.epd_units": params,
+            "register": name,
+            "environment": {"PATH": f"{bin_dir}:/usr/bin:/bin"},
+            **extra,
+        }
+
+    def calls() -> list[list[str]]:
+        lines = log.read_text().splitlines() if log.exists() else []
+        log.write_text("")
+        return [json.loads(line) for line in lines]
+
+    r = local_play(tmp_path, [task("checked", units, check_mode=True)], ["checked"])
+    assert r["checked"]["changed"] is True
+    assert r["checked"]["enabled"] == ["epd-engines.target", "epd-engine@pd-0.service"]
+    assert r["checked"]["started"] == ["epd-engine@pd-0.service"]
+    # the read calls only; is-enabled failed for two units, so each unit was asked alone
+    verbs = [call[0] for call in calls()]
+    assert "enable" not in verbs and "start" not in verbs, verbs
+    assert verbs == ["is-enabled"] * 5 + ["is-active"], verbs
+
+    r = local_play(tmp_path, [task("applied", units)], ["applied"])
+    assert r["applied"]["changed"] is True
+    made = [call for call in calls() if call[0] in ("enable", "start")]
+    assert made == [
+        ["enable", "--", "epd-engines.target", "epd-engine@pd-0.service"],
+        ["start", "--no-block", "--", "epd-engine@pd-0.service"],
+    ]
+    assert json.loads(state.read_text())["epd-engine@pd-0.service"] == {"enabled": True, "active": "activating"}
+
+    r = local_play(tmp_path, [task("again", units)], ["again"])
+    assert r["again"]["changed"] is False and r["again"]["enabled"] == [] and r["again"]["started"] == []
+    assert [call[0] for call in calls()] == ["is-enabled", "is-active"]  # one call per verb, nothing to do
+
+    r = local_play(tmp_path, [task("reached", {"started": ["epd.target"]})], ["reached"])
+    assert r["reached"]["started"] == ["epd.target"]
+    assert calls()[-1] == ["start", "--", "epd.target"]  # without no_block: systemctl waits for the job
+
+    r = local_play(
+        tmp_path, [task("unknown", {"enabled": ["epd-nope.service"], "started": []}, ignore_errors=True)], ["unknown"]
+    )
+    assert r["unknown"]["failed"] is True
+    assert "systemctl enable -- epd-nope.service failed (rc 1)" in r["unknown"]["msg"], r["unknown"]
+    assert "Unit file epd-nope.service does not exist" in r["unknown"]["msg"], r["unknown"]
