@@ -15,7 +15,9 @@ description:
     loading, compiling, warming up, health check (the socket is open, the readiness gate runs),
     ready (active), stopping (a restart stops the old process), restarting (failed, Restart= will
     start it again), failed, inactive."
-  - One observation per call; the action plugin of the same name polls it and prints the progress.
+  - One observation per call; the action plugin of the same name polls it and prints the progress,
+    and takes three options of its own, C(timeout_s), C(poll_s) and C(report_s)
+    (plugins/action/epd_engine_progress.py).
   - Read-only; supports check mode.
 options:
   instances:
@@ -24,6 +26,14 @@ options:
     elements: str
     required: true
 author: epd-kit
+"""
+
+EXAMPLES = r"""
+- name: Wait until every engine is ready, printing each phase change (the action plugin polls)
+  epd.kit.epd_engine_progress:
+    instances: [ve-0, pd-0, pd-1]
+    timeout_s: 600
+    poll_s: 2
 """
 
 RETURN = r"""

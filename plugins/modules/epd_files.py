@@ -18,8 +18,10 @@ description:
     CPU goes"). Render the content on the controller with the template lookup and pass it here.
   - Reports which paths changed (C(changed_paths)), so that a task after it can react to one
     file of the set. Supports check mode and diff mode (one diff per changed path).
-  - Not for secrets: the content is a module argument, and a diff shows it. Write a secret with
-    its own M(ansible.builtin.template) task under C(no_log).
+  - A secret's content is a module argument, which a diff shows and the host's journal would log.
+    Give a secret a task of its own with C(no_log) set, which withholds the task's result and diff
+    and the module's journal entry (AnsibleModule logs nothing under no_log), and put nothing
+    else in that task, since its result then names no path either.
 options:
   files:
     description: The files and directories, written in this order.

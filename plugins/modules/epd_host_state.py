@@ -10,7 +10,7 @@ short_description: Read several files, globs, owners, groups and systemd unit st
 description:
   - What a role reads before it decides (which engines run, what their env files and unit say,
     which restart marks a stopped rollout left), in one start of the host's Python instead of one
-    M(ansible.builtin.slurp), M(ansible.builtin.find) or C(systemctl) task per fact: each of
+    M(ansible.builtin.slurp), M(ansible.builtin.find) or C(systemctl) task per fact; each of
     those costs a module run of about 0.3 s of CPU on the host (docs/sandbox.md).
   - Read-only; supports check mode.
 options:

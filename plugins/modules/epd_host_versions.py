@@ -26,7 +26,9 @@ options:
     description: Interpreter of the kit venv (epd-kit); absent = null.
     type: path
   expected:
-    description: Pins, keyed like RV(versions) (e.g. C({driver: 2.24.7.0, nixl: 1.5.1})); empty values are not compared.
+    description:
+      - Pins, keyed like RV(versions) (e.g. C(driver) = C(2.24.7.0), C(nixl) = C(1.5.1)).
+      - Empty values are not compared.
     type: dict
     default: {}
   dpkg_status:

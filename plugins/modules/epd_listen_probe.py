@@ -23,6 +23,13 @@ options:
 author: epd-kit
 """
 
+EXAMPLES = r"""
+- name: Probe the ports this host is about to use
+  epd.kit.epd_listen_probe:
+    ports: [18100, 18101, 18300, 18800]
+  register: listeners
+"""
+
 RETURN = r"""
 conflicts:
   description: Listeners on the ports that belong to something else than the kit.

@@ -12,7 +12,7 @@ description:
     libfabric and the CUDA stub) and checks that C(import nixl) works and that each of
     O(libraries) loads.
   - With O(backend=LIBFABRIC), runs the vLLM Neuron setup guide's two checks
-    (vllm-neuron/docs/getting-started/setup-guide.md, "Verify the LIBFABRIC backend loads"):
+    (vllm-neuron/docs/getting-started/setup-guide.md, "Verify the LIBFABRIC backend loads"),
     C(ldd) of the wheel's C(libplugin_LIBFABRIC.so) for libraries or symbol versions that are
     C(not found), and, with O(agent), the agent creation
     C(nixl_agent('probe', nixl_agent_config(backends=['LIBFABRIC']))). Without those an engine

@@ -65,16 +65,21 @@ from ansible_collections.epd.kit.plugins.module_utils.epd_systemd import active_
 
 # `systemctl is-active` states of a unit that runs or is on its way (systemd_service's view)
 RUNNING = {"active", "activating", "reloading"}
+# the `systemctl is-enabled` states it answers with exit code 0 for a unit asked alone
+# (systemctl(1), systemd 252, "is-enabled" output table); every other state is not enabled
+ENABLED = {"enabled", "enabled-runtime", "alias", "static", "indirect", "generated", "transient"}
 
 
 def _not_enabled(module: AnsibleModule, names: list[str]) -> list[str]:
-    """The units `systemctl is-enabled` fails for. Its exit code covers all units at once and it
-    prints nothing for a unit it cannot find, so after a failure each unit is asked alone."""
+    """The units that are not enabled, from one `systemctl is-enabled`: it prints a state per unit,
+    and its exit code only says whether any unit is enabled. A unit it cannot find prints nothing
+    (the lines no longer pair with the names), so then each unit is asked alone."""
     if not names:
         return []
-    rc, _out, _err = module.run_command(["systemctl", "is-enabled", "--", *names], check_rc=False)
-    if rc == 0:
-        return []
+    _rc, out, _err = module.run_command(["systemctl", "is-enabled", "--", *names], check_rc=False)
+    states = out.splitlines()
+    if len(states) == len(names):
+        return [name for name, state in zip(names, states, strict=True) if state not in ENABLED]
     return [name for name in names if module.run_command(["systemctl", "is-enabled", "--", name])[0] != 0]
 
 

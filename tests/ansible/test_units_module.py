@@ -15,8 +15,10 @@ from tests.ansible.helpers import local_play
 
 pytestmark = pytest.mark.ansible
 
-# the answers of systemd 252 (Debian 12) for the verbs the module uses; a unit not in the state
-# file does not exist
+# the answers of systemd 252 (Debian 12) for the verbs the module uses, as systemctl(1) gives
+# them and a test host showed them: is-enabled and is-active print a state per unit and exit 0
+# as soon as ANY unit is enabled (active); a unit that does not exist (not in the state file)
+# prints nothing for is-enabled, an error on stderr, and makes it exit 1
 FAKE_SYSTEMCTL = """#!{python}
 import json, sys
 state_file, log_file = {state!r}, {log!r}
@@ -25,20 +27,22 @@ args = [a for a in sys.argv[1:] if a != "--"]
 with open(log_file, "a") as log:
     log.write(json.dumps(sys.argv[1:]) + "\\n")
 verb, names = args[0], [a for a in args[1:] if not a.startswith("--")]
-rc = 0
+if verb == "is-enabled":
+    missing = [name for name in names if name not in units]
+    for name in names:
+        if name in missing:
+            print(f"Failed to get unit file state for {{name}}: No such file or directory", file=sys.stderr)
+        else:
+            print("enabled" if units[name]["enabled"] else "disabled")
+    sys.exit(1 if missing or not any(units[n]["enabled"] for n in names) else 0)
+if verb == "is-active":
+    states = [units[name]["active"] if name in units else "inactive" for name in names]
+    for state in states:
+        print(state)
+    sys.exit(0 if "active" in states else 3)
 for name in names:
     unit = units.get(name)
-    if verb == "is-enabled":
-        if unit is None:
-            print(f"Failed to get unit file state for {{name}}: No such file or directory", file=sys.stderr)
-            rc = 1
-        else:
-            print("enabled" if unit["enabled"] else "disabled")
-            rc = rc if unit["enabled"] else 1
-    elif verb == "is-active":
-        print(unit["active"] if unit else "inactive")
-        rc = rc if unit and unit["active"] == "active" else 3
-    elif verb == "enable":
+    if verb == "enable":
         if unit is None:
             print(f"Failed to enable unit: Unit file {{name}} does not exist.", file=sys.stderr)
             sys.exit(1)
@@ -49,7 +53,6 @@ for name in names:
             sys.exit(5)
         unit["active"] = "activating" if "--no-block" in args else "active"
 json.dump(units, open(state_file, "w"))
-sys.exit(rc)
 """
 
 
@@ -91,10 +94,9 @@ def test_units_are_enabled_and_started_in_one_call_per_verb_and_only_when_needed
     assert r["checked"]["changed"] is True
     assert r["checked"]["enabled"] == ["epd-engines.target", "epd-engine@pd-0.service"]
     assert r["checked"]["started"] == ["epd-engine@pd-0.service"]
-    # the read calls only; is-enabled failed for two units, so each unit was asked alone
-    verbs = [call[0] for call in calls()]
-    assert "enable" not in verbs and "start" not in verbs, verbs
-    assert verbs == ["is-enabled"] * 5 + ["is-active"], verbs
+    # the read calls only, one per verb: is-enabled exited 0 (two units are enabled), and only its
+    # lines tell which are not
+    assert [call[0] for call in calls()] == ["is-enabled", "is-active"]
 
     r = local_play(tmp_path, [task("applied", units)], ["applied"])
     assert r["applied"]["changed"] is True
@@ -113,9 +115,13 @@ def test_units_are_enabled_and_started_in_one_call_per_verb_and_only_when_needed
     assert r["reached"]["started"] == ["epd.target"]
     assert calls()[-1] == ["start", "--", "epd.target"]  # without no_block: systemctl waits for the job
 
+    # a unit systemd cannot find: is-enabled prints nothing for it, so each unit is asked alone
     r = local_play(
-        tmp_path, [task("unknown", {"enabled": ["epd-nope.service"], "started": []}, ignore_errors=True)], ["unknown"]
+        tmp_path,
+        [task("unknown", {"enabled": ["epd.target", "epd-nope.service"]}, ignore_errors=True)],
+        ["unknown"],
     )
+    assert [call[0] for call in calls()] == ["is-enabled"] * 3 + ["enable"]
     assert r["unknown"]["failed"] is True
     assert "systemctl enable -- epd-nope.service failed (rc 1)" in r["unknown"]["msg"], r["unknown"]
     assert "Unit file epd-nope.service does not exist" in r["unknown"]["msg"], r["unknown"]
