@@ -30,7 +30,7 @@ FOUR_HOSTS = "four hosts"  # the stack test_three_hosts leaves for test_day2
 # (EPD_E2E_LANE=a|b; tests.hosts.harness.LANE_HOST_OFFSET): the modules below run in lane b,
 # every other in lane a. Without EPD_E2E_LANE every module runs, in one process. The lanes are
 # about even (docs/sandbox.md "Timings"); a module and the one it CONTINUES share a lane.
-LANE_B = {"test_three_hosts", "test_day2", "test_advisor", "test_compile_cache", "test_observability"}
+LANE_B = {"test_three_hosts", "test_day2", "test_advisor", "test_compile_cache"}
 # run first in their lane, in this order: the harness's own checks, then the one module whose
 # first deploy installs the kit as an operator's does (preinstalled=False); every later boot of
 # the lane starts with what that install left (deploy_stack, HostPool.capture_kit)

@@ -32,7 +32,7 @@ STATS_URL = f"http://{machine_address(3)}:8404/stats;csv"
 CHECK_INTER_S, CHECK_FALL = 1.0, 2
 DETECTION_WINDOW_S = CHECK_INTER_S * CHECK_FALL
 RATE_PER_S = 8
-STEP_LIMIT_S = 300
+STEP_LIMIT_S = 480  # a deploy under load beside two other lanes took over 300 s in one cold run
 
 
 @pytest.fixture(scope="module")
