@@ -29,8 +29,11 @@ FOUR_HOSTS = "four hosts"  # the stack test_three_hosts leaves for test_day2
 # scripts/test.sh runs this tier as two pytest processes at once, each on test hosts of its own
 # (EPD_E2E_LANE=a|b; tests.hosts.harness.LANE_HOST_OFFSET): the modules below run in lane b,
 # every other in lane a. Without EPD_E2E_LANE every module runs, in one process. The lanes are
-# about even (docs/sandbox.md "Timings"); a module and the one it CONTINUES share a lane.
-LANE_B = {"test_three_hosts", "test_day2", "test_advisor", "test_compile_cache"}
+# about even (docs/sandbox.md "Timings"); a module and the one it CONTINUES share a lane; the two
+# modules that deploy under load to several hosts at length (router HA, day 2) share lane b, one
+# after the other, so their load and deploys never meet. Lane b has 4 machines (n6-n9), so
+# test_provision_hosts (n4, n5) runs in lane a.
+LANE_B = {"test_router_ha", "test_three_hosts", "test_day2"}
 # run first in their lane, in this order: the harness's own checks, then the one module whose
 # first deploy installs the kit as an operator's does (preinstalled=False); every later boot of
 # the lane starts with what that install left (deploy_stack, HostPool.capture_kit)
@@ -163,13 +166,6 @@ def deploy_stack(
 def sandbox_inventory(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """inventory/sandbox/<name>, relocated to this lane's machines."""
     return copy_inventory(REPO / "inventory/sandbox" / name, tmp_path_factory.mktemp(name) / "inventory")
-
-
-@pytest.fixture(scope="module")
-def one_host_stack(host_pool: HostPool, record_timing, tmp_path_factory) -> Iterator[Stack]:
-    # the operator's first deploy on a host without the kit: the install runs for real here
-    inventory = sandbox_inventory("one-host", tmp_path_factory)
-    return deploy_stack(host_pool, inventory, record_timing, "1 host", preinstalled=False)
 
 
 @pytest.fixture(scope="module")

@@ -1,18 +1,62 @@
 """One host (inventory/sandbox/one-host: 1 VE + 2 PD + router on n1), deployed with the real
-playbook over SSH, driven with systemctl and the real openai client. Tests run in file
-order on one deployment; each leaves the stack as it found it, except the last (teardown)."""
+playbook over SSH, driven with systemctl and the real openai client, and watched by the real
+Prometheus server. Tests run in file order on one deployment; each leaves the stack as it found
+it, except the last (teardown).
+
+Observability (docs/observability.md) rides on the same stack instead of booting one of its own:
+the deploy's last play writes the scrape targets and a prometheus.yml on the controller (group
+epd_monitoring = localhost), Prometheus (Debian's package) scrapes the host from there, and PromQL
+over its HTTP API (127.0.0.1 only) shows every target up and a request moving the router's
+request, TTFT and encode series and the VE's encoder-cache series. For that the inventory differs
+from inventory/sandbox/one-host in three ways: the engines bind to n1's address (a Prometheus off
+the host must reach them), the sim compiles for EPD_SIM_COMPILE_S on a compile-cache miss (so a
+restart after the cache is cleared prints each engine's progress), and the epd_monitoring group.
+
+The layout advisor (docs/advisor.md) comes last before the check and the teardown: a slow
+simulated VE (EPD_SIM_ENCODE_MS_PER_1K_PATCHES, set from the first deploy: about 140 ms per
+256x256 image, 2 ms for the 64x64 images of the tests before) under image-heavy load (every
+request a new image, Poisson at 6 requests/s): the advisor names the VE pool and recommends a
+second VE on the spare cores; deploy.yml applies it under load with no failed request; the same
+load then spends less time in encode and the advisor recommends no change; an idle window is
+"too little traffic". Load and windows are bounded; all traffic goes to the test host n1."""
 
 from __future__ import annotations
 
+import json
+import os
+import random
+import shutil
+import subprocess
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 import pytest
+import yaml
 
-from tests.e2e.stack import image_message, is_healthy, wait_for
-from tests.hosts.harness import ansible_playbook
+from epd_kit.testing.process import free_port
+from tests.e2e.conftest import deploy_stack
+from tests.e2e.stack import LoadGenerator, Stack, image_data_url, image_message, is_healthy, wait_for
+from tests.hosts.harness import REPO, HostPool, ansible_playbook, copy_inventory
 
-pytestmark = pytest.mark.systemd
+# a first deploy that installs the kit, then a dozen steps on it: more than the default 300 s budget
+pytestmark = [pytest.mark.systemd, pytest.mark.timeout(900)]
 
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+COMPILE_S = "10"
+LIFETIME_S = 900  # Prometheus never outlives this, whatever happens to the test process
+LOCAL_COMPILE_CACHE = "/var/cache/epd/neuron-compile-cache/neuron/compile_cache"
+# the advisor's load
+RATE_PER_S = 6
+WINDOW_S = 30
+STEP_LIMIT_S = 300
+# a 256x256 image is 256 patches of 16x16 (already a multiple of patch x merge = 32, so it is not
+# resized): 3 + 560 x 256/1024 = 143 ms on the VE (sim/profile.py), so one VE is ~86% busy at
+# 6 images/s and two are ~43%
+ENCODE_MS_PER_1K_PATCHES = "560"
+IMAGE_EDGE = 256
 ENGINES = {
     "epd-engine@pd-0.service": "epd-pd-0",
     "epd-engine@pd-1.service": "epd-pd-1",
@@ -33,6 +77,89 @@ def kit_state(host) -> str:
     # the router's process units (epd-router.service groups them and has no main process)
     pids = "\n".join(f"{u}={host.show(u, 'MainPID')['MainPID']}" for u in [*ENGINES, "epd-router@0.service"])
     return files + pids
+
+
+def monitored_one_host(dest: Path, prometheus_dir: Path) -> Path:
+    """inventory/sandbox/one-host + engines on n1's address + a slow sim compile and encode + epd_monitoring."""
+    copy_inventory(REPO / "inventory/sandbox/one-host", dest)
+    hosts = yaml.safe_load((dest / "hosts.yml").read_text())
+    n1 = hosts["all"]["children"]["epd_engines"]["hosts"]["n1"]
+    n1["epd_bind_address"] = n1["ansible_host"]
+    (dest / "hosts.yml").write_text(yaml.safe_dump(hosts))
+    settings_file = dest / "group_vars/all/epd.yml"
+    settings = yaml.safe_load(settings_file.read_text())
+    settings["epd_engine_environment"]["EPD_SIM_COMPILE_S"] = COMPILE_S
+    settings["epd_engine_environment"]["EPD_SIM_ENCODE_MS_PER_1K_PATCHES"] = ENCODE_MS_PER_1K_PATCHES
+    settings_file.write_text(yaml.safe_dump(settings))
+    monitoring = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": "{{ ansible_playbook_python }}",
+        "epd_observability_dir": str(prometheus_dir),
+        "epd_observability_prometheus_config": str(prometheus_dir / "prometheus.yml"),
+        "epd_observability_scrape_interval_s": 1,
+    }
+    doc = {"all": {"children": {"epd_monitoring": {"hosts": {"localhost": monitoring}}}}}
+    (dest / "monitoring.yml").write_text(yaml.safe_dump(doc))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def one_host_stack(host_pool: HostPool, record_timing, tmp_path_factory) -> Stack:
+    # the operator's first deploy on a host without the kit: the install runs for real here
+    tmp = tmp_path_factory.mktemp("one-host")
+    inventory = monitored_one_host(tmp / "inventory", tmp / "prometheus")
+    return deploy_stack(host_pool, inventory, record_timing, "1 host", preinstalled=False)
+
+
+@dataclass
+class Prometheus:
+    url: str
+    proc: subprocess.Popen
+
+    def query(self, promql: str) -> list[dict]:
+        reply = httpx.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=5, trust_env=False)
+        reply.raise_for_status()
+        return reply.json()["data"]["result"]
+
+    def value(self, promql: str) -> float:
+        result = self.query(promql)
+        return float(result[0]["value"][1]) if result else 0.0
+
+
+@pytest.fixture(scope="module")
+def prometheus(one_host_stack: Stack, tmp_path_factory) -> Iterator[Prometheus]:
+    """The real Prometheus server on 127.0.0.1, reading the prometheus.yml the deploy wrote."""
+    if not Path(PROMETHEUS).exists():
+        pytest.fail("no prometheus binary: scripts/bootstrap.sh installs Debian's prometheus package", pytrace=False)
+    config = one_host_stack.inventory.directory.parent / "prometheus/prometheus.yml"
+    tsdb = tmp_path_factory.mktemp("tsdb")
+    port = free_port()
+    with open(tsdb / "prometheus.log", "wb") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [
+                "timeout",
+                str(LIFETIME_S),
+                PROMETHEUS,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tsdb}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--storage.tsdb.retention.time=1h",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = Prometheus(f"http://127.0.0.1:{port}", proc)
+    try:
+        wait_for(lambda: server.query("vector(1)"), timeout=30, what="prometheus to answer")
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def test_deploy_starts_every_unit_and_the_router_sees_all_engines(one_host_stack):
@@ -79,6 +206,41 @@ def test_text_image_and_streaming_requests(one_host_stack):
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == red.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == red.usage.completion_tokens
+
+
+def test_every_router_and_engine_target_is_up(one_host_stack, prometheus):
+    def all_up() -> list[dict]:
+        targets = prometheus.query('up{role=~"ve|pd|router"}')
+        return targets if len(targets) == 4 and all(t["value"][1] == "1" for t in targets) else []
+
+    targets = wait_for(all_up, timeout=60, what="4 targets up in prometheus")
+    labels = sorted((t["metric"]["role"], t["metric"]["instance"], t["metric"]["host"]) for t in targets)
+    assert labels == [("pd", "pd-0", "n1"), ("pd", "pd-1", "n1"), ("router", "router", "n1"), ("ve", "ve-0", "n1")]
+    engine_ids = {t["metric"].get("engine_id") for t in targets if t["metric"]["role"] != "router"}
+    assert engine_ids == {e["id"] for e in one_host_stack.pools()}  # the router's endpoints
+
+
+def test_a_request_moves_the_request_ttft_and_encode_series(one_host_stack, prometheus):
+    series = {
+        "requests": 'sum(epd_router_requests_total{status="200"})',
+        "ttft": "sum(epd_router_time_to_first_token_seconds_count)",
+        "encode": "sum(epd_router_encode_seconds_count)",
+        "ve cache queries": 'sum(vllm:encoder_cache_queries_total{role="ve"})',
+        "pd generated tokens": 'sum(vllm:generation_tokens_total{role="pd"})',
+    }
+    wait_for(lambda: prometheus.query("epd_router_encode_seconds_count"), timeout=30, what="a router scrape")
+    # the value of every series before, once Prometheus has scraped what earlier tests sent
+    time.sleep(3)
+    before = {name: prometheus.value(q) for name, q in series.items()}
+    reply = one_host_stack.chat(image_message("What is in the picture? (observability)", (200, 30, 30)), max_tokens=4)
+    assert reply.choices[0].message.content is not None
+
+    def moved() -> dict[str, float]:
+        after = {name: prometheus.value(q) for name, q in series.items()}
+        return after if all(after[name] > before[name] for name in series) else {}
+
+    after = wait_for(moved, timeout=30, what=f"every series to move from {before}")
+    assert after["requests"] == before["requests"] + 1
 
 
 def test_stopping_one_pd_keeps_serving_and_it_rejoins_on_start(one_host_stack):
@@ -135,6 +297,140 @@ def test_each_configuration_compiled_once_into_the_kits_cache(one_host_stack):
     assert log.count("Compile cache miss: compiling graph") <= 2, log[-3000:]  # at most once per key
     assert log.count("Compilation finished. Graph") >= 4  # 3 engines + the kill -9 restart
     assert "Compile cache hit (local" in log
+
+
+def test_restart_prints_each_engines_progress_and_the_slowest(one_host_stack):
+    """With the compile cache cleared (as after an SDK upgrade), every engine of the restart
+    compiles for EPD_SIM_COMPILE_S, and restart.yml prints each engine's phases as they happen."""
+    n1 = one_host_stack.hosts["n1"]
+    n1.run(f"find {LOCAL_COMPILE_CACHE} -mindepth 1 -maxdepth 1 -exec rm -rf {{}} +")
+    start = time.monotonic()
+    result = ansible_playbook(one_host_stack.inventory.directory, "playbooks/restart.yml", "-e", "component=engines")
+    assert result.returncode == 0, result.describe()
+    assert time.monotonic() - start >= float(COMPILE_S)
+    for instance in ("pd-0", "pd-1", "ve-0"):
+        assert f"[n1] {instance}: compiling" in result.stdout, result.stdout[-4000:]
+        assert f"[n1] {instance}: ready" in result.stdout, result.stdout[-4000:]
+    assert "slowest: " in result.stdout, result.stdout[-4000:]
+    one_host_stack.wait_ready(timeout=60)
+
+
+class NewImageLoad(LoadGenerator):
+    """The bounded load generator, each request with an image never sent before (a VE cache miss),
+    at Poisson arrivals: evenly spaced requests never queue in front of a VE that serves faster
+    than the spacing, whatever its busy fraction."""
+
+    @property
+    def interval(self) -> float:
+        return self._rng.expovariate(1 / self._mean_interval)
+
+    @interval.setter
+    def interval(self, value: float) -> None:
+        self._mean_interval = value
+        self._rng = random.Random(22)
+
+    def body(self, n: int) -> dict:
+        return {
+            "model": self.model,
+            "max_tokens": 4,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image_url",
+                            "image_url": {"url": image_data_url((n % 256, n // 256 % 256, 77), IMAGE_EDGE)},
+                        },
+                        {"type": "text", "text": f"request {n}: what is in the picture?"},
+                    ],
+                }
+            ],
+        }
+
+
+@pytest.fixture(scope="module")
+def seen() -> dict:
+    """What earlier tests of this module measured."""
+    return {}
+
+
+def advise(stack: Stack, window_s: float) -> dict:
+    env = dict(os.environ, PATH=f"{REPO / '.venv/bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}")
+    argv = [str(REPO / ".venv/bin/epd-router"), "advise", "--url", stack.router_url, "--window", str(window_s)]
+    argv += ["--inventory", str(stack.inventory.directory), "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=window_s + 120, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def advise_under_load(stack: Stack) -> dict:
+    with NewImageLoad(
+        stack.router_url, stack.model_id(), rate_per_s=RATE_PER_S, max_requests=RATE_PER_S * 60, max_seconds=60
+    ) as load:
+        time.sleep(3)  # past the start: the window sees a steady load
+        doc = advise(stack, WINDOW_S)
+        outcome = load.stop()
+    assert outcome.ok == outcome.sent, (f"{len(outcome.failures)} of {outcome.sent} failed", outcome.failures[:10])
+    return doc
+
+
+def test_image_heavy_load_on_one_ve_names_the_ve_pool_and_recommends_a_second_ve(one_host_stack, seen, record_timing):
+    doc = advise_under_load(one_host_stack)
+    seen["before"] = doc
+    record_timing("advisor: 1E2PD TTFT p50 (router)", doc["ttft_p50_s"])
+    record_timing("advisor: 1E2PD TTFT p99 (router)", doc["ttft_p99_s"])
+    assert doc["enough_traffic"], doc["confidence"]
+    assert doc["bottleneck"] == "ve", doc["verdict"]
+    rec = doc["recommendation"]
+    assert rec["changed"], doc
+    assert rec["proposed"] == {"n1": [2, 2]}  # the 4 spare cores; a PD pool of 2 keeps its floor
+    assert rec["inventory_change"] == ["n1: epd_num_ve 1 -> 2, epd_num_pd 2 -> 2"]
+
+
+def test_the_recommendation_deploys_under_load_without_a_failed_request(one_host_stack, seen, record_timing):
+    assert seen.get("before"), "needs the first test's recommendation"
+    fleet_dir = one_host_stack.inventory.directory
+    hosts_yml = yaml.safe_load((fleet_dir / "hosts.yml").read_text())
+    hosts_yml["all"]["children"]["epd_engines"]["hosts"]["n1"]["epd_num_ve"] = 2
+    (fleet_dir / "hosts.yml").write_text(yaml.safe_dump(hosts_yml, sort_keys=False))
+    with NewImageLoad(
+        one_host_stack.router_url,
+        one_host_stack.model_id(),
+        rate_per_s=RATE_PER_S,
+        max_requests=RATE_PER_S * STEP_LIMIT_S,
+        max_seconds=STEP_LIMIT_S,
+    ) as load:
+        time.sleep(2)
+        start = time.monotonic()
+        result = ansible_playbook(fleet_dir, "playbooks/deploy.yml", timeout=STEP_LIMIT_S)
+        record_timing("advisor: deploy of the recommendation under load", time.monotonic() - start)
+        time.sleep(2)
+        outcome = load.stop()
+    assert result.returncode == 0, result.describe()
+    assert outcome.ok == outcome.sent, (f"{len(outcome.failures)} of {outcome.sent} failed", outcome.failures[:10])
+    ves = [e for e in one_host_stack.pools() if e["id"].startswith("epd-ve-")]
+    assert len(ves) == 2 and all(is_healthy(e) and e["state"] == "active" for e in ves), ves
+
+
+def test_after_the_change_encode_time_falls_and_no_change_is_recommended(one_host_stack, seen, record_timing):
+    before = seen.get("before")
+    assert before, "needs the first test's figures"
+    doc = advise_under_load(one_host_stack)
+    record_timing("advisor: 2E2PD TTFT p50 (router)", doc["ttft_p50_s"])
+    record_timing("advisor: 2E2PD TTFT p99 (router)", doc["ttft_p99_s"])
+    assert doc["pools"]["ve"]["engines"] == 2
+    # the predicted direction: queueing in front of the VE pool shrinks (the bench measures the size)
+    assert doc["pools"]["ve"]["time_in_stage_s"] < 0.8 * before["pools"]["ve"]["time_in_stage_s"], (before, doc)
+    assert doc["pools"]["ve"]["busy"] < before["pools"]["ve"]["busy"]
+    assert doc["ttft_p50_s"] < before["ttft_p50_s"], (before, doc)
+    assert doc["recommendation"] is not None and not doc["recommendation"]["changed"], doc
+
+
+def test_an_idle_window_is_too_little_traffic(one_host_stack):
+    doc = advise(one_host_stack, 3)
+    assert not doc["enough_traffic"]
+    assert doc["recommendation"] is None
+    assert "too little traffic" in doc["confidence"]
 
 
 def test_check_mode_changes_nothing(one_host_stack, record_timing):

@@ -108,11 +108,16 @@ def engine_wheelhouse(release: str, standin_dir: Path) -> Path:
     return Path(built["archive"])
 
 
-def boot(pool: HostPool, index: int, variant: str) -> TestHost:
+def boot(pool: HostPool, index: int, variant: str, *, kit: bool = False) -> TestHost:
+    """A fresh host on the variant's rootfs. kit=True: with the kit as an earlier deploy of this
+    session installed it (HostPool.capture_kit; conftest.deploy_stack), when there is one: the
+    kit's own venv, nothing of what provisioning installs."""
     host = pool.host(index)
     env = dict(os.environ, VARIANT=variant, FRESH="1")
     if pool.seed is not None:
         env["SEED"] = str(pool.seed)
+    if kit and pool.kit_seed is not None:
+        env["LAYERS"] = str(pool.kit_seed)
     run([str(HOSTS_SH), "up", f"{host.name}:{host.address}"], env=env, timeout=180)
     pool.started[host.name] = host  # the pool stops it at the end of the session
     return host
@@ -184,7 +189,9 @@ def assert_release(host: TestHost, release: str) -> None:
 
 @pytest.fixture(scope="module")
 def bare(host_pool: HostPool, server: str) -> TestHost:
-    return boot(host_pool, BARE, "bare")
+    # the kit preinstalled as on every stack but test_one_host's: the last test's deploy then skips
+    # the kit install it would repeat byte for byte (provisioning never touches the kit's venv)
+    return boot(host_pool, BARE, "bare", kit=True)
 
 
 @pytest.fixture(scope="module")

@@ -291,7 +291,7 @@ def test_a_new_router_port_is_announced_and_check_mode_changes_nothing(stack, in
     assert result.returncode == 0, result.describe()
     said = " ".join(result.stdout.split())  # the callback wraps long messages
     for name in ROUTER_HOSTS:
-        address = f"10.213.0.1{name[1:]}"
+        address = machine_address(int(name[1:]))  # the inventory's address, on this lane's machine
         assert f"LISTENER CHANGE on {name}: epd-router.socket moves from {address}:18800 to {address}:18801" in said, (
             result.describe()
         )

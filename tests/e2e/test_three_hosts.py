@@ -107,7 +107,9 @@ def test_adding_an_engine_host_reloads_the_router_and_restarts_no_engine(
     three_host_stack, host_pool, shared_stacks, tmp_path
 ):
     stack = three_host_stack
-    (n4,) = host_pool.up(4)
+    # with the kit as the lane's first deploy installed it (conftest.deploy_stack): what this step
+    # checks is the router's reload and the engines left alone, not the install (test_one_host's)
+    (n4,) = host_pool.up(4, kit=True)
     kept = False
     try:
         fleet = four_host_fleet(tmp_path / "four-host")
