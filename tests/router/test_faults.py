@@ -165,10 +165,11 @@ def test_kill_a_pd_under_load(make_stack, oracle):
 
 
 def test_kill_a_ve_under_load(make_stack, oracle):
-    # encodes long enough (100 ms) that polling /pools sees one in flight on epd-ve-1 even on a
-    # loaded machine: at 15 ms the 20 requests could all finish between two polls
-    ve_env = {"EPD_SIM_EXTRA_LATENCY_MS": "100"}
-    stack = make_stack(3, 3, sim_env={f"epd-ve-{i}": ve_env for i in range(3)})
+    # epd-ve-1 (the one killed) encodes for 1 s, so polling /pools sees a request in flight there
+    # however loaded the machine is: at 100 ms on every VE, the 20 requests all finished between
+    # two polls once (a CI run at nice 5 beside two e2e lanes); the others take 100 ms
+    latency_ms = {"epd-ve-0": "100", "epd-ve-1": "1000", "epd-ve-2": "100"}
+    stack = make_stack(3, 3, sim_env={ve: {"EPD_SIM_EXTRA_LATENCY_MS": ms} for ve, ms in latency_ms.items()})
     router = stack.router
     results, _ = run_load(
         stack,
