@@ -12,7 +12,6 @@ inside kithub, nothing else can reach them. Tests run in file order on one bare 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -24,7 +23,6 @@ from pathlib import Path
 import pytest
 
 from tests.hosts.harness import (
-    HOSTS_SH,
     REPO,
     HostPool,
     PlaybookResult,
@@ -108,21 +106,6 @@ def engine_wheelhouse(release: str, standin_dir: Path) -> Path:
     return Path(built["archive"])
 
 
-def boot(pool: HostPool, index: int, variant: str, *, kit: bool = False) -> TestHost:
-    """A fresh host on the variant's rootfs. kit=True: with the kit as an earlier deploy of this
-    session installed it (HostPool.capture_kit; conftest.deploy_stack), when there is one: the
-    kit's own venv, nothing of what provisioning installs."""
-    host = pool.host(index)
-    env = dict(os.environ, VARIANT=variant, FRESH="1")
-    if pool.seed is not None:
-        env["SEED"] = str(pool.seed)
-    if kit and pool.kit_seed is not None:
-        env["LAYERS"] = str(pool.kit_seed)
-    run([str(HOSTS_SH), "up", f"{host.name}:{host.address}"], env=env, timeout=180)
-    pool.started[host.name] = host  # the pool stops it at the end of the session
-    return host
-
-
 def inventory_for(host: TestHost, directory: Path) -> Path:
     engine = {"ansible_host": host.address, "epd_num_ve": 1, "epd_num_pd": 1, "epd_core_count": 12}
     hosts_yml = {
@@ -191,7 +174,7 @@ def assert_release(host: TestHost, release: str) -> None:
 def bare(host_pool: HostPool, server: str) -> TestHost:
     # the kit preinstalled as on every stack but test_one_host's: the last test's deploy then skips
     # the kit install it would repeat byte for byte (provisioning never touches the kit's venv)
-    return boot(host_pool, BARE, "bare", kit=True)
+    return host_pool.up(BARE, variant="bare", kit=True)[0]
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +313,7 @@ def test_setting_the_pins_back_with_allow_downgrade_rolls_back_without_reinstall
 
 
 def test_a_dlami_like_host_newer_than_the_pins_is_left_alone(host_pool, server, tmp_path_factory):
-    dlami = boot(host_pool, DLAMI, "dlami")
+    (dlami,) = host_pool.up(DLAMI, variant="dlami")
     release = standins.RELEASES["b"]  # the image is newer than the kit's pins (release a)
     # what the DLAMI's image build did: the Neuron packages, the EFA software, the CUDA stub, hwloc, a vLLM venv
     keyring = "/usr/share/keyrings/standin-neuron.asc"

@@ -243,14 +243,22 @@ class HostPool:
         return directory
 
     def up(
-        self, *indexes: int, seed: bool = True, kit: bool = False, shared: tuple[Path, str] | None = None
+        self,
+        *indexes: int,
+        seed: bool = True,
+        kit: bool = False,
+        shared: tuple[Path, str] | None = None,
+        variant: str | None = None,
     ) -> list[TestHost]:
         """Boot fresh hosts (a running one is stopped and wiped first). kit=True: with the kit
         already installed when one was captured (capture_kit), so a deploy skips the install.
         shared=(DIR, PATH): every host of this call sees the controller's DIR (from `shared_dir`)
-        at PATH, one file system for all of them (hosts.sh SHARED=: the sandbox's NFS/FSx share)."""
+        at PATH, one file system for all of them (hosts.sh SHARED=: the sandbox's NFS/FSx share).
+        variant: the base rootfs (hosts.sh VARIANT=dlami|bare; dlami when not given)."""
         hosts = [self.host(i) for i in indexes]
         extra = {"FRESH": "1"}
+        if variant is not None:
+            extra["VARIANT"] = variant
         if seed and self.seed is not None:
             extra["SEED"] = str(self.seed)
         if kit and self.kit_seed is not None:
