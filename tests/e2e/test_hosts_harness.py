@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.hosts.harness import HUB_NETNS, ansible_playbook, run
+from tests.hosts.harness import HUB_NETNS, ansible_playbook, hosts_env, run
 
 pytestmark = pytest.mark.systemd
 
@@ -70,3 +70,23 @@ def test_reset_gives_a_pristine_host(host_pool, test_hosts):
     n1.run("touch /root/dirty")
     n1 = host_pool.reset(n1)
     assert n1.run("test -e /root/dirty", check=False).returncode != 0
+
+
+def test_the_hub_bridge_keeps_its_mac_when_a_host_leaves(host_pool, test_hosts):
+    # A bridge without a MAC of its own takes its lowest port's, so a host leaving could change it,
+    # and every other host would lose the hub (the controller's 10.213.0.1) until its ARP entry
+    # for it expired: a provisioning test's downloads "timed out" while the other lane stopped hosts.
+    n1, n2 = test_hosts(2)
+    env = hosts_env()
+
+    def bridge(attribute: str) -> str:
+        path = f"/sys/class/net/{env['BR']}/{attribute}"
+        return run(["ip", "netns", "exec", HUB_NETNS, "cat", path]).stdout.strip()
+
+    assert bridge("addr_assign_type") == "3", "the bridge's MAC is not set by hosts.sh (NET_ADDR_SET)"
+    assert bridge("address") == env["BRIDGE_MAC"]
+    host_pool.down(n2)
+    assert bridge("address") == env["BRIDGE_MAC"]
+    n1.ssh("true")  # traffic from the hub: n1 answers it through its ARP entry for the hub
+    gateway = n1.run("ip route show default").stdout.split()[2]
+    assert f"lladdr {env['BRIDGE_MAC']}" in n1.run(f"ip neigh show {gateway}").stdout

@@ -37,6 +37,8 @@ MODE=${MODE:-hub}          # hub: bridge in netns $HUB (no uplink); host: bridge
 HUB=${HUB:-kithub}
 BR=${BR:-kitbr0}
 NET=${NET:-10.213.0}       # a /24 that exists only on our bridge
+# the bridge's fixed, locally administered MAC: 02 then the three octets of $NET, then 00:01
+BRIDGE_MAC=$(IFS=.; printf '02:%02x:%02x:%02x:00:01' $NET)
 SSH_OPTS=(-i "$SSH_KEY" -o BatchMode=yes -o StrictHostKeyChecking=no
           -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o ConnectTimeout=2)
 
@@ -98,6 +100,12 @@ ensure_net() {
     netns addr add "$NET.1/24" dev "$BR"
     netns link set "$BR" up
   fi
+  # A bridge without an address of its own takes the lowest MAC of its ports, so it changes
+  # whenever a host's veth joins or leaves. Every other host still has $NET.1 at the old MAC
+  # in its ARP cache and cannot reach the hub until that entry expires (up to ~45 s: the
+  # controller's stand-in server "timed out" in the middle of a provisioning test while the
+  # other lane booted and stopped hosts). A set address never changes (addr_assign_type 3).
+  netns link set "$BR" address "$BRIDGE_MAC"
 }
 
 up_one() {
@@ -264,7 +272,7 @@ case "$cmd" in
   net-down) net_down "${1:-}" ;;
   list) running_hosts ;;
   ssh) ip=${1:?usage: hosts.sh ssh IP [CMD ...]}; shift; in_hub ssh "${SSH_OPTS[@]}" root@"$ip" "$@" ;;
-  env) printf 'KIT_DIR=%q\nVARIANT=%q\nBASE=%q\nSTATE=%q\nSSH_KEY=%q\nMODE=%q\nHUB=%q\nBR=%q\nNET=%q\nSHARED_ROOT=%q\n' \
-         "$KIT_DIR" "$VARIANT" "$BASE" "$STATE" "$SSH_KEY" "$MODE" "$HUB" "$BR" "$NET" "$KIT_DIR/shared" ;;
+  env) printf 'KIT_DIR=%q\nVARIANT=%q\nBASE=%q\nSTATE=%q\nSSH_KEY=%q\nMODE=%q\nHUB=%q\nBR=%q\nBRIDGE_MAC=%q\nNET=%q\nSHARED_ROOT=%q\n' \
+         "$KIT_DIR" "$VARIANT" "$BASE" "$STATE" "$SSH_KEY" "$MODE" "$HUB" "$BR" "$BRIDGE_MAC" "$NET" "$KIT_DIR/shared" ;;
   *) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; [ "$cmd" = help ]; exit ;;
 esac
