@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -220,3 +221,99 @@ def test_a_sigterm_while_the_process_starts_stops_it_once_it_serves(config, tmp_
     finally:
         router.stop()
         listener.close()
+
+
+@pytest.fixture
+def slow_pd_config(ckpt, tmp_path) -> Iterator[tuple[Path, dict]]:
+    """A VE and a PD that answers every request 10 s late: requests stay in flight while the test
+    reads /pools. Yields the config path and the config itself."""
+    slow = ["--sim-profile", "zero", "--sim-extra-latency-ms", "10000"]
+    procs = [engine_proc("ve", 0, ckpt, tmp_path).start(), engine_proc("pd", 0, ckpt, tmp_path, sim_flags=slow).start()]
+    try:
+        for proc in procs:
+            proc.wait_healthy()
+        ve, pd = procs
+        config = {
+            "model": str(ckpt),
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "endpoints": {"ve": [{"id": ve.name, "url": ve.url}], "pd": [{"id": pd.name, "url": pd.url}]},
+        }
+        path = tmp_path / "router.yaml"
+        path.write_text(yaml.safe_dump(config))
+        yield path, config
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+async def _pd_views(url: str, count: int) -> list[dict]:
+    """`count` reads of /pools, each on a new connection (either process may answer); the PD's entry."""
+    views = []
+    for _ in range(count):
+        async with httpx.AsyncClient(base_url=url, timeout=5, trust_env=False) as client:
+            engines = (await client.get("/pools")).json()["engines"]
+        views.append(next(e for e in engines if e["role"] == "pd"))
+    return views
+
+
+def _inflight_per_worker(metrics_dir: Path, engine: str) -> dict[int, float]:
+    return {
+        worker: sum(
+            value
+            for key, value, _, _ in MmapedDict.read_all_values_from_file(str(path))
+            if json.loads(key)[0] == "epd_router_engine_inflight" and json.loads(key)[2].get("engine") == engine
+        )
+        for worker in (0, 1)
+        if (path := metrics_dir / f"gauge_livesum_{worker}.db").exists()
+    }
+
+
+def test_pools_answers_for_the_whole_group_so_a_drain_waits_for_every_process(slow_pd_config, tmp_path):
+    """A rollout drains an engine by polling /pools until it says draining with 0 in flight. With
+    several processes the poll reaches one of them: it used to answer with its own count and its
+    own state, so a process with nothing in flight, or the first to reload, let the play stop an
+    engine another process still had requests on. Every process now answers for the group."""
+    path, config = slow_pd_config
+    pd = config["endpoints"]["pd"][0]["id"]
+    with router_group(path, 2, tmp_path / "group") as group:
+
+        async def scenario() -> tuple[list[int], dict[str, list[dict]], dict[int, float]]:
+            async def spaced_load() -> list[int]:  # apart, so the kernel hands them to both processes
+                tasks = []
+                for _ in range(10):
+                    tasks.append(asyncio.create_task(_chats(group.url, 1, 1)))
+                    await asyncio.sleep(0.1)
+                return [status for statuses in await asyncio.gather(*tasks) for status in statuses]
+
+            load = asyncio.create_task(spaced_load())
+            seen: dict[str, list[dict]] = {}
+            for _ in range(50):  # 5 s at most
+                if (await _pd_views(group.url, 1))[0]["inflight"] == 10:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the 10 requests were never in flight together")
+            await asyncio.sleep(1.2)  # every process has published its count since
+            split = _inflight_per_worker(group.metrics_dir, pd)
+            seen["loaded"] = await _pd_views(group.url, 6)
+            config["endpoints"]["pd"][0]["state"] = "draining"
+            path.write_text(yaml.safe_dump(config))
+            group.processes[0].send_signal(signal.SIGHUP)  # process 1 has not reloaded yet
+            await asyncio.sleep(1.2)
+            seen["half_reloaded"] = await _pd_views(group.url, 6)
+            group.processes[1].send_signal(signal.SIGHUP)
+            await asyncio.sleep(1.2)
+            seen["reloaded"] = await _pd_views(group.url, 6)
+            statuses = await load
+            await asyncio.sleep(1.2)
+            seen["drained"] = await _pd_views(group.url, 6)
+            return statuses, seen, split
+
+        statuses, seen, split = asyncio.run(scenario())
+    assert statuses == [200] * 10
+    assert len(split) == 2 and all(split.values()), f"one process took every request: {split}"
+    assert {(v["state"], v["inflight"]) for v in seen["loaded"]} == {("active", 10)}, seen["loaded"]
+    # one process still sends the PD work: no answer may call it draining
+    assert {v["state"] for v in seen["half_reloaded"]} == {"reloading"}, seen["half_reloaded"]
+    assert {(v["state"], v["inflight"]) for v in seen["reloaded"]} == {("draining", 10)}, seen["reloaded"]
+    assert {(v["state"], v["inflight"]) for v in seen["drained"]} == {("draining", 0)}, seen["drained"]

@@ -20,6 +20,7 @@ from typing import Protocol
 from epd_kit.router.config import RouterConfig
 from epd_kit.router.errors import RouterError
 from epd_kit.router.openai_api import ChatCompletionRequest
+from epd_kit.router.pools import Engine
 from epd_kit.router.rendering import PreparedItemLike
 from epd_kit.wire import EcLocator
 
@@ -45,6 +46,9 @@ class RequestContext:
     items: list[PreparedItemLike] = field(default_factory=list)
     locators: dict[str, EcLocator] = field(default_factory=dict)
     encoded_by: dict[str, str] = field(default_factory=dict)  # mm_hash -> VE id
+    # VEs whose blocks this request's PD call may read: each keeps one count of `inflight`
+    # from its encode until the request ends (`release_encoders`), so a drain waits for it
+    encoders_held: dict[str, Engine] = field(default_factory=dict)
 
     @classmethod
     def start(
@@ -70,6 +74,20 @@ class RequestContext:
         self.inline = {}
         if self.intake is not None:
             self.intake.release()
+
+    def hold_encoder(self, engine: Engine) -> bool:
+        """Keep the `inflight` count `engine`'s encode took until the request ends; False if
+        this request already holds one of `engine` (the caller then gives its count back)."""
+        if engine.id in self.encoders_held:
+            return False
+        self.encoders_held[engine.id] = engine
+        return True
+
+    def release_encoders(self) -> None:
+        """The request is over: no PD reads its VEs' blocks any more (idempotent)."""
+        for engine in self.encoders_held.values():
+            engine.inflight -= 1
+        self.encoders_held.clear()
 
     @property
     def completion_id(self) -> str:

@@ -150,23 +150,34 @@ class Encoder:
         groups: dict[str, list[str]],
         by_hash: dict[str, PreparedItemLike],
     ) -> list[dict[str, EcLocator] | BaseException]:
-        """One POST per VE, all at once; each result is locators or the exception."""
+        """One POST per VE, all at once; each result is locators or the exception.
+
+        A VE that answered stays counted in `inflight` until the request ends
+        (`RequestContext.hold_encoder`): the PD reads the blocks after the encode returns, and
+        a drain that stopped the VE at that moment would kill the PD's engine core with an
+        `ECLoadFailure` (docs/contract.md §3.5). Its encode work leaves `inflight_work` at once."""
         work = {ve: sum(by_hash[h].length for h in hashes) for ve, hashes in groups.items()}
         for ve in groups:  # reserve in the same step as the choice (reload/drain see it)
             eligible[ve].inflight += 1
             eligible[ve].inflight_work += work[ve]
+        results: list[dict[str, EcLocator] | BaseException] = []
         try:
-            return await asyncio.gather(
+            results = await asyncio.gather(
                 *(
                     self._engines.encode(eligible[ve], [by_hash[h] for h in hashes], ctx.engine_request_id)
                     for ve, hashes in groups.items()
                 ),
                 return_exceptions=True,
             )
+            return results
         finally:
+            # `results` is empty when the gather was cancelled: nothing answered
+            answered = {ve for ve, r in zip(groups, results, strict=False) if not isinstance(r, BaseException)}
             for ve in groups:
-                eligible[ve].inflight -= 1
-                eligible[ve].inflight_work -= work[ve]
+                engine = eligible[ve]
+                engine.inflight_work -= work[ve]
+                if ve not in answered or not ctx.hold_encoder(engine):
+                    engine.inflight -= 1
 
     async def refresh_locators(self, ctx: RequestContext, err: UpstreamError) -> bool:
         """Before retrying a failed PD call elsewhere: re-encode the items whose VE is gone

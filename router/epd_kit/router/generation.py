@@ -73,26 +73,35 @@ class Generation:
 
     async def complete(self, ctx: RequestContext) -> dict[str, Any]:
         """Non-streaming: the whole OpenAI body."""
-        await self.prepare(ctx)
-        t = time.monotonic()
-        prompt, max_tokens = len(ctx.token_ids), ctx.request.resolved_max_tokens
-        result = await self._on_a_pd(
-            ctx,
-            stream=False,
-            call=lambda pd, body: self._engines.generate(pd, body, prompt, max_tokens),
-            keep_slot=False,
-        )
+        try:
+            await self.prepare(ctx)
+            t = time.monotonic()
+            prompt, max_tokens = len(ctx.token_ids), ctx.request.resolved_max_tokens
+            result = await self._on_a_pd(
+                ctx,
+                stream=False,
+                call=lambda pd, body: self._engines.generate(pd, body, prompt, max_tokens),
+                keep_slot=False,
+            )
+        finally:
+            ctx.release_encoders()
         self._metrics.pd.observe(time.monotonic() - t)
         return translate.completion(ctx, result, self._renderer)
 
     async def open_stream(self, ctx: RequestContext) -> PdStream:
         """Streaming: a PD stream whose first event is read; it holds its PD slot until
-        `close` (which `relay` calls on every exit path)."""
-        await self.prepare(ctx)
-        prompt = len(ctx.token_ids)
-        return await self._on_a_pd(
-            ctx, stream=True, call=lambda pd, body: self._engines.open_stream(pd, body, prompt), keep_slot=True
-        )
+        `close` (which `relay` calls on every exit path). Whether a PD reads the VEs' blocks
+        again after its first event (a preempted request is recomputed) no source we read
+        settles, so the request holds its VEs until `close`, not only until that event."""
+        try:
+            await self.prepare(ctx)
+            prompt = len(ctx.token_ids)
+            return await self._on_a_pd(
+                ctx, stream=True, call=lambda pd, body: self._engines.open_stream(pd, body, prompt), keep_slot=True
+            )
+        except BaseException:
+            ctx.release_encoders()
+            raise
 
     async def _on_a_pd(
         self,
@@ -182,7 +191,7 @@ class Generation:
             yield RouterError(500, "internal error in the router while streaming").sse_frame(ctx.request_id)
         finally:
             watch.stop()
-            await self.close(pd)
+            await self.close(pd, ctx)
             self._metrics.pd.observe(time.monotonic() - t)
             outcome.status = "200" if ok else ("client_closed" if client_left else "stream_error")
             log.info(
@@ -196,9 +205,10 @@ class Generation:
             )
         yield translate.DONE_FRAME
 
-    async def close(self, pd: PdStream) -> None:
-        """Idempotent: close the PD stream and free its slot (also when the response body was
-        never iterated because the client left first)."""
+    async def close(self, pd: PdStream, ctx: RequestContext) -> None:
+        """Idempotent: close the PD stream, free its slot and the request's VEs (also when the
+        response body was never iterated because the client left first)."""
+        ctx.release_encoders()
         if pd.closed:
             return
         pd.closed = True

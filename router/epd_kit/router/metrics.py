@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from epd_kit.router.pools import Pools
+from epd_kit.router.config import EngineState
+from epd_kit.router.pools import Engine, Pools
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -45,6 +47,36 @@ _LATENCY_BUCKETS = (
 )
 
 
+@dataclass(frozen=True)
+class _EngineGauge:
+    name: str
+    doc: str
+    group_mode: str  # how the processes' values combine (prometheus_client multiprocess_mode)
+    value: Callable[[Engine], float]
+
+
+# Per-engine gauges, in publishing order: the counts before the state, so a process that reads
+# another's new state also reads the counts that go with it (RouterMetrics.group_engines)
+_ENGINE_GAUGES = (
+    _EngineGauge("epd_router_engine_inflight", "Requests in flight per engine", "livesum", lambda e: e.inflight),
+    _EngineGauge(
+        "epd_router_engine_healthy", "1 if the engine passes health checks", "livemin", lambda e: float(e.healthy)
+    ),
+    _EngineGauge(
+        "epd_router_engine_draining",
+        "1 if the engine is draining",
+        "livemax",
+        lambda e: float(e.state is EngineState.draining),
+    ),
+    _EngineGauge(
+        "epd_router_engine_active",
+        "1 if the engine takes new work (configured active, not draining) in some router process",
+        "livemax",
+        lambda e: float(e.state is EngineState.active),
+    ),
+)
+
+
 class _PoolCollector(Collector):
     """Per-engine gauges read from the live pool snapshot at scrape time."""
 
@@ -52,22 +84,12 @@ class _PoolCollector(Collector):
         self._pools = pools
 
     def collect(self):
-        inflight = GaugeMetricFamily(
-            "epd_router_engine_inflight", "Requests in flight per engine", labels=["engine", "role"]
-        )
-        healthy = GaugeMetricFamily(
-            "epd_router_engine_healthy", "1 if the engine passes health checks", labels=["engine", "role"]
-        )
-        draining = GaugeMetricFamily(
-            "epd_router_engine_draining", "1 if the engine is draining", labels=["engine", "role"]
-        )
-        for e in self._pools().all():
-            inflight.add_metric([e.id, e.role], e.inflight)
-            healthy.add_metric([e.id, e.role], 1.0 if e.healthy else 0.0)
-            draining.add_metric([e.id, e.role], 1.0 if e.state.value == "draining" else 0.0)
-        yield inflight
-        yield healthy
-        yield draining
+        engines = self._pools().all()
+        for gauge in _ENGINE_GAUGES:
+            family = GaugeMetricFamily(gauge.name, gauge.doc, labels=["engine", "role"])
+            for e in engines:
+                family.add_metric([e.id, e.role], gauge.value(e))
+            yield family
 
 
 class _PreprocessCollector(Collector):
@@ -120,48 +142,47 @@ def forget_worker(worker: str) -> None:
 
 class _SharedLiveValues:
     """The per-process live values as shared series: engine gauges summed (in flight) or
-    combined (healthy: every process sees it so; draining: any does), cache counters as
-    increments since the last publish."""
+    combined (healthy: every process sees it so; draining, active: any process has it so),
+    cache counters as increments since the last publish."""
 
     def __init__(self, pools: Callable[[], Pools], preprocess_stats: Callable[[], Any], registry) -> None:
         self._pools = pools
         self._stats = preprocess_stats
-        labels = ["engine", "role"]
-        self._inflight = Gauge(
-            "epd_router_engine_inflight",
-            "Requests in flight per engine",
-            labels,
-            multiprocess_mode="livesum",
-            registry=registry,
-        )
-        self._healthy = Gauge(
-            "epd_router_engine_healthy",
-            "1 if the engine passes health checks",
-            labels,
-            multiprocess_mode="livemin",
-            registry=registry,
-        )
-        self._draining = Gauge(
-            "epd_router_engine_draining",
-            "1 if the engine is draining",
-            labels,
-            multiprocess_mode="livemax",
-            registry=registry,
-        )
+        self._engine_gauges = [
+            (
+                Gauge(g.name, g.doc, ["engine", "role"], multiprocess_mode=g.group_mode, registry=registry),
+                g.value,
+            )
+            for g in _ENGINE_GAUGES
+        ]
         self._counters = {attr: Counter(name, doc, registry=registry) for name, attr, doc in _PREPROCESS_COUNTERS}
         self._published: dict[str, int] = {}
 
     def publish(self) -> None:
         for e in self._pools().all():
-            self._inflight.labels(e.id, e.role).set(e.inflight)
-            self._healthy.labels(e.id, e.role).set(1.0 if e.healthy else 0.0)
-            self._draining.labels(e.id, e.role).set(1.0 if e.state.value == "draining" else 0.0)
+            for gauge, value in self._engine_gauges:
+                gauge.labels(e.id, e.role).set(value(e))
         stats = self._stats()
         for attr, counter in self._counters.items():
             value = getattr(stats, attr, None)
             if isinstance(value, int):
                 counter.inc(max(0, value - self._published.get(attr, 0)))
                 self._published[attr] = value
+
+
+@dataclass(frozen=True)
+class EngineGroupView:
+    """One engine as the whole group of router processes sees it."""
+
+    inflight: int  # the sum over the processes
+    healthy: bool  # every process sees it healthy
+    state: str  # "active" or "draining" when every process agrees, else "reloading"
+
+
+def _group_state(active_somewhere: bool, draining_somewhere: bool) -> str:
+    if active_somewhere and draining_somewhere:
+        return "reloading"  # a reload reached some processes only
+    return "draining" if draining_somewhere else "active"
 
 
 class RouterMetrics:
@@ -229,6 +250,35 @@ class RouterMetrics:
         """Copy this process's live values into the shared series (multiprocess mode only)."""
         if self._shared_live is not None:
             self._shared_live.publish()
+
+    def group_engines(self) -> dict[str, EngineGroupView] | None:
+        """Every live router process's view of each engine, combined (None with one process):
+        what `/pools` answers, so a drain that asks any one process sees the whole group."""
+        if self.shared_dir is None:
+            return None
+        self.publish()  # this process's own values, current
+        # only the live gauges' files: the counters and histograms are not needed here
+        files = [str(path) for path in self.shared_dir.glob("gauge_live*.db")]
+        wanted = {
+            "epd_router_engine_inflight": "inflight",
+            "epd_router_engine_healthy": "healthy",
+            "epd_router_engine_draining": "draining",
+            "epd_router_engine_active": "active",
+        }
+        seen: dict[str, dict[str, float]] = {}
+        for family in multiprocess.MultiProcessCollector.merge(files, accumulate=False):
+            field = wanted.get(family.name)
+            if field is not None:
+                for sample in family.samples:
+                    seen.setdefault(sample.labels["engine"], {})[field] = sample.value
+        return {
+            engine: EngineGroupView(
+                inflight=int(v.get("inflight", 0)),
+                healthy=v.get("healthy", 0) == 1,
+                state=_group_state(v.get("active", 0) == 1, v.get("draining", 0) == 1),
+            )
+            for engine, v in seen.items()
+        }
 
     def render(self) -> bytes:
         if self.shared_dir is None:

@@ -162,7 +162,7 @@ async def _stream(request: Request, service: RouterService, ctx: RequestContext,
         return _client_left(outcome, ctx.request_id, "before the answer")
 
     async def finished() -> None:
-        await service.generation.close(pd)
+        await service.generation.close(pd, ctx)
         service.end_request()
         outcome.record()  # the status `relay` left, or client_closed if it never ran
 
@@ -221,12 +221,21 @@ async def healthcheck(request: Request) -> JSONResponse:
 async def pools_view(request: Request) -> JSONResponse:
     service = _service(request)
     _check_key(request, service.state.cfg.auth.protect_pools)
+    group = service.metrics.group_engines()
+    engines = [e.snapshot() for e in service.state.pools.all()]
+    if group is not None:
+        # several processes: a drain or an activation must hold in all of them, not only in
+        # the one that happens to answer (docs/router.md "Scale-out")
+        for engine in engines:
+            view = group.get(engine["id"])
+            if view is not None and engine["state"] != "removed":
+                engine.update(inflight=view.inflight, healthy=engine["healthy"] and view.healthy, state=view.state)
     return JSONResponse(
         {
             "ready": service.state.ready,
             "draining": service.state.draining,
             "active_requests": service.active_requests,
-            "engines": [e.snapshot() for e in service.state.pools.all()],
+            "engines": engines,
         }
     )
 

@@ -231,3 +231,38 @@ async def test_a_pd_hung_mid_stream_ends_its_stream_within_the_gap_naming_it(mak
         "epd_router_engine_failures_total", {"engine": pd.engine.id, "role": "pd"}
     )
     assert failures == 1 and all_slots_free(service)
+
+
+@dataclass
+class GatedEngines(Engines):
+    """PD calls wait for `gate` before they answer: the moment after the encodes returned and
+    before the PD read the blocks, when a drained VE used to look idle."""
+
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    pd_waiting: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:  # type: ignore[override]
+        if request.url.port in PD_PORTS and request.url.path != "/health":
+            self.pd_waiting.set()
+            await self.gate.wait()
+        return super().handler(request)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+async def test_a_ve_stays_in_flight_until_the_pd_call_that_reads_its_blocks_ends(make_service, stream):
+    """A drain waits for `inflight` 0. A VE's encode returns before the PD reads its blocks, and
+    a VE stopped in between kills the PD's engine core (ECLoadFailure, docs/contract.md §3.5): a
+    day-2 step that moved the VEs lost both PDs for 17 s under load. The VE's count now lasts
+    until the request is over; its encode work (the load measure) leaves at once."""
+    engines = GatedEngines()
+    service = await make_service(engines)
+    task = asyncio.create_task(answer(service, stream))
+    await asyncio.wait_for(engines.pd_waiting.wait(), 10)
+    encoders = {ve for ve, _ in engines.encodes}
+    assert encoders, "no encode ran"
+    live = {e.id: (e.inflight, e.inflight_work) for e in service.state.pools.ve}
+    # one count per VE and request, however many of its items the VE encoded
+    assert live == {ve: (1, 0) if ve in encoders else (0, 0) for ve in live}, live
+    engines.gate.set()
+    assert await asyncio.wait_for(task, 10) == "Hi"
+    assert all_slots_free(service)
