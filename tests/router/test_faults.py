@@ -188,6 +188,41 @@ def test_kill_a_ve_under_load(make_stack, oracle):
     assert all(r.kind == "ok" for r in more)
 
 
+def test_a_ve_drained_as_a_rollout_drains_it_stops_only_after_the_pd_read_its_blocks(make_stack, oracle):
+    """The rollout's drain, step by step: reload with the VE draining, wait until /pools shows it
+    draining with 0 in flight, stop it. The PD reads the VE's blocks after the encode returned
+    (3 s later here), and a VE stopped in between kills the PD's engine core (ECLoadFailure):
+    the VE's count lasted only while it encoded, so the drain ended at once and the PD died."""
+    stack = make_stack(1, 1, sim_env={"epd-pd-0": {"EPD_SIM_EXTRA_LATENCY_MS": "3000"}})
+    router, (ve,), (pd,) = stack.router, stack.ves, stack.pds
+    outcome: dict = {}
+
+    def one_request():
+        outcome["results"], _ = run_load(stack, oracle, n=1, workers=1)
+
+    client = threading.Thread(target=one_request)
+    client.start()
+    wait_until(lambda: router.pools()["epd-pd-0"]["inflight"] == 1, 20, "the request on the PD (its encode done)")
+    cfg = json.loads(json.dumps(stack.config))
+    cfg["endpoints"]["ve"][0]["state"] = "draining"
+    router.write_config(cfg)
+    router.reload()
+    drained: dict = {}
+
+    def ve_drained() -> bool:
+        drained.update(router.pools())
+        return drained["epd-ve-0"]["state"] == "draining" and drained["epd-ve-0"]["inflight"] == 0
+
+    wait_until(ve_drained, 30, "the VE drained")
+    ve.stop()  # what the rollout does next: restart it
+    client.join(timeout=60)
+    assert not client.is_alive()
+    assert [r.kind for r in outcome["results"]] == ["ok"], outcome["results"]
+    # the same /pools answer that ended the drain: the request had left the PD too
+    assert drained["epd-pd-0"]["inflight"] == 0, "the drain ended while the PD had not read the VE's blocks"
+    assert pd.proc is not None and pd.proc.poll() is None, "the PD engine died"
+
+
 def test_drain_by_config_reload_under_load(make_stack, oracle):
     stack = make_stack(2, 2, sim_env={f"epd-pd-{i}": SLOW_PD for i in range(2)})
     router = stack.router
