@@ -153,7 +153,7 @@ def verify_rendered_host(rendered_host: Path, instances: list[str], root: Path) 
         if unit_file.is_symlink():
             continue
         unit = parse_unit(unit_file.read_text())
-        for key in ("ExecStartPre", "ExecStart", "ExecStartPost", "ExecReload", "ExecStop"):
+        for key in ("ExecStartPre", "ExecStart", "ExecStartPost", "ExecReload", "ExecStop", "ExecStopPost"):
             for command in unit.values("Service", key):
                 _stub(root, expand_specifiers(command, "x@y.service").lstrip("-@+!:").split()[0])
     return subprocess.run(

@@ -269,6 +269,26 @@ def restarted(before: dict[str, str], after: dict[str, str]) -> set[str]:
     return {engine for engine in before.keys() & after.keys() if before[engine] != after[engine]}
 
 
+# journal lines that say why an engine stopped: its own errors and systemd's account of the stop
+_STOP_REASONS = "ECLoad|EC |EngineDead|rror|ailed|timed out|exited|Stopping|Stopped|Started|Deactivated|SIG"
+
+
+def why_restarted(stack: Stack, engines: set[str], lines: int = 40) -> str:
+    """For each `host/instance` engine, the last journal lines about errors, stops and starts: a
+    restart nobody planned explains itself in the failure (a dead engine core, a play's stop)."""
+    out = []
+    for engine in sorted(engines):
+        host, instance = engine.split("/", 1)
+        unit = f"epd-engine@{instance}.service"
+        journal = stack.hosts[host].run(
+            f"journalctl --no-pager -q -o short-precise -n 2000 -u {unit}"
+            f" | grep -E '{_STOP_REASONS}' | tail -n {lines}",
+            check=False,
+        )
+        out.append(f"--- {engine}\n{journal.stdout}")
+    return "\n".join(out)
+
+
 def under_load(
     stack: Stack,
     playbook: str,
