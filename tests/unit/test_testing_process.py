@@ -4,10 +4,12 @@ launcher, the benches and the tests share. Real child processes on 127.0.0.1 onl
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 
 import pytest
 
+from epd_kit.testing import process
 from epd_kit.testing.process import ManagedProcess, ProcessFailed, free_port, http_status, stop_all
 
 
@@ -15,6 +17,21 @@ def test_free_port_is_bindable_and_nothing_answers_there():
     port = free_port()
     assert 1024 <= port <= 65535
     assert http_status(f"http://127.0.0.1:{port}/health", timeout=0.5) is None
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch):
+    """The kernel may give a closed probe's port again; two engines of one stack then shared it
+    (a VE answered for a PD). Here the kernel is made to repeat itself."""
+    ports = iter([41000, 41000, 41001, 41000, 41001, 41002])
+    real_socket = socket.socket
+
+    class RepeatingKernel(real_socket):
+        def getsockname(self):
+            return ("127.0.0.1", next(ports))
+
+    monkeypatch.setattr(process.socket, "socket", RepeatingKernel)
+    monkeypatch.setattr(process, "_handed_out", set())
+    assert [free_port(), free_port(), free_port()] == [41000, 41001, 41002]
 
 
 def test_a_child_that_exits_fails_the_wait_at_once_with_its_log(tmp_path):

@@ -21,11 +21,24 @@ from urllib.parse import urlsplit
 LOOPBACK = "127.0.0.1"
 
 
+# Ports free_port handed out in this process. The kernel may return a port again once the
+# probing socket is closed, before the first caller's child has bound it: two engines of one
+# stack then got the same port, one failed to bind, and the other answered for both (a VE's
+# /health made the missing PD look ready). Never hand out a port twice.
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A port the kernel just handed out on `host` (free now; the caller binds it soon after)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port the kernel just handed out on `host`, never one this process handed out before
+    (free now; the caller binds it soon after)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no fresh port on {host} after 100 tries ({len(_handed_out)} handed out)")
 
 
 def http_status(url: str, timeout: float = 1.0) -> int | None:
