@@ -100,12 +100,15 @@ async def _chats(url: str, count: int, concurrency: int) -> list[int]:
     return list(await asyncio.gather(*(one() for _ in range(count))))
 
 
-def _requests_in_file(path: Path) -> float:
-    return sum(
-        value
-        for key, value, _, _ in MmapedDict.read_all_values_from_file(str(path))
-        if json.loads(key)[1] == "epd_router_requests_total"
-    )
+def _sum_in_file(path: Path, sample: str, **labels: str) -> float:
+    """The sum of one sample's values in one process's metrics file, over the series that carry
+    `labels` (a key there is JSON: [metric, sample, labels, help])."""
+    total = 0.0
+    for key, value, _, _ in MmapedDict.read_all_values_from_file(str(path)):
+        _, name, series, _ = json.loads(key)
+        if name == sample and labels.items() <= series.items():
+            total += value
+    return total
 
 
 def _fleet_requests(url: str) -> float:
@@ -119,7 +122,8 @@ def test_two_processes_share_the_listener_and_count_as_one(config, tmp_path):
     with router_group(config, 2, tmp_path / "group") as group:
         statuses = asyncio.run(_chats(group.url, 60, 12))
         assert statuses == [200] * 60
-        per_worker = {w: _requests_in_file(group.metrics_dir / f"counter_{w}.db") for w in (0, 1)}
+        files = {w: group.metrics_dir / f"counter_{w}.db" for w in (0, 1)}
+        per_worker = {w: _sum_in_file(path, "epd_router_requests_total") for w, path in files.items()}
         assert all(per_worker.values()), f"one process served everything: {per_worker}"
         assert sum(per_worker.values()) == 60
         # any process answers /metrics (the scrape lands on either), always with the group's total
@@ -258,11 +262,7 @@ async def _pd_views(url: str, count: int) -> list[dict]:
 
 def _inflight_per_worker(metrics_dir: Path, engine: str) -> dict[int, float]:
     return {
-        worker: sum(
-            value
-            for key, value, _, _ in MmapedDict.read_all_values_from_file(str(path))
-            if json.loads(key)[0] == "epd_router_engine_inflight" and json.loads(key)[2].get("engine") == engine
-        )
+        worker: _sum_in_file(path, "epd_router_engine_inflight", engine=engine)
         for worker in (0, 1)
         if (path := metrics_dir / f"gauge_livesum_{worker}.db").exists()
     }

@@ -54,13 +54,21 @@ class _EngineGauge:
     group_mode: str  # how the processes' values combine (prometheus_client multiprocess_mode)
     value: Callable[[Engine], float]
 
+    @property
+    def key(self) -> str:
+        """Its field in RouterMetrics.group_engines: the name without the prefix."""
+        return self.name.removeprefix("epd_router_engine_")
+
 
 # Per-engine gauges, in publishing order: the counts before the state, so a process that reads
 # another's new state also reads the counts that go with it (RouterMetrics.group_engines)
 _ENGINE_GAUGES = (
     _EngineGauge("epd_router_engine_inflight", "Requests in flight per engine", "livesum", lambda e: e.inflight),
     _EngineGauge(
-        "epd_router_engine_healthy", "1 if the engine passes health checks", "livemin", lambda e: float(e.healthy)
+        "epd_router_engine_healthy",
+        "1 if the engine passes health checks",
+        "livemin",
+        lambda e: float(e.healthy),
     ),
     _EngineGauge(
         "epd_router_engine_draining",
@@ -259,15 +267,10 @@ class RouterMetrics:
         self.publish()  # this process's own values, current
         # only the live gauges' files: the counters and histograms are not needed here
         files = [str(path) for path in self.shared_dir.glob("gauge_live*.db")]
-        wanted = {
-            "epd_router_engine_inflight": "inflight",
-            "epd_router_engine_healthy": "healthy",
-            "epd_router_engine_draining": "draining",
-            "epd_router_engine_active": "active",
-        }
+        keys = {gauge.name: gauge.key for gauge in _ENGINE_GAUGES}
         seen: dict[str, dict[str, float]] = {}
         for family in multiprocess.MultiProcessCollector.merge(files, accumulate=False):
-            field = wanted.get(family.name)
+            field = keys.get(family.name)
             if field is not None:
                 for sample in family.samples:
                     seen.setdefault(sample.labels["engine"], {})[field] = sample.value
