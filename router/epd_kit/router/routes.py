@@ -228,7 +228,7 @@ async def pools_view(request: Request) -> JSONResponse:
         # the one that happens to answer (docs/router.md "Scale-out")
         for engine in engines:
             view = group.get(engine["id"])
-            if view is not None and engine["state"] != "removed":
+            if view is not None:
                 engine.update(inflight=view.inflight, healthy=engine["healthy"] and view.healthy, state=view.state)
     return JSONResponse(
         {
