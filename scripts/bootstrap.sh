@@ -39,9 +39,9 @@ want=$( (python3 --version; cat pyproject.toml; echo "$EXTRAS") | sha256sum | cu
 # the kit's cache (a fresh clone then installs offline in ~30 s instead of resolving and
 # downloading ~100 packages again). The venv's bytecode is written here, once, in parallel
 # (compileall -j0; pip's own compile step is serial), never left to the first import: where
-# PYTHONDONTWRITEBYTECODE is set (as in this project's CI environment) Python never writes it, and
-# every pytest, ansible-playbook and router/sim process would compile its imports again (measured
-# on one full run: the host-free lane 567 CPU-s without the venv's bytecode, 406 with it).
+# PYTHONDONTWRITEBYTECODE is set (as on the machines this project is tested on) Python never writes
+# it, and every pytest, ansible-playbook and router/sim process would compile its imports again
+# (docs/sandbox.md: the host-free lane took 567 CPU-s without the venv's bytecode, 406 with it).
 WHEELS=${KIT_DIR:-/var/tmp/epd-kit}/pip-wheels-$want
 PIP=(--disable-pip-version-check -q)
 [ -x $VENV/bin/python ] || python3 -m venv $VENV

@@ -39,9 +39,9 @@ phase() {   # phase NAME CMD...: run, time, remember
   TIMES+=("$(printf '%-22s %4ss' "$name" $((SECONDS - t)))")
   return $rc
 }
-# The same tests took 17 to 37 minutes on this machine from one hour to the next (docs/sandbox.md
-# "How fast the machine is"): a fixed piece of Python work, timed before the tiers and after them,
-# tells a slow machine from a slow change (about 0.65 s on a quiet 2-core machine here).
+# The same tests ran about twice as long on this machine in some hours as in others
+# (docs/sandbox.md "How fast the machine is"): a fixed piece of Python work, timed before the
+# tiers and after them, tells a slow machine from a slow change.
 speed_probe() {
   python3 -c 'import time; t = time.perf_counter(); sum(range(30_000_000)); print(f"{time.perf_counter() - t:.2f}s")'
 }
