@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from epd_kit.router import upstream
 from epd_kit.router.context import RequestContext
 from epd_kit.router.errors import EcLoadFailed, RouterError, UpstreamError
 from epd_kit.router.metrics import RouterMetrics
@@ -179,26 +181,75 @@ class Encoder:
                 if ve not in answered or not ctx.hold_encoder(engine):
                     engine.inflight -= 1
 
-    async def refresh_locators(self, ctx: RequestContext, err: UpstreamError) -> bool:
-        """Before retrying a failed PD call elsewhere: re-encode the items whose VE is gone
-        (probed now), or all of them if the PD could not read the embeddings (the VE lost the
-        blocks, e.g. it restarted); a failed EC read kills a PD engine core (§7.2), so the
-        retry must not read the same locators. Returns True if any locator changed."""
-        if not ctx.items:
-            return False
-        encoders = {e.id: e for e in self._state.pools.ve if e.id in set(ctx.encoded_by.values())}
-        await asyncio.gather(*(self._engines.check(e) for e in encoders.values()))
-        gone = {ve for ve in set(ctx.encoded_by.values()) if ve not in encoders or not encoders[ve].eligible}
-        stale = {h for h, ve in ctx.encoded_by.items() if ve in gone}
-        if not stale and isinstance(err, EcLoadFailed):
-            stale = set(ctx.encoded_by)
-        if not stale:
-            return False
-        avoid = {h: {ctx.encoded_by[h]} for h in stale if ctx.encoded_by[h] in gone}
+    def charge_unreadable(self, ctx: RequestContext, err: EcLoadFailed) -> list[Engine]:
+        """A PD could not read this request's blocks: charge the VEs that encoded the items
+        it names (all the request's VEs when it names none it can be matched to) and take
+        them out of service (`Engine.blocks_unreadable`). Returns the VEs charged."""
+        named = {ve for h, ve in ctx.encoded_by.items() if h[:16] in err.engine_text}
+        suspects = named or set(ctx.encoded_by.values())
+        charged = []
+        for engine in self._state.pools.ve:
+            if engine.id in suspects and not engine.quarantined:
+                self._engines.failed(upstream.blocks_unreadable(engine, err.engine_id), engine)
+                seconds = engine.blocks_unreadable(f"PD {err.engine_id} could not read its blocks")
+                self._metrics.engine_quarantines.labels(engine.id).inc()
+                log.warning(
+                    "VE quarantined: a PD could not read its blocks",
+                    extra={"request_id": ctx.request_id, "engine": engine.id, "pd": err.engine_id, "seconds": seconds},
+                )
+                charged.append(engine)
+        return charged
+
+    def reads_succeeded(self, ctx: RequestContext) -> None:
+        """A PD read every block of this request (its answer or first stream event came)."""
+        if ctx.encoders_held:
+            now = time.monotonic()
+            for engine in ctx.encoders_held.values():
+                if engine.id in ctx.encoded_by.values():
+                    engine.reads_ok_at = now
+
+    def unproven(self, ctx: RequestContext) -> list[str]:
+        """The VEs of the request's current locators that no PD has read from since they
+        came (back) into service."""
+        pools = {e.id: e for e in self._state.pools.ve}
+        return sorted(ve for ve in set(ctx.encoded_by.values()) if ve not in pools or not pools[ve].reads_proven)
+
+    def quarantined(self, ctx: RequestContext) -> set[str]:
+        """Items whose blocks sit on a VE that was quarantined after the encode: no PD must
+        be sent to read them (each read would fail and kill that PD's engine core)."""
+        if not ctx.encoded_by:
+            return set()
+        out = set()
+        for engine in ctx.encoders_held.values():
+            if engine.quarantined:
+                out.update(h for h, ve in ctx.encoded_by.items() if ve == engine.id)
+        return out
+
+    async def reencode(self, ctx: RequestContext, stale: set[str], gone: set[str]) -> None:
+        """New locators for `stale` items, never on a VE in `gone`."""
+        avoid = {h: {ctx.encoded_by[h]} for h in stale if ctx.encoded_by.get(h) in gone}
         log.warning(
             "re-encoding items before retrying on another PD",
             extra={"request_id": ctx.request_id, "items": len(stale)},
         )
         async with ctx.time_limit("re-encode"):
             ctx.locators.update(await self.encode(ctx, only=stale, avoid=avoid))
+
+    async def refresh_locators(self, ctx: RequestContext, err: UpstreamError) -> bool:
+        """Before retrying a failed PD call elsewhere: re-encode the items whose VE is gone
+        or quarantined (probed now), or all of them if the PD could not read the embeddings;
+        a failed EC read kills a PD engine core (§3.5), so the retry must not read the same
+        locators, nor any block of a VE a PD could not read. Returns True if any locator
+        changed."""
+        if not ctx.items:
+            return False
+        encoders = {e.id: e for e in self._state.pools.ve if e.id in set(ctx.encoded_by.values())}
+        await asyncio.gather(*(self._engines.check(e) for e in encoders.values()))
+        gone = {ve for ve in set(ctx.encoded_by.values()) if ve not in encoders or not encoders[ve].eligible}
+        stale = {h for h, ve in ctx.encoded_by.items() if ve in gone}
+        if isinstance(err, EcLoadFailed):
+            stale = set(ctx.encoded_by)
+        if not stale:
+            return False
+        await self.reencode(ctx, stale, gone)
         return True

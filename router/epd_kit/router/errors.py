@@ -129,4 +129,8 @@ class UpstreamError(RouterError):
 class EcLoadFailed(UpstreamError):
     """A PD could not read an item's embedding from its VE (vLLM's `ECLoadFailure`, contract
     §7.2): the request's locators may point at blocks that are gone, so it is re-encoded
-    before a retry. Recognised once, where the PD's answer is parsed (upstream.py)."""
+    before a retry, and the VE is charged (generation.py). Recognised once, where the PD's
+    answer is parsed (upstream.py); `engine_text` is what the PD said (it may name the
+    items' hashes)."""
+
+    engine_text: str = ""

@@ -23,7 +23,7 @@ from epd_kit.router.admission import PdAdmission
 from epd_kit.router.context import RequestContext
 from epd_kit.router.encode import Encoder
 from epd_kit.router.engine_client import EngineClient, PdStream
-from epd_kit.router.errors import RouterError, UpstreamError
+from epd_kit.router.errors import EcLoadFailed, RouterError, UpstreamError
 from epd_kit.router.metrics import RequestOutcome, RouterMetrics
 from epd_kit.router.pools import Engine
 from epd_kit.router.rendering import Renderer, render_request
@@ -116,8 +116,13 @@ class Generation:
         failure may have come from stale ones. `keep_slot`: the result holds the PD slot."""
         tried: set[str] = set()
         last: UpstreamError | None = None
+        unreadable = 0  # PDs that could not read this request's blocks
         async with ctx.time_limit("generate"):
             while True:
+                if stale := self._encoder.quarantined(ctx):
+                    # a PD could not read that VE's blocks since this request was encoded
+                    # (another request found out): no PD may be sent to read them
+                    await self._encoder.reencode(ctx, stale, {ctx.encoded_by[h] for h in stale})
                 engine = await self._admission.acquire(tried, last)
                 try:
                     result = await call(engine, self._pd_body(ctx, stream))
@@ -125,7 +130,12 @@ class Generation:
                     await self._admission.release(engine)
                     tried.add(engine.id)
                     last = err
-                    if not self._may_retry(err, tried, ctx):
+                    if isinstance(err, EcLoadFailed):
+                        self._encoder.charge_unreadable(ctx, err)
+                        unreadable += 1
+                    # after a failed read, one more PD at most, and only with blocks of VEs a
+                    # PD has read from: each failed read costs a PD its engine core (§3.5)
+                    if not self._may_retry(err, tried, ctx) or unreadable > 1:
                         raise
                     self._metrics.retries.labels("generate").inc()
                     log.warning(
@@ -133,10 +143,17 @@ class Generation:
                         extra={"request_id": ctx.request_id, "engine": engine.id, "error": err.message},
                     )
                     await self._encoder.refresh_locators(ctx, err)
+                    if isinstance(err, EcLoadFailed) and (unproven := self._encoder.unproven(ctx)):
+                        log.warning(
+                            "not retried: no PD has read the blocks of the VEs that re-encoded the items yet",
+                            extra={"request_id": ctx.request_id, "engines": unproven},
+                        )
+                        raise err from None
                     continue
                 except BaseException:
                     await self._admission.release(engine)
                     raise
+                self._encoder.reads_succeeded(ctx)
                 if not keep_slot:
                     await self._admission.release(engine)
                 return result

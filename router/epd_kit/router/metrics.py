@@ -238,6 +238,17 @@ class RouterMetrics:
             ["engine", "role"],
             registry=r,
         )
+        self.engine_quarantines = Counter(
+            "epd_router_engine_quarantines",
+            "VEs taken out of service because a PD could not read their blocks (ECLoadFailure)",
+            ["engine"],
+            registry=r,
+        )
+        self.malformed_frames = Counter(
+            "epd_router_pd_stream_malformed_frames",
+            "PD stream events skipped as malformed (not JSON, not an object, bad fields)",
+            registry=r,
+        )
         self.dedupe = Counter("epd_router_dedupe_items", "Duplicate media items not re-encoded", registry=r)
         self.items = Counter("epd_router_encode_items", "Unique media items sent to VEs", registry=r)
         self.reloads = Counter("epd_router_config_reloads", "Config reloads by result", ["result"], registry=r)

@@ -21,6 +21,13 @@ log = logging.getLogger("epd_router.pools")
 
 Role = Literal["ve", "pd"]
 
+# How long a VE whose blocks a PD could not read stays out: the first time, then doubled per
+# repeat up to the cap. Its /health and an encode can both succeed while its side channel
+# refuses reads, and only a PD's read (which kills that PD's engine core) tells, so a VE
+# whose side channel stays broken costs one PD per quarantine at most (docs/router.md).
+QUARANTINE_S = 60.0
+QUARANTINE_MAX_S = 960.0
+
 
 @dataclass(eq=False)
 class Engine:
@@ -47,12 +54,40 @@ class Engine:
     last_error: str | None = None
     last_change: float = field(default_factory=time.monotonic)
     removed: bool = False
+    # VE only: a PD could not read its blocks (`blocks_unreadable`). Each such failure cost a
+    # PD its engine core (docs/contract.md §3.5), so the VE stays ejected until
+    # `quarantined_until` (`time.monotonic()`), however well its /health answers: nothing
+    # but a PD's read tests its side channel.
+    quarantined_until: float = 0.0
+    unreadable: int = 0  # such failures so far; each doubles the next quarantine
+    reads_ok_at: float = 0.0  # when a PD last read this VE's blocks (`time.monotonic()`)
 
     @property
     def eligible(self) -> bool:
         return self.healthy and self.state is EngineState.active and not self.removed
 
+    @property
+    def quarantined(self) -> bool:
+        return bool(self.quarantined_until) and time.monotonic() < self.quarantined_until
+
+    @property
+    def reads_proven(self) -> bool:
+        """A PD read this VE's blocks since it last came (back) into service."""
+        return self.reads_ok_at > max(self.last_change, self.quarantined_until)
+
+    def blocks_unreadable(self, reason: str) -> float:
+        """A PD failed to read this VE's blocks: out of service at once, for a quarantine
+        that doubles with each such failure (`QUARANTINE_S` up to `QUARANTINE_MAX_S`).
+        Returns its length."""
+        self.unreadable += 1
+        seconds = min(QUARANTINE_S * 2 ** (self.unreadable - 1), QUARANTINE_MAX_S)
+        self.quarantined_until = time.monotonic() + seconds
+        self.set_health(False, f"{reason}; quarantined {seconds:g}s")
+        return seconds
+
     def set_health(self, healthy: bool, reason: str) -> None:
+        if healthy and self.quarantined:
+            return  # the health rules readmit it at their first good probe after the quarantine
         if healthy != self.healthy:
             self.healthy = healthy
             self.last_change = time.monotonic()
@@ -76,6 +111,7 @@ class Engine:
             "served": self.served,
             "failures": self.failures,
             "last_error": self.last_error,
+            "quarantined_s": round(max(0.0, self.quarantined_until - time.monotonic()), 1),
         }
 
 

@@ -66,9 +66,12 @@ def _failure(
     """The typed error for a failed engine call; `engine_text` is what the engine said."""
     ec_load = engine.role == "pd" and any(m in engine_text for m in EC_LOAD_FAILURE_MARKERS)
     error_type = EcLoadFailed if ec_load else UpstreamError
-    return error_type(
+    err = error_type(
         status, message, engine_id=engine.id, stage=STAGE_NAMES[engine.role], failure=failure, retry_other=retry_other
     )
+    if isinstance(err, EcLoadFailed):
+        err.engine_text = engine_text
+    return err
 
 
 def where(engine: Engine) -> str:
@@ -148,6 +151,14 @@ def _retry_after(answer: EngineAnswer) -> float:
         return max(1.0, float(answer.headers.get("retry-after", "1")))
     except ValueError:
         return 1.0
+
+
+def blocks_unreadable(ve: Engine, pd_id: str) -> UpstreamError:
+    """What a VE is charged with when a PD could not read its blocks (an `EcLoadFailed`
+    from that PD): the producer's failure, since a PD engine core that fails a read dies
+    (docs/contract.md §3.5) and a VE whose side channel refuses reads would kill every PD."""
+    message = f"PD {pd_id} could not read the blocks of VE {ve.id} (ECLoadFailure)"
+    return _failure(ve, 502, message, failure=Failure.error, retry_other=True)
 
 
 def bad_body(engine: Engine, what: str) -> UpstreamError:

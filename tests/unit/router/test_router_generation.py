@@ -163,8 +163,14 @@ def all_slots_free(service: RouterService) -> bool:
     ("stream", "how"), [(False, "http"), (True, "http"), (True, "frame")], ids=["complete", "stream", "stream-frame"]
 )
 async def test_ec_load_failure_re_encodes_then_retries_on_another_pd(make_service, stream, how):
-    engines = Engines(pd_failures=[(how, 500, EC_LOAD)])
+    engines = Engines()
     service = await make_service(engines)
+    # a PD reads both VEs' blocks first (h1 and h2 go to different VEs): after a failed read
+    # the request moves only to blocks of VEs a PD has read from
+    assert await answer(service, False) == "Hi"
+    engines.pd_calls.clear()
+    engines.encodes.clear()
+    engines.pd_failures.append((how, 500, EC_LOAD))
     assert await answer(service, stream) == "Hi"
     first, second = engines.pd_calls
     assert first.engine != second.engine
