@@ -41,6 +41,7 @@ from typing import Any
 _EXPORTS = {
     "ItemEncoder": "encoder",
     "MmSerdeEncoder": "encoder",
+    "ImageDecodeTooSlow": "errors",
     "ImageDimensionsRejected": "errors",
     "ImageOverBudget": "errors",
     "ImageTooLarge": "errors",

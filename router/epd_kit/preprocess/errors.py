@@ -63,6 +63,11 @@ class ImageDimensionsRejected(PreprocessError):
     """Decoded dimensions we refuse: decompression-bomb guard, extreme aspect ratio."""
 
 
+class ImageDecodeTooSlow(PreprocessError):
+    """An image whose decode did not end within `limits.image_decode_timeout_s` (its work
+    was stopped: decoding.py)."""
+
+
 class ImageOverBudget(PreprocessError):
     """An image above `limits.max_image_patches` while `oversized_image: reject`."""
 

@@ -16,6 +16,10 @@ Pillow's EPS plugin, for one, hands client bytes to Ghostscript wherever that is
 Frame counts come from the container without decoding a frame: Pillow counts a GIF's
 frames by seeking through them, and each seek decodes the frame before it (a 999-frame
 4096x4096 GIF held an image thread for minutes), so GIF blocks are walked here instead.
+A JPEG's scans are counted the same way, from its markers: a progressive JPEG decodes every
+scan over the whole image (an 8192x8192 one whose last 99-byte refinement scan was repeated
+cost ~40-50 ms per copy), so `limits.max_jpeg_scans` refuses one with too many before any
+is decoded. What is left (pixels x scans) is bounded by decoding.py's budget.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import re
 import threading
 from dataclasses import dataclass
 
@@ -67,8 +72,9 @@ def decode_image(data: bytes, limits: Limits, cancelled: threading.Event | None 
                 f"limit of {limits.max_image_pixels} pixels (limits.max_image_pixels)"
             )
         _check_frames(image, data, limits.max_image_frames)
-        if cancelled is not None and cancelled.is_set():
-            raise WorkCancelled("the request this image was for has ended")
+        if image.format in ("JPEG", "MPO"):  # Pillow names a JPEG with an MP index MPO
+            _check_scans(data, limits.max_jpeg_scans)
+        stop_if(cancelled)
         image.load()
     except (ImageDimensionsRejected, WorkCancelled):
         raise
@@ -102,6 +108,40 @@ class WorkCancelled(Exception):
     """Image work stopped because the request it was for has ended (nobody reads the error)."""
 
 
+def stop_if(cancelled: threading.Event | None) -> None:
+    """Between stages of image work: stop once nobody waits for the image any more."""
+    if cancelled is not None and cancelled.is_set():
+        raise WorkCancelled("the request this image was for has ended")
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """An image decoded and resized to its plan: what pixel_values are made of (small: at
+    most limits.max_image_patches patches, so it crosses a process boundary cheaply)."""
+
+    source_size: tuple[int, int]  # (width, height) as sent
+    plan: ResizePlan
+    resized: Image.Image  # RGB, plan.width x plan.height
+
+
+def decode_resized(
+    data: bytes, limits: Limits, vision: VisionSettings, cancelled: threading.Event | None = None
+) -> Decoded:
+    """decode_image, the resize plan and the resize: the stages whose cost grows with the
+    image as sent (decoding.py runs a large image's in a process it can kill)."""
+    rgb = decode_image(data, limits, cancelled)
+    width, height = rgb.size
+    plan = plan_resize(height, width, vision, limits)
+    stop_if(cancelled)
+    return Decoded(source_size=(width, height), plan=plan, resized=resize(rgb, plan))
+
+
+def resize(image: Image.Image, plan: ResizePlan) -> Image.Image:
+    if image.size == (plan.width, plan.height):
+        return image
+    return image.resize((plan.width, plan.height), resample=Image.Resampling.BICUBIC)
+
+
 def _check_frames(image: Image.Image, data: bytes, limit: int) -> None:
     """Refuse an animation with more than `limit` frames, without decoding any: a GIF by
     walking its blocks (`gif_frames`), the other allowed formats by the count their header
@@ -113,6 +153,54 @@ def _check_frames(image: Image.Image, data: bytes, limit: int) -> None:
             f"animated image has more than {limit} frames (limits.max_image_frames); "
             "only the first frame is used, send it as a still image"
         )
+
+
+def _check_scans(data: bytes, limit: int) -> None:
+    if jpeg_scans(data, limit + 1) > limit:
+        raise ImageDimensionsRejected(
+            f"JPEG has more than {limit} scans (limits.max_jpeg_scans); every scan of a "
+            "progressive JPEG is decoded over the whole image: re-encode it (baseline, or the "
+            "encoder's standard progression of about 10 scans)"
+        )
+
+
+# A marker inside entropy-coded data: 0xFF followed by neither a stuffed 0x00, nor a fill
+# byte 0xFF, nor a restart marker RST0-7 (ITU T.81 B.1.1.5, F.1.2.3)
+_MARKER_IN_SCAN = re.compile(rb"\xff[^\x00\xff\xd0-\xd7]")
+
+
+def jpeg_scans(data: bytes, stop_at: int) -> int:
+    """Start-of-scan (SOS, 0xFFDA) markers of a JPEG's first image, counted up to
+    `stop_at` by its marker structure (ITU T.81 B.1): SOI, then segments with a 2-byte
+    length, each SOS followed by entropy-coded data up to the next marker, EOI at the end.
+    Bytes between segments that are no marker are skipped to the next one, as libjpeg's
+    `next_marker` does; a truncated segment ends the count."""
+    size = len(data)
+    pos = 2  # after SOI
+    scans = 0
+    while pos + 1 < size and scans < stop_at:
+        if data[pos] != 0xFF or data[pos + 1] in (0x00, 0xFF):
+            found = _MARKER_IN_SCAN.search(data, pos + 1)
+            if found is None:
+                break
+            pos = found.start()
+            continue
+        marker = data[pos + 1]
+        if marker == 0xD9:  # EOI
+            break
+        if 0xD0 <= marker <= 0xD7 or marker == 0x01:  # standalone: RSTn, TEM
+            pos += 2
+            continue
+        if pos + 3 >= size:
+            break
+        pos += 2 + ((data[pos + 2] << 8) | data[pos + 3])
+        if marker == 0xDA:  # the scan's header; its entropy-coded data runs to the next marker
+            scans += 1
+            found = _MARKER_IN_SCAN.search(data, pos)
+            if found is None:
+                break
+            pos = found.start()
+    return scans
 
 
 def gif_frames(data: bytes | memoryview, stop_at: int) -> int:
@@ -259,9 +347,7 @@ class PixelEncoder:
         self._plain = np.dtype(f"<u{self._table.dtype.itemsize}") if self._table.dtype.names else self._table.dtype
 
     def resize(self, image: Image.Image, plan: ResizePlan) -> Image.Image:
-        if image.size == (plan.width, plan.height):
-            return image
-        return image.resize((plan.width, plan.height), resample=Image.Resampling.BICUBIC)
+        return resize(image, plan)
 
     def _buffers(self, height: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """This thread's (channel planes, looked-up values, values in patch order), flat, for

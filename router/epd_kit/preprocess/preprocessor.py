@@ -15,6 +15,7 @@ running one stops at its next stage), and one client holds at most
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -25,11 +26,12 @@ from typing import Any, TypeVar
 
 from .. import wire
 from .cache import LruCache
+from .decoding import ImageDecoder
 from .encoder import ItemEncoder, MmSerdeEncoder
 from .errors import ModelHasNoVision, PreprocessError, PromptMismatch, TooManyImages
 from .fairness import ClientSlots, current_client
 from .hashing import image_hash, settings_bytes
-from .image import PixelEncoder, WorkCancelled, decode_image, plan_resize
+from .image import PixelEncoder, WorkCancelled, stop_if
 from .media import MediaFetcher, check_fetched_image, decode_data_url
 from .messages import ImageRef, parse_messages
 from .model_files import CheckpointFiles, VisionSettings
@@ -146,6 +148,7 @@ class Preprocessor:
         if self.vision is not None:
             _check_budget(self.vision, limits)
         self._pixels = PixelEncoder(self.vision) if self.vision else None
+        self._decoder = ImageDecoder(limits, self.vision) if self.vision else None
         self._settings_blob = settings_bytes(
             {**(self.vision.pixel_settings() if self.vision else {}), "max_image_patches": limits.max_image_patches}
         )
@@ -355,7 +358,10 @@ class Preprocessor:
         fut = job.future
         try:
             async with self._client_slots.hold(current_client.get()):
-                image = await self._run(self._image_pool, _with_param, ref, self._prepare, mm_hash, data, job.cancelled)
+                work = asyncio.get_running_loop().run_in_executor(
+                    self._image_pool, functools.partial(_with_param, ref, self._prepare, mm_hash, data, job.cancelled)
+                )
+                image = await _until_work_ends(work, job.cancelled)
         except BaseException as exc:
             fut.set_exception(exc if not isinstance(exc, asyncio.CancelledError) else WorkCancelled("cancelled"))
             fut.exception()  # marked retrieved: the requests awaiting it re-raise it
@@ -369,14 +375,11 @@ class Preprocessor:
     def _prepare(self, mm_hash: str, data: bytes, cancelled: threading.Event | None = None) -> PreparedImage:
         """Worker thread: decode, resize, pixel_values, serialize; stops between stages once
         `cancelled` is set (nobody waits for the image any more)."""
-        assert self.vision is not None and self._pixels is not None
-        rgb = decode_image(data, self.limits, cancelled)
-        width, height = rgb.size
-        plan = plan_resize(height, width, self.vision, self.limits)
-        _stop_if(cancelled)
-        resized = self._pixels.resize(rgb, plan)
-        _stop_if(cancelled)
-        fill = functools.partial(self._pixels.pixel_values, resized)
+        assert self.vision is not None and self._pixels is not None and self._decoder is not None
+        decoded = self._decoder.decode(data, cancelled)
+        (width, height), plan = decoded.source_size, decoded.plan
+        stop_if(cancelled)
+        fill = functools.partial(self._pixels.pixel_values, decoded.resized)
         merge_area = self.vision.merge_size**2
         image = PreparedImage(
             mm_hash=mm_hash,
@@ -421,6 +424,8 @@ class Preprocessor:
         await self._fetcher.aclose()
         for pool in (self._text_pool, self._image_pool):
             pool.shutdown(wait=False, cancel_futures=True)
+        if self._decoder is not None:
+            self._decoder.close()
 
 
 class _Inflight:
@@ -442,9 +447,18 @@ class _Inflight:
                 self.task.cancel()
 
 
-def _stop_if(cancelled: threading.Event | None) -> None:
-    if cancelled is not None and cancelled.is_set():
-        raise WorkCancelled("the request this image was for has ended")
+async def _until_work_ends(work: asyncio.Future[T], cancelled: threading.Event) -> T:
+    """`work`'s result. Cancelled (every request waiting for the image has ended), it stops
+    the work (`cancelled`: the thread stops at its next stage, a decode in a child process
+    at once) and still waits for the thread to be done before it re-raises: the caller's
+    client slot is held until the work has actually ended, not just until nobody waits."""
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        cancelled.set()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait({work})  # a second cancel (shutdown) ends this wait
+        raise
 
 
 def _check_budget(vision: VisionSettings, limits: Limits) -> None:

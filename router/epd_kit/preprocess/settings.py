@@ -51,6 +51,14 @@ class Limits(Section):
     max_image_bytes: int = Field(default=20 * 1024 * 1024, gt=0)
     max_image_pixels: int = Field(default=8192 * 8192, gt=0)  # decompression-bomb guard
     max_image_frames: int = Field(default=1000, ge=1)  # animations; only the first frame is used
+    # Scans of a JPEG (counted from its markers): each scan of a progressive JPEG is decoded
+    # over the whole image. Encoders write 1 (baseline) or about 10 (libjpeg's progression).
+    max_jpeg_scans: int = Field(default=64, ge=1)
+    # Wall time one image's decode and resize may take; an image above
+    # image_decode_inline_pixels is decoded in a child process that is killed past it (400).
+    # Smaller ones decode in the image thread: their cost is bounded by pixels x scans.
+    image_decode_timeout_s: float = Field(default=5.0, gt=0)
+    image_decode_inline_pixels: int = Field(default=2048 * 2048, ge=0)
     # Formats handed to a Pillow decoder; anything else is a 400 before any plugin parses it
     # (never EPS/PS: Pillow runs Ghostscript on them). Pillow's format names.
     image_formats: list[ImageFormat] = Field(

@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from epd_kit.preprocess.fairness import current_client
+from epd_kit.preprocess.fairness import client_identity, current_client
 from epd_kit.preprocess.settings import Limits
 from epd_kit.router.body import decode_body
 from epd_kit.router.context import RequestContext
@@ -112,12 +112,9 @@ _answer_json = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=
 
 def _client_of(request: Request, keys_checked: bool) -> str:
     """Whose request this is, for the per-client bound on image work: its API key when the
-    router checks keys (an unchecked header is no identity), else its connection."""
-    key = request.headers.get("authorization")
-    if keys_checked and key:
-        return "key:" + key
+    router checks keys (an unchecked header is no identity), else its address."""
     peer = request.client
-    return f"conn:{peer.host}:{peer.port}" if peer else "conn:?"
+    return client_identity(request.headers.get("authorization"), keys_checked, peer.host if peer else None)
 
 
 # Bodies up to this size are decoded on the event loop (well under a millisecond); bigger ones
