@@ -94,6 +94,10 @@ class CheckpointFiles:
     eos_token_strings: tuple[str, ...]
     eos_token_ids_config: tuple[int, ...]  # from config.json / generation_config.json
     vision: VisionSettings | None
+    # the language model's output rows (text_config.vocab_size; 0 if absent): Qwen pads them
+    # beyond the tokenizer's vocabulary (151936 rows for ~151.7 k tokens), and vLLM samples
+    # over all of them
+    model_vocab_size: int = 0
 
     @classmethod
     def load(cls, path: str | Path, *, engine_dtype: str = "auto") -> CheckpointFiles:
@@ -131,6 +135,7 @@ class CheckpointFiles:
             eos_token_strings=tuple(t for t in [special.get("eos_token")] if t),
             eos_token_ids_config=tuple(dict.fromkeys(eos_ids)),
             vision=vision,
+            model_vocab_size=vocab if isinstance(vocab := text_config.get("vocab_size"), int) else 0,
         )
 
 

@@ -36,6 +36,11 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class TokenIdOutOfRange(ValueError):
+    """Token ids to detokenize that are no ids of the model (an engine's answer can be
+    anything): `tokenizers` raises OverflowError on some (-1, 2**40) and skips others."""
+
+
 class TextCodec:
     """Thread-safe after construction: `tokenizers.Tokenizer` encode/decode and a compiled
     jinja2 template hold no per-call state."""
@@ -62,6 +67,8 @@ class TextCodec:
             if (tid := self.tokenizer.token_to_id(text)) is not None:
                 eos.add(tid)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
+        # ids the model can emit: its output rows, at least the tokenizer's vocabulary
+        self.id_limit = max(self.vocab_size, files.model_vocab_size)
 
     def render_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
         try:
@@ -87,7 +94,17 @@ class TextCodec:
         return self.tokenizer.token_to_id(token)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        ids = list(token_ids)
+        self.check_ids(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def check_ids(self, token_ids: Sequence[int]) -> None:
+        """Raise TokenIdOutOfRange unless every id is an int in [0, id_limit) (not a float,
+        bool or string either: a stream's ids come straight from its JSON)."""
+        limit = self.id_limit
+        for t in token_ids:
+            if type(t) is not int or not 0 <= t < limit:
+                raise TokenIdOutOfRange(f"token id {t!r:.40} is outside the model's vocabulary [0, {limit})")
 
     @property
     def vocab_size(self) -> int:
@@ -118,6 +135,7 @@ class IncrementalDetokenizer:
     def push(self, new_ids: Sequence[int]) -> str:
         if not new_ids:
             return ""
+        self._codec.check_ids(new_ids)  # before they join the window: a bad id must not stay
         self.token_ids.extend(new_ids)
         prefix_text = self._decode(self.token_ids[self._prefix : self._read])
         full_text = self._decode(self.token_ids[self._prefix :])

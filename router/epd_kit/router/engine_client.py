@@ -16,7 +16,13 @@ errors keep aiohttp's class names, so the classification and the messages are th
 connections survive idle pauses (`ENGINE_KEEPALIVE_S`); one the engine closed while idle
 (vLLM's uvicorn after 5 s) is dropped when the pool next looks at it, and a request that
 races such a close (the connection ends before any answer byte) is resent once on a fresh
-connection (`_send`). The `/health` prober keeps its own small httpx client (health.py).
+connection (`_send`). The `/health` probes go through the same client (`health_status`),
+each under its own deadline.
+
+No answer is trusted to be small: a non-streaming answer is read up to `MAX_ANSWER_BYTES`,
+a `/health` answer up to `MAX_HEALTH_BYTES`, an error answer to a stream request up to
+`MAX_ERROR_BYTES` (engine_http.py caps every head); more is an `AnswerTooLarge`, a 502
+charged to the engine.
 """
 
 from __future__ import annotations
@@ -25,12 +31,11 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-import httpx
-
 from epd_kit.router import deadlines, engine_http, upstream
+from epd_kit.router.config import Health
 from epd_kit.router.encode import VeBody, ve_body
 from epd_kit.router.errors import UpstreamError
-from epd_kit.router.health import EngineHealth, HealthProber
+from epd_kit.router.health import EngineHealth, HealthProber, ProbeFailed
 from epd_kit.router.metrics import RouterMetrics
 from epd_kit.router.pools import Engine
 from epd_kit.router.probes import ServingProbes
@@ -46,6 +51,14 @@ _READ_SLACK_S = 1.0
 # router sees (a burst after 30 s idle must not redial every engine connection). Engines
 # may close sooner; the pool then drops those connections (see the module docstring).
 ENGINE_KEEPALIVE_S = 120.0
+
+# The most of an answer read whole. A generate answer is its token ids (and logprobs, if
+# asked: ~1 KiB per token with 20 of them), an encode answer its locators: 16 MiB is above
+# any of them the router asks for (longer generations stream). vLLM's /health answers an
+# empty body; an error body is a short JSON (only its first 4 KiB is ever read: upstream.py).
+MAX_ANSWER_BYTES = 16 * 1024 * 1024
+MAX_HEALTH_BYTES = 64 * 1024
+MAX_ERROR_BYTES = 64 * 1024
 
 
 @dataclass
@@ -65,7 +78,6 @@ class EngineClient:
         self._metrics = metrics
         self.health = EngineHealth(lambda: state.cfg.health, lambda: state.pools)
         self._http: engine_http.EngineHTTP | None = None
-        self._probe_client: httpx.AsyncClient | None = None
         self._prober: HealthProber | None = None
         self._probes: ServingProbes | None = None
 
@@ -75,9 +87,8 @@ class EngineClient:
         self._probes = probes
         # no cap on connections of our own (engines' slots are admission.py's business)
         self._http = engine_http.EngineHTTP(keepalive_s=ENGINE_KEEPALIVE_S)
-        self._probe_client = httpx.AsyncClient(trust_env=False)
         self._prober = HealthProber(
-            self._probe_client,
+            self.health_status,
             lambda: self._state.pools,
             lambda: self._state.cfg.health,
             self.health,
@@ -91,8 +102,6 @@ class EngineClient:
             await self._prober.stop()
         if self._http:
             self._http.close()
-        if self._probe_client:
-            await self._probe_client.aclose()
 
     @property
     def http(self) -> engine_http.EngineHTTP:
@@ -160,18 +169,35 @@ class EngineClient:
 
     async def check(self, engine: Engine) -> None:
         """One immediate /health probe; an engine that refuses connections is ejected now."""
-        health = self._state.cfg.health
-        assert self._probe_client is not None, "EngineClient.start() was not awaited"
         try:
-            resp = await self._probe_client.get(f"{engine.url}/health", timeout=health.timeout_s)
-        except httpx.ConnectError as exc:
-            self.health.probe_definitive(engine, f"/health: {type(exc).__name__}")
+            status = await self.health_status(engine, self._state.cfg.health)
+        except ProbeFailed as exc:
+            if exc.refused:
+                self.health.probe_definitive(engine, f"/health: {exc.reason}")
+            else:
+                self.health.probe_result(engine, False, f"/health: {exc.reason}")
             return
-        except httpx.HTTPError as exc:
-            self.health.probe_result(engine, False, f"/health: {type(exc).__name__}")
-            return
-        if resp.status_code != 200:
-            self.health.probe_definitive(engine, f"/health: HTTP {resp.status_code}")
+        if status != 200:
+            self.health.probe_definitive(engine, f"/health: HTTP {status}")
+
+    async def health_status(self, engine: Engine, health: Health) -> int:
+        """`GET /health`: its status, all of it within `health.timeout_s` (dial, head and a
+        body of at most MAX_HEALTH_BYTES), or ProbeFailed."""
+        http = self.http
+        deadline = http.loop.time() + health.timeout_s
+        limits = {"connect_s": health.timeout_s, "read_s": health.timeout_s, "deadline": deadline}
+        try:
+            try:
+                resp, _ = await http.get(engine.url, "/health", max_body=MAX_HEALTH_BYTES, **limits)
+            except engine_http.ServerDisconnectedError:  # an idle connection the engine had closed
+                resp, _ = await http.get(engine.url, "/health", max_body=MAX_HEALTH_BYTES, fresh=True, **limits)
+        except engine_http.ClientConnectorError as exc:
+            raise ProbeFailed(type(exc).__name__, refused=True) from None
+        except engine_http.ClientError as exc:  # before TimeoutError: the client's timeouts are both
+            raise ProbeFailed(type(exc).__name__) from None
+        except TimeoutError:  # engine_http.DeadlineExceeded
+            raise ProbeFailed(f"no answer within {health.timeout_s:g}s (health.timeout_s)") from None
+        return resp.status
 
     def failed(self, err: UpstreamError, engine: Engine) -> UpstreamError:
         """Charge `err` to `engine` when it is the engine's fault (passive health); returns it."""
@@ -228,14 +254,11 @@ class EngineClient:
         the resend too."""
         connect_s = self._state.cfg.timeouts.connect_s
         http = self.http
+        limits = {"connect_s": connect_s, "read_s": read_s, "deadline": deadline_at, "max_body": MAX_ANSWER_BYTES}
         try:
-            return await http.post(
-                engine.url, GENERATE_PATH, content, connect_s=connect_s, read_s=read_s, deadline=deadline_at
-            )
+            return await http.post(engine.url, GENERATE_PATH, content, **limits)
         except engine_http.ServerDisconnectedError:
-            return await http.post(
-                engine.url, GENERATE_PATH, content, connect_s=connect_s, read_s=read_s, deadline=deadline_at, fresh=True
-            )
+            return await http.post(engine.url, GENERATE_PATH, content, fresh=True, **limits)
 
     async def _open(self, engine: Engine, content: bytes, read_s: float) -> engine_http.Response:
         """As `_send`, for a stream: the answer with its head read (the same resend rule)."""
@@ -259,7 +282,7 @@ class EngineClient:
                 resp = await self._open(engine, upstream.encode_body(body), timeouts.pd_s)
                 if resp.status != 200:
                     raise upstream.classify_status(
-                        upstream.EngineAnswer(resp.status, await resp.read(), resp.headers), engine
+                        upstream.EngineAnswer(resp.status, await resp.read(MAX_ERROR_BYTES), resp.headers), engine
                     )
                 payloads = iter_sse_payloads(resp.iter_any())
                 try:

@@ -19,7 +19,8 @@ sorts and what the error messages name:
   (the one failure after which a resend on a fresh connection is safe to try: engine_client);
 - `ClientOSError`: the connection broke with an OS error (a reset) before the answer's head;
 - `ClientPayloadError`: the connection ended inside the answer (cut short head or body);
-- `ClientResponseError`: bytes that are not an HTTP/1.1 answer;
+- `ClientResponseError`: bytes that are not an HTTP/1.1 answer; `AnswerTooLarge`, one of
+  them: a head over `MAX_HEAD_BYTES` or `MAX_HEADERS`, a body over the call's `max_body`;
 - `ClientConnectionError`: the answer was closed by our side (`Response.close`) while a
   read waited on it.
 
@@ -28,6 +29,12 @@ before `TimeoutError`. A call may also carry a `deadline` (a loop time) for the 
 dial and answer included; past it the call fails with `DeadlineExceeded`, a `TimeoutError`
 and not a `ClientError`: what an `asyncio.timeout` around the call would raise, without the
 cost of one (the call's own read timer watches both).
+
+Nothing an engine sends is trusted to be small: the head (interim answers included) is
+capped before llhttp joins its lines (httptools joins a header split across reads by
+concatenation: 16 MB of one header in 64 KiB reads took 3.4 s of the event loop), and a body
+read whole is capped by the caller (`max_body`: /health, non-streaming answers). Interim
+answers (`100 Continue`, `103 Early Hints`) are skipped: the call reads the final one.
 
 A connection goes back to its pool only after a complete answer that allows keep-alive;
 every other end (an error, a cancelled call, a stream closed before its end) closes it. An
@@ -95,6 +102,16 @@ class ClientResponseError(ClientError):
     pass
 
 
+class AnswerTooLarge(ClientResponseError):
+    """An answer over a size cap (head bytes, header count, body): refused, not read on."""
+
+
+# An engine's answer head, interim answers included: vLLM's uvicorn sends a few hundred bytes
+# (h11's own cap on an incomplete head is 16 KiB); anything near these is not an engine.
+MAX_HEAD_BYTES = 64 * 1024
+MAX_HEADERS = 100
+
+
 class DeadlineExceeded(TimeoutError):
     """The call's own `deadline` passed (see the module docstring): not an HTTP failure."""
 
@@ -147,8 +164,11 @@ class Response:
         "_conn",
         "_exc",
         "_head",
+        "_interim",
+        "_max_body",
         "_raw_headers",
         "_released",
+        "_size",
         "_waiter",
         "_want",
         "complete",
@@ -156,8 +176,11 @@ class Response:
         "status",
     )
 
-    def __init__(self, conn: _Connection) -> None:
+    def __init__(self, conn: _Connection, max_body: float = math.inf) -> None:
         self._conn = conn
+        self._max_body = max_body
+        self._size = 0
+        self._interim = False
         self.status = 0
         self._raw_headers: list[tuple[bytes, bytes]] = []
         self._chunks: list[bytes] = []
@@ -194,8 +217,13 @@ class Response:
                 raise self._exc
             await self._wait(_WANT_HEAD)
 
-    async def read(self) -> bytes:
-        """The whole body (what is left of it), once the answer is complete."""
+    async def read(self, max_body: float = math.inf) -> bytes:
+        """The whole body (what is left of it), once the answer is complete. `max_body`
+        lowers the call's cap (an error answer on a stream: its body is read whole)."""
+        if max_body < self._max_body:
+            self._max_body = max_body
+            if self._size > max_body:
+                self._refuse(f"the engine's answer is longer than the {max_body:.0f} bytes read")
         while not self.complete:
             if self._exc is not None:
                 raise self._exc
@@ -251,18 +279,40 @@ class Response:
     # --- httptools callbacks (through the connection) --------------------------------------
 
     def _headers_complete(self, status: int) -> None:
+        if 100 <= status < 200:  # interim (101 is an upgrade: llhttp refuses it)
+            self._interim = True
+            self._raw_headers.clear()
+            return
         self.status = status
+        length = self.headers.get("content-length", "")
+        if length.isdigit() and int(length) > self._max_body:
+            self._refuse(f"the engine's answer declares {length} bytes, above the {self._max_body:.0f} read")
+            return
         self._head = True
         self._wake(_WANT_HEAD)
 
     def _body(self, data: bytes) -> None:
+        self._size += len(data)
+        if self._size > self._max_body:
+            self._refuse(f"the engine's answer is longer than the {self._max_body:.0f} bytes read")
+            return
         self._chunks.append(data)
         self._wake(_WANT_DATA)
 
-    def _message_complete(self) -> None:
+    def _refuse(self, why: str) -> None:
+        self._chunks = []
+        self._fail(AnswerTooLarge(why))
+        self._conn.close()
+
+    def _message_complete(self) -> bool:
+        """False for an interim answer: the final one follows on the same connection."""
+        if self._interim:
+            self._interim = False
+            return False
         self.complete = True
         self._conn.stop_timer()
         self._wake(_WANT_COMPLETE)
+        return True
 
     def _reads_until_close(self) -> bool:
         """An answer whose body ends with the connection (no length, not chunked)."""
@@ -293,12 +343,17 @@ class _Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future[None] | None = None
         self._paused = False
+        self._head_bytes = 0  # bytes fed to the parser before the final answer's head ended
+        self._headers = 0
 
     # --- the caller's side -----------------------------------------------------------------
 
-    async def send(self, head: bytes, content: bytes | ChunkedBody, read_s: float, deadline: float) -> Response:
+    async def send(
+        self, head: bytes, content: bytes | ChunkedBody, read_s: float, deadline: float, max_body: float = math.inf
+    ) -> Response:
         """Write one request; its answer (`Response`) fills as bytes arrive."""
-        resp = self.response = Response(self)
+        resp = self.response = Response(self, max_body)
+        self._head_bytes = self._headers = 0
         transport = self.transport
         assert transport is not None
         self._read_s = read_s
@@ -394,6 +449,12 @@ class _Connection(asyncio.Protocol):
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             resp._fail(ClientResponseError(f"invalid HTTP response from the engine: {exc}"))
             self.close()
+            return
+        if not resp._head and resp._exc is None:
+            # counted per read, checked after it: llhttp joins at most the cap and one read
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                resp._refuse(f"the engine's answer head is longer than {MAX_HEAD_BYTES} bytes")
 
     def eof_received(self) -> bool:
         return False  # close our side too: connection_lost follows
@@ -426,6 +487,10 @@ class _Connection(asyncio.Protocol):
     # --- httptools callbacks ---------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers += 1
+        if self._headers > MAX_HEADERS:
+            self.response._refuse(f"the engine's answer has more than {MAX_HEADERS} header lines")  # type: ignore[union-attr]
+            raise AnswerTooLarge  # stops the parser (data_received leaves the refusal as it is)
         self.response._raw_headers.append((name, value))  # type: ignore[union-attr]
 
     def on_headers_complete(self) -> None:
@@ -436,8 +501,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         # asked now: llhttp resets the message's flags once this callback returns
-        self.keep_alive = self.parser.should_keep_alive()
-        self.response._message_complete()  # type: ignore[union-attr]
+        keep_alive = self.parser.should_keep_alive()
+        if self.response._message_complete():  # type: ignore[union-attr]
+            self.keep_alive = keep_alive
 
 
 class _Pool:
@@ -458,7 +524,10 @@ class _Pool:
         self._heads: dict[str, bytes] = {}
         self._sweep_timer: asyncio.TimerHandle | None = None
 
-    def head(self, path: str, length: int) -> bytes:
+    def head(self, path: str, length: int | None) -> bytes:
+        """A POST's head (`length`: its body's), or a GET's (None)."""
+        if length is None:
+            return f"GET {self.base_path}{path} HTTP/1.1\r\nhost: {self.netloc}\r\n\r\n".encode("latin-1")
         prefix = self._heads.get(path)
         if prefix is None:
             prefix = self._heads[path] = (
@@ -565,11 +634,13 @@ class EngineHTTP:
         read_s: float,
         fresh: bool = False,
         deadline: float = math.inf,
+        max_body: float = math.inf,
     ) -> Response:
         """POST `content` (JSON) to `url` + `path`; the answer with its head read. The caller
         reads it and then `release`s or `close`s it. `fresh`: dial a new connection rather
-        than reuse an idle one. `deadline`: the loop time by which the call must be done."""
-        resp, _ = await self._call(url, path, content, connect_s, read_s, fresh, deadline, whole=False)
+        than reuse an idle one. `deadline`: the loop time by which the call must be done.
+        `max_body`: the most body bytes taken (more fail the read with `AnswerTooLarge`)."""
+        resp, _ = await self._call(url, path, content, connect_s, read_s, fresh, deadline, max_body, whole=False)
         return resp
 
     async def post(
@@ -582,9 +653,26 @@ class EngineHTTP:
         read_s: float,
         fresh: bool = False,
         deadline: float = math.inf,
+        max_body: float = math.inf,
     ) -> tuple[Response, bytes]:
         """POST and read the whole answer: the response (released) and its body."""
-        resp, body = await self._call(url, path, content, connect_s, read_s, fresh, deadline, whole=True)
+        resp, body = await self._call(url, path, content, connect_s, read_s, fresh, deadline, max_body, whole=True)
+        resp.release()
+        return resp, body
+
+    async def get(
+        self,
+        url: str,
+        path: str,
+        *,
+        connect_s: float,
+        read_s: float,
+        deadline: float,
+        max_body: float,
+        fresh: bool = False,
+    ) -> tuple[Response, bytes]:
+        """GET and read the whole answer (a probe: `/health`), as `post`."""
+        resp, body = await self._call(url, path, None, connect_s, read_s, fresh, deadline, max_body, whole=True)
         resp.release()
         return resp, body
 
@@ -592,23 +680,28 @@ class EngineHTTP:
         self,
         url: str,
         path: str,
-        content: bytes | ChunkedBody,
+        content: bytes | ChunkedBody | None,
         connect_s: float,
         read_s: float,
         fresh: bool,
         deadline: float,
+        max_body: float,
         *,
         whole: bool,
     ) -> tuple[Response, bytes]:
-        """One POST on a pooled connection, read to its head or (`whole`) to its end; the
-        connection is closed on any failure or cancellation before that."""
+        """One POST (a GET without `content`) on a pooled connection, read to its head or
+        (`whole`) to its end; the connection is closed on any failure or cancellation before
+        that."""
         if self.closed:
             raise ClientConnectionError("the client is closed")
         pool = self._pool(url)
         conn = await pool.acquire(connect_s, fresh, deadline)
-        size = len(content) if isinstance(content, bytes) else content.size
+        if content is None:
+            head, content = pool.head(path, None), b""
+        else:
+            head = pool.head(path, len(content) if isinstance(content, bytes) else content.size)
         try:
-            resp = await conn.send(pool.head(path, size), content, read_s, deadline)
+            resp = await conn.send(head, content, read_s, deadline, max_body)
             if whole:
                 return resp, await resp.read()
             await resp.wait_head()

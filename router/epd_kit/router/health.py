@@ -13,7 +13,10 @@ real call feed one set of rules (outlier ejection):
   encode (VE) or one-token generate (PD) sent by the prober; any other ejection ends after
   `success_threshold` good `/health` probes.
 
-The rules are `EngineHealth` (no I/O); `HealthProber` runs the probes.
+The rules are `EngineHealth` (no I/O); `HealthProber` runs the probes: each engine's on its
+own, under its own deadline (`health.timeout_s`, the whole probe), so an engine whose
+`/health` is slow delays no other engine's probe, and a new round skips only the engines
+whose probe of the last one is still under way.
 """
 
 from __future__ import annotations
@@ -23,8 +26,6 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-import httpx
-
 from epd_kit.router.config import Health
 from epd_kit.router.errors import Failure, UpstreamError
 from epd_kit.router.pools import Engine, Pools
@@ -32,6 +33,17 @@ from epd_kit.router.pools import Engine, Pools
 log = logging.getLogger("epd_router.health")
 
 ServingProbe = Callable[[Engine], Awaitable[None]]
+# one `/health` call within the deadline: the answer's status, or ProbeFailed
+HealthCall = Callable[[Engine, Health], Awaitable[int]]
+
+
+class ProbeFailed(Exception):
+    """A `/health` call got no usable answer; `refused`: nothing listens (definitive)."""
+
+    def __init__(self, reason: str, *, refused: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.refused = refused
 
 
 class EngineHealth:
@@ -134,24 +146,26 @@ class EngineHealth:
 
 
 class HealthProber:
-    """Active `/health` probes of every configured engine, one task for all of them, plus a
-    serving probe (its own task, one at a time per engine) for engines that need one."""
+    """Active `/health` probes of every configured engine, a task per probe started by one
+    scheduler task, plus a serving probe (its own task, one at a time per engine) for engines
+    that need one."""
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        call: HealthCall,
         pools: Callable[[], Pools],
         health: Callable[[], Health],
         rules: EngineHealth,
         serving_probe: ServingProbe | None = None,
     ) -> None:
-        self._client = client
+        self._call = call
         self._pools = pools
         self._health = health
         self._rules = rules
         self._serving_probe = serving_probe
         self._task: asyncio.Task | None = None
         self._serving: dict[str, asyncio.Task] = {}
+        self._probing: dict[str, asyncio.Task] = {}  # by engine id: a `/health` probe under way
         self._wake = asyncio.Event()
 
     def start(self) -> None:
@@ -162,7 +176,7 @@ class HealthProber:
         self._wake.set()
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._serving.values()) if t is not None]
+        tasks = [t for t in (self._task, *self._serving.values(), *self._probing.values()) if t is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -170,22 +184,37 @@ class HealthProber:
                 await task
 
     async def probe_all(self) -> None:
+        """Probe every engine (but those whose probe is under way) and wait for the probes:
+        each ends by its own deadline."""
+        await asyncio.gather(*self._start_probes(), return_exceptions=True)
+
+    def _start_probes(self) -> list[asyncio.Task]:
         health = self._health()
-        await asyncio.gather(*(self._probe(e, health) for e in self._pools().all()))
+        started = []
+        for engine in self._pools().all():
+            if engine.id not in self._probing:
+                task = asyncio.create_task(self._probe(engine, health), name=f"health-probe-{engine.id}")
+                self._probing[engine.id] = task
+                task.add_done_callback(lambda _, key=engine.id: self._probing.pop(key, None))
+                started.append(task)
+        return started
 
     async def _probe(self, engine: Engine, health: Health) -> None:
         try:
-            resp = await self._client.get(f"{engine.url}/health", timeout=health.timeout_s)
-        except httpx.HTTPError as exc:
-            self._rules.probe_result(engine, False, f"/health: {type(exc).__name__}")
+            status = await self._call(engine, health)
+        except ProbeFailed as exc:
+            self._rules.probe_result(engine, False, f"/health: {exc.reason}")
             return
-        ok = resp.status_code == 200
+        except Exception:  # a probe bug must not stop probing
+            log.exception("health probe failed", extra={"engine": engine.id})
+            return
+        ok = status == 200
         if ok and engine.needs_serving_probe:
             if self._serving_probe is not None:
                 self._start_serving_probe(engine)
                 return
             self._rules.serving_probe_result(engine, True, "/health answers (no serving probe available)")
-        self._rules.probe_result(engine, ok, f"/health: HTTP {resp.status_code}")
+        self._rules.probe_result(engine, ok, f"/health: HTTP {status}")
 
     def _start_serving_probe(self, engine: Engine) -> None:
         if engine.id not in self._serving:  # one at a time: a hung engine holds it until its deadline
@@ -206,10 +235,7 @@ class HealthProber:
 
     async def _run(self) -> None:
         while True:
-            try:
-                await self.probe_all()
-            except Exception:  # a prober bug must not stop probing
-                log.exception("health probe round failed")
+            self._start_probes()  # not awaited: the next round is due an interval from now
             self._wake.clear()
             try:
                 # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancel that races

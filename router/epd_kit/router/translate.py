@@ -14,7 +14,7 @@ from typing import Any
 
 from epd_kit.router.context import RequestContext
 from epd_kit.router.openai_api import chunk_body, completion_body
-from epd_kit.router.rendering import DetokenizerLike, Renderer
+from epd_kit.router.rendering import DetokenizerLike, Renderer, engine_tokens
 from epd_kit.wire import GenerateResponse
 
 log = logging.getLogger("epd_router.translate")
@@ -31,9 +31,11 @@ def completion(ctx: RequestContext, result: GenerateResponse, renderer: Renderer
     skip = ctx.request.skip_special_tokens
     choices = []
     for c in result.choices:
+        with engine_tokens():
+            content = renderer.detokenize(c.token_ids, skip)
         choice: dict[str, Any] = {
             "index": c.index,
-            "message": {"role": "assistant", "content": renderer.detokenize(c.token_ids, skip)},
+            "message": {"role": "assistant", "content": content},
             "finish_reason": c.finish_reason or "stop",
             "token_ids": c.token_ids,
         }
@@ -103,10 +105,11 @@ class StreamTranslator:
             delta["role"] = "assistant"
         new_ids = choice.get("token_ids") or []
         self.completion_tokens += len(new_ids)
-        text = detokenizer.push(new_ids)
         finish = choice.get("finish_reason")
-        if finish is not None:
-            text += detokenizer.flush()
+        with engine_tokens():
+            text = detokenizer.push(new_ids)
+            if finish is not None:
+                text += detokenizer.flush()
         if text:
             delta["content"] = text
         return {"index": index, "delta": delta, "finish_reason": finish}

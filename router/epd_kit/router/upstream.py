@@ -10,7 +10,10 @@ engine down.
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -146,11 +149,24 @@ def classify_stream_error(payload: bytes, engine: Engine) -> UpstreamError | Non
     return _failure(engine, 502, message, said, failure=failure, retry_other=engine_failed)
 
 
+# The longest Retry-After handed on from an engine: it is advice for this router's client,
+# and the router's own waits (placement.queue_timeout_s) are of this order.
+MAX_RETRY_AFTER_S = 60.0
+
+
 def _retry_after(answer: EngineAnswer) -> float:
-    try:
-        return max(1.0, float(answer.headers.get("retry-after", "1")))
-    except ValueError:
-        return 1.0
+    """An engine 429's `Retry-After` (RFC 9110 10.2.3: delay-seconds or an HTTP-date), as
+    seconds in [1, MAX_RETRY_AFTER_S]; anything else (inf, nan, negative, garbage) is 1."""
+    text = answer.headers.get("retry-after", "").strip()
+    if text.isascii() and text.isdigit():  # delay-seconds is 1*DIGIT: no sign, exponent, inf, nan
+        seconds = float(min(int(text[:6]), 999_999))
+    else:
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+            seconds = (when - datetime.datetime.now(datetime.UTC)).total_seconds()
+        except (TypeError, ValueError, IndexError, OverflowError):  # not a date either
+            seconds = 1.0
+    return min(max(seconds, 1.0), MAX_RETRY_AFTER_S) if math.isfinite(seconds) else 1.0
 
 
 def blocks_unreadable(ve: Engine, pd_id: str) -> UpstreamError:
