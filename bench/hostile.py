@@ -9,7 +9,8 @@ transfer codings, ...) must get it.
 
 `--attacks` then runs the attacks of one client on the others (issue 23), each while
 legitimate text and image requests and /health are timed: 64 uploads that trickle their
-bodies, animated GIFs of 999 large frames, and six 60 MB bodies at once.
+bodies, animated GIFs of 999 large frames, six 60 MB bodies at once, and (issue 33) 8192x8192
+progressive JPEGs of 64 scans from one client that leaves and opens a second connection.
 
     python -m bench.hostile                      # starts sims + router, >= 500 cases
     python -m bench.hostile --url http://127.0.0.1:18800 --random 50
@@ -709,6 +710,38 @@ def _repeat(host: str, port: int, stop: threading.Event, raw: bytes, max_count: 
         send(host, port, Case("attack", raw), timeout_s=120)
 
 
+def scan_bomb(side: int, extra_scans: int, seed: int = 0) -> bytes:
+    """A progressive JPEG whose last scan is repeated `extra_scans` times (issue 33: each
+    copy costs a decode of the whole image; 8192x8192: ~40 ms per 99-byte copy)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), (seed % 256, 80, 40)).save(buf, format="JPEG", progressive=True, quality=70)
+    data = buf.getvalue()
+    last = data.rindex(b"\xff\xda")
+    return data[:-2] + data[last:-2] * extra_scans + b"\xff\xd9"
+
+
+def _scan_bombs(host: str, port: int, stop: threading.Event, raws: list[bytes], max_count: int) -> None:
+    """One client's scan bombs with the tricks that dodged the per-client image bound (issue
+    33): two connections at a time, the first left 0.3 s after sending (its decode runs on),
+    the key's scheme spelled in turn as `raws` give it."""
+    for n in range(max_count):
+        if stop.is_set():
+            return
+        socks = [socket.create_connection((host, port), timeout=30) for _ in range(2)]
+        try:
+            for sock in socks:
+                sock.sendall(raws[n % len(raws)])
+            time.sleep(0.3)
+            socks[0].close()
+            with contextlib.suppress(OSError):
+                socks[1].recv(65536)
+        finally:
+            for sock in socks:
+                sock.close()
+
+
 def attacks(url: str, *, big: bool = True, seconds: float = 20.0) -> dict:
     """Each attack for `seconds` while legitimate text and image requests (one at a time,
     two clients) and /health are timed. Done when every legitimate request is answered 200
@@ -723,6 +756,10 @@ def attacks(url: str, *, big: bool = True, seconds: float = 20.0) -> dict:
         "64 slow uploads": lambda stop: _slow_uploads(host, port, stop),
         f"999-frame {side}x{side} GIFs, 2 clients": lambda stop: _parallel(2, _repeat, host, port, stop, gif, 50),
         "six 60 MB bodies" if big else "six 8 MB bodies": lambda stop: _parallel(6, _repeat, host, port, stop, huge, 3),
+        # within limits.max_jpeg_scans (64): 54 repeats on top of the standard 10 scans
+        f"{side * 2}x{side * 2} scan-bomb JPEGs, leaving, 2 connections": lambda stop: _scan_bombs(
+            host, port, stop, [chat(user([image(_data_url(scan_bomb(side * 2, 54), "image/jpeg"))]))], 40
+        ),
     }
     return {name: _under_attack(url, attack, seconds) for name, attack in scenarios.items()}
 
