@@ -59,3 +59,19 @@ def test_golden_parser_sees_the_tutorial_layout():
         json.loads(ve[ve.index("--ec-transfer-config") + 1])["ec_connector_extra_config"]["side_channel_port"] == 14600
     )
     assert ve[2] == pd[2] == MODEL and "--no-enable-prefix-caching" in ve and "--no-enable-prefix-caching" in pd
+
+
+def test_sim_engines_find_the_sims_stand_in_compiler_and_no_venv_holds_one(rendered):
+    """The sim backend's unit, like a vllm unit, puts a neuronx-cc first on PATH (a cache miss needs
+    one): the sim's stand-in in a directory of its own, never a file in the kit venv that an operator
+    of a real host would find (roles/epd_engines: epd_engines_loader_environment)."""
+    out = rendered(REPO / "inventory/sandbox/one-host")
+    (unit_path,) = out.glob("*/etc/systemd/system/epd-engine@.service")
+    (record_path, *_) = sorted(out.glob("*/engines/*.json"))
+    record = json.loads(record_path.read_text())
+    path = record["environment"]["PATH"].split(":")
+    assert path[:2] == ["/etc/epd/sim-compiler", str(Path(record["argv"][0]).parent)], path
+    assert f"Environment=PATH={record['environment']['PATH']}\n" in unit_path.read_text()
+    assert "LD_LIBRARY_PATH" not in record["environment"]  # the loader path is the vllm backend's
+    standin = REPO / "router/epd_kit/sim/standin_bin/neuronx-cc"
+    assert standin.stat().st_mode & 0o111 and "compiles nothing" in standin.read_text()

@@ -281,11 +281,16 @@ def test_status_versions_of_a_sim_host_without_the_stack_have_no_drift_lines(tmp
 def test_the_trn2_render_gives_vllm_engines_the_setup_guides_loader_path(rendered):
     """vllm-neuron setup guide: LD_LIBRARY_PATH=/opt/amazon/efa/lib64:/opt/amazon/efa/lib and
     PATH=/opt/amazon/efa/bin in the shell that runs `vllm serve`; the kit adds the CUDA runtime's
-    directory (NIXL's LIBFABRIC plugin links libcudart.so.12) and /opt/aws/neuron/bin."""
+    directory (NIXL's LIBFABRIC plugin links libcudart.so.12) and /opt/aws/neuron/bin. PATH starts
+    with the engine venv's bin: neuronx-cc, which compiles every cache miss, is a console script
+    there (compiler/neuronx-cc/how-to-generate-neff.rst: "neuronx-cc is on your PATH")."""
     out = rendered(REPO / "inventory/examples/trn2-2e7pd")
     unit = next(out.glob("*/etc/systemd/system/epd-engine@.service")).read_text()
     library_path = "/opt/amazon/efa/lib64:/opt/amazon/efa/lib:/usr/local/cuda-12.6/targets/x86_64-linux/lib"
     assert f"Environment=LD_LIBRARY_PATH={library_path}\n" in unit, unit
-    assert "Environment=PATH=/opt/amazon/efa/bin:/opt/aws/neuron/bin:" in unit, unit
     record = json.loads(next(out.glob("*/engines/pd-0.json")).read_text())
+    venv_bin = str(Path(record["argv"][0]).parent)
+    assert venv_bin.startswith("/opt/aws_neuronx_venv_pytorch_inference_vllm"), record["argv"][0]
+    assert f"Environment=PATH={venv_bin}:/opt/amazon/efa/bin:/opt/aws/neuron/bin:" in unit, unit
     assert record["environment"]["LD_LIBRARY_PATH"] == library_path
+    assert record["environment"]["PATH"].startswith(f"{venv_bin}:")

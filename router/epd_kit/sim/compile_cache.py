@@ -15,6 +15,10 @@ vllm-neuron/docs/design/compilation/compilation_cache.md (CC) and cpu_compilatio
 - promotion is explicit, save_cache(local, remote, key): copy to staging on the remote, atomic
   rename, a no-op when already promoted, RuntimeError on an incomplete local entry (CC "API Reference")
 - VLLM_NEURON_CPU_COMPILE=1 needs NEURON_PLATFORM_TARGET_OVERRIDE; compiles, runs nothing (CPU)
+- compiling needs neuronx-cc on PATH ("neuronx-cc is on your PATH (activate the Neuron virtual
+  environment if you use one)", aws-neuron-sdk compiler/neuronx-cc/how-to-generate-neff.rst); a
+  hit, local or remote, does not. No source gives the engine's own message for a missing compiler:
+  the sim's (_compiler) is its own, a RuntimeError at startup, exit 1 (docs/sim.md)
 
 The sim keeps one key per engine configuration (the real plugin keeps one per graph and bucket);
 what matters to the kit, where a key lives and when it is compiled or fetched, is the same.
@@ -43,6 +47,7 @@ SIM_NEURON_SDK = "2.27-sim"
 DEFAULT_TARGET = "trn2"  # what a trn2 host detects (CC "Cache Key": platform target)
 DEFAULT_LOCK_TIMEOUT_S = 600.0  # NEURON_LIBTORCH_COMPILATION_TIMEOUT default (CC)
 ARTIFACT = "model.neff"
+COMPILER = "neuronx-cc"
 META = "key.json"
 _LOCK_POLL_S = 0.05
 
@@ -62,6 +67,7 @@ class CacheSettings:
     cpu_compile: bool  # VLLM_NEURON_CPU_COMPILE
     target: str
     lock_timeout_s: float
+    compiler: str | None = None  # neuronx-cc as the engine's PATH finds it; None: not on PATH
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> CacheSettings:
@@ -91,6 +97,8 @@ class CacheSettings:
             cpu_compile=cpu_compile,
             target=override or DEFAULT_TARGET,
             lock_timeout_s=float(env.get("NEURON_LIBTORCH_COMPILATION_TIMEOUT") or DEFAULT_LOCK_TIMEOUT_S),
+            # no PATH at all: the default search path, as execvp uses it
+            compiler=shutil.which(COMPILER, path=env.get("PATH", os.defpath)),
         )
 
 
@@ -149,7 +157,19 @@ def _copy_entry(source: Path, entry: Path) -> None:
 
 
 class CompileFailure(RuntimeError):
-    """The engine cannot get its graphs: strict mode miss or a lock wait over the timeout."""
+    """The engine cannot get its graphs: strict mode miss, no compiler, or a lock wait over the timeout."""
+
+
+def _compiler(settings: CacheSettings, key: str, engine: str) -> str:
+    """The compiler a miss needs; its absence fails the start only now, after every cache tier missed."""
+    if settings.compiler is None:
+        raise CompileFailure(
+            f"{COMPILER} not found on PATH: graph {key} of engine {engine} is not in the compile cache and "
+            f"compiling it needs the Neuron compiler. Put the engine venv's bin directory (where the "
+            f"neuronx-cc wheel installs {COMPILER}) first on the engine's PATH, or precompile this "
+            "engine configuration into the shared tier (playbooks/precompile.yml)"
+        )
+    return settings.compiler
 
 
 @dataclass(frozen=True)
@@ -171,6 +191,7 @@ async def load_or_compile(
     """The plugin's decision flow for one key (CC "Compilation Decision Flow")."""
     start = time.monotonic()
     if settings.disabled:
+        _compiler(settings, key, engine)
         log.info("Compile cache disabled (NEURON_LIBTORCH_DISABLE_COMPILE_CACHE=1): compiling graph %s", key)
         await asyncio.sleep(compile_s)
         return Outcome(key, "uncached", time.monotonic() - start)
@@ -199,7 +220,14 @@ async def load_or_compile(
                 f"not in the {where} cache. Precompile this engine configuration into the shared "
                 "tier (playbooks/precompile.yml) or turn strict mode off (epd_compile_cache_strict: false)"
             )
-        log.info("Compile cache miss: compiling graph %s for %s (simulated, %.1f s)", key, settings.target, compile_s)
+        compiler = _compiler(settings, key, engine)
+        log.info(
+            "Compile cache miss: compiling graph %s for %s with %s (simulated, %.1f s)",
+            key,
+            settings.target,
+            compiler,
+            compile_s,
+        )
         await asyncio.sleep(compile_s)
         _write_entry(entry, key, inputs)
         log.info("Compiled graph %s and stored it at %s", key, entry)

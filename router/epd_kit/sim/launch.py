@@ -23,6 +23,8 @@ from epd_kit.testing.process import ManagedProcess, free_port
 __all__ = ["SimProcess", "engine_command", "engine_env", "free_port", "pd_argv", "serve_argv", "ve_argv"]
 
 DEFAULT_SIM = Path(sys.executable).parent / "epd-sim"
+# the sim's stand-in neuronx-cc (roles/epd_engines installs the same file for sim-backend hosts)
+STANDIN_BIN = Path(__file__).resolve().parent / "standin_bin"
 HOST = "127.0.0.1"
 # The simulator always loads a local checkpoint directory: the kit then sets HF_HUB_OFFLINE=1.
 _LOCAL_SETTINGS = plan.read_settings({"epd_model": "/checkpoint", "epd_engine_backend": "sim"})
@@ -189,7 +191,8 @@ def pd_argv(
 
 
 def engine_env(cores: str, *, efa: bool = True, base: Mapping[str, str] | None = None, **sim: str) -> dict[str, str]:
-    """The kit's engine environment (docs/contract.md §6.4) + EPD_SIM_* settings (`profile="zero"`...).
+    """The kit's engine environment (docs/contract.md §6.4) + EPD_SIM_* settings (`profile="zero"`...),
+    with the sim's stand-in neuronx-cc first on PATH.
     `efa=False` leaves the EFA settings out (a failure test). Inherited EPD_SIM_*, FI_EFA_* and
     NEURON_* variables are dropped so a test is explicit."""
     env = {
@@ -198,6 +201,8 @@ def engine_env(cores: str, *, efa: bool = True, base: Mapping[str, str] | None =
         if not k.startswith(("EPD_SIM_", "FI_EFA_", "NEURON_"))
     }
     env.update(plan.engine_env(_LOCAL_SETTINGS, [int(core) for core in cores.split(",")]))
+    # the sim's stand-in compiler first on PATH, as the kit's sim units have it (a cache miss needs one)
+    env["PATH"] = os.pathsep.join([str(STANDIN_BIN), env.get("PATH", os.defpath)])
     if not efa:
         for name in plan.EFA_ENVIRONMENT:
             del env[name]

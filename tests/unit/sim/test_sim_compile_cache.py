@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
 
 from epd_kit.sim import compile_cache as cc
+from epd_kit.sim.launch import STANDIN_BIN
 
 SHAPES = {"max_model_len": 4096, "max_num_seqs": 4}
 
@@ -19,7 +21,8 @@ def inputs(env: dict[str, str] | None = None, **kw: object) -> dict:
 
 
 def settings(tmp_path: Path, **env: str) -> cc.CacheSettings:
-    return cc.CacheSettings.from_env({"VLLM_CACHE_ROOT": str(tmp_path / "local"), **env})
+    """The cache variables under tmp_path, with the sim's stand-in neuronx-cc on PATH (as the kit's units)."""
+    return cc.CacheSettings.from_env({"VLLM_CACHE_ROOT": str(tmp_path / "local"), "PATH": str(STANDIN_BIN), **env})
 
 
 def test_key_is_32_hex_and_follows_every_listed_input_but_not_the_core_slice() -> None:
@@ -81,11 +84,23 @@ def test_miss_compiles_then_local_hit_then_remote_fetch_on_another_host(tmp_path
     assert cc.save_cache(host_a.local_dir, remote, key) is True
     assert cc.save_cache(host_a.local_dir, remote, key) is False  # promoted already: a no-op
     assert not [p for p in remote.iterdir() if p.name.startswith(".staging")]
+    # host b has no compiler on PATH: a fetch and a local hit need none
     host_b = cc.CacheSettings.from_env(
-        {"VLLM_CACHE_ROOT": str(tmp_path / "b"), "NEURON_LIBTORCH_REMOTE_CACHE": str(remote)}
+        {"VLLM_CACHE_ROOT": str(tmp_path / "b"), "NEURON_LIBTORCH_REMOTE_CACHE": str(remote), "PATH": "/nonexistent"}
     )
+    assert host_b.compiler is None
     assert run(host_b, key, fetch_s=0.05, compile_s=5).source == "remote"  # fetched: no 5 s compile
     assert run(host_b, key).source == "local"
+
+
+@pytest.mark.parametrize("env", [{}, {"NEURON_LIBTORCH_DISABLE_COMPILE_CACHE": "1"}])
+def test_a_miss_without_neuronx_cc_on_path_fails_naming_the_compiler_and_path(tmp_path: Path, env) -> None:
+    s = settings(tmp_path, PATH=f"/nonexistent{os.pathsep}{tmp_path}", **env)
+    assert s.compiler is None
+    with pytest.raises(cc.CompileFailure, match=r"neuronx-cc not found on PATH: graph e{32} of engine e .*bin"):
+        run(s, "e" * 32)
+    assert not list(s.local_dir.glob("?" * 32))  # nothing compiled, nothing stored
+    assert settings(tmp_path).compiler == str(STANDIN_BIN / "neuronx-cc")
 
 
 def test_two_engines_of_one_host_compile_a_key_once(tmp_path: Path) -> None:
