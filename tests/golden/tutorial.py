@@ -15,6 +15,14 @@ TUTORIAL_EXPORTS = {
     "VLLM_NEURON_COMPILATION_TIMEOUT": "6000",
     "HF_HUB_OFFLINE": "1",
 }
+# What the kit sets beyond the tutorial, on purpose: the cold-start timeouts the vLLM Neuron docs
+# raise for long compiles, derived from the tutorial's compile budget of 6000 s
+# (epd_kit.plan.command.cold_start_timeouts; docs/operations.md "Timeouts")
+KIT_EXPORTS = {
+    "NEURON_LIBTORCH_COMPILATION_TIMEOUT": "6000",
+    "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "6000",
+    "VLLM_ENGINE_READY_TIMEOUT_S": "6300",
+}
 FILES = {"ve-0": "tutorial_ve0.sh", "pd-0": "tutorial_pd0.sh"}
 
 

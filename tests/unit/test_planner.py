@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from epd_kit import plan as planner
-from tests.golden.tutorial import TUTORIAL_EXPORTS, tutorial_command
+from tests.golden.tutorial import KIT_EXPORTS, TUTORIAL_EXPORTS, tutorial_command
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "inventory" / "examples"
@@ -62,7 +62,7 @@ def test_single_node_example_is_the_tutorial_command(instance):
         theirs = argv[argv.index(flag) + 1]
         assert json.loads(ours) == json.loads(theirs)
         assert list(json.loads(ours)) == list(json.loads(theirs))  # key order too
-    assert engine["env"] == {**env, **TUTORIAL_EXPORTS}
+    assert engine["env"] == {**env, **TUTORIAL_EXPORTS, **KIT_EXPORTS}
 
 
 def test_single_node_example_layout_is_the_tutorial_table():

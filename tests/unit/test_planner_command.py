@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epd_kit import plan
+from epd_kit.plan import command
 from epd_kit.sim import launch
 from tests.ansible.systemd_expand import expand_command, parse_unit
 
@@ -107,11 +108,39 @@ def test_engine_env_is_the_one_place_of_the_efa_settings():
         "NEURON_VISIBLE_DEVICES": "8,9,10,11",
         **plan.EFA_ENVIRONMENT,
         "VLLM_NEURON_COMPILATION_TIMEOUT": "6000",
+        "NEURON_LIBTORCH_COMPILATION_TIMEOUT": "6000",
+        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "6000",
+        "VLLM_ENGINE_READY_TIMEOUT_S": "6300",
         "HF_HUB_OFFLINE": "1",
         "NEURON_RT_LOG_LEVEL": "INFO",
     }
     assert plan.EFA_ENVIRONMENT == {"FI_EFA_ENABLE_SHM_TRANSFER": "0", "FI_EFA_USE_DEVICE_RDMA": "1"}
     assert set(plan.EFA_ENVIRONMENT) < set(plan.MANAGED_ENV)
+
+
+def test_every_cold_start_timeout_follows_the_compile_budget_and_the_operator_cannot_set_it_twice():
+    """vllm-neuron docs: NEURON_LIBTORCH_COMPILATION_TIMEOUT (a lock wait, 600 s), VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS
+    and VLLM_ENGINE_READY_TIMEOUT_S are raised with the compile budget; left at a default, a cold start the
+    budget allows is cut short."""
+    for role_settings in ({"epd_engine_backend": "sim"}, {}):
+        settings_ = plan.read_settings({"epd_model": MODEL, "epd_compilation_timeout_s": 900, **role_settings})
+        env = plan.engine_env(settings_, [0])
+        assert {name: env[name] for name in command.COLD_START_TIMEOUTS} == {
+            "VLLM_NEURON_COMPILATION_TIMEOUT": "900",
+            "NEURON_LIBTORCH_COMPILATION_TIMEOUT": "900",  # an engine waiting for another's compile of its graph
+            "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "900",
+            "VLLM_ENGINE_READY_TIMEOUT_S": str(900 + command.ENGINE_READY_MARGIN_S),
+        }
+    # vLLM gives up before the unit's readiness gate does (EPD_READY_TIMEOUT_S of the default start budget)
+    settings_ = plan.read_settings({"epd_model": MODEL, "epd_compilation_timeout_s": 900})
+    (host,) = plan.plan_fleet(settings_, [plan.read_host("n1", {"epd_num_pd": 1}, settings_)]).values()
+    (pd,) = host["engines"]
+    unit = plan.engine_unit(pd, "/venv/bin/vllm", host["start_timeout_s"])
+    assert int(pd["env"]["VLLM_ENGINE_READY_TIMEOUT_S"]) < int(unit["env_file"]["EPD_READY_TIMEOUT_S"])
+    assert set(command.COLD_START_TIMEOUTS) < set(plan.MANAGED_ENV)
+    for name in command.COLD_START_TIMEOUTS:
+        with pytest.raises(plan.EpdPlanError, match=f"sets {name}: the kit derives it from epd_compilation_timeout_s"):
+            plan.read_settings({"epd_model": MODEL, "epd_engine_environment": {name: "60"}})
 
 
 def test_engine_unit_env_file_order_and_readiness_budget():
@@ -121,7 +150,8 @@ def test_engine_unit_env_file_order_and_readiness_budget():
     unit = plan.engine_unit(ve, "/venv/bin/vllm", 3600)
     assert unit["argv"] == ["/venv/bin/vllm", *ve["argv"][1:]]
     names = list(unit["env_file"])
-    assert names[:5] == sorted(ve["env"]) and names[5:-3] == list(ve["unit_variables"])
+    env_count = len(ve["env"])
+    assert names[:env_count] == sorted(ve["env"]) and names[env_count:-3] == list(ve["unit_variables"])
     assert names[-3:] == ["EPD_START_DELAY_S", "EPD_HEALTH_URL", "EPD_READY_TIMEOUT_S"]
     assert (unit["env_file"]["EPD_START_DELAY_S"], unit["env_file"]["EPD_READY_TIMEOUT_S"]) == (
         "10",
@@ -180,6 +210,8 @@ def test_the_sim_launcher_runs_the_kits_command():
     assert launch.ve_argv(MODEL, 18300, 14600, executable="epd-sim") == engines["ve"]["argv"]
     assert launch.pd_argv(MODEL, 18100, executable="epd-sim") == engines["pd"]["argv"]
     env = launch.engine_env("8,9,10,11", base={})
+    # PATH: what the kit's sim unit sets beside the planned environment (the stand-in compiler first)
+    assert env.pop("PATH").split(":")[0] == str(launch.STANDIN_BIN)
     assert env == engines["ve"]["env"]
 
 

@@ -107,8 +107,41 @@ MANAGED_FLAGS = {
 ENGINE_DTYPE = "bfloat16"
 
 EFA_ENVIRONMENT = {"FI_EFA_ENABLE_SHM_TRANSFER": "0", "FI_EFA_USE_DEVICE_RDMA": "1"}
+
+# After the compile budget, vLLM's engine-core wait also covers loading the weights and the NEFFs
+# and the warm-up: half of timeouts.START_MARGIN_S (600 s), so vLLM gives up with its own message
+# well before the unit's readiness gate (EPD_READY_TIMEOUT_S) and systemd's TimeoutStartSec.
+ENGINE_READY_MARGIN_S = 300
+
+
+def cold_start_timeouts(compilation_timeout_s: int) -> dict[str, str]:
+    """Every timeout the sources name for a long first compile, derived from epd_compilation_timeout_s
+    (C), so a cold start that the compile budget allows is not cut short by a default (docs/operations.md
+    "Timeouts"). aws-neuron-sdk vllm-neuron/docs = V below."""
+    budget = str(compilation_timeout_s)
+    return {
+        # the plugin's compile budget, default 600 s ("can exceed the default 600-second budget",
+        # V/tutorials/tutorial-gpt-oss.md; the EPD tutorial exports 6000)
+        "VLLM_NEURON_COMPILATION_TIMEOUT": budget,
+        # "Seconds to wait for another process to finish compiling before timing out", default 600
+        # (V/design/compilation/compilation_cache.md): an engine waiting for its host's other
+        # engine compiling the same graph may wait as long as that compile may take. (V/guides/
+        # reference-configuration.md reads it as one NEFF's compile timeout: C bounds that too.)
+        "NEURON_LIBTORCH_COMPILATION_TIMEOUT": budget,
+        # vLLM's bound on each model execution of the multiprocess executor, default 300 s (vLLM
+        # envs.py); raised with the compile budget "for large model compilation" (V/tutorials/
+        # tutorial-qwen3-vl-32b.md, tutorial-qwen3-embedding-8b.md "Compilation hits the timeout")
+        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": budget,
+        # vLLM's wait for its engine-core processes to be ready, default 600 s (vLLM envs.py,
+        # v1/engine/utils.py wait_for_engine_startup); raised "for the disaggregated path"
+        # (V/tutorials/tutorial-gpt-oss.md "Compilation hits the timeout", tutorial-di-1p1d-xpyd.md)
+        "VLLM_ENGINE_READY_TIMEOUT_S": str(compilation_timeout_s + ENGINE_READY_MARGIN_S),
+    }
+
+
+COLD_START_TIMEOUTS = tuple(cold_start_timeouts(1))
 # Environment the kit derives itself; an operator cannot override it per fleet.
-MANAGED_ENV = ("NEURON_VISIBLE_DEVICES", *EFA_ENVIRONMENT)
+MANAGED_ENV = ("NEURON_VISIBLE_DEVICES", *EFA_ENVIRONMENT, *COLD_START_TIMEOUTS)
 
 
 @dataclass(frozen=True)
@@ -225,11 +258,11 @@ def serve_argv(
 
 
 def engine_env(settings: Settings, cores: Sequence[int]) -> dict[str, str]:
-    """The engine's process environment: its core slice, the EFA settings, the compile budget."""
+    """The engine's process environment: its core slice, the EFA settings, the cold-start timeouts."""
     env = {
         "NEURON_VISIBLE_DEVICES": ",".join(str(c) for c in cores),
         **EFA_ENVIRONMENT,
-        "VLLM_NEURON_COMPILATION_TIMEOUT": str(settings.compilation_timeout_s),
+        **cold_start_timeouts(settings.compilation_timeout_s),
     }
     if settings.model_is_local:
         env["HF_HUB_OFFLINE"] = "1"
@@ -281,6 +314,11 @@ def check_engine_environment(value: Any) -> tuple[tuple[str, str], ...]:
     for name, item in sorted(value.items()):
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise EpdPlanError(f"epd_engine_environment: {name!r} is not a valid environment variable name")
+        if name in COLD_START_TIMEOUTS:
+            raise EpdPlanError(
+                f"epd_engine_environment sets {name}: the kit derives it from epd_compilation_timeout_s; "
+                "change that instead and remove it from the inventory"
+            )
         if name in MANAGED_ENV:
             raise EpdPlanError(
                 f"epd_engine_environment sets {name}: the kit derives it (core slices, required EFA settings); "
