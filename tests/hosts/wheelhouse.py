@@ -24,6 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nixl_wheels  # tests/hosts/nixl_wheels.py: the NIXL wheels of tests/ansible/test_transfer_probe.py
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +59,7 @@ def main() -> int:
     argv = [sys.executable, str(BUILDER), "--repo", str(REPO), "--cache", str(CACHE)]
     argv += [f"--pin={pin}" for pin in sim_pins()]
     kit_rc = subprocess.run(argv, check=False).returncode
-    return kit_rc or provisioning_standins()
+    return kit_rc or provisioning_standins() or nixl_wheels.main()
 
 
 def provisioning_standins() -> int:
