@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from epd_kit.sim.launch import STANDIN_BIN
 from epd_kit.testing.process import LOOPBACK, ManagedProcess, free_port
 from tests.compat.stack import READY_TIMEOUT_S, tutorial_argv
 from tests.golden.tutorial import TUTORIAL_EXPORTS, tutorial_command
@@ -36,6 +37,8 @@ class SimEngine:
             **golden_env,
             "EPD_SIM_PROFILE": "zero",
             "PYTHONPATH": os.pathsep.join(sys.path),
+            # a cache miss needs a neuronx-cc on PATH: the sim's stand-in, as in the kit's sim units
+            "PATH": os.pathsep.join([str(STANDIN_BIN), os.environ.get("PATH", os.defpath)]),
         }
         url = f"http://{LOOPBACK}:{port}"
         process = ManagedProcess(argv, workdir / f"sim-{instance}.log", env=env, name=f"epd-sim {instance}")
