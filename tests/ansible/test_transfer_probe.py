@@ -116,7 +116,8 @@ def torch_standin(site: Path, cuda: str, preload: bool) -> Path:
     (site / "torch/version.py").write_text(f'__version__ = "2.11.0+standin"\ncuda = "{cuda}"\n')
     (site / "torch/__init__.py").write_text(
         '"""STAND-IN torch (epd-kit tests): its CUDA version and the CUDA runtime it loads."""\n'
-        "import ctypes\n\nfrom . import version\n\n__version__ = version.__version__\n"
+        "import ctypes\n\nfrom . import version\n\n__version__ = version.__version__\n\n\n"
+        "class Tensor:  # nixl 1.3's _api annotates with torch.Tensor at import\n    pass\n\n\n"
         + (f"ctypes.CDLL({str(runtime)!r}, mode=ctypes.RTLD_GLOBAL)\n" if preload else "")
     )
     return runtime
