@@ -37,11 +37,12 @@ from epd_kit.router.encode import VeBody, ve_body
 from epd_kit.router.errors import UpstreamError
 from epd_kit.router.health import EngineHealth, HealthProber, ProbeFailed
 from epd_kit.router.metrics import RouterMetrics
+from epd_kit.router.pd_stream import SseReader
 from epd_kit.router.pools import Engine
 from epd_kit.router.probes import ServingProbes
 from epd_kit.router.rendering import PreparedItemLike
 from epd_kit.router.state import RouterState
-from epd_kit.wire import GENERATE_PATH, EcLocator, GenerateResponse, iter_sse_payloads
+from epd_kit.wire import GENERATE_PATH, EcLocator, GenerateResponse
 
 # the client's own read timeout stays a little behind the call's deadline, so the deadline
 # (whose message says what it was derived from) is what fires
@@ -284,7 +285,7 @@ class EngineClient:
                     raise upstream.classify_status(
                         upstream.EngineAnswer(resp.status, await resp.read(MAX_ERROR_BYTES), resp.headers), engine
                     )
-                payloads = iter_sse_payloads(resp.iter_any())
+                payloads = SseReader(resp.iter_any(), engine)  # bounded lines, LF or CRLF
                 try:
                     first = await anext(payloads)
                 except StopAsyncIteration:

@@ -125,6 +125,13 @@ class UpstreamError(RouterError):
     def engine_failed(self) -> bool:
         return self.failure is not None
 
+    # what a client whose stream has started is told (docs/router.md "Stream errors"): the
+    # message above names the engine and its address, for the log and for operators
+    client_message = "the engine failed while generating"
+
+    def for_client(self) -> RouterError:
+        return RouterError(self.status, self.client_message)
+
 
 class EcLoadFailed(UpstreamError):
     """A PD could not read an item's embedding from its VE (vLLM's `ECLoadFailure`, contract

@@ -4,8 +4,8 @@ PD, as one OpenAI body or as a relayed stream.
 A failed PD call moves to another PD only while the client has received nothing: for a
 non-streaming request until the answer, for a stream until the PD's first event (read
 before the router answers 200). Both paths share one retry loop (`_on_a_pd`). A started
-stream that goes silent for `timeouts.stream_gap_s` ends with an error naming its PD, and
-counts against that PD (`GapWatch`).
+stream that sends no token for `timeouts.stream_gap_s` ends with an error frame, and counts
+against its PD (`GapWatch`).
 """
 
 from __future__ import annotations
@@ -167,10 +167,14 @@ class Generation:
         return upstream.pd_request_body(ctx.engine_request_id, ctx.token_ids, ctx.items, sampling, ctx.locators, stream)
 
     async def relay(self, ctx: RequestContext, pd: PdStream, outcome: RequestOutcome) -> AsyncIterator[bytes]:
-        """The client's SSE bytes. A failure after the start ends the stream with one error
-        frame and `[DONE]`; the PD stream is closed and its slot freed on every exit path
-        (including a client that leaves, which cancels or closes this generator). Sets
-        `outcome.status`; the caller records it."""
+        """The client's SSE bytes, ending in `[DONE]` only when the answer is complete. A
+        failure after the start (the PD's connection breaks, its error frame, a stream that
+        ends before every choice has its finish_reason, no token for the gap timeout) ends
+        the stream with one error frame the router writes itself (the request id, no engine
+        address) and nothing after it, and counts against the PD. Malformed PD frames are
+        skipped, counted in a metric and logged once per request. The PD stream is closed and
+        its slot freed on every exit path (including a client that leaves, which cancels or
+        closes this generator). Sets `outcome.status`; the caller records it."""
         translator = translate.StreamTranslator(ctx, self._renderer)
         ok = client_left = False
         t = time.monotonic()
@@ -179,15 +183,21 @@ class Generation:
             async with ctx.time_limit("generate"):
                 payload: bytes | None = pd.first
                 while payload is not None:
+                    progress = translator.progress
                     frame = translator.translate(payload)
+                    if translator.engine_error is not None:
+                        raise upstream.stream_error_frame(pd.engine, translator.engine_error)
                     if frame is not None:
                         outcome.first_byte()
                         yield frame
+                    if translator.progress != progress:  # events without tokens do not count
+                        watch.last = watch.loop.time()
                     try:
                         payload = await anext(pd.payloads)
                     except StopAsyncIteration:
                         payload = None
-                    watch.last = watch.loop.time()
+            if not translator.complete:
+                raise upstream.stream_truncated(pd.engine, bool(getattr(pd.payloads, "done", False)))
             usage = translator.closing_usage()
             if usage is not None:
                 yield usage
@@ -195,9 +205,9 @@ class Generation:
             pd.engine.served += 1
         except engine_http.ClientError as exc:
             cause = upstream.stream_stalled(pd.engine, watch.gap_s) if watch.fired else None
-            err = self._engines.failed(cause or upstream.classify_exception(exc, pd.engine), pd.engine)
-            log.warning("PD stream failed after start", extra={"request_id": ctx.request_id, "error": err.message})
-            yield err.sse_frame(ctx.request_id)
+            yield self._stream_failed(ctx, pd, cause or upstream.classify_exception(exc, pd.engine))
+        except UpstreamError as err:
+            yield self._stream_failed(ctx, pd, err)
         except RouterError as err:
             yield err.sse_frame(ctx.request_id)
         except (asyncio.CancelledError, GeneratorExit):
@@ -211,6 +221,12 @@ class Generation:
             await self.close(pd, ctx)
             self._metrics.pd.observe(time.monotonic() - t)
             outcome.status = "200" if ok else ("client_closed" if client_left else "stream_error")
+            if translator.malformed:
+                self._metrics.malformed_frames.inc(translator.malformed)
+                log.warning(
+                    "malformed PD stream frames skipped",
+                    extra={"request_id": ctx.request_id, "engine": pd.engine.id, "count": translator.malformed},
+                )
             log.info(
                 "stream done" if ok else ("client left" if client_left else "stream ended with an error"),
                 extra={
@@ -220,7 +236,14 @@ class Generation:
                     "duration_s": round(time.monotonic() - ctx.t0, 4),
                 },
             )
-        yield translate.DONE_FRAME
+        if ok:
+            yield translate.DONE_FRAME
+
+    def _stream_failed(self, ctx: RequestContext, pd: PdStream, err: UpstreamError) -> bytes:
+        """Charge a started stream's failure to its PD, log it, and the client's frame."""
+        err = self._engines.failed(err, pd.engine)
+        log.warning("PD stream failed after start", extra={"request_id": ctx.request_id, "error": err.message})
+        return err.for_client().sse_frame(ctx.request_id)
 
     async def close(self, pd: PdStream, ctx: RequestContext) -> None:
         """Idempotent: close the PD stream, free its slot and the request's VEs (also when the

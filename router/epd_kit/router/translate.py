@@ -9,15 +9,12 @@ stream carries it only when the client asked (`stream_options.include_usage`).
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 from epd_kit.router.context import RequestContext
 from epd_kit.router.openai_api import chunk_body, completion_body
 from epd_kit.router.rendering import DetokenizerLike, Renderer, engine_tokens
 from epd_kit.wire import GenerateResponse
-
-log = logging.getLogger("epd_router.translate")
 
 DONE_FRAME = b"data: [DONE]\n\n"
 
@@ -53,7 +50,13 @@ def completion(ctx: RequestContext, result: GenerateResponse, renderer: Renderer
 
 class StreamTranslator:
     """One stream's PD payloads -> client SSE frames. Feed every payload to `translate`;
-    at the end, `closing_usage` gives the usage chunk the PD did not send, if one is due."""
+    at the end, `closing_usage` gives the usage chunk the PD did not send, if one is due.
+
+    It also keeps what the relay judges the stream by: `progress` (token ids and finish
+    reasons seen: what the gap timeout waits for), `complete` (every choice that started
+    has finished), `engine_error` (the PD's own error frame, never relayed: the router
+    writes its own) and `malformed` (payloads skipped: not JSON, not an object, or fields
+    of the wrong type)."""
 
     def __init__(self, ctx: RequestContext, renderer: Renderer) -> None:
         self._ctx = ctx
@@ -61,21 +64,36 @@ class StreamTranslator:
         self._include_usage = ctx.request.include_usage
         self._skip_special = ctx.request.skip_special_tokens
         self._detokenizers: dict[int, DetokenizerLike] = {}
+        self._finished: set[int] = set()
         self._usage_sent = False
         self.completion_tokens = 0
+        self.progress = 0
+        self.malformed = 0
+        self.engine_error: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        return bool(self._detokenizers) and self._finished.issuperset(self._detokenizers)
 
     def translate(self, payload: bytes) -> bytes | None:
         """The client frame for one PD payload, or None when it carries nothing to send."""
         try:
             doc = json.loads(payload)
         except ValueError:
-            log.warning("unparsable PD stream frame skipped", extra={"request_id": self._ctx.request_id})
-            return None
+            doc = None
         if not isinstance(doc, dict):
+            self.malformed += 1
             return None
         if doc.get("error") and not doc.get("choices"):
-            return b"data: " + payload + b"\n\n"  # PD error frames pass through (§1.2)
-        choices = [self._delta(c) for c in doc.get("choices") or []]
+            err = doc["error"]
+            message = err.get("message") if isinstance(err, dict) else err
+            self.engine_error = " ".join(str(message).split())[:200]
+            return None
+        raw_choices = doc.get("choices") or []
+        if not (isinstance(raw_choices, list) and all(_valid_choice(c) for c in raw_choices)):
+            self.malformed += 1
+            return None
+        choices = [self._delta(c) for c in raw_choices]
         if choices:
             return self._chunk(choices)
         if doc.get("usage") and self._include_usage and not self._usage_sent:
@@ -106,6 +124,10 @@ class StreamTranslator:
         new_ids = choice.get("token_ids") or []
         self.completion_tokens += len(new_ids)
         finish = choice.get("finish_reason")
+        if new_ids or finish is not None:
+            self.progress += 1
+        if finish is not None:
+            self._finished.add(index)
         with engine_tokens():
             text = detokenizer.push(new_ids)
             if finish is not None:
@@ -125,3 +147,21 @@ class StreamTranslator:
             usage=usage,
         )
         return sse_frame(body)
+
+
+def _valid_choice(choice: object) -> bool:
+    """A PD stream choice the translator can use: an object whose index, token ids and
+    finish reason have their types (issue 33: anything else is a malformed frame, not a
+    traceback)."""
+    if not isinstance(choice, dict):
+        return False
+    index = choice.get("index", 0)
+    ids = choice.get("token_ids") or []
+    finish = choice.get("finish_reason")
+    return (
+        type(index) is int
+        and 0 <= index < 128
+        and isinstance(ids, list)
+        and all(type(t) is int for t in ids)
+        and (finish is None or isinstance(finish, str))
+    )

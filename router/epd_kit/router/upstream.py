@@ -94,7 +94,9 @@ def classify_exception(exc: engine_http.ClientError, engine: Engine) -> Upstream
     if isinstance(exc, engine_http.ServerTimeoutError):
         return _failure(engine, 504, f"{where(engine)} timed out ({kind})", failure=Failure.timeout, retry_other=True)
     message = f"{where(engine)} failed: connection broken ({kind})"
-    return _failure(engine, 502, message, failure=Failure.error, retry_other=True)
+    err = _failure(engine, 502, message, failure=Failure.error, retry_other=True)
+    err.client_message = "the connection to the engine broke"
+    return err
 
 
 def deadline_exceeded(engine: Engine, deadline_s: float, what: str) -> UpstreamError:
@@ -105,10 +107,28 @@ def deadline_exceeded(engine: Engine, deadline_s: float, what: str) -> UpstreamE
 
 
 def stream_stalled(engine: Engine, gap_s: float) -> UpstreamError:
-    """A started stream that went silent for `gap_s`: the engine took the request and stopped
-    sending, which is how a PD that hangs mid-stream looks."""
-    message = f"{where(engine)} timed out: no stream event for {gap_s:g}s (timeouts.stream_gap_s)"
-    return _failure(engine, 504, message, failure=Failure.timeout, retry_other=False)
+    """A started stream that sent no token for `gap_s`: the engine took the request and
+    stopped generating (it may still send events without tokens), which is how a PD that
+    hangs mid-stream looks."""
+    message = f"{where(engine)} timed out: no token in the stream for {gap_s:g}s (timeouts.stream_gap_s)"
+    err = _failure(engine, 504, message, failure=Failure.timeout, retry_other=False)
+    err.client_message = f"generation stalled: no token for {gap_s:g}s"
+    return err
+
+
+def stream_truncated(engine: Engine, done: bool) -> UpstreamError:
+    """A started stream that ended before every choice had its finish_reason."""
+    how = "[DONE] before a finish_reason" if done else "neither a finish_reason nor [DONE]"
+    message = f"{where(engine)} failed: the stream ended with {how}"
+    err = _failure(engine, 502, message, failure=Failure.error, retry_other=False)
+    err.client_message = "the stream from the engine ended before the answer was complete"
+    return err
+
+
+def stream_error_frame(engine: Engine, said: str) -> UpstreamError:
+    """A started stream in which the PD sent an error frame."""
+    message = f"{where(engine)} failed mid-stream: {said}"
+    return _failure(engine, 502, message, said, failure=Failure.error, retry_other=False)
 
 
 def classify_status(answer: EngineAnswer, engine: Engine) -> UpstreamError:
@@ -179,7 +199,9 @@ def blocks_unreadable(ve: Engine, pd_id: str) -> UpstreamError:
 
 def bad_body(engine: Engine, what: str) -> UpstreamError:
     message = f"{where(engine)} returned an invalid response: {what}"
-    return _failure(engine, 502, message, failure=Failure.error, retry_other=True)
+    err = _failure(engine, 502, message, failure=Failure.error, retry_other=True)
+    err.client_message = "the engine sent an invalid answer"
+    return err
 
 
 def pd_request_body(

@@ -80,10 +80,17 @@ def test_stream_choices_are_detokenized_apart(config, char_renderer):
     assert tr.completion_tokens == 3
 
 
-def test_pd_error_frames_pass_through_and_junk_is_skipped(config, char_renderer):
+def test_pd_error_frames_are_reported_not_relayed_and_junk_is_counted(config, char_renderer):
+    """Issue 33: a PD error frame was relayed verbatim (an engine address among its fields);
+    the relay now writes the router's own frame from `engine_error`."""
     tr = StreamTranslator(context(config, stream=True), char_renderer())
-    error = b'{"error":{"message":"boom","type":"InternalServerError","code":500}}'
-    assert tr.translate(error) == b"data: " + error + b"\n\n"
+    error = b'{"error":{"message":"boom\\nat 10.0.0.7","type":"InternalServerError","code":500,"addr":"10.0.0.7"}}'
+    assert tr.translate(error) is None and tr.engine_error == "boom at 10.0.0.7"
     assert tr.translate(b"{not json") is None
     assert tr.translate(b"[1, 2]") is None
+    assert tr.translate(payload(choices=[{"index": "0", "token_ids": [1]}])) is None
+    assert tr.translate(payload(choices=[{"index": 0, "token_ids": "12"}])) is None
+    assert tr.translate(payload(choices=[{"index": 0, "token_ids": [1], "finish_reason": 5}])) is None
+    assert tr.malformed == 5 and tr.progress == 0 and not tr.complete
     assert tr.translate(payload(choices=[])) is None
+    assert tr.malformed == 5
