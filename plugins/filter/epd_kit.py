@@ -168,6 +168,7 @@ class FilterModule:
                 "epd_engine_render_files": engine_render_files,
                 "epd_env_file": plan.read_env_file,
                 "epd_kit_path": kit_path,
+                "epd_neuron_release": plan.release_profile,
                 "epd_declared_default": declared_default,
             }.items()
         }

@@ -25,6 +25,13 @@ options:
   kit_python:
     description: Interpreter of the kit venv (epd-kit); absent = null.
     type: path
+  engine_distributions:
+    description:
+      - Python distributions to read in the engine venv; each one's component is its name with C(_) for C(-)
+        (C(vllm-neuron) -> C(vllm_neuron)). The default is the kit's engine venv set of any supported release.
+    type: list
+    elements: str
+    default: [nixl, vllm, vllm-neuron, neuronx-cc, libtorch-neuronx-lite, torch-neuronx, nki]
   expected:
     description:
       - Pins, keyed like RV(versions) (e.g. C(driver) = C(2.24.7.0), C(nixl) = C(1.5.1)).
@@ -91,15 +98,6 @@ DEBIAN_COMPONENTS = {
     "tools": ("aws-neuronx-tools",),
     "libfabric": ("libfabric-aws-bin", "libfabric1-aws", "libfabric1"),
 }
-# component -> Python distribution, read in the venv that holds it
-ENGINE_DISTRIBUTIONS = {
-    "nixl": "nixl",
-    "vllm": "vllm",
-    "vllm_neuron": "vllm-neuron",
-    "neuronx_cc": "neuronx-cc",
-    "torch_neuronx": "torch-neuronx",
-    "nki": "nki",
-}
 KIT_DISTRIBUTIONS = {"kit": "epd-kit"}
 EFA_VERSION_LINE = re.compile(r"^#\s*EFA installer version:\s*(\S+)", re.MULTILINE)
 DRIVER_VERSION_FILE = "/sys/module/neuron/version"
@@ -141,6 +139,11 @@ def distribution_versions(python: str | None, names: list[str]) -> dict[str, str
         [python, "-c", DISTRIBUTION_VERSIONS, *names], capture_output=True, text=True, timeout=60, check=False
     )
     return json.loads(result.stdout) if result.returncode == 0 else absent
+
+
+def component(distribution: str) -> str:
+    """A distribution's component name: vllm-neuron -> vllm_neuron."""
+    return distribution.replace("-", "_")
 
 
 def upstream(installed: str) -> str:
@@ -203,8 +206,9 @@ def host_versions(params: dict) -> dict[str, str | None]:
     loaded = read_text(DRIVER_VERSION_FILE)
     versions["driver_loaded"] = loaded.strip() if loaded else None
     versions["efa_installer"] = efa_installer_version(read_text(params["efa_record"]))
-    engine = distribution_versions(params.get("engine_python"), list(ENGINE_DISTRIBUTIONS.values()))
-    versions.update({component: engine[dist] for component, dist in ENGINE_DISTRIBUTIONS.items()})
+    names = list(params["engine_distributions"])
+    engine = distribution_versions(params.get("engine_python"), names)
+    versions.update({component(dist): engine.get(dist) for dist in names})
     kit = distribution_versions(params.get("kit_python"), list(KIT_DISTRIBUTIONS.values()))
     versions.update({component: kit[dist] for component, dist in KIT_DISTRIBUTIONS.items()})
     return versions
@@ -215,6 +219,19 @@ def main() -> None:
         argument_spec={
             "engine_python": {"type": "path"},
             "kit_python": {"type": "path"},
+            "engine_distributions": {
+                "type": "list",
+                "elements": "str",
+                "default": [
+                    "nixl",
+                    "vllm",
+                    "vllm-neuron",
+                    "neuronx-cc",
+                    "libtorch-neuronx-lite",
+                    "torch-neuronx",
+                    "nki",
+                ],
+            },
             "expected": {"type": "dict", "default": {}},
             "dpkg_status": {"type": "path", "default": "/var/lib/dpkg/status"},
             "efa_record": {"type": "path", "default": "/opt/amazon/efa_installed_packages"},

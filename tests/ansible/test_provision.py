@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tarfile
+import zipfile
 from importlib import metadata
 from pathlib import Path
 
@@ -136,33 +138,22 @@ def provision_locally(tmp_path: Path, **variables) -> subprocess.CompletedProces
     return playbook("-i", str(inventory), "playbooks/provision.yml", "-e", f"@{extra}")
 
 
-SHA = "0" * 64
-
-
 @pytest.mark.parametrize(
     ("variables", "message"),
     [
-        ({}, "64 lowercase hex digits AWS publishes for aws-efa-installer-1.47.0.tar.gz (got '')"),
+        ({"epd_provision_engine_pins": {"vllm-neuron": ""}}, "every pin must be a version"),
+        ({"epd_provision_efa_installer_sha256": "abc"}, "epd_provision_efa_installer_sha256 empty or 64 lowercase hex"),
+        ({"epd_provision_efa_installer_key_fingerprint": "4E90 91BC"}, "key_fingerprint empty or 40 hex digits"),
+        ({"epd_provision_neuron_driver_version": "latest"}, "every pin"),
+        # mistake: the framework of another release (Neuron 2.31's torch-neuronx) pinned as an override
         (
-            {"epd_provision_vllm_neuron_version": "", "epd_provision_efa_installer_sha256": SHA},
-            "every pin must be a version",
+            {"epd_provision_engine_pins": {"torch-neuronx": "2.9.0.2.15.32035"}},
+            "epd_provision_engine_pins sets torch-neuronx, which Neuron 2.32.0's engine venv does not list",
         ),
-        ({"epd_provision_efa_installer_sha256": "abc"}, "64 lowercase hex"),
-        ({"epd_provision_neuron_driver_version": "latest", "epd_provision_efa_installer_sha256": SHA}, "every pin"),
-        # the 2.26.1 pins the kit had: below the plugin's floor (Neuron 2.31)
-        (
-            {"epd_provision_neuron_driver_version": "2.24.7.0", "epd_provision_efa_installer_sha256": SHA},
-            "epd_provision_neuron_driver_version 2.24.7.0 is below 2.29.0.0",
-        ),
-        (
-            {"epd_provision_vllm_neuron_version": "0.4.0", "epd_provision_efa_installer_sha256": SHA},
-            "epd_provision_vllm_neuron_version 0.4.0 is below 0.21.0.1.0.0",
-        ),
+        # mistake: a release the kit has no table for
+        ({"epd_neuron_release": "2.31.0"}, "value of epd_neuron_release must be one of: 2.32.0, got: 2.31.0"),
         # mistake: --minimal installs no libfabric (efa_installer.sh usage text)
-        (
-            {"epd_provision_efa_installer_options": ["--yes", "--minimal"], "epd_provision_efa_installer_sha256": SHA},
-            "Remove --minimal",
-        ),
+        ({"epd_provision_efa_installer_options": ["--yes", "--minimal"]}, "Remove --minimal"),
     ],
 )
 def test_the_preflight_refuses_bad_pins_before_reading_the_host(tmp_path, variables, message):
@@ -176,14 +167,13 @@ def test_the_preflight_refuses_bad_pins_before_reading_the_host(tmp_path, variab
 def test_a_python_below_3_11_is_refused_before_anything_changes(tmp_path):
     """mistake: the engine venv's Python is 3.10 (Ubuntu 22.04's default): refused in preflight, naming the fix."""
     python = tmp_path / "python3.10"
-    python.write_text("#!/bin/sh\necho 3.10\n")
+    python.write_text("#!/bin/sh\necho 3.10 x86_64 2.35\n")
     python.chmod(0o755)
-    result = provision_locally(
-        tmp_path, epd_provision_efa_installer_sha256=SHA, epd_provision_engine_python=str(python)
-    )
+    result = provision_locally(tmp_path, epd_provision_engine_python=str(python))
     output = " ".join((result.stdout + result.stderr).split())
     assert result.returncode != 0, output[-3000:]
-    assert "is Python 3.10: vllm-neuron needs Python 3.11 or later" in output, output[-3000:]
+    assert "is Python 3.10 on x86_64 with glibc 2.35:" in output, output[-3000:]
+    assert "packages are built for Python 3.11 to 3.13" in output, output[-3000:]
     assert "set epd_provision_engine_python" in output and "Nothing was changed" in output, output[-3000:]
     assert "Read the installed versions" not in output
 
@@ -294,3 +284,142 @@ def test_the_trn2_render_gives_vllm_engines_the_setup_guides_loader_path(rendere
     assert f"Environment=PATH={venv_bin}:/opt/amazon/efa/bin:/opt/aws/neuron/bin:" in unit, unit
     assert record["environment"]["LD_LIBRARY_PATH"] == library_path
     assert record["environment"]["PATH"].startswith(f"{venv_bin}:")
+
+
+def fake_wheel(directory: Path, name: str, version: str, tag: str, requires: tuple[str, ...] = ()) -> None:
+    """A minimal wheel file with the given tag and Requires-Dist (pip reads its METADATA)."""
+    stem = f"{name}-{version}"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {line}\n" for line in requires
+    )
+    with zipfile.ZipFile(directory / f"{stem}-{tag}.whl", "w") as wheel:
+        wheel.writestr(f"{stem}.dist-info/METADATA", metadata)
+        wheel.writestr(f"{stem}.dist-info/WHEEL", f"Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: {tag}\n")
+        wheel.writestr(f"{stem}.dist-info/RECORD", "")
+
+
+def build_wheelhouse_for(tmp_path: Path, links: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    index = tmp_path / "empty-index"
+    index.mkdir(exist_ok=True)
+    argv = [
+        sys.executable,
+        str(ENGINE_WHEELHOUSE),
+        "--cache",
+        str(tmp_path / "cache"),
+        "--index-url",
+        f"file://{index}",
+    ]
+    result = subprocess.run([*argv, f"--find-links={links}", *args], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        return result, []
+    with tarfile.open(json.loads(result.stdout)["archive"]) as archive:
+        return result, sorted(archive.getnames())
+
+
+def test_the_engine_wheelhouse_is_built_for_the_hosts_python_and_platform_not_the_controllers(tmp_path):
+    """A controller on another Python minor (here: this one, 3.11, for hosts on 3.12 with glibc 2.39)
+    downloads the hosts' wheels: cp312 and a manylinux tag their glibc accepts, never its own."""
+    links = tmp_path / "links"
+    links.mkdir()
+    mine = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    assert mine != "cp312", "this test needs a controller that is not Python 3.12"
+    fake_wheel(links, "engine_lib", "1.0", f"{mine}-{mine}-manylinux_2_28_x86_64")
+    fake_wheel(links, "engine_lib", "1.0", "cp312-cp312-manylinux_2_28_x86_64")
+    fake_wheel(links, "engine_lib", "1.0", "cp312-cp312-manylinux_2_40_x86_64")  # newer than the hosts' glibc
+    fake_wheel(links, "engine_lib", "1.0", "cp312-cp312-manylinux_2_28_aarch64")
+    result, names = build_wheelhouse_for(
+        tmp_path, links, "--requirement=engine-lib==1.0", "--python-version=3.12", "--host-platform=x86_64:2.39"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert names == ["engine_lib-1.0-cp312-cp312-manylinux_2_28_x86_64.whl"]
+    report = json.loads(result.stdout)
+    assert report["python"] == "3.12" and "manylinux_2_39_x86_64" in report["platforms"]
+    assert "manylinux_2_40_x86_64" not in report["platforms"]
+    # the target is part of the key: the same requirements for another interpreter build another archive
+    other, _ = build_wheelhouse_for(
+        tmp_path,
+        links,
+        "--requirement=engine-lib==1.0",
+        f"--python-version=3.{sys.version_info.minor}",
+        "--host-platform=x86_64:2.39",
+    )
+    assert json.loads(other.stdout)["key"] != report["key"]
+
+
+def test_a_wheelhouse_for_hosts_without_a_wheel_for_their_python_fails_naming_it(tmp_path):
+    links = tmp_path / "links"
+    links.mkdir()
+    fake_wheel(links, "engine_lib", "1.0", "cp312-cp312-manylinux_2_28_x86_64")
+    result, _ = build_wheelhouse_for(
+        tmp_path, links, "--requirement=engine-lib==1.0", "--python-version=3.14", "--host-platform=x86_64:2.39"
+    )
+    assert result.returncode != 0
+    assert "No matching distribution found for engine-lib==1.0" in result.stderr, result.stderr[-2000:]
+
+
+def test_the_release_set_resolves_and_the_old_set_fails_on_pips_conflict(tmp_path):
+    """The stand-ins carry the real Requires-Dist: the 2.32 table's set resolves with pip's resolver
+    on, and the set the kit pinned before (2.31's torch-neuronx beside vllm 0.24, nixl 1.5.1) fails
+    with pip's conflict named, as it would on a real controller."""
+    target = standins.standin_dir()
+    if not (target / "manifest.json").exists():
+        pytest.skip(f"no stand-ins at {target}: tests/hosts/wheelhouse.py builds them (needs the Debian mirror)")
+    variables = standins.provision_vars("a", target)
+    argv = [sys.executable, str(ENGINE_WHEELHOUSE), "--cache", str(tmp_path / "cache")]
+
+    def build(variables: dict) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            argv + standins.engine_wheelhouse_argv(variables), capture_output=True, text=True, check=False
+        )
+
+    fixed = build(variables)
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    with tarfile.open(json.loads(fixed.stdout)["archive"]) as archive:
+        names = archive.getnames()
+    assert any(n.startswith("torch-2.11.0+standin") for n in names) and any(
+        n.startswith("nixl_cu12-1.3.2") for n in names
+    )
+    old = variables | {
+        "epd_provision_engine_pins": variables["epd_provision_engine_pins"] | {"nixl": "1.5.1"},
+        "epd_provision_engine_extra_requirements": ["torch-neuronx==2.9.0.2.15.32035+standin"],
+    }
+    broken = build(old)
+    assert broken.returncode != 0
+    assert "the requirements' dependencies conflict" in broken.stderr, broken.stderr[-3000:]
+    assert "The user requested nixl==1.5.1" in broken.stderr and "depends on nixl==1.3.2" in broken.stderr
+    only_torch = variables | {"epd_provision_engine_extra_requirements": ["torch-neuronx==2.9.0.2.15.32035+standin"]}
+    torch = build(only_torch)
+    assert "vllm 0.24.0+standin depends on torch==2.11.0" in torch.stderr, torch.stderr[-3000:]
+    assert "torch-neuronx 2.9.0.2.15.32035+standin depends on torch<2.10" in torch.stderr, torch.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("facts", "message"),
+    [
+        (
+            {"distribution": "Amazon", "distribution_version": "2023", "distribution_major_version": "2023"},
+            "Currently, PyTorch 2.9 is not available on Amazon Linux 2023 ... Use Ubuntu 24.04",
+        ),
+        (
+            {"distribution": "Ubuntu", "distribution_version": "20.04", "distribution_major_version": "20"},
+            "Neuron 2.32.0 installs on Ubuntu 24.04, Ubuntu 22.04",
+        ),
+    ],
+)
+def test_an_os_the_release_does_not_list_is_refused_quoting_the_source(tmp_path, facts, message):
+    """Amazon Linux 2023 has no vLLM Neuron path in the sources (manual.rst, dlami.rst): preflight
+    refuses it before anything changes, naming Ubuntu 24.04."""
+    book = tmp_path / "os.yml"
+    play = {
+        "hosts": "localhost",
+        "connection": "local",
+        "gather_facts": False,
+        "vars": {"ansible_python_interpreter": sys.executable, "ansible_facts": facts},
+        "tasks": [{"ansible.builtin.include_role": {"name": "epd.kit.epd_provision", "tasks_from": "preflight"}}],
+    }
+    book.write_text(yaml.safe_dump([play], sort_keys=False))
+    result = playbook(str(book))
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode != 0, output[-3000:]
+    assert message in output, output[-3000:]
+    assert "Read the host's Python version" not in output

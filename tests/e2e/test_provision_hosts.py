@@ -146,12 +146,9 @@ def installed(host: TestHost) -> dict[str, str]:
     }
 
 
-ENGINE_DISTRIBUTIONS = ("vllm", "vllm-neuron", "neuronx-cc", "torch-neuronx", "nki", "nixl")
-
-
-def engine_versions(host: TestHost, venv: str = ENGINE_VENV) -> dict[str, str]:
-    script = f"from importlib import metadata as m; print(*(m.version(d) for d in {ENGINE_DISTRIBUTIONS}))"
-    return dict(zip(ENGINE_DISTRIBUTIONS, host.run(f'{venv}/bin/python -c "{script}"').stdout.split(), strict=True))
+def engine_versions(host: TestHost, names: tuple[str, ...], venv: str = ENGINE_VENV) -> dict[str, str]:
+    script = f"from importlib import metadata as m; print(*(m.version(d) for d in {names}))"
+    return dict(zip(names, host.run(f'{venv}/bin/python -c "{script}"').stdout.split(), strict=True))
 
 
 def assert_untouched(host: TestHost) -> None:
@@ -167,7 +164,7 @@ def assert_release(host: TestHost, release: str) -> None:
         assert versions.get(package) == f"{version}-{standins.DEB_REVISION}", versions
     record = host.run("cat /opt/amazon/efa_installed_packages").stdout
     assert f"EFA installer version: {expected.efa_installer}" in record
-    assert engine_versions(host) == {**standins.release_pip_versions(expected), "nixl": "1.5.1"}
+    assert engine_versions(host, tuple(expected.engine_venv)) == expected.engine_venv
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +188,36 @@ def test_a_wrong_efa_checksum_fails_before_anything_is_installed(bare, bare_inve
     result = provision(bare_inventory, pins("a", server, epd_provision_efa_installer_sha256="0" * 64))
     assert result.returncode != 0, result.describe()
     assert "expected " + "0" * 64 in result.stdout and "Nothing was installed" in result.stdout, result.describe()
+    assert_untouched(bare)
+
+
+def test_an_efa_installer_not_signed_by_the_key_fails_before_anything_is_installed(bare, bare_inventory, server):
+    """The tarball is checked against its .sig with AWS's key (manual.rst's gpg --verify): with
+    another key (here the apt repository's) the signature cannot be verified, and a pinned
+    fingerprint that is not the signer's is refused too."""
+    other_key = f"{server}/apt/GPG-PUB-KEY-EPD-STANDIN.PUB"
+    result = provision(bare_inventory, pins("a", server, epd_provision_efa_installer_key_url=other_key))
+    out = " ".join(result.stdout.split())
+    assert result.returncode != 0, result.describe()
+    assert "is not signed by" in out and "Can't check signature" in out and "Nothing was installed" in out, out
+    result = provision(bare_inventory, pins("a", server, epd_provision_efa_installer_key_fingerprint="AB" * 20))
+    out = " ".join(result.stdout.split())
+    assert result.returncode != 0, result.describe()
+    assert "is not signed by the key " + "AB" * 20 in out and "Nothing was installed" in out, out
+    assert_untouched(bare)
+
+
+def test_the_old_requirement_set_fails_on_pips_conflict_before_anything_is_installed(bare, bare_inventory, server):
+    """The engine venv set the kit had before the release table (Neuron 2.31's torch-neuronx 2.9 and
+    nixl 1.5.1 beside vllm 0.24): pip's resolver refuses it on the controller, naming the conflict."""
+    old = pins("a", server)
+    old["epd_provision_engine_pins"] = old["epd_provision_engine_pins"] | {"nixl": "1.5.1"}
+    old["epd_provision_engine_extra_requirements"] = ["torch-neuronx==2.9.0.2.15.32035+standin"]
+    result = provision(bare_inventory, old)
+    out = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode != 0, result.describe()
+    assert "the requirements' dependencies conflict" in out, out[-4000:]
+    assert "The user requested nixl==1.5.1" in out and "depends on nixl==1.3.2" in out, out[-4000:]
     assert_untouched(bare)
 
 
@@ -223,6 +250,9 @@ def test_a_missing_cuda_stub_fails_provisioning_naming_the_fix(bare, bare_invent
 
 
 def test_fresh_install_on_a_bare_host(bare, bare_inventory, server, record_timing):
+    # what the manual leaves behind: its own entry for the same repository, without signed-by
+    # (apt would stop on "Conflicting values set for option Signed-By" next to the kit's)
+    bare.run(f"echo 'deb {server}/apt {standins.SUITE} main' > /etc/apt/sources.list.d/neuron.list")
     start = time.monotonic()
     result = provision(bare_inventory, pins("a", server))
     record_timing("provision: fresh bare host", time.monotonic() - start)
@@ -233,11 +263,16 @@ def test_fresh_install_on_a_bare_host(bare, bare_inventory, server, record_timin
     assert "libfabric.so.1" not in bare.run("ldconfig -p").stdout
     loader = bare.run("ldconfig -p").stdout
     assert "libcuda.so.1" in loader and "libhwloc.so.15" in loader, loader
-    # NIXL's real LIBFABRIC plugin loads: nothing `not found` (the probe's scan, run again here)
-    plugin = bare.run(f"find {ENGINE_VENV}/ -name libplugin_LIBFABRIC.so | head -1").stdout.strip()
+    # the manual's entry was replaced by the kit's, not left beside it
+    assert bare.run("cat /etc/apt/sources.list.d/neuron.list").stdout.strip() == ""
+    # NIXL's real LIBFABRIC plugin of the backend nixl loads (nixl_cu12: the torch stand-in says
+    # CUDA 12.6) finds everything (the probe's scan, run again here)
+    plugin = bare.run(f"find {ENGINE_VENV}/ -path '*nixl_cu12*' -name libplugin_LIBFABRIC.so | head -1").stdout.strip()
     ldd = bare.run(f"LD_LIBRARY_PATH=/opt/amazon/efa/lib:/usr/local/cuda-12.6/targets/x86_64-linux/lib ldd {plugin}")
-    assert "not found" not in ldd.stdout, ldd.stdout
-    bare.run(f"{ENGINE_VENV}/bin/python -c 'import nixl, vllm, vllm_neuron, neuronxcc, torch_neuronx, nki'")
+    assert plugin and "not found" not in ldd.stdout, ldd.stdout
+    bare.run(
+        f"{ENGINE_VENV}/bin/python -c 'import torch, nixl, vllm, vllm_neuron, neuronxcc, libtorch_neuronx_lite, nki'"
+    )
     assert bare.run(f"readlink {ENGINE_VENV}").stdout.startswith(ENGINE_VENVS + "/")
     # the security doc's device access
     assert 'GROUP="neuron"' in bare.run("cat /etc/udev/rules.d/neuron-udev.rules").stdout
@@ -321,7 +356,7 @@ def test_a_dlami_like_host_newer_than_the_pins_is_left_alone(host_pool, server, 
     debs += " " + " ".join(standins.HWLOC_PACKAGES + standins.CUDA_STUB_PACKAGES[:1])
     efa = f"aws-efa-installer-{release.efa_installer}.tar.gz"
     server_host = server.removeprefix("http://").split(":")[0]
-    wheels = " ".join(f"{d}=={v}" for d, v in standins.release_pip_versions(release).items())
+    wheels = " ".join(f"{d}=={v}" for d, v in release.engine_venv.items())
     dlami.run(
         f"set -e; curl -fsS -o {keyring} {server}/apt/GPG-PUB-KEY-EPD-STANDIN.PUB; "
         f"echo 'deb [signed-by={keyring}] {server}/apt {standins.SUITE} main' > /etc/apt/sources.list.d/image.list; "
@@ -333,8 +368,7 @@ def test_a_dlami_like_host_newer_than_the_pins_is_left_alone(host_pool, server, 
         f"python3 -m venv {DLAMI_VENV}; "
         f"{DLAMI_VENV}/bin/pip install -q --no-index --no-deps --trusted-host {server_host} "
         f"--find-links {server.rsplit('/', 1)[0]}/wheels/ "
-        f"--find-links {server}/pip/ {wheels} nixl==1.5.1 "
-        f"{' '.join(standins.ENGINE_EXTRA_REQUIREMENTS)}",
+        f"--find-links {server}/pip/ {wheels}",
         timeout=300,
     )
     inventory = inventory_for(dlami, tmp_path_factory.mktemp("inventory-dlami"))

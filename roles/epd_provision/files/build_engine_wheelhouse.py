@@ -2,14 +2,22 @@
 """Build (once) the offline wheelhouse of the engine venv: vllm, vllm-neuron, NIXL.
 
     build_engine_wheelhouse.py --cache DIR --requirement vllm==0.24.0 --requirement nixl==1.5.1
+        --python-version 3.12 --platform manylinux_2_39_x86_64 [--platform ...]
         [--index-url URL] [--extra-index-url URL] [--find-links DIR_OR_URL] [--no-deps] [--dry-run]
 
 Runs on the controller, so a fleet downloads the engine stack from the package indexes once
-instead of once per host. The archive is keyed by the requirements, the sources, --no-deps and
-the controller's Python version (the wheels are built for it: the hosts' Python must match),
-cached under --cache and packed as one tar. Prints one JSON line: {key, archive, python, changed}.
-With --dry-run (provision --check) nothing is downloaded or written: changed says whether a
-build would run.
+instead of once per host. The wheels are chosen for the HOSTS, not for the controller: pip
+download with the hosts' Python version, CPython implementation and ABI (cp<XY>) and the
+platform tags their glibc and architecture accept (`host_platform_tags`), binary wheels only.
+So a controller on macOS, on ARM or on another Python minor builds the same wheelhouse as a
+controller that is itself a host. Without --python-version the controller's own interpreter is
+the target. With the resolver on (no --no-deps), a requirement set whose dependencies conflict
+fails here, with pip's message, before any host is touched.
+
+The archive is keyed by the requirements, the sources, --no-deps and the target, cached under
+--cache and packed as one tar. Prints one JSON line: {key, archive, python, platforms,
+changed}. With --dry-run (provision --check) nothing is downloaded or written: changed says
+whether a build would run.
 """
 
 from __future__ import annotations
@@ -19,20 +27,41 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
+# the oldest manylinux glibc minor pip wheels are built for (manylinux2014 = manylinux_2_17)
+OLDEST_GLIBC_MINOR = 17
 
-def python_version() -> str:
-    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+def host_platform_tags(machine: str, glibc: str) -> list[str]:
+    """The wheel platform tags a Linux host with this architecture and glibc (e.g. x86_64, 2.39)
+    installs, newest first: manylinux_2_<minor>_<arch> down to 2_17, and the legacy aliases
+    (PEP 600: manylinux2014 = 2_17, manylinux2010 = 2_12, manylinux1 = 2_5)."""
+    match = re.fullmatch(r"2\.(\d+)", glibc)
+    if not match or not re.fullmatch(r"[a-z0-9_]+", machine):
+        raise SystemExit(f"engine wheelhouse: not a glibc version and architecture: {glibc!r} {machine!r}")
+    minor = int(match.group(1))
+    tags = [f"manylinux_2_{m}_{machine}" for m in range(minor, OLDEST_GLIBC_MINOR - 1, -1)]
+    if minor >= 17:
+        tags.append(f"manylinux2014_{machine}")
+    if machine in ("x86_64", "i686"):
+        tags += [f"manylinux2010_{machine}"] * (minor >= 12) + [f"manylinux1_{machine}"] * (minor >= 5)
+    return tags
+
+
+def target_python(args: argparse.Namespace) -> str:
+    return args.python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
 def wheelhouse_key(args: argparse.Namespace) -> str:
     inputs = {
-        "python": python_version(),
+        "python": target_python(args),
+        "platforms": args.platform,
         "requirements": sorted(args.requirement),
         "no_deps": args.no_deps,
         "index_url": args.index_url,
@@ -42,10 +71,32 @@ def wheelhouse_key(args: argparse.Namespace) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def target_options(args: argparse.Namespace) -> list[str]:
+    """pip download's options for the hosts' interpreter (none: the controller's own)."""
+    if not args.python_version:
+        return []
+    abi = "cp" + args.python_version.replace(".", "")
+    options = ["--python-version", args.python_version, "--implementation", "cp", "--abi", abi]
+    for tag in args.platform:
+        options += ["--platform", tag]
+    return options
+
+
 def download(args: argparse.Namespace, destination: Path) -> None:
     # fail fast without an index (e.g. inside the test network namespace) instead of retrying for minutes
     argv = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "--retries", "1"]
-    argv += ["--timeout", "15", "download", "--quiet", "--only-binary", ":all:", "--dest", str(destination)]
+    argv += [
+        "--timeout",
+        "15",
+        "download",
+        "--progress-bar",
+        "off",
+        "--only-binary",
+        ":all:",
+        "--dest",
+        str(destination),
+    ]
+    argv += target_options(args)
     argv += ["--index-url", args.index_url]
     for url in args.extra_index_url:
         argv += ["--extra-index-url", url]
@@ -55,8 +106,28 @@ def download(args: argparse.Namespace, destination: Path) -> None:
         argv.append("--no-deps")
     result = subprocess.run(argv + args.requirement, capture_output=True, text=True, check=False)
     if result.returncode != 0:
-        sys.stderr.write(result.stdout[-2000:] + result.stderr[-4000:])
-        raise SystemExit(f"engine wheelhouse: pip download exited {result.returncode}")
+        sys.stderr.write(pip_failure(result.stdout + "\n" + result.stderr) + "\n")
+        conflict = "ResolutionImpossible" in result.stderr
+        raise SystemExit(
+            f"engine wheelhouse: pip download exited {result.returncode}"
+            + (": the requirements' dependencies conflict (pip's report above)" if conflict else "")
+        )
+
+
+def pip_failure(output: str) -> str:
+    """What pip said about the failure: its ERROR lines and, for a conflict, the requirements that
+    cause it ("The conflict is caused by:" and the lines under it), without its progress lines."""
+    lines = output.splitlines()
+    keep = [line for line in lines if line.startswith("ERROR:")]
+    if "The conflict is caused by:" in output:
+        start = next(i for i, line in enumerate(lines) if line.strip() == "The conflict is caused by:")
+        cause = [lines[start].strip()]
+        for line in lines[start + 1 :]:
+            if not line.strip():
+                break
+            cause.append(line.strip())
+        keep = cause + keep
+    return "\n".join(keep or lines[-20:])
 
 
 def build(args: argparse.Namespace, archive: Path) -> None:
@@ -70,7 +141,7 @@ def build(args: argparse.Namespace, archive: Path) -> None:
         os.replace(partial, archive)
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, required=True)
     parser.add_argument("--requirement", action="append", required=True)
@@ -78,8 +149,28 @@ def main() -> int:
     parser.add_argument("--extra-index-url", action="append", default=[])
     parser.add_argument("--find-links", action="append", default=[])
     parser.add_argument("--no-deps", action="store_true", help="download each requirement without its dependencies")
+    parser.add_argument("--python-version", default="", help="the hosts' Python, MAJOR.MINOR (default: this one)")
+    parser.add_argument(
+        "--host-platform",
+        default="",
+        metavar="ARCH:GLIBC",
+        help="the hosts' architecture and glibc, e.g. x86_64:2.39: the wheel platforms they accept",
+    )
+    parser.add_argument("--platform", action="append", default=[], help="a wheel platform tag the hosts accept")
     parser.add_argument("--dry-run", action="store_true", help="report what would be built, change nothing")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.python_version and not re.fullmatch(r"3\.\d+", args.python_version):
+        parser.error(f"--python-version must be MAJOR.MINOR, e.g. 3.12 (got {args.python_version!r})")
+    if args.host_platform:
+        machine, _, glibc = args.host_platform.partition(":")
+        args.platform = host_platform_tags(machine, glibc) + args.platform
+    if args.platform and not args.python_version:
+        parser.error("--platform/--host-platform need --python-version (the hosts' interpreter)")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     key = wheelhouse_key(args)
     archive = args.cache / f"engine-wheelhouse-{key}.tar"
     changed = not archive.exists()
@@ -89,7 +180,8 @@ def main() -> int:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not archive.exists():
                 build(args, archive)
-    print(json.dumps({"key": key, "archive": str(archive), "python": python_version(), "changed": changed}))
+    report = {"key": key, "archive": str(archive), "python": target_python(args), "platforms": args.platform}
+    print(json.dumps(report | {"changed": changed}))
     return 0
 
 

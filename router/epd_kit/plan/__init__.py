@@ -7,6 +7,7 @@ the collection can load its bundled copy (plugins/plugin_utils/kit.py). Layout:
     defaults      the planner's defaults, from the declaration
     reference     docs/architecture.md's table of every variable, generated from the declaration
     values        checks for single inventory values
+    neuron_releases the Neuron releases the kit installs: one table per release, a source per line
     settings      fleet-wide pool settings (Settings, read_settings)
     hosts         one engine host (HostSpec, read_host)
     placement     where each engine's core slice goes on a host
@@ -47,6 +48,7 @@ from .fleet import plan_fleet, plan_table, router_endpoints, unreachable_engines
 from .hosts import HostSpec, read_host
 from .inventory import fleet_settings, plan_from_hostvars
 from .net import probe_url
+from .neuron_releases import RELEASES, neuron_release, release_profile
 from .operations import deployed_engines, engine_selection, rolling_queue, status_rows, status_table
 from .placement import largest_fits, place, placement_order
 from .rollout import rollout_batches, rollout_plan
@@ -65,6 +67,7 @@ __all__ = [
     "MANAGED_ENV",
     "MANAGED_FLAGS",
     "PREFIX_CACHING_OFF",
+    "RELEASES",
     "ROLES",
     "ROLE_FLAGS",
     "SERVE_LINE",
@@ -85,6 +88,7 @@ __all__ = [
     "fleet_settings",
     "format_cores",
     "largest_fits",
+    "neuron_release",
     "place",
     "placement_order",
     "plain",
@@ -95,6 +99,7 @@ __all__ = [
     "read_env_file",
     "read_host",
     "read_settings",
+    "release_profile",
     "rolling_queue",
     "rollout_batches",
     "rollout_plan",

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .neuron_releases import DEFAULT_RELEASE, RELEASES
+
 # kinds: how a value is checked (validate.py)
 STR, PATH, BOOL, LIST, DICT, ANY = "str", "path", "bool", "list", "dict", "any"
 INT, FLOAT, PORT = "int", "float", "port"
@@ -121,6 +123,8 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_secrets_env_file", "/etc/epd/secrets.env", PATH, HOST, C),
     _v("epd_systemd_dir", "/etc/systemd/system", PATH, HOST, C),
     _v("epd_engine_venv", "", STR, HOST, C),
+    # the Neuron release whose table (neuron_releases.py) provision.yml installs
+    _v("epd_neuron_release", DEFAULT_RELEASE, STR, FLEET, C, choices=tuple(RELEASES)),
     _v("epd_dlami_venv_glob", "/opt/aws_neuronx_venv_pytorch_inference_vllm_*", STR, HOST, C),
     _v("epd_hf_token", "{{ lookup('ansible.builtin.env', 'HF_TOKEN') }}", STR, HOST, C),
     _v("epd_templates_dir", "{{ 'templates' | epd.kit.epd_kit_path }}", PATH, HOST, C),
@@ -217,7 +221,6 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_preflight_require_efa", True, BOOL, HOST, PF),
     # epd_provision (provision.yml runs on the engine hosts)
     _v("epd_provision_neuron", True, BOOL, ENGINE, PV),
-    _v("epd_provision_neuron_release", "2.32.0", STR, ENGINE, PV),
     _v("epd_provision_allow_downgrade", False, BOOL, ENGINE, PV),
     _v("epd_provision_neuron_apt_repository", "https://apt.repos.neuron.amazonaws.com", STR, ENGINE, PV),
     _v("epd_provision_neuron_apt_suite", "", STR, ENGINE, PV),
@@ -228,30 +231,30 @@ _DECLARED: tuple[Var, ...] = (
         ENGINE,
         PV,
     ),
-    _v("epd_provision_neuron_driver_version", "2.30.2.0", STR, ENGINE, PV),
-    _v("epd_provision_neuron_runtime_version", "2.34.10.0", STR, ENGINE, PV),
-    _v("epd_provision_neuron_collectives_version", "2.34.10.0", STR, ENGINE, PV),
-    _v("epd_provision_neuron_tools_version", "2.32.28.0", STR, ENGINE, PV),
-    _v("epd_provision_neuron_yum_repository", "https://yum.repos.neuron.amazonaws.com", STR, ENGINE, PV),
-    _v(
-        "epd_provision_neuron_yum_key_url",
-        "{{ epd_provision_neuron_yum_repository }}/GPG-PUB-KEY-AMAZON-AWS-NEURON.PUB",
-        STR,
-        ENGINE,
-        PV,
-    ),
+    _v("epd_provision_neuron_driver_version", "", STR, ENGINE, PV),
+    _v("epd_provision_neuron_runtime_version", "", STR, ENGINE, PV),
+    _v("epd_provision_neuron_collectives_version", "", STR, ENGINE, PV),
+    _v("epd_provision_neuron_tools_version", "", STR, ENGINE, PV),
     _v("epd_provision_neuron_group", "neuron", STR, ENGINE, PV),
     _v("epd_provision_neuron_kernel_headers", True, BOOL, ENGINE, PV),
     _v("epd_provision_neuron_check_devices", True, BOOL, ENGINE, PV),
     _v("epd_provision_efa", True, BOOL, ENGINE, PV),
-    _v("epd_provision_efa_installer_version", "1.47.0", STR, ENGINE, PV),
+    _v("epd_provision_efa_installer_version", "", STR, ENGINE, PV),
     _v(
         "epd_provision_efa_installer_url",
-        "https://efa-installer.amazonaws.com/aws-efa-installer-{{ epd_provision_efa_installer_version }}.tar.gz",
+        "https://efa-installer.amazonaws.com/aws-efa-installer-{{ epd_provision_efa_version }}.tar.gz",
         STR,
         ENGINE,
         PV,
     ),
+    _v(
+        "epd_provision_efa_installer_key_url",
+        "https://efa-installer.amazonaws.com/aws-efa-installer.key",
+        STR,
+        ENGINE,
+        PV,
+    ),
+    _v("epd_provision_efa_installer_key_fingerprint", "", STR, ENGINE, PV),
     _v("epd_provision_efa_installer_sha256", "", STR, ENGINE, PV),
     _v("epd_provision_efa_installer_archive", "", STR, ENGINE, PV),
     _v("epd_provision_efa_installer_options", ["--yes"], LIST, ENGINE, PV),
@@ -270,12 +273,7 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_provision_engine_venv_enabled", True, BOOL, ENGINE, PV),
     _v("epd_provision_engine_venv", "", PATH, ENGINE, PV),
     _v("epd_provision_engine_venvs_dir", "/opt/epd/engine-venvs", PATH, ENGINE, PV),
-    _v("epd_provision_vllm_version", "0.24.0", STR, ENGINE, PV),
-    _v("epd_provision_vllm_neuron_version", "0.24.0.1.1.0", STR, ENGINE, PV),
-    _v("epd_provision_neuronx_cc_version", "2.27.5334.0", STR, ENGINE, PV),
-    _v("epd_provision_torch_neuronx_version", "2.9.0.2.15.32035", STR, ENGINE, PV),
-    _v("epd_provision_nki_version", "0.6.0", STR, ENGINE, PV),
-    _v("epd_provision_nixl_version", "1.5.1", STR, ENGINE, PV),
+    _v("epd_provision_engine_pins", {}, DICT, ENGINE, PV),
     _v("epd_provision_engine_extra_requirements", [], LIST, ENGINE, PV),
     _v("epd_provision_engine_resolve_dependencies", True, BOOL, ENGINE, PV),
     _v("epd_provision_engine_pip_index_url", "https://pypi.org/simple", STR, ENGINE, PV),

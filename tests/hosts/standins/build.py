@@ -5,8 +5,9 @@
 The Neuron and EFA repositories are out of reach here, so the provisioning tests
 (tests/e2e/test_provision_hosts.py) install from local stand-ins with the same package names and
 version scheme, checked the same way (a signed apt repository, an installer tarball with a
-sha256). Every stand-in says so in its description and installs no driver, no kernel module
-and no Neuron code. Each fails where the real part fails, flag by flag:
+detached signature and a sha256, wheels whose metadata pip resolves). Every stand-in says so in
+its description and installs no driver, no kernel module and no Neuron code. Each fails where
+the real part fails, flag by flag:
 - the EFA installer takes efa_installer.sh's options (its usage text): --minimal installs the
   kernel module and rdma-core only (no libfabric), --skip-kmod no kernel module, and without
   --skip-kmod it needs the running kernel's headers (exit_kernel_hdr_not_installed);
@@ -17,18 +18,22 @@ and no Neuron code. Each fails where the real part fails, flag by flag:
   libfabric 1.17 stops at FABRIC_1.6) and no provider, like a host without an EFA interface;
 - the CUDA driver stub (cuda-cudart-dev-12-6) and cuda-cudart-12-6 are stub libraries with the
   symbols the plugin links; hwloc is Debian's real libhwloc15;
-- the pip stand-ins carry the real distribution names (vllm, vllm-neuron, neuronx-cc,
-  torch-neuronx, nki), version <pin>+standin.
-NIXL comes from PyPI through the engine wheelhouse. Needs the network (Debian mirror) and a C
-compiler the first time: run it outside the kithub namespace (tests/hosts/wheelhouse.py).
+- the pip stand-ins carry the real distribution names (vllm, vllm-neuron, libtorch-neuronx-lite,
+  neuronx-cc, nki, torch, ...), version <pin>+standin, and the real packages' Requires-Dist lines
+  that name the torch family, the Neuron packages and NIXL (PIP_STANDINS says where each comes
+  from): pip's resolver fails on the sandbox's wheels where it fails on a real host.
+NIXL (and numpy, protobuf, psutil) are the real wheels from PyPI, downloaded here. Needs the
+network (Debian mirror, PyPI) and a C compiler the first time: run it outside the kithub
+namespace (tests/hosts/wheelhouse.py).
 
 Layout of the cached directory (served over http from 10.213.0.1 inside kithub by the tests):
 
     apt/          dists/<suite>/{InRelease,Release,Release.gpg,main/binary-amd64/Packages}, pool/*.deb,
                   GPG-PUB-KEY-EPD-STANDIN.PUB (the signing key; the real one is GPG-PUB-KEY-AMAZON-AWS-NEURON.PUB)
-    efa/          aws-efa-installer-<version>.tar.gz (+ .sha256)
-    pip/          stand-in wheels of the Neuron pip repository's names (local version label +standin)
-    manifest.json the releases below with the installer checksums
+    efa/          aws-efa-installer-<version>.tar.gz (+ .sig, .sha256), aws-efa-installer.key
+    pip/          stand-in wheels (local version label +standin) and the real wheels they require
+    empty-index/  the engine wheelhouse's --index-url: nothing, so every wheel comes from pip/
+    manifest.json the releases below, the installer checksums and signing key
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ from dataclasses import asdict, dataclass
 from email.utils import formatdate
 from pathlib import Path
 
+from epd_kit.plan.neuron_releases import DEFAULT_RELEASE, neuron_release
+
 SUITE = "bookworm"  # the test hosts' codename: the role points apt at <repository> <codename> main
 NEURON_PACKAGES = ("aws-neuronx-dkms", "aws-neuronx-runtime-lib", "aws-neuronx-collectives", "aws-neuronx-tools")
 # what the EFA installer stand-in installs (dpkg names of the real installer's Debian packages)
@@ -61,51 +68,6 @@ KERNEL = os.uname().release  # the test hosts share the controller's kernel (sys
 STANDIN_NOTE = "STAND-IN built by the epd-kit test harness: not AWS software, no driver, no kernel module"
 
 
-@dataclass(frozen=True)
-class Release:
-    """One set of pins, as the role's variables take them."""
-
-    neuron: dict[str, str]  # apt package -> upstream version (the role pins <version>*)
-    efa_installer: str
-    vllm: str
-    vllm_neuron: str
-    neuronx_cc: str
-    torch_neuronx: str
-    nki: str
-
-
-# A: the Neuron 2.32.0 versions the role pins by default (src/helperscripts/n2-manifest.json,
-# setup/pytorch/manual.rst; docs/provisioning.md); B: newer stand-in versions, for the upgrade,
-# rollback and newer-host tests.
-RELEASE_A = Release(
-    neuron={
-        "aws-neuronx-dkms": "2.30.2.0",
-        "aws-neuronx-runtime-lib": "2.34.10.0",
-        "aws-neuronx-collectives": "2.34.10.0",
-        "aws-neuronx-tools": "2.32.28.0",
-    },
-    efa_installer="1.47.0",
-    vllm="0.24.0+standin",
-    vllm_neuron="0.24.0.1.1.0+standin",
-    neuronx_cc="2.27.5334.0+standin",
-    torch_neuronx="2.9.0.2.15.32035+standin",
-    nki="0.6.0+standin",
-)
-RELEASE_B = Release(
-    neuron={
-        "aws-neuronx-dkms": "2.30.3.0",
-        "aws-neuronx-runtime-lib": "2.34.11.0",
-        "aws-neuronx-collectives": "2.34.11.0",
-        "aws-neuronx-tools": "2.32.29.0",
-    },
-    efa_installer="1.47.1",
-    vllm="0.24.0+standin",
-    vllm_neuron="0.24.0.1.2.0+standin",
-    neuronx_cc="2.27.5334.0+standin",
-    torch_neuronx="2.9.0.2.15.32035+standin",
-    nki="0.6.0+standin",
-)
-RELEASES = {"a": RELEASE_A, "b": RELEASE_B}
 DEB_REVISION = "standin1"  # Debian revision of every stand-in package: <upstream>-standin1
 
 HERE = Path(__file__).resolve().parent
@@ -297,10 +259,7 @@ def build_apt_repository(target: Path, work: Path, bare_rootfs: Path) -> None:
     (binary / "Packages").write_text(packages)
     (dists / "Release").write_text(release_file(dists))
     # a throwaway signing key, like the repository's own; apt on the hosts checks the signature
-    gnupg = work / "gnupg"
-    gnupg.mkdir(mode=0o700)
-    gpg = ["gpg", "--homedir", str(gnupg), "--batch", "--quiet", "--pinentry-mode", "loopback", "--passphrase", ""]
-    run([*gpg, "--quick-gen-key", "epd-kit STAND-IN Neuron repository (tests only)", "ed25519", "sign", "never"])
+    gpg = signing_key(work, "apt", "epd-kit STAND-IN Neuron repository (tests only)")
     run([*gpg, "--clearsign", "--output", str(dists / "InRelease"), str(dists / "Release")])
     run([*gpg, "--armor", "--detach-sign", "--output", str(dists / "Release.gpg"), str(dists / "Release")])
     (target / "GPG-PUB-KEY-EPD-STANDIN.PUB").write_text(run([*gpg, "--armor", "--export"]).stdout)
@@ -424,8 +383,11 @@ def missing_from(rootfs: Path, packages: tuple[str, ...]) -> list[str]:
     return [line.split()[1] for line in out.splitlines() if line.startswith("Inst ")]
 
 
-def build_efa_installers(target: Path, work: Path) -> None:
+def build_efa_installers(target: Path, work: Path) -> str:
+    """One tarball per release, each signed like AWS's (<tarball>.sig, key aws-efa-installer.key):
+    returns the signing key's fingerprint."""
     target.mkdir(parents=True)
+    gpg = signing_key(work, "efa", "epd-kit STAND-IN EFA installer (tests only)")
     for release in RELEASES.values():
         version = release.efa_installer
         tree = work / f"efa-{version}" / "aws-efa-installer"
@@ -441,26 +403,163 @@ def build_efa_installers(target: Path, work: Path) -> None:
             archive.add(tree, arcname="aws-efa-installer")
         digest = hashlib.sha256(tarball.read_bytes()).hexdigest()
         (target / f"{tarball.name}.sha256").write_text(f"{digest}  {tarball.name}\n")
+        run([*gpg, "--detach-sign", "--output", f"{tarball}.sig", str(tarball)])
+    (target / "aws-efa-installer.key").write_text(run([*gpg, "--armor", "--export"]).stdout)
+    return key_fingerprint(gpg)
+
+
+def signing_key(work: Path, name: str, uid: str) -> list[str]:
+    """A throwaway signing key in a GnuPG home of its own: the gpg argv that signs with it."""
+    gnupg = work / f"gnupg-{name}"
+    gnupg.mkdir(mode=0o700)
+    gpg = ["gpg", "--homedir", str(gnupg), "--batch", "--quiet", "--pinentry-mode", "loopback", "--passphrase", ""]
+    run([*gpg, "--quick-gen-key", uid, "ed25519", "sign", "never"])
+    return gpg
+
+
+def key_fingerprint(gpg: list[str]) -> str:
+    out = run([*gpg, "--with-colons", "--list-keys"]).stdout
+    return next(line.split(":")[9] for line in out.splitlines() if line.startswith("fpr:"))
 
 
 # --- pip stand-ins ------------------------------------------------------------------------------
 
 
-def build_wheel(target: Path, dist: str, version: str, module: str, console_script: str | None) -> None:
-    """A pure-python wheel: <module>/__init__.py that says it is a stand-in (+ a console script)."""
+@dataclass(frozen=True)
+class Standin:
+    """A stand-in distribution: its import name, console script, and the Requires-Dist lines it
+    declares, copied from the real package (`source`). Only the lines that name the torch family,
+    the Neuron packages and NIXL are carried: those are the pins that can conflict, and each one
+    names a wheel the sandbox has (a stand-in, or a real wheel from PyPI in REAL_WHEELS). The
+    real packages' other requirements (transformers, fastapi, ... for vllm) are left out."""
+
+    module: str
+    script: str | None
+    requires: tuple[str, ...]
+    source: str
+    files: tuple[tuple[str, str], ...] = ()  # extra (path, text) files of the real package's layout
+
+
+PIP_STANDINS: dict[str, Standin] = {
+    "vllm": Standin(
+        "vllm",
+        "vllm",
+        ("torch==2.11.0", "torchaudio==2.11.0", "torchvision==0.26.0"),
+        "vllm 0.24.0 METADATA (PyPI wheel), its torch-family lines",
+    ),
+    "vllm-neuron": Standin(
+        "vllm_neuron",
+        None,
+        ("libtorch-neuronx-lite", "vllm==0.24.0", "nixl==1.3.2"),
+        "vllm-neuron 0.24.0.1.1.0 requirements/core.txt (pyproject.toml: dependencies from it)",
+    ),
+    "libtorch-neuronx-lite": Standin(
+        "libtorch_neuronx_lite",
+        None,
+        ("protobuf", "psutil", "torch", "torch-xla"),
+        "libtorch-neuronx-lite 2.11.0.1.0.1284 `pip show`: Requires: protobuf, psutil, torch, torch-xla",
+    ),
+    "neuronx-cc": Standin("neuronxcc", "neuronx-cc", (), "METADATA not read (Neuron pip repository out of reach)"),
+    "nki": Standin("nki", None, (), "METADATA not read (Neuron pip repository out of reach)"),
+    # PyTorch's own cu126 build shape (torch.version.cuda "12.6"): nixl then loads nixl_cu12, whose
+    # CUDA 12 libraries the sandbox's cuda-cudart-12-6 stand-in provides. PyPI's torch 2.11.0 is a
+    # CUDA 13 build (its METADATA: cuda-toolkit[...]==13.0.2); that shape is tested without hosts
+    # (tests/ansible/test_transfer_probe.py). Its CUDA runtime requirements are not carried.
+    "torch": Standin(
+        "torch",
+        None,
+        (),
+        "torch 2.11.0 METADATA: only CUDA/triton requirements, not carried",
+        (("torch/version.py", '__version__ = "{version}"\ncuda = "12.6"\n'),),
+    ),
+    "torchaudio": Standin("torchaudio", None, (), "requirements not carried"),
+    "torchvision": Standin("torchvision", None, (), "requirements not carried"),
+    "torch-xla": Standin("torch_xla", None, (), "requirements not carried"),
+    # the Neuron 2.31 PyTorch 2.9 framework (manual.rst: "PyTorch 2.9.0"): the exact specifier of
+    # its torch requirement was not read; 2.9 is the family it is built for
+    "torch-neuronx": Standin("torch_neuronx", None, ("torch<2.10,>=2.9",), "torch 2.9 family (manual.rst)"),
+}
+# versions of the stand-ins that no release pins directly: what the pins' requirements ask for,
+# and the torch of the 2.9 framework (so the old requirement set fails on a real version conflict)
+LEAF_VERSIONS = {
+    "torch": ("2.11.0", "2.9.1"),
+    "torchaudio": ("2.11.0",),
+    "torchvision": ("0.26.0",),
+    "torch-xla": ("2.11.0",),
+    "torch-neuronx": ("2.9.0.2.15.32035",),
+}
+# real wheels from PyPI the stand-ins' requirements name, for the test hosts' Python 3.11
+REAL_WHEELS = (
+    "nixl==1.3.2",
+    "nixl-cu12==1.3.2",
+    "nixl-cu13==1.3.2",
+    "numpy==2.4.6",
+    "protobuf==7.36.2",
+    "psutil==7.2.2",
+)
+# the nixl the kit pinned before (1.5.1, its meta package only): the old requirement set must fail
+# on the conflict with vllm-neuron's nixl==1.3.2, not on a missing wheel
+OLD_WHEELS = ("nixl==1.5.1",)
+HOST_PYTHON, HOST_MACHINE, HOST_GLIBC = "3.11", "x86_64", "2.36"  # the test hosts: Debian 12
+
+
+@dataclass(frozen=True)
+class Release:
+    """One set of pins, as the role's variables take them."""
+
+    neuron: dict[str, str]  # apt package -> upstream version (the role pins <version>*)
+    efa_installer: str
+    engine_venv: dict[str, str]  # epd_provision_engine_pins: pip distribution -> version
+
+    @property
+    def vllm_neuron(self) -> str:
+        return self.engine_venv["vllm-neuron"]
+
+
+def standin_pins(engine_venv: dict[str, str]) -> dict[str, str]:
+    """A release's engine venv with each stand-in's local label (real wheels, e.g. nixl, keep theirs)."""
+    return {dist: f"{version}+standin" if dist in PIP_STANDINS else version for dist, version in engine_venv.items()}
+
+
+# A: the release the role installs by default (epd_kit.plan.neuron_releases, whose table names
+# the source of each pin); B: newer stand-in versions, for the upgrade, rollback and newer-host tests.
+_DEFAULT = neuron_release(DEFAULT_RELEASE)
+RELEASE_A = Release(
+    neuron=dict(_DEFAULT.profile()["system"]),
+    efa_installer=_DEFAULT.efa_installer.version,
+    engine_venv=standin_pins(_DEFAULT.profile()["engine_venv"]),
+)
+RELEASE_B = Release(
+    neuron={
+        "aws-neuronx-dkms": "2.30.3.0",
+        "aws-neuronx-runtime-lib": "2.34.11.0",
+        "aws-neuronx-collectives": "2.34.11.0",
+        "aws-neuronx-tools": "2.32.29.0",
+    },
+    efa_installer="1.47.1",
+    engine_venv=RELEASE_A.engine_venv | {"vllm-neuron": "0.24.0.1.2.0+standin"},
+)
+RELEASES = {"a": RELEASE_A, "b": RELEASE_B}
+
+
+def build_wheel(target: Path, dist: str, version: str, standin: Standin) -> None:
+    """A pure-python wheel: <module>/__init__.py that says it is a stand-in, the real package's
+    Requires-Dist lines (+ a console script that fails, + the extra files)."""
     stem = f"{dist.replace('-', '_')}-{version}"
+    requires = "".join(f"Requires-Dist: {line}\n" for line in standin.requires)
     files = {
-        f"{module}/__init__.py": f'"""{STANDIN_NOTE}."""\n\n__version__ = "{version}"\nSTANDIN = True\n\n\n'
+        f"{standin.module}/__init__.py": f'"""{STANDIN_NOTE}."""\n\n__version__ = "{version}"\nSTANDIN = True\n\n\n'
         "def main() -> int:\n"
         f'    print("{dist} {version}: {STANDIN_NOTE}")\n'
         "    return 1\n",
         f"{stem}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n"
-        f"Summary: STAND-IN for {dist} (epd-kit tests only)\n",
+        f"Summary: STAND-IN for {dist} (epd-kit tests only); Requires-Dist from {standin.source}\n{requires}",
         f"{stem}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: epd-kit-standins\nRoot-Is-Purelib: true\n"
         "Tag: py3-none-any\n",
     }
-    if console_script:
-        files[f"{stem}.dist-info/entry_points.txt"] = f"[console_scripts]\n{console_script} = {module}:main\n"
+    files.update({path: text.format(version=version) for path, text in standin.files})
+    if standin.script:
+        files[f"{stem}.dist-info/entry_points.txt"] = f"[console_scripts]\n{standin.script} = {standin.module}:main\n"
     record = []
     for name, text in files.items():
         digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
@@ -472,45 +571,38 @@ def build_wheel(target: Path, dist: str, version: str, module: str, console_scri
             wheel.writestr(name, text)
 
 
-# distribution -> (import name, console script): the names the Neuron pip repository serves
-PIP_STANDINS = {
-    "vllm": ("vllm", "vllm"),
-    "vllm-neuron": ("vllm_neuron", None),
-    "neuronx-cc": ("neuronxcc", "neuronx-cc"),
-    "torch-neuronx": ("torch_neuronx", None),
-    "nki": ("nki", None),
-}
-
-
-def release_pip_versions(release: Release) -> dict[str, str]:
-    return {
-        "vllm": release.vllm,
-        "vllm-neuron": release.vllm_neuron,
-        "neuronx-cc": release.neuronx_cc,
-        "torch-neuronx": release.torch_neuronx,
-        "nki": release.nki,
-    }
-
-
 def build_pip_standins(target: Path) -> None:
     target.mkdir(parents=True)
-    for release in RELEASES.values():
-        for dist, version in release_pip_versions(release).items():
-            if not any(target.glob(f"{dist.replace('-', '_')}-{version}-*.whl")):
-                module, script = PIP_STANDINS[dist]
-                build_wheel(target, dist, version, module, script)
+    wanted = {(dist, version) for release in RELEASES.values() for dist, version in release.engine_venv.items()}
+    wanted |= {(dist, f"{v}+standin") for dist, versions in LEAF_VERSIONS.items() for v in versions}
+    for dist, version in sorted(wanted):
+        if dist in PIP_STANDINS:
+            build_wheel(target, dist, version, PIP_STANDINS[dist])
+    download_real_wheels(target)
+
+
+def download_real_wheels(target: Path) -> None:
+    """The real wheels the stand-ins' requirements name (NIXL, numpy, ...), for the test hosts."""
+    argv = [sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "--quiet", "--no-deps"]
+    argv += ["--only-binary", ":all:", "--dest", str(target), "--python-version", HOST_PYTHON]
+    argv += ["--implementation", "cp", "--abi", "cp" + HOST_PYTHON.replace(".", "")]
+    for tag in ("manylinux_2_28", "manylinux_2_17", "manylinux2014", "manylinux_2_12", "manylinux2010"):
+        argv += ["--platform", f"{tag}_{HOST_MACHINE}"]
+    for wheels in (REAL_WHEELS, OLD_WHEELS):  # one pip run cannot take two versions of one project
+        run(argv + list(wheels))
 
 
 # --- the role's variables for the stand-ins -----------------------------------------------------------
 
 SERVER = "http://10.213.0.1:18780"  # the tests serve the stand-in directory here, inside kithub only
-# NIXL exactly as the sim backend's lean install (docs/sandbox.md): no torch/CUDA stack
-ENGINE_EXTRA_REQUIREMENTS = ["nixl-cu12==1.5.1", "numpy==2.4.6"]
-NIXL_VERSION = "1.5.1"
 
 
 def provision_vars(release_name: str, target: Path | None = None, server: str = SERVER) -> dict:
-    """epd_provision_* for a release of the stand-ins served at `server` (the sandbox's pins)."""
+    """epd_provision_* for a release of the stand-ins served at `server` (the sandbox's pins).
+
+    The engine venv is resolved by pip as on a real host: the index is an empty local directory
+    (nothing is reachable from the test network) and every wheel comes from the stand-in
+    directory, so a conflict between the pins' requirements fails the build here as it would there."""
     release = RELEASES[release_name]
     target = target or standin_dir()
     efa_tarball = f"aws-efa-installer-{release.efa_installer}.tar.gz"
@@ -525,37 +617,35 @@ def provision_vars(release_name: str, target: Path | None = None, server: str = 
         "epd_provision_neuron_check_devices": False,  # no Neuron device in a container
         "epd_provision_efa_installer_version": release.efa_installer,
         "epd_provision_efa_installer_url": f"{server}/efa/{efa_tarball}",
-        "epd_provision_efa_installer_sha256": manifest(target)["efa_sha256"][efa_tarball],
+        "epd_provision_efa_installer_key_url": f"{server}/efa/aws-efa-installer.key",
+        "epd_provision_efa_installer_key_fingerprint": manifest(target)["efa_key_fingerprint"],
         "epd_provision_efa_check_provider": False,  # the stand-in libfabric has no provider (no EFA device either)
-        "epd_provision_vllm_version": release.vllm,
-        "epd_provision_vllm_neuron_version": release.vllm_neuron,
-        "epd_provision_neuronx_cc_version": release.neuronx_cc,
-        "epd_provision_torch_neuronx_version": release.torch_neuronx,
-        "epd_provision_nki_version": release.nki,
-        "epd_provision_nixl_version": NIXL_VERSION,
-        "epd_provision_engine_extra_requirements": ENGINE_EXTRA_REQUIREMENTS,
-        "epd_provision_engine_resolve_dependencies": False,
+        "epd_provision_engine_pins": dict(release.engine_venv),
+        "epd_provision_engine_resolve_dependencies": True,
+        "epd_provision_engine_pip_index_url": f"file://{target / 'empty-index'}",
         "epd_provision_engine_pip_extra_index_urls": [],
         "epd_provision_engine_pip_find_links": [str(target / "pip")],
         "epd_engine_venv": "/opt/epd/engine-venv",
     }
 
 
+def engine_requirements(variables: dict) -> list[str]:
+    """The role's engine venv requirement set for these variables (vars/main.yml builds the same)."""
+    release = neuron_release(variables.get("epd_neuron_release", DEFAULT_RELEASE)).profile()["engine_venv"]
+    pins = release | variables.get("epd_provision_engine_pins", {})
+    return [f"{dist}=={version}" for dist, version in pins.items()] + list(
+        variables.get("epd_provision_engine_extra_requirements", [])
+    )
+
+
 def engine_wheelhouse_argv(variables: dict) -> list[str]:
-    """The role's build_engine_wheelhouse.py arguments for these variables (validate.yml builds the same)."""
+    """The role's build_engine_wheelhouse.py arguments for these variables and the test hosts'
+    interpreter (validate.yml builds the same)."""
     defaults = {"epd_provision_engine_pip_index_url": "https://pypi.org/simple"}
     merged = {**defaults, **variables}
-    requirements = [
-        f"vllm=={merged['epd_provision_vllm_version']}",
-        f"vllm-neuron=={merged['epd_provision_vllm_neuron_version']}",
-        f"neuronx-cc=={merged['epd_provision_neuronx_cc_version']}",
-        f"torch-neuronx=={merged['epd_provision_torch_neuronx_version']}",
-        f"nki=={merged['epd_provision_nki_version']}",
-        f"nixl=={merged['epd_provision_nixl_version']}",
-        *merged["epd_provision_engine_extra_requirements"],
-    ]
     argv = ["--index-url", merged["epd_provision_engine_pip_index_url"]]
-    argv += [f"--requirement={r}" for r in requirements]
+    argv += ["--python-version", HOST_PYTHON, "--host-platform", f"{HOST_MACHINE}:{HOST_GLIBC}"]
+    argv += [f"--requirement={r}" for r in engine_requirements(merged)]
     argv += [f"--extra-index-url={u}" for u in merged["epd_provision_engine_pip_extra_index_urls"]]
     argv += [f"--find-links={link}" for link in merged["epd_provision_engine_pip_find_links"]]
     if not merged["epd_provision_engine_resolve_dependencies"]:
@@ -582,12 +672,14 @@ def build(target: Path) -> None:
         work = Path(tmp)
         staging = work / "out"
         build_apt_repository(staging / "apt", work, rootfs)
-        build_efa_installers(staging / "efa", work)
+        efa_key = build_efa_installers(staging / "efa", work)
         build_pip_standins(staging / "pip")
+        (staging / "empty-index").mkdir()  # the engine wheelhouse's package index: nothing (find-links has all)
         manifest = {
             "note": STANDIN_NOTE,
             "suite": SUITE,
             "releases": {name: asdict(release) for name, release in RELEASES.items()},
+            "efa_key_fingerprint": efa_key,
             "efa_sha256": {
                 p.name.removesuffix(".sha256"): p.read_text().split()[0] for p in (staging / "efa").glob("*.sha256")
             },
