@@ -15,7 +15,7 @@ class KeyFileError(ValueError):
 
 def load_api_keys(path: Path) -> tuple[bytes, ...]:
     """One key per line; blank lines and `#` comments ignored. Refuses a file that group or
-    others can read (the keys would not be secret)."""
+    others can read (the keys would not be secret), and a key that is not printable ASCII."""
     try:
         st = path.stat()
     except OSError as exc:
@@ -30,9 +30,15 @@ def load_api_keys(path: Path) -> tuple[bytes, ...]:
     except OSError as exc:
         raise KeyFileError(f"api_keys_file {path}: cannot read: {exc.strerror or exc}") from None
     keys = []
-    for raw in text.splitlines():
+    for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if line and not line.startswith("#"):
+            if not (line.isascii() and line.isprintable()):
+                # an HTTP header carries a key as ASCII: such a key could never match (issue 33)
+                raise KeyFileError(
+                    f"api_keys_file {path}: line {number}: a key must be printable ASCII "
+                    "(no accented letters, no control characters)"
+                )
             keys.append(line.encode())
     if not keys:
         raise KeyFileError(f"api_keys_file {path}: contains no keys")

@@ -148,6 +148,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._phase: str | None = None  # "header" or "body" while a deadline runs
         self._head_bytes = 0  # received while the current head is incomplete
         self._head_parsed = 0  # URL and header bytes of the current head, as parsed
+        self._padding = 0  # empty lines before the next request line
+        self._in_message = False  # between on_message_begin and on_message_complete
         self._refusal: RouterError | None = None  # why a parser callback stopped the parse
         self._upgrade_body: int | None = None  # body bytes still due after an Upgrade head
         self._shutting_down = False  # close after the response to the request now arriving
@@ -170,6 +172,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._upgrade_body_received(data)
             return
         self._unset_keepalive_if_required()
+        if not self._in_message and self._count_padding(data):
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
@@ -183,6 +187,22 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
                 self._close("malformed", _head_too_large())
+
+    def _count_padding(self, data: bytes) -> bool:
+        """Empty lines before a request line (RFC 9112 §2.2 lets a server skip them; llhttp
+        does, before it calls on_message_begin): they count towards the head's size and start
+        its timeout, so padding cannot stream forever past `MAX_HEAD_BYTES` (issue 33).
+        True when the connection was closed for it."""
+        pad = len(data) - len(data.lstrip(b"\r\n"))
+        if not pad:
+            return False
+        if self._phase is None:  # the first byte of the next request on a kept-alive connection
+            self._arm("header", self._listen.header_timeout_s)
+        self._padding += pad
+        if self._padding > MAX_HEAD_BYTES and not self.transport.is_closing():
+            self._close("malformed", _head_too_large())
+            return True
+        return False
 
     def _upgrade_body_received(self, data: bytes) -> None:
         """Bytes after the head of a request with `Connection: upgrade`: its body (which
@@ -230,7 +250,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         if self._phase is None:  # the first byte of a request on a kept-alive connection
             self._arm("header", self._listen.header_timeout_s)
-        self._head_parsed = 0
+        self._head_parsed = self._padding  # the padding counts towards the head
+        self._padding = 0
+        self._in_message = True
         super().on_message_begin()
 
     def on_url(self, url: bytes) -> None:
@@ -272,6 +294,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         if self.parser.should_upgrade():  # the body comes after: _upgrade_body_received
             return
+        self._in_message = False
         self._disarm()  # the request is in; answering is the app's business
         super().on_message_complete()
 
