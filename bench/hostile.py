@@ -390,6 +390,8 @@ def cases(*, random_count: int = 300, big: bool = True, seed: int = 11) -> list[
 
     for name, raw, valid, expect in issue23_cases(big):
         add(name, raw, valid, expect)
+    for name, raw, valid, expect in issue33_cases():
+        add(name, raw, valid, expect)
 
     # seeded random documents from a small grammar (like the hypothesis strategies of the tests)
     rng = random.Random(seed)
@@ -412,6 +414,19 @@ def many_frame_gif(frames: int, side: int) -> bytes:
     one = buf.getvalue()
     start = one.index(b"\x2c", 13)  # the image block (Pillow writes no control block for a still)
     return one[:start] + one[start:-1] * frames + b"\x3b"
+
+
+def issue33_cases() -> list[tuple[str, bytes, bool, tuple[int, ...]]]:
+    """(name, raw, valid, expected statuses): issue 33's request findings (item 5); its engine
+    findings are bench/misbehaving_engine.py's, the broken VE tests/router/test_broken_ve.py."""
+    body = json.dumps(user("x")).encode()
+    request = http(body)
+    two_keys = request.replace(b"\r\n\r\n", b"\r\nAuthorization: Bearer a\r\nAuthorization: Bearer b\r\n\r\n", 1)
+    return [
+        ("20 KB of empty lines before the request line", b"\r\n" * 10_000 + request, False, (400,)),
+        ("2 empty lines before the request line", b"\r\n\r\n" + request, True, (200,)),
+        ("two Authorization headers", two_keys, False, (400,)),
+    ]
 
 
 def issue23_cases(big: bool) -> list[tuple[str, bytes, bool, tuple[int, ...]]]:
