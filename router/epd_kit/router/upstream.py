@@ -93,6 +93,11 @@ def classify_exception(exc: engine_http.ClientError, engine: Engine) -> Upstream
         return _failure(engine, 502, message, failure=Failure.refused, retry_other=True)
     if isinstance(exc, engine_http.ServerTimeoutError):
         return _failure(engine, 504, f"{where(engine)} timed out ({kind})", failure=Failure.timeout, retry_other=True)
+    if isinstance(exc, engine_http.AnswerTooLarge):  # a size cap refused the answer: the connection was fine
+        message = f"{where(engine)} failed: {str(exc) or 'its answer is too large'} ({kind})"
+        err = _failure(engine, 502, message, failure=Failure.error, retry_other=True)
+        err.client_message = "the engine's answer was too large"
+        return err
     message = f"{where(engine)} failed: connection broken ({kind})"
     err = _failure(engine, 502, message, failure=Failure.error, retry_other=True)
     err.client_message = "the connection to the engine broke"

@@ -75,8 +75,11 @@ async def test_a_body_above_the_cap_is_refused_before_it_is_read_whole(framing):
         with pytest.raises(engine_http.AnswerTooLarge):
             await call(http, server.url, max_body=1 << 20)
         http.close()
-    err = upstream.classify_exception(engine_http.AnswerTooLarge("x"), PD)
+    err = upstream.classify_exception(engine_http.AnswerTooLarge("the engine's answer is longer than 1 bytes"), PD)
     assert err.status == 502 and err.failure is not None  # charged to the engine
+    # named for what happened: the connection itself was fine
+    assert "connection broken" not in err.message and "answer is longer than 1 bytes" in err.message
+    assert err.client_message == "the engine's answer was too large"
 
 
 async def test_interim_answers_are_skipped_and_the_final_one_is_read():
