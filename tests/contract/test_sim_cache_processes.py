@@ -1,12 +1,16 @@
 """The sim's compile cache across real engine processes (compilation_cache.md; docs/sim.md "Compile cache"):
 two engines of one host compile a graph once, a strict-mode miss fails the start with the engine
-and the remedy, CPU compile mode compiles and exits, and a host with the shared tier fetches."""
+and the remedy, CPU compile mode compiles then serves /health and refuses generation until
+stopped, and a host with the shared tier fetches."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 from sim_harness import PD_CORES, Launcher, engine_env, free_port, pd_argv
+
+from epd_kit.wire import GENERATE_PATH
 
 COMPILE_S = "1.0"  # long enough for the second engine to find the first one's lock
 
@@ -43,8 +47,14 @@ def test_cpu_compile_then_strict_engines_fetch_and_a_missing_key_fails_fast(
     model = str(checkpoint.path)
     cpu = {"VLLM_NEURON_CPU_COMPILE": "1", "NEURON_PLATFORM_TARGET_OVERRIDE": "trn2"}
     builder = launcher.start(pd_argv(model, free_port()), pd_env(tmp_path / "cpu", **cpu), "cpu")
-    assert builder.wait_exit(20) == 0
+    # it does not exit by itself (no source says vllm serve does): /health 200 once compiled,
+    # generation refused (nothing executes), a clean exit when stopped, as precompile.yml does
+    builder.wait_ready(20)
     assert "CPU compilation complete" in builder.log()
+    refused = httpx.post(builder.url + GENERATE_PATH, json={"prompt": "hi"}, timeout=5)
+    assert refused.status_code == 503 and "CPU compile mode" in refused.json()["error"]["message"]
+    assert builder.returncode is None
+    assert builder.stop() == 0
     from epd_kit.sim.compile_cache import save_cache  # what promote-compile-cache runs
 
     (key,) = [p.name for p in (tmp_path / "cpu/neuron/compile_cache").glob("?" * 32)]

@@ -121,12 +121,16 @@ async def _graphs(cfg: EngineConfig, sim: SimOptions, cache: CacheSettings, grap
 
 
 async def _cpu_compile(cfg: EngineConfig, sim: SimOptions, cache: CacheSettings, graph: _GraphKey) -> int:
-    """VLLM_NEURON_CPU_COMPILE=1 (cpu_compilation.md): compile for the target, execute nothing."""
+    """VLLM_NEURON_CPU_COMPILE=1 (cpu_compilation.md): compile for the target, execute nothing.
+    Then keep serving /health and refuse generation until stopped: no source says the real
+    server exits, so the sim does not (compile_only.py, docs/sim.md)."""
     log.info("CPU compilation for target %s (VLLM_NEURON_CPU_COMPILE=1): graphs are compiled, not run", cache.target)
     if not await _graphs(cfg, sim, cache, graph):
         return 1
     log.info("CPU compilation complete: graph %s in %s", graph.key, cache.local_dir)
-    return 0
+    from . import compile_only  # imports the HTTP stack, as _serve does, only once compiled
+
+    return await compile_only.serve(cfg, cache.target, sim.grace_s, sim.access_log)
 
 
 async def _load_and_warmup(cfg: EngineConfig, sim: SimOptions, cache: CacheSettings, graph: _GraphKey) -> bool:

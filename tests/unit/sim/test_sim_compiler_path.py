@@ -37,9 +37,9 @@ def test_a_cold_start_needs_neuronx_cc_on_path_and_a_warm_one_does_not(tiny_ckpt
     # the launcher's environment, like a sim unit, has the stand-in compiler first on PATH
     built = SimProcess(argv, env_for(root, None, **cpu), tmp_path / "built.log")
     try:
-        assert built.wait_exit(30) == 0
+        built.wait_ready(30)  # a CPU compile keeps serving /health until stopped (docs/sim.md)
     finally:
-        built.stop()
+        assert built.stop() == 0
     assert "Compile cache miss: compiling graph" in built.log() and "standin_bin/neuronx-cc" in built.log()
 
     warm = SimProcess(pd_argv(str(tiny_ckpt), free_port()), env_for(root, NO_COMPILER_PATH), tmp_path / "warm.log")
