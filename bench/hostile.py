@@ -15,6 +15,7 @@ progressive JPEGs of 64 scans from one client that leaves and opens a second con
     python -m bench.hostile                      # starts sims + router, >= 500 cases
     python -m bench.hostile --url http://127.0.0.1:18800 --random 50
     python -m bench.hostile --attacks --random 0
+    python -m bench.hostile --streams --random 0
 
 tests/router/test_hostile.py runs a smaller selection of the same cases. Every loop is
 bounded in count and time; all traffic goes to 127.0.0.1.
@@ -23,6 +24,7 @@ bounded in count and time; all traffic goes to 127.0.0.1.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import concurrent.futures
 import contextlib
@@ -824,6 +826,209 @@ def _under_attack(url: str, attack, seconds: float) -> dict:
     return out
 
 
+# --- PD streams that misbehave after they started (issue 33 item 4) ---------------------------
+
+STREAM_MARK = 13  # max_tokens of the spoiled client's requests; the legitimate client asks for 4
+STREAM_GAP_S = 1.0  # the router's timeouts.stream_gap_s for these runs
+_STREAM_IDS = list(range(300, 316))  # inside the tiny checkpoint's vocabulary
+ENGINE_ADDRESS = "10.9.8.7"  # an engine-internal address the PD's own error frame carries
+# what the spoiled client's stream must end with: (code, message) of the router's own error
+# frame (no [DONE] after it), or None: the whole answer
+STREAM_CASES: dict[str, tuple[int, str] | None] = {
+    "truncated": (502, "the stream from the engine ended before the answer was complete"),
+    "error_frame": (502, "the engine failed while generating"),
+    "tokenless": (504, f"generation stalled: no token for {STREAM_GAP_S:g}s"),
+    "endless_line": (502, "the engine sent an invalid answer"),
+    "crlf": None,
+    "malformed": None,
+}
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _stream_pd_class():
+    from epd_kit.sim.app import token_frame
+    from tests.unit.router.raw_http import RawServer, read_message
+
+    class StreamPd(RawServer):
+        """A PD on raw sockets whose streams for STREAM_MARK requests misbehave as `mode`
+        says (`good`: never); everything else gets a well-formed stream."""
+
+        mode = "good"
+
+        async def serve_connection(self, reader, writer) -> None:
+            for _ in range(10_000):  # keep-alive
+                head, body = await read_message(reader)
+                if head.split(b" ", 2)[1] == b"/health":
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                    await writer.drain()
+                    continue
+                req = json.loads(body)
+                mode = self.mode if req["sampling_params"].get("max_tokens") == STREAM_MARK else "good"
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
+                if not req.get("stream"):  # streams only: a serving probe fails here
+                    return
+                rid = json.dumps(req["request_id"])
+                first = token_frame(rid, _STREAM_IDS[:1], None)
+                last = token_frame(rid, _STREAM_IDS[1:2], "length")
+                done = b"data: [DONE]\n\n"
+                if mode == "tokenless":  # 10 s of events without tokens
+                    for part in [first] + [b'data: {"choices": []}\n\n'] * 200:
+                        writer.write(_chunk(part))
+                        await writer.drain()
+                        await asyncio.sleep(0.05)
+                    return
+                if mode == "endless_line":  # 64 MiB without a newline
+                    writer.write(_chunk(first) + _chunk(b"data: {"))
+                    for _ in range(64):
+                        writer.write(_chunk(b"a" * (1 << 20)))
+                        await writer.drain()
+                        await asyncio.sleep(0.005)
+                    return
+                error = {"error": {"message": f"worker at {ENGINE_ADDRESS} died", "code": 500, "peer": ENGINE_ADDRESS}}
+                junk = [b"data: {oops\n\n", b"data: [1, 2]\n\n", b'data: {"choices": [{"token_ids": "x"}]}\n\n']
+                parts = {
+                    "good": [first, last, done],
+                    "truncated": [first, token_frame(rid, _STREAM_IDS[1:2], None)],
+                    "error_frame": [first, b"data: " + json.dumps(error).encode() + b"\n\n", last, done],
+                    "crlf": [p.replace(b"\n", b"\r\n") for p in (first, last, done)],
+                    "malformed": [first, *junk * 700, last, done],
+                }[mode]
+                writer.write(b"".join(_chunk(p) for p in parts) + b"0\r\n\r\n")
+                await writer.drain()
+                if mode == "truncated":
+                    return
+
+    return StreamPd
+
+
+@contextlib.contextmanager
+def stream_pd_running():
+    """A misbehaving-stream PD on 127.0.0.1, on its own event loop in a thread."""
+    engine = _stream_pd_class()()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="stream-pd", daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(engine.start(), loop).result(10)
+        yield engine
+    finally:
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(engine.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def stream_once(url: str, max_tokens: int) -> tuple[int, list[str], float, str | None]:
+    """One streamed chat: status, its events (`data:` payloads), seconds, request id."""
+    t0 = time.monotonic()
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, "stream": True}
+    with httpx.stream("POST", url + CHAT, json=body, timeout=30, trust_env=False) as r:
+        raw = r.read().decode()
+        status, rid = r.status_code, r.headers.get("x-request-id")
+    return status, [e.removeprefix("data: ") for e in raw.split("\n\n") if e], time.monotonic() - t0, rid
+
+
+def stream_case(url: str, engine, mode: str, spoiled: int = 3, seconds: float = 1.0) -> dict:
+    """`spoiled` streams of `mode` (`seconds` apart) while a legitimate client streams one
+    request at a time and /health is timed; the figures and what broke a goal (`problems`)."""
+    engine.mode = mode
+    legit: list[tuple[bool, float]] = []
+    stop = threading.Event()
+
+    def legitimate() -> None:
+        for _ in range(1000):
+            if stop.is_set():
+                return
+            status, events, secs, _ = stream_once(url, 4)
+            legit.append((status == 200 and events[-1:] == ["[DONE]"], secs))
+
+    probe = Probe(url)
+    threads = [threading.Thread(target=legitimate, daemon=True), threading.Thread(target=probe.run, args=(120,))]
+    for t in threads:
+        t.start()
+    problems = []
+    try:
+        for _ in range(spoiled):
+            time.sleep(seconds)
+            status, events, _, rid = stream_once(url, STREAM_MARK)
+            want = STREAM_CASES[mode]
+            if status != 200:
+                problems.append(f"spoiled stream answered {status}")
+            elif want is None:
+                if events[-1:] != ["[DONE]"] or any("error" in json.loads(e) for e in events[:-1]):
+                    problems.append(f"not served whole: {events[-2:]}")
+            else:
+                doc = json.loads(events[-1])
+                err = doc.get("error") or {}
+                if (err.get("code"), err.get("message")) != want or doc.get("request_id") != rid:
+                    problems.append(f"last event not the router's own error frame: {events[-1][:200]}")
+                if "[DONE]" in events or ENGINE_ADDRESS in "".join(events):
+                    problems.append("[DONE] or an engine address reached the client")
+        time.sleep(seconds)
+    finally:
+        stop.set()
+        probe.stop()
+        engine.mode = "good"
+        for t in threads:
+            t.join(timeout=60)
+    health = probe.summary()["/health"]
+    legit_p99 = percentile([secs for _, secs in legit], 99) if legit else None
+    if not legit or not all(ok for ok, _ in legit):
+        problems.append(f"legitimate streams failed: {sum(not ok for ok, _ in legit)} of {len(legit)}")
+    if legit_p99 is None or legit_p99 >= 2.0:
+        problems.append(f"legitimate p99 {legit_p99} s (goal < 2 s)")
+    if health["p99_ms"] >= 100 or probe.failures:
+        problems.append(f"/health p99 {health['p99_ms']} ms, {probe.failures} failures (goal < 100 ms)")
+    return {
+        "legit": {"n": len(legit), "p99_s": round(legit_p99, 3) if legit_p99 is not None else None},
+        "/health": health,
+        "problems": problems,
+    }
+
+
+def streams(seconds: float = 1.0) -> dict:
+    """Every STREAM_CASES row on a sim VE, the misbehaving-stream PD and a router (one attempt
+    per request, `timeouts.stream_gap_s` STREAM_GAP_S, no passive ejection of the one PD)."""
+    import tempfile
+
+    from bench.stack import engine_proc, router_proc
+    from epd_kit.testing.checkpoint import build_tiny_checkpoint
+
+    work = Path(tempfile.mkdtemp(prefix="bench-streams-"))
+    ckpt = build_tiny_checkpoint(work / "checkpoint")
+    extra = {
+        "retries": {"max_attempts": 1},
+        "timeouts": {"stream_gap_s": STREAM_GAP_S},
+        "health": {"failure_threshold": 50, "failure_ratio": 1.0},
+    }
+    ve = engine_proc("ve", 0, ckpt, work).start()
+    out: dict = {}
+    with stream_pd_running() as pd:
+        pd.name = "epd-pd-streams"
+        router = None
+        try:
+            ve.wait_healthy()
+            router = router_proc(ckpt, [ve], [pd], work, extra=extra).start()
+            router.wait_healthy()
+            for mode in STREAM_CASES:
+                at = router.log_path.stat().st_size
+                out[mode] = stream_case(router.url, pd, mode, seconds=seconds)
+                with router.log_path.open("rb") as log:
+                    log.seek(at)
+                    out[mode]["router_log_tracebacks"] = log.read().count(b"Traceback")
+        finally:
+            for p in (router, ve):
+                if p is not None:
+                    p.stop()
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.hostile", description=__doc__.split("\n")[0])
     ap.add_argument("--url", help="a running router (default: start sims + a router here)")
@@ -831,6 +1036,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--attacks", action="store_true", help="then the attacks of one client on the others")
     ap.add_argument("--attack-s", type=float, default=20.0, help="legitimate traffic per attack")
+    ap.add_argument("--streams", action="store_true", help="then PD streams that misbehave (issue 33, own stack)")
     ap.add_argument("--out", type=Path, help="write the summary as JSON here")
     args = ap.parse_args(argv)
     selected = cases(random_count=args.random)
@@ -846,6 +1052,8 @@ def main(argv: list[str] | None = None) -> dict:
             if args.attacks:
                 summary["attacks"] = attacks(router.url, seconds=args.attack_s)
             summary["router_log_tracebacks"] = router.log_path.read_text(errors="replace").count("Traceback")
+    if args.streams:
+        summary["streams"] = streams()
     return emit_summary(summary, args.out)
 
 
