@@ -1,0 +1,56 @@
+"""A misbehaving engine cannot hurt the router (issue 33 item 3): a real router with a sim VE,
+two sim PDs and bench/misbehaving_engine.py's raw-socket PD on 127.0.0.1, which misbehaves on
+the requests of one client (and, in the /health cases, on every probe) while a legitimate
+client's requests and /health are timed and the router's RSS is sampled. Each case: no answer
+of 500, no traceback in the router log, /health p99 < 100 ms, legitimate p99 < 2 s, RSS growth
+< 50 MB, and what the misbehaviour client gets is what the engine's answer must become (a 502
+for a head over the cap or ids outside the vocabulary, a 429 with a sane Retry-After, a 200
+through interim answers). The bench runs the same cases longer (python -m bench.hostile
+--engines; docs/benchmarks.md "Hostile engines")."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import misbehaving_engine as bad_engine
+
+from .harness import Stack, wait_until
+
+SECONDS = 3.0
+HEALTH = {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 2, "success_threshold": 1}
+# a stopped PD misses `failure_threshold` probes of `timeout_s` each, an interval apart; 1 s slack
+EJECTED_MAX_S = HEALTH["failure_threshold"] * (HEALTH["interval_s"] + HEALTH["timeout_s"]) + 1.0
+
+
+@pytest.fixture(scope="module")
+def stack(ckpt, tmp_path_factory):
+    with bad_engine.running() as bad:
+        # one attempt per request: what the bad engine's answer becomes reaches its client
+        s = Stack.start(
+            ckpt, tmp_path_factory.mktemp("misbehaviour"), n_ve=1, n_pd=2, health=HEALTH, retries={"max_attempts": 1}
+        )
+        try:
+            s.config["endpoints"]["pd"].append({"id": bad.name, "url": bad.url, "state": "active"})
+            s.router.write_config(s.config)
+            s.router.reload()
+            wait_until(lambda: s.router.pools().get(bad.name, {}).get("healthy"), 15, "the bad engine serving")
+            yield s, bad
+        finally:
+            s.stop()
+
+
+@pytest.mark.parametrize("case", bad_engine.CASES, ids=lambda c: c.mode + ("-sigstop" if c.sigstop else ""))
+def test_a_misbehaving_engine_hurts_neither_the_router_nor_other_clients(stack, case):
+    s, bad = stack
+    log_at = s.router.log_path.stat().st_size
+    pd1 = s.pds[1]
+    figures = bad_engine.run_case(
+        s.router.url, s.router.proc.pid, bad, case, SECONDS, stop_pd=(pd1.engine_id, pd1.proc.pid)
+    )
+    assert figures["pools_ready_s"] is not None, "a PD stayed ejected after the previous case"
+    log = s.router.log()[log_at:]
+    assert "Traceback" not in log, log[-3000:]
+    assert bad_engine.failures(case, figures, EJECTED_MAX_S) == [], figures
+    if case.mode == "header":  # named for what it is: the connection was fine (not "connection broken")
+        assert "failed: the engine's answer" in log  # head longer than 64 KiB, or over 100 lines
+        assert "connection broken (AnswerTooLarge)" not in log
