@@ -16,6 +16,7 @@ progressive JPEGs of 64 scans from one client that leaves and opens a second con
     python -m bench.hostile --url http://127.0.0.1:18800 --random 50
     python -m bench.hostile --attacks --random 0
     python -m bench.hostile --streams --random 0
+    python -m bench.hostile --broken-ve --random 0
 
 tests/router/test_hostile.py runs a smaller selection of the same cases. Every loop is
 bounded in count and time; all traffic goes to 127.0.0.1.
@@ -35,6 +36,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -1029,6 +1031,122 @@ def streams(seconds: float = 1.0) -> dict:
     return out
 
 
+# --- one VE whose side channel refuses reads (issue 33 item 1) ----------------------------------
+
+
+def _image_chat(i: int) -> bytes:
+    from epd_kit.testing.images import png_data_url
+
+    text = {"type": "text", "text": f"Picture {i}: describe."}
+    return chat(user([text, image(png_data_url(64, 64, seed=5000 + i))]))
+
+
+def broken_ve_case(
+    url: str, broken_ve_url: str, broken_ve_id: str, pds_alive: Callable[[], int], seconds: float = 4.0
+) -> dict:
+    """Two text clients and one image client (one request at a time each) while /health is
+    timed; the VE at `broken_ve_url` starts refusing side-channel reads (the sim's `refuse`
+    fault) and the run goes on `seconds` after the router quarantined it. Goals: the VE
+    quarantined, at most one PD lost (one image request at a time), every request that
+    started after the quarantine served, their p99 < 2 s, /health p99 < 100 ms, no 500."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    assert host == "127.0.0.1", "hostile input goes to 127.0.0.1 only"
+    for i in range(8):  # both VEs' blocks read by a PD first
+        warm = send(host, port, Case("warm", _image_chat(i), valid=True), timeout_s=30)
+        assert warm.status == 200, warm
+    alive_before = pds_alive()
+    results: list[tuple[float, Answer]] = []
+    stop = threading.Event()
+
+    def client(kind: str, seed: int) -> None:
+        for i in range(400):
+            if stop.is_set():
+                return
+            raw = chat(user(f"hello {i}")) if kind == "text" else _image_chat(seed + i)
+            results.append((time.monotonic(), send(host, port, Case(kind, raw, valid=True), timeout_s=30)))
+
+    probe = Probe(url)
+    threads = [threading.Thread(target=probe.run, args=(120,), daemon=True)]
+    threads += [
+        threading.Thread(target=client, args=(k, 100 + n * 1000), daemon=True)
+        for n, k in enumerate(["text", "text", "image"])
+    ]
+    for t in threads:
+        t.start()
+    charged = None
+    try:
+        time.sleep(0.5)
+        fault = httpx.put(broken_ve_url + "/sim/faults", json={"side_channel": "refuse"}, timeout=5, trust_env=False)
+        fault.raise_for_status()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and charged is None:
+            pools = httpx.get(url + "/pools", timeout=5, trust_env=False).json()["engines"]
+            if any(e["id"] == broken_ve_id and e["quarantined_s"] > 0 for e in pools):
+                charged = time.monotonic()
+            time.sleep(0.05)
+        time.sleep(seconds)
+    finally:
+        stop.set()
+        probe.stop()
+        for t in threads:
+            t.join(timeout=60)
+    time.sleep(0.5)  # a PD that died exits after its dead-linger
+    # ends measured from the charge: t0 of a result is when it ended, minus its duration
+    after = [a for end, a in results if charged is not None and end - a.seconds > charged]
+    health = probe.summary()["/health"]
+    p99 = percentile([a.seconds for a in after], 99) if after else None
+    figures = {
+        "quarantined": charged is not None,
+        "pds_lost": alive_before - pds_alive(),
+        "requests": len(results),
+        "after_charge": {"n": len(after), "not_200": sum(a.status != 200 for a in after), "p99_s": p99},
+        "answers_500": sum(a.status == 500 for _, a in results),
+        "/health": health,
+        "probe_failures": probe.failures,
+    }
+    problems = []
+    if not figures["quarantined"]:
+        problems.append("the VE was not quarantined within 30 s")
+    if figures["pds_lost"] > 1:
+        problems.append(f"{figures['pds_lost']} PDs lost")
+    if len(after) < 3 or figures["after_charge"]["not_200"] or p99 is None or p99 >= 2.0:
+        problems.append(f"after the charge: {figures['after_charge']}")
+    if figures["answers_500"]:
+        problems.append(f"{figures['answers_500']} answers of 500")
+    if health["p99_ms"] >= 100 or probe.failures:
+        problems.append(f"/health p99 {health['p99_ms']} ms, {probe.failures} failures (goal < 100 ms)")
+    figures["problems"] = problems
+    return figures
+
+
+def broken_ve(seconds: float = 4.0) -> dict:
+    """broken_ve_case on two sim VEs, two sim PDs and a router of its own."""
+    import tempfile
+
+    from bench.stack import engine_proc, router_proc
+    from epd_kit.testing.checkpoint import build_tiny_checkpoint
+
+    work = Path(tempfile.mkdtemp(prefix="bench-broken-ve-"))
+    ckpt = build_tiny_checkpoint(work / "checkpoint")
+    ves = [engine_proc("ve", i, ckpt, work).start() for i in range(2)]
+    pds = [engine_proc("pd", i, ckpt, work).start() for i in range(2)]
+    procs = [*ves, *pds]
+    try:
+        for p in procs:
+            p.wait_healthy()
+        router = router_proc(ckpt, ves, pds, work)
+        procs.append(router.start())
+        router.wait_healthy()
+        alive = lambda: sum(p.popen is not None and p.popen.poll() is None for p in pds)  # noqa: E731
+        out = broken_ve_case(router.url, ves[0].url, ves[0].name, alive, seconds)
+        out["router_log_tracebacks"] = router.log_path.read_text(errors="replace").count("Traceback")
+        return out
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.hostile", description=__doc__.split("\n")[0])
     ap.add_argument("--url", help="a running router (default: start sims + a router here)")
@@ -1037,6 +1155,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--attacks", action="store_true", help="then the attacks of one client on the others")
     ap.add_argument("--attack-s", type=float, default=20.0, help="legitimate traffic per attack")
     ap.add_argument("--streams", action="store_true", help="then PD streams that misbehave (issue 33, own stack)")
+    ap.add_argument("--broken-ve", action="store_true", help="then a VE refusing reads under load (own stack)")
     ap.add_argument("--out", type=Path, help="write the summary as JSON here")
     args = ap.parse_args(argv)
     selected = cases(random_count=args.random)
@@ -1054,6 +1173,8 @@ def main(argv: list[str] | None = None) -> dict:
             summary["router_log_tracebacks"] = router.log_path.read_text(errors="replace").count("Traceback")
     if args.streams:
         summary["streams"] = streams()
+    if args.broken_ve:
+        summary["broken_ve"] = broken_ve()
     return emit_summary(summary, args.out)
 
 
