@@ -11,11 +11,15 @@ transfer codings, ...) must get it.
 legitimate text and image requests and /health are timed: 64 uploads that trickle their
 bodies, animated GIFs of 999 large frames, six 60 MB bodies at once, and (issue 33) 8192x8192
 progressive JPEGs of 64 scans from one client that leaves and opens a second connection.
+`--engines` runs a misbehaving engine's cases (issue 33 item 3, bench/misbehaving_engine.py:
+huge heads and /health answers, an endless stream line, Retry-After inf, ids outside the
+vocabulary, interim answers, a stopped PD beside a slow /health) on a stack of its own.
 
     python -m bench.hostile                      # starts sims + router, >= 500 cases
     python -m bench.hostile --url http://127.0.0.1:18800 --random 50
     python -m bench.hostile --attacks --random 0
     python -m bench.hostile --streams --random 0
+    python -m bench.hostile --engines --random 0
     python -m bench.hostile --broken-ve --random 0
 
 tests/router/test_hostile.py runs a smaller selection of the same cases. Every loop is
@@ -1155,6 +1159,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--attacks", action="store_true", help="then the attacks of one client on the others")
     ap.add_argument("--attack-s", type=float, default=20.0, help="legitimate traffic per attack")
     ap.add_argument("--streams", action="store_true", help="then PD streams that misbehave (issue 33, own stack)")
+    ap.add_argument("--engines", action="store_true", help="then a misbehaving engine (issue 33, own stack)")
+    ap.add_argument("--engine-s", type=float, default=10.0, help="legitimate traffic per engine case")
     ap.add_argument("--broken-ve", action="store_true", help="then a VE refusing reads under load (own stack)")
     ap.add_argument("--out", type=Path, help="write the summary as JSON here")
     args = ap.parse_args(argv)
@@ -1173,6 +1179,10 @@ def main(argv: list[str] | None = None) -> dict:
             summary["router_log_tracebacks"] = router.log_path.read_text(errors="replace").count("Traceback")
     if args.streams:
         summary["streams"] = streams()
+    if args.engines:
+        from bench import misbehaving_engine
+
+        summary["engines"] = misbehaving_engine.run_all(args.engine_s)
     if args.broken_ve:
         summary["broken_ve"] = broken_ve()
     return emit_summary(summary, args.out)
