@@ -5,8 +5,9 @@ strict mode (epd_compile_cache_strict: the engines never compile, a key missing 
 fails their start). The sim compiles for a few seconds (EPD_SIM_COMPILE_S).
 
 The operator's steps, in order: create the directory on the share, install the kit and its user
-(deploy.yml --tags deps), give the directory to that user, playbooks/precompile.yml on n1, then
-the deploy. Then, under
+(deploy.yml --tags deps), give the directory to that user, playbooks/precompile.yml on n1 (each
+compile a transient service the play stops once it answers /health; a venv unlike the fleet's is
+refused before compiling), then the deploy. Then, under
 bounded load with every request counted, a PD setting the precompile did not produce: the PD
 canary fails at start with the engine's own message (naming it and the remedy) in the deploy's
 output, the rollout stops before its second batch, and the fleet keeps serving (0 failed).
@@ -109,6 +110,11 @@ def cache(host_pool: HostPool, tmp_path_factory, record_timing) -> CacheFleet:
     return CacheFleet(stack, fleet, precompiled[0])
 
 
+def flat(output: str) -> str:
+    """The play's output with YAML's line wrapping undone (callback_result_format = yaml)."""
+    return " ".join(output.split())
+
+
 def shared_keys(host: TestHost) -> set[str]:
     out = host.run(f"ls -A {SHARED}").stdout.split()
     assert all(KEY.fullmatch(name) for name in out), out  # whole entries only: no staging left over
@@ -123,10 +129,41 @@ def test_both_hosts_mount_one_file_system_that_precompile_filled_once_per_config
     keys = shared_keys(n1)
     assert len(keys) == 2 and shared_keys(n2) == keys
     assert cache.precompile.recap["n1"]["failed"] == 0
-    assert cache.precompile.stdout.count("(1 new)") == 2, cache.precompile.describe()
+    assert flat(cache.precompile.stdout).count("(1 new)") == 2, cache.precompile.describe()
     for key in keys:
         assert n2.run(f"runuser -u epd -- test -r {SHARED}/{key}/model.neff", check=False).returncode == 0
     assert n1.units("epd-engine@*") == []  # the precompile host runs no engine
+
+
+def test_the_precompile_play_stopped_each_compile_server_itself(cache):
+    # no source says vllm serve exits after a CPU compile, and the sim does not: it answered
+    # /health once compiled and the play stopped it (SIGTERM, the sim's own line), leaving no unit
+    n1 = cache.stack.hosts["n1"]
+    assert flat(cache.precompile.stdout).count("served /health after compiling; stopped by the play") == 2
+    journal = n1.journal("epd-precompile-*", lines=2000)
+    assert journal.count("CPU compilation complete: graph") == 2, journal[-3000:]
+    assert journal.count("CPU compile mode: serving /health") == 2, journal[-3000:]
+    assert journal.count("Stopped after the CPU compile (exit 0).") == 2, journal[-3000:]
+    assert n1.units("epd-precompile-*") == []
+
+
+def test_a_precompile_host_whose_venv_differs_from_the_fleets_is_refused_before_compiling(cache):
+    # the sim backend's engine is the kit venv: one distribution more on n1 than on n2
+    n1 = cache.stack.hosts["n1"]
+    purelib = n1.run("/opt/epd/venv/bin/python -c \"import sysconfig; print(sysconfig.get_paths()['purelib'])\"")
+    probe = f"{purelib.stdout.strip()}/epd_venv_probe-0.0.1.dist-info"
+    compiled = n1.journal("epd-precompile-*", lines=2000).count("CPU compilation complete")
+    metadata = "Metadata-Version: 2.1\\nName: epd_venv_probe\\nVersion: 0.0.1\\n"
+    n1.run(f"mkdir {probe} && printf '{metadata}' > {probe}/METADATA")
+    try:
+        result = ansible_playbook(cache.fleet.directory, "playbooks/precompile.yml")
+    finally:
+        n1.run(f"rm -rf {probe}")
+    assert result.returncode != 0, result.describe()
+    out = flat(result.stdout)
+    assert "only on n2: none; only here: epd-venv-probe==0.0.1" in out, result.describe()
+    assert "Nothing was compiled" in out
+    assert n1.journal("epd-precompile-*", lines=2000).count("CPU compilation complete") == compiled
 
 
 def test_a_strict_deploy_compiles_nothing_on_the_engine_host(cache):

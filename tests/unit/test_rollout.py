@@ -203,7 +203,7 @@ def test_the_plan_says_who_compiles_and_who_fetches(shared, strict, expected_res
 
 def test_precompile_runs_each_configuration_once_in_cpu_compile_mode_with_the_fleets_command():
     cache_env = {"HOME": "/var/cache/epd", "VLLM_CACHE_ROOT": "/c", "VLLM_NEURON_DISABLE_WARMUP_COMPILE": "1"}
-    jobs = plan.rollout.precompile_jobs(THREE, cache_env, "trn2", "/opt/epd/venv/bin/epd-sim", "/p")
+    jobs = plan.rollout.precompile_jobs(THREE, cache_env, "trn2", "/opt/epd/venv/bin/epd-sim", "/p", "epd", 7200)
     assert sorted(j["engine_id"] for j in jobs) == ["epd-a-pd-0", "epd-a-ve-0"]  # one per configuration
     for job in jobs:
         engine = next(e for e in THREE[job["host"]]["engines"] if e["engine_id"] == job["engine_id"])
@@ -216,6 +216,39 @@ def test_precompile_runs_each_configuration_once_in_cpu_compile_mode_with_the_fl
         assert env["VLLM_CACHE_ROOT"] == f"/p/{job['config']}" and job["local_dir"].endswith("/neuron/compile_cache")
         assert "VLLM_NEURON_DISABLE_WARMUP_COMPILE" not in env  # a precompile must compile
         assert env["NEURON_VISIBLE_DEVICES"] == engine["env"]["NEURON_VISIBLE_DEVICES"]
+
+
+def test_each_precompile_job_is_a_transient_unit_with_the_jobs_user_environment_and_argv():
+    # no source says vllm serve exits after a CPU compile: the play runs it as a service it can stop
+    cache_env = {"HOME": "/var/cache/epd", "VLLM_CACHE_ROOT": "/c", "NEURON_LIBTORCH_REMOTE_CACHE": "/mnt/fsx/c"}
+    loader = {"PATH": "/opt/engine/bin:/usr/bin", "LD_LIBRARY_PATH": "/opt/amazon/efa/lib64"}
+    jobs = plan.rollout.precompile_jobs(THREE, cache_env | loader, "trn2", "/opt/engine/bin/vllm", "/p", "epd", 5400)
+    for job in jobs:
+        run = job["run_argv"]
+        cut = run.index("--")
+        head, command = run[:cut], run[cut + 1 :]
+        assert head[0] == "systemd-run" and f"--unit={job['unit']}" in head
+        assert job["unit"] == f"epd-precompile-{job['config']}.service"
+        assert {"--uid=epd", "--gid=epd", "--remain-after-exit", "--property=RuntimeMaxSec=5400"} <= set(head)
+        assert f"--property=WorkingDirectory={job['cache_root']}" in head
+        assert command == job["argv"]  # the same argv as the foreground job had
+        setenv = [a.removeprefix("--setenv=") for a in head if a.startswith("--setenv=")]
+        assert setenv == job["env"]  # the same environment, and nothing else
+        env = dict(item.split("=", 1) for item in setenv)
+        assert env["PATH"] == loader["PATH"] and env["LD_LIBRARY_PATH"] == loader["LD_LIBRARY_PATH"]
+        assert env["NEURON_LIBTORCH_REMOTE_CACHE"] == "/mnt/fsx/c"  # the sources disagree where keys land
+        port = job["argv"][job["argv"].index("--port") + 1]
+        assert job["health_url"] == f"http://127.0.0.1:{port}/health" and job["port"] == int(port)
+    assert len({job["unit"] for job in jobs}) == len(jobs)
+
+
+def test_a_dollar_in_the_engines_argv_reaches_it_literally_through_systemd():
+    engine = dict(THREE["a"]["engines"][0])
+    engine["argv"] = [*engine["argv"], "--served-model-name", "m$HOME${X}"]
+    one = {"a": {**THREE["a"], "engines": [engine]}}
+    (job,) = plan.rollout.precompile_jobs(one, {}, "trn2", "/x/vllm", "/p", "epd", 60)
+    assert job["run_argv"][-1] == "m$$HOME$${X}"  # systemd expands $VAR in ExecStart; $$ is a literal $
+    assert job["argv"][-1] == "m$HOME${X}"
 
 
 def test_the_estimate_uses_this_fleets_last_start_per_configuration():

@@ -175,13 +175,17 @@ def precompile_jobs(
     target: str,
     executable: str,
     root: str,
+    user: str,
+    timeout_s: int,
 ) -> list[dict[str, Any]]:
     """One CPU compile per distinct engine configuration of the plan (playbooks/precompile.yml):
     the first engine of that configuration's exact argv (argv[0] = executable) and environment,
-    plus the unit's cache variables, in CPU compile mode for `target` (cpu_compilation.md:
-    VLLM_NEURON_CPU_COMPILE=1 needs NEURON_PLATFORM_TARGET_OVERRIDE), each with its own
-    VLLM_CACHE_ROOT under `root` so its keys stay apart. Strict-mode variables are dropped (this
-    run must compile); --host becomes 127.0.0.1 (not in the cache key, and another machine's)."""
+    plus the unit's cache and loader variables (PATH, LD_LIBRARY_PATH), in CPU compile mode for
+    `target` (cpu_compilation.md: VLLM_NEURON_CPU_COMPILE=1 needs NEURON_PLATFORM_TARGET_OVERRIDE),
+    each with its own VLLM_CACHE_ROOT under `root` so its keys stay apart. Strict-mode variables
+    are dropped (this run must compile); --host becomes 127.0.0.1 (not in the cache key, and
+    another machine's). Each job runs as a transient systemd service (`run_argv`), since no
+    source says the server exits after a CPU compile: the play stops it."""
     strict = {"NEURON_LIBTORCH_DISABLE_GRAPH_CAPTURE_BACKEND", "VLLM_NEURON_DISABLE_WARMUP_COMPILE"}
     jobs: dict[str, dict[str, Any]] = {}
     for host, host_plan in plan.items():
@@ -192,6 +196,9 @@ def precompile_jobs(
             argv = [executable, *engine["argv"][1:]]
             if "--host" in argv[:-1]:
                 argv[argv.index("--host") + 1] = "127.0.0.1"
+            if "--port" not in argv[:-1]:
+                raise EpdPlanError(f"{engine['engine_id']}: its command has no --port (precompile waits on /health)")
+            port = int(argv[argv.index("--port") + 1])
             cache_root = f"{root}/{config}"
             env = {
                 **engine["env"],
@@ -200,6 +207,8 @@ def precompile_jobs(
                 "VLLM_NEURON_CPU_COMPILE": "1",
                 "NEURON_PLATFORM_TARGET_OVERRIDE": target,
             }
+            assignments = [f"{k}={v}" for k, v in sorted(env.items())]
+            unit = f"epd-precompile-{config}.service"
             jobs[config] = {
                 "config": config,
                 "engine_id": engine["engine_id"],
@@ -207,9 +216,34 @@ def precompile_jobs(
                 "cache_root": cache_root,
                 "local_dir": f"{cache_root}/neuron/compile_cache",
                 "argv": argv,
-                "env": [f"{k}={v}" for k, v in sorted(env.items())],
+                "env": assignments,
+                "unit": unit,
+                "health_url": f"http://127.0.0.1:{port}/health",
+                "port": port,
+                "run_argv": _transient_unit(unit, config, engine["engine_id"], user, cache_root, timeout_s)
+                + [f"--setenv={a}" for a in assignments]
+                + ["--", *(a.replace("$", "$$") for a in argv)],
             }
     return list(jobs.values())
+
+
+def _transient_unit(unit: str, config: str, engine_id: str, user: str, cwd: str, timeout_s: int) -> list[str]:
+    """systemd-run up to its `--`: the engine user, a clean environment (only --setenv), the
+    journal for the output, and the compile budget as RuntimeMaxSec, so the server stops even
+    when the play does not. RemainAfterExit keeps an exit's status readable until the play stops
+    the unit. Type=exec: a missing executable fails systemd-run itself."""
+    return [
+        "systemd-run",
+        f"--unit={unit}",
+        f"--description=epd-kit precompile {config} (as {engine_id})",
+        f"--uid={user}",
+        f"--gid={user}",
+        "--remain-after-exit",
+        "--property=Type=exec",
+        f"--property=WorkingDirectory={cwd}",
+        f"--property=RuntimeMaxSec={int(timeout_s)}",
+        f"--property=SyslogIdentifier={unit.removesuffix('.service')}",
+    ]
 
 
 def rollout_batches(
