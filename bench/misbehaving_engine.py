@@ -209,7 +209,7 @@ class EngineCase:
     mode: str
     expect: tuple[int, ...] = ()  # what the misbehaviour client may get (empty: no such client)
     spoiled: int | None = None  # the status its requests on the bad engine get, one at least
-    stream: bool = False  # every other misbehaviour request streams
+    streams: tuple[bool, ...] = (False,)  # the misbehaviour client's requests stream in this turn
     sigstop: bool = False  # a sim PD is SIGSTOPped: ejected in about the normal time?
 
 
@@ -217,11 +217,10 @@ CASES = [
     EngineCase("100 MB response head, 1 MB every 5 ms", "header", (200, 502), 502),
     EngineCase("100 MB /health answers", "health"),
     EngineCase("429 with Retry-After: inf (and nan, 1e400, -5, ...)", "retry_after", (200, 429), 429),
-    EngineCase("token ids -1 and 2**40", "oov", (200, 502), 502, stream=True),
-    EngineCase("100 Continue and 103 before the answer", "interim", (200,), 200, stream=True),
-    # the stream reader caps a line at 1 MiB (pd_stream.py); the non-streaming requests' answer
-    # is the same line, refused at the 16 MiB body cap
-    EngineCase("300 MB stream line without newline", "stream_line", (200, 502), 502, stream=True),
+    EngineCase("token ids -1 and 2**40", "oov", (200, 502), 502, streams=(False, True)),
+    EngineCase("100 Continue and 103 before the answer", "interim", (200,), 200, streams=(False, True)),
+    # the stream reader caps a line at 1 MiB (pd_stream.py): a 502 before the client's first byte
+    EngineCase("300 MB stream line without newline", "stream_line", (200, 502), 502, streams=(True,)),
     EngineCase("SIGSTOPped PD, the other engines' /health normal", "good", sigstop=True),
     EngineCase("SIGSTOPped PD while another engine's /health is slow", "slow_health", sigstop=True),
 ]
@@ -346,13 +345,12 @@ def _clients(
 ) -> None:
     """The legitimate client and (if the case has one) the misbehaviour client, `seconds`."""
     legit_raw = chat(user("hello"))
-    marked = [chat(user("spoil", max_tokens=MARK_MAX_TOKENS))]
-    if case.stream:
-        marked.append(chat(user("spoil", max_tokens=MARK_MAX_TOKENS, stream=True)))
+    marked = [chat(user("spoil", max_tokens=MARK_MAX_TOKENS, stream=stream)) for stream in case.streams]
+    most = max(100, int(seconds * 500))  # a bound that a fast router does not reach before `seconds`
     threads = [
         threading.Thread(
             target=_loop,
-            args=(stop, seconds, 1000, lambda i: legit.append(send(host, port, Case("legit", legit_raw, True), 30))),
+            args=(stop, seconds, most, lambda i: legit.append(send(host, port, Case("legit", legit_raw, True), 30))),
             daemon=True,
         )
     ]
@@ -363,7 +361,7 @@ def _clients(
                 args=(
                     stop,
                     seconds,
-                    1000,
+                    most,
                     lambda i: spoiled.append(send(host, port, Case(case.name, marked[i % len(marked)]), 30)),
                 ),
                 daemon=True,
