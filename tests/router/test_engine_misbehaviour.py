@@ -6,7 +6,7 @@ of 500, no traceback in the router log, /health p99 < 100 ms, legitimate p99 < 2
 < 50 MB, and what the misbehaviour client gets is what the engine's answer must become (a 502
 for a head over the cap or ids outside the vocabulary, a 429 with a sane Retry-After, a 200
 through interim answers). The bench runs the same cases longer (python -m bench.hostile
---engines; docs/benchmarks.md "Hostile engines")."""
+--engines; docs/benchmarks.md §8 "Misbehaving engine answers")."""
 
 from __future__ import annotations
 
