@@ -994,6 +994,7 @@ def stream_case(url: str, engine, mode: str, spoiled: int = 3, seconds: float = 
     return {
         "legit": {"n": len(legit), "p99_s": round(legit_p99, 3) if legit_p99 is not None else None},
         "/health": health,
+        "probe_failures": probe.failures,
         "problems": problems,
     }
 
