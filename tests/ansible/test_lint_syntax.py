@@ -100,16 +100,22 @@ def test_argument_specs_accept_their_defaults(tmp_path):
     """Ansible's own validator (what runs at role start) accepts every entry point's defaults."""
     import yaml
 
+    def variable_files(role: Path) -> list[str]:
+        """What the role sees at its start: its dependencies' defaults and vars, then its own."""
+        meta = yaml.safe_load((role / "meta/main.yml").read_text()) or {}
+        names = [d["role"].rsplit(".", 1)[-1] for d in meta.get("dependencies") or []] + [role.name]
+        files = [REPO / "roles" / name / part for name in names for part in ("defaults/main.yml", "vars/main.yml")]
+        return [str(f) for f in files if f.exists()]
+
     plays = []
     for role in sorted((REPO / "roles").iterdir()):
-        defaults_file = role / "defaults/main.yml"
         for entry, spec in role_entry_points(role).items():
             plays.append(
                 {
                     "name": f"validate {role.name} {entry}",
                     "hosts": "localhost",
                     "gather_facts": False,
-                    "vars_files": [str(defaults_file)] if defaults_file.exists() else [],
+                    "vars_files": variable_files(role),
                     "vars": {"role_path": str(role)},
                     "tasks": [
                         {

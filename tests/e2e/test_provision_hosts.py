@@ -121,8 +121,9 @@ def inventory_for(host: TestHost, directory: Path) -> Path:
 
 
 def playbook(inventory: Path, book: str, variables: dict, *args: str) -> PlaybookResult:
-    """ansible-playbook with these variables as extra vars (they win over the inventory)."""
-    extra = inventory / f"vars-{time.monotonic_ns()}.json"
+    """ansible-playbook with these variables as extra vars (they win over the inventory). The file
+    lives beside the inventory directory, not in it: Ansible would read it as an inventory source."""
+    extra = inventory.parent / f"vars-{time.monotonic_ns()}.json"
     extra.write_text(json.dumps(variables))
     return ansible_playbook(inventory, book, "-e", f"@{extra}", *args)
 

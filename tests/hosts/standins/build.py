@@ -94,8 +94,10 @@ def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess[str]:
 
 # --- stub libraries -------------------------------------------------------------------------
 
-# The symbols (and symbol versions) NIXL 1.5.1's libplugin_LIBFABRIC.so links from each library
-# (`nm -D --undefined-only`); each stub returns the "nothing there" error of the real library.
+# The symbols (and symbol versions) NIXL's libplugin_LIBFABRIC.so links from each library
+# (`nm -D --undefined-only`: nixl 1.3.2 takes fi_getinfo/fi_freeinfo/fi_dupinfo at FABRIC_1.7,
+# 1.5.1 at FABRIC_1.10; libfabric keeps the older versions of a symbol beside the newer, as the
+# stub does); each stub returns the "nothing there" error of the real library.
 STUBS = {
     "libfabric.so.1": (
         """#include <stddef.h>
@@ -104,13 +106,21 @@ int fi_getinfo(unsigned v, const char *n, const char *s, unsigned long long f, c
 { if (i) *i = NULL; return -61; }
 void fi_freeinfo(void *i) {}
 void *fi_dupinfo(const void *i) { return NULL; }
+int fi_getinfo_1_7(unsigned v, const char *n, const char *s, unsigned long long f, const void *h, void **i)
+{ if (i) *i = NULL; return -61; }
+void fi_freeinfo_1_7(void *i) {}
+void *fi_dupinfo_1_7(const void *i) { return NULL; }
+__asm__(".symver fi_getinfo_1_7,fi_getinfo@FABRIC_1.7");
+__asm__(".symver fi_freeinfo_1_7,fi_freeinfo@FABRIC_1.7");
+__asm__(".symver fi_dupinfo_1_7,fi_dupinfo@FABRIC_1.7");
 int fi_fabric(void *a, void **f, void *c) { return -61; }
 const char *fi_strerror(int e) { return "No data available (STAND-IN libfabric: no provider)"; }
 unsigned fi_version(void) { return (1u << 16) | 22u; }
 """,
         "FABRIC_1.0 { global: fi_strerror; fi_version; local: *; };\\n"
         "FABRIC_1.1 { global: fi_fabric; } FABRIC_1.0;\\n"
-        "FABRIC_1.10 { global: fi_getinfo; fi_freeinfo; fi_dupinfo; } FABRIC_1.1;\\n",
+        "FABRIC_1.7 { } FABRIC_1.1;\\n"
+        "FABRIC_1.10 { global: fi_getinfo; fi_freeinfo; fi_dupinfo; } FABRIC_1.7;\\n",
     ),
     "libcuda.so.1": (
         """/* STAND-IN CUDA driver stub: every call answers CUDA_ERROR_STUB_LIBRARY (34). */
@@ -438,6 +448,7 @@ class Standin:
     requires: tuple[str, ...]
     source: str
     files: tuple[tuple[str, str], ...] = ()  # extra (path, text) files of the real package's layout
+    init: str = ""  # more of <module>/__init__.py: names the real package's importers use
 
 
 PIP_STANDINS: dict[str, Standin] = {
@@ -471,6 +482,8 @@ PIP_STANDINS: dict[str, Standin] = {
         (),
         "torch 2.11.0 METADATA: only CUDA/triton requirements, not carried",
         (("torch/version.py", '__version__ = "{version}"\ncuda = "12.6"\n'),),
+        # nixl 1.3.2's nixl_cu12/_api.py imports torch and annotates with torch.Tensor at import
+        "from . import version\n\n\nclass Tensor:\n    pass\n",
     ),
     "torchaudio": Standin("torchaudio", None, (), "requirements not carried"),
     "torchvision": Standin("torchvision", None, (), "requirements not carried"),
@@ -551,7 +564,7 @@ def build_wheel(target: Path, dist: str, version: str, standin: Standin) -> None
         f"{standin.module}/__init__.py": f'"""{STANDIN_NOTE}."""\n\n__version__ = "{version}"\nSTANDIN = True\n\n\n'
         "def main() -> int:\n"
         f'    print("{dist} {version}: {STANDIN_NOTE}")\n'
-        "    return 1\n",
+        "    return 1\n" + (f"\n\n{standin.init}" if standin.init else ""),
         f"{stem}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n"
         f"Summary: STAND-IN for {dist} (epd-kit tests only); Requires-Dist from {standin.source}\n{requires}",
         f"{stem}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: epd-kit-standins\nRoot-Is-Purelib: true\n"
