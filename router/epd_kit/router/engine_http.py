@@ -36,6 +36,15 @@ concatenation: 16 MB of one header in 64 KiB reads took 3.4 s of the event loop)
 read whole is capped by the caller (`max_body`: /health, non-streaming answers). Interim
 answers (`100 Continue`, `103 Early Hints`) are skipped: the call reads the final one.
 
+A body read as it arrives (`iter_any`, a stream) is flow-controlled as `asyncio.StreamReader`
+is: once more than `HIGH_WATER` bytes wait for the reader, the connection stops reading
+(`transport.pause_reading`; the engine's writes then wait on TCP), and it reads again when
+the reader has taken them down to `LOW_WATER`. A flooding engine in front of a slow client
+costs the router at most those bytes and one socket read per stream, and the reader gets
+blocks of at most `HIGH_WATER` bytes (each chunk as received, joined only up to it), so a
+burst is never one block before the stream's line check (pd_stream.py). The read timeout
+does not run while reading is paused: the engine is not late, the reader is.
+
 A connection goes back to its pool only after a complete answer that allows keep-alive;
 every other end (an error, a cancelled call, a stream closed before its end) closes it. An
 idle connection is kept `keepalive_s`, then closed; one the engine closed while idle is
@@ -111,6 +120,12 @@ class AnswerTooLarge(ClientResponseError):
 MAX_HEAD_BYTES = 64 * 1024
 MAX_HEADERS = 100
 
+# A streamed body's flow control (the module docstring): asyncio.StreamReader's default
+# limit is 64 KiB and it pauses above twice that; one socket read is at most 256 KiB
+# (asyncio's selector transport), so a stream holds at most about HIGH_WATER + 256 KiB here
+HIGH_WATER = 128 * 1024
+LOW_WATER = 64 * 1024
+
 
 class DeadlineExceeded(TimeoutError):
     """The call's own `deadline` passed (see the module docstring): not an HTTP failure."""
@@ -160,6 +175,7 @@ class Response:
     connection back to the pool; `close` drops the connection (a stream cut short)."""
 
     __slots__ = (
+        "_buffered",
         "_chunks",
         "_conn",
         "_exc",
@@ -171,6 +187,7 @@ class Response:
         "_size",
         "_waiter",
         "_want",
+        "_whole",
         "complete",
         "got_bytes",
         "status",
@@ -184,6 +201,8 @@ class Response:
         self.status = 0
         self._raw_headers: list[tuple[bytes, bytes]] = []
         self._chunks: list[bytes] = []
+        self._buffered = 0  # bytes in _chunks
+        self._whole = False  # read whole (`read`): never paused, `max_body` bounds it
         self._head = False
         self.complete = False
         self.got_bytes = False
@@ -224,27 +243,48 @@ class Response:
             self._max_body = max_body
             if self._size > max_body:
                 self._refuse(f"the engine's answer is longer than the {max_body:.0f} bytes read")
+        self._whole = True
+        self._conn.resume_reading()  # the cap bounds a body read whole, not the reader's pace
         while not self.complete:
             if self._exc is not None:
                 raise self._exc
             await self._wait(_WANT_COMPLETE)
         chunks = self._chunks
         self._chunks = []
+        self._buffered = 0
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def iter_any(self) -> AsyncIterator[bytes]:
-        """The body's bytes as they arrive, until the answer is complete."""
+        """The body's bytes as they arrive, until the answer is complete: blocks of at most
+        `HIGH_WATER` bytes (or one chunk as received, if it is longer), flow-controlled
+        (the module docstring)."""
         while True:
             if self._chunks:
-                chunks = self._chunks
-                self._chunks = []
-                yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                yield self._take()
                 continue
             if self.complete:
                 return
             if self._exc is not None:
                 raise self._exc
             await self._wait(_WANT_DATA)
+
+    def _take(self) -> bytes:
+        """The buffered chunks from the front, joined up to HIGH_WATER bytes; reading
+        resumes once what is left is at most LOW_WATER."""
+        chunks = self._chunks
+        if self._buffered <= HIGH_WATER:
+            n, size = len(chunks), self._buffered
+        else:
+            n, size = 1, len(chunks[0])
+            while n < len(chunks) and size + len(chunks[n]) <= HIGH_WATER:
+                size += len(chunks[n])
+                n += 1
+        block = chunks[0] if n == 1 else b"".join(chunks[:n])
+        del chunks[:n]
+        self._buffered -= size
+        if self._buffered <= LOW_WATER:
+            self._conn.resume_reading()
+        return block
 
     # --- ending ----------------------------------------------------------------------------
 
@@ -297,10 +337,14 @@ class Response:
             self._refuse(f"the engine's answer is longer than the {self._max_body:.0f} bytes read")
             return
         self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > HIGH_WATER and not self._whole:
+            self._conn.pause_reading()  # the reader is behind: let TCP hold the rest
         self._wake(_WANT_DATA)
 
     def _refuse(self, why: str) -> None:
         self._chunks = []
+        self._buffered = 0
         self._fail(AnswerTooLarge(why))
         self._conn.close()
 
@@ -342,7 +386,8 @@ class _Connection(asyncio.Protocol):
         self._deadline = math.inf
         self._timer: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future[None] | None = None
-        self._paused = False
+        self._paused = False  # writing: the engine is not reading our request
+        self._reading_paused = False  # reading: our reader is behind (Response._body)
         self._head_bytes = 0  # bytes fed to the parser before the final answer's head ended
         self._headers = 0
 
@@ -352,6 +397,7 @@ class _Connection(asyncio.Protocol):
         self, head: bytes, content: bytes | ChunkedBody, read_s: float, deadline: float, max_body: float = math.inf
     ) -> Response:
         """Write one request; its answer (`Response`) fills as bytes arrive."""
+        self.resume_reading()  # a pooled connection always reads, but be sure
         resp = self.response = Response(self, max_body)
         self._head_bytes = self._headers = 0
         transport = self.transport
@@ -387,6 +433,7 @@ class _Connection(asyncio.Protocol):
         """`resp` was read to its end: back to the pool, or closed if it cannot be reused."""
         if self.response is resp:
             self.response = None
+        self.resume_reading()  # the answer ended in the read that paused it
         if self.lost or not self.keep_alive:
             self.close()
         else:
@@ -411,6 +458,18 @@ class _Connection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
 
+    def pause_reading(self) -> None:
+        if not self._reading_paused and not self.lost and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._reading_paused:
+            self._reading_paused = False
+            self._last_data = self.loop.time()  # the read timeout starts again from here
+            if not self.lost and self.transport is not None:
+                self.transport.resume_reading()
+
     def _read_check(self) -> None:
         self._timer = None
         resp = self.response
@@ -422,6 +481,8 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         due = self._last_data + self._read_s
+        if self._reading_paused:  # the reader is late, not the engine: look again later
+            due = max(due, now + self._read_s)
         if now < due:
             self._timer = self.loop.call_at(min(due, self._deadline), self._read_check)
             return
