@@ -28,8 +28,9 @@ charged to the engine.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from epd_kit.router import deadlines, engine_http, upstream
 from epd_kit.router.config import Health
@@ -60,6 +61,8 @@ ENGINE_KEEPALIVE_S = 120.0
 MAX_ANSWER_BYTES = 16 * 1024 * 1024
 MAX_HEALTH_BYTES = 64 * 1024
 MAX_ERROR_BYTES = 64 * 1024
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -128,11 +131,19 @@ class EngineClient:
         return locators
 
     async def generate(
-        self, engine: Engine, body: dict, prompt_tokens: int, max_tokens: int | None
-    ) -> GenerateResponse:
-        """One non-streaming generate POST to a PD."""
+        self,
+        engine: Engine,
+        body: dict,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        accept: Callable[[GenerateResponse], T],
+    ) -> T:
+        """One non-streaming generate POST to a PD; its answer through `accept` (what the
+        router makes of it: translate.completion), which may find it invalid (an
+        UpstreamError: token ids outside the vocabulary), charged to the PD as any other
+        invalid answer before the call counts as a success."""
         try:
-            result = await self._generate(engine, body, prompt_tokens, max_tokens)
+            result = accept(await self._generate(engine, body, prompt_tokens, max_tokens))
         except UpstreamError as err:
             raise self.failed(err, engine) from None
         self.health.call_succeeded(engine)

@@ -77,16 +77,20 @@ class Generation:
             await self.prepare(ctx)
             t = time.monotonic()
             prompt, max_tokens = len(ctx.token_ids), ctx.request.resolved_max_tokens
-            result = await self._on_a_pd(
+            # the body is built inside the PD call: an answer it cannot be built from (token
+            # ids outside the vocabulary) is charged to that PD and may move to another
+            answer = await self._on_a_pd(
                 ctx,
                 stream=False,
-                call=lambda pd, body: self._engines.generate(pd, body, prompt, max_tokens),
+                call=lambda pd, body: self._engines.generate(
+                    pd, body, prompt, max_tokens, lambda result: translate.completion(ctx, result, self._renderer, pd)
+                ),
                 keep_slot=False,
             )
         finally:
             ctx.release_encoders()
         self._metrics.pd.observe(time.monotonic() - t)
-        return translate.completion(ctx, result, self._renderer)
+        return answer
 
     async def open_stream(self, ctx: RequestContext) -> PdStream:
         """Streaming: a PD stream whose first event is read; it holds its PD slot until
@@ -175,7 +179,7 @@ class Generation:
         skipped, counted in a metric and logged once per request. The PD stream is closed and
         its slot freed on every exit path (including a client that leaves, which cancels or
         closes this generator). Sets `outcome.status`; the caller records it."""
-        translator = translate.StreamTranslator(ctx, self._renderer)
+        translator = translate.StreamTranslator(ctx, self._renderer, pd.engine)
         ok = client_left = False
         t = time.monotonic()
         watch = GapWatch(self._state.cfg.timeouts.stream_gap_s, pd.response.close)

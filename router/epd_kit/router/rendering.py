@@ -6,12 +6,10 @@ fake with the same shape, so the request orchestration is testable on its own.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from epd_kit.preprocess.errors import PreprocessError
-from epd_kit.preprocess.text import TokenIdOutOfRange
 from epd_kit.router.errors import RouterError
 from epd_kit.router.openai_api import ChatCompletionRequest, Message
 
@@ -66,16 +64,6 @@ async def render_request(
         raise RouterError(exc.status, f"{param}: {exc.message}", param=param) from None
     except ValueError as exc:
         raise RouterError(400, f"cannot render the prompt: {exc}", param="messages") from None
-
-
-@contextlib.contextmanager
-def engine_tokens() -> Iterator[None]:
-    """Around detokenizing a PD's answer: token ids that are not the model's (-1, 2**40, a
-    string) are the PD's fault, a 502 (an error frame in a stream), never a 500."""
-    try:
-        yield
-    except TokenIdOutOfRange as exc:
-        raise RouterError(502, f"the PD's answer is invalid: {exc}") from None
 
 
 def _as_dict(message: Message) -> dict[str, Any]:

@@ -2,19 +2,30 @@
 `chat.completion.chunk` SSE frames of a stream (no I/O: the generation module feeds it).
 
 Tokens become text on the router: whole for a completion, incrementally per choice for a
-stream (a multi-byte character is never split across chunks). Usage follows OpenAI: a
-stream carries it only when the client asked (`stream_options.include_usage`).
+stream (a multi-byte character is never split across chunks). A token id outside the
+model's vocabulary is the PD's invalid answer (`upstream.bad_body`): charged to it, and a
+non-streaming request moves to another PD (the completion is built inside the PD call,
+engine_client.generate's `accept`). Usage follows OpenAI: a stream carries it only when the
+client asked (`stream_options.include_usage`); the PD's usage is relayed only when its counts
+are non-negative integers that add up, else the router's own count is sent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
+from epd_kit.preprocess.text import TokenIdOutOfRange
+from epd_kit.router import upstream
 from epd_kit.router.context import RequestContext
 from epd_kit.router.openai_api import chunk_body, completion_body
-from epd_kit.router.rendering import DetokenizerLike, Renderer, engine_tokens
+from epd_kit.router.pools import Engine
+from epd_kit.router.rendering import DetokenizerLike, Renderer
 from epd_kit.wire import GenerateResponse
+
+USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 DONE_FRAME = b"data: [DONE]\n\n"
 
@@ -23,12 +34,24 @@ def sse_frame(doc: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
-def completion(ctx: RequestContext, result: GenerateResponse, renderer: Renderer) -> dict[str, Any]:
-    """The OpenAI body of a non-streaming request (with vLLM's `token_ids` per choice)."""
+@contextlib.contextmanager
+def engine_tokens(engine: Engine) -> Iterator[None]:
+    """Around detokenizing `engine`'s answer: token ids that are not the model's (-1, 2**40, a
+    string) are its invalid answer, an `UpstreamError` charged to it (a 502, an error frame
+    in a stream), never a 500."""
+    try:
+        yield
+    except TokenIdOutOfRange as exc:
+        raise upstream.bad_body(engine, str(exc)) from None
+
+
+def completion(ctx: RequestContext, result: GenerateResponse, renderer: Renderer, engine: Engine) -> dict[str, Any]:
+    """The OpenAI body of a non-streaming request (with vLLM's `token_ids` per choice), from
+    `engine`'s answer."""
     skip = ctx.request.skip_special_tokens
     choices = []
     for c in result.choices:
-        with engine_tokens():
+        with engine_tokens(engine):
             content = renderer.detokenize(c.token_ids, skip)
         choice: dict[str, Any] = {
             "index": c.index,
@@ -56,11 +79,12 @@ class StreamTranslator:
     reasons seen: what the gap timeout waits for), `complete` (every choice that started
     has finished), `engine_error` (the PD's own error frame, never relayed: the router
     writes its own) and `malformed` (payloads skipped: not JSON, not an object, or fields
-    of the wrong type)."""
+    of the wrong type; and usage chunks whose counts the router replaced with its own)."""
 
-    def __init__(self, ctx: RequestContext, renderer: Renderer) -> None:
+    def __init__(self, ctx: RequestContext, renderer: Renderer, engine: Engine) -> None:
         self._ctx = ctx
         self._renderer = renderer
+        self._engine = engine
         self._include_usage = ctx.request.include_usage
         self._skip_special = ctx.request.skip_special_tokens
         self._detokenizers: dict[int, DetokenizerLike] = {}
@@ -98,7 +122,11 @@ class StreamTranslator:
             return self._chunk(choices)
         if doc.get("usage") and self._include_usage and not self._usage_sent:
             self._usage_sent = True
-            return self._chunk([], usage=doc["usage"])
+            usage = _valid_usage(doc["usage"])
+            if usage is None:  # not numbers the client could trust (NaN would not even be JSON)
+                self.malformed += 1
+                usage = self._counted_usage()
+            return self._chunk([], usage=usage)
         return None
 
     def closing_usage(self) -> bytes | None:
@@ -106,13 +134,16 @@ class StreamTranslator:
         if not self._include_usage or self._usage_sent:
             return None
         self._usage_sent = True
+        return self._chunk([], usage=self._counted_usage())
+
+    def _counted_usage(self) -> dict[str, int]:
+        """Usage from what the router counted: the prompt it rendered, the ids it relayed."""
         prompt = len(self._ctx.token_ids)
-        usage = {
+        return {
             "prompt_tokens": prompt,
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
         }
-        return self._chunk([], usage=usage)
 
     def _delta(self, choice: dict[str, Any]) -> dict[str, Any]:
         index = int(choice.get("index", 0))
@@ -128,7 +159,7 @@ class StreamTranslator:
             self.progress += 1
         if finish is not None:
             self._finished.add(index)
-        with engine_tokens():
+        with engine_tokens(self._engine):
             text = detokenizer.push(new_ids)
             if finish is not None:
                 text += detokenizer.flush()
@@ -147,6 +178,19 @@ class StreamTranslator:
             usage=usage,
         )
         return sse_frame(body)
+
+
+def _valid_usage(usage: object) -> dict[str, int] | None:
+    """A PD's usage as the client gets it (the three OpenAI counts), or None unless each is a
+    non-negative integer (not a bool, float, NaN or string) and the total adds up."""
+    if not isinstance(usage, dict):
+        return None
+    counts = {name: usage.get(name) for name in USAGE_FIELDS}
+    if not all(type(n) is int and n >= 0 for n in counts.values()):
+        return None
+    if counts["total_tokens"] != counts["prompt_tokens"] + counts["completion_tokens"]:  # type: ignore[operator]
+        return None
+    return counts  # type: ignore[return-value]
 
 
 def _valid_choice(choice: object) -> bool:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from epd_kit.preprocess import PreparedItem, RenderedPrompt
+from epd_kit.preprocess.text import TokenIdOutOfRange
 
 
 def router_config(**sections: dict[str, Any]) -> dict[str, Any]:
@@ -46,13 +47,23 @@ def make_item() -> Callable[..., PreparedItem]:
     return item
 
 
+def chars(ids: Sequence[int]) -> str:
+    """Token ids as characters; an id that is no character is outside this vocabulary, as
+    the real codec says it (TextCodec.check_ids)."""
+    for t in ids:
+        if type(t) is not int or not 0 <= t < 0x110000:
+            raise TokenIdOutOfRange(f"token id {t!r:.40} is outside the model's vocabulary [0, {0x110000})")
+    return "".join(map(chr, ids))
+
+
 class CharDetokenizer:
     def __init__(self) -> None:
         self.pushed: list[int] = []
 
     def push(self, new_ids: Sequence[int]) -> str:
+        text = chars(new_ids)
         self.pushed += new_ids
-        return "".join(map(chr, new_ids))
+        return text
 
     def flush(self) -> str:
         return ""
@@ -70,7 +81,7 @@ class CharRenderer:
         return self.prompt
 
     def detokenize(self, ids, skip_special_tokens=True) -> str:
-        return "".join(map(chr, ids))
+        return chars(ids)
 
     def detokenizer(self, *, skip_special_tokens=True) -> CharDetokenizer:
         return CharDetokenizer()

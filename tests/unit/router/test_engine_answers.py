@@ -196,8 +196,8 @@ def test_an_engine_retry_after_is_read_defensively(value, seconds):
 def test_token_ids_outside_the_vocabulary_are_refused_before_detokenizing(tmp_path):
     from epd_kit.preprocess.model_files import CheckpointFiles
     from epd_kit.preprocess.text import IncrementalDetokenizer, TextCodec, TokenIdOutOfRange
-    from epd_kit.router.errors import RouterError
-    from epd_kit.router.rendering import engine_tokens
+    from epd_kit.router.errors import Failure, UpstreamError
+    from epd_kit.router.translate import engine_tokens
     from epd_kit.testing.checkpoint import build_tiny_checkpoint
 
     checkpoint = build_tiny_checkpoint(tmp_path / "ckpt")
@@ -211,6 +211,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_detokenizing(tmp_pa
         with pytest.raises(TokenIdOutOfRange):
             detok.push([bad])
         assert detok.token_ids == []
-    with pytest.raises(RouterError) as err, engine_tokens():
+    with pytest.raises(UpstreamError) as err, engine_tokens(PD):  # the PD's invalid answer, charged to it
         codec.decode([-1])
     assert err.value.status == 502 and "outside the model's vocabulary" in err.value.message
+    assert err.value.failure is Failure.error and err.value.engine_id == PD.id

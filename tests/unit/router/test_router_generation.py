@@ -42,6 +42,7 @@ class Engines:
     pd_calls: list[PdCall] = field(default_factory=list)
     blocks: int = 0
     hang_mid_stream: bool = False  # a PD that sends one event, then nothing
+    bad_ids: set[str] = field(default_factory=set)  # PDs whose every answer has ids outside the vocabulary
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         port = request.url.port
@@ -85,11 +86,12 @@ class Engines:
                 return httpx.Response(code, json=error)
             return sse_response([error])
         rid = body["request_id"]
+        last = -1 if pd in self.bad_ids else 105  # -1: no token of any vocabulary
         if not stream:
-            return httpx.Response(200, json={"request_id": rid, "choices": [{"token_ids": [72, 105]}]})
+            return httpx.Response(200, json={"request_id": rid, "choices": [{"token_ids": [72, last]}]})
         frames = [
             {"request_id": rid, "choices": [{"index": 0, "token_ids": [72]}]},
-            {"request_id": rid, "choices": [{"index": 0, "token_ids": [105], "finish_reason": "stop"}]},
+            {"request_id": rid, "choices": [{"index": 0, "token_ids": [last], "finish_reason": "stop"}]},
         ]
         return sse_response(frames, hang=self.hang_mid_stream)
 
@@ -110,13 +112,15 @@ async def make_service(char_renderer, make_item):
     started: list[RouterService] = []
     stack = contextlib.AsyncExitStack()
 
-    async def make(engines: Engines, max_attempts: int = 3, **timeouts: float) -> RouterService:
+    async def make(
+        engines: Engines, max_attempts: int = 3, health: dict | None = None, **timeouts: float
+    ) -> RouterService:
         logical = [f"http://127.0.0.1:{port}" for port in [*VE_PORTS, *PD_PORTS]]
         real = await stack.enter_async_context(scripted_engines.serve(engines.handler, logical))
         cfg = parse_config(
             {
                 "model": "/m",
-                "health": {"interval_s": 60},
+                "health": {"interval_s": 60, **(health or {})},
                 "retries": {"max_attempts": max_attempts},
                 "timeouts": {"pd_s": 30, **timeouts},
                 "endpoints": {
@@ -157,6 +161,11 @@ def retries(service: RouterService, stage: str) -> float:
 
 def all_slots_free(service: RouterService) -> bool:
     return all(e.inflight == 0 and e.inflight_work == 0 for e in service.state.pools.all())
+
+
+def engine_failures(service: RouterService, engine: str) -> float:
+    labels = {"engine": engine, "role": "pd"}
+    return service.metrics.registry.get_sample_value("epd_router_engine_failures_total", labels) or 0.0
 
 
 @pytest.mark.parametrize(
@@ -272,3 +281,39 @@ async def test_a_ve_stays_in_flight_until_the_pd_call_that_reads_its_blocks_ends
     engines.gate.set()
     assert await asyncio.wait_for(task, 10) == "Hi"
     assert all_slots_free(service)
+
+
+async def test_token_ids_outside_the_vocabulary_are_charged_to_the_pd_and_retried(make_service, caplog):
+    """Issue 33: they were a plain 502, not counted against the PD, so a PD sending them was
+    never ejected and a non-streaming request was not retried. Now they are the PD's invalid
+    answer: charged, retried on another PD, and the PD is ejected after failure_threshold
+    consecutive ones (its /health, which answers 200, readmits it: then it starts again)."""
+    engines = Engines(bad_ids={"epd-pd-0"})
+    service = await make_service(engines, health={"failure_threshold": 2, "failure_ratio": 1.0})
+    bad = service.state.pools.by_id()["epd-pd-0"]
+    for _ in range(6):  # every request is answered, whichever PD it meets first
+        assert await answer(service, False) == "Hi"
+    tried_bad = sum(c.engine == "epd-pd-0" for c in engines.pd_calls)
+    ejections = [r for r in caplog.records if r.getMessage() == "engine ejected" and r.engine == "epd-pd-0"]
+    assert tried_bad >= 2 and engine_failures(service, "epd-pd-0") == tried_bad == retries(service, "generate")
+    assert len(ejections) == tried_bad // 2  # at every failure_threshold-th consecutive failure
+    assert "outside the model's vocabulary" in bad.last_error and "outside" in ejections[0].reason
+    assert engine_failures(service, "epd-pd-1") == 0 and all_slots_free(service)
+
+
+async def test_token_ids_outside_the_vocabulary_end_a_stream_charged_to_its_pd(make_service):
+    engines = Engines(bad_ids={"epd-pd-0", "epd-pd-1"})
+    service = await make_service(engines)
+    chat = parse_request({"messages": [{"role": "user", "content": "hi"}], "stream": True})
+    ctx = RequestContext.start(chat, "rid", service.state.cfg)
+    pd = await service.generation.open_stream(ctx)
+    outcome = service.metrics.track_request()
+    frames = [f async for f in service.generation.relay(ctx, pd, outcome)]
+    error = json.loads(frames[-1][6:])["error"]
+    assert outcome.status == "stream_error" and error == {
+        "message": "the engine sent an invalid answer",
+        "type": "upstream_error",
+        "param": None,
+        "code": 502,
+    }
+    assert engine_failures(service, pd.engine.id) == 1 and all_slots_free(service)

@@ -82,7 +82,7 @@ async def test_blocks_of_a_ve_quarantined_after_the_encode_go_to_no_pd(make_serv
     result = await service.generation._on_a_pd(
         ctx,
         stream=False,
-        call=lambda pd, body: service.engines.generate(pd, body, len(ctx.token_ids), None),
+        call=lambda pd, body: service.engines.generate(pd, body, len(ctx.token_ids), None, lambda r: r),
         keep_slot=False,
     )
     ctx.release_encoders()
