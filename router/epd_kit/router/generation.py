@@ -5,7 +5,8 @@ A failed PD call moves to another PD only while the client has received nothing:
 non-streaming request until the answer, for a stream until the PD's first event (read
 before the router answers 200). Both paths share one retry loop (`_on_a_pd`). A started
 stream that sends no token for `timeouts.stream_gap_s` ends with an error frame, and counts
-against its PD (`GapWatch`).
+against its PD (`GapWatch`); the time the relay waits for its client to take a frame is not
+the PD's and does not count (a client that stops reading is dropped by routes.py).
 """
 
 from __future__ import annotations
@@ -193,7 +194,9 @@ class Generation:
                         raise upstream.stream_error_frame(pd.engine, translator.engine_error)
                     if frame is not None:
                         outcome.first_byte()
+                        watch.pause()  # the client taking its frame is not the PD's time
                         yield frame
+                        watch.resume()
                     if translator.progress != progress:  # events without tokens do not count
                         watch.last = watch.loop.time()
                     try:
@@ -264,28 +267,55 @@ class Generation:
 
 
 class GapWatch:
-    """Calls `expire` once no event has arrived for `gap_s` (the relay sets `last` per
-    event). One timer per gap rather than one per event: an event only stores a time, and
-    the timer, when it fires early, re-arms for the rest of the gap."""
+    """Calls `expire` once `gap_s` has been counted since `last`, pauses (`pause` .. `resume`)
+    not counted. The relay sets `last` per token and pauses while its client takes a frame: so
+    only the wait on the PD counts, and a client that reads slowly or not at all is never
+    charged to its PD. routes.py counts the other way round (only a pending write) for the
+    client's own bound. One timer per gap rather than one per event: an event only stores a
+    time, and the timer, when it fires early, re-arms for the rest of the gap (after a pause,
+    `resume` re-arms it)."""
 
     def __init__(self, gap_s: float, expire: Callable[[], object]) -> None:
         self.loop = asyncio.get_running_loop()
         self.gap_s = gap_s
         self.last = self.loop.time()
         self.fired = False
+        self._stopped = False
+        self._paused_at: float | None = None
         self._expire = expire
         self._timer: asyncio.TimerHandle | None = self.loop.call_at(self.last + gap_s, self._check)
 
+    def pause(self) -> None:
+        self._paused_at = self.loop.time()
+
+    def restart(self) -> None:
+        """Count from now (ending a pause)."""
+        self.resume()
+        self.last = self.loop.time()
+
+    def resume(self) -> None:
+        """The pause does not count: `last` moves on by its length."""
+        if self._paused_at is None:
+            return
+        now = self.loop.time()
+        self.last += now - self._paused_at
+        self._paused_at = None
+        if self._timer is None and not (self.fired or self._stopped):  # it fell due during the pause
+            self._timer = self.loop.call_at(self.last + self.gap_s, self._check)
+
     def _check(self) -> None:
+        self._timer = None
+        if self._paused_at is not None:  # `resume` re-arms
+            return
         due = self.last + self.gap_s
         if self.loop.time() < due:
             self._timer = self.loop.call_at(due, self._check)
             return
-        self._timer = None
         self.fired = True
-        self._expire()  # closing the PD response wakes the relay's read with a ClientError
+        self._expire()  # the relay's: closing the PD response wakes its read with a ClientError
 
     def stop(self) -> None:
+        self._stopped = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

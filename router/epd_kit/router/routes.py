@@ -23,6 +23,7 @@ from epd_kit.preprocess.settings import Limits
 from epd_kit.router.body import decode_body
 from epd_kit.router.context import RequestContext
 from epd_kit.router.errors import RouterError
+from epd_kit.router.generation import GapWatch
 from epd_kit.router.intake import ClientGone, IntakeSlot, read_body
 from epd_kit.router.listener import CLIENT_GONE, DisconnectSignal
 from epd_kit.router.metrics import RequestOutcome
@@ -170,6 +171,8 @@ async def _stream(request: Request, service: RouterService, ctx: RequestContext,
     return _CleanupStreamingResponse(
         service.generation.relay(ctx, pd, outcome),
         finished,
+        service.state.cfg.listen.idle_timeout_s,
+        ctx.request_id,
         media_type="text/event-stream",
         headers={"x-request-id": ctx.request_id, "Cache-Control": "no-cache"},
     )
@@ -291,16 +294,43 @@ EXCEPTION_HANDLERS: dict[Any, Callable[[Request, Any], Awaitable[Response]]] = {
 
 class _CleanupStreamingResponse(StreamingResponse):
     """Runs `cleanup` after the response ends on every path, including a client that left
-    before the body started (the generator's own `finally` would then never run)."""
+    before the body started (the generator's own `finally` would then never run).
 
-    def __init__(self, content, cleanup: Callable[[], Awaitable[None]], **kwargs) -> None:
+    A client that takes no byte for `write_timeout_s` (listen.idle_timeout_s) while a frame
+    waits for it (it stopped reading: its socket buffers are full) is dropped: the body ends
+    as for a client that left (the PD request is aborted and its slot freed, the PD is not
+    charged: generation.GapWatch does not count this wait) and uvicorn closes the connection.
+    Only a pending write counts, not the wait for the PD's next token."""
+
+    def __init__(
+        self, content, cleanup: Callable[[], Awaitable[None]], write_timeout_s: float, request_id: str, **kwargs
+    ) -> None:
         super().__init__(content, **kwargs)
         self._cleanup = cleanup
+        self._write_timeout_s = write_timeout_s
+        self._request_id = request_id
 
     async def __call__(self, scope, receive, send) -> None:
+        watch: GapWatch | None = None
         try:
-            await super().__call__(scope, receive, send)
+            with anyio.CancelScope() as cancel:
+                watch = GapWatch(self._write_timeout_s, cancel.cancel)
+                watch.pause()  # counts only while a write is pending
+
+                async def bounded(message) -> None:
+                    watch.restart()
+                    await send(message)
+                    watch.pause()
+
+                await super().__call__(scope, receive, bounded)
+            if watch.fired:
+                log.info(
+                    "client dropped: it took no byte of its stream for listen.idle_timeout_s",
+                    extra={"request_id": self._request_id, "status": 499, "idle_timeout_s": self._write_timeout_s},
+                )
         finally:
+            if watch is not None:
+                watch.stop()
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
                 await self._cleanup()
