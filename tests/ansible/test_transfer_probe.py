@@ -1,22 +1,27 @@
 """The NIXL check (plugins/modules/epd_transfer_probe.py) follows the vLLM Neuron setup guide, on
-the two venv shapes a host can have: nixl 1.5.1 with only its CUDA 12 backend, and the meta
-package's full install (nixl-cu12 and nixl-cu13) beside a CUDA 13 torch, as vllm 0.24.0's
-torch 2.11.0 from PyPI is.
+the nixl the kit installs (the Neuron release's pin, vllm-neuron 0.24's `nixl==1.3.2`) and the two
+venv shapes a host can have: only the CUDA 12 backend (nixl-cu12) beside a torch built for CUDA 12
+(or a CPU torch), as the sandbox's engine venv is, and the meta package's full install (nixl-cu12
+and nixl-cu13) beside a CUDA 13 torch, as vllm 0.24.0's torch 2.11.0 from PyPI is.
 
-The NIXL wheels are the real ones (tests/hosts/nixl_wheels.py downloads them before the tests);
-torch is a stand-in that carries what nixl and the loader look at: torch/version.py's `cuda` and,
-like a CUDA build of torch, the CUDA runtime it loads at import from outside the loader path.
-libfabric, libcuda, the CUDA runtime and hwloc are stub libraries (tests/hosts/standins/build.py's
-builder) on the module's library_path, each in a directory of its own so a test can leave one off.
-The module runs with this machine's loader cache hidden (a private mount namespace): a machine
-with a CUDA toolkit in /etc/ld.so.cache would otherwise resolve libcudart.so.13 for ldd, unlike a
-trn2 host, whose CUDA runtime comes only with torch.
+The NIXL wheels are the real ones, the stand-in directory's (tests/hosts/standins/build.py's
+REAL_WHEELS, which tests/hosts/wheelhouse.py downloads into its pip/ before the tests); torch is a
+stand-in that carries what nixl and the loader look at: torch/version.py's `cuda`, the `Tensor`
+nixl's `_api` annotates with at import and, like a CUDA build of torch, the CUDA runtime it loads at
+import from outside the loader path. nixl 1.3.2 cannot be imported without torch (its
+nixl/__init__.py reads torch.version.cuda), so every venv here has one. libfabric, libcuda, the
+CUDA runtime and hwloc are stub libraries (tests/hosts/standins/build.py's builder) on the
+module's library_path, each in a directory of its own so a test can leave one off. The module runs
+with this machine's loader cache hidden (a private mount namespace): a machine with a CUDA toolkit
+in /etc/ld.so.cache would otherwise resolve libcudart.so.13 for ldd, unlike a trn2 host, whose
+CUDA runtime comes only with torch.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,20 +30,28 @@ from pathlib import Path
 
 import pytest
 
+from epd_kit.plan.neuron_releases import DEFAULT_RELEASE, neuron_release
 from tests.ansible.helpers import REPO
-from tests.hosts import nixl_wheels
 from tests.hosts.standins import build as standins
 
+STANDINS = standins.standin_dir()
 pytestmark = [
     pytest.mark.ansible,
     pytest.mark.skipif(
-        not nixl_wheels.present(),
-        reason=f"no NIXL wheels in {nixl_wheels.WHEELS}: run tests/hosts/wheelhouse.py (needs PyPI once)",
+        not (STANDINS / "manifest.json").exists(),
+        reason=f"no stand-ins at {STANDINS}: tests/hosts/wheelhouse.py builds them (needs the Debian mirror and PyPI)",
     ),
-    pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the NIXL backends in the wheel cache are cp311 wheels"),
+    pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the NIXL backends in the stand-ins are cp311 wheels"),
 ]
 
 MODULE = REPO / "plugins/modules/epd_transfer_probe.py"
+# the real wheels of the stand-in directory the venvs are made of: NIXL and numpy (the backends
+# import it), at the versions build.py downloads
+WHEEL_VERSIONS = {
+    dist: version
+    for dist, _, version in (pin.partition("==") for pin in standins.REAL_WHEELS)
+    if dist in ("nixl", "nixl-cu12", "nixl-cu13", "numpy")
+}
 # Stubs tests/hosts/standins/build.py has no source for: the CUDA 13 runtime (the CUDA 12 one's
 # source under the soname and symbol version the cu13 plugin links: `readelf -V`,
 # cudaGetErrorString@libcudart.so.13) and hwloc (the sandbox installs Debian's real libhwloc15;
@@ -53,8 +66,12 @@ unsigned hwloc_get_nbobjs_by_depth(void *t, int d) { return 0; }
 void *hwloc_get_obj_by_depth(void *t, int d, unsigned i) { return 0; }
 int hwloc_get_local_numanode_objs(void *t, void *l, unsigned *n, void **o, unsigned long f) { return -1; }
 """
-# a libfabric older than the plugin needs: its functions only under FABRIC_1.0/1.1 (Debian
-# bookworm's libfabric 1.17 stops at FABRIC_1.6, the plugin needs fi_getinfo@FABRIC_1.10)
+# a libfabric older than the plugin needs (Debian bookworm's libfabric 1.17 stops at FABRIC_1.6,
+# nixl 1.3.2's plugin links fi_getinfo@FABRIC_1.7): build.py's stub without its FABRIC_1.7
+# aliases, every function only under FABRIC_1.0/1.1
+OLD_FABRIC_SOURCE = re.sub(
+    r"^int fi_getinfo_1_7\(.*@FABRIC_1\.7\"\);\n", "", standins.STUBS["libfabric.so.1"][0], flags=re.M | re.S
+)
 OLD_FABRIC_VERSIONS = (
     "FABRIC_1.0 { global: fi_strerror; fi_version; fi_getinfo; fi_freeinfo; fi_dupinfo; local: *; };\\n"
     "FABRIC_1.1 { global: fi_fabric; } FABRIC_1.0;\\n"
@@ -77,19 +94,23 @@ def stubs(tmp_path_factory) -> Path:
                 patch.setitem(standins.STUBS, soname, stub)
         for soname in SONAMES:
             standins.build_stub(soname, root / soname / soname, root)
-        patch.setitem(standins.STUBS, "libfabric.so.1", (standins.STUBS["libfabric.so.1"][0], OLD_FABRIC_VERSIONS))
+        assert "FABRIC_1.7" not in OLD_FABRIC_SOURCE, "build.py's libfabric stub changed: update OLD_FABRIC_SOURCE"
+        patch.setitem(standins.STUBS, "libfabric.so.1", (OLD_FABRIC_SOURCE, OLD_FABRIC_VERSIONS))
         standins.build_stub("libfabric.so.1", root / "libfabric-old/libfabric.so.1", root)
     return root
 
 
 @pytest.fixture(scope="module")
 def unpacked(tmp_path_factory) -> dict[str, Path]:
-    """Each NIXL wheel and numpy (the backends import it) unpacked once: packages, bundled libraries, plugins."""
+    """Each NIXL wheel, numpy (the backends import it) and the sandbox's torch stand-in (the one
+    vllm 0.24.0 pins) unpacked once from the stand-in directory: packages, bundled libraries, plugins."""
     root = tmp_path_factory.mktemp("nixl")
+    patterns = {dist: f"{dist.replace('-', '_')}-{version}-*.whl" for dist, version in WHEEL_VERSIONS.items()}
+    patterns["torch"] = f"torch-{standins.LEAF_VERSIONS['torch'][0]}+standin-*.whl"
     out = {}
-    patterns = {dist: nixl_wheels.wheel_glob(dist) for dist in nixl_wheels.DISTRIBUTIONS}
-    for dist, pattern in {**patterns, "numpy": nixl_wheels.numpy_glob()}.items():
-        wheel = next(nixl_wheels.WHEELS.glob(pattern))
+    for dist, pattern in patterns.items():
+        wheel = next((STANDINS / "pip").glob(pattern), None)
+        assert wheel, f"no {pattern} in {STANDINS / 'pip'}: an incomplete stand-in directory, rebuild it"
         target = root / dist
         with zipfile.ZipFile(wheel) as archive:
             # not nixl_ep_* (the expert-parallel kernels) nor the .data headers and scripts: ~100 MB less each
@@ -107,29 +128,31 @@ def plugin_of(python: Path, backend: str) -> str:
     return str(site_packages(python) / f".{backend}.mesonpy.libs/plugins/libplugin_LIBFABRIC.so")
 
 
-def torch_standin(site: Path, cuda: str, preload: bool) -> Path:
-    """torch/version.py says which CUDA it was built for; with `preload`, importing it loads that
-    CUDA runtime (a stub) from site-packages, off the loader path, as a CUDA build of torch does."""
+def torch_standin(site: Path, unpacked_torch: Path, cuda: str | None, preload: bool) -> Path | None:
+    """The sandbox's torch stand-in (its Tensor is what nixl 1.3.2's _api needs at import) built for
+    `cuda` (None: a CPU build); with `preload`, importing it loads that CUDA runtime (a stub) from
+    site-packages, off the loader path, as a CUDA build of torch does. Returns that runtime's path."""
+    shutil.copytree(unpacked_torch, site, dirs_exist_ok=True)
+    version = site / "torch/version.py"
+    text, changed = re.subn(r"^cuda = .*$", f"cuda = {cuda!r}", version.read_text(), flags=re.M)
+    assert changed == 1, version.read_text()
+    version.write_text(text)
+    if cuda is None or not preload:
+        return None
     major = cuda.split(".")[0]
     runtime = site / f"nvidia/cu{major}/lib/libcudart.so.{major}"
-    (site / "torch").mkdir(parents=True)
-    (site / "torch/version.py").write_text(f'__version__ = "2.11.0+standin"\ncuda = "{cuda}"\n')
-    (site / "torch/__init__.py").write_text(
-        '"""STAND-IN torch (epd-kit tests): its CUDA version and the CUDA runtime it loads."""\n'
-        "import ctypes\n\nfrom . import version\n\n__version__ = version.__version__\n\n\n"
-        "class Tensor:  # nixl 1.3's _api annotates with torch.Tensor at import\n    pass\n\n\n"
-        + (f"ctypes.CDLL({str(runtime)!r}, mode=ctypes.RTLD_GLOBAL)\n" if preload else "")
-    )
+    with (site / "torch/__init__.py").open("a") as init:
+        init.write(f"\nimport ctypes\n\nctypes.CDLL({str(runtime)!r}, mode=ctypes.RTLD_GLOBAL)\n")
     return runtime
 
 
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory, unpacked, stubs):
-    """venv(dists, torch_cuda=None, preload=True) -> its python: the NIXL distributions and numpy
-    in its site-packages and, with torch_cuda, the torch stand-in."""
+    """venv(dists, torch_cuda, preload=True) -> its python: the NIXL distributions, numpy and the
+    torch stand-in built for torch_cuda (None: a CPU torch) in its site-packages."""
     made: dict[tuple, Path] = {}
 
-    def make(dists: tuple[str, ...], torch_cuda: str | None = None, preload: bool = True) -> Path:
+    def make(dists: tuple[str, ...], torch_cuda: str | None, preload: bool = True) -> Path:
         key = (dists, torch_cuda, preload)
         if key not in made:
             root = tmp_path_factory.mktemp("venv")
@@ -137,8 +160,8 @@ def venv(tmp_path_factory, unpacked, stubs):
             site = site_packages(root / "bin/python")
             for dist in (*dists, "numpy"):  # installed as pip lays a wheel out, hard links to the unpacked files
                 shutil.copytree(unpacked[dist], site, copy_function=os.link, dirs_exist_ok=True)
-            if torch_cuda:
-                runtime = torch_standin(site, torch_cuda, preload)
+            runtime = torch_standin(site, unpacked["torch"], torch_cuda, preload)
+            if runtime:
                 runtime.parent.mkdir(parents=True)
                 shutil.copy2(stubs / runtime.name / runtime.name, runtime)
             made[key] = root / "bin/python"
@@ -175,12 +198,26 @@ def probe(python: Path, stubs: Path, libraries=HOST_LIBRARIES, agent: bool = Fal
     return json.loads(result.stdout)
 
 
-def test_a_cu12_only_venv_without_torch_passes_with_the_cuda_12_runtime_on_the_loader_path(venv, stubs):
-    # the sandbox's engine venv today: no torch, so nixl falls back to the backend it finds
-    python = venv(CU12_ONLY)
+def test_the_wheels_are_the_nixl_the_kit_installs():
+    pin = neuron_release(DEFAULT_RELEASE).profile()["engine_venv"]["nixl"]
+    assert WHEEL_VERSIONS["nixl"] == WHEEL_VERSIONS["nixl-cu12"] == WHEEL_VERSIONS["nixl-cu13"] == pin
+
+
+@pytest.mark.parametrize(
+    "torch_cuda",
+    [
+        # the sandbox's engine venv: its torch stand-in reports CUDA 12.6 and loads no runtime; the
+        # runtime comes from cuda-cudart-12-6, on the loader path
+        "12.6",
+        # a CPU torch (version.cuda None): nixl 1.3.2 takes the backend installed (nixl/__init__.py)
+        None,
+    ],
+)
+def test_a_cu12_only_venv_passes_with_the_cuda_12_runtime_on_the_loader_path(venv, stubs, torch_cuda):
+    python = venv(CU12_ONLY, torch_cuda=torch_cuda, preload=False)
     out = probe(python, stubs, libraries=(*HOST_LIBRARIES, "libcudart.so.12"))
     assert out["problems"] == [] and out["notes"] == [], out
-    assert out["nixl"]["backend"] == "nixl_cu12" and out["nixl"]["torch"] is None
+    assert out["nixl"] == {"backend": "nixl_cu12", "torch": "2.11.0+standin", "torch_cuda": torch_cuda}
     assert out["plugin"]["path"] == plugin_of(python, "nixl_cu12")
     assert out["plugin"]["not_found"] == [] and out["plugin"]["loads"] is True
 
@@ -235,20 +272,23 @@ def test_a_missing_host_library_fails_naming_it_and_its_fix(venv, stubs, missing
 
 def test_a_libfabric_older_than_the_plugin_needs_fails_on_the_symbol_version(venv, stubs):
     out = probe(venv(BOTH, torch_cuda="13.0"), stubs, libraries=("libfabric-old", "libcuda.so.1", "libhwloc.so.15"))
-    too_old = [p for p in out["problems"] if "version `FABRIC_1.10' not found" in p]
+    too_old = [p for p in out["problems"] if "version `FABRIC_1.7' not found" in p]
     assert too_old and "this libfabric is older than the plugin needs" in too_old[0], out["problems"]
 
 
 def test_a_cuda_13_torch_with_only_nixl_cu12_fails_with_nixls_own_message(venv, stubs):
     out = probe(venv(CU12_ONLY, torch_cuda="13.0"), stubs)
-    assert out["problems"] == ["import nixl failed (detected CUDA 13 but nixl-cu13 is not installed)"], out
+    assert out["problems"] == ["import nixl failed (torch reports CUDA 13 but nixl-cu13 is not installed)"], out
     assert out["nixl"]["backend"] is None and out["plugin"]["path"] is None
 
 
-def test_the_agent_probe_imports_torch_first_as_an_engine_does(venv, stubs):
+def test_the_agent_probe_runs_as_an_engine_does_torch_first(venv, stubs):
     # libcudart.so.13 only in the process (torch loaded it): the plugin loads and the agent gets as
     # far as the stub libfabric and hwloc let it (no provider, no topology); without torch first
-    # NIXL could not load the plugin and would say "unsupported backend 'LIBFABRIC'"
+    # NIXL could not load the plugin and would say "unsupported backend 'LIBFABRIC'". nixl 1.3.2
+    # imports torch itself before its backend (nixl/__init__.py, _get_torch_cuda_major), so here
+    # the probe's own `import torch` is not what puts it first: this fails when the agent runs
+    # without the engines' loader path or not at all
     out = probe(venv(BOTH, torch_cuda="13.0"), stubs, agent=True)
     assert out["agent"]["created"] is False, out
     assert "unsupported backend" not in out["agent"]["output"], out["agent"]["output"]

@@ -14,7 +14,8 @@ checkout of the same sources finds its wheelhouse built.
 It also builds the provisioning stand-ins (tests/hosts/standins/build.py: a local Neuron apt
 repository, EFA installer tarballs, vllm/vllm-neuron stand-in wheels; they need the Debian
 mirror once) and the engine wheelhouse of each stand-in release (NIXL from PyPI), for
-tests/e2e/test_provision_hosts.py.
+tests/e2e/test_provision_hosts.py; tests/ansible/test_transfer_probe.py takes its NIXL wheels from
+the same stand-in directory.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nixl_wheels  # tests/hosts/nixl_wheels.py: the NIXL wheels of tests/ansible/test_transfer_probe.py
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ def main() -> int:
     argv = [sys.executable, str(BUILDER), "--repo", str(REPO), "--cache", str(CACHE)]
     argv += [f"--pin={pin}" for pin in sim_pins()]
     kit_rc = subprocess.run(argv, check=False).returncode
-    return kit_rc or provisioning_standins() or nixl_wheels.main()
+    return kit_rc or provisioning_standins()
 
 
 def provisioning_standins() -> int:
@@ -73,7 +73,10 @@ def provisioning_standins() -> int:
     try:
         target = standins.ensure()
     except SystemExit as error:
-        print(f"wheelhouse: WARNING: no provisioning stand-ins ({error}); tests/e2e/test_provision_hosts.py will fail")
+        print(
+            f"wheelhouse: WARNING: no provisioning stand-ins ({error}); tests/e2e/test_provision_hosts.py will fail, "
+            "tests/ansible/test_transfer_probe.py will skip"
+        )
         return 0
     builder = REPO / "roles/epd_provision/files/build_engine_wheelhouse.py"
     cache = REPO / ".cache/engine-wheelhouse"  # the role's default epd_provision_engine_wheelhouse_cache
