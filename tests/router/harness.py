@@ -209,6 +209,11 @@ class Stack:
             raise
         return stack
 
+    def internals(self) -> list[str]:
+        """What no client may read in an error (issue 33): each engine's address and id."""
+        engines = self.ves + self.pds
+        return [f"{HOST}:{e.port}" for e in engines] + [e.engine_id for e in engines]
+
     def stop(self) -> None:
         self.router.stop()
         stop_all([e.process for e in self.ves + self.pds if e.process is not None])

@@ -78,11 +78,21 @@ def run_one(stack: Stack, expected, i: int, stream: bool, max_tokens: int) -> Ou
             err_at = next(k for k, d in enumerate(docs) if "error" in d)
             if err_at != len(docs) - 1 or not docs[err_at]["error"]["message"] or err_at == 0:
                 return Outcome(i, "failed", f"bad error framing: {raw[-300:]!r}", t0)
+            if leaked := _internals_in(stack, raw[-500:]):
+                return Outcome(i, "failed", f"engine internals {leaked} in the error frame: {raw[-300:]!r}", t0)
             return Outcome(i, "error_frame", docs[err_at]["error"]["message"], t0)
         got = "".join(c["delta"].get("content", "") for d in docs for c in d["choices"])
         return Outcome(i, "ok" if got == text else "failed", "" if got == text else "wrong text", t0)
     except Exception as exc:
-        return Outcome(i, "failed", f"{type(exc).__name__}: {exc}", t0)
+        leaked = _internals_in(stack, str(exc))  # an openai error quotes the router's JSON body
+        return Outcome(
+            i, "failed", f"{type(exc).__name__}: {exc}" + (f" (engine internals {leaked})" * bool(leaked)), t0
+        )
+
+
+def _internals_in(stack: Stack, text: str) -> list[str]:
+    """The engine addresses and ids in an error a client got: none since issue 33."""
+    return [internal for internal in stack.internals() if internal in text]
 
 
 def expectations(oracle, n, max_tokens, offset=0):
@@ -160,6 +170,7 @@ def test_kill_a_pd_under_load(make_stack, oracle):
         events = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
     error = json.loads(events[-1])  # the router's own frame, nothing after it (issue 33)
     assert error["error"]["code"] == 502 and error["error"]["message"] == "the connection to the engine broke"
+    assert error["request_id"] and not _internals_in(stack, events[-1])
     assert "[DONE]" not in events and all("error" not in json.loads(e) for e in events[:-1])
 
 
@@ -288,7 +299,7 @@ def test_all_pds_down_gives_503_then_recovers(make_stack, oracle):
         assert int(r.headers["retry-after"]) >= 1
         err = r.json()["error"]
         assert err["code"] == 503 and "no healthy active PD" in err["message"]
-        assert r.json()["request_id"]
+        assert r.json()["request_id"] and not _internals_in(stack, r.text)
     assert httpx.get(router.url + "/healthcheck").json()["pd_healthy"] == 0
 
     restarted = [SimEngine("pd", pd.engine_id, pd.ckpt, pd.log_dir, port=pd.port).start() for pd in stack.pds]

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from .harness import ROUTER, RouterProc, SimEngine, free_port, http_ok, router_config, wait_until
+from .harness import HOST, ROUTER, RouterProc, SimEngine, free_port, http_ok, router_config, wait_until
 
 KEY = "sk-test-0123456789abcdef"
 
@@ -150,7 +150,12 @@ def test_saturation_429_and_upstream_timeout_504(engines, ckpt):
                 r = httpx.post(router.url + "/v1/chat/completions", json={**body, "stream": stream}, timeout=20)
                 assert r.status_code == 504, r.text
                 msg = r.json()["error"]["message"]
-                assert "generate on PD epd-pd-hung" in msg and "timed out" in msg
+                # the client learns what happened, not which engine at which address (issue
+                # 33); the router's log has both
+                assert "the engine did not answer within" in msg and "(generate)" in msg, msg
+                assert hung.engine_id not in msg and f"{HOST}:{hung.port}" not in msg, msg
+                assert r.json()["request_id"] == r.headers["x-request-id"]
+            assert f"generate on PD epd-pd-hung (http://{HOST}:{hung.port}) timed out" in router.log()
         finally:
             router.stop()
     finally:

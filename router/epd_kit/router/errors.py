@@ -30,6 +30,10 @@ TYPES = {
 
 
 class RouterError(Exception):
+    # what the client is told instead of `message`, when that names engine internals (an
+    # address, an id, an engine's own words): `message` is for the log and operators
+    client_message: str | None = None
+
     def __init__(
         self,
         status: int,
@@ -53,7 +57,7 @@ class RouterError(Exception):
     def envelope(self, request_id: str | None) -> dict[str, Any]:
         return {
             "error": {
-                "message": self.message,
+                "message": self.message if self.client_message is None else self.client_message,
                 "type": self.type,
                 "param": self.param,
                 "code": self.status,
@@ -125,12 +129,13 @@ class UpstreamError(RouterError):
     def engine_failed(self) -> bool:
         return self.failure is not None
 
-    # what a client whose stream has started is told (docs/router.md "Stream errors"): the
-    # message above names the engine and its address, for the log and for operators
-    client_message = "the engine failed while generating"
+    # what the client is told, in a JSON error or a stream's error frame (docs/router.md
+    # "Engine failures"): `message` names the engine and its address, for the log and for
+    # operators; upstream.py sets a message of its own per case
+    client_message: str | None = "the engine failed while generating"
 
     def for_client(self) -> RouterError:
-        return RouterError(self.status, self.client_message)
+        return RouterError(self.status, self.client_message or self.message)
 
 
 class EcLoadFailed(UpstreamError):

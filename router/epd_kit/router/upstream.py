@@ -64,9 +64,18 @@ def _engine_message(answer: EngineAnswer) -> str:
 
 
 def _failure(
-    engine: Engine, status: int, message: str, engine_text: str = "", *, failure: Failure | None, retry_other: bool
+    engine: Engine,
+    status: int,
+    message: str,
+    engine_text: str = "",
+    *,
+    failure: Failure | None,
+    retry_other: bool,
+    client: str | None = None,
 ) -> UpstreamError:
-    """The typed error for a failed engine call; `engine_text` is what the engine said."""
+    """The typed error for a failed engine call; `engine_text` is what the engine said.
+    `message` (with `where`) is for the log and /pools; `client` is what the client is told,
+    without engine internals (no address, no id: issue 33), else UpstreamError's default."""
     ec_load = engine.role == "pd" and any(m in engine_text for m in EC_LOAD_FAILURE_MARKERS)
     error_type = EcLoadFailed if ec_load else UpstreamError
     err = error_type(
@@ -74,6 +83,8 @@ def _failure(
     )
     if isinstance(err, EcLoadFailed):
         err.engine_text = engine_text
+    if client is not None:
+        err.client_message = client
     return err
 
 
@@ -85,30 +96,34 @@ def classify_exception(exc: engine_http.ClientError, engine: Engine) -> Upstream
     """An engine call that raised (engine_http.py's exception types, which keep aiohttp's
     names; the pool is unbounded, so no wait for a connection of our own)."""
     kind = type(exc).__name__
+    stage = STAGE_NAMES[engine.role]
     if isinstance(exc, engine_http.ConnectionTimeoutError):
         message = f"{where(engine)} failed: cannot connect ({kind})"
-        return _failure(engine, 502, message, failure=Failure.connect_timeout, retry_other=True)
+        client = f"cannot connect to the engine ({stage})"
+        return _failure(engine, 502, message, failure=Failure.connect_timeout, retry_other=True, client=client)
     if isinstance(exc, engine_http.ClientConnectorError):
         message = f"{where(engine)} failed: cannot connect ({kind})"
-        return _failure(engine, 502, message, failure=Failure.refused, retry_other=True)
+        client = f"cannot connect to the engine ({stage})"
+        return _failure(engine, 502, message, failure=Failure.refused, retry_other=True, client=client)
     if isinstance(exc, engine_http.ServerTimeoutError):
-        return _failure(engine, 504, f"{where(engine)} timed out ({kind})", failure=Failure.timeout, retry_other=True)
+        message = f"{where(engine)} timed out ({kind})"
+        client = f"the engine timed out ({stage})"
+        return _failure(engine, 504, message, failure=Failure.timeout, retry_other=True, client=client)
     if isinstance(exc, engine_http.AnswerTooLarge):  # a size cap refused the answer: the connection was fine
         message = f"{where(engine)} failed: {str(exc) or 'its answer is too large'} ({kind})"
-        err = _failure(engine, 502, message, failure=Failure.error, retry_other=True)
-        err.client_message = "the engine's answer was too large"
-        return err
+        client = "the engine's answer was too large"
+        return _failure(engine, 502, message, failure=Failure.error, retry_other=True, client=client)
     message = f"{where(engine)} failed: connection broken ({kind})"
-    err = _failure(engine, 502, message, failure=Failure.error, retry_other=True)
-    err.client_message = "the connection to the engine broke"
-    return err
+    client = "the connection to the engine broke"
+    return _failure(engine, 502, message, failure=Failure.error, retry_other=True, client=client)
 
 
 def deadline_exceeded(engine: Engine, deadline_s: float, what: str) -> UpstreamError:
     """A call that outlived the deadline derived from its work (deadlines.py): the engine
     accepted it and did not answer in time, which is how a hung engine looks."""
     message = f"{where(engine)} timed out: no answer within {deadline_s:.1f}s ({what})"
-    return _failure(engine, 504, message, failure=Failure.timeout, retry_other=True)
+    client = f"the engine did not answer within {deadline_s:.1f}s ({STAGE_NAMES[engine.role]})"
+    return _failure(engine, 504, message, failure=Failure.timeout, retry_other=True, client=client)
 
 
 def stream_stalled(engine: Engine, gap_s: float) -> UpstreamError:
@@ -116,18 +131,16 @@ def stream_stalled(engine: Engine, gap_s: float) -> UpstreamError:
     stopped generating (it may still send events without tokens), which is how a PD that
     hangs mid-stream looks."""
     message = f"{where(engine)} timed out: no token in the stream for {gap_s:g}s (timeouts.stream_gap_s)"
-    err = _failure(engine, 504, message, failure=Failure.timeout, retry_other=False)
-    err.client_message = f"generation stalled: no token for {gap_s:g}s"
-    return err
+    client = f"generation stalled: no token for {gap_s:g}s"
+    return _failure(engine, 504, message, failure=Failure.timeout, retry_other=False, client=client)
 
 
 def stream_truncated(engine: Engine, done: bool) -> UpstreamError:
     """A started stream that ended before every choice had its finish_reason."""
     how = "[DONE] before a finish_reason" if done else "neither a finish_reason nor [DONE]"
     message = f"{where(engine)} failed: the stream ended with {how}"
-    err = _failure(engine, 502, message, failure=Failure.error, retry_other=False)
-    err.client_message = "the stream from the engine ended before the answer was complete"
-    return err
+    client = "the stream from the engine ended before the answer was complete"
+    return _failure(engine, 502, message, failure=Failure.error, retry_other=False, client=client)
 
 
 def stream_error_frame(engine: Engine, said: str) -> UpstreamError:
@@ -140,20 +153,27 @@ def classify_status(answer: EngineAnswer, engine: Engine) -> UpstreamError:
     code = answer.status
     said = _engine_message(answer)
     detail = f": {said}" if said else ""
+    stage = STAGE_NAMES[engine.role]
     if code == 429:
         message = f"{where(engine)} is overloaded (HTTP 429){detail}"
-        err = _failure(engine, 429, message, said, failure=None, retry_other=True)
+        client = f"the engine is overloaded ({stage}, HTTP 429)"
+        err = _failure(engine, 429, message, said, failure=None, retry_other=True, client=client)
         err.retry_after = _retry_after(answer)
         return err
-    if code >= 500:
+    if code >= 500:  # what the engine said stays in the log: it may name its internals
         message = f"{where(engine)} failed: HTTP {code}{detail}"
-        return _failure(engine, 502, message, said, failure=Failure.error, retry_other=True)
+        client = f"the engine failed ({stage}, HTTP {code})"
+        return _failure(engine, 502, message, said, failure=Failure.error, retry_other=True, client=client)
     # 400/413/422: the engine refused this request's content (e.g. too many tokens for the
-    # context, an image too big for the compiled encoder): the client's to fix, so a 400.
-    # Other 4xx (404, 401, ...) mean the router and engine disagree: an upstream failure.
-    status = 400 if code in (400, 413, 422) else 502
+    # context, an image too big for the compiled encoder): the client's to fix, so a 400 with
+    # what the engine said about it. Other 4xx (404, 401, ...) mean the router and engine
+    # disagree: an upstream failure, the client gets no detail.
+    if code in (400, 413, 422):
+        status, client = 400, f"the engine rejected the request ({stage}, HTTP {code}){detail}"
+    else:
+        status, client = 502, f"the engine rejected the request ({stage}, HTTP {code})"
     message = f"{where(engine)} rejected the request: HTTP {code}{detail}"
-    return _failure(engine, status, message, said, failure=None, retry_other=False)
+    return _failure(engine, status, message, said, failure=None, retry_other=False, client=client)
 
 
 def classify_stream_error(payload: bytes, engine: Engine) -> UpstreamError | None:
@@ -171,7 +191,8 @@ def classify_stream_error(payload: bytes, engine: Engine) -> UpstreamError | Non
     said = str(err.get("message"))[:200]
     message = f"{where(engine)} failed before the first token: {said}"
     failure = Failure.error if engine_failed else None
-    return _failure(engine, 502, message, said, failure=failure, retry_other=engine_failed)
+    client = "the engine failed before the first token" if engine_failed else f"the engine rejected the request: {said}"
+    return _failure(engine, 502, message, said, failure=failure, retry_other=engine_failed, client=client)
 
 
 # The longest Retry-After handed on from an engine: it is advice for this router's client,
@@ -199,14 +220,14 @@ def blocks_unreadable(ve: Engine, pd_id: str) -> UpstreamError:
     from that PD): the producer's failure, since a PD engine core that fails a read dies
     (docs/contract.md §3.5) and a VE whose side channel refuses reads would kill every PD."""
     message = f"PD {pd_id} could not read the blocks of VE {ve.id} (ECLoadFailure)"
-    return _failure(ve, 502, message, failure=Failure.error, retry_other=True)
+    client = "an engine could not read the image embeddings"
+    return _failure(ve, 502, message, failure=Failure.error, retry_other=True, client=client)
 
 
 def bad_body(engine: Engine, what: str) -> UpstreamError:
     message = f"{where(engine)} returned an invalid response: {what}"
-    err = _failure(engine, 502, message, failure=Failure.error, retry_other=True)
-    err.client_message = "the engine sent an invalid answer"
-    return err
+    client = "the engine sent an invalid answer"
+    return _failure(engine, 502, message, failure=Failure.error, retry_other=True, client=client)
 
 
 def pd_request_body(

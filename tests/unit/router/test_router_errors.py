@@ -1,6 +1,8 @@
 """Upstream failure classification (incl. the typed EC-load failure) and the error envelope
 (docs/contract.md §1.3, improved)."""
 
+import json
+
 import pytest
 from multidict import CIMultiDict
 
@@ -117,3 +119,58 @@ def test_stream_error_frames_are_classified():
     assert bare is not None and bare.engine_failed and "boom" in bare.message
     assert upstream.classify_stream_error(b'{"request_id":"r","choices":[{"token_ids":[1]}]}', PD) is None
     assert upstream.classify_stream_error(b"not json", PD) is None
+
+
+def _every_upstream_error() -> list[UpstreamError]:
+    """One error of each kind upstream.py makes, for both engine roles."""
+    errors: list[UpstreamError] = []
+    for engine in (VE, PD):
+        errors += [
+            upstream.classify_exception(REFUSED, engine),
+            upstream.classify_exception(engine_http.ConnectionTimeoutError("slow"), engine),
+            upstream.classify_exception(engine_http.SocketTimeoutError("slow"), engine),
+            upstream.classify_exception(engine_http.AnswerTooLarge("the engine's answer is too long"), engine),
+            upstream.classify_exception(engine_http.ServerDisconnectedError(), engine),
+            upstream.deadline_exceeded(engine, 3.0, "2 items"),
+            upstream.classify_status(response(500, b'{"error":{"message":"dead at 10.0.0.9:18100"}}'), engine),
+            upstream.classify_status(response(429, b'{"error":{"message":"busy"}}'), engine),
+            upstream.classify_status(response(404, b'{"detail":"no route"}'), engine),
+            upstream.bad_body(engine, "logprobs have logprob nan"),
+        ]
+    errors += [
+        upstream.classify_stream_error(EC_LOAD, PD),
+        upstream.classify_stream_error(b'{"error":{"message":"engine core 10.0.0.9 died","code":500}}', PD),
+        upstream.stream_stalled(PD, 30),
+        upstream.stream_truncated(PD, True),
+        upstream.stream_error_frame(PD, "failed at 10.0.0.9:18100"),
+        upstream.blocks_unreadable(VE, PD.id),
+    ]
+    return errors
+
+
+@pytest.mark.parametrize("err", _every_upstream_error(), ids=lambda e: e.message[:60])
+def test_a_client_is_told_no_engine_internals(err):
+    """Issue 33: the JSON errors (not only the stream frames, 841a358) named the engine, its
+    address and what it said about itself; the log keeps them (`message`), the client's
+    envelope says what happened, with its request id."""
+    assert err.engine_id in err.message  # for the log and /pools
+    for body in (err.body("rid-1"), err.sse_frame("rid-1")):
+        doc = json.loads(body.removeprefix(b"data: "))
+        assert doc["request_id"] == "rid-1" and doc["error"]["code"] == err.status
+        message = doc["error"]["message"]
+        assert message and message != err.message
+        for internal in ("127.0.0.1", "18301", "18100", "10.0.0.9", "epd-ve-1", "epd-pd-0", "mm_hashes", "nan"):
+            assert internal not in message, message
+
+
+def test_a_request_the_engine_refused_keeps_what_it_said_about_it():
+    said = b'{"error":{"message":"This model\'s maximum context length is 8192 tokens."}}'
+    err = upstream.classify_status(response(400, said), PD)
+    assert err.status == 400 and not err.engine_failed
+    message = json.loads(err.body("r"))["error"]["message"]
+    assert (
+        message
+        == "the engine rejected the request (generate, HTTP 400): This model's maximum context length is 8192 tokens."
+    )
+    refused = upstream.classify_stream_error(b'{"error":{"message":"prompt too long","code":400}}', PD)
+    assert json.loads(refused.body("r"))["error"]["message"] == "the engine rejected the request: prompt too long"
