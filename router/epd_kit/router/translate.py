@@ -7,13 +7,16 @@ model's vocabulary is the PD's invalid answer (`upstream.bad_body`): charged to 
 non-streaming request moves to another PD (the completion is built inside the PD call,
 engine_client.generate's `accept`). Usage follows OpenAI: a stream carries it only when the
 client asked (`stream_options.include_usage`); the PD's usage is relayed only when its counts
-are non-negative integers that add up, else the router's own count is sent.
+are non-negative integers that add up, else the router's own count is sent. A PD's logprobs
+(`client_logprobs`) are relayed in both paths when present, clamped and checked as vLLM's own
+OpenAI server would have them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +31,15 @@ from epd_kit.wire import GenerateResponse
 USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 DONE_FRAME = b"data: [DONE]\n\n"
+
+# The floor vLLM puts under a logprob in its OpenAI answers, `max(logprob, -9999.0)`, which
+# makes -inf (a token of probability 0) a number JSON can carry: vllm 0.24.0
+# entrypoints/serve/disagg/serving.py `_create_tokens_logprobs` (the PD's own generate
+# answer), entrypoints/openai/chat_completion/serving.py `_create_chat_logprobs` and
+# `_get_top_logprobs`; chat_completion/protocol.py `ChatCompletionLogProb.logprob` defaults to
+# it. `max` lets NaN through (and +inf), and pydantic writes them as null: those stay the PD's
+# invalid answer here.
+LOGPROB_FLOOR = -9999.0
 
 
 def sse_frame(doc: dict[str, Any]) -> bytes:
@@ -45,6 +57,58 @@ def engine_tokens(engine: Engine) -> Iterator[None]:
         raise upstream.bad_body(engine, str(exc)) from None
 
 
+def client_logprobs(raw: object, engine: Engine) -> dict[str, Any] | None:
+    """A PD choice's `logprobs` as the client gets them, or None: vLLM's
+    `ChatCompletionLogProbs`, `content` a list (or null) of {token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}]}, with vLLM's defaults for a missing logprob
+    (LOGPROB_FLOOR), bytes (null) and top_logprobs ([]); other fields are dropped. A logprob
+    below LOGPROB_FLOOR (-inf) becomes the floor, as in vLLM's answers; NaN, +inf or a field
+    of the wrong type is `engine`'s invalid answer (`upstream.bad_body`, charged to it): it is
+    no JSON number (the encoder refused it: a 500) or no answer vLLM gives."""
+    if raw is None:
+        return None
+    try:
+        if not isinstance(raw, dict):
+            raise ValueError("are not an object")
+        content = raw.get("content")
+        return {"content": None if content is None else [_logprob_position(p) for p in _logprob_list(content)]}
+    except ValueError as exc:
+        raise upstream.bad_body(engine, f"logprobs {exc}") from None
+
+
+def _logprob_list(value: object) -> list:
+    if not isinstance(value, list):
+        raise ValueError(f"have {type(value).__name__} where a list belongs")
+    return value
+
+
+def _logprob_position(entry: object) -> dict[str, Any]:
+    position = _logprob_candidate(entry)
+    top = _logprob_list(_logprob_object(entry).get("top_logprobs", []))
+    position["top_logprobs"] = [_logprob_candidate(c) for c in top]
+    return position
+
+
+def _logprob_object(entry: object) -> dict[str, Any]:
+    if not isinstance(entry, dict):
+        raise ValueError("have an entry that is not an object")
+    return entry
+
+
+def _logprob_candidate(raw: object) -> dict[str, Any]:
+    entry = _logprob_object(raw)
+    token, logprob, raw_bytes = entry.get("token"), entry.get("logprob", LOGPROB_FLOOR), entry.get("bytes")
+    if not isinstance(token, str):
+        raise ValueError(f"have token {token!r:.40}")
+    if type(logprob) not in (int, float) or math.isnan(logprob) or logprob == math.inf:
+        raise ValueError(f"have logprob {logprob!r:.40}")
+    if raw_bytes is not None and not (
+        isinstance(raw_bytes, list) and all(type(b) is int and 0 <= b < 256 for b in raw_bytes)
+    ):
+        raise ValueError(f"have bytes {raw_bytes!r:.40}")
+    return {"token": token, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": raw_bytes}
+
+
 def completion(ctx: RequestContext, result: GenerateResponse, renderer: Renderer, engine: Engine) -> dict[str, Any]:
     """The OpenAI body of a non-streaming request (with vLLM's `token_ids` per choice), from
     `engine`'s answer."""
@@ -60,7 +124,7 @@ def completion(ctx: RequestContext, result: GenerateResponse, renderer: Renderer
             "token_ids": c.token_ids,
         }
         if c.logprobs is not None:
-            choice["logprobs"] = c.logprobs
+            choice["logprobs"] = client_logprobs(c.logprobs, engine)
         choices.append(choice)
     return completion_body(
         completion_id=ctx.completion_id,
@@ -87,6 +151,9 @@ class StreamTranslator:
         self._engine = engine
         self._include_usage = ctx.request.include_usage
         self._skip_special = ctx.request.skip_special_tokens
+        # chunks carry the PD's logprobs when the client asked, as the completion does (vLLM
+        # 0.24.0 chat_completion/serving.py: every stream choice gets `logprobs=` then)
+        self._logprobs = bool(ctx.request.logprobs)
         self._detokenizers: dict[int, DetokenizerLike] = {}
         self._finished: set[int] = set()
         self._usage_sent = False
@@ -165,7 +232,10 @@ class StreamTranslator:
                 text += detokenizer.flush()
         if text:
             delta["content"] = text
-        return {"index": index, "delta": delta, "finish_reason": finish}
+        if not self._logprobs:
+            return {"index": index, "delta": delta, "finish_reason": finish}
+        logprobs = client_logprobs(choice.get("logprobs"), self._engine)
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
         ctx = self._ctx

@@ -13,7 +13,7 @@ from epd_kit.router.context import RequestContext
 from epd_kit.router.errors import Failure, UpstreamError
 from epd_kit.router.openai_api import parse_request
 from epd_kit.router.pools import Engine
-from epd_kit.router.translate import StreamTranslator, completion
+from epd_kit.router.translate import StreamTranslator, client_logprobs, completion
 from epd_kit.wire import GenerateResponse
 
 PD = Engine(id="epd-pd-0", url="http://127.0.0.1:2", role="pd")
@@ -163,3 +163,29 @@ def test_token_ids_outside_the_vocabulary_are_the_pds_invalid_answer(config, cha
         assert e.status == 502 and e.failure is Failure.error and e.retry_other and e.engine_id == PD.id
         assert "outside the model's vocabulary" in e.message
         assert e.for_client().message == "the engine sent an invalid answer"
+
+
+def test_logprobs_get_vllms_floor_and_defaults():
+    """max(logprob, -9999.0) as vLLM's answers have it (a raw logit above 0 stays: vLLM's
+    --logprobs-mode raw_logits); a missing field takes ChatCompletionLogProb's default; fields
+    beyond vLLM's are dropped; `content: null` stays."""
+    raw = {
+        "content": [
+            {"token": "token_id:1", "logprob": -12345.6, "extra": float("nan")},
+            {"token": "token_id:2", "logprob": 3.5, "bytes": [97], "top_logprobs": [{"token": "token_id:2"}]},
+        ],
+        "other": 1,
+    }
+    assert client_logprobs(raw, PD) == {
+        "content": [
+            {"token": "token_id:1", "logprob": -9999.0, "bytes": None, "top_logprobs": []},
+            {
+                "token": "token_id:2",
+                "logprob": 3.5,
+                "bytes": [97],
+                "top_logprobs": [{"token": "token_id:2", "logprob": -9999.0, "bytes": None}],
+            },
+        ]
+    }
+    assert client_logprobs({"content": None}, PD) == {"content": None}
+    assert client_logprobs(None, PD) is None
