@@ -121,6 +121,15 @@ def test_a_client_that_stops_reading_is_not_charged_to_its_pd(ckpt, tmp_path):
         gone = [_open_stalled_stream(router.port) for _ in range(2)]
         time.sleep(IDLE_S)
         wait_until(lambda: router.pools()["epd-pd-0"]["inflight"] == 0, 5, "the slow clients dropped")
+        # their connections are closed at once, not after a flush they would never take: they
+        # hold no place under listen.max_connections while they still read nothing
+        wait_until(
+            lambda: (
+                'reason="write_stalled"} 2.0' in httpx.get(router.url + "/metrics", timeout=5, trust_env=False).text
+            ),
+            5,
+            "both stalled connections closed",
+        )
         pd = router.pools()["epd-pd-0"]
         assert pd["healthy"] is True and pd["failures"] == 0, pd
         for sock in gone:

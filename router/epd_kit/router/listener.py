@@ -95,12 +95,14 @@ def raw_response(error: RouterError) -> bytes:
 
 
 class DisconnectSignal:
-    """Tells one request's app that its client left (see the module docstring)."""
+    """Tells one request's app that its client left (see the module docstring), and lets the
+    app drop a client that stopped reading (`drop`)."""
 
-    __slots__ = ("_callback", "_flow", "_soon", "gone")
+    __slots__ = ("_callback", "_drop", "_flow", "_soon", "gone")
 
-    def __init__(self, flow: Any) -> None:
+    def __init__(self, flow: Any, drop: Callable[[], None]) -> None:
         self._flow = flow
+        self._drop = drop
         self._callback: Callable[[], None] | None = None
         self._soon: asyncio.Handle | None = None
         self.gone = False
@@ -120,6 +122,12 @@ class DisconnectSignal:
         if self._soon is not None:
             self._soon.cancel()
             self._soon = None
+
+    def drop(self) -> None:
+        """Close the connection of a client that stopped reading without waiting for it to
+        take what is buffered: a plain close would flush first, and hold the socket (and its
+        place under listen.max_connections) for as long as the client reads nothing."""
+        self._drop()
 
     def fire(self) -> None:
         self.gone = True
@@ -285,7 +293,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                         "or Transfer-Encoding: chunked",
                     )
                 )
-        self.scope[CLIENT_GONE] = DisconnectSignal(self.flow)  # type: ignore[literal-required]
+        self.scope[CLIENT_GONE] = DisconnectSignal(self.flow, self._drop_stalled)  # type: ignore[literal-required]
         super().on_headers_complete()
         if self._shutting_down and self.cycle is not None:
             self.cycle.keep_alive = False
@@ -335,6 +343,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         error = RouterError(408, f"{what} did not arrive within {limit:g}s (listen.{phase}_timeout_s)")
         started = self.cycle is not None and self.cycle.response_started
         self._close(f"{phase}_timeout", None if started else error)
+
+    def _drop_stalled(self) -> None:
+        if not self.transport.is_closing() or self.transport.get_write_buffer_size():
+            self._disarm()
+            self._closed("write_stalled")
+            self.transport.abort()
 
     def _close(self, reason: str, error: RouterError | None) -> None:
         self._disarm()

@@ -254,7 +254,8 @@ class RouterMetrics:
         self.reloads = Counter("epd_router_config_reloads", "Config reloads by result", ["result"], registry=r)
         self.connections_closed = Counter(
             "epd_router_client_connections_closed",
-            "Client connections the listener closed: header_timeout, body_timeout, over_capacity, malformed",
+            "Client connections the listener closed: header_timeout, body_timeout, over_capacity, malformed,"
+            " write_stalled",
             ["reason"],
             registry=r,
         )

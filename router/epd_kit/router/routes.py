@@ -328,6 +328,9 @@ class _CleanupStreamingResponse(StreamingResponse):
                     "client dropped: it took no byte of its stream for listen.idle_timeout_s",
                     extra={"request_id": self._request_id, "status": 499, "idle_timeout_s": self._write_timeout_s},
                 )
+                signal: DisconnectSignal | None = scope.get(CLIENT_GONE)
+                if signal is not None:  # under the router's listener: close without flushing
+                    signal.drop()
         finally:
             if watch is not None:
                 watch.stop()
