@@ -314,5 +314,23 @@ def under_load(
         outcome = load.stop()
     assert result.returncode == 0, result.describe()
     assert outcome.sent >= rate_per_s * 5, f"the load ran only {outcome.sent} requests"
-    assert outcome.ok == outcome.sent, (f"{len(outcome.failures)} of {outcome.sent} failed", outcome.failures[:10])
+    assert outcome.ok == outcome.sent, (
+        f"{len(outcome.failures)} of {outcome.sent} failed",
+        outcome.failures[:10],
+        why_the_router_refused(stack),
+    )
     return result, elapsed
+
+
+def why_the_router_refused(stack: Stack, lines: int = 40) -> str:
+    """The router's own account of failed requests: its warnings and errors (an engine ejected,
+    quarantined or draining, a failed call), from every router host's journal."""
+    out = []
+    for name in stack.inventory.router_hosts:
+        journal = stack.hosts[name].run(
+            "journalctl --no-pager -q -o short-precise -n 5000 -u 'epd-router*'"
+            f" | grep -iE 'warning|error|quarantin|eject|unhealthy' | tail -n {lines}",
+            check=False,
+        )
+        out.append(f"--- router {name}\n{journal.stdout}")
+    return "\n".join(out)

@@ -191,6 +191,15 @@ class Encoder:
         for engine in self._state.pools.ve:
             if engine.id in suspects and not engine.quarantined:
                 self._engines.failed(upstream.blocks_unreadable(engine, err.engine_id), engine)
+                # The last VE in service is charged but stays: a read can also fail for a cause
+                # that is not the VE's (a timeout on a loaded PD or network), and taking every
+                # VE out would fail every image request for a whole quarantine.
+                if not any(ve.eligible for ve in self._state.pools.ve if ve is not engine):
+                    log.warning(
+                        "VE not quarantined: the last VE in service (a PD could not read its blocks)",
+                        extra={"request_id": ctx.request_id, "engine": engine.id, "pd": err.engine_id},
+                    )
+                    continue
                 seconds = engine.blocks_unreadable(f"PD {err.engine_id} could not read its blocks")
                 self._metrics.engine_quarantines.labels(engine.id).inc()
                 log.warning(

@@ -90,3 +90,24 @@ async def test_blocks_of_a_ve_quarantined_after_the_encode_go_to_no_pd(make_serv
     (call,) = engines.pd_calls
     assert {loc["engine_id"] for loc in call.locators.values()} == {e.id for e in service.state.pools.ve} - {bad}
     assert all_slots_free(service)
+
+
+async def test_the_last_ve_in_service_is_charged_but_not_quarantined(make_service):  # noqa: F811
+    """A read can fail for a cause that is not the VE's (a timeout on a loaded PD): with the
+    other VE already quarantined, the last one stays in service, so image requests still run."""
+    engines = Engines()
+    service = await make_service(engines)
+    assert await answer(service, False) == "Hi"
+    first = ve_of(service, "h1", engines)
+    service.state.pools.by_id()[first].blocks_unreadable("test")
+    engines.encodes.clear()
+    assert await answer(service, False) == "Hi"  # encoded on the other VE alone
+    (last,) = {ve for ve, _ in engines.encodes}
+    assert last != first
+    engines.pd_failures.append(("http", 500, EC_LOAD))
+    await answer(service, False)
+    ve = service.state.pools.by_id()[last]
+    assert ve.failures == 1 and not ve.quarantined and ve.snapshot()["quarantined_s"] == 0
+    quarantines = service.metrics.registry.get_sample_value("epd_router_engine_quarantines_total", {"engine": last})
+    assert quarantines is None
+    assert all_slots_free(service)
