@@ -913,21 +913,26 @@ def _stream_pd_class():
 
 
 @contextlib.contextmanager
-def stream_pd_running():
-    """A misbehaving-stream PD on 127.0.0.1, on its own event loop in a thread."""
-    engine = _stream_pd_class()()
+def in_thread(server):
+    """`server` (with async `start` and `stop`) serving on its own event loop in a thread, for
+    the length of the block."""
     loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="stream-pd", daemon=True)
+    thread = threading.Thread(target=loop.run_forever, name=type(server).__name__, daemon=True)
     thread.start()
     try:
-        asyncio.run_coroutine_threadsafe(engine.start(), loop).result(10)
-        yield engine
+        asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
+        yield server
     finally:
         with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(engine.stop(), loop).result(10)
+            asyncio.run_coroutine_threadsafe(server.stop(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+def stream_pd_running():
+    """A misbehaving-stream PD on 127.0.0.1, on its own event loop in a thread."""
+    return in_thread(_stream_pd_class()())
 
 
 def stream_once(url: str, max_tokens: int) -> tuple[int, list[str], float, str | None]:

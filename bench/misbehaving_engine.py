@@ -32,14 +32,13 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 from urllib.parse import urlsplit
 
 import httpx
 
 from bench.common import percentile
 from bench.hostile import _STREAM_IDS as GOOD_IDS  # inside the tiny checkpoint's vocabulary (1024)
-from bench.hostile import STREAM_MARK, Answer, Case, Probe, _chunk, chat, send, user
+from bench.hostile import STREAM_MARK, Answer, Case, Probe, _chunk, chat, in_thread, send, user
 from epd_kit.sim.app import token_frame
 from epd_kit.wire import GenerateChoice, GenerateResponse
 from tests.unit.router.raw_http import RawServer, read_message
@@ -56,8 +55,6 @@ RETRY_AFTER = ("inf", "Infinity", "nan", "1e400", "-5", "99999999999999999999999
 
 REQUEST_MODES = {"header", "retry_after", "oov", "interim", "stream_line"}
 HEALTH_MODES = {"health", "slow_health"}
-
-S = TypeVar("S", bound=RawServer)
 
 
 class BadEngine(RawServer):
@@ -178,23 +175,6 @@ async def _send_slowly(writer: asyncio.StreamWriter, chunk: bytes, total: int) -
         if time.monotonic() > deadline or writer.is_closing():
             return
         await asyncio.sleep(0.005)
-
-
-@contextlib.contextmanager
-def in_thread(server: S) -> Iterator[S]:
-    """`server` serving on its own event loop in a thread, for the length of the block."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="raw-server", daemon=True)
-    thread.start()
-    try:
-        asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
-        yield server
-    finally:
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(server.stop(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
 
 
 @contextlib.contextmanager
