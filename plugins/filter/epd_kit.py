@@ -169,6 +169,7 @@ class FilterModule:
                 "epd_env_file": plan.read_env_file,
                 "epd_kit_path": kit_path,
                 "epd_neuron_release": plan.release_profile,
+                "epd_engine_requirements": plan.engine_requirements,
                 "epd_declared_default": declared_default,
             }.items()
         }

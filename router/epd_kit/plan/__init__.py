@@ -48,7 +48,7 @@ from .fleet import plan_fleet, plan_table, router_endpoints, unreachable_engines
 from .hosts import HostSpec, read_host
 from .inventory import fleet_settings, plan_from_hostvars
 from .net import probe_url
-from .neuron_releases import RELEASES, neuron_release, release_profile
+from .neuron_releases import RELEASES, engine_requirements, neuron_release, release_profile
 from .operations import deployed_engines, engine_selection, rolling_queue, status_rows, status_table
 from .placement import largest_fits, place, placement_order
 from .rollout import rollout_batches, rollout_plan
@@ -82,6 +82,7 @@ __all__ = [
     "ec_transfer_config",
     "engine_command",
     "engine_env",
+    "engine_requirements",
     "engine_selection",
     "engine_unit",
     "exec_start",

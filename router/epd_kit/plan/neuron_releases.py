@@ -132,6 +132,14 @@ def release_profile(name: str) -> dict:
     return neuron_release(name).profile()
 
 
+def engine_requirements(name: str, pins: dict | None = None, extra: list | None = None) -> list[str]:
+    """`epd.kit.epd_engine_requirements`: the engine venv's requirement set, `name==version` for
+    the release's set with the operator's `pins` (epd_provision_engine_pins) over it, then the
+    `extra` requirements (epd_provision_engine_extra_requirements) as given."""
+    versions = neuron_release(name).profile()["engine_venv"] | dict(pins or {})
+    return [f"{dist}=={version}" for dist, version in versions.items()] + [str(r) for r in extra or []]
+
+
 def markdown_table(name: str) -> str:
     """docs/provisioning.md's table of one release."""
     lines = ["| component | version | source |", "|---|---|---|"]

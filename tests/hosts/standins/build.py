@@ -54,6 +54,7 @@ from email.utils import formatdate
 from pathlib import Path
 
 from epd_kit.plan.neuron_releases import DEFAULT_RELEASE, neuron_release
+from epd_kit.plan.neuron_releases import engine_requirements as release_requirements
 
 SUITE = "bookworm"  # the test hosts' codename: the role points apt at <repository> <codename> main
 NEURON_PACKAGES = ("aws-neuronx-dkms", "aws-neuronx-runtime-lib", "aws-neuronx-collectives", "aws-neuronx-tools")
@@ -643,11 +644,11 @@ def provision_vars(release_name: str, target: Path | None = None, server: str = 
 
 
 def engine_requirements(variables: dict) -> list[str]:
-    """The role's engine venv requirement set for these variables (vars/main.yml builds the same)."""
-    release = neuron_release(variables.get("epd_neuron_release", DEFAULT_RELEASE)).profile()["engine_venv"]
-    pins = release | variables.get("epd_provision_engine_pins", {})
-    return [f"{dist}=={version}" for dist, version in pins.items()] + list(
-        variables.get("epd_provision_engine_extra_requirements", [])
+    """The role's engine venv requirement set for these variables (the same function as vars/main.yml's)."""
+    return release_requirements(
+        variables.get("epd_neuron_release", DEFAULT_RELEASE),
+        variables.get("epd_provision_engine_pins"),
+        variables.get("epd_provision_engine_extra_requirements"),
     )
 
 
