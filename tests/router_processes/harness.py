@@ -130,10 +130,11 @@ class RouterProc:
     log_path: Path
     port: int
     process: ManagedProcess | None = None
+    ca: Path | None = None  # listen.tls is on: https, verified with this CA
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"{'https' if self.ca else 'http'}://{HOST}:{self.port}"
 
     @property
     def proc(self) -> subprocess.Popen:
@@ -148,7 +149,8 @@ class RouterProc:
             name="router",
             append_log=True,
         )
-        self.process.wait_http(self.url + ("/ready" if wait_ready else "/health"), timeout)
+        ca = str(self.ca) if self.ca else None
+        self.process.wait_http(self.url + ("/ready" if wait_ready else "/health"), timeout, ca=ca)
         return self
 
     def log(self) -> str:
@@ -188,6 +190,7 @@ class Stack:
         n_ve: int,
         n_pd: int,
         sim_env: dict[str, dict[str, str]] | None = None,
+        ca: Path | None = None,
         **cfg_overrides: Any,
     ) -> Stack:
         sim_env = sim_env or {}
@@ -195,7 +198,7 @@ class Stack:
         pds = [SimEngine("pd", f"epd-pd-{i}", ckpt, workdir, sim_env.get(f"epd-pd-{i}", {})) for i in range(n_pd)]
         port = free_port()
         cfg = router_config(ckpt, ves, pds, port, **cfg_overrides)
-        router = RouterProc(workdir / "router.yaml", workdir / "router.log", port)
+        router = RouterProc(workdir / "router.yaml", workdir / "router.log", port, ca=ca)
         router.write_config(cfg)
         stack = cls(ckpt, workdir, ves, pds, router, cfg)
         try:

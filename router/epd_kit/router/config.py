@@ -20,6 +20,15 @@ from epd_kit.preprocess.model_files import ENGINE_DTYPES
 from epd_kit.preprocess.settings import Limits, Media, Section
 
 
+class ListenTls(Section):
+    """The listener serves HTTPS only (docs/router.md "TLS"): a PEM certificate chain (leaf
+    first) and its key; `key` unset when the key is in the certificate file. A reload (SIGHUP)
+    re-reads both files; new paths take a restart."""
+
+    certificate: Path
+    key: Path | None = None
+
+
 class Listen(Section):
     """The client-facing listener (restart only). The client timeouts and the connection cap
     protect it from slow and idle clients (listener.py); the defaults suit a load balancer in
@@ -37,6 +46,8 @@ class Listen(Section):
     # accept queue length (listen(2)); under socket activation the queue every router process
     # of the host takes from, which also holds connections while a process restarts
     backlog: int = Field(default=4096, ge=1)
+    # HTTPS instead of HTTP on this listener; unset: plain HTTP (HAProxy in front terminates TLS)
+    tls: ListenTls | None = None
 
 
 class Timeouts(Section):

@@ -1,6 +1,6 @@
 """Running the app under uvicorn with the router's signal semantics.
 
-SIGHUP: reload the config file (systemctl reload). SIGTERM/SIGINT: flip /ready to 503, let
+SIGHUP: reload the config file and the TLS certificate (systemctl reload). SIGTERM/SIGINT: flip /ready to 503, let
 in-flight requests finish within `timeouts.shutdown_grace_s`, then stop. A second SIGINT
 forces the exit.
 
@@ -34,6 +34,7 @@ from epd_kit.router.metrics import forget_worker
 from epd_kit.router.rendering import Renderer
 from epd_kit.router.service import RouterService
 from epd_kit.router.signals import EarlySignals
+from epd_kit.router.tls import ServerTls, load_error
 
 log = logging.getLogger("epd_router.server")
 
@@ -51,9 +52,11 @@ class RouterServer(uvicorn.Server):
         *,
         inherited: list[socket.socket] | None = None,
         worker: str | None = None,
+        tls: ServerTls | None = None,
     ) -> None:
         super().__init__(config)
         self.service = service
+        self.tls = tls
         self.early = early
         self.inherited = inherited or []
         self.worker = worker
@@ -95,14 +98,14 @@ class RouterServer(uvicorn.Server):
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.begin_shutdown, sig)
-            loop.add_signal_handler(signal.SIGHUP, self.service.reload)
+            loop.add_signal_handler(signal.SIGHUP, self.reload)
         except (RuntimeError, ValueError):  # not the main thread (tests): no signals
             yield
             return
         for sig in self.early.received if self.early else ():
             log.info("replaying a signal received during startup", extra={"signal": signal.Signals(sig).name})
             if sig == signal.SIGHUP:
-                self.service.reload()
+                self.reload()
             else:
                 self.begin_shutdown(sig)
         try:
@@ -110,6 +113,12 @@ class RouterServer(uvicorn.Server):
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+
+    def reload(self) -> None:
+        """SIGHUP: the config file, and the TLS certificate and key (same paths, new contents)."""
+        self.service.reload()
+        if self.tls is not None:
+            self.tls.reload()
 
     def begin_shutdown(self, sig: int = signal.SIGTERM) -> None:
         if not self.started:  # no listener to hand over yet: startup() acts on it when it has one
@@ -210,12 +219,28 @@ def make_server(
         timeout_graceful_shutdown=5,
         timeout_keep_alive=listen.idle_timeout_s,  # type: ignore[arg-type] - a float works
     )
+    tls = _server_tls(cfg)
+    if tls is not None:
+        # uvicorn builds its own context from file names; the router keeps one it can reload,
+        # set where uvicorn's create_server reads it (Config.ssl) once the config is loaded
+        uv.load()
+        uv.ssl = tls.context
     if inherited:
         log.info(
             "serving on sockets from systemd",
-            extra={"addresses": [str(s.getsockname()) for s in inherited], "worker": worker},
+            extra={"addresses": [str(s.getsockname()) for s in inherited], "worker": worker, "tls": tls is not None},
         )
-    return RouterServer(uv, service, early, inherited=inherited, worker=worker)
+    return RouterServer(uv, service, early, inherited=inherited, worker=worker, tls=tls)
+
+
+def _server_tls(cfg: RouterConfig) -> ServerTls | None:
+    if cfg.listen.tls is None:
+        return None
+    certificate, key = cfg.listen.tls.certificate, cfg.listen.tls.key
+    try:
+        return ServerTls(certificate, key)
+    except OSError as exc:  # ssl.SSLError is one
+        raise ValueError(load_error(exc, certificate, key)) from exc
 
 
 def inherited_sockets() -> list[socket.socket]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import os
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,10 +42,17 @@ def free_port(host: str = LOOPBACK) -> int:
     raise RuntimeError(f"no fresh port on {host} after 100 tries ({len(_handed_out)} handed out)")
 
 
-def http_status(url: str, timeout: float = 1.0) -> int | None:
-    """GET `url` (plain http, no proxy, no redirects); its status, or None if nothing answered."""
+def http_status(url: str, timeout: float = 1.0, ca: str | None = None) -> int | None:
+    """GET `url` (no proxy, no redirects; https verified with the CA file `ca`); its status, or
+    None if nothing answered."""
     parts = urlsplit(url)
-    connection = http.client.HTTPConnection(parts.hostname or LOOPBACK, parts.port or 80, timeout=timeout)
+    if parts.scheme == "https":
+        context = ssl.create_default_context(cafile=ca)
+        connection: http.client.HTTPConnection = http.client.HTTPSConnection(
+            parts.hostname or LOOPBACK, parts.port or 443, timeout=timeout, context=context
+        )
+    else:
+        connection = http.client.HTTPConnection(parts.hostname or LOOPBACK, parts.port or 80, timeout=timeout)
     try:
         connection.request("GET", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""))
         return connection.getresponse().status
@@ -54,8 +62,8 @@ def http_status(url: str, timeout: float = 1.0) -> int | None:
         connection.close()
 
 
-def http_ok(url: str, timeout: float = 1.0) -> bool:
-    return http_status(url, timeout) == 200
+def http_ok(url: str, timeout: float = 1.0, ca: str | None = None) -> bool:
+    return http_status(url, timeout, ca) == 200
 
 
 class ProcessFailed(RuntimeError):
@@ -125,9 +133,11 @@ class ManagedProcess:
                 raise ProcessFailed(f"{self.name} (pid {self.pid}) not {what} after {timeout} s:\n{self.log_tail()}")
             time.sleep(interval)
 
-    def wait_http(self, url: str, timeout: float = 30.0, interval: float = 0.05) -> ManagedProcess:
-        """Until GET `url` answers 200 (a health or readiness endpoint)."""
-        return self.wait_until(lambda: http_ok(url), timeout, f"answering 200 on {url}", interval)
+    def wait_http(
+        self, url: str, timeout: float = 30.0, interval: float = 0.05, ca: str | None = None
+    ) -> ManagedProcess:
+        """Until GET `url` answers 200 (a health or readiness endpoint; https verified with `ca`)."""
+        return self.wait_until(lambda: http_ok(url, ca=ca), timeout, f"answering 200 on {url}", interval)
 
     def wait_exit(self, timeout: float = 20.0) -> int:
         try:
