@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from .auth import split_api_key_flag
 from .config import ServeArgs
 from .faults import Faults
 from .profile import PROFILES, build_profile
@@ -41,6 +42,14 @@ class _VllmLikeCommand(click.Command):
     """Unknown flags are an error, reported the way vLLM's argparse reports them."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # --api-key takes one or more values (argparse nargs="+", sim/auth.py), which click
+        # options cannot: it is taken out before click parses the rest
+        try:
+            args, ctx.meta["api_key"] = split_api_key_flag(args)
+        except ValueError as exc:
+            click.echo(ctx.get_usage(), err=True)
+            click.echo(f"epd-sim serve: error: {exc}", err=True)
+            ctx.exit(2)
         try:
             return super().parse_args(ctx, args)
         except click.NoSuchOption as exc:
@@ -184,6 +193,7 @@ def serve(model_tag: str | None, **opts: Any) -> None:
         additional_config=opts["additional_config"] or {},
         ec_transfer_config=opts["ec_transfer_config"] or {},
         served_model_name=opts["served_model_name"],
+        api_key=click.get_current_context().meta.get("api_key"),
     )
     try:
         profile = build_profile(

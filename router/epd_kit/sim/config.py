@@ -66,6 +66,9 @@ class ServeArgs:
     additional_config: dict[str, Any] = field(default_factory=dict)
     ec_transfer_config: dict[str, Any] = field(default_factory=dict)
     served_model_name: str | None = None
+    # --api-key (vLLM: one or more; logged with the other non-default args, as vLLM does: the
+    # kit passes the key through VLLM_API_KEY instead, docs/security.md "Engine keys")
+    api_key: list[str | None] | None = None
 
 
 @dataclass(frozen=True)

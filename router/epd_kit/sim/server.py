@@ -7,10 +7,11 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .auth import AuthenticationMiddleware, engine_tokens
 from .compile_cache import CacheSettings, CompileFailure, cache_key, key_inputs, load_or_compile
 from .config import EngineConfig, ServeArgs, StartupFailure, build_engine_config
 from .faults import Faults
@@ -72,7 +73,7 @@ def run(args: ServeArgs, sim: SimOptions, env: Mapping[str, str]) -> int:
     graph = _GraphKey.of(args, cfg, cache, env)
     if cache.cpu_compile:
         return asyncio.run(_cpu_compile(cfg, sim, cache, graph))
-    return asyncio.run(_serve(cfg, sim, cache, graph))
+    return asyncio.run(_serve(cfg, sim, cache, graph, engine_tokens(args.api_key, env)))
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,9 @@ async def _load_and_warmup(cfg: EngineConfig, sim: SimOptions, cache: CacheSetti
     return True
 
 
-async def _serve(cfg: EngineConfig, sim: SimOptions, cache: CacheSettings, graph: _GraphKey) -> int:
+async def _serve(
+    cfg: EngineConfig, sim: SimOptions, cache: CacheSettings, graph: _GraphKey, tokens: Sequence[str] = ()
+) -> int:
     if not await _load_and_warmup(cfg, sim, cache, graph):
         return 1
     import uvicorn  # the HTTP stack is only loaded by an engine that got this far
@@ -197,8 +200,11 @@ async def _serve(cfg: EngineConfig, sim: SimOptions, cache: CacheSettings, graph
             f"EC handshake server did not become ready within 5s ({cfg.side_channel_host}:"
             f"{cfg.side_channel_port}: {exc})",
         )
+    app = create_app(engine)
+    if tokens:  # vLLM's api_server.py:258-261
+        app.add_middleware(AuthenticationMiddleware, tokens=tokens)
     config = uvicorn.Config(
-        create_app(engine),
+        app,
         host=cfg.host,
         port=cfg.port,
         log_config=None,
