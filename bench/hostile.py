@@ -22,7 +22,7 @@ vocabulary, interim answers, a stopped PD beside a slow /health) on a stack of i
     python -m bench.hostile --engines --random 0
     python -m bench.hostile --broken-ve --random 0
 
-tests/router/test_hostile.py runs a smaller selection of the same cases. Every loop is
+tests/router_processes/test_hostile.py runs a smaller selection of the same cases. Every loop is
 bounded in count and time; all traffic goes to 127.0.0.1.
 """
 
@@ -426,7 +426,7 @@ def many_frame_gif(frames: int, side: int) -> bytes:
 
 def issue33_cases() -> list[tuple[str, bytes, bool, tuple[int, ...]]]:
     """(name, raw, valid, expected statuses): issue 33's request findings (item 5); its engine
-    findings are bench/misbehaving_engine.py's, the broken VE tests/router/test_broken_ve.py."""
+    findings are bench/misbehaving_engine.py's, the broken VE tests/router_processes/test_broken_ve.py."""
     body = json.dumps(user("x")).encode()
     request = http(body)
     two_keys = request.replace(b"\r\n\r\n", b"\r\nAuthorization: Bearer a\r\nAuthorization: Bearer b\r\n\r\n", 1)

@@ -14,7 +14,7 @@ and a SIGSTOPped PD is ejected in the time it takes without the slow engine.
 
     python -m bench.hostile --random 0 --engines        # these rows only (see bench/hostile.py)
 
-tests/router/test_engine_misbehaviour.py runs every case for a few seconds. The router runs
+tests/router_processes/test_engine_misbehaviour.py runs every case for a few seconds. The router runs
 with `retries.max_attempts: 1`, so what the engine's answer becomes reaches the misbehaviour
 client instead of being retried away on a good PD. Every loop is bounded in count and time.
 """

@@ -12,7 +12,7 @@ what they cost is the same per request in both runs, so the ratio is the router'
 configuration runs `--repeats` times, alternating; the table reports medians. Only 127.0.0.1.
 
 `router_group` is also the tests' way to run several router processes on one socket without
-systemd (tests/router/test_multiprocess.py).
+systemd (tests/router_processes/test_multiprocess.py).
 """
 
 from __future__ import annotations

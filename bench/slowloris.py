@@ -7,7 +7,7 @@ the router within its documented timeout (`listen.header_timeout_s` for the head
     python -m bench.slowloris                    # starts sims + a router here, 500 connections
     python -m bench.slowloris --url http://127.0.0.1:18800 --connections 100
 
-tests/router/test_hostile.py runs a smaller version. One thread drives every socket; the
+tests/router_processes/test_hostile.py runs a smaller version. One thread drives every socket; the
 run is bounded in connections and time; all traffic goes to 127.0.0.1.
 """
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# THE test command: ruff (lint + format check), then every tier (unit, contract, router,
+# THE test command: ruff (lint + format check), then every tier (unit, contract, router_processes,
 # ansible, real systemd, vLLM compat).
 #   scripts/test.sh                 everything (the host-free tiers run beside the e2e tier)
 #   scripts/test.sh tests/unit -x   any pytest arguments are passed through (no compat tier)
@@ -121,7 +121,7 @@ else
   # tests that use the test hosts) runs as two pytest processes on hosts of their own (e2e-a on
   # n1-n5, e2e-b on n6-n9; tests/e2e/conftest.py LANE_B says which modules run where): each waits
   # on its hosts, engines and load much of the time, so together they fill the cores one alone
-  # leaves idle. The host-free tiers (unit, contract, router, ansible, then vLLM-compat) run beside
+  # leaves idle. The host-free tiers (unit, contract, router_processes, ansible, then vLLM-compat) run beside
   # them at a lower CPU priority (nice 5): the e2e lanes are the run's critical path. Each lane
   # prints its own --durations; the logs of the background lanes follow when all are done. Only
   # tests/e2e touches the hosts (tests/hosts/fixtures.py refuses them in the host-free lane).

@@ -1,6 +1,6 @@
 """The systemd expander the tests use, and the engine env template's quoting.
 
-(The engine command model itself, unit variables and ExecStart: tests/unit/test_planner_command.py.)"""
+(The engine command model itself, unit variables and ExecStart: tests/unit/plan/test_command.py.)"""
 
 from __future__ import annotations
 

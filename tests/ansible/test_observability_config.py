@@ -1,7 +1,7 @@
 """The observability role (docs/observability.md): file_sd targets, prometheus.yml and alert rules
 rendered by playbooks/observability.yml and checked by the real promtool; the alert rules' unit
 tests; every alert's runbook section; every dashboard query against a scrape of a running
-router and sim engines (tests/router/harness.py)."""
+router and sim engines (tests/router_processes/harness.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from epd_kit import plan as planner
 from epd_kit.testing.checkpoint import build_tiny_checkpoint
 from epd_kit.testing.images import image_part, png_data_url, user_message
 from tests.ansible.helpers import REPO, inventory_hostvars, playbook
-from tests.router.harness import Stack
+from tests.router_processes.harness import Stack
 
 pytestmark = pytest.mark.ansible
 

@@ -1,7 +1,7 @@
 """The defaults of the inventory variables the planner reads, taken from the declaration (variables.py).
 
 The roles' argument specs, the inventory table of docs/architecture.md and the router's
-plan-derived limits are checked against the declaration (tests/unit/test_planner_variables.py);
+plan-derived limits are checked against the declaration (tests/unit/plan/test_variables.py);
 `epd_settings` exposes these to playbooks.
 """
 

@@ -4,7 +4,7 @@ provision.yml installs what the selected release (`epd_neuron_release`) lists, a
 the Neuron system packages, the EFA installer, and the engine venv's requirement set, which is
 generated from `engine_venv` (a pin the release does not list can only come in through
 `epd_provision_engine_extra_requirements`, on the operator's word). docs/provisioning.md shows
-the table (tests/unit/test_neuron_releases.py keeps the two equal).
+the table (tests/unit/plan/test_neuron_releases.py keeps the two equal).
 
 Sources, abbreviated in the table:
 - manifest: aws-neuron/aws-neuron-sdk `src/helperscripts/n2-manifest.json`, the release's

@@ -3,7 +3,7 @@
 Pinned slices stay; the rest is placed widest TP first at the lowest aligned start whose cores
 are all free. With power-of-two TPs every aligned block of a narrow TP lies inside one aligned
 block of a wider TP, so this greedy order finds a layout whenever one exists
-(tests/unit/test_planner_properties.py checks it against brute force).
+(tests/unit/plan/test_properties.py checks it against brute force).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     python -m epd_kit.plan.reference                            # prints the table
     python -m epd_kit.plan.reference --write docs/architecture.md  # replaces it between the markers
 
-tests/unit/test_planner_variables.py fails when the docs' copy differs from this output.
+tests/unit/plan/test_variables.py fails when the docs' copy differs from this output.
 """
 
 from __future__ import annotations

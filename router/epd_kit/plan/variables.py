@@ -4,7 +4,7 @@ One entry per variable (`VARIABLES`). From it come the planner's defaults (defau
 names the inventory check knows (checks.py), the per-value, per-key and per-scope checks
 (validate.py), and the router's own defaults that repeat an inventory default (the listen port,
 images per prompt). The roles' argument specs, their defaults/main.yml and the variable tables of
-docs/architecture.md are checked against it by tests/unit/test_planner_variables.py, whose
+docs/architecture.md are checked against it by tests/unit/plan/test_variables.py, whose
 failures print the exact line to add or change here. Adding a variable is one `Var(...)` line.
 
 Scopes say where a value is read, so a value set where nothing reads it is refused:

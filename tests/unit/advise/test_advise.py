@@ -12,7 +12,7 @@ from epd_kit.advise.queueing import erlang_c, fit_service_time, mean_time_in_sys
 from epd_kit.advise.scrape import ScrapeError, parse_text
 from epd_kit.advise.window import Window
 from epd_kit.router.cli import main
-from tests.unit.advise_scrapes import Load, write_inventory, write_scrapes
+from tests.unit.advise.advise_scrapes import Load, write_inventory, write_scrapes
 
 WINDOW = 120.0
 

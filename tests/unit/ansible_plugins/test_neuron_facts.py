@@ -11,7 +11,7 @@ import pytest
 from epd_kit import plan
 from tests import repo_modules
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 scan = repo_modules.module("epd_neuron_facts").scan_neuron_devices
 
 

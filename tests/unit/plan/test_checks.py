@@ -16,7 +16,7 @@ import yaml
 from epd_kit import plan as planner
 from tests import repo_modules
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 BASE_GROUP_VARS = {"epd_model": "/models/m"}
 BASE_HOST = {"epd_num_ve": 1, "epd_num_pd": 1}
 GROUPS = ("epd_engines", "epd_router", "epd_loadbalancer", "epd_monitoring")

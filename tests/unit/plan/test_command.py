@@ -224,7 +224,7 @@ def test_the_sim_launcher_departs_from_the_kit_only_when_asked():
 
 
 def test_a_local_tp1_engine_for_the_router_tests():
-    """What tests/router/harness.py runs: one tp=1 engine per role, engine id and ports of its own."""
+    """What tests/router_processes/harness.py runs: one tp=1 engine per role, engine id and ports of its own."""
     ve = launch.serve_argv("ve", MODEL, 4001, side_channel_port=4002, engine_id="epd-ve-3", tp=1, dp=1, max_num_seqs=2)
     pd = launch.serve_argv("pd", MODEL, 4003, engine_id="epd-pd-5", tp=1, max_num_seqs=2)
     assert ve[ve.index("--tensor-parallel-size") + 1] == pd[pd.index("--tensor-parallel-size") + 1] == "1"

@@ -12,7 +12,7 @@ import yaml
 from epd_kit import plan as planner
 from tests.golden.tutorial import KIT_EXPORTS, TUTORIAL_EXPORTS, tutorial_command
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLES = REPO / "inventory" / "examples"
 MODEL = "/models/Qwen3-VL-32B-Instruct"
 PlanError = planner.EpdPlanError

@@ -9,7 +9,7 @@ import pytest
 
 from epd_kit import plan
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MODEL = "/models/Qwen3-VL-32B-Instruct"
 ENV_TEMPLATE = jinja2.Environment(trim_blocks=True, keep_trailing_newline=True).from_string(
     (REPO / "templates/epd-engine.env.j2").read_text()

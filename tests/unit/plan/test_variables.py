@@ -19,7 +19,7 @@ from epd_kit.plan.validate import value_problem
 from epd_kit.plan.variables import VARIABLES, Var
 from tests import repo_modules
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SPEC_TYPES = {
     declaration.STR: "str",
     declaration.PATH: "path",

@@ -1,7 +1,7 @@
 """The request path over scripted engines (scripted_engines.py: each test decides what every
 engine answers, which real engines cannot be made to do on cue): the one PD retry loop of the
 streaming and non-streaming paths, and the re-encode an EC-load failure triggers.
-The same path against real simulated engines is tests/router."""
+The same path against real simulated engines is tests/router_processes."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Hung engines and engine request ids, over scripted engines (scripted_engines.py): a VE
 that takes an encode and never answers costs each request its derived deadline, is ejected
 as hung although its /health says 200, stays out while a serving probe cannot get an answer,
-and comes back once one does. The same against a real simulated VE: tests/router."""
+and comes back once one does. The same against a real simulated VE: tests/router_processes."""
 
 from __future__ import annotations
 
