@@ -19,6 +19,7 @@ from .errors import EpdPlanError
 from .fleet import unreachable_engines
 from .hints import did_you_mean
 from .inventory import fleet_settings, plan_from_hostvars
+from .tls import tls_problems
 from .validate import (
     explicit,
     hosts_text,
@@ -131,6 +132,7 @@ def check_inventory(
         known = {*known_variables, *VARIABLES}
         problems += unknown_variable_problems(hostvars, inventory_hosts, known)
         problems += value_problems(values) + scope_problems(values, groups)
+        problems += tls_problems(values, groups)  # the front door's certificate files (plan/tls.py)
     if problems:
         return {"problems": problems, "plan": None, "settings": None}
     try:

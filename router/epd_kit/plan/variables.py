@@ -154,6 +154,12 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_start_timeout_s", None, SECONDS, FLEET, P, minimum=1),
     _v("epd_extra_args", [], LIST, FLEET, P),
     _v("epd_engine_environment", {}, DICT, FLEET, P),
+    # the front door's TLS (HAProxy when epd_loadbalancer has hosts, else each router; plan/tls.py
+    # checks the files on the controller): a PEM chain + key, or one PEM bundle; the names clients use
+    _v("epd_tls_certificate", None, PATH, FLEET, CH),
+    _v("epd_tls_key", None, PATH, FLEET, CH),
+    _v("epd_tls_bundle", None, PATH, FLEET, CH),
+    _v("epd_tls_names", [], LIST, FLEET, CH),
     # the planner: per engine host, checked by hosts.py
     _v("epd_num_ve", 0, INT, ENGINE, P, minimum=0),
     _v("epd_num_pd", 0, INT, ENGINE, P, minimum=0),
@@ -197,6 +203,7 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_haproxy_stats_port", 8404, PORT, LOADBALANCER, HA, minimum=1, maximum=MAX_PORT),
     _v("epd_haproxy_deb_dir", None, PATH, LOADBALANCER, HA),
     _v("epd_haproxy_host_deb_dir", "/var/cache/epd/haproxy-debs", PATH, LOADBALANCER, HA),
+    _v("epd_haproxy_http_redirect_port", None, PORT, LOADBALANCER, HA, minimum=1, maximum=MAX_PORT),
     # epd_observability
     _v("epd_observability_dir", "/etc/prometheus/epd", PATH, MONITORING, OB),
     _v("epd_observability_prometheus_config", "", STR, MONITORING, OB),
@@ -362,6 +369,7 @@ ROUTER_SECTIONS: dict[str, dict[str, str]] = {
         "body_timeout_s": FLOAT,
         "idle_timeout_s": FLOAT,
         "backlog": INT,
+        "tls": DICT,
     },
     "timeouts": {
         "connect_s": FLOAT,
@@ -427,6 +435,7 @@ PLANNED_KEYS: dict[str, str] = {
     "endpoints": "the engine counts (epd_num_ve / epd_num_pd); draining ids: epd_router_draining",
     "listen.host": "epd_router_listen_host (the socket unit binds it)",
     "listen.port": "epd_router_port (the socket unit binds it)",
+    "listen.tls": "epd_tls_certificate + epd_tls_key or epd_tls_bundle (the kit installs the files)",
     "limits.images_per_prompt": "epd_images_per_prompt",
     "limits.max_image_patches": "epd_image_edge / epd_patch_size",
     "auth.enabled": "epd_router_api_keys_file",

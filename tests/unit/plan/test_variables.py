@@ -11,6 +11,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from epd_kit import plan as planner
 from epd_kit.plan import variables as declaration
@@ -164,6 +165,8 @@ def _kind(annotation: Any) -> str:
         return declaration.LIST
     if annotation is Path:
         return declaration.PATH
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):  # a sub-section (listen.tls)
+        return declaration.DICT
     return {int: declaration.INT, float: declaration.FLOAT, bool: declaration.BOOL, str: declaration.STR}[annotation]
 
 
