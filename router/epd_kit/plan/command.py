@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import EpdPlanError
+from .neuron_releases import neuron_release
 from .values import describe
 
 if TYPE_CHECKING:
@@ -140,8 +141,11 @@ def cold_start_timeouts(compilation_timeout_s: int) -> dict[str, str]:
 
 
 COLD_START_TIMEOUTS = tuple(cold_start_timeouts(1))
+# the vLLM version a simulated engine answers as (epd_kit/sim/release.py), set from the fleet's
+# release, so a release change rolls the sims as it would roll vllm (the argv stays vllm's)
+SIM_VLLM_VARIABLE = "EPD_SIM_VLLM"
 # Environment the kit derives itself; an operator cannot override it per fleet.
-MANAGED_ENV = ("NEURON_VISIBLE_DEVICES", *EFA_ENVIRONMENT, *COLD_START_TIMEOUTS)
+MANAGED_ENV = ("NEURON_VISIBLE_DEVICES", *EFA_ENVIRONMENT, *COLD_START_TIMEOUTS, SIM_VLLM_VARIABLE)
 
 
 @dataclass(frozen=True)
@@ -258,12 +262,17 @@ def serve_argv(
 
 
 def engine_env(settings: Settings, cores: Sequence[int]) -> dict[str, str]:
-    """The engine's process environment: its core slice, the EFA settings, the cold-start timeouts."""
+    """The engine's process environment: its core slice, the EFA settings, the cold-start timeouts,
+    what the fleet's Neuron release sets (its compile route), and for the sim the vLLM it answers as."""
+    release = neuron_release(settings.neuron_release)
     env = {
         "NEURON_VISIBLE_DEVICES": ",".join(str(c) for c in cores),
         **EFA_ENVIRONMENT,
         **cold_start_timeouts(settings.compilation_timeout_s),
+        **release.profile()["engine_environment"],
     }
+    if settings.engine_backend == "sim":
+        env[SIM_VLLM_VARIABLE] = release.vllm
     if settings.model_is_local:
         env["HF_HUB_OFFLINE"] = "1"
     env.update(settings.engine_environment)

@@ -13,7 +13,8 @@ from .defaults import GLOBAL_DEFAULTS, HOST_DEFAULTS
 from .errors import EpdPlanError
 from .fleet import plan_fleet
 from .hosts import read_host
-from .settings import Settings, read_settings
+from .neuron_releases import DEFAULT_RELEASE
+from .settings import RELEASE_VARIABLE, Settings, read_settings
 from .values import describe, plain
 
 
@@ -52,10 +53,11 @@ def fleet_settings(hostvars: Mapping[str, Any], hosts: Sequence[str]) -> Setting
         raise EpdPlanError(f"epd_plan expects the list of engine hosts (groups['epd_engines']), got {describe(hosts)}")
     if not hosts:
         raise EpdPlanError("no engine hosts: add hosts to the epd_engines group")
-    per_host = {str(h): _lookup(_host_vars(hostvars, str(h)), GLOBAL_DEFAULTS) for h in hosts}
+    fleet_wide = {**GLOBAL_DEFAULTS, RELEASE_VARIABLE: DEFAULT_RELEASE}  # one release per fleet
+    per_host = {str(h): _lookup(_host_vars(hostvars, str(h)), fleet_wide) for h in hosts}
     first = str(hosts[0])
-    for key in GLOBAL_DEFAULTS:
-        values = {h: v.get(key, GLOBAL_DEFAULTS[key]) for h, v in per_host.items()}
+    for key in fleet_wide:
+        values = {h: v.get(key, fleet_wide[key]) for h, v in per_host.items()}
         if any(v != values[first] for v in values.values()):
             shown = ", ".join(f"{h}: {v!r}" for h, v in values.items())
             raise EpdPlanError(

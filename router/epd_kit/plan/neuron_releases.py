@@ -13,21 +13,35 @@ Sources, abbreviated in the table:
   10ea9cac of 2026-08-18)
 - METADATA: the wheel's own `Requires-Dist` (the PyPI wheel; for the Neuron pip repository's
   wheels, which are out of reach here, the source named on the line)
+- v2.33.0 pages: awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/ (the SDK repository's
+  snapshot read here ends at 2.32), named on each line
+
+A value no source read settles is UNCONFIRMED (None): the table says so, and the kit refuses to
+guess it. An engine venv pin must then come from the operator (`epd_provision_engine_pins`), an
+EFA installer version from `epd_provision_efa_installer_version`; provision.yml stops before it
+changes a host otherwise.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import EpdPlanError
 
 
 @dataclass(frozen=True)
 class Pin:
-    """One version and where it comes from."""
+    """One version (or value) and where it comes from; version None: no source read settles it."""
 
-    version: str
+    version: str | None
     source: str
+
+    @property
+    def shown(self) -> str:
+        return self.version if self.version is not None else "unconfirmed"
+
+
+UNCONFIRMED = None
 
 
 @dataclass(frozen=True)
@@ -42,27 +56,50 @@ class NeuronRelease:
     python_source: str
     os: tuple[str, ...]  # "<distribution> <version>" the release installs on
     os_source: str
+    # how the plugin compiles (the compile route) and the DLAMI's vLLM venv: shown, not installed
+    compile_route: Pin
+    dlami_venv: Pin
+    # what the engines' environment gets from the release (plan/command.py engine_env), each with
+    # its source; the kit's own cache variables (VLLM_CACHE_ROOT, ...) are set for every release
+    engine_environment: dict[str, Pin] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
 
+    @property
+    def vllm(self) -> str:
+        """The vLLM version the release's vLLM Neuron runs on (the wire the engines speak)."""
+        return str(self.engine_venv["vllm"].version)
+
+    def unconfirmed(self) -> list[str]:
+        """The engine venv distributions whose version no source read settles."""
+        return [dist for dist, pin in self.engine_venv.items() if pin.version is None]
+
     def profile(self) -> dict:
-        """The plain-data form the roles read (`epd.kit.epd_neuron_release`)."""
+        """The plain-data form the roles read (`epd.kit.epd_neuron_release`); "" where unconfirmed."""
         return {
             "name": self.name,
-            "system": {package: pin.version for package, pin in self.system.items()},
-            "efa_installer": self.efa_installer.version,
-            "engine_venv": {dist: pin.version for dist, pin in self.engine_venv.items()},
+            "system": {package: pin.version or "" for package, pin in self.system.items()},
+            "efa_installer": self.efa_installer.version or "",
+            "engine_venv": {dist: pin.version or "" for dist, pin in self.engine_venv.items()},
+            "engine_venv_unconfirmed": self.unconfirmed(),
             "python_min": self.python[0],
             "python_max": self.python[1],
             "os": list(self.os),
+            "vllm": self.vllm,
+            "engine_environment": {name: str(pin.version) for name, pin in self.engine_environment.items()},
         }
 
     def table(self) -> list[tuple[str, str, str]]:
         """(component, version, source) rows, as docs/provisioning.md shows them."""
-        rows = [(f"`{package}`", pin.version, pin.source) for package, pin in self.system.items()]
-        rows.append(("EFA installer", self.efa_installer.version, self.efa_installer.source))
-        rows += [(f"`{dist}` (engine venv)", pin.version, pin.source) for dist, pin in self.engine_venv.items()]
+        rows = [(f"`{package}`", pin.shown, pin.source) for package, pin in self.system.items()]
+        rows.append(("EFA installer", self.efa_installer.shown, self.efa_installer.source))
+        rows += [(f"`{dist}` (engine venv)", pin.shown, pin.source) for dist, pin in self.engine_venv.items()]
         rows.append(("Python", f"{self.python[0]} to {self.python[1]}", self.python_source))
         rows.append(("operating system", ", ".join(self.os), self.os_source))
+        rows.append(("compile route", self.compile_route.shown, self.compile_route.source))
+        rows += [
+            (f"`{name}` (engine environment)", pin.shown, pin.source) for name, pin in self.engine_environment.items()
+        ]
+        rows.append(("DLAMI vLLM venv", self.dlami_venv.shown, self.dlami_venv.source))
         return rows
 
 
@@ -107,12 +144,128 @@ NEURON_2_32 = NeuronRelease(
         'manual: `:os: ubuntu-24.04, ubuntu-22.04, al2023`; Ubuntu 22.04 "has reached end-of-support on Neuron"; '
         'Amazon Linux 2023 has no vLLM (dlami.rst: "the vLLM environment is also not available on AL2023 DLAMIs")'
     ),
+    compile_route=Pin(
+        "XLA (libtorch-neuronx-lite)",
+        "vllm-neuron/docs/guides/features-guide.md l.31: the `vllm_neuron` backend "
+        '"lowers FX graphs through XLA and HLO"',
+    ),
+    dlami_venv=Pin(
+        "/opt/aws_neuronx_venv_pytorch_inference_vllm_0_24_0_1_1_0",
+        "deploy/environments/dlami.rst l.90 (SSM "
+        "`/aws/service/neuron/dlami/pytorch-inference-vllm-0.24.0.1.1.0/ubuntu-24.04`, l.261)",
+    ),
     notes=(
         'torch-neuronx is not part of 2.32.0 (manual: "torch-neuronx (PyTorch/XLA) is not included in Neuron 2.32.0")',
     ),
 )
 
-RELEASES: dict[str, NeuronRelease] = {release.name: release for release in (NEURON_2_32,)}
+# Neuron 2.33.0 (10/19/2026): the v2.33.0 pages, abbreviated
+_INDEX = 'v2.33.0 release-notes/components/index.html, row "{}" (updated in 2.33.0): {}'
+_CONTENT = "v2.33.0 release-notes/releasecontent.html: `{}`"
+_SETUP = "v2.33.0 vllm-neuron/docs/getting-started/setup-guide.html"
+_PRECOMPILE = "vllm-neuron/docs/guides/how-to-precompile-cache.html (in the v2.33.0 guides index)"
+
+NEURON_2_33 = NeuronRelease(
+    name="2.33.0",
+    system={
+        "aws-neuronx-dkms": Pin(
+            "2.31.7.0", _INDEX.format("Neuron Driver", "2.31.7.0") + "; " + _CONTENT.format("aws-neuronx-dkms-2.31.7.0")
+        ),
+        "aws-neuronx-runtime-lib": Pin(
+            "2.35.30.0",
+            _INDEX.format("Neuron Runtime Library", "2.35.30.0")
+            + "; "
+            + _CONTENT.format("aws-neuronx-runtime-lib-2.35.30.0"),
+        ),
+        "aws-neuronx-collectives": Pin(
+            "2.35.43.0",
+            _INDEX.format("Neuron Collectives", "2.35.43.0")
+            + "; "
+            + _CONTENT.format("aws-neuronx-collectives-2.35.43.0"),
+        ),
+        "aws-neuronx-tools": Pin(
+            "2.33.38.0",
+            _INDEX.format("Neuron Developer Tools", "2.33.38.0")
+            + "; "
+            + _CONTENT.format("aws-neuronx-tools-2.33.38.0"),
+        ),
+    },
+    efa_installer=Pin(
+        UNCONFIRMED,
+        "not in the v2.33.0 pages read (the Trn2 package list is past the searchable excerpt; every doc downloads "
+        "aws-efa-installer-latest): set epd_provision_efa_installer_version",
+    ),
+    engine_venv={
+        "vllm-neuron": Pin("0.29.0.1.2.0", _INDEX.format("vLLM Neuron (Beta)", "0.29.0.1.2.0")),
+        "vllm": Pin(
+            "0.29.0",
+            'v2.33.0 vllm-omni-neuron setup guide: "Neuron SDK 2.33 with vLLM 0.29.0, vLLM Neuron 0.29.0.1.x"; '
+            "vllm 0.29.0 METADATA: `Requires-Dist: torch==2.13.0`",
+        ),
+        # still in 2.33 (the vllm-omni-neuron v2.33.0 setup guide lists it in "a compatible Neuron
+        # SDK environment"; "vLLM Neuron compiles through the libtorch-neuronx-lite package"), last
+        # in 2.34; its 2.33 version (the build for vllm's torch 2.13.0) is in no page read
+        "libtorch-neuronx-lite": Pin(
+            UNCONFIRMED,
+            'in 2.33 (v2.33.0 vllm-omni-neuron setup guide: the environment "already contains ... '
+            '`libtorch-neuronx-lite`"); its version: not in the pages read: set epd_provision_engine_pins',
+        ),
+        "neuronx-cc": Pin(
+            "2.28.7631.0",
+            _INDEX.format("Neuron Compiler", "2.28.7631.0") + "; " + _CONTENT.format("neuronx-cc-2.28.7631.0"),
+        ),
+        "nki": Pin("0.7.0", _INDEX.format("Neuron Kernel Interface", "0.7.0") + "; " + _CONTENT.format("nki-0.7.0")),
+        "nixl": Pin(
+            UNCONFIRMED,
+            "vllm-neuron 0.29.0.1.2.0's requirements/core.txt not found (0.24's says `nixl==1.3.2`): "
+            "set epd_provision_engine_pins",
+        ),
+    },
+    python=("3.11", "3.14"),
+    python_source=(
+        f'{_SETUP}: "Python 3.11 or later. The Neuron 2.33 DLAMI and the vLLM Inference DLC ship Python 3.14 on '
+        "Ubuntu 26.04\"; the manifest's supported_python_versions for 2.33: not found (3.14 the newest shipped)"
+    ),
+    os=("Ubuntu 26.04", "Ubuntu 24.04"),
+    os_source=(
+        f"{_SETUP} (the DLAMI and DLC: Ubuntu 26.04); v2.33.0 setup/pytorch/update-dlami.rst "
+        '`:os: ubuntu-26.04, ubuntu-24.04, al2023`, TorchNeuron "on Ubuntu 24.04 and Ubuntu 26.04"; Ubuntu 22.04: '
+        'TorchNeuron release notes "End of support"; Amazon Linux 2023: no vLLM path found'
+    ),
+    compile_route=Pin(
+        "native (VLLM_NEURON_BACKEND=neuron_native)",
+        'vllm-neuron/docs/guides/how-to-choose-compilation-route.html: "The native route is the default", the XLA '
+        'route "is deprecated"; v2.33.0 features guide',
+    ),
+    engine_environment={
+        # unset selects the native route too, but with the Precompile Cache off: the kit sets it so
+        # a warm start reuses each graph's trace (kept under VLLM_CACHE_ROOT, the kit's persistent
+        # compile cache directory; device mode only, TORCH_CACHING_PRECOMPILE=0 turns it off)
+        "VLLM_NEURON_BACKEND": Pin(
+            "neuron_native",
+            f'{_PRECOMPILE}: "Lite (`libtorch-neuronx-lite`) turns the cache on when it imports, but only when '
+            "`VLLM_NEURON_BACKEND` is `neuron_native` or `neuron`. When the variable is not set, ... the cache is "
+            '**off**"; prerequisites: "VLLM_NEURON_BACKEND=neuron_native set", "A persistent VLLM_CACHE_ROOT"',
+        ),
+    },
+    dlami_venv=Pin(
+        UNCONFIRMED,
+        "not in the pages read; 2.32's name pattern would give "
+        "/opt/aws_neuronx_venv_pytorch_inference_vllm_0_29_0_1_2_0; "
+        "the kit finds it by epd_dlami_venv_glob (the tutorials' /opt/aws_neuronx_venv_pytorch_inference_vllm_*)",
+    ),
+    notes=(
+        "libtorch-neuronx-lite's last release is 2.34 (announce-eos-libtorch-neuronx-lite); PyTorch/XLA inference on "
+        "Trn2/Trn3 ends in 2.34 (announce-no-support-torch-xla-inference-trn)",
+        'torch-neuronx (TorchNeuron 2.13.3.0/2.14.3.0) is not in the engine venv: "vLLM Neuron does not use the '
+        'torch-neuronx package that you install" (how_vllm_is_integrated_with_torchneuron)',
+    ),
+)
+
+RELEASES: dict[str, NeuronRelease] = {release.name: release for release in (NEURON_2_32, NEURON_2_33)}
+# the newest release whose engine venv set is fully sourced: 2.33.0's libtorch-neuronx-lite and
+# nixl versions (and its EFA installer) are in no source read, so a 2.33 fleet needs the operator's
+# pins (docs/provisioning.md "Choosing the release")
 DEFAULT_RELEASE = "2.32.0"
 
 
@@ -136,12 +289,43 @@ def engine_requirements(name: str, pins: dict | None = None, extra: list | None 
     """`epd.kit.epd_engine_requirements`: the engine venv's requirement set, `name==version` for
     the release's set with the operator's `pins` (epd_provision_engine_pins) over it, then the
     `extra` requirements (epd_provision_engine_extra_requirements) as given."""
-    versions = neuron_release(name).profile()["engine_venv"] | dict(pins or {})
+    release = neuron_release(name)
+    pins = {str(dist): str(version) for dist, version in dict(pins or {}).items() if str(version or "").strip()}
+    missing = [dist for dist in release.unconfirmed() if dist not in pins]
+    if missing:
+        raise EpdPlanError(
+            f"Neuron {release.name}: no source the kit read settles the version of {', '.join(missing)}; set "
+            f"epd_provision_engine_pins (e.g. {{{missing[0]}: <version>}}) from that release's documentation "
+            "(docs/provisioning.md lists what is unconfirmed)"
+        )
+    versions = release.profile()["engine_venv"] | pins
     return [f"{dist}=={version}" for dist, version in versions.items()] + [str(r) for r in extra or []]
+
+
+def engine_environment(name: str) -> dict[str, str]:
+    """What the release adds to every engine's environment (plan/command.py engine_env)."""
+    return neuron_release(name).profile()["engine_environment"]
 
 
 def markdown_table(name: str) -> str:
     """docs/provisioning.md's table of one release."""
     lines = ["| component | version | source |", "|---|---|---|"]
     lines += [f"| {component} | {version} | {source} |" for component, version, source in neuron_release(name).table()]
+    return "\n".join(lines)
+
+
+def vllm_version(name: str) -> str:
+    """The vLLM version of the release (the sim answers like it, router.yaml names it)."""
+    return neuron_release(name).vllm
+
+
+def comparison_table() -> str:
+    """docs/provisioning.md's side-by-side view: every row of the releases' tables, one column per
+    release (the sources are in each release's own table)."""
+    columns = {
+        name: {component: version for component, version, _ in release.table()} for name, release in RELEASES.items()
+    }
+    components = list(dict.fromkeys(component for rows in columns.values() for component in rows))
+    lines = ["| component | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    lines += [f"| {c} | " + " | ".join(rows.get(c, "not set") for rows in columns.values()) + " |" for c in components]
     return "\n".join(lines)

@@ -10,7 +10,11 @@ from typing import Any
 from .command import BACKEND_EXECUTABLES, check_engine_environment, check_extra_args
 from .defaults import GLOBAL_DEFAULTS
 from .errors import EpdPlanError
+from .neuron_releases import DEFAULT_RELEASE, neuron_release
 from .values import as_int, as_str, as_str_list, is_power_of_two
+
+# the fleet's Neuron release (epd_common's, not a pool setting): the engines' environment follows it
+RELEASE_VARIABLE = "epd_neuron_release"
 
 QUANTIZATIONS = ("bf16", "mxfp8")
 MIN_PORT, MAX_PORT = 1024, 65535
@@ -66,6 +70,7 @@ class Settings:
     start_timeout_s: int | None
     extra_args: tuple[str, ...]
     engine_environment: tuple[tuple[str, str], ...] = ()
+    neuron_release: str = DEFAULT_RELEASE
 
     @property
     def model_is_local(self) -> bool:
@@ -101,6 +106,7 @@ class Settings:
         out["vision_attention_block_size"] = self.vision_attention_block_size
         out["vision_tokens_bucket"] = self.vision_tokens_bucket
         out["executable"] = self.executable
+        out[RELEASE_VARIABLE] = self.neuron_release
         return out
 
 
@@ -200,4 +206,5 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
         else as_int("epd_start_timeout_s", get("epd_start_timeout_s"), minimum=1),
         extra_args=check_extra_args(as_str_list("epd_extra_args", get("epd_extra_args"))),
         engine_environment=check_engine_environment(get("epd_engine_environment")),
+        neuron_release=neuron_release(variables.get(RELEASE_VARIABLE) or DEFAULT_RELEASE).name,
     )

@@ -8,8 +8,19 @@ import re
 import pytest
 import yaml
 
+from epd_kit import plan as planner
 from epd_kit.plan import EpdPlanError
-from epd_kit.plan.neuron_releases import DEFAULT_RELEASE, RELEASES, markdown_table, neuron_release, release_profile
+from epd_kit.plan.command import engine_env
+from epd_kit.plan.neuron_releases import (
+    DEFAULT_RELEASE,
+    RELEASES,
+    comparison_table,
+    engine_requirements,
+    markdown_table,
+    neuron_release,
+    release_profile,
+)
+from epd_kit.plan.settings import read_settings
 from epd_kit.plan.variables import declared
 from tests.ansible.helpers import REPO
 
@@ -28,14 +39,83 @@ def test_the_docs_show_each_release_table_as_the_module_has_it(name):
     )
 
 
+def test_the_docs_show_the_releases_side_by_side():
+    match = re.search(
+        r"<!-- neuron-release-comparison -->\n(.*?)\n<!-- /neuron-release-comparison -->", DOC.read_text(), re.S
+    )
+    assert match and match.group(1) == comparison_table(), "paste comparison_table() into docs/provisioning.md"
+
+
 @pytest.mark.parametrize("name", list(RELEASES))
-def test_every_pin_is_a_version_with_a_source(name):
+def test_every_pin_is_a_version_with_a_source_or_marked_unconfirmed_with_its_override(name):
     release = neuron_release(name)
     for component, version, source in release.table():
         assert source.strip(), f"{component} has no source"
         assert version.strip(), component
     for pin in [*release.system.values(), release.efa_installer, *release.engine_venv.values()]:
-        assert re.fullmatch(r"[0-9][0-9A-Za-z.+!~-]*", pin.version), pin
+        if pin.version is None:  # the table says so and names the operator's override
+            assert "set epd_provision_" in pin.source, pin
+        else:
+            assert re.fullmatch(r"[0-9][0-9A-Za-z.+!~-]*", pin.version), pin
+    assert all(pin.version is not None for pin in release.system.values())  # every apt pin is sourced
+
+
+def test_the_2_33_profile_is_vllm_neuron_0_29_on_the_native_route_with_the_precompile_cache_on():
+    profile = release_profile("2.33.0")
+    assert profile["engine_venv"]["vllm-neuron"] == "0.29.0.1.2.0" and profile["vllm"] == "0.29.0"
+    assert profile["engine_venv"]["neuronx-cc"] == "2.28.7631.0" and profile["engine_venv"]["nki"] == "0.7.0"
+    assert profile["system"]["aws-neuronx-dkms"] == "2.31.7.0"
+    assert (profile["python_min"], profile["python_max"]) == ("3.11", "3.14")
+    assert "Ubuntu 26.04" in profile["os"] and "Ubuntu 22.04" not in profile["os"]
+    assert profile["engine_environment"] == {"VLLM_NEURON_BACKEND": "neuron_native"}
+    assert profile["engine_venv_unconfirmed"] == ["libtorch-neuronx-lite", "nixl"]
+    assert profile["efa_installer"] == ""  # unconfirmed: the role asks for the operator's version
+    assert "torch-neuronx" not in profile["engine_venv"]  # vLLM Neuron compiles through libtorch-neuronx-lite
+
+
+def test_an_unconfirmed_engine_pin_is_refused_until_the_operator_sets_it():
+    with pytest.raises(
+        EpdPlanError, match=r"Neuron 2\.33\.0: .* libtorch-neuronx-lite, nixl; set epd_provision_engine_pins"
+    ):
+        engine_requirements("2.33.0")
+    with pytest.raises(EpdPlanError, match=r"of nixl;"):
+        engine_requirements("2.33.0", {"libtorch-neuronx-lite": "2.13.0.1.0.1"})
+    requirements = engine_requirements("2.33.0", {"libtorch-neuronx-lite": "2.13.0.1.0.1", "nixl": "1.5.1"})
+    assert "libtorch-neuronx-lite==2.13.0.1.0.1" in requirements and "vllm==0.29.0" in requirements
+
+
+def test_the_default_is_the_newest_release_whose_engine_venv_is_fully_sourced():
+    sourced = [name for name, release in RELEASES.items() if not release.unconfirmed()]
+    assert max(sourced, key=lambda name: tuple(int(p) for p in name.split("."))) == DEFAULT_RELEASE
+    assert engine_requirements(DEFAULT_RELEASE)  # installs without the operator's pins
+
+
+@pytest.mark.parametrize(
+    ("backend", "release"), [("vllm", "2.32.0"), ("vllm", "2.33.0"), ("sim", "2.32.0"), ("sim", "2.33.0")]
+)
+def test_the_engines_environment_follows_the_fleets_release(backend, release):
+    settings = read_settings({"epd_model": "/models/m", "epd_engine_backend": backend, "epd_neuron_release": release})
+    env = engine_env(settings, [0, 1])
+    assert env.get("VLLM_NEURON_BACKEND") == ("neuron_native" if release == "2.33.0" else None)
+    # the sim answers as the release's vLLM; a real engine is that vLLM
+    assert env.get("EPD_SIM_VLLM") == (neuron_release(release).vllm if backend == "sim" else None)
+
+
+def test_a_fleet_of_two_releases_is_refused_naming_the_hosts():
+    hostvars = {
+        "n1": {"epd_model": "/models/m", "epd_num_ve": 1, "epd_num_pd": 1},
+        "n2": {"epd_model": "/models/m", "epd_num_pd": 1, "epd_neuron_release": "2.33.0"},
+    }
+    groups = {"epd_engines": ["n1", "n2"], "epd_router": ["n1"]}
+    result = planner.check_inventory(hostvars, groups, None, list(declared()))
+    assert result["plan"] is None
+    assert any(
+        "epd_neuron_release differs between hosts (n1: '2.32.0', n2: '2.33.0')" in p for p in result["problems"]
+    ), result["problems"]
+    with pytest.raises(
+        EpdPlanError, match=r"epd_neuron_release differs between engine hosts \(n1: '2\.32\.0', n2: '2\.33\.0'\)"
+    ):
+        planner.plan_from_hostvars(hostvars, ["n1", "n2"])
 
 
 def test_the_2_32_engine_venv_is_vllm_neuron_0_24s_stack_and_nothing_of_2_31():
@@ -51,10 +131,9 @@ def test_an_unknown_release_is_refused_naming_the_supported_ones():
         neuron_release("2.31.0")
 
 
-def test_the_inventory_variable_offers_exactly_the_releases_and_defaults_to_the_newest():
+def test_the_inventory_variable_offers_exactly_the_releases_and_their_default():
     variable = declared()["epd_neuron_release"]
     assert variable.choices == tuple(RELEASES) and variable.default == DEFAULT_RELEASE
-    assert max(RELEASES, key=lambda name: tuple(int(p) for p in name.split("."))) == DEFAULT_RELEASE
     spec = yaml.safe_load((REPO / "roles/epd_common/meta/argument_specs.yml").read_text())
     option = spec["argument_specs"]["main"]["options"]["epd_neuron_release"]
     assert option["choices"] == list(RELEASES) and option["default"] == DEFAULT_RELEASE
