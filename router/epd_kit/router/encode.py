@@ -1,13 +1,6 @@
 """VE encode: every unique item of a request on its HRW VE, all VEs in parallel, a failed VE
-call retried on each item's next HRW choice; the re-encode of items whose locators went bad
-before a PD retry; and the VE body itself (`ve_body`).
-
-A VE body is megabytes of base64 pixels (docs/contract.md §2.2). The preprocessor caches each
-item's kwargs as ready-to-send bytes, keyed by its mm_hash and bounded by the image cache; a
-body is those bytes themselves between small JSON pieces (`VeBody.chunks`), so a repeated image
-costs no copy, no JSON scan and no re-encoding on the router, only the send. Skipping
-the send for an item the VE still holds is not done: see docs/preprocessing.md "Repeated
-images".
+call retried on each item's next HRW choice; and the re-encode of items whose locators went bad
+before a PD retry. The VE body itself is bodies.py's `ve_body`.
 """
 
 from __future__ import annotations
@@ -15,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from epd_kit.router import upstream
@@ -26,50 +18,12 @@ from epd_kit.router.placement import Item, group_by_ve, place_items
 from epd_kit.router.pools import Engine
 from epd_kit.router.rendering import PreparedItemLike
 from epd_kit.router.state import RouterState
-from epd_kit.wire import EcLocator, encode_request_chunks
+from epd_kit.wire import EcLocator
 
-if TYPE_CHECKING:  # engine_client builds its VE bodies with `ve_body` from here
+if TYPE_CHECKING:
     from epd_kit.router.engine_client import EngineClient
 
 log = logging.getLogger("epd_router.encode")
-
-
-class VeBody:
-    """One VE request body (docs/contract.md §2.2) as the byte chunks to send in order; the
-    items' kwargs are the cached bytes themselves. The engine client (engine_http.py) sends
-    it with a `Content-Length` of `size`, the chunks one by one (only the first, small one
-    joined with the request head), and can send it again for a resend. Joining them would
-    copy megabytes per request."""
-
-    __slots__ = ("chunks", "size")
-
-    content_type = "application/json"
-
-    def __init__(self, chunks: Sequence[bytes]) -> None:
-        self.chunks = tuple(chunks)
-        self.size = sum(len(c) for c in self.chunks)
-
-    def __bytes__(self) -> bytes:
-        return b"".join(self.chunks)
-
-
-def ve_request_id(request_id: str, engine_id: str) -> str:
-    """`<router request id>/enc/<VE id>` (docs/contract.md §2.2)."""
-    return f"{request_id}/enc/{engine_id}"
-
-
-def ve_body(request_id: str, engine_id: str, items: Sequence[PreparedItemLike]) -> VeBody:
-    """The body of one encode POST to VE `engine_id`: synthetic zero prompt, contiguous
-    placeholders, the full items, one token (docs/contract.md §2.2)."""
-    entries = [(i.mm_hash, i.length, _ve_kwargs(i)) for i in items]
-    return VeBody(encode_request_chunks(ve_request_id(request_id, engine_id), entries))
-
-
-def _ve_kwargs(item: PreparedItemLike) -> bytes:
-    """The item's cached base64 bytes (`PreparedItem.ve_kwargs`); an item that only has the
-    text form (a test double) is encoded here."""
-    cached = getattr(item, "ve_kwargs", None)
-    return cached if isinstance(cached, bytes) else item.ve_kwargs_b64.encode("ascii")
 
 
 class Encoder:

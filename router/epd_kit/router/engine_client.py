@@ -32,9 +32,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from epd_kit.router import deadlines, engine_http, upstream
+from epd_kit.router import bodies, deadlines, engine_http, upstream
+from epd_kit.router.bodies import VeBody, ve_body
 from epd_kit.router.config import Health
-from epd_kit.router.encode import VeBody, ve_body
 from epd_kit.router.errors import UpstreamError
 from epd_kit.router.health import EngineHealth, HealthProber, ProbeFailed
 from epd_kit.router.metrics import RouterMetrics
@@ -237,7 +237,7 @@ class EngineClient:
         try:
             deadline = deadlines.answer_s(self._state.cfg.timeouts, engine.inflight_work, max_tokens)
             what = f"{prompt_tokens} prompt tokens, max_tokens {max_tokens}, {engine.inflight_work} waiting on it"
-            answer = await self._post(engine, upstream.encode_body(body), deadline, what)
+            answer = await self._post(engine, bodies.encode_body(body), deadline, what)
         finally:
             engine.inflight_work -= prompt_tokens
         if answer.status != 200:
@@ -291,7 +291,7 @@ class EngineClient:
             async with asyncio.timeout(deadline):
                 # after the first payload, generation.GapWatch bounds the gaps between events
                 # (timeouts.stream_gap_s); this read timeout is only a backstop
-                resp = await self._open(engine, upstream.encode_body(body), timeouts.pd_s)
+                resp = await self._open(engine, bodies.encode_body(body), timeouts.pd_s)
                 if resp.status != 200:
                     raise upstream.classify_status(
                         upstream.EngineAnswer(resp.status, await resp.read(MAX_ERROR_BYTES), resp.headers), engine

@@ -136,7 +136,7 @@ class DeadlineExceeded(TimeoutError):
 
 class ChunkedBody(Protocol):
     """A body sent as several byte chunks, one after the other, without joining them
-    (encode.VeBody: the multi-megabyte items are the cached bytes themselves)."""
+    (bodies.VeBody: the multi-megabyte items are the cached bytes themselves)."""
 
     chunks: tuple[bytes, ...]
     size: int

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from epd_kit.router import engine_http, translate, upstream
+from epd_kit.router import bodies, engine_http, translate, upstream
 from epd_kit.router.admission import PdAdmission
 from epd_kit.router.context import RequestContext
 from epd_kit.router.encode import Encoder
@@ -169,7 +169,7 @@ class Generation:
     @staticmethod
     def _pd_body(ctx: RequestContext, stream: bool) -> dict:
         sampling = ctx.request.sampling_params()
-        return upstream.pd_request_body(ctx.engine_request_id, ctx.token_ids, ctx.items, sampling, ctx.locators, stream)
+        return bodies.pd_request_body(ctx.engine_request_id, ctx.token_ids, ctx.items, sampling, ctx.locators, stream)
 
     async def relay(self, ctx: RequestContext, pd: PdStream, outcome: RequestOutcome) -> AsyncIterator[bytes]:
         """The client's SSE bytes, ending in `[DONE]` only when the answer is complete. A

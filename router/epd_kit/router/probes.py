@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 
 from epd_kit.preprocess.errors import PreprocessError
-from epd_kit.router import upstream
+from epd_kit.router import bodies
 from epd_kit.router.rendering import PreparedItemLike, Renderer
 
 log = logging.getLogger("epd_router.probes")
@@ -50,4 +50,4 @@ class ServingProbes:
 
     def pd_body(self) -> dict:
         sampling = {"max_tokens": 1, "output_kind": 2}
-        return upstream.pd_request_body(self.request_id(), self.prompt, [], sampling, {}, stream=False)
+        return bodies.pd_request_body(self.request_id(), self.prompt, [], sampling, {}, stream=False)

@@ -1,6 +1,6 @@
-"""What the router sends the engines (`POST /inference/v1/generate` bodies, docs/contract.md §2 and
-§3) and how it reads their answers: responses, and failures classified into client statuses,
-engine-health signals and typed errors (no I/O here: engine_client.py does the calls).
+"""How the router reads the engines' answers: responses, and failures classified into client
+statuses, engine-health signals and typed errors (no I/O here: engine_client.py does the calls;
+the request bodies are bodies.py's).
 
 Rules (docs/contract.md §1.3): connect errors, timeouts (incl. a call's own deadline), broken
 connections and 5xx count against the engine, each as a `Failure` kind that health.py weighs;
@@ -20,14 +20,7 @@ from dataclasses import dataclass
 from epd_kit.router import engine_http
 from epd_kit.router.errors import EcLoadFailed, Failure, UpstreamError
 from epd_kit.router.pools import Engine
-from epd_kit.router.rendering import PreparedItemLike
-from epd_kit.wire import (
-    EcLocator,
-    Features,
-    GenerateResponse,
-    Placeholder,
-    SamplingParams,
-)
+from epd_kit.wire import EcLocator, GenerateResponse
 
 STAGE_NAMES = {"ve": "encode", "pd": "generate"}
 
@@ -228,85 +221,6 @@ def bad_body(engine: Engine, what: str) -> UpstreamError:
     message = f"{where(engine)} returned an invalid response: {what}"
     client = "the engine sent an invalid answer"
     return _failure(engine, 502, message, failure=Failure.error, retry_other=True, client=client)
-
-
-def pd_request_body(
-    request_id: str,
-    token_ids: list[int],
-    items: Sequence[PreparedItemLike],
-    sampling: dict,
-    locators: dict[str, EcLocator],
-    stream: bool,
-) -> dict:
-    """Contract §3.1: real prompt, per-item placeholders with duplicates kept, LM-only
-    kwargs, locators under sampling_params.extra_args.kv_transfer_params.ec_locator.
-
-    Built as builtins directly: the same dict, key for key and in the same order, as
-    `GenerateRequest(...).wire_dict()` (tests/unit/router/test_router_upstream.py compares
-    them), without a pydantic validate and dump per request. `sampling` is the router's own
-    (`ChatCompletionRequest.sampling_params`), already validated."""
-    if items:  # the image path keeps the model's alignment checks (its cost is elsewhere)
-        features = Features.of_images(
-            [i.mm_hash for i in items],
-            [Placeholder(offset=i.offset, length=i.length) for i in items],
-            [i.pd_kwargs_b64 for i in items],
-        ).model_dump()
-    else:
-        features = {"mm_hashes": {}, "mm_placeholders": {}, "kwargs_data": {}}
-    extra = dict(sampling.get("extra_args") or {})
-    extra["kv_transfer_params"] = {"ec_locator": {h: loc.model_dump() for h, loc in locators.items()}}
-    params = {}
-    for name in _SAMPLING_DECLARED:
-        if name == "extra_args":
-            params[name] = extra
-        elif (value := sampling.get(name)) is not None:
-            params[name] = value
-    params.update((k, v) for k, v in sampling.items() if k not in _SAMPLING_DECLARED and v is not None)
-    body: dict = {"request_id": request_id, "token_ids": token_ids, "features": features, "sampling_params": params}
-    if stream:  # we always ask for the usage chunk; the client sees it only if it asked (OpenAI rule)
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-    return body
-
-
-# wire.SamplingParams' declared fields in declaration order: a dump lists them first, then
-# the extra ones in the order given
-_SAMPLING_DECLARED = tuple(SamplingParams.model_fields)
-
-
-# json.dumps(doc, separators=(",", ":")), without building an encoder per call
-_compact_json = json.JSONEncoder(separators=(",", ":")).encode
-
-
-def encode_body(body: dict) -> bytes:
-    """JSON bytes of a generate body, with the multi-megabyte `kwargs_data` strings spliced
-    in verbatim instead of scanned by `json.dumps` (~5x cheaper on the event loop). Safe
-    because base64 needs no JSON escaping; any string that would is left to `json.dumps`."""
-    features = body.get("features") or {}
-    kwargs_data = features.get("kwargs_data") or {}
-    blobs: list[str] = []
-    marked: dict[str, list[str]] = {}
-    for modality, values in kwargs_data.items():
-        marked[modality] = []
-        for value in values:
-            if len(value) > 4096 and value.isascii() and '"' not in value and "\\" not in value:
-                marked[modality].append(f"@@epd-blob-{len(blobs)}@@")
-                blobs.append(value)
-            else:
-                marked[modality].append(value)
-    if not blobs:
-        return _compact_json(body).encode()
-    skeleton = {**body, "features": {**features, "kwargs_data": marked}}
-    text = _compact_json(skeleton).encode()
-    parts: list[bytes] = []
-    pos = 0
-    for i, blob in enumerate(blobs):
-        mark = f'"@@epd-blob-{i}@@"'.encode()
-        at = text.index(mark, pos)
-        parts += [text[pos:at], b'"', blob.encode("ascii"), b'"']
-        pos = at + len(mark)
-    parts.append(text[pos:])
-    return b"".join(parts)
 
 
 def parse_ve_response(answer: EngineAnswer, engine: Engine, hashes: Sequence[str]) -> dict[str, EcLocator]:

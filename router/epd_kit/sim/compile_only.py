@@ -17,8 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from .app import error_response
-from .config import EngineConfig
-from .server import VLLM_VERSION
+from .config import VLLM_VERSION, EngineConfig
 
 log = logging.getLogger("epd_sim.compile_only")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from epd_kit.plan import EFA_ENVIRONMENT
+from epd_kit.plan.neuron_releases import DEFAULT_RELEASE, neuron_release
 
 from .checkpoint import (
     VLLM_DEFAULT_ARCH,
@@ -25,6 +26,9 @@ from .checkpoint import (
 )
 
 Role = Literal["ve", "pd"]
+
+# the vLLM version epd-sim answers as (`/version`, its start line): the default Neuron release's
+VLLM_VERSION = str(neuron_release(DEFAULT_RELEASE).engine_venv["vllm"].version)
 
 _DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 # what the engine refuses to start without (set by the kit in one place: epd_kit.plan)

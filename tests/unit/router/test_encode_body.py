@@ -9,7 +9,7 @@ import socket
 from aiohttp import web
 
 from epd_kit.router import engine_http
-from epd_kit.router.encode import ve_body, ve_request_id
+from epd_kit.router.bodies import ve_body, ve_request_id
 from epd_kit.wire import encode_request
 
 

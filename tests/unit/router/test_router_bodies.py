@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import base64
 import json
-import os
 
-from epd_kit.router import upstream
-from epd_kit.router.encode import ve_body, ve_request_id
-from epd_kit.wire import EcLocator, GenerateRequest, encode_request
+from epd_kit.router import bodies
+from epd_kit.router.bodies import ve_body
+from epd_kit.wire import EcLocator, GenerateRequest
 
 
 def test_ve_body_is_contract_exact(make_item):
@@ -34,7 +32,7 @@ def test_pd_body_keeps_duplicates_and_carries_locators(make_item):
         for i, h in enumerate(["h1", "h2"])
     }
     sampling = {"max_tokens": 5, "output_kind": 1, "extra_args": {"mine": 1, "kv_transfer_params": {"x": 1}}}
-    body = upstream.pd_request_body("rid", list(range(20)), items, sampling, loc, stream=True)
+    body = bodies.pd_request_body("rid", list(range(20)), items, sampling, loc, stream=True)
     assert body["request_id"] == "rid" and body["token_ids"] == list(range(20))
     assert body["features"]["mm_hashes"] == {"image": ["h1", "h2", "h1"]}
     assert body["features"]["kwargs_data"] == {"image": ["P1", "P2", "P1"]}  # LM-only kwargs
@@ -43,23 +41,17 @@ def test_pd_body_keeps_duplicates_and_carries_locators(make_item):
     assert extra["mine"] == 1 and set(extra["kv_transfer_params"]) == {"ec_locator"}
     assert extra["kv_transfer_params"]["ec_locator"]["h2"]["remote_block_ids"] == [1]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
-    text_only = upstream.pd_request_body("r", [1, 2], [], {"output_kind": 2}, {}, stream=False)
+    text_only = bodies.pd_request_body("r", [1, 2], [], {"output_kind": 2}, {}, stream=False)
     assert text_only["features"] == {"mm_hashes": {}, "mm_placeholders": {}, "kwargs_data": {}}
     assert "stream" not in text_only
     assert text_only["sampling_params"]["extra_args"] == {"kv_transfer_params": {"ec_locator": {}}}
 
 
-def test_encode_body_splices_blobs_losslessly(make_item):
-    big = base64.b64encode(os.urandom(30_000)).decode()
-    odd = 'x"\\' * 2000 + "é"  # needs escaping: must go through json.dumps
-    items = [make_item("h1", 0, 4, big, "P"), make_item("h2", 4, 4, odd, "P"), make_item("h3", 8, 4, "small", "P")]
-    entries = [(i.mm_hash, i.length, i.ve_kwargs_b64) for i in items]
-    body = encode_request(ve_request_id("rid", "epd-ve-0"), entries).wire_dict()
-    data = upstream.encode_body(body)
+def test_a_pd_body_is_sent_as_compact_json(make_item):
+    body = bodies.pd_request_body("r", [1], [make_item("h1", 0, 4, "K", "P")], {"output_kind": 2}, {}, stream=False)
+    data = bodies.encode_body(body)
     assert json.loads(data) == body
-    assert big.encode() in data
-    text_only = upstream.pd_request_body("r", [1], [], {"output_kind": 2}, {}, stream=False)
-    assert json.loads(upstream.encode_body(text_only)) == text_only
+    assert data == json.dumps(body, separators=(",", ":")).encode()
 
 
 def _pd_body_through_the_models(request_id, token_ids, items, sampling, locators, stream):
@@ -100,6 +92,6 @@ def test_pd_body_equals_the_models_byte_for_byte(make_item):
         sampling = request.sampling_params()
         for its, locs in (([], {}), (items, loc)):
             for stream in (False, True):
-                got = upstream.pd_request_body("rid", [1, 2, 3], its, sampling, locs, stream)
+                got = bodies.pd_request_body("rid", [1, 2, 3], its, sampling, locs, stream)
                 want = _pd_body_through_the_models("rid", [1, 2, 3], its, sampling, locs, stream)
-                assert upstream.encode_body(got) == upstream.encode_body(want), (extra, stream)
+                assert bodies.encode_body(got) == bodies.encode_body(want), (extra, stream)
