@@ -28,6 +28,7 @@ charged to the engine.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -65,6 +66,8 @@ MAX_ERROR_BYTES = 64 * 1024
 T = TypeVar("T")
 
 
+log = logging.getLogger("epd_router.engines")
+
 @dataclass
 class PdStream:
     """An open PD stream whose first payload has already been read (so it is committed)."""
@@ -85,12 +88,19 @@ class EngineClient:
         self._prober: HealthProber | None = None
         self._probes: ServingProbes | None = None
 
+        self._keys = EngineKeys()
+
+    def set_keys(self, keys: tuple[bytes, ...]) -> None:
+        """The engine keys (engine_keys.py) from now on: at start and on a reload."""
+        self._keys = EngineKeys(keys)
+        if self._http is not None:
+            self._http.keys = self._keys
     async def start(self, probes: ServingProbes | None = None) -> None:
         """`probes`: the serving probes that readmit an engine ejected as hung (without them,
         `/health` alone readmits it)."""
         self._probes = probes
         # no cap on connections of our own (engines' slots are admission.py's business)
-        self._http = engine_http.EngineHTTP(keepalive_s=ENGINE_KEEPALIVE_S)
+        self._http = engine_http.EngineHTTP(keepalive_s=ENGINE_KEEPALIVE_S, keys=self._keys)
         self._prober = HealthProber(
             self.health_status,
             lambda: self._state.pools,
@@ -267,20 +277,43 @@ class EngineClient:
         connect_s = self._state.cfg.timeouts.connect_s
         http = self.http
         limits = {"connect_s": connect_s, "read_s": read_s, "deadline": deadline_at, "max_body": MAX_ANSWER_BYTES}
-        try:
-            return await http.post(engine.url, GENERATE_PATH, content, **limits)
-        except engine_http.ServerDisconnectedError:
-            return await http.post(engine.url, GENERATE_PATH, content, fresh=True, **limits)
+        for attempt in (0, 1):  # a second time only with the other engine key (`_other_key`)
+            index = http.keys.index(engine.url)
+            try:
+                resp, body = await http.post(engine.url, GENERATE_PATH, content, **limits)
+            except engine_http.ServerDisconnectedError:
+                resp, body = await http.post(engine.url, GENERATE_PATH, content, fresh=True, **limits)
+            if attempt or not self._other_key(engine, resp.status, index):
+                break
+        return resp, body
+
+    def _other_key(self, engine: Engine, status: int, index: int) -> bool:
+        """A 401: the engine refused the key sent (`index`). During a rotation it may hold the
+        other one (engine_keys.py): True when the request is to go again with it."""
+        if status != 401 or not self.http.keys.refused(engine.url, index):
+            return False
+        keys = self.http.keys
+        log.warning(
+            "engine refused the engine key; trying the other key of engine_auth.key_file",
+            extra={"engine": engine.id, "refused_key": index + 1, "now_key": keys.index(engine.url) + 1},
+        )
+        return True
 
     async def _open(self, engine: Engine, content: bytes, read_s: float) -> engine_http.Response:
         """As `_send`, for a stream: the answer with its head read (the same resend rule)."""
         connect_s = self._state.cfg.timeouts.connect_s
-        try:
-            return await self.http.open(engine.url, GENERATE_PATH, content, connect_s=connect_s, read_s=read_s)
-        except engine_http.ServerDisconnectedError:
-            return await self.http.open(
-                engine.url, GENERATE_PATH, content, connect_s=connect_s, read_s=read_s, fresh=True
-            )
+        for attempt in (0, 1):  # a second time only with the other engine key, as `_send`
+            index = self.http.keys.index(engine.url)
+            try:
+                resp = await self.http.open(engine.url, GENERATE_PATH, content, connect_s=connect_s, read_s=read_s)
+            except engine_http.ServerDisconnectedError:
+                resp = await self.http.open(
+                    engine.url, GENERATE_PATH, content, connect_s=connect_s, read_s=read_s, fresh=True
+                )
+            if attempt or not self._other_key(engine, resp.status, index):
+                break
+            resp.close()
+        return resp
 
     async def _open_stream(self, engine: Engine, body: dict) -> PdStream:
         timeouts = self._state.cfg.timeouts

@@ -63,6 +63,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from epd_kit.router.engine_keys import EngineKeys
+
 # --- errors: aiohttp's names and hierarchy ------------------------------------------------
 
 
@@ -575,6 +577,7 @@ class _Pool:
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"engine URL must be http://host:port, got {url!r}")
         self.client = client
+        self.url = url
         self.loop = client.loop
         self.host = parts.hostname
         self.port = parts.port or 80
@@ -586,16 +589,18 @@ class _Pool:
         self._sweep_timer: asyncio.TimerHandle | None = None
 
     def head(self, path: str, length: int | None) -> bytes:
-        """A POST's head (`length`: its body's), or a GET's (None)."""
+        """A POST's head (`length`: its body's), or a GET's (None); with the engine key where
+        the engine checks one (engine_keys.py)."""
+        auth = self.client.keys.header(self.url, path)
         if length is None:
-            return f"GET {self.base_path}{path} HTTP/1.1\r\nhost: {self.netloc}\r\n\r\n".encode("latin-1")
+            return f"GET {self.base_path}{path} HTTP/1.1\r\nhost: {self.netloc}\r\n".encode("latin-1") + auth + b"\r\n"
         prefix = self._heads.get(path)
         if prefix is None:
             prefix = self._heads[path] = (
                 f"POST {self.base_path}{path} HTTP/1.1\r\nhost: {self.netloc}\r\n"
                 "content-type: application/json\r\ncontent-length: "
             ).encode("latin-1")
-        return prefix + str(length).encode() + b"\r\n\r\n"
+        return prefix + str(length).encode() + b"\r\n" + auth + b"\r\n"
 
     async def acquire(self, connect_s: float, fresh: bool, deadline: float) -> _Connection:
         if not fresh:
@@ -673,9 +678,11 @@ class _Pool:
 class EngineHTTP:
     """The pooled client: one per router process, used from its event loop only."""
 
-    def __init__(self, keepalive_s: float) -> None:
+    def __init__(self, keepalive_s: float, keys: EngineKeys | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.keepalive_s = keepalive_s
+        # the engine key each request carries (engine_keys.py); replaced on a reload
+        self.keys = keys or EngineKeys()
         self.closed = False
         self._pools: dict[str, _Pool] = {}
 

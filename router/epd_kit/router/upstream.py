@@ -157,6 +157,18 @@ def classify_status(answer: EngineAnswer, engine: Engine) -> UpstreamError:
         message = f"{where(engine)} failed: HTTP {code}{detail}"
         client = f"the engine failed ({stage}, HTTP {code})"
         return _failure(engine, 502, message, said, failure=Failure.error, retry_other=True, client=client)
+    if code == 401:
+        # the engine's key check (vLLM's --api-key / VLLM_API_KEY) refused every key the router
+        # has: the engine is healthy, the router's engine_auth.key_file is not what it was
+        # started with. Not charged (an ejection would only loop: /health, unchecked, readmits
+        # it); another engine may hold the router's key (a rotation half done), so the request
+        # may move
+        message = (
+            f"{where(engine)} refused the router's engine key (HTTP 401): engine_auth.key_file does "
+            "not hold the key this engine was started with (VLLM_API_KEY); docs/security.md 'Engine keys'"
+        )
+        client = f"the router could not authenticate to the engine ({stage})"
+        return _failure(engine, 502, message, failure=None, retry_other=True, client=client)
     # 400/413/422: the engine refused this request's content (e.g. too many tokens for the
     # context, an image too big for the compiled encoder): the client's to fix, so a 400 with
     # what the engine said about it. Other 4xx (404, 401, ...) mean the router and engine
