@@ -1,5 +1,9 @@
 """The client-facing HTTP/1.1 listener: uvicorn's httptools protocol plus the limits uvicorn
-does not enforce. Measured with uvicorn 0.54: no header or body timeout (a half-sent head or a
+does not enforce. It subclasses uvicorn's HttpToolsProtocol and uses its internals (cycle,
+flow, parser, connections, shutdown), so pyproject.toml bounds uvicorn to the releases it was
+measured with, 0.54 and 0.55 (tests/unit/router/test_router_listener.py fails on any other).
+TLS (listen.tls) is uvicorn's `Config.ssl`, under this protocol: nothing here changes with it.
+In uvicorn 0.54 and 0.55 there is no header or body timeout (a half-sent head or a
 short body holds a connection forever), a fresh connection that never sends stays open, and
 `limit_concurrency` counts requests, not sockets. So, per connection (`listen` settings):
 

@@ -8,14 +8,42 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
+import tomllib
 from collections.abc import AsyncIterator
+from importlib import metadata
+from pathlib import Path
 
 import pytest
 import uvicorn
+from packaging.requirements import Requirement
 
 from epd_kit.router.config import Listen
 from epd_kit.router.listener import MAX_HEAD_BYTES, protocol_factory
 from tests.unit.router.raw_http import read_message
+
+PYPROJECT = Path(__file__).resolve().parents[3] / "pyproject.toml"
+
+
+def uvicorn_bound() -> Requirement:
+    """The kit's uvicorn requirement (pyproject.toml): the releases the listener was measured with."""
+    dependencies = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    (requirement,) = [Requirement(d) for d in dependencies if re.match(r"uvicorn\b", d)]
+    return requirement
+
+
+def test_the_installed_uvicorn_is_one_the_listener_was_measured_with():
+    """The listener subclasses uvicorn's HttpToolsProtocol and reads its private state (cycle,
+    flow, parser, connections): another uvicorn release may change any of it without notice.
+    The bound has an upper end, and this test fails on a uvicorn outside it, naming it."""
+    bound = uvicorn_bound()
+    assert any(spec.operator == "<" for spec in bound.specifier), f"{bound} has no upper bound"
+    installed = metadata.version("uvicorn")
+    assert bound.specifier.contains(installed, prereleases=True), (
+        f"uvicorn {installed} is installed, outside the kit's bound {bound} (pyproject.toml): "
+        "router/listener.py uses uvicorn's internals and was measured only inside it; run this module's "
+        "tests and tests/router_processes on the new release, then move the bound"
+    )
 
 
 async def echo_length(scope, receive, send) -> None:
