@@ -10,6 +10,11 @@ Options:
 Files are written with mode 0644 and directories 0755; only files whose content differs are
 rewritten. Returns changed and written (the dests rewritten). Deploy writes the hosts' files with
 the template module instead (per-file change reporting, ownership, validation).
+
+The template lookup deep-copies the variables it is given, for every file: the fleet plan among
+them, so one host's render cost grew with the fleet (quadratic over the fleet: 61 s at 64 hosts,
+docs/benchmarks.md "Controller at fleet scale"). It gets a mapping whose deep copy is shallow,
+as the template action module's copy is (task_vars.copy()), and renders through the same code.
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ class ActionModule(ActionBase):
         template = self._shared_loader_obj.lookup_loader.get(
             "ansible.builtin.template", loader=self._loader, templar=self._templar
         )
+        variables = _ShallowCopied(task_vars)
         for directory in args.get("directories", []):
             _directory(root, directory)
         written = []
         for spec in args.get("files", []):
             if "template" in spec:
-                content = template.run([spec["template"]], variables=task_vars, template_vars=spec.get("vars", {}))[0]
+                content = template.run([spec["template"]], variables=variables, template_vars=spec.get("vars", {}))[0]
             elif "json" in spec:
                 content = to_nice_json(spec["json"], indent=2)
             else:
@@ -46,6 +52,14 @@ class ActionModule(ActionBase):
                 written.append(spec["dest"])
         result.update(changed=bool(written), written=written)
         return result
+
+
+class _ShallowCopied(dict):
+    """Task variables whose deepcopy (the template lookup's, per file) is a shallow copy; the lookup
+    only adds its template_* variables to the copy, which never reach the task's own."""
+
+    def __deepcopy__(self, memo) -> dict:
+        return dict(self)
 
 
 def _directory(root: Path, dest: str) -> Path:
