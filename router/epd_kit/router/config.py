@@ -8,6 +8,7 @@ error names the offending key path so `epd-router check-config` output is action
 
 from __future__ import annotations
 
+import ipaddress
 from enum import Enum
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -122,6 +123,31 @@ class Auth(Section):
         return self.api_keys_file is not None
 
 
+class EngineAuth(Section):
+    # the engines' API key (their VLLM_API_KEY), root:epd 0640: the key sent on the first line;
+    # during a rotation the previous key on the second, tried once on a 401 (engine_keys.py,
+    # docs/security.md "Engine keys"). None: no key is sent.
+    key_file: Path | None = None
+
+
+class Admin(Section):
+    # who may read /metrics and /pools: TCP peers in these networks (CIDRs) or a request with
+    # `Authorization: Bearer <the token in token_file>` (root:epd 0640); anyone else gets 404
+    # (admin.py, docs/security.md "Operator endpoints")
+    networks: list[str] = Field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
+    token_file: Path | None = None
+
+    @field_validator("networks")
+    @classmethod
+    def _cidrs(cls, networks: list[str]) -> list[str]:
+        for network in networks:
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                raise ValueError(f"{network!r} is not an address or network (CIDR, e.g. 10.0.0.0/24)") from None
+        return networks
+
+
 class EngineState(str, Enum):  # noqa: UP042 (StrEnum would change str(member))
     active = "active"
     draining = "draining"
@@ -188,6 +214,8 @@ class RouterConfig(Section):
     placement: Placement = Field(default_factory=Placement)
     retries: Retries = Field(default_factory=Retries)
     auth: Auth = Field(default_factory=Auth)
+    engine_auth: EngineAuth = Field(default_factory=EngineAuth)
+    admin: Admin = Field(default_factory=Admin)
     endpoints: Endpoints
 
     @field_validator("dtype")

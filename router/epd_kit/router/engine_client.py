@@ -36,6 +36,7 @@ from typing import TypeVar
 from epd_kit.router import bodies, deadlines, engine_http, upstream
 from epd_kit.router.bodies import VeBody, ve_body
 from epd_kit.router.config import Health
+from epd_kit.router.engine_keys import EngineKeys
 from epd_kit.router.errors import UpstreamError
 from epd_kit.router.health import EngineHealth, HealthProber, ProbeFailed
 from epd_kit.router.metrics import RouterMetrics
@@ -65,8 +66,8 @@ MAX_ERROR_BYTES = 64 * 1024
 
 T = TypeVar("T")
 
-
 log = logging.getLogger("epd_router.engines")
+
 
 @dataclass
 class PdStream:
@@ -87,7 +88,6 @@ class EngineClient:
         self._http: engine_http.EngineHTTP | None = None
         self._prober: HealthProber | None = None
         self._probes: ServingProbes | None = None
-
         self._keys = EngineKeys()
 
     def set_keys(self, keys: tuple[bytes, ...]) -> None:
@@ -95,6 +95,7 @@ class EngineClient:
         self._keys = EngineKeys(keys)
         if self._http is not None:
             self._http.keys = self._keys
+
     async def start(self, probes: ServingProbes | None = None) -> None:
         """`probes`: the serving probes that readmit an engine ejected as hung (without them,
         `/health` alone readmits it)."""

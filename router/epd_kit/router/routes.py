@@ -54,6 +54,21 @@ def _check_key(request: Request, protected: bool = True) -> None:
         _service(request).auth.check(request.headers.get("authorization"))
 
 
+def _check_operator(request: Request, protected: bool) -> None:
+    """/metrics and /pools: the admin token, or a peer in admin.networks (then the API key
+    too when auth protects the endpoint, as before); anyone else is told there is no such
+    route, the 404 of a path that does not exist (admin.py)."""
+    if len(request.headers.getlist("authorization")) > 1:
+        raise RouterError(400, "more than one Authorization header: send exactly one 'Authorization: Bearer <key>'")
+    admin = _service(request).admin
+    if admin.by_token(request.headers.get("authorization")):
+        return
+    peer = request.client
+    if not admin.by_address(peer.host if peer else None):
+        raise RouterError(404, f"no route {request.url.path}")
+    _check_key(request, protected)
+
+
 # --- OpenAI surface ---------------------------------------------------------------------------
 
 
@@ -224,7 +239,7 @@ async def healthcheck(request: Request) -> JSONResponse:
 @routes.get("/pools")
 async def pools_view(request: Request) -> JSONResponse:
     service = _service(request)
-    _check_key(request, service.state.cfg.auth.protect_pools)
+    _check_operator(request, service.state.cfg.auth.protect_pools)
     group = service.metrics.group_engines()
     engines = [e.snapshot() for e in service.state.pools.all()]
     if group is not None:
@@ -247,7 +262,7 @@ async def pools_view(request: Request) -> JSONResponse:
 @routes.get("/metrics")
 async def metrics(request: Request) -> Response:
     service = _service(request)
-    _check_key(request, service.state.cfg.auth.protect_metrics)
+    _check_operator(request, service.state.cfg.auth.protect_metrics)
     return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
 

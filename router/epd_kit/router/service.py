@@ -17,11 +17,13 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from epd_kit.router.admin import AdminGate, load_admin_tokens
 from epd_kit.router.admission import PdAdmission
 from epd_kit.router.auth import ApiKeyChecker, load_api_keys
 from epd_kit.router.config import RouterConfig, load_config
 from epd_kit.router.encode import Encoder
 from epd_kit.router.engine_client import EngineClient
+from epd_kit.router.engine_keys import load_engine_keys
 from epd_kit.router.generation import Generation
 from epd_kit.router.intake import IntakeGate
 from epd_kit.router.metrics import RouterMetrics
@@ -52,6 +54,8 @@ class RouterService:
         self.intake = IntakeGate()
         self.decode_pool = ThreadPoolExecutor(cfg.limits.text_workers, thread_name_prefix="epd-decode")
         self.engines = EngineClient(self.state, self.metrics)
+        self.engines.set_keys(load_engine_keys(cfg.engine_auth.key_file))
+        self.admin = AdminGate(cfg.admin.networks, load_admin_tokens(cfg.admin.token_file))
         self.admission = PdAdmission(self.state, self.metrics)
         self.encoder = Encoder(self.state, self.engines, self.metrics)
         self.generation = Generation(self.state, renderer, self.engines, self.encoder, self.admission, self.metrics)
@@ -81,6 +85,9 @@ class RouterService:
         try:
             new = load_config(self.config_path)
             keys = load_api_keys(new.auth.api_keys_file) if new.auth.api_keys_file else ()
+            # re-read on every reload: a rotation rewrites the files, not router.yaml
+            engine_keys = load_engine_keys(new.engine_auth.key_file)
+            admin = AdminGate(new.admin.networks, load_admin_tokens(new.admin.token_file))
             if self.auth.enabled and not keys and new.auth.enabled is not False:
                 raise ValueError(
                     "the new file has no auth.api_keys_file: it would turn API-key authentication "
@@ -101,6 +108,8 @@ class RouterService:
         self.state.cfg = new.model_copy(update={k: getattr(old, k) for k in RESTART_ONLY})
         self.state.pools = pools
         self.auth = ApiKeyChecker(keys)
+        self.engines.set_keys(engine_keys)
+        self.admin = admin
         self.metrics.reloads.labels("ok").inc()
         log.info(
             "config reloaded",
