@@ -30,12 +30,14 @@ from ..wire import (
     sse_frame,
     stream_request_id,
 )
-from .config import VLLM_VERSION, EngineConfig
+from .config import EngineConfig
 from .errors import EngineDeadError, RequestRejected
 from .faults import FaultInjector, Faults
 from .metrics import SimMetrics
 from .pd import PrefillDecodeEngine, Sequence, build_sequence
 from .profile import LatencyProfile
+from .release import AnswerShape, answer_shape
+from .server import VLLM_VERSION
 from .ve import VisionEncoderEngine
 
 log = logging.getLogger("epd_sim.api")
@@ -63,6 +65,7 @@ class SimEngine:
         self.injector = FaultInjector(faults, seed)
         self._on_dead = on_dead
         self.created = int(time.time())
+        self.answers = answer_shape()  # the vLLM it answers as (EPD_SIM_VLLM)
         self.ve: VisionEncoderEngine | None = None
         self.pd: PrefillDecodeEngine | None = None
         if cfg.role == "ve":
@@ -173,7 +176,8 @@ def create_app(engine: SimEngine) -> FastAPI:
         try:
             if engine.ve is not None:
                 resp = await engine.ve.generate(req)
-                return Response(resp.model_dump_json(), media_type="application/json")
+                body = engine.answers.answer(resp, request_id, cfg.served_model_name, len(req.token_ids))
+                return Response(body, media_type="application/json")
             assert engine.pd is not None
             seq = build_sequence(req, cfg, request_id)
             engine.pd.submit(seq)
@@ -185,10 +189,10 @@ def create_app(engine: SimEngine) -> FastAPI:
             include_usage = req.stream_options is not None and (req.stream_options.include_usage is not False)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             return StreamingResponse(
-                _stream(engine.pd, seq, include_usage, continuous),
+                _stream(engine.pd, seq, include_usage, continuous, engine.answers),
                 media_type="text/event-stream",
             )
-        return await _complete(engine.pd, seq, request)
+        return await _complete(engine.pd, seq, request, engine.answers, cfg.served_model_name)
 
     return app
 
@@ -198,7 +202,9 @@ def _engine_error(seq: Sequence) -> tuple[str, int]:
     return f"{type(exc).__name__}: {exc}", 500
 
 
-async def _complete(pd: PrefillDecodeEngine, seq: Sequence, request: Request) -> Response:
+async def _complete(
+    pd: PrefillDecodeEngine, seq: Sequence, request: Request, answers: AnswerShape, model: str
+) -> Response:
     waiter = asyncio.ensure_future(seq.wait_done())
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
@@ -219,21 +225,23 @@ async def _complete(pd: PrefillDecodeEngine, seq: Sequence, request: Request) ->
         request_id=server_request_id(),
         choices=[GenerateChoice(index=0, finish_reason=seq.finish_reason, token_ids=tokens)],
     )
-    return Response(body.model_dump_json(), media_type="application/json")
+    answer = answers.answer(body, seq.request_id, model, len(seq.prompt_ids))
+    return Response(answer, media_type="application/json")
 
 
-def token_frame(request_id_json: str, tokens: list[int], finish: str | None) -> bytes:
-    """`sse_frame(StreamChunk(...))` for a plain token chunk (docs/contract.md §3.3), without pydantic."""
+def token_frame(request_id_json: str, tokens: list[int], finish: str | None, choice_tail: str = "") -> bytes:
+    """`sse_frame(StreamChunk(...))` for a plain token chunk (docs/contract.md §3.3), without pydantic;
+    choice_tail: the members a vLLM adds after `routed_experts` (AnswerShape.stream_choice_tail)."""
     fin = "null" if finish is None else json.dumps(finish)
     ids = ",".join(map(str, tokens))
     return (
         f'data: {{"request_id":{request_id_json},"choices":[{{"index":0,"logprobs":null,'
-        f'"finish_reason":{fin},"token_ids":[{ids}],"routed_experts":null}}],"usage":null}}\n\n'
+        f'"finish_reason":{fin},"token_ids":[{ids}],"routed_experts":null{choice_tail}}}],"usage":null}}\n\n'
     ).encode()
 
 
 async def _stream(
-    pd: PrefillDecodeEngine, seq: Sequence, include_usage: bool, continuous: bool
+    pd: PrefillDecodeEngine, seq: Sequence, include_usage: bool, continuous: bool, answers: AnswerShape
 ) -> AsyncIterator[bytes]:
     prompt = len(seq.prompt_ids)
     frame_id = stream_request_id(seq.request_id)
@@ -258,12 +266,16 @@ async def _stream(
                     yield sse_frame(
                         StreamChunk(
                             request_id=frame_id,
-                            choices=[StreamChoice(index=0, finish_reason=finish, token_ids=tokens)],
+                            choices=[
+                                StreamChoice(
+                                    index=0, finish_reason=finish, token_ids=tokens, **answers.stream_choice_extra()
+                                )
+                            ],
                             usage=usage,
                         )
                     )
                 else:  # the hot path of a busy PD: same bytes as the model dump, built directly
-                    yield token_frame(rid_json, tokens, finish)
+                    yield token_frame(rid_json, tokens, finish, answers.stream_choice_tail)
             if seq.done:
                 if include_usage and seq.finish_reason in ("stop", "length"):
                     usage = Usage(

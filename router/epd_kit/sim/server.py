@@ -13,9 +13,12 @@ from typing import Any
 
 from .auth import AuthenticationMiddleware, engine_tokens
 from .compile_cache import CacheSettings, CompileFailure, cache_key, key_inputs, load_or_compile
-from .config import VLLM_VERSION, EngineConfig, ServeArgs, StartupFailure, build_engine_config
+from .config import EngineConfig, ServeArgs, StartupFailure, build_engine_config
 from .faults import Faults
 from .profile import LatencyProfile
+from .release import answer_shape
+
+VLLM_VERSION = "0.24.0"
 
 log = logging.getLogger("epd_sim.server")
 
@@ -64,8 +67,10 @@ def run(args: ServeArgs, sim: SimOptions, env: Mapping[str, str]) -> int:
         return _fail(exc.exc_type, exc.message)
     try:
         cache = CacheSettings.from_env(env)
+        answers = answer_shape(env)  # the vLLM it answers as, from the fleet's release
     except ValueError as exc:
         return _fail("ValueError", str(exc))
+    log.info("answering as vLLM %s (EPD_SIM_VLLM)", answers.vllm)
     for warning in cfg.warnings:
         log.warning("%s", warning)
     graph = _GraphKey.of(args, cfg, cache, env)

@@ -1,0 +1,91 @@
+"""The vLLM a simulated engine answers as: 0.24 (Neuron 2.32) or 0.29 (Neuron 2.33).
+
+The unit sets EPD_SIM_VLLM from the fleet's Neuron release (plan/command.py engine_env), so the
+argv stays the real `vllm serve` argv; unset, the sim answers as the default release's vLLM.
+What differs, from each version's own code (docs/compat.md "vLLM 0.24 vs 0.29 on the kit's
+wire"): 0.29's non-streaming answer carries `generate-tokens-<caller's id>` (0.24: an id of its
+own), `model`, `created`, `usage` and `ec_transfer_params`, and each choice, streamed or not,
+`sampling_mask`. Requests are the same for both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from epd_kit.plan.command import SIM_VLLM_VARIABLE
+from epd_kit.plan.neuron_releases import DEFAULT_RELEASE, RELEASES, vllm_version
+
+from ..wire import GenerateResponse, stream_request_id
+
+
+def series(version: str) -> str:
+    """ "0.29.0" -> "0.29": the part of a vLLM version the wire follows."""
+    return ".".join(str(version).split(".")[:2])
+
+
+SERIES = tuple(dict.fromkeys(series(release.vllm) for release in RELEASES.values()))
+
+
+@dataclass(frozen=True)
+class AnswerShape:
+    """How the simulated vLLM shapes its generate answers."""
+
+    vllm: str  # a series of SERIES
+
+    @property
+    def v029(self) -> bool:
+        return tuple(int(p) for p in self.vllm.split(".")) >= (0, 29)
+
+    def answer(self, response: GenerateResponse, caller_id: str, model: str, prompt_tokens: int) -> bytes:
+        """The JSON body of a non-streaming answer built as 0.24's (`response`), in this vLLM's shape."""
+        if not self.v029:
+            return response.model_dump_json().encode()
+        body = json.loads(response.model_dump_json())
+        choices = [{**choice, "sampling_mask": None} for choice in body.pop("choices")]
+        completion = sum(len(choice.get("token_ids") or []) for choice in choices)
+        # 0.29 token_in_token_out/serving.py serve_tokens_full_generator: GenerateResponse(request_id=
+        # request_id ("generate-tokens-<id>"), created, model, choices, usage, prompt_logprobs,
+        # kv_transfer_params, ec_transfer_params)
+        shaped: dict[str, Any] = {
+            "request_id": stream_request_id(caller_id),
+            "model": model,
+            "created": int(time.time()),
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "total_tokens": prompt_tokens + completion,
+                "completion_tokens": completion,
+                "prompt_tokens_details": None,
+                "completion_tokens_details": None,
+            },
+            "prompt_logprobs": body.pop("prompt_logprobs", None),
+            "kv_transfer_params": body.pop("kv_transfer_params", None),
+            "ec_transfer_params": None,
+        }
+        body.pop("request_id", None)
+        return json.dumps({**shaped, **body}, separators=(",", ":")).encode()
+
+    @property
+    def stream_choice_tail(self) -> str:
+        """JSON members after `routed_experts` in a streamed choice (0.29 adds `sampling_mask`)."""
+        return ',"sampling_mask":null' if self.v029 else ""
+
+    def stream_choice_extra(self) -> dict[str, Any]:
+        return {"sampling_mask": None} if self.v029 else {}
+
+
+def answer_shape(environment: Mapping[str, str] | None = None) -> AnswerShape:
+    """The shape EPD_SIM_VLLM names ("0.24", "0.29", or a full version of them)."""
+    value = (os.environ if environment is None else environment).get(SIM_VLLM_VARIABLE, "").strip()
+    wanted = series(value) if value else series(vllm_version(DEFAULT_RELEASE))
+    if wanted not in SERIES:
+        raise ValueError(
+            f"{SIM_VLLM_VARIABLE}={value!r}: the simulated engine answers as vLLM {' or '.join(SERIES)} "
+            "(the Neuron releases the kit supports)"
+        )
+    return AnswerShape(wanted)
