@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -154,9 +155,18 @@ class LoadGenerator:
     bounded by count and time, and records every failure with its reason."""
 
     def __init__(
-        self, router_url: str, model: str, *, rate_per_s: float = 12, max_requests: int = 3000, max_seconds: float = 300
+        self,
+        router_url: str,
+        model: str,
+        *,
+        rate_per_s: float = 12,
+        max_requests: int = 3000,
+        max_seconds: float = 300,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
+        """`verify`: an https front door's trust (tests/hosts/certs.trust of the sandbox CA)."""
         self.router_url = router_url
+        self.verify = verify
         self.model = model
         self.interval = 1.0 / rate_per_s
         self.max_requests = max_requests
@@ -204,7 +214,8 @@ class LoadGenerator:
 
     def _run(self) -> None:
         start = time.monotonic()
-        with httpx.Client(base_url=self.router_url, timeout=60, limits=httpx.Limits(max_connections=64)) as client:
+        limits = httpx.Limits(max_connections=64)
+        with httpx.Client(base_url=self.router_url, timeout=60, limits=limits, verify=self.verify) as client:
             n = 0
             while not self._stop.is_set() and n < self.max_requests and time.monotonic() - start < self.max_seconds:
                 worker = threading.Thread(target=self._one, args=(client, n), daemon=True)

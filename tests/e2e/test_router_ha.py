@@ -1,8 +1,10 @@
 """Several router hosts behind HAProxy, several router processes per host (docs/router.md
 "Scale-out" and "Several router hosts"). Layout: n1 and n2 each run 1 VE + 1 PD and a router
 with 2 processes (epd-router@0/@1 on epd-router.socket); n3 runs HAProxy (group
-epd_loadbalancer, Debian's package from .deb files: the test hosts have no mirror). Bounded load
-through HAProxy, every request counted. Tests run in file order on one deployment."""
+epd_loadbalancer, Debian's package from .deb files: the test hosts have no mirror). HAProxy
+terminates TLS with a certificate of a sandbox CA made at test time (tests/hosts/certs.py); the
+clients verify it with that CA. Bounded load through HAProxy, every request counted. Tests run in
+file order on one deployment."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pytest
 
 from tests.e2e.conftest import deploy_stack
 from tests.e2e.stack import LoadGenerator, Stack, wait_for
+from tests.hosts.certs import SandboxCa, served_serial, trust
 from tests.hosts.harness import REPO, HostPool, ansible_playbook, hosts_env, machine_address, write_inventory
 
 # a first deploy of three hosts plus a kit upgrade: more than the default 300 s on a loaded VM
@@ -26,7 +29,7 @@ pytestmark = [pytest.mark.systemd, pytest.mark.timeout(1200)]
 
 BASE = REPO / "inventory/sandbox/three-host"
 ROUTER_HOSTS = ("n1", "n2")
-LB_URL = f"http://{machine_address(3)}:8080"
+LB_URL = f"https://{machine_address(3)}:8080"
 STATS_URL = f"http://{machine_address(3)}:8404/stats;csv"
 # HAProxy's checks (the role's defaults): a dead router is out after inter × fall
 CHECK_INTER_S, CHECK_FALL = 1.0, 2
@@ -35,8 +38,19 @@ RATE_PER_S = 8
 STEP_LIMIT_S = 480  # a deploy under load beside two other lanes took over 300 s in one cold run
 
 
+# the clients' trust in the sandbox CA, set by the `ca` fixture (module scope, like the deployment)
+TLS: dict[str, object] = {}
+
+
 @pytest.fixture(scope="module")
-def inventory(tmp_path_factory) -> Path:
+def ca(tmp_path_factory) -> SandboxCa:
+    authority = SandboxCa(tmp_path_factory.mktemp("router-ha-ca"))
+    TLS["verify"] = trust(authority)
+    return authority
+
+
+@pytest.fixture(scope="module")
+def inventory(tmp_path_factory, ca) -> Path:
     # the .deb files of haproxy and what the test hosts lack, fetched outside the kithub namespace
     # (no Debian mirror in there) by `tests/hosts/hosts.sh prepare` (scripts/test.sh runs it)
     haproxy_debs = Path(hosts_env()["KIT_DIR"]) / "haproxy-debs"
@@ -64,7 +78,14 @@ def inventory(tmp_path_factory) -> Path:
             }
         }
     }
-    group_vars = {"epd_router_workers": 2, "epd_haproxy_deb_dir": str(haproxy_debs)}
+    # the front door's pair as an operator gives it (paths on the controller); a renewal rewrites them
+    front_door = ca.issue("front-door", [machine_address(3)])
+    group_vars = {
+        "epd_router_workers": 2,
+        "epd_haproxy_deb_dir": str(haproxy_debs),
+        "epd_tls_certificate": str(front_door.certificate),
+        "epd_tls_key": str(front_door.key),
+    }
     return write_inventory(tmp_path_factory.mktemp("router-ha") / "inventory", BASE, hosts_yml, group_vars)
 
 
@@ -115,7 +136,12 @@ def chat(model: str, n: int) -> dict:
 
 def load(stack: Stack, seconds: float) -> LoadGenerator:
     return LoadGenerator(
-        LB_URL, stack.model_id(), rate_per_s=RATE_PER_S, max_requests=int(RATE_PER_S * seconds), max_seconds=seconds
+        LB_URL,
+        stack.model_id(),
+        rate_per_s=RATE_PER_S,
+        max_requests=int(RATE_PER_S * seconds),
+        max_seconds=seconds,
+        verify=TLS["verify"],  # type: ignore[arg-type]
     )
 
 
@@ -130,11 +156,61 @@ def test_two_router_hosts_with_two_processes_each_serve_through_haproxy(stack):
     wait_for(lambda: set(server_states().values()) == {"UP"}, timeout=30, what="both routers UP in HAProxy")
     before = {name: requests_total(router_url(name)) for name in ROUTER_HOSTS}
     model = stack.model_id()
-    with httpx.Client(base_url=LB_URL, timeout=30) as client:
+    with httpx.Client(base_url=LB_URL, timeout=30, verify=TLS["verify"]) as client:  # type: ignore[arg-type]
         for n in range(20):
             assert client.post("/v1/chat/completions", json=chat(model, n)).status_code == 200
     served = {name: requests_total(router_url(name)) - before[name] for name in ROUTER_HOSTS}
     assert sum(served.values()) == 20 and all(served.values()), served
+
+
+def test_the_front_door_speaks_tls_only(stack):
+    """Plain HTTP on HAProxy's client port gets no HTTP answer; a client without the CA refuses
+    the certificate; the openai SDK with the CA is answered, streaming and not, with an image."""
+    plain = LB_URL.replace("https://", "http://")
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(plain + "/ready", timeout=5)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(LB_URL + "/ready", timeout=5)  # the system's trust store does not know the sandbox CA
+    from openai import OpenAI
+
+    from tests.e2e.stack import image_message
+
+    client = OpenAI(
+        base_url=LB_URL + "/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=httpx.Client(verify=TLS["verify"], timeout=60),  # type: ignore[arg-type]
+    )
+    model = client.models.list().data[0].id
+    messages = image_message("what is in the picture?", (200, 40, 40))
+    answer = client.chat.completions.create(model=model, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+    assert answer.choices[0].message.content, answer
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=4, stream=True))  # type: ignore[arg-type]
+    assert chunks and chunks[-1].choices[0].finish_reason, chunks[-1:]
+    print(f"openai SDK over TLS through HAProxy: 1 answer, 1 stream of {len(chunks)} chunks, usage {answer.usage}")
+
+
+def test_a_certificate_renewal_reloads_haproxy_without_a_failed_request(stack, ca, inventory, record_timing):
+    """The operator writes a renewed pair over the inventory's files and runs the load-balancer
+    play under load: HAProxy reloads (new handshakes get the new certificate), no request fails,
+    and the play's output carries no key."""
+    address = machine_address(3)
+    before = served_serial(address, 8080, ca.path)
+    with load(stack, STEP_LIMIT_S) as during:
+        time.sleep(2)
+        renewed = ca.issue("front-door", [address])  # the same paths the inventory names
+        start = time.monotonic()
+        result = ansible_playbook(inventory, "playbooks/loadbalancer.yml", timeout=STEP_LIMIT_S)
+        record_timing("router HA: certificate renewal (loadbalancer play, HAProxy reload)", time.monotonic() - start)
+        time.sleep(2)
+        outcome = during.stop()
+    assert result.returncode == 0, result.describe()
+    assert before != renewed.serial and served_serial(address, 8080, ca.path) == renewed.serial
+    assert outcome.sent >= RATE_PER_S * 5
+    assert outcome.ok == outcome.sent, (f"{len(outcome.failures)} of {outcome.sent} failed", outcome.failures[:10])
+    key_line = renewed.key.read_text().splitlines()[1]
+    assert key_line not in result.stdout and "PRIVATE KEY" not in result.stdout
+    print(f"renewal under load through HAProxy: {outcome.ok} of {outcome.sent} answered")
 
 
 def test_the_metrics_of_one_host_count_both_processes(stack):

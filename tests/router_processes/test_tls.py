@@ -4,10 +4,13 @@ open connections, a bad new pair kept out, a bad pair at start refused with its 
 
 from __future__ import annotations
 
+import os
+import re
 import socket
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -151,3 +154,67 @@ def test_a_bad_pair_at_start_is_refused_naming_the_files(ckpt, tmp_path, ca):
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"listen.tls.certificate {good.certificate}" in done.stderr and str(other.key) in done.stderr, done.stderr
     assert "PRIVATE KEY" not in done.stderr + done.stdout
+
+
+def test_the_openai_sdk_over_tls_streaming_and_not_with_images(stack, ca):
+    import openai
+
+    from epd_kit.testing.images import image_part, png_data_url, user_message
+
+    client = openai.OpenAI(
+        base_url=stack.router.url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=httpx.Client(verify=trust(ca), timeout=30),
+    )
+    messages = [user_message("Describe this image.", image_part(png_data_url(320, 200, seed=1)))]
+    answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert answer.choices[0].message.content and streamed == answer.choices[0].message.content
+    print(f"openai SDK over TLS: {answer.usage}; stream of {len(chunks)} chunks, same text")
+
+
+VLLM_BENCH_PROMPTS = 30
+
+
+def test_vllms_own_benchmark_client_over_tls(stack, ca, ckpt):
+    """`vllm bench serve --backend openai-chat --dataset-name random-mm` from the vLLM-compat venv
+    (vllm 0.24.0, scripts/compat-env.sh) through the router's TLS listener, trusting the sandbox
+    CA through SSL_CERT_FILE: vllm 0.24.0's benchmarks/serve.py gives aiohttp `ssl=True` for an
+    https base URL (no CA option besides --insecure), and aiohttp's verified context is
+    ssl.create_default_context(), whose default verify paths OpenSSL takes from SSL_CERT_FILE."""
+    venv = subprocess.run(
+        ["scripts/compat-env.sh", "--vllm", "0.24.0", "--path"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    vllm = f"{venv}/bin/vllm"
+    if not Path(vllm).exists():
+        pytest.skip(f"no vLLM-compat venv at {venv}: scripts/compat-env.sh --vllm 0.24.0 builds it")
+    argv = [
+        vllm, "bench", "serve",
+        "--backend", "openai-chat",
+        "--base-url", stack.router.url,
+        "--endpoint", "/v1/chat/completions",
+        "--model", "tiny",
+        "--tokenizer", str(ckpt),
+        "--dataset-name", "random-mm",
+        "--num-prompts", str(VLLM_BENCH_PROMPTS),
+        "--random-input-len", "16",
+        "--random-output-len", "4",
+        "--random-range-ratio", "0",
+        "--random-mm-base-items-per-request", "1",
+        "--random-mm-num-mm-items-range-ratio", "0",
+        "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
+        "--random-mm-bucket-config", "{(64, 64, 1): 1.0}",
+        "--request-rate", "20",
+        "--max-concurrency", "8",
+        "--seed", "7",
+        "--disable-tqdm",
+    ]  # fmt: skip
+    env = {**os.environ, "SSL_CERT_FILE": str(ca.path), "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=env, check=False, cwd=stack.workdir)
+    summary = done.stdout[done.stdout.find("=====") :] if "=====" in done.stdout else done.stdout[-3000:]
+    print(f"vllm bench serve over TLS (exit {done.returncode}):\n{summary}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(rf"Successful requests:\s+{VLLM_BENCH_PROMPTS}\b", done.stdout), summary
+    assert re.search(r"Failed requests:\s+0\b", done.stdout), summary

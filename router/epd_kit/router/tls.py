@@ -18,7 +18,7 @@ log = logging.getLogger("epd_router.tls")
 
 # Mozilla's "intermediate" server profile (ssl-config.mozilla.org, v5.7): TLS 1.2 with forward-
 # secret AEAD suites only, TLS 1.3 (whose suites OpenSSL chooses itself); the same list the
-# HAProxy role binds with (roles/epd_haproxy/defaults/main.yml).
+# HAProxy role binds with (roles/epd_haproxy/templates/haproxy.cfg.j2).
 TLS12_CIPHERS = (
     "ECDHE-ECDSA-AES128-GCM-SHA256:ECDHE-RSA-AES128-GCM-SHA256:ECDHE-ECDSA-AES256-GCM-SHA384:"
     "ECDHE-RSA-AES256-GCM-SHA384:ECDHE-ECDSA-CHACHA20-POLY1305:ECDHE-RSA-CHACHA20-POLY1305:"
