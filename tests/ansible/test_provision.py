@@ -151,7 +151,18 @@ def provision_locally(tmp_path: Path, **variables) -> subprocess.CompletedProces
             "epd_provision_engine_pins sets torch-neuronx, which Neuron 2.32.0's engine venv does not list",
         ),
         # mistake: a release the kit has no table for
-        ({"epd_neuron_release": "2.31.0"}, "value of epd_neuron_release must be one of: 2.32.0, got: 2.31.0"),
+        ({"epd_neuron_release": "2.31.0"}, "value of epd_neuron_release must be one of: 2.32.0, 2.33.0, got: 2.31.0"),
+        # mistake: Neuron 2.33.0 without the pins its sources leave unconfirmed (the kit does not guess them)
+        (
+            {"epd_neuron_release": "2.33.0"},
+            "Neuron 2.33.0: no source the kit read settles libtorch-neuronx-lite, nixl, the EFA installer version. "
+            "Set them from that release's documentation: epd_provision_engine_pins (libtorch-neuronx-lite: <version>, "
+            "nixl: <version>) epd_provision_efa_installer_version",
+        ),
+        (
+            {"epd_neuron_release": "2.33.0", "epd_provision_engine_pins": {"nixl": "1.5.1"}, "epd_provision_efa": False},
+            "Neuron 2.33.0: no source the kit read settles libtorch-neuronx-lite. Set them",
+        ),
         # mistake: --minimal installs no libfabric (efa_installer.sh usage text)
         ({"epd_provision_efa_installer_options": ["--yes", "--minimal"]}, "Remove --minimal"),
     ],
