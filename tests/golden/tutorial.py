@@ -17,7 +17,7 @@ TUTORIAL_EXPORTS = {
 }
 # What the kit sets beyond the tutorial, on purpose: the cold-start timeouts the vLLM Neuron docs
 # raise for long compiles, derived from the tutorial's compile budget of 6000 s
-# (epd_kit.plan.command.cold_start_timeouts; docs/operations.md "Timeouts")
+# (epd_kit.plan.managed.cold_start_timeouts; docs/operations.md "Timeouts")
 KIT_EXPORTS = {
     "NEURON_LIBTORCH_COMPILATION_TIMEOUT": "6000",
     "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "6000",

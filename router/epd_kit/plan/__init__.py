@@ -8,6 +8,8 @@ the collection can load its bundled copy (plugins/plugin_utils/kit.py). Layout:
     reference     docs/architecture.md's table of every variable, generated from the declaration
     values        checks for single inventory values
     neuron_releases the Neuron releases the kit installs: one table per release, a source per line
+    managed       what the kit sets on every engine itself (flags, environment) and the checks of an
+                  operator's additions (epd_extra_args, epd_engine_environment)
     settings      fleet-wide pool settings (Settings, read_settings)
     hosts         one engine host (HostSpec, read_host)
     placement     where each engine's core slice goes on a host
@@ -27,11 +29,6 @@ docs/planner.md explains the rules; docs/architecture.md fixes the plan's schema
 
 from .checks import check_inventory
 from .command import (
-    BACKEND_EXECUTABLES,
-    EFA_ENVIRONMENT,
-    MANAGED_ENV,
-    MANAGED_FLAGS,
-    PREFIX_CACHING_OFF,
     ROLE_FLAGS,
     ROLES,
     SERVE_LINE,
@@ -47,13 +44,14 @@ from .errors import EpdPlanError
 from .fleet import plan_fleet, plan_table, router_endpoints, unreachable_engines, validate_plan
 from .hosts import HostSpec, read_host
 from .inventory import fleet_settings, plan_from_hostvars
+from .managed import EFA_ENVIRONMENT, MANAGED_ENV, MANAGED_FLAGS, PREFIX_CACHING_OFF
 from .net import probe_url
 from .neuron_releases import RELEASES, engine_requirements, neuron_release, release_profile
 from .operations import deployed_engines, engine_selection, rolling_queue, status_rows, status_table
 from .placement import largest_fits, place, placement_order
 from .rollout import rollout_batches, rollout_plan
 from .router_config import router_config
-from .settings import Settings, read_settings
+from .settings import BACKEND_EXECUTABLES, Settings, read_settings
 from .timeouts import START_MARGIN_S, start_timeout_s
 from .unit import engine_unit, exec_start, read_env_file
 from .values import format_cores, plain

@@ -7,15 +7,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .command import BACKEND_EXECUTABLES, check_engine_environment, check_extra_args
 from .defaults import GLOBAL_DEFAULTS
 from .errors import EpdPlanError
+from .managed import check_engine_environment, check_extra_args
 from .neuron_releases import DEFAULT_RELEASE, neuron_release
 from .values import as_int, as_str, as_str_list, is_power_of_two
 
 # the fleet's Neuron release (epd_common's, not a pool setting): the engines' environment follows it
 RELEASE_VARIABLE = "epd_neuron_release"
 
+# the executable of each epd_engine_backend (its argv is `<executable> serve ...` either way)
+BACKEND_EXECUTABLES = {"vllm": "vllm", "sim": "epd-sim"}
 QUANTIZATIONS = ("bf16", "mxfp8")
 MIN_PORT, MAX_PORT = 1024, 65535
 # a piece of an engine id (the prefix, a host's label): ids key NIXL handshakes and unit names

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epd_kit import plan
-from epd_kit.plan import command
+from epd_kit.plan import managed
 from epd_kit.sim import launch
 from tests.ansible.systemd_expand import expand_command, parse_unit
 
@@ -125,11 +125,11 @@ def test_every_cold_start_timeout_follows_the_compile_budget_and_the_operator_ca
     for role_settings in ({"epd_engine_backend": "sim"}, {}):
         settings_ = plan.read_settings({"epd_model": MODEL, "epd_compilation_timeout_s": 900, **role_settings})
         env = plan.engine_env(settings_, [0])
-        assert {name: env[name] for name in command.COLD_START_TIMEOUTS} == {
+        assert {name: env[name] for name in managed.COLD_START_TIMEOUTS} == {
             "VLLM_NEURON_COMPILATION_TIMEOUT": "900",
             "NEURON_LIBTORCH_COMPILATION_TIMEOUT": "900",  # an engine waiting for another's compile of its graph
             "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "900",
-            "VLLM_ENGINE_READY_TIMEOUT_S": str(900 + command.ENGINE_READY_MARGIN_S),
+            "VLLM_ENGINE_READY_TIMEOUT_S": str(900 + managed.ENGINE_READY_MARGIN_S),
         }
     # vLLM gives up before the unit's readiness gate does (EPD_READY_TIMEOUT_S of the default start budget)
     settings_ = plan.read_settings({"epd_model": MODEL, "epd_compilation_timeout_s": 900})
@@ -137,8 +137,8 @@ def test_every_cold_start_timeout_follows_the_compile_budget_and_the_operator_ca
     (pd,) = host["engines"]
     unit = plan.engine_unit(pd, "/venv/bin/vllm", host["start_timeout_s"])
     assert int(pd["env"]["VLLM_ENGINE_READY_TIMEOUT_S"]) < int(unit["env_file"]["EPD_READY_TIMEOUT_S"])
-    assert set(command.COLD_START_TIMEOUTS) < set(plan.MANAGED_ENV)
-    for name in command.COLD_START_TIMEOUTS:
+    assert set(managed.COLD_START_TIMEOUTS) < set(plan.MANAGED_ENV)
+    for name in managed.COLD_START_TIMEOUTS:
         with pytest.raises(plan.EpdPlanError, match=f"sets {name}: the kit derives it from epd_compilation_timeout_s"):
             plan.read_settings({"epd_model": MODEL, "epd_engine_environment": {name: "60"}})
 
