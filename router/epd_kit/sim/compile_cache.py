@@ -40,10 +40,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .release import sim_sdk
+
 log = logging.getLogger("epd_sim.compile_cache")
 
-# the sim's stand-in versions; EPD_SIM_NEURON_SDK overrides them all at once (a simulated SDK upgrade)
-SIM_NEURON_SDK = "2.27-sim"
+# the sim's stand-in versions: its release's compiler series (release.sim_sdk, "2.27-sim" for Neuron
+# 2.32); EPD_SIM_NEURON_SDK overrides them all at once (a simulated SDK upgrade)
+SIM_NEURON_SDK = sim_sdk({})
 DEFAULT_TARGET = "trn2"  # what a trn2 host detects (CC "Cache Key": platform target)
 DEFAULT_LOCK_TIMEOUT_S = 600.0  # NEURON_LIBTORCH_COMPILATION_TIMEOUT default (CC)
 ARTIFACT = "model.neff"
@@ -112,7 +115,7 @@ def key_inputs(
     env: Mapping[str, str],
 ) -> dict[str, Any]:
     """What goes into the key (CC "Cache Key"), as the sim knows it: no core slice, no port, no id."""
-    sdk = env.get("EPD_SIM_NEURON_SDK") or SIM_NEURON_SDK
+    sdk = env.get("EPD_SIM_NEURON_SDK") or sim_sdk(env)
     return {
         "graph": {"architecture": architecture, "role": role},
         "inputs": dict(sorted(shapes.items())),

@@ -5,7 +5,9 @@ argv stays the real `vllm serve` argv; unset, the sim answers as the default rel
 What differs, from each version's own code (docs/compat.md "vLLM 0.24 vs 0.29 on the kit's
 wire"): 0.29's non-streaming answer carries `generate-tokens-<caller's id>` (0.24: an id of its
 own), `model`, `created`, `usage` and `ec_transfer_params`, and each choice, streamed or not,
-`sampling_mask`. Requests are the same for both.
+`sampling_mask`. Requests are the same for both. The release's compiler series also names the
+sim's stand-in compiler versions (`sim_sdk`), so a release change is a cache miss, as it is on
+Neuron (compilation_cache.md "Cache Key": the neuronx-cc, torch-neuronx and NKI versions).
 """
 
 from __future__ import annotations
@@ -89,3 +91,10 @@ def answer_shape(environment: Mapping[str, str] | None = None) -> AnswerShape:
             "(the Neuron releases the kit supports)"
         )
     return AnswerShape(wanted)
+
+
+def sim_sdk(environment: Mapping[str, str]) -> str:
+    """The sim's stand-in compiler version of the release it answers as: "<neuronx-cc series>-sim"."""
+    wanted = answer_shape(environment).vllm
+    release = next(r for r in RELEASES.values() if series(r.vllm) == wanted)
+    return f"{series(str(release.engine_venv['neuronx-cc'].version))}-sim"
