@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The vLLM-compat environment: a venv with vLLM 0.24.0 and its pinned torch (CPU only, no
-# triton), built from tests/compat/requirements.txt and cached; see docs/compat.md.
+# The vLLM-compat environments: one venv per vLLM version the tier runs (each Neuron release's
+# vLLM: 0.24.0 for 2.32, 0.29.0 for 2.33), with its pinned torch (no triton, no GPU used),
+# built from tests/compat/requirements-vllm-<version>.txt and cached; see docs/compat.md.
 #
-#   scripts/compat-env.sh                  build it if missing, print its path
-#   scripts/compat-env.sh pytest [ARGS]    ... then run pytest in it (default: tests/compat)
-#   scripts/compat-env.sh --path           print where it is (or would be), build nothing
-#   scripts/compat-env.sh --ready          exit 0 if it is built (CI: run the tier when warm)
+#   scripts/compat-env.sh                  build the missing ones, print their paths
+#   scripts/compat-env.sh pytest [ARGS]    ... then run pytest in each (default: tests/compat)
+#   scripts/compat-env.sh --path           print where they are (or would be), build nothing
+#   scripts/compat-env.sh --ready          exit 0 if all are built (CI: run the tier when warm)
+#   scripts/compat-env.sh --versions       the vLLM versions, one a line
+#   scripts/compat-env.sh --vllm 0.29.0 ... any of the above for that version only
 #
 # Cache: $EPD_COMPAT_CACHE (default /var/tmp/epd-kit/vllm-compat)/<key>, key = hash of the
 # requirements file and the interpreter. A stamp is written only after a build passed its
@@ -13,77 +16,115 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-REQUIREMENTS=$REPO/tests/compat/requirements.txt
 PYTHON=${EPD_COMPAT_PYTHON:-python3}
 CACHE=${EPD_COMPAT_CACHE:-/var/tmp/epd-kit/vllm-compat}
 
+requirements() { echo "$REPO/tests/compat/requirements-vllm-$1.txt"; }
+
+all_versions() {
+    local file
+    for file in "$REPO"/tests/compat/requirements-vllm-*.txt; do
+        file=${file##*/requirements-vllm-}
+        echo "${file%.txt}"
+    done | sort -V
+}
+
 key() {
-    { cat "$REQUIREMENTS"; "$PYTHON" -c 'import platform, sys; print(sys.version, platform.machine())'; } \
+    { cat "$(requirements "$1")"; "$PYTHON" -c 'import platform, sys; print(sys.version, platform.machine())'; } \
         | sha256sum | cut -c1-12
 }
 
-ENV_DIR=$CACHE/$(key)
-STAMP=$ENV_DIR/.epd-compat-ok
+env_dir() { echo "$CACHE/$(key "$1")"; }
 
 # vLLM runs here on the CPU platform with nothing in the engine core; the smoke test imports
-# what the tier imports, so a broken env never gets a stamp.
+# what the tier imports (tests/compat/vllm_api.py: 0.29 moved the generate route's modules),
+# so a broken env never gets a stamp.
 SMOKE='
-import torch, torchvision, vllm
+import sys, torch, torchvision, vllm
 from vllm.entrypoints.openai.api_server import build_app
-from vllm.entrypoints.serve.disagg.mm_serde import decode_mm_kwargs_item
-assert vllm.__version__ == "0.24.0", vllm.__version__
+try:
+    from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
+except ModuleNotFoundError:
+    from vllm.entrypoints.serve.disagg.mm_serde import decode_mm_kwargs_item
+assert vllm.__version__ == sys.argv[1], vllm.__version__
 print(f"vllm {vllm.__version__}, torch {torch.__version__}, torchvision {torchvision.__version__}")
 '
 
 now() { date +%s.%N; }
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.2f", b - a }'; }
 
-build() {
+build() {  # build VERSION DIR
     local started
     started=$(now)
-    echo "compat-env: building $ENV_DIR (one-off, several GB from PyPI)" >&2
-    rm -rf "$ENV_DIR"  # a build that died half way left no stamp: start over
-    "$PYTHON" -m venv "$ENV_DIR"
-    "$ENV_DIR/bin/python" -m pip install --quiet --no-deps --no-input -r "$REQUIREMENTS"
-    (cd / && HF_HUB_OFFLINE=1 "$ENV_DIR/bin/python" -W ignore -c "$SMOKE") >&2
-    touch "$STAMP"
-    echo "compat-env: built in $(since "$started") s, $(du -sh "$ENV_DIR" | cut -f1) on disk" >&2
+    echo "compat-env: building $2 for vllm $1 (one-off, several GB from PyPI)" >&2
+    rm -rf "$2"  # a build that died half way left no stamp: start over
+    "$PYTHON" -m venv "$2"
+    mkdir "$2/.no-find-links"
+    # PIP_FIND_LINKS: a find-links directory of the machine's pip configuration may hold a CPU
+    # build of the pinned torch (`torch==2.13.0` takes 2.13.0+cpu), beside which PyPI's
+    # torchvision does not load; the requirements file's torch is PyPI's, so look nowhere else
+    PIP_FIND_LINKS="$2/.no-find-links" \
+        "$2/bin/python" -m pip install --quiet --no-deps --no-input -r "$(requirements "$1")"
+    (cd / && HF_HUB_OFFLINE=1 "$2/bin/python" -W ignore -c "$SMOKE" "$1") >&2
+    touch "$2/.epd-compat-ok"
+    echo "compat-env: built in $(since "$started") s, $(du -sh "$2" | cut -f1) on disk" >&2
 }
 
-ensure() {
-    local started
+ensure() {  # ensure VERSION
+    local started dir
     started=$(now)
+    dir=$(env_dir "$1")
     mkdir -p "$CACHE"
-    exec 9>"$ENV_DIR.lock"
+    exec 9>"$dir.lock"
     flock 9
-    if [[ -f $STAMP ]]; then
-        echo "compat-env: cached $ENV_DIR (checked in $(since "$started") s)" >&2
+    if [[ -f $dir/.epd-compat-ok ]]; then
+        echo "compat-env: cached $dir for vllm $1 (checked in $(since "$started") s)" >&2
     else
-        build
+        build "$1" "$dir"
     fi
     flock -u 9
     exec 9>&-
 }
 
+VERSIONS=()
+if [[ ${1:-} == --vllm ]]; then
+    [[ -f $(requirements "${2:-}") ]] || {
+        echo "compat-env: no tests/compat/requirements-vllm-${2:-}.txt; versions: $(all_versions | xargs)" >&2
+        exit 2
+    }
+    VERSIONS=("$2")
+    shift 2
+else
+    mapfile -t VERSIONS < <(all_versions)
+fi
+
 case ${1:-} in
     --path)
-        echo "$ENV_DIR"
+        for version in "${VERSIONS[@]}"; do env_dir "$version"; done
         ;;
     --ready)
-        [[ -f $STAMP ]]
+        for version in "${VERSIONS[@]}"; do [[ -f $(env_dir "$version")/.epd-compat-ok ]]; done
+        ;;
+    --versions)
+        printf '%s\n' "${VERSIONS[@]}"
         ;;
     pytest)
         shift
-        ensure
+        for version in "${VERSIONS[@]}"; do ensure "$version"; done
         cd "$REPO"
-        exec "$ENV_DIR/bin/python" -m pytest "${@:-tests/compat}"
+        rc=0
+        for version in "${VERSIONS[@]}"; do  # one pytest per vLLM: a process imports one
+            echo "compat-env: the vLLM-compat tier against vllm $version" >&2
+            "$(env_dir "$version")/bin/python" -m pytest "${@:-tests/compat}" || { [[ $rc -ne 0 ]] || rc=$?; }
+        done
+        exit $rc
         ;;
     "")
-        ensure
-        echo "$ENV_DIR"
+        for version in "${VERSIONS[@]}"; do ensure "$version"; done
+        for version in "${VERSIONS[@]}"; do env_dir "$version"; done
         ;;
     *)
-        echo "usage: $0 [--path | --ready | pytest [ARGS...]]" >&2
+        echo "usage: $0 [--vllm VERSION] [--path | --ready | --versions | pytest [ARGS...]]" >&2
         exit 2
         ;;
 esac

@@ -1,18 +1,24 @@
-"""The vLLM-compat tier: the kit's wire bodies against vLLM 0.24.0's own code (docs/compat.md).
+"""The vLLM-compat tier: the kit's wire bodies against each Neuron release's vLLM's own code
+(0.24.0 and 0.29.0, docs/compat.md), one pytest run per vLLM.
 
-It runs only in the environment scripts/compat-env.sh builds. Anywhere else no test module
-of it is imported: a run of the whole suite walks past the folder, and a run that names it
-fails with the command to use.
+It runs only in the environments scripts/compat-env.sh builds, one per
+requirements-vllm-<version>.txt beside this file. Anywhere else no test module of it is
+imported: a run of the whole suite walks past the folder, and a run that names it fails with
+the command to use.
 """
 
 from __future__ import annotations
 
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
-VLLM_VERSION = "0.24.0"
+VLLM_VERSIONS = sorted(
+    path.name.removeprefix("requirements-vllm-").removesuffix(".txt")
+    for path in Path(__file__).parent.glob("requirements-vllm-*.txt")
+)
 HOW_TO_RUN = "run it in its environment: scripts/compat-env.sh pytest tests/compat (docs/compat.md)"
 
 
@@ -21,13 +27,16 @@ def _environment_problem() -> str | None:
         version = metadata.version("vllm")
     except metadata.PackageNotFoundError:
         return f"vllm is not installed in {sys.prefix}"
-    if version != VLLM_VERSION:
-        return f"vllm {version} is installed in {sys.prefix}, this tier pins {VLLM_VERSION}"
+    if version not in VLLM_VERSIONS:
+        return f"vllm {version} is installed in {sys.prefix}, this tier runs {', '.join(VLLM_VERSIONS)}"
     return None
 
 
 if (_problem := _environment_problem()) is None:
     from tests.compat.fixtures import checkpoint, sims, stack  # noqa: F401 - the tier's fixtures
+
+    def pytest_report_header() -> str:  # which of the runs this is
+        return f"vLLM-compat tier: vllm {metadata.version('vllm')} ({sys.prefix})"
 else:
     collect_ignore_glob = ["*"]
 

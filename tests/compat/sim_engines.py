@@ -1,5 +1,6 @@
 """The kit's simulated VE and PD (`epd-sim serve`, this checkout's code) as subprocesses on
-127.0.0.1, started with the tutorial's argv and environment, as the compat stack's engines are."""
+127.0.0.1, started with the tutorial's argv and environment, as the compat stack's engines are,
+and told to answer like the vLLM of this run (`EPD_SIM_VLLM`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import httpx
 from epd_kit.sim.launch import STANDIN_BIN
 from epd_kit.testing.process import LOOPBACK, ManagedProcess, free_port
 from tests.compat.stack import READY_TIMEOUT_S, tutorial_argv
+from tests.compat.vllm_api import VLLM_SERIES
 from tests.golden.tutorial import TUTORIAL_EXPORTS, tutorial_command
 
 
@@ -36,6 +38,7 @@ class SimEngine:
             **TUTORIAL_EXPORTS,
             **golden_env,
             "EPD_SIM_PROFILE": "zero",
+            "EPD_SIM_VLLM": VLLM_SERIES,  # answer like the vLLM it is compared with (docs/sim.md)
             "PYTHONPATH": os.pathsep.join(sys.path),
             # a cache miss needs a neuronx-cc on PATH: the sim's stand-in, as in the kit's sim units
             "PATH": os.pathsep.join([str(STANDIN_BIN), os.environ.get("PATH", os.defpath)]),

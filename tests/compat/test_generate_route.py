@@ -1,6 +1,7 @@
-"""The router's real VE and PD bodies through vLLM 0.24's real `/inference/v1/generate`:
-its request model, `mm_serde` decoding, input processor and `Request` construction (only
-the engine core is a stand-in), and vLLM's answers back through the router to the client."""
+"""The router's real VE and PD bodies through the real `/inference/v1/generate` of the vLLM this
+run has (0.24 or 0.29): its request model, `mm_serde` decoding, input processor and `Request`
+construction (only the engine core is a stand-in), and vLLM's answers back through the router
+to the client."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""`kwargs_data` items both ways between the kit's codec (epd_kit.mm_serde) and vLLM 0.24's
-`mm_serde`: the router's items through vLLM's decoder and encoder, vLLM's own items (from its
-processor, `/v1/chat/completions/render`) through the kit's decoder and the simulated VE."""
+"""`kwargs_data` items both ways between the kit's codec (epd_kit.mm_serde) and the
+`mm_serde` of the vLLM this run has (0.24 or 0.29): the router's items through vLLM's decoder
+and encoder, vLLM's own items (from its processor, `/v1/chat/completions/render`) through the
+kit's decoder and the simulated VE."""
 
 from __future__ import annotations
 
@@ -10,16 +11,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from vllm.entrypoints.serve.disagg.mm_serde import (
-    decode_mm_kwargs_item,
-    encode_mm_kwargs_item,
-)
 from vllm.multimodal.inputs import MultiModalKwargsItem
 
 from epd_kit import mm_serde, wire
 from tests.compat.cases import CHATS, image_features
 from tests.compat.sim_engines import SimPair
 from tests.compat.stack import CompatStack
+from tests.compat.vllm_api import decode_mm_kwargs_item, encode_mm_kwargs_item
 
 CHAT = "several-images"
 

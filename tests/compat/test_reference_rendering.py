@@ -1,4 +1,4 @@
-"""The router's rendering against vLLM 0.24's own (`/v1/chat/completions/render`, what the
+"""The router's rendering against vLLM's own (`/v1/chat/completions/render`, what the
 reference disaggregated router sends), for the same chat request and the tutorial's engine
 argv (`--dtype bfloat16`). The one known difference, the fast processor's resize, is pinned
 as a bound."""
@@ -16,7 +16,6 @@ import pytest
 import torch
 from PIL import Image
 from transformers import AutoImageProcessor
-from vllm.entrypoints.serve.disagg.mm_serde import decode_mm_kwargs_item
 
 from epd_kit import mm_serde
 from epd_kit.preprocess import CheckpointFiles, Limits
@@ -30,6 +29,7 @@ from epd_kit.testing.images import (
 )
 from tests.compat.cases import CHATS, IMAGE_CHATS, PROMPT, field_layout, image_features
 from tests.compat.stack import CompatStack, Exchange
+from tests.compat.vllm_api import decode_mm_kwargs_item
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_image_grids_equal_vllms(chat: str, rendered) -> None:
 
 
 def test_vllm_renders_pixels_with_the_fast_processor_in_the_model_dtype(rendered, checkpoint) -> None:
-    """Pins the reference: vLLM 0.24 asks transformers for the fast (torchvision) processor
+    """Pins the reference: vLLM (0.24 and 0.29) asks transformers for the fast (torchvision) processor
     and casts its output to the engine's dtype (bfloat16 under the tutorial's argv)."""
     vllm_body, _ = rendered["one-image"]
     fast = _processed(checkpoint, "torchvision", _one_image(CHATS["one-image"]))

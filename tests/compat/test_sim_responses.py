@@ -1,4 +1,4 @@
-"""The simulated engine's generate answers against vLLM 0.24's: the router's real VE and PD
+"""The simulated engine's generate answers against vLLM's (0.24 or 0.29): the router's real VE and PD
 bodies go to both (the PD body's locators are the sim VE's, so the sim PD can load them);
 the sim's answers are validated with vLLM's response models and compared field by field."""
 
@@ -11,14 +11,11 @@ from typing import Any
 
 import httpx
 import pytest
-from vllm.entrypoints.serve.disagg.protocol import (
-    GenerateResponse,
-    GenerateStreamResponse,
-)
 
 from tests.compat.cases import CHATS
 from tests.compat.sim_engines import SimPair
 from tests.compat.stack import CompatStack
+from tests.compat.vllm_api import VLLM_SERIES, GenerateResponse, GenerateStreamResponse
 
 CHAT = "duplicate-images"
 SERVER_CHOSEN_ID = re.compile(r"[0-9a-f]{16}")
@@ -76,7 +73,33 @@ def _keys(answer: dict[str, Any]) -> Shape:
     return tuple(sorted(answer)), tuple(tuple(sorted(choice)) for choice in answer.get("choices", []))
 
 
-CHOICE_FIELDS = ("finish_reason", "index", "logprobs", "routed_experts", "token_ids")
+# The generate route's answers as each vLLM builds them: 0.24 entrypoints/serve/disagg/serving.py,
+# 0.29 entrypoints/scale_out/token_in_token_out/serving.py (docs/compat.md)
+ANSWER_FIELDS = {
+    "0.24": ("choices", "kv_transfer_params", "prompt_logprobs", "request_id"),
+    "0.29": (
+        "choices",
+        "created",
+        "ec_transfer_params",
+        "kv_transfer_params",
+        "model",
+        "prompt_logprobs",
+        "request_id",
+        "usage",
+    ),
+}[VLLM_SERIES]
+CHOICE_FIELDS = {
+    "0.24": ("finish_reason", "index", "logprobs", "routed_experts", "token_ids"),
+    "0.29": ("finish_reason", "index", "logprobs", "routed_experts", "sampling_mask", "token_ids"),
+}[VLLM_SERIES]
+
+
+def answer_id_is_vllms(answer_id: str, body: dict[str, Any]) -> bool:
+    """0.24 answers with an id of its own (its serving passes `id=`, a field the response model
+    does not have, so the model's default stays); 0.29 with `generate-tokens-<caller's id>`."""
+    if VLLM_SERIES == "0.24":
+        return bool(SERVER_CHOSEN_ID.fullmatch(answer_id)) and answer_id != body["request_id"]
+    return answer_id == f"generate-tokens-{body['request_id']}"
 
 
 def test_sim_answers_validate_against_vllms_models(answers) -> None:
@@ -92,8 +115,8 @@ def test_vllm_answers_have_the_documented_shape(answers) -> None:
     """Pins the reference the sim is compared with (docs/contract.md §2.4, §3.2, §3.3)."""
     for kind in ("ve", "pd"):
         answer, _, body = answers[kind]
-        assert _keys(answer) == (("choices", "kv_transfer_params", "prompt_logprobs", "request_id"), (CHOICE_FIELDS,))
-        assert SERVER_CHOSEN_ID.fullmatch(answer["request_id"]) and answer["request_id"] != body["request_id"]
+        assert _keys(answer) == (ANSWER_FIELDS, (CHOICE_FIELDS,))
+        assert answer_id_is_vllms(answer["request_id"], body)
     frames, _, body = answers["pd-stream"]
     *token_frames, usage_frame = frames
     assert {f["request_id"] for f in frames} == {f"generate-tokens-{body['request_id']}"}
@@ -108,9 +131,9 @@ def test_sim_answer_fields_equal_vllms(kind: str, answers) -> None:
 
 
 @pytest.mark.parametrize("kind", ["ve", "pd"])
-def test_sim_request_id_is_chosen_by_the_server(kind: str, answers) -> None:
+def test_sim_request_id_is_vllms(kind: str, answers) -> None:
     _, sim_answer, body = answers[kind]
-    assert SERVER_CHOSEN_ID.fullmatch(sim_answer["request_id"]) and sim_answer["request_id"] != body["request_id"]
+    assert answer_id_is_vllms(sim_answer["request_id"], body)
 
 
 def test_sim_stream_frame_ids_equal_vllms(answers) -> None:

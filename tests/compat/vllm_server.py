@@ -19,17 +19,18 @@ from unittest import mock
 
 import uvicorn
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.entrypoints.openai.api_server import (
-    build_app,
-    build_async_engine_client_from_engine_args,
-    init_app_state,
-)
-from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.engine.core_client import EngineCoreClient
 
 from epd_kit.testing.process import LOOPBACK, free_port
 from tests.compat.engine_core import StandInEngineCore
+from tests.compat.vllm_api import (
+    build_app,
+    build_async_engine_client_from_engine_args,
+    init_app_state,
+    make_arg_parser,
+    validate_parsed_serve_args,
+)
 
 __all__ = ["LOOPBACK", "VllmServer", "free_port", "parse_serve_argv", "vllm_server"]
 
