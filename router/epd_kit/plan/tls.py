@@ -1,4 +1,4 @@
-"""The front door's certificate, checked on the controller before any host changes (issue 37).
+"""The front door's certificate, checked on the controller before any host changes.
 
 The operator gives either `epd_tls_certificate` (a PEM chain, leaf first) and `epd_tls_key`, or
 one PEM bundle `epd_tls_bundle` (chain and key, what HAProxy's `crt` reads). The front door is

@@ -71,7 +71,7 @@ def _serve(conn: Connection, limits: Limits, vision: VisionSettings) -> None:
         except PreprocessError as exc:
             answer = (False, exc)
         except Exception as exc:  # decode_image wraps decoder errors; anything else is a bug
-            answer = (False, NotAnImage(f"the image could not be decoded ({type(exc).__name__}: {exc})"))
+            answer = (False, NotAnImage(f"the image could not be decoded ({exc})"))
         del data
         conn.send(answer)
 
@@ -130,9 +130,9 @@ class ImageDecoder:
             self.killed += 1
             child.kill()
             raise
-        except (EOFError, OSError) as exc:  # the child died (a decoder crash, the OOM killer)
+        except (EOFError, OSError):  # the child died (a decoder crash, the OOM killer)
             child.kill()
-            raise NotAnImage(f"the image decoder ended while decoding the image ({type(exc).__name__})") from None
+            raise NotAnImage("the image decoder ended while decoding the image") from None
         except BaseException:
             child.kill()
             raise

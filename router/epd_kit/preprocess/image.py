@@ -82,7 +82,7 @@ def decode_image(data: bytes, limits: Limits, cancelled: threading.Event | None 
         raise ImageDimensionsRejected(f"image refused as a decompression bomb: {exc}") from exc
     except Exception as exc:  # Pillow raises many types for corrupt or unknown data
         raise NotAnImage(
-            f"the data is not a decodable image ({type(exc).__name__}: {exc}); "
+            f"the data is not a decodable image ({exc}); "
             f"send one of the formats this router takes ({', '.join(limits.image_formats)}; limits.image_formats)"
         ) from exc
     if width == 0 or height == 0:

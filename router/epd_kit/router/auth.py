@@ -45,7 +45,7 @@ def load_secret_lines(path: Path, setting: str, *, group_readable: bool, spaces:
         line = raw.strip()
         if line and not line.startswith("#"):
             if not (line.isascii() and line.isprintable()) or (not spaces and " " in line):
-                # an HTTP header carries a key as ASCII: such a key could never match (issue 33)
+                # an HTTP header carries a key as ASCII: such a key could never match
                 raise KeyFileError(
                     f"{setting} {path}: line {number}: a key must be printable ASCII "
                     f"(no accented letters, no control characters{'' if spaces else ', no spaces'})"

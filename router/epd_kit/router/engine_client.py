@@ -6,13 +6,9 @@ Each call either returns the parsed answer or raises an `UpstreamError` (classif
 upstream.py) after charging the failure to the engine when it is the engine's fault.
 
 The engine calls go through the router's own small client (engine_http.py: asyncio.Protocol
-and httptools, a keep-alive pool per engine origin). It replaced an `aiohttp.ClientSession`
-(issue 23, item 7): one POST with its answer took 388 k instructions through aiohttp, about a
-quarter of a text request, against 58 k here, and the whole text request fell from 1.80 M to
-1.41 M (callgrind; docs/benchmarks.md "Item 7, second round"); aiohttp in turn had replaced
-httpx, which cost 6-16x more again (docs/dependencies.md). An engine POST's deadline is the
-client's own timer (`DeadlineExceeded`), not an `asyncio.timeout` around the call. The client's
-errors keep aiohttp's class names, so the classification and the messages are the same. Kept-alive
+and httptools, a keep-alive pool per engine origin; docs/benchmarks.md "Item 7, second round"
+has what it cost against the clients before it). An engine POST's deadline is the client's own
+timer (`DeadlineExceeded`), not an `asyncio.timeout` around the call. Kept-alive
 connections survive idle pauses (`ENGINE_KEEPALIVE_S`); one the engine closed while idle
 (vLLM's uvicorn after 5 s) is dropped when the pool next looks at it, and a request that
 races such a close (the connection ends before any answer byte) is resent once on a fresh
@@ -212,11 +208,11 @@ class EngineClient:
         try:
             try:
                 resp, _ = await http.get(engine.url, "/health", max_body=MAX_HEALTH_BYTES, **limits)
-            except engine_http.ServerDisconnectedError:  # an idle connection the engine had closed
+            except engine_http.ClosedBeforeAnswer:  # an idle connection the engine had closed
                 resp, _ = await http.get(engine.url, "/health", max_body=MAX_HEALTH_BYTES, fresh=True, **limits)
-        except engine_http.ClientConnectorError as exc:
+        except engine_http.CannotConnect as exc:
             raise ProbeFailed(type(exc).__name__, refused=True) from None
-        except engine_http.ClientError as exc:  # before TimeoutError: the client's timeouts are both
+        except engine_http.EngineCallError as exc:  # before TimeoutError: the client's timeouts are both
             raise ProbeFailed(type(exc).__name__) from None
         except TimeoutError:  # engine_http.DeadlineExceeded
             raise ProbeFailed(f"no answer within {health.timeout_s:g}s (health.timeout_s)") from None
@@ -261,7 +257,7 @@ class EngineClient:
         try:
             resp, body = await self._send(engine, content, deadline + _READ_SLACK_S, self.http.loop.time() + deadline)
             return upstream.EngineAnswer(resp.status, body, resp.headers)
-        except engine_http.ClientError as exc:  # before TimeoutError: the client's timeouts are both
+        except engine_http.EngineCallError as exc:  # before TimeoutError: the client's timeouts are both
             raise upstream.classify_exception(exc, engine) from None
         except TimeoutError:  # engine_http.DeadlineExceeded
             raise upstream.deadline_exceeded(engine, deadline, what) from None
@@ -282,7 +278,7 @@ class EngineClient:
             index = http.keys.index(engine.url)
             try:
                 resp, body = await http.post(engine.url, GENERATE_PATH, content, **limits)
-            except engine_http.ServerDisconnectedError:
+            except engine_http.ClosedBeforeAnswer:
                 resp, body = await http.post(engine.url, GENERATE_PATH, content, fresh=True, **limits)
             if attempt or not self._other_key(engine, resp.status, index):
                 break
@@ -307,7 +303,7 @@ class EngineClient:
             index = self.http.keys.index(engine.url)
             try:
                 resp = await self.http.open(engine.url, GENERATE_PATH, content, connect_s=connect_s, read_s=read_s)
-            except engine_http.ServerDisconnectedError:
+            except engine_http.ClosedBeforeAnswer:
                 resp = await self.http.open(
                     engine.url, GENERATE_PATH, content, connect_s=connect_s, read_s=read_s, fresh=True
                 )
@@ -340,7 +336,7 @@ class EngineClient:
                 raise err
             committed = True
             return PdStream(engine=engine, response=resp, payloads=payloads, first=first)
-        except engine_http.ClientError as exc:  # before TimeoutError: the client's timeouts are both
+        except engine_http.EngineCallError as exc:  # before TimeoutError: the client's timeouts are both
             raise upstream.classify_exception(exc, engine) from None
         except TimeoutError:
             what = f"first token, {engine.inflight_work} prompt tokens waiting on it"

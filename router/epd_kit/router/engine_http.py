@@ -1,33 +1,31 @@
 """The router's HTTP/1.1 client to the engines: `POST` with a `Content-Length` body, the answer
 read whole (`EngineHTTP.post`) or as it arrives (`EngineHTTP.open`, for SSE streams), on
 kept-alive connections pooled per engine origin. Built on `asyncio.Protocol` and httptools
-(llhttp, C: the parser the router's listener already uses) in place of an
-`aiohttp.ClientSession`, which took 388 k instructions per POST with its answer against 58 k
-here (docs/benchmarks.md, "Item 7, second round"). Only what the engine calls need: no
+(llhttp, C: the parser the router's listener already uses): 58 k instructions per POST with
+its answer (docs/benchmarks.md, "Item 7, second round" has the clients it replaced and why).
+Only what the engine calls need: no
 redirects, cookies, proxies, TLS or compression (nothing asks for it: no `Accept-Encoding`
-is sent, and a body an engine encodes anyway is handed on as received, as aiohttp's
-`auto_decompress=False` did).
+is sent, and a body an engine encodes anyway is handed on as received).
 
-Errors keep aiohttp's class names and hierarchy, which is what upstream.classify_exception
-sorts and what the error messages name:
+Errors are named for what went wrong; upstream.classify_exception sorts them:
 
-- `ClientConnectorError` (a `ClientOSError`): the dial failed (refused, unreachable, DNS);
-- `ConnectionTimeoutError` (a `ServerTimeoutError`): no connection within `connect_s`;
-- `SocketTimeoutError` (a `ServerTimeoutError`): no byte for `read_s` while an answer is
-  due (each byte received restarts it: a backstop behind the caller's deadline);
-- `ServerDisconnectedError`: the engine closed the connection before any byte of the answer
+- `CannotConnect` (a `ConnectionBroken`): the dial failed (refused, unreachable, DNS);
+- `ConnectTimeout` (an `EngineTimeout`): no connection within `connect_s`;
+- `ReadTimeout` (an `EngineTimeout`): no byte for `read_s` while an answer is due (each byte
+  received restarts it: a backstop behind the caller's deadline);
+- `ClosedBeforeAnswer`: the engine closed the connection before any byte of the answer
   (the one failure after which a resend on a fresh connection is safe to try: engine_client);
-- `ClientOSError`: the connection broke with an OS error (a reset) before the answer's head;
-- `ClientPayloadError`: the connection ended inside the answer (cut short head or body);
-- `ClientResponseError`: bytes that are not an HTTP/1.1 answer; `AnswerTooLarge`, one of
-  them: a head over `MAX_HEAD_BYTES` or `MAX_HEADERS`, a body over the call's `max_body`;
-- `ClientConnectionError`: the answer was closed by our side (`Response.close`) while a
-  read waited on it.
+- `ConnectionBroken`: the connection broke with an OS error (a reset) before the answer's head;
+- `AnswerCutShort`: the connection ended inside the answer (cut short head or body);
+- `NotAnAnswer`: bytes that are not an HTTP/1.1 answer; `AnswerTooLarge`, one of them: a
+  head over `MAX_HEAD_BYTES` or `MAX_HEADERS`, a body over the call's `max_body`;
+- `ConnectionFailed`: the answer was closed by our side (`Response.close`) while a read
+  waited on it.
 
-`ServerTimeoutError` is also a `TimeoutError`, as aiohttp's is: callers catch `ClientError`
+`EngineTimeout` is also a `TimeoutError`: callers catch `EngineCallError`
 before `TimeoutError`. A call may also carry a `deadline` (a loop time) for the whole call,
 dial and answer included; past it the call fails with `DeadlineExceeded`, a `TimeoutError`
-and not a `ClientError`: what an `asyncio.timeout` around the call would raise, without the
+and not an `EngineCallError`: what an `asyncio.timeout` around the call would raise, without the
 cost of one (the call's own read timer watches both).
 
 Nothing an engine sends is trusted to be small: the head (interim answers included) is
@@ -65,55 +63,53 @@ import httptools
 
 from epd_kit.router.engine_keys import EngineKeys
 
-# --- errors: aiohttp's names and hierarchy ------------------------------------------------
+# --- errors: what went wrong with an engine call -------------------------------------------
 
 
-class ClientError(Exception):
+class EngineCallError(Exception):
     """Any failure of an engine call in this client."""
 
 
-class ClientConnectionError(ClientError):
-    pass
+class ConnectionFailed(EngineCallError):
+    """The connection failed or was closed (by our side: `Response.close`, `EngineHTTP.close`)."""
 
 
-class ClientOSError(ClientConnectionError, OSError):
-    pass
+class ConnectionBroken(ConnectionFailed, OSError):
+    """The connection broke with an OS error (a reset) before the answer's head."""
 
 
-class ClientConnectorError(ClientOSError):
-    pass
+class CannotConnect(ConnectionBroken):
+    """The dial failed (refused, unreachable, a name that does not resolve)."""
 
 
-class ServerConnectionError(ClientConnectionError):
-    pass
+class ClosedBeforeAnswer(ConnectionFailed):
+    """The engine closed the connection before any byte of the answer."""
 
-
-class ServerDisconnectedError(ServerConnectionError):
-    def __init__(self, message: str = "Server disconnected") -> None:
+    def __init__(self, message: str = "the engine closed the connection before answering") -> None:
         super().__init__(message)
 
 
-class ServerTimeoutError(ServerConnectionError, TimeoutError):
-    pass
+class EngineTimeout(ConnectionFailed, TimeoutError):
+    """A timer of this client ran out (connect_s or read_s)."""
 
 
-class ConnectionTimeoutError(ServerTimeoutError):
-    pass
+class ConnectTimeout(EngineTimeout):
+    """No connection within connect_s."""
 
 
-class SocketTimeoutError(ServerTimeoutError):
-    pass
+class ReadTimeout(EngineTimeout):
+    """No byte for read_s while an answer is due."""
 
 
-class ClientPayloadError(ClientError):
-    pass
+class AnswerCutShort(EngineCallError):
+    """The connection ended inside the answer (head or body)."""
 
 
-class ClientResponseError(ClientError):
-    pass
+class NotAnAnswer(EngineCallError):
+    """Bytes that are not an HTTP/1.1 answer."""
 
 
-class AnswerTooLarge(ClientResponseError):
+class AnswerTooLarge(NotAnAnswer):
     """An answer over a size cap (head bytes, header count, body): refused, not read on."""
 
 
@@ -304,10 +300,10 @@ class Response:
 
     def close(self) -> None:
         """Drop the connection; a read waiting on this answer fails with
-        `ClientConnectionError`."""
+        `ConnectionFailed`."""
         self._released = True
         if not self.complete:
-            self._fail(ClientConnectionError("Connection closed"))
+            self._fail(ConnectionFailed("the answer was closed while a read waited on it"))
         self._conn.close()
 
     def _fail(self, exc: BaseException) -> None:
@@ -488,7 +484,7 @@ class _Connection(asyncio.Protocol):
         if now < due:
             self._timer = self.loop.call_at(min(due, self._deadline), self._read_check)
             return
-        resp._fail(SocketTimeoutError("Timeout on reading data from socket"))
+        resp._fail(ReadTimeout("Timeout on reading data from socket"))
         self.close()
 
     # --- asyncio.Protocol ------------------------------------------------------------------
@@ -510,7 +506,7 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            resp._fail(ClientResponseError(f"invalid HTTP response from the engine: {exc}"))
+            resp._fail(NotAnAnswer(f"invalid HTTP response from the engine: {exc}"))
             self.close()
             return
         if not resp._head and resp._exc is None:
@@ -534,10 +530,10 @@ class _Connection(asyncio.Protocol):
         if exc is None and resp._reads_until_close():
             resp._message_complete()
         elif not resp.got_bytes:
-            resp._fail(ServerDisconnectedError() if exc is None else ClientOSError(*exc.args))
+            resp._fail(ClosedBeforeAnswer() if exc is None else ConnectionBroken(*exc.args))
         else:
             cause = f": {exc!r}" if exc is not None else ""
-            resp._fail(ClientPayloadError(f"Response payload is not completed{cause}"))
+            resp._fail(AnswerCutShort(f"Response payload is not completed{cause}"))
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -627,13 +623,13 @@ class _Pool:
                 raise
             if deadline <= connect_by:
                 raise DeadlineExceeded() from None
-            raise ConnectionTimeoutError(f"Connection timeout to host {self.netloc}") from None
+            raise ConnectTimeout(f"Connection timeout to host {self.netloc}") from None
         except OSError as exc:
             message = f"Cannot connect to host {self.netloc} [{exc.strerror or exc}]"
-            raise ClientConnectorError(exc.errno, message) from None
+            raise CannotConnect(exc.errno, message) from None
         if self.client.closed:
             conn.close()
-            raise ClientConnectionError("the client is closed")
+            raise ConnectionFailed("the client is closed")
         self.open.add(conn)
         return conn
 
@@ -761,7 +757,7 @@ class EngineHTTP:
         (`whole`) to its end; the connection is closed on any failure or cancellation before
         that."""
         if self.closed:
-            raise ClientConnectionError("the client is closed")
+            raise ConnectionFailed("the client is closed")
         pool = self._pool(url)
         conn = await pool.acquire(connect_s, fresh, deadline)
         if content is None:
@@ -779,7 +775,7 @@ class EngineHTTP:
             raise
 
     def close(self) -> None:
-        """Close every connection; calls after this fail with `ClientConnectionError`."""
+        """Close every connection; calls after this fail with `ConnectionFailed`."""
         self.closed = True
         for pool in self._pools.values():
             pool.close()

@@ -210,7 +210,7 @@ class Generation:
                 yield usage
             ok = True
             pd.engine.served += 1
-        except engine_http.ClientError as exc:
+        except engine_http.EngineCallError as exc:
             cause = upstream.stream_stalled(pd.engine, watch.gap_s) if watch.fired else None
             yield self._stream_failed(ctx, pd, cause or upstream.classify_exception(exc, pd.engine))
         except UpstreamError as err:
@@ -312,7 +312,7 @@ class GapWatch:
             self._timer = self.loop.call_at(due, self._check)
             return
         self.fired = True
-        self._expire()  # the relay's: closing the PD response wakes its read with a ClientError
+        self._expire()  # the relay's: closing the PD response wakes its read with a EngineCallError
 
     def stop(self) -> None:
         self._stopped = True

@@ -203,7 +203,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def _count_padding(self, data: bytes) -> bool:
         """Empty lines before a request line (RFC 9112 §2.2 lets a server skip them; llhttp
         does, before it calls on_message_begin): they count towards the head's size and start
-        its timeout, so padding cannot stream forever past `MAX_HEAD_BYTES` (issue 33).
+        its timeout, so padding cannot stream forever past `MAX_HEAD_BYTES`.
         True when the connection was closed for it."""
         pad = len(data) - len(data.lstrip(b"\r\n"))
         if not pad:

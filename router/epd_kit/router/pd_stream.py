@@ -7,7 +7,7 @@ ignored); `data: [DONE]` ends the stream and sets `done`. A line or an event lon
 `MAX_EVENT_BYTES` is an invalid answer of the engine (`upstream.bad_body`), not a buffer that
 grows with whatever the engine sends. The buffer is scanned once: a line that arrives in many
 chunks is neither searched again from its start nor copied per chunk (a 300 MB line without a
-newline used to be, issue 33). The chunks come from engine_http's flow-controlled reader, in
+newline used to be). The chunks come from engine_http's flow-controlled reader, in
 blocks of at most 256 KiB, so the check runs before the buffer passes about 1.25 MiB, however
 fast the PD sends (a burst used to arrive joined into one block).
 """

@@ -47,7 +47,7 @@ def _service(request: Request) -> RouterService:
 
 def _check_key(request: Request, protected: bool = True) -> None:
     # two Authorization headers: which one names the client is ambiguous (the first used to
-    # win), so the request is refused whether or not keys are checked (issue 33)
+    # win), so the request is refused whether or not keys are checked
     if len(request.headers.getlist("authorization")) > 1:
         raise RouterError(400, "more than one Authorization header: send exactly one 'Authorization: Bearer <key>'")
     if protected:

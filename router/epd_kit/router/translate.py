@@ -265,7 +265,7 @@ def _valid_usage(usage: object) -> dict[str, int] | None:
 
 def _valid_choice(choice: object) -> bool:
     """A PD stream choice the translator can use: an object whose index, token ids and
-    finish reason have their types (issue 33: anything else is a malformed frame, not a
+    finish reason have their types (anything else is a malformed frame, not a
     traceback)."""
     if not isinstance(choice, dict):
         return False

@@ -68,7 +68,7 @@ def _failure(
 ) -> UpstreamError:
     """The typed error for a failed engine call; `engine_text` is what the engine said.
     `message` (with `where`) is for the log and /pools; `client` is what the client is told,
-    without engine internals (no address, no id: issue 33), else UpstreamError's default."""
+    without engine internals (no address, no id), else UpstreamError's default."""
     ec_load = engine.role == "pd" and any(m in engine_text for m in EC_LOAD_FAILURE_MARKERS)
     error_type = EcLoadFailed if ec_load else UpstreamError
     err = error_type(
@@ -85,20 +85,20 @@ def where(engine: Engine) -> str:
     return f"{STAGE_NAMES[engine.role]} on {engine.role.upper()} {engine.id} ({engine.url})"
 
 
-def classify_exception(exc: engine_http.ClientError, engine: Engine) -> UpstreamError:
-    """An engine call that raised (engine_http.py's exception types, which keep aiohttp's
-    names; the pool is unbounded, so no wait for a connection of our own)."""
+def classify_exception(exc: engine_http.EngineCallError, engine: Engine) -> UpstreamError:
+    """An engine call that raised (engine_http.py's exception types; the pool is unbounded, so
+    no wait for a connection of our own). The type's name goes into the log's message only."""
     kind = type(exc).__name__
     stage = STAGE_NAMES[engine.role]
-    if isinstance(exc, engine_http.ConnectionTimeoutError):
+    if isinstance(exc, engine_http.ConnectTimeout):
         message = f"{where(engine)} failed: cannot connect ({kind})"
         client = f"cannot connect to the engine ({stage})"
         return _failure(engine, 502, message, failure=Failure.connect_timeout, retry_other=True, client=client)
-    if isinstance(exc, engine_http.ClientConnectorError):
+    if isinstance(exc, engine_http.CannotConnect):
         message = f"{where(engine)} failed: cannot connect ({kind})"
         client = f"cannot connect to the engine ({stage})"
         return _failure(engine, 502, message, failure=Failure.refused, retry_other=True, client=client)
-    if isinstance(exc, engine_http.ServerTimeoutError):
+    if isinstance(exc, engine_http.EngineTimeout):
         message = f"{where(engine)} timed out ({kind})"
         client = f"the engine timed out ({stage})"
         return _failure(engine, 504, message, failure=Failure.timeout, retry_other=True, client=client)

@@ -58,7 +58,7 @@ class Server(RawServer):
 VE = Engine(id="epd-ve-0", url="http://127.0.0.1:1", role="ve")
 
 
-def classified(exc: engine_http.ClientError) -> tuple[int, Failure | None, str]:
+def classified(exc: engine_http.EngineCallError) -> tuple[int, Failure | None, str]:
     err = upstream.classify_exception(exc, VE)
     return err.status, err.failure, err.message
 
@@ -112,10 +112,10 @@ async def test_a_connection_closed_before_any_answer_byte_is_server_disconnected
 
     async with Server(first_only) as server:
         assert await post(client, server) == (200, b'{"ok":1}')
-        with pytest.raises(engine_http.ServerDisconnectedError) as info:
+        with pytest.raises(engine_http.ClosedBeforeAnswer) as info:
             await post(client, server)
         assert classified(info.value)[:2] == (502, Failure.error)
-        assert "connection broken (ServerDisconnectedError)" in classified(info.value)[2]
+        assert "connection broken (ClosedBeforeAnswer)" in classified(info.value)[2]
         assert await post(client, server, fresh=True) == (200, b'{"ok":1}')
         assert server.connections == 2
 
@@ -137,10 +137,10 @@ async def test_an_answer_cut_short_in_the_body_is_a_payload_error(client):
         writer.close()
 
     async with Server(cut) as server:
-        with pytest.raises(engine_http.ClientPayloadError) as info:
+        with pytest.raises(engine_http.AnswerCutShort) as info:
             await post(client, server)
         status, failure, message = classified(info.value)
-        assert (status, failure) == (502, Failure.error) and "connection broken (ClientPayloadError)" in message
+        assert (status, failure) == (502, Failure.error) and "connection broken (AnswerCutShort)" in message
 
 
 async def test_a_chunked_answer_is_read_whole_and_its_connection_reused(client):
@@ -197,10 +197,10 @@ async def test_a_refused_connection_is_a_connector_error_classified_refused(clie
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()  # nothing listens there now
-    with pytest.raises(engine_http.ClientConnectorError) as info:
+    with pytest.raises(engine_http.CannotConnect) as info:
         await client.post(f"http://127.0.0.1:{port}", PATH, b"{}", connect_s=2, read_s=5)
     status, failure, message = classified(info.value)
-    assert (status, failure) == (502, Failure.refused) and "cannot connect (ClientConnectorError)" in message
+    assert (status, failure) == (502, Failure.refused) and "cannot connect (CannotConnect)" in message
 
 
 async def test_no_byte_within_the_read_timeout_is_a_socket_timeout(client):
@@ -210,12 +210,12 @@ async def test_no_byte_within_the_read_timeout_is_a_socket_timeout(client):
     async with Server(hang) as server:
         loop = asyncio.get_running_loop()
         t = loop.time()
-        with pytest.raises(engine_http.SocketTimeoutError) as info:
+        with pytest.raises(engine_http.ReadTimeout) as info:
             await post(client, server, read_s=0.3)
         assert 0.25 < loop.time() - t < 3
-        assert isinstance(info.value, TimeoutError)  # as aiohttp's: callers catch ClientError first
+        assert isinstance(info.value, TimeoutError)  # callers catch EngineCallError first
         status, failure, message = classified(info.value)
-        assert (status, failure) == (504, Failure.timeout) and "timed out (SocketTimeoutError)" in message
+        assert (status, failure) == (504, Failure.timeout) and "timed out (ReadTimeout)" in message
 
 
 async def test_the_read_timeout_restarts_with_each_byte(client):
@@ -237,7 +237,7 @@ async def test_a_reset_before_the_answer_is_a_client_os_error(client):
         writer.transport.abort()
 
     async with Server(reset) as server:
-        with pytest.raises((engine_http.ClientOSError, engine_http.ServerDisconnectedError)) as info:
+        with pytest.raises((engine_http.ConnectionBroken, engine_http.ClosedBeforeAnswer)) as info:
             await post(client, server)
         assert classified(info.value)[:2] == (502, Failure.error)
 
@@ -247,7 +247,7 @@ async def test_garbage_is_a_response_error(client):
         writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
 
     async with Server(garbage) as server:
-        with pytest.raises(engine_http.ClientResponseError) as info:
+        with pytest.raises(engine_http.NotAnAnswer) as info:
             await post(client, server)
         assert classified(info.value)[:2] == (502, Failure.error)
 
@@ -292,7 +292,7 @@ async def test_closing_a_stream_wakes_its_reader(client):
         chunks = resp.iter_any()
         assert await anext(chunks) == b"hello"
         asyncio.get_running_loop().call_later(0.1, resp.close)  # as generation.GapWatch does
-        with pytest.raises(engine_http.ClientConnectionError):
+        with pytest.raises(engine_http.ConnectionFailed):
             await asyncio.wait_for(anext(chunks), 5)
 
 
@@ -349,12 +349,12 @@ async def test_a_chunked_request_body_is_sent_whole_with_its_length(client):
 
 async def test_a_closed_client_refuses_calls(client):
     client.close()
-    with pytest.raises(engine_http.ClientConnectionError):
+    with pytest.raises(engine_http.ConnectionFailed):
         await client.post("http://127.0.0.1:1", PATH, b"{}", connect_s=1, read_s=1)
 
 
 async def test_the_call_deadline_fires_as_deadline_exceeded_also_while_the_body_is_sent(client):
-    """`deadline` bounds the whole call (not a ClientError: the caller words it), also when
+    """`deadline` bounds the whole call (not a EngineCallError: the caller words it), also when
     the engine reads nothing and the request body cannot be written out."""
     stop = asyncio.Event()
     writers: list[asyncio.StreamWriter] = []
@@ -372,7 +372,7 @@ async def test_the_call_deadline_fires_as_deadline_exceeded_also_while_the_body_
             t = loop.time()
             with pytest.raises(engine_http.DeadlineExceeded) as info:
                 await client.post(url, PATH, content, connect_s=2, read_s=30, deadline=t + 0.3)
-            assert not isinstance(info.value, engine_http.ClientError) and isinstance(info.value, TimeoutError)
+            assert not isinstance(info.value, engine_http.EngineCallError) and isinstance(info.value, TimeoutError)
             assert 0.25 < loop.time() - t < 3
         assert client._pools[url].open == set() or all(c.lost for c in client._pools[url].open)
     finally:

@@ -18,18 +18,18 @@ def response(status, body=b"", headers=None):
     return upstream.EngineAnswer(status, body, CIMultiDict(headers or {}))
 
 
-REFUSED = engine_http.ClientConnectorError(111, "Cannot connect to host 127.0.0.1:18301 [Connection refused]")
+REFUSED = engine_http.CannotConnect(111, "Cannot connect to host 127.0.0.1:18301 [Connection refused]")
 
 
 @pytest.mark.parametrize(
     ("exc", "status", "failure", "retry"),
     [
         (REFUSED, 502, Failure.refused, True),
-        (engine_http.ConnectionTimeoutError("slow"), 502, Failure.connect_timeout, True),
-        (engine_http.SocketTimeoutError("slow"), 504, Failure.timeout, True),
-        (engine_http.ServerDisconnectedError(), 502, Failure.error, True),
-        (engine_http.ClientPayloadError("cut short"), 502, Failure.error, True),
-        (engine_http.ClientOSError(104, "reset"), 502, Failure.error, True),
+        (engine_http.ConnectTimeout("slow"), 502, Failure.connect_timeout, True),
+        (engine_http.ReadTimeout("slow"), 504, Failure.timeout, True),
+        (engine_http.ClosedBeforeAnswer(), 502, Failure.error, True),
+        (engine_http.AnswerCutShort("cut short"), 502, Failure.error, True),
+        (engine_http.ConnectionBroken(104, "reset"), 502, Failure.error, True),
     ],
 )
 def test_exceptions(exc, status, failure, retry):
@@ -106,7 +106,7 @@ def test_a_pd_ec_load_failure_is_typed_once_at_the_boundary():
     # same words from a VE, or another PD failure: not an EC-load failure
     assert not isinstance(upstream.classify_status(response(500, EC_LOAD), VE), EcLoadFailed)
     assert not isinstance(upstream.classify_status(response(500, b'{"detail":"engine dead"}'), PD), EcLoadFailed)
-    assert not isinstance(upstream.classify_exception(engine_http.ClientOSError(104, "reset"), PD), EcLoadFailed)
+    assert not isinstance(upstream.classify_exception(engine_http.ConnectionBroken(104, "reset"), PD), EcLoadFailed)
 
 
 def test_stream_error_frames_are_classified():
@@ -127,10 +127,10 @@ def _every_upstream_error() -> list[UpstreamError]:
     for engine in (VE, PD):
         errors += [
             upstream.classify_exception(REFUSED, engine),
-            upstream.classify_exception(engine_http.ConnectionTimeoutError("slow"), engine),
-            upstream.classify_exception(engine_http.SocketTimeoutError("slow"), engine),
+            upstream.classify_exception(engine_http.ConnectTimeout("slow"), engine),
+            upstream.classify_exception(engine_http.ReadTimeout("slow"), engine),
             upstream.classify_exception(engine_http.AnswerTooLarge("the engine's answer is too long"), engine),
-            upstream.classify_exception(engine_http.ServerDisconnectedError(), engine),
+            upstream.classify_exception(engine_http.ClosedBeforeAnswer(), engine),
             upstream.deadline_exceeded(engine, 3.0, "2 items"),
             upstream.classify_status(response(500, b'{"error":{"message":"dead at 10.0.0.9:18100"}}'), engine),
             upstream.classify_status(response(429, b'{"error":{"message":"busy"}}'), engine),
