@@ -137,3 +137,38 @@ def test_the_inventory_variable_offers_exactly_the_releases_and_their_default():
     spec = yaml.safe_load((REPO / "roles/epd_common/meta/argument_specs.yml").read_text())
     option = spec["argument_specs"]["main"]["options"]["epd_neuron_release"]
     assert option["choices"] == list(RELEASES) and option["default"] == DEFAULT_RELEASE
+
+
+def _fleet(release: str) -> dict:
+    settings = read_settings({"epd_model": "/models/m", "epd_pd_tp": 4, "epd_neuron_release": release})
+    hosts = [
+        planner.read_host(name, {"epd_num_ve": 1, "epd_num_pd": 2, "epd_bind_address": f"10.0.0.{i}"}, settings)
+        for i, name in enumerate(("a", "b"), 1)
+    ]
+    return planner.plan_fleet(settings, hosts)
+
+
+def test_a_release_change_rolls_every_engine_one_compiling_canary_per_configuration_first():
+    """What deploy.yml rolls when epd_neuron_release changes (docs/operations.md "Upgrading the Neuron
+    release"): every engine, since its environment follows the release, and the compile-cache
+    rollout's canaries first, so a canary that fails leaves the rest on the old release."""
+    old, new = _fleet("2.32.0"), _fleet("2.33.0")
+    unit = "[Service]\nExecStart=/venv/bin/vllm serve\n"
+    for host in old:
+        files = {
+            e["instance"]: planner.engine_unit(e, "/venv/bin/vllm", new[host]["start_timeout_s"])["env_file"]
+            for e in new[host]["engines"]
+        }
+        deployed = {
+            e["instance"]: "\n".join(
+                f"{k}='{v}'"
+                for k, v in planner.engine_unit(e, "/venv/bin/vllm", old[host]["start_timeout_s"])["env_file"].items()
+            )
+            for e in old[host]["engines"]
+        }
+        assert planner.rollout.changed_engines(files, deployed, unit, unit) == sorted(files)
+    configs = {planner.rollout.compile_config(e) for h in new for e in new[h]["engines"]}
+    assert configs.isdisjoint({planner.rollout.compile_config(e) for h in old for e in old[h]["engines"]})
+    batches, _ = planner.rollout.rollout_batches(new, None, compiles=True)
+    assert batches[0].canary and batches[0].pool == "pd+ve" and len(batches[0].engines) == len(configs) == 2
+    assert not any(b.canary for b in batches[1:])
