@@ -13,6 +13,8 @@ ROLES = ("ve", "pd")
 # Below this a pool is not a bottleneck, whatever the ranking says.
 BUSY_THRESHOLD = 0.5
 DEFAULT_MIN_REQUESTS = 100
+# The busy fraction a recommendation brings the busiest pool to or under (--target-busy).
+DEFAULT_TARGET_BUSY = 0.70
 # A pool whose own estimate rests on fewer arrivals than this is reported but not acted on.
 MIN_POOL_ARRIVALS = 30
 

@@ -8,13 +8,14 @@ epd-router advise --before t0.prom --after t1.prom --window 120 --inventory inv.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 import click
 
-from .analysis import DEFAULT_MIN_REQUESTS
+from .analysis import DEFAULT_MIN_REQUESTS, DEFAULT_TARGET_BUSY
 
 # The rest is imported when the command runs: `epd-router serve` loads this module too.
 
@@ -73,11 +74,18 @@ def _live(urls: list[str], window: float, save: Path | None):
     "--pd-max-inflight", type=int, default=64, show_default=True, help="the router's placement.pd_max_inflight"
 )
 @click.option("--min-requests", type=int, default=DEFAULT_MIN_REQUESTS, show_default=True)
+@click.option(
+    "--target-busy",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=DEFAULT_TARGET_BUSY,
+    show_default=True,
+    help="recommend the fewest engine changes that bring the busiest pool to or under this busy fraction",
+)
 @click.option("--save", type=click.Path(file_okay=False, path_type=Path), help="live: keep the scrapes here")
 @click.option("--json", "as_json", is_flag=True, help="the figures and the recommendation as JSON")
 def advise(
     urls, engine_urls, prometheus, before_files, after_files, window, end, inventory, faulted, pd_max_inflight,
-    min_requests, save, as_json,
+    min_requests, target_busy, save, as_json,
 ) -> None:  # fmt: skip
     """Which stage bounds latency, and which VE:PD split of the same hosts fixes it (reads only)."""
     sources = sum(bool(x) for x in (urls, prometheus, before_files or after_files))
@@ -105,7 +113,7 @@ def advise(
         else:
             before, after, seconds = read_files(before_files), read_files(after_files), window
         analysis = analyse(Window(before, after, seconds), advisor.pd_slots, pd_max_inflight, min_requests)
-        rec = advisor.recommend(analysis)
+        rec = advisor.recommend(analysis, target_busy)
     except (ScrapeError, InventoryError, EpdPlanError) as exc:
         click.echo(f"epd-router advise: {exc}", err=True)
         sys.exit(2)
@@ -152,5 +160,19 @@ def _as_dict(analysis, rec) -> dict:
             "inventory_change": rec.inventory_change(),
             "predicted_busy": {"ve": rec.after.ve.utilisation, "pd": rec.after.pd.utilisation},
             "predicted_mean_s": rec.after.mean_s,
+            "reason": rec.reason,
+            "target_busy": rec.target,
+            "engine_changes": rec.proposed.changes_from(rec.current),
+            "headroom": None if math.isinf(rec.headroom) else rec.headroom,
+            "next_step": None,
         }
+        step = rec.next_step
+        if step is not None:
+            out["recommendation"]["next_step"] = {
+                "at_load": step.load,
+                "inventory_change": [] if step.layout is None else step.layout.inventory_change(rec.proposed),
+                "predicted_busy": None
+                if step.prediction is None
+                else {"ve": step.prediction.ve.utilisation, "pd": step.prediction.pd.utilisation},
+            }
     return out

@@ -1,10 +1,16 @@
 """The recommendation: VE and PD counts per host on the same hosts and cores, chosen under the
 queueing model and accepted only if the planner plans it and the rollout floors hold.
 
-Search: from the deployed layout, repeatedly take the single-host change (any VE/PD counts the
-planner's placement fits on that host) that lowers the busiest pool's modelled utilisation the
-most, as long as it lowers it by at least MIN_GAIN and does not make the modelled mean latency
-worse. Hosts with hand-pinned slices (epd_slices) keep their engines.
+Search: the smallest change, counted in engines added or removed, that brings the busiest pool
+to or under the target busy fraction (--target-busy, 70 % by default) without making the
+modelled mean latency worse; among changes of that size, the one that leaves the busiest pool
+least busy. The model sees only the pools' sizes, so for every pair of pool sizes one dynamic
+program over the hosts finds the fewest engine changes reaching it (each host taking any VE/PD
+counts the planner's placement fits on it). When no layout of these hosts reaches the target,
+the least busy one that lowers the busiest pool by at least MIN_GAIN (the load needs every
+engine it moves). Hosts with hand-pinned slices (epd_slices) keep their engines. The proposal
+states its headroom (how far the load can grow before the busiest pool passes the target) and
+the next step (the smallest change that meets the target again at that load).
 """
 
 from __future__ import annotations
@@ -24,15 +30,17 @@ from epd_kit.plan.checks import ENGINE_GROUP, text_only
 from epd_kit.plan.defaults import HOST_DEFAULTS
 from epd_kit.plan.rollout import PoolRule
 
-from .analysis import Analysis
+from .analysis import DEFAULT_TARGET_BUSY, Analysis
 from .queueing import PoolModel
 
 ROLES = ("ve", "pd")
-# A change must lower the busiest pool's utilisation by this share, or it is noise.
+# A change that cannot reach the target must lower the busiest pool's utilisation by this share,
+# or it is noise.
 MIN_GAIN = 0.10
-# ... and may not raise the modelled mean latency by more than this share.
+# A change may not raise the modelled mean latency by more than this share.
 LATENCY_SLACK = 0.02
-MAX_STEPS = 10
+# Engines added or removed that one recommendation may propose (bounds the search on big fleets).
+MAX_CHANGES = 32
 
 
 class InventoryError(ValueError):
@@ -90,18 +98,36 @@ class Layout:
     def total(self, role: str) -> int:
         return sum(ve if role == "ve" else pd for ve, pd in self.counts.values())
 
+    def changes_from(self, other: Layout) -> int:
+        """Engines added or removed to go from `other` to this layout."""
+        return sum(abs(a - b) for h, now in self.counts.items() for a, b in zip(now, other.counts[h], strict=True))
+
+    def inventory_change(self, other: Layout) -> list[str]:
+        """The inventory lines that turn `other` into this layout."""
+        lines = []
+        for host, (ve, pd) in self.counts.items():
+            old_ve, old_pd = other.counts[host]
+            if (ve, pd) != (old_ve, old_pd):
+                lines.append(f"{host}: epd_num_ve {old_ve} -> {ve}, epd_num_pd {old_pd} -> {pd}")
+        return lines
+
 
 @dataclass(frozen=True)
 class Prediction:
-    """A layout under the model at the measured load."""
+    """A layout under the model at the measured load (times `load`)."""
 
     ve: PoolModel
     pd: PoolModel
     image_share: float  # requests that encode
+    load: float = 1.0
 
     @property
     def busiest(self) -> float:
         return max(p.utilisation if p.rate > 0 else 0.0 for p in (self.ve, self.pd))
+
+    @property
+    def busiest_role(self) -> str:
+        return "ve" if self.ve.rate > 0 and self.ve.utilisation >= self.pd.utilisation else "pd"
 
     @property
     def mean_s(self) -> float:
@@ -117,6 +143,22 @@ class Prediction:
             return math.inf
         return min(p.capacity_per_s * total / p.rate for p in (self.ve, self.pd) if p.rate > 0)
 
+    def headroom(self, target: float) -> float:
+        """How many times this load the layout takes before its busiest pool passes `target`
+        (busy fractions grow in proportion to the load); below 1 when it is past it already."""
+        return math.inf if self.busiest <= 0 else target / self.busiest
+
+
+@dataclass(frozen=True)
+class NextStep:
+    """What to change once the load outgrows the proposal: at `prediction.load` times today's
+    load the proposal's busiest pool reaches the target; `layout` meets it again (None: no
+    layout of these hosts does, the fleet needs another host)."""
+
+    layout: Layout | None
+    prediction: Prediction | None
+    load: float
+
 
 @dataclass(frozen=True)
 class Recommendation:
@@ -126,18 +168,19 @@ class Recommendation:
     after: Prediction
     plan_lines: list[str]  # the planner's table of the proposed layout
     reason: str
+    target: float = DEFAULT_TARGET_BUSY
+    next_step: NextStep | None = None  # None when the load cannot grow (no traffic) or past target
 
     @property
     def changed(self) -> bool:
         return self.proposed != self.current
 
+    @property
+    def headroom(self) -> float:
+        return self.after.headroom(self.target)
+
     def inventory_change(self) -> list[str]:
-        lines = []
-        for host, (ve, pd) in self.proposed.counts.items():
-            old_ve, old_pd = self.current.counts[host]
-            if (ve, pd) != (old_ve, old_pd):
-                lines.append(f"{host}: epd_num_ve {old_ve} -> {ve}, epd_num_pd {old_pd} -> {pd}")
-        return lines
+        return self.proposed.inventory_change(self.current)
 
 
 class Advisor:
@@ -224,57 +267,120 @@ class Advisor:
         checked = self._check(self.hostvars_for(layout))
         return plan_table(checked["plan"])
 
-    def predict(self, analysis: Analysis, layout: Layout) -> Prediction:
+    def predict(self, analysis: Analysis, layout: Layout, load: float = 1.0) -> Prediction:
         ve, pd = analysis.pools["ve"], analysis.pools["pd"]
         share = analysis.image_requests / pd.arrivals if pd.arrivals > 0 else 0.0
         return Prediction(
-            ve.model.with_servers(layout.total("ve")),
-            pd.model.with_servers(layout.total("pd") * pd.slots_per_engine),
+            ve.model.scaled(load).with_servers(layout.total("ve")),
+            pd.model.scaled(load).with_servers(layout.total("pd") * pd.slots_per_engine),
             min(1.0, share),
+            load,
         )
 
-    def recommend(self, analysis: Analysis) -> Recommendation | None:
+    def recommend(self, analysis: Analysis, target: float = DEFAULT_TARGET_BUSY) -> Recommendation | None:
         """None when the window cannot support a recommendation (too little traffic)."""
         if not analysis.enough_traffic:
             return None
         before = self.predict(analysis, self.current)
-        if analysis.bottleneck is None:
-            return self._keep(analysis, before, analysis.verdict())
         options = {host: self.host_options(host) for host in self.engine_hosts}
-        layout, prediction = self.current, before
-        for _ in range(MAX_STEPS):
-            step = self._best_step(analysis, layout, prediction, options)
-            if step is None:
-                break
-            layout, prediction = step
-        if layout == self.current:
-            return self._keep(analysis, before, "no layout the planner accepts lowers the busiest pool's load enough")
-        return Recommendation(self.current, layout, before, prediction, self.plan_lines(layout), analysis.verdict())
+        if analysis.bottleneck is None or before.busiest <= target:
+            reason = analysis.verdict() if analysis.bottleneck is None else self._under(before, target)
+            return self._recommendation(analysis, self.current, before, before, reason, target, options)
+        found = self._smallest_change(analysis, self.current, before, target, options)
+        if found is not None:
+            layout, after = found
+            reason = (
+                f"the fewest engine changes ({layout.changes_from(self.current)}) that bring the busiest pool to or "
+                f"under {target:.0%} busy"
+            )
+            return self._recommendation(analysis, layout, before, after, reason, target, options)
+        found = self._least_busy(analysis, before, options)
+        if found is None:
+            reason = "no layout the planner accepts lowers the busiest pool's load enough (more hosts do)"
+            return self._recommendation(analysis, self.current, before, before, reason, target, options)
+        layout, after = found
+        reason = (
+            f"no layout of these hosts brings the busiest pool under {target:.0%}: this one is the least busy "
+            "(every engine it moves is needed); more hosts reach the target"
+        )
+        return self._recommendation(analysis, layout, before, after, reason, target, options)
 
-    def _keep(self, analysis: Analysis, before: Prediction, reason: str) -> Recommendation:
-        return Recommendation(self.current, self.current, before, before, self.plan_lines(self.current), reason)
+    @staticmethod
+    def _under(before: Prediction, target: float) -> str:
+        return (
+            f"the busiest pool, {before.busiest_role.upper()}, is {before.busiest:.0%} busy, at or under the "
+            f"{target:.0%} target"
+        )
 
-    def _best_step(
-        self, analysis: Analysis, layout: Layout, now: Prediction, options: Mapping[str, list[tuple[int, int]]]
+    def _recommendation(
+        self,
+        analysis: Analysis,
+        layout: Layout,
+        before: Prediction,
+        after: Prediction,
+        reason: str,
+        target: float,
+        options: Mapping[str, list[tuple[int, int]]],
+    ) -> Recommendation:
+        next_step = None
+        load = after.headroom(target)
+        if 1 <= load < math.inf:
+            at_load = self.predict(analysis, layout, load)
+            found = self._smallest_change(analysis, layout, at_load, target, options)
+            next_step = NextStep(*(found or (None, None)), load)
+        return Recommendation(self.current, layout, before, after, self.plan_lines(layout), reason, target, next_step)
+
+    def _smallest_change(
+        self,
+        analysis: Analysis,
+        base: Layout,
+        now: Prediction,
+        target: float,
+        options: Mapping[str, list[tuple[int, int]]],
     ) -> tuple[Layout, Prediction] | None:
+        """The fewest engine changes from `base` (at `now`'s load) whose busiest pool is at or
+        under `target` and whose mean time is not worse; of those, the least busy."""
         candidates = []
-        for host, choices in options.items():
-            for choice in choices:
-                if choice == layout.counts[host]:
-                    continue
-                trial = Layout({**layout.counts, host: choice})
-                predicted = self.predict(analysis, trial)
-                if predicted.busiest > now.busiest * (1 - MIN_GAIN):
-                    continue
-                if predicted.mean_s > now.mean_s * (1 + LATENCY_SLACK):
-                    continue
-                moved = sum(
-                    abs(a - b)
-                    for h in trial.counts
-                    for a, b in zip(trial.counts[h], self.current.counts[h], strict=True)
-                )
-                candidates.append((predicted.busiest, predicted.mean_s, moved, host, choice, trial, predicted))
-        for *_, trial, predicted in sorted(candidates, key=lambda c: c[:5]):
-            if self.refusal(trial) is None:
-                return trial, predicted
+        for layout in self._cheapest_layouts(base, options):
+            predicted = self.predict(analysis, layout, now.load)
+            if layout == base or predicted.busiest > target or predicted.mean_s > now.mean_s * (1 + LATENCY_SLACK):
+                continue
+            candidates.append((layout.changes_from(base), predicted.busiest, predicted.mean_s, layout, predicted))
+        return self._first_accepted(candidates)
+
+    def _least_busy(
+        self, analysis: Analysis, now: Prediction, options: Mapping[str, list[tuple[int, int]]]
+    ) -> tuple[Layout, Prediction] | None:
+        """The least busy layout that lowers the busiest pool by MIN_GAIN at no worse mean time;
+        of equally busy ones, the fewest changes."""
+        candidates = []
+        for layout in self._cheapest_layouts(self.current, options):
+            predicted = self.predict(analysis, layout)
+            if predicted.busiest > now.busiest * (1 - MIN_GAIN) or predicted.mean_s > now.mean_s * (1 + LATENCY_SLACK):
+                continue
+            changes = layout.changes_from(self.current)
+            candidates.append((predicted.busiest, changes, predicted.mean_s, layout, predicted))
+        return self._first_accepted(candidates)
+
+    def _first_accepted(self, candidates: list[tuple]) -> tuple[Layout, Prediction] | None:
+        for *_, layout, predicted in sorted(candidates, key=lambda c: (*c[:3], sorted(c[3].counts.items()))):
+            if self.refusal(layout) is None:
+                return layout, predicted
         return None
+
+    def _cheapest_layouts(self, base: Layout, options: Mapping[str, list[tuple[int, int]]]) -> list[Layout]:
+        """For every pair of pool sizes the hosts can hold within MAX_CHANGES of `base`, the layout
+        reaching it with the fewest engine changes (the model sees only the pools' sizes): one
+        pass over the hosts, keeping per (VE total, PD total) the cheapest counts so far."""
+        best: dict[tuple[int, int], tuple[int, dict[str, tuple[int, int]]]] = {(0, 0): (0, {})}
+        for host in self.engine_hosts:
+            old_ve, old_pd = base.counts[host]
+            grown: dict[tuple[int, int], tuple[int, dict[str, tuple[int, int]]]] = {}
+            for (ve_total, pd_total), (cost, counts) in best.items():
+                for ve, pd in options[host]:
+                    step = cost + abs(ve - old_ve) + abs(pd - old_pd)
+                    key = (ve_total + ve, pd_total + pd)
+                    if step <= MAX_CHANGES and (key not in grown or step < grown[key][0]):
+                        grown[key] = (step, {**counts, host: (ve, pd)})
+            best = grown
+        return [Layout(counts) for _, counts in best.values()]

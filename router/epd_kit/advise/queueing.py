@@ -88,3 +88,7 @@ class PoolModel:
 
     def with_servers(self, servers: int) -> PoolModel:
         return PoolModel(self.rate, self.service_s, servers)
+
+    def scaled(self, load: float) -> PoolModel:
+        """The pool at `load` times its arrival rate (same service time)."""
+        return PoolModel(self.rate * load, self.service_s, self.servers)

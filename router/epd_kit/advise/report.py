@@ -101,9 +101,11 @@ def recommendation_lines(rec: Recommendation | None) -> list[str]:
             f"recommendation: no change ({rec.reason})",
             f"model (M/M/c per pool, docs/advisor.md): VE busy {_pct(b.ve.utilisation)}, PD busy "
             f"{_pct(b.pd.utilisation)}; most requests/s at this mix {b.max_rate:.1f}",
+            *headroom_lines(rec),
         ]
-    lines = ["recommendation: change the layout (the planner accepts it; the rollout floors hold)"]
+    lines = [f"recommendation: change the layout, {rec.reason} (the planner accepts it; the rollout floors hold)"]
     lines.append(f"predicted at the same load (M/M/c per pool, docs/advisor.md): {model}")
+    lines += headroom_lines(rec)
     lines += ["", "inventory change (host_vars or the host's line in the inventory):"]
     lines += [f"  {line}" for line in rec.inventory_change()]
     lines += ["", "plan of the new layout:"] + [f"  {line}" for line in rec.plan_lines]
@@ -114,3 +116,32 @@ def recommendation_lines(rec: Recommendation | None) -> list[str]:
         "changed nothing.",
     ]
     return lines
+
+
+def headroom_lines(rec: Recommendation) -> list[str]:
+    """How far the load can grow on the layout, and what to change past that."""
+    f, target = rec.after, rec.target
+    layout = "the proposed layout" if rec.changed else "this layout"
+    if math.isinf(rec.headroom):
+        return [f"headroom: {layout} has no busy pool at this load"]
+    if rec.headroom < 1:
+        return [
+            f"headroom: none; {layout}'s busiest pool, {f.busiest_role.upper()}, stays {_pct(f.busiest)} busy, "
+            f"past the {target:.0%} target: the load needs more hosts"
+        ]
+    lines = [
+        f"headroom: {layout}'s busiest pool, {f.busiest_role.upper()}, is {_pct(f.busiest)} busy: the load can "
+        f"grow {rec.headroom:.2f}x (to {f.pd.rate * rec.headroom:.1f} requests/s) before it passes {target:.0%}"
+    ]
+    step = rec.next_step
+    if step is None:
+        return lines
+    if step.layout is None or step.prediction is None:
+        return [*lines, "next step, past that load: none on these hosts (another host)"]
+    change = "; ".join(step.layout.inventory_change(rec.proposed))
+    p = step.prediction
+    return [
+        *lines,
+        f"next step, past that load: {change} (at {step.load:.2f}x: VE busy {_pct(p.ve.utilisation)}, "
+        f"PD busy {_pct(p.pd.utilisation)})",
+    ]

@@ -40,12 +40,58 @@ def test_image_heavy_with_too_few_ves_recommends_more_ves(tmp_path):
     assert doc["pools"]["ve"]["queueing_s"] > 0.05
     rec = doc["recommendation"]
     assert rec["changed"]
-    ve, pd = rec["proposed"]["n1"]
-    assert ve > 2 and pd < 7 and ve * 4 + pd * 8 <= 64
-    assert max(rec["predicted_busy"].values()) < doc["pools"]["ve"]["busy"]
-    assert "n1: epd_num_ve 2 -> " in text
-    assert "epd-ve-3" in text  # the planner's table of the new layout
+    # the host is full: a third VE takes one PD's 8 cores (2 changes), VE ~54 %, PD ~42 %
+    assert rec["proposed"]["n1"] == [3, 6]
+    assert rec["engine_changes"] == 2
+    assert max(rec["predicted_busy"].values()) <= 0.70
+    assert "n1: epd_num_ve 2 -> 3, epd_num_pd 7 -> 6" in text
+    assert "epd-ve-2" in text and "epd-ve-3" not in text  # the planner's table of the new layout
     assert "the VE pool bounds latency" in text
+
+
+def test_one_busy_ve_of_1e1pd_gets_one_more_ve_not_every_free_core(tmp_path):
+    # issue 35: one VE 82 % busy on a 64-core host with 52 free cores. A second VE brings the
+    # VE pool to ~41 %; the advisor recommended 14 VEs (every free core) before.
+    load = Load(rate=10, image_share=0.9, ve_service_s=0.091, pd_service_s=0.3, num_ve=1, num_pd=1)
+    doc, text = advise(tmp_path, load, {"n1": (1, 1)})
+    assert doc["bottleneck"] == "ve"
+    assert doc["pools"]["ve"]["busy"] == pytest.approx(0.82, abs=0.08)
+    rec = doc["recommendation"]
+    assert rec["proposed"] == {"n1": [2, 1]}, rec
+    assert rec["inventory_change"] == ["n1: epd_num_ve 1 -> 2, epd_num_pd 1 -> 1"]
+    assert rec["engine_changes"] == 1
+    assert rec["predicted_busy"]["ve"] == pytest.approx(doc["pools"]["ve"]["busy"] / 2)
+    # headroom: the load can grow until the VE pool reaches 70 %; then a third VE
+    assert rec["headroom"] == pytest.approx(0.70 / rec["predicted_busy"]["ve"])
+    assert rec["next_step"]["at_load"] == pytest.approx(rec["headroom"])
+    assert rec["next_step"]["inventory_change"] == ["n1: epd_num_ve 2 -> 3, epd_num_pd 1 -> 1"]
+    assert f"the load can grow {rec['headroom']:.2f}x" in text
+    assert "next step, past that load: n1: epd_num_ve 2 -> 3, epd_num_pd 1 -> 1" in text
+    # a lower target takes the fewest engines that bring both pools under it (PD 37 % -> 19 %)
+    doc, _ = advise(tmp_path, load, {"n1": (1, 1)}, "--target-busy", "0.3")
+    assert doc["recommendation"]["proposed"] == {"n1": [3, 2]}
+    assert doc["recommendation"]["target_busy"] == 0.3
+
+
+def test_a_load_that_needs_several_ves_gets_them_and_one_past_the_host_fills_it(tmp_path):
+    # 4.5 Erlangs of encoding on 4 VEs (the queue grows): over 90 % busy, 5 VEs stay over 72 %,
+    # 6 (two changes) are the fewest at or under 70 %
+    load = Load(rate=10, image_share=0.9, ve_service_s=0.5, pd_service_s=0.1, num_ve=4, num_pd=1)
+    doc, _ = advise(tmp_path, load, {"n1": (4, 1)})
+    assert doc["pools"]["ve"]["busy"] > 0.9
+    rec = doc["recommendation"]
+    assert rec["proposed"] == {"n1": [6, 1]}, rec
+    assert rec["engine_changes"] == 2
+    assert rec["predicted_busy"]["ve"] <= 0.70
+    # 10 VEs ~98 % busy against a 50 % target: the host's 14 VEs cannot reach it, so the
+    # advisor takes the least busy layout, which needs every free core
+    load = Load(rate=10, image_share=0.9, ve_service_s=1.09, pd_service_s=0.1, num_ve=10, num_pd=1)
+    doc, text = advise(tmp_path, load, {"n1": (10, 1)}, "--target-busy", "0.5")
+    rec = doc["recommendation"]
+    assert rec["proposed"] == {"n1": [14, 1]}, rec
+    assert rec["predicted_busy"]["ve"] > 0.5 and rec["headroom"] < 1
+    assert "more hosts reach the target" in rec["reason"]
+    assert "headroom: none" in text and "the load needs more hosts" in text
 
 
 def test_text_only_load_on_a_ve_heavy_layout_moves_cores_to_pd(tmp_path):
@@ -82,8 +128,9 @@ def test_too_little_traffic_recommends_nothing(tmp_path):
 
 def test_the_recommendation_respects_faulted_cores_and_floors(tmp_path):
     # cores 32-63 faulted leave 32: the new layout must fit in 0-31
-    load = Load(rate=10, image_share=0.9, ve_service_s=0.15, pd_service_s=1.0, num_ve=2, num_pd=3)
+    load = Load(rate=10, image_share=0.9, ve_service_s=0.2, pd_service_s=1.0, num_ve=2, num_pd=3)
     doc, text = advise(tmp_path, load, {"n1": (2, 3)}, "--faulted", "n1=" + ",".join(map(str, range(32, 64))))
+    assert doc["recommendation"]["changed"], doc
     ve, pd = doc["recommendation"]["proposed"]["n1"]
     assert ve * 4 + pd * 8 <= 32 and ve >= 1 and pd >= 1
     assert "faulted 32-63" in text
