@@ -71,4 +71,4 @@ if [ "$(cat $STAMP 2>/dev/null)" != "$want compiled" ]; then
   echo "bootstrap: bytecode written ($(find "$site" -name '*.py' | wc -l) modules, $(find "$site" -name '*.pyc' | wc -l) compiled)"
   echo "$want compiled" > $STAMP
 fi
-echo "bootstrap: ok ($VENV, $(.venv/bin/ansible-playbook --version | head -1))"
+echo "bootstrap: ok ($VENV, $(.venv/bin/ansible-playbook --version | sed -n 1p))"

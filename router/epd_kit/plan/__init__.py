@@ -1,7 +1,8 @@
 """epd_kit.plan: the trn2 topology planner and the one engine command model of epd-kit.
 
 Stdlib only and relative imports only, so it imports inside any Ansible controller's Python and
-the collection can load its bundled copy (plugins/plugin_utils/kit.py). Layout:
+the collection's filters load its bundled copy when the controller has no epd_kit
+(plugins/filter/epd_kit.py, BUNDLED_PLAN). Layout:
 
     variables     the declaration of every variable the kit reads (default, kind, bounds, scope, readers)
     defaults      the planner's defaults, from the declaration

@@ -54,5 +54,5 @@ class ClientSlots:
                 del self._slots[client]
 
     def holders(self) -> int:
-        """Clients with a job running or waiting (tests, metrics)."""
+        """Clients with a job running or waiting (what the tests watch to see a slot freed)."""
         return len(self._slots)

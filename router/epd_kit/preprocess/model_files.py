@@ -40,6 +40,60 @@ class CheckpointError(ValueError):
 
 
 @dataclass(frozen=True)
+class VisionGeometry:
+    """The vision tower's patch and embedding geometry (config.json vision_config). The defaults
+    are Qwen3VLVisionConfig's, the class vLLM reads a Qwen3-VL config.json with (transformers
+    5.24 models/qwen3_vl/configuration_qwen3_vl.py: patch_size 16, temporal_patch_size 2,
+    spatial_merge_size 2, in_channels 3, out_hidden_size 3584, deepstack_visual_indexes
+    [8, 16, 24]), for a key a checkpoint leaves out."""
+
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    out_hidden_size: int = 3584
+    deepstack_levels: int = 3
+
+    @property
+    def merge_factor(self) -> int:
+        return self.spatial_merge_size**2
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per raw patch row of pixel_values (3·2·16·16 = 1536 for Qwen3-VL)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def fat_dim(self) -> int:
+        """Embedding row width the encoder cache stores (main + deepstack levels)."""
+        return self.out_hidden_size * (1 + self.deepstack_levels)
+
+
+def vision_geometry(vision_config: dict[str, Any], where: Path) -> VisionGeometry:
+    """The geometry `vision_config` (of the config.json at `where`) declares: the one reader of
+    it, for the preprocessor and the simulated engine alike."""
+    default = VisionGeometry()
+
+    def whole(key: str, fallback: int) -> int:
+        value = vision_config.get(key, fallback)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise CheckpointError(f"{where}: vision_config '{key}' must be a positive integer, got {value!r}")
+        return value
+
+    levels = vision_config.get("deepstack_visual_indexes", [0] * default.deepstack_levels)
+    if not isinstance(levels, list):
+        raise CheckpointError(f"{where}: vision_config 'deepstack_visual_indexes' must be a list, got {levels!r}")
+    return VisionGeometry(
+        patch_size=whole("patch_size", default.patch_size),
+        temporal_patch_size=whole("temporal_patch_size", default.temporal_patch_size),
+        spatial_merge_size=whole("spatial_merge_size", default.spatial_merge_size),
+        in_channels=whole("in_channels", default.in_channels),
+        out_hidden_size=whole("out_hidden_size", default.out_hidden_size),
+        deepstack_levels=len(levels),
+    )
+
+
+@dataclass(frozen=True)
 class VisionSettings:
     """Everything that determines pixel_values and placeholder counts for an image."""
 
@@ -213,9 +267,10 @@ def _vision_settings(root: Path, config: dict[str, Any], pixel_dtype: str) -> Vi
             raise CheckpointError(f"{where}: '{key}' must be a number, got {value!r}")
         return value
 
-    patch = int(num("patch_size", vcfg.get("patch_size", 14)))
-    merge = int(num("merge_size", vcfg.get("spatial_merge_size", 2)))
-    temporal = int(num("temporal_patch_size", vcfg.get("temporal_patch_size", 2)))
+    geometry = vision_geometry(vcfg, root / "config.json")
+    patch = int(num("patch_size", geometry.patch_size))
+    merge = int(num("merge_size", geometry.spatial_merge_size))
+    temporal = int(num("temporal_patch_size", geometry.temporal_patch_size))
     for key, ours in (("patch_size", patch), ("spatial_merge_size", merge), ("temporal_patch_size", temporal)):
         theirs = vcfg.get(key)
         if theirs is not None and int(theirs) != ours:

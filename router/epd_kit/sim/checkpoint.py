@@ -1,6 +1,7 @@
 """What the sim needs from a checkpoint directory: architecture, vision geometry, vocabulary.
 
-Only config.json (+ tokenizer.json for the output vocabulary) is read; no weights exist.
+Only config.json (+ tokenizer.json for the output vocabulary) is read; no weights exist. The
+vision geometry and the error are the preprocessor's (preprocess/model_files.py): one reader.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from epd_kit.preprocess.model_files import CheckpointError, VisionGeometry, vision_geometry
+
 # vLLM's built-in default when `vllm serve` gets no model argument (tutorial, "Warning").
 VLLM_DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 VLLM_DEFAULT_ARCH = "Qwen3ForCausalLM"
@@ -20,53 +23,16 @@ VLLM_DEFAULT_ARCH = "Qwen3ForCausalLM"
 _PLAIN_TOKEN = re.compile(r"^Ġ?[A-Za-z]{1,16}$")
 
 
-class CheckpointError(Exception):
-    """The directory cannot be served (missing/unreadable config.json)."""
-
-
-@dataclass(frozen=True)
-class VisionGeometry:
-    """Per-image patch and embedding geometry of the vision tower (config.json vision_config)."""
-
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    in_channels: int = 3
-    out_hidden_size: int = 5120
-    deepstack_levels: int = 3
-
-    @property
-    def merge_factor(self) -> int:
-        return self.spatial_merge_size**2
-
-    @property
-    def patch_dim(self) -> int:
-        """Values per raw patch row of pixel_values (3·2·16·16 = 1536 for Qwen3-VL)."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
-
-    @property
-    def fat_dim(self) -> int:
-        """Embedding row width the encoder cache stores (main + deepstack levels)."""
-        return self.out_hidden_size * (1 + self.deepstack_levels)
-
-
 @dataclass(frozen=True)
 class VocabSpace:
     """The token ids the sim may emit: readable, non-special ids of the checkpoint's vocab."""
 
     vocab_size: int
     allowed_ids: tuple[int, ...]
-    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.allowed_ids:
             raise CheckpointError("the checkpoint vocabulary has no plain tokens to emit")
-
-    @classmethod
-    def plain_range(cls, vocab_size: int, lo: int = 0, hi: int | None = None) -> VocabSpace:
-        """A vocabulary without a tokenizer file: every id in [lo, hi)."""
-        hi = vocab_size if hi is None else hi
-        return cls(vocab_size=vocab_size, allowed_ids=tuple(range(lo, hi)))
 
 
 @dataclass(frozen=True)
@@ -88,18 +54,6 @@ class CheckpointInfo:
         return self.has_vision_config and ("VL" in arch or "ConditionalGeneration" in arch)
 
 
-def _geometry(vision_config: dict[str, Any]) -> VisionGeometry:
-    d = VisionGeometry()
-    return VisionGeometry(
-        patch_size=int(vision_config.get("patch_size", d.patch_size)),
-        temporal_patch_size=int(vision_config.get("temporal_patch_size", d.temporal_patch_size)),
-        spatial_merge_size=int(vision_config.get("spatial_merge_size", d.spatial_merge_size)),
-        in_channels=int(vision_config.get("in_channels", d.in_channels)),
-        out_hidden_size=int(vision_config.get("out_hidden_size", d.out_hidden_size)),
-        deepstack_levels=len(vision_config.get("deepstack_visual_indexes", [0, 0, 0])),
-    )
-
-
 def _eos_ids(config: dict[str, Any]) -> tuple[int, ...]:
     raw = config.get("eos_token_id")
     if raw is None:
@@ -112,7 +66,7 @@ def _vocab_space(path: Path, vocab_size: int, eos: tuple[int, ...]) -> VocabSpac
     if not tok_file.is_file():
         banned = set(eos)
         ids = tuple(i for i in range(min(vocab_size, 1 << 20)) if i not in banned)
-        return VocabSpace(vocab_size=vocab_size, allowed_ids=ids, eos_token_ids=eos)
+        return VocabSpace(vocab_size=vocab_size, allowed_ids=ids)
     doc = json.loads(tok_file.read_text(encoding="utf-8"))
     specials = {int(t["id"]) for t in doc.get("added_tokens", [])}
     vocab: dict[str, int] = (doc.get("model") or {}).get("vocab") or {}
@@ -121,7 +75,7 @@ def _vocab_space(path: Path, vocab_size: int, eos: tuple[int, ...]) -> VocabSpac
         for tok, i in vocab.items()
         if _PLAIN_TOKEN.match(tok) and i not in specials and i < vocab_size and i not in eos
     )
-    return VocabSpace(vocab_size=vocab_size, allowed_ids=tuple(ids), eos_token_ids=eos)
+    return VocabSpace(vocab_size=vocab_size, allowed_ids=tuple(ids))
 
 
 def load_checkpoint(path: Path) -> CheckpointInfo:
@@ -145,6 +99,6 @@ def load_checkpoint(path: Path) -> CheckpointInfo:
         path=Path(path),
         architectures=tuple(config.get("architectures") or ()),
         has_vision_config=isinstance(vision_config, dict),
-        vision=_geometry(vision_config if isinstance(vision_config, dict) else {}),
+        vision=vision_geometry(vision_config if isinstance(vision_config, dict) else {}, cfg_file),
         vocab=_vocab_space(Path(path), vocab_size, eos),
     )

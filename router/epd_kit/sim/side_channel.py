@@ -129,10 +129,6 @@ class SideChannelServer:
         await send_msg(writer, {"status": "DONE", "blocks": blocks})
 
 
-class SideChannelError(Exception):
-    pass
-
-
 async def request(host: str, port: int, msg: dict[str, Any]) -> dict[str, Any]:
     """One request/response exchange on a fresh connection (the caller bounds the time)."""
     reader, writer = await asyncio.open_connection(host, port)

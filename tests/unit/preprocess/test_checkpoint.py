@@ -186,3 +186,33 @@ def _edit(d: Path, name: str, **changes: object) -> None:
 def _drop_templates(d: Path) -> None:
     (d / "chat_template.json").unlink()
     _edit(d, "tokenizer_config.json", chat_template=None)
+
+
+def test_the_vision_geometry_has_one_reader_one_error_and_qwen3_vls_defaults(tmp_path):
+    """preprocess/model_files.py reads config.json's vision_config for the preprocessor and the
+    simulated engine alike: a key left out takes Qwen3VLVisionConfig's default (the config
+    class vLLM loads a Qwen3-VL checkpoint with), a bad value is the one CheckpointError."""
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+
+    from epd_kit.preprocess.model_files import vision_geometry
+    from epd_kit.sim import checkpoint as sim_checkpoint
+
+    reference = Qwen3VLVisionConfig()
+    geometry = vision_geometry({}, tmp_path / "config.json")
+    assert (geometry.patch_size, geometry.temporal_patch_size, geometry.spatial_merge_size) == (
+        reference.patch_size,
+        reference.temporal_patch_size,
+        reference.spatial_merge_size,
+    )
+    assert (geometry.in_channels, geometry.out_hidden_size, geometry.deepstack_levels) == (
+        reference.in_channels,
+        reference.out_hidden_size,
+        len(reference.deepstack_visual_indexes),
+    )
+    assert sim_checkpoint.CheckpointError is CheckpointError
+    assert sim_checkpoint.VisionGeometry is type(geometry)
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["X"], "vocab_size": 8, "vision_config": {"patch_size": "16"}})
+    )
+    with pytest.raises(CheckpointError, match="vision_config 'patch_size' must be a positive integer"):
+        sim_checkpoint.load_checkpoint(tmp_path)
