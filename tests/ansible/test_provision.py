@@ -160,7 +160,11 @@ def provision_locally(tmp_path: Path, **variables) -> subprocess.CompletedProces
             "nixl: <version>) epd_provision_efa_installer_version",
         ),
         (
-            {"epd_neuron_release": "2.33.0", "epd_provision_engine_pins": {"nixl": "1.5.1"}, "epd_provision_efa": False},
+            {
+                "epd_neuron_release": "2.33.0",
+                "epd_provision_engine_pins": {"nixl": "1.5.1"},
+                "epd_provision_efa": False,
+            },
             "Neuron 2.33.0: no source the kit read settles libtorch-neuronx-lite. Set them",
         ),
         # mistake: --minimal installs no libfabric (efa_installer.sh usage text)
