@@ -115,7 +115,9 @@ case ${1:-} in
         rc=0
         for version in "${VERSIONS[@]}"; do  # one pytest per vLLM: a process imports one
             echo "compat-env: the vLLM-compat tier against vllm $version" >&2
+            started=$(now)
             "$(env_dir "$version")/bin/python" -m pytest "${@:-tests/compat}" || { [[ $rc -ne 0 ]] || rc=$?; }
+            echo "compat-env: vllm $version took $(since "$started") s" >&2
         done
         exit $rc
         ;;
