@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from epd_kit.plan import ROLES
+
 from .queueing import PoolModel, fit_service_time
 from .window import HistogramDelta, Window
 
 R = "epd_router_"
-ROLES = ("ve", "pd")
 # Below this a pool is not a bottleneck, whatever the ranking says.
 BUSY_THRESHOLD = 0.5
 DEFAULT_MIN_REQUESTS = 100

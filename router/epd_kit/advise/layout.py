@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from epd_kit.plan import EpdPlanError, check_inventory, fleet_settings, place, plan_table, read_host
+from epd_kit.plan import ROLES, EpdPlanError, check_inventory, fleet_settings, place, plan_table, read_host
 from epd_kit.plan.checks import ENGINE_GROUP, text_only
 from epd_kit.plan.defaults import HOST_DEFAULTS
 from epd_kit.plan.rollout import PoolRule
@@ -33,7 +33,6 @@ from epd_kit.plan.rollout import PoolRule
 from .analysis import DEFAULT_TARGET_BUSY, Analysis
 from .queueing import PoolModel
 
-ROLES = ("ve", "pd")
 # A change that cannot reach the target must lower the busiest pool's utilisation by this share,
 # or it is noise.
 MIN_GAIN = 0.10

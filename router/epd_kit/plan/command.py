@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from .errors import EpdPlanError
 from .managed import EFA_ENVIRONMENT, PREFIX_CACHING_OFF, SIM_VLLM_VARIABLE, cold_start_timeouts
@@ -23,7 +23,9 @@ from .neuron_releases import neuron_release
 if TYPE_CHECKING:
     from .settings import Settings
 
-ROLES = ("ve", "pd")
+# the two pools' roles: the one home of their names (the router, the sim and the advisor import them)
+Role = Literal["ve", "pd"]
+ROLES: tuple[Role, ...] = get_args(Role)
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Literal
 
+from epd_kit.plan.command import Role
 from epd_kit.router.config import Endpoint, EngineState, RouterConfig
 from epd_kit.router.errors import Failure
 
 log = logging.getLogger("epd_router.pools")
 
-Role = Literal["ve", "pd"]
 
 # How long a VE whose blocks a PD could not read stays out: the first time, then doubled per
 # repeat up to the cap. Its /health and an encode can both succeed while its side channel

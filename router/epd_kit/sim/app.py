@@ -30,14 +30,13 @@ from ..wire import (
     sse_frame,
     stream_request_id,
 )
-from .config import EngineConfig
+from .config import VLLM_VERSION, EngineConfig
 from .errors import EngineDeadError, RequestRejected
 from .faults import FaultInjector, Faults
 from .metrics import SimMetrics
 from .pd import PrefillDecodeEngine, Sequence, build_sequence
 from .profile import LatencyProfile
 from .release import AnswerShape, answer_shape
-from .server import VLLM_VERSION
 from .ve import VisionEncoderEngine
 
 log = logging.getLogger("epd_sim.api")

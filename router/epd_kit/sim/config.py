@@ -10,9 +10,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from epd_kit.plan import EFA_ENVIRONMENT
+from epd_kit.plan.command import Role
 from epd_kit.plan.neuron_releases import DEFAULT_RELEASE, neuron_release
 
 from .checkpoint import (
@@ -24,8 +25,6 @@ from .checkpoint import (
     VocabSpace,
     load_checkpoint,
 )
-
-Role = Literal["ve", "pd"]
 
 # the vLLM version epd-sim answers as (`/version`, its start line): the default Neuron release's
 VLLM_VERSION = str(neuron_release(DEFAULT_RELEASE).engine_venv["vllm"].version)

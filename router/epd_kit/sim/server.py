@@ -13,12 +13,10 @@ from typing import Any
 
 from .auth import AuthenticationMiddleware, engine_tokens
 from .compile_cache import CacheSettings, CompileFailure, cache_key, key_inputs, load_or_compile
-from .config import EngineConfig, ServeArgs, StartupFailure, build_engine_config
+from .config import VLLM_VERSION, EngineConfig, ServeArgs, StartupFailure, build_engine_config
 from .faults import Faults
 from .profile import LatencyProfile
 from .release import answer_shape
-
-VLLM_VERSION = "0.24.0"
 
 log = logging.getLogger("epd_sim.server")
 

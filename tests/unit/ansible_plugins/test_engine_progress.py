@@ -4,6 +4,7 @@ and the end-of-wait summary."""
 from pathlib import Path
 
 from epd_kit.sim import server
+from epd_kit.sim.config import VLLM_VERSION
 from tests import repo_modules
 
 progress = repo_modules.module("epd_engine_progress")
@@ -13,7 +14,7 @@ action = repo_modules.load("plugins/action/epd_engine_progress.py", "epd_engine_
 def test_the_sim_log_walks_through_every_phase():
     """epd-sim logs what vLLM logs at each step (docs/sim.md "Lifecycle"); each step names its phase."""
     steps = [
-        ("vLLM API server version 0.24.0", None),
+        (f"vLLM API server version {VLLM_VERSION}", None),
         ("Loading weights and compiling for Neuron (simulated, 0.5 s)...", "compiling"),
         ("Compilation finished.", "warming up"),
         ("Warming up prefill bucket 8192...", "warming up"),
