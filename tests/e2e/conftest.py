@@ -158,7 +158,7 @@ def deploy_stack(
     if pool.kit_seed is None:
         lane = os.environ.get("EPD_E2E_LANE", "a")
         pool.capture_kit(machines[inventory.engine_hosts[0]], Path(pool.env["KIT_DIR"]) / f"kit-seed-{lane}")
-    stack = Stack(inventory, machines)
+    stack = Stack(inventory, machines, deploy_output=result.stdout + result.stderr)
     stack.wait_ready(timeout=60)
     return stack
 

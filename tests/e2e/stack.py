@@ -90,6 +90,8 @@ class Stack:
     inventory: SandboxInventory
     hosts: dict[str, TestHost]
     timings: dict[str, float] = field(default_factory=dict)
+    # what the first deploy printed (stdout and stderr): the secret grep reads it (secrets_scan.py)
+    deploy_output: str = ""
 
     @property
     def router_url(self) -> str:

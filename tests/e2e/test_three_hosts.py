@@ -6,12 +6,14 @@ every day-2 change."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 import yaml
 
 from tests.e2e.conftest import FOUR_HOSTS
+from tests.e2e.secrets_scan import ENGINE_PROBE, python_on, scan_stack, stack_secrets
 from tests.e2e.stack import LoadGenerator, Stack, four_host_fleet, image_message, is_healthy, wait_for
 from tests.hosts.harness import ansible_playbook, machine_address, relocated
 from tests.hosts.sandbox import SandboxInventory
@@ -62,6 +64,42 @@ def test_engines_bind_their_private_address_and_live_where_planned(three_host_st
         assert hosts[name].is_active("epd.target") == "active", name
     for name in ("n1", "n2"):
         assert hosts[name].is_active("epd-engines.target") == "active", name
+
+
+def test_the_engines_take_the_fleet_key_and_no_secret_leaks(three_host_stack, record_timing):
+    """Issue 37 items 2 and 5 (docs/security.md): one engine key per fleet, in root-only files
+    and the engines' environment file; a PD refuses /inference without it (vLLM's check, the sim's
+    copy) and takes it from the router host; no secret is anywhere else: not in a journal, a file
+    readable beyond root and the kit's group, a process's argv, the deploy's output or an answer."""
+    start = time.monotonic()
+    stack = three_host_stack
+    hosts = stack.hosts
+    secrets = stack_secrets(stack)
+    assert {"engine key 1", "admin token 1"} <= set(secrets), sorted(secrets)
+    assert "engine key 2" not in secrets  # the previous key of a rotation is gone once it ends
+    assert (
+        hosts["n3"].run("stat -c %a:%U:%G /etc/epd/engine-key /etc/epd/admin-token").stdout.split()
+        == ["640:root:epd"] * 2
+    )
+    for name in ("n1", "n2"):
+        assert hosts[name].run("stat -c %a:%U:%G /etc/epd/engine-key.env").stdout.strip() == "600:root:root"
+    probe = json.loads(python_on(hosts["n3"], ENGINE_PROBE, "", EXPECTED_PD["epd-n2-pd-0"]))
+    assert probe["without the key"] == [401, '{"error":"Unauthorized"}'], probe
+    assert probe["with the key"][0] != 401, probe
+    bodies = {f"POST a PD {name}": f"{status} {body}" for name, (status, body) in probe.items()}
+    with stack.http(10) as client:
+        for method, path, content in (
+            ("POST", "/v1/chat/completions", b"{not json"),
+            ("POST", "/v1/chat/completions", b'{"model": "x", "messages": []}'),
+            ("GET", "/no-such-path", b""),
+            ("GET", "/pools", b""),
+            ("GET", "/metrics", b""),
+        ):
+            answer = client.request(method, path, content=content or None)
+            bodies[f"{method} {path} {content[:20]!r}"] = f"{answer.status_code} {answer.text}"
+    leaks = scan_stack(stack, secrets, bodies)
+    record_timing("3 hosts: secret grep (journals, files, argv, deploy output, answers)", time.monotonic() - start)
+    assert leaks == [], "\n".join(leaks)
 
 
 def test_pd_reads_embeddings_from_a_ve_on_another_host(three_host_stack):

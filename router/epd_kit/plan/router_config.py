@@ -7,7 +7,8 @@ live, docs/router.md).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import ipaddress
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .command import ENGINE_DTYPE, merge
@@ -27,6 +28,11 @@ def router_config(
     api_keys_file: str | None = None,
     draining: Sequence[str] = (),
     extra: Mapping[str, Any] | None = None,
+    engine_key_file: str | None = None,
+    admin_token_file: str | None = None,
+    admin_networks: Sequence[str] | None = None,
+    monitoring_addresses: Sequence[str] = (),
+    loadbalancer_addresses: Sequence[str] = (),
 ) -> dict[str, Any]:
     """router.yaml as a mapping; `extra` is merged last, recursively."""
     sections = sections or {}
@@ -48,5 +54,47 @@ def router_config(
     )
     # without keys, say "off" outright: a reload only drops the keys of a running router when told so
     config["auth"] = {"api_keys_file": api_keys_file} if api_keys_file else {"enabled": False}
+    config["engine_auth"] = {"key_file": engine_key_file}
+    config["admin"] = {
+        "networks": admin_networks_of(admin_networks, listen_host, monitoring_addresses, loadbalancer_addresses),
+        "token_file": admin_token_file,
+    }
     config["endpoints"] = router_endpoints(plan, draining)
     return merge(config, extra or {})
+
+
+LOOPBACK = ["127.0.0.0/8", "::1/128"]
+
+
+def admin_networks_of(
+    explicit: Sequence[str] | None,
+    listen_host: str,
+    monitoring: Iterable[str],
+    loadbalancers: Iterable[str],
+) -> list[str]:
+    """admin.networks: loopback and the router host's own address always (the kit's own calls
+    to /pools come from the host itself, to its listen address), then `explicit`
+    (epd_admin_networks) or, without it, the monitoring hosts' addresses. A load balancer's
+    address is never taken by default: behind HAProxy every client's requests come from it."""
+    own = _host_networks([listen_host])
+    chosen = list(explicit) if explicit is not None else _host_networks(monitoring, skip=set(loadbalancers))
+    networks: list[str] = []
+    for network in [*LOOPBACK, *own, *chosen]:
+        if network not in networks:
+            networks.append(network)
+    return networks
+
+
+def _host_networks(addresses: Iterable[str], skip: Iterable[str] = ()) -> list[str]:
+    """Each address that is an IP literal, as a one-address network (a name is skipped: the
+    router compares the peer's address; list such hosts in epd_admin_networks)."""
+    networks, skipped = [], set(skip)
+    for address in addresses:
+        try:
+            ip = ipaddress.ip_address(str(address))
+        except ValueError:
+            continue
+        if ip.is_unspecified or str(ip) in skipped:
+            continue
+        networks.append(f"{ip}/{ip.max_prefixlen}")
+    return networks

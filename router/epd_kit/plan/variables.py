@@ -121,6 +121,14 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_router_config_file", "/etc/epd/router.yaml", PATH, HOST, C),
     _v("epd_router_env_file", "/etc/epd/router.env", PATH, HOST, C),
     _v("epd_secrets_env_file", "/etc/epd/secrets.env", PATH, HOST, C),
+    # the fleet's engine key (docs/security.md "Engine keys"): the router's copy (root:epd 0640) and
+    # the engines' VLLM_API_KEY (root 0600); the admin token of /metrics and /pools (root:epd 0640)
+    _v("epd_engine_key_file", "/etc/epd/engine-key", PATH, HOST, C),
+    _v("epd_engine_key_env_file", "/etc/epd/engine-key.env", PATH, HOST, C),
+    _v("epd_admin_token_file", "/etc/epd/admin-token", PATH, HOST, C),
+    # who may read /metrics and /pools without the admin token (CIDRs); unset: the monitoring hosts
+    _v("epd_admin_networks", None, LIST, FLEET, C),
+    _v("epd_rotate_engine_key", False, BOOL, RUN, "epd_common.secrets", plays=("deploy",)),
     _v("epd_systemd_dir", "/etc/systemd/system", PATH, HOST, C),
     _v("epd_engine_venv", "", STR, HOST, C),
     # the Neuron release whose table (neuron_releases.py) provision.yml installs
@@ -340,6 +348,7 @@ _DECLARED: tuple[Var, ...] = (
         for name, plays in (
             ("epd_fleet_plan", ("deploy", "plan", "render")),
             ("epd_deps_kit_install", ("deploy",)),
+            ("epd_common_engine_keys", ("deploy",)),  # the engine key(s), current first (epd_common secrets)
             ("epd_rr_headers", ROLLOUT_PLAYS),
             ("epd_rr_wait_healthy", ROLLOUT_PLAYS),  # false: a failed batch returns without waiting
             ("epd_render_root", ("render",)),
@@ -424,6 +433,8 @@ ROUTER_SECTIONS: dict[str, dict[str, str]] = {
     },
     "retries": {"max_attempts": INT},
     "auth": {"enabled": BOOL, "api_keys_file": PATH, "protect_metrics": BOOL, "protect_pools": BOOL},
+    "engine_auth": {"key_file": PATH},
+    "admin": {"networks": LIST, "token_file": PATH},
 }
 # router.yaml keys the kit writes from other variables: set those instead (a second value
 # would disagree with the socket unit, the engines or the plan)
@@ -440,6 +451,9 @@ PLANNED_KEYS: dict[str, str] = {
     "limits.max_image_patches": "epd_image_edge / epd_patch_size",
     "auth.enabled": "epd_router_api_keys_file",
     "auth.api_keys_file": "epd_router_api_keys_file",
+    "engine_auth.key_file": "epd_engine_key_file",
+    "admin.networks": "epd_admin_networks",
+    "admin.token_file": "epd_admin_token_file",
 }
 
 
