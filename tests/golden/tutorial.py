@@ -23,6 +23,25 @@ KIT_EXPORTS = {
     "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "6000",
     "VLLM_ENGINE_READY_TIMEOUT_S": "6300",
 }
+# every flag of the tutorial's two serve commands, in their order (the role flags of each pool in
+# their place)
+TUTORIAL_FLAGS = (
+    "--tensor-parallel-size",
+    "--host",
+    "--port",
+    "--max-model-len",
+    "--max-num-batched-tokens",
+    "--max-num-seqs",
+    "--dtype",
+    "--limit-mm-per-prompt",
+    "--no-enable-prefix-caching",
+    "--mm-encoder-only",
+    "--no-async-scheduling",
+    "--mm-processor-cache-gb",
+    "--additional-config",
+    "--ec-transfer-config",
+)
+
 FILES = {"ve-0": "tutorial_ve0.sh", "pd-0": "tutorial_pd0.sh"}
 
 

@@ -39,20 +39,28 @@ class CheckpointError(ValueError):
     """The directory is not a usable checkpoint; the message names the file and key."""
 
 
+# Qwen3VLVisionConfig's defaults, the class vLLM reads a Qwen3-VL config.json with (transformers
+# 5.24 models/qwen3_vl/configuration_qwen3_vl.py), for a vision_config key a checkpoint leaves out
+QWEN3_VL_VISION_DEFAULTS = {
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "in_channels": 3,
+    "out_hidden_size": 3584,
+    "deepstack_visual_indexes": [8, 16, 24],
+}
+
+
 @dataclass(frozen=True)
 class VisionGeometry:
-    """The vision tower's patch and embedding geometry (config.json vision_config). The defaults
-    are Qwen3VLVisionConfig's, the class vLLM reads a Qwen3-VL config.json with (transformers
-    5.24 models/qwen3_vl/configuration_qwen3_vl.py: patch_size 16, temporal_patch_size 2,
-    spatial_merge_size 2, in_channels 3, out_hidden_size 3584, deepstack_visual_indexes
-    [8, 16, 24]), for a key a checkpoint leaves out."""
+    """The vision tower's patch and embedding geometry (config.json vision_config)."""
 
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    in_channels: int = 3
-    out_hidden_size: int = 3584
-    deepstack_levels: int = 3
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    out_hidden_size: int
+    deepstack_levels: int
 
     @property
     def merge_factor(self) -> int:
@@ -69,27 +77,25 @@ class VisionGeometry:
         return self.out_hidden_size * (1 + self.deepstack_levels)
 
 
-def vision_geometry(vision_config: dict[str, Any], where: Path) -> VisionGeometry:
+def vision_geometry(vision_config: dict[str, Any], where: Path | None = None) -> VisionGeometry:
     """The geometry `vision_config` (of the config.json at `where`) declares: the one reader of
-    it, for the preprocessor and the simulated engine alike."""
-    default = VisionGeometry()
+    it, for the preprocessor and the simulated engine alike; `{}` gives Qwen3-VL's defaults."""
 
-    def whole(key: str, fallback: int) -> int:
-        value = vision_config.get(key, fallback)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise CheckpointError(f"{where}: vision_config '{key}' must be a positive integer, got {value!r}")
-        return value
+    def value(key: str) -> Any:
+        found = vision_config.get(key, QWEN3_VL_VISION_DEFAULTS[key])
+        wanted = list if key == "deepstack_visual_indexes" else int
+        if not isinstance(found, wanted) or isinstance(found, bool) or (wanted is int and found <= 0):
+            what = "a list" if wanted is list else "a positive integer"
+            raise CheckpointError(f"{where or 'config.json'}: vision_config '{key}' must be {what}, got {found!r}")
+        return found
 
-    levels = vision_config.get("deepstack_visual_indexes", [0] * default.deepstack_levels)
-    if not isinstance(levels, list):
-        raise CheckpointError(f"{where}: vision_config 'deepstack_visual_indexes' must be a list, got {levels!r}")
     return VisionGeometry(
-        patch_size=whole("patch_size", default.patch_size),
-        temporal_patch_size=whole("temporal_patch_size", default.temporal_patch_size),
-        spatial_merge_size=whole("spatial_merge_size", default.spatial_merge_size),
-        in_channels=whole("in_channels", default.in_channels),
-        out_hidden_size=whole("out_hidden_size", default.out_hidden_size),
-        deepstack_levels=len(levels),
+        patch_size=value("patch_size"),
+        temporal_patch_size=value("temporal_patch_size"),
+        spatial_merge_size=value("spatial_merge_size"),
+        in_channels=value("in_channels"),
+        out_hidden_size=value("out_hidden_size"),
+        deepstack_levels=len(value("deepstack_visual_indexes")),
     )
 
 

@@ -15,8 +15,8 @@ import numpy as np
 from blake3 import blake3
 
 from .. import mm_serde
+from ..preprocess.model_files import VisionGeometry, vision_geometry
 from ..wire import EcLocator, Features, GenerateRequest, Placeholder, SamplingParams, encode_request
-from .checkpoint import VisionGeometry
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class FakeImage:
 
 
 def fake_image(grid: tuple[int, int, int], seed: int = 0, geometry: VisionGeometry | None = None) -> FakeImage:
-    geo = geometry or VisionGeometry()
+    geo = geometry or vision_geometry({})
     t, h, w = grid
     rng = np.random.default_rng(seed)
     pixels = rng.standard_normal((t * h * w, geo.patch_dim), dtype=np.float32)

@@ -1,8 +1,6 @@
 """plugins/modules/epd_neuron_facts.py: faulted Neuron devices from a (fake) driver sysfs tree."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +8,7 @@ import pytest
 
 from epd_kit import plan
 from tests import repo_modules
+from tests.ansible import helpers
 
 REPO = Path(__file__).resolve().parents[3]
 scan = repo_modules.module("epd_neuron_facts").scan_neuron_devices
@@ -88,16 +87,9 @@ def test_scan_result_feeds_the_planner(tmp_path):
 @pytest.mark.ansible
 def test_module_runs_under_ansible_in_check_mode(tmp_path):
     root = fake_tree(tmp_path / "nd", devices=2, fail={(1, 2): 4})
-    env = {
-        **os.environ,
-        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_STDOUT_CALLBACK": "minimal",
-        "ANSIBLE_CALLBACK_RESULT_FORMAT": "json",
-    }
-    result = subprocess.run(
+    result = helpers.run(
         [
-            str(Path(sys.executable).parent / "ansible"),
+            str(helpers.BIN / "ansible"),
             "localhost",
             "-i",
             "localhost,",
@@ -111,12 +103,9 @@ def test_module_runs_under_ansible_in_check_mode(tmp_path):
             "-a",
             f"root={root}",
         ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
         timeout=120,
-        check=False,
+        ANSIBLE_STDOUT_CALLBACK="minimal",
+        ANSIBLE_CALLBACK_RESULT_FORMAT="json",
     )
     assert result.returncode == 0, result.stdout + result.stderr
     head, _, body = result.stdout.partition(" => ")

@@ -3,10 +3,7 @@ then the same check through plan.yml (each problem printed once, no host contact
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +12,7 @@ import yaml
 
 from epd_kit import plan as planner
 from tests import repo_modules
+from tests.ansible import helpers
 
 REPO = Path(__file__).resolve().parents[3]
 BASE_GROUP_VARS = {"epd_model": "/models/m"}
@@ -122,21 +120,7 @@ def test_plan_playbook_prints_each_problem_once_and_contacts_no_host(tmp_path):
             }
         )
     )
-    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
-    result = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "ansible-playbook"),
-            "-i",
-            str(tmp_path / "hosts.yml"),
-            "playbooks/plan.yml",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = helpers.playbook("-i", str(tmp_path / "hosts.yml"), "playbooks/plan.yml", timeout=120)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
     assert output.count("unknown variable epd_num_pds; did you mean epd_num_pd?") == 1, output

@@ -13,6 +13,7 @@ from epd_kit import plan
 from epd_kit.plan import managed
 from epd_kit.sim import launch
 from tests.ansible.systemd_expand import expand_command, parse_unit
+from tests.golden.tutorial import TUTORIAL_FLAGS
 
 MODEL = "/models/Qwen3-VL-32B-Instruct"
 TOKEN = st.text(
@@ -62,20 +63,8 @@ def test_unit_expands_to_the_planner_argv(role, tp, images, edge_patches, quanti
 
 def test_serve_line_is_the_tutorial_order_and_every_flag_is_managed():
     flags = [piece.flag for piece in plan.SERVE_LINE if piece.flag]
-    assert flags == [
-        "--tensor-parallel-size",
-        "--host",
-        "--port",
-        "--max-model-len",
-        "--max-num-batched-tokens",
-        "--max-num-seqs",
-        "--dtype",
-        "--limit-mm-per-prompt",
-        "--no-enable-prefix-caching",
-        "--additional-config",
-        "--ec-transfer-config",
-    ]
     role_flags = [flag for flags_ in plan.ROLE_FLAGS.values() for flag in flags_ if flag.startswith("--")]
+    assert flags == [flag for flag in TUTORIAL_FLAGS if flag not in role_flags]  # the role flags: $EPD_ROLE_ARGS
     unmanaged = [flag for flag in flags + role_flags if flag not in plan.MANAGED_FLAGS]
     assert unmanaged == ["--mm-encoder-only"]  # refused with its own message (test_planner.test_bad_extra_args)
 

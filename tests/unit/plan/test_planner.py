@@ -1,7 +1,6 @@
 """The topology planner (epd_kit.plan): layout rules, the engine command, argv/env, every error."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ import pytest
 import yaml
 
 from epd_kit import plan as planner
+from tests.ansible import helpers
 from tests.golden.tutorial import KIT_EXPORTS, TUTORIAL_EXPORTS, tutorial_command
 
 REPO = Path(__file__).resolve().parents[3]
@@ -496,27 +496,14 @@ def test_filter_shims_load_the_bundled_planner_without_the_kit(tmp_path):
 
 
 def run_plan(inventory, *extra):
-    env = {
-        **os.environ,
-        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_STDOUT_CALLBACK": "default",
-        "ANSIBLE_CALLBACK_RESULT_FORMAT": "yaml",
-    }
-    return subprocess.run(
-        [
-            str(Path(sys.executable).parent / "ansible-playbook"),
-            "-i",
-            str(inventory),
-            str(REPO / "playbooks" / "plan.yml"),
-            *extra,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
+    return helpers.playbook(
+        "-i",
+        str(inventory),
+        str(REPO / "playbooks" / "plan.yml"),
+        *extra,
         timeout=120,
-        check=False,
+        ANSIBLE_STDOUT_CALLBACK="default",
+        ANSIBLE_CALLBACK_RESULT_FORMAT="yaml",
     )
 
 

@@ -5,23 +5,7 @@ from __future__ import annotations
 from click.testing import CliRunner
 
 from epd_kit.sim.cli import main
-
-TUTORIAL_FLAGS = (
-    "--tensor-parallel-size",
-    "--host",
-    "--port",
-    "--max-model-len",
-    "--max-num-batched-tokens",
-    "--max-num-seqs",
-    "--dtype",
-    "--limit-mm-per-prompt",
-    "--no-enable-prefix-caching",
-    "--mm-encoder-only",
-    "--no-async-scheduling",
-    "--mm-processor-cache-gb",
-    "--additional-config",
-    "--ec-transfer-config",
-)
+from tests.golden.tutorial import TUTORIAL_FLAGS
 
 
 def test_help_lists_every_tutorial_flag_and_sim_env() -> None:
