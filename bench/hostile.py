@@ -4,14 +4,14 @@ decompression bombs and broken images, malformed HTTP) sent over raw sockets, wh
 /ready and /metrics are timed. Done when no answer is a 500, every error is a JSON envelope
 with a request id, the valid requests among them succeed and the operations endpoints stay
 responsive (docs/router.md "Limits and timeouts" has the figures). Cases with an expected
-status (issue 23's findings: Upgrade, escaped base64, non-finite numbers, integer bounds,
+status (the findings of an earlier hostile-input review: Upgrade, escaped base64, non-finite numbers, integer bounds,
 transfer codings, ...) must get it.
 
-`--attacks` then runs the attacks of one client on the others (issue 23), each while
+`--attacks` then runs the attacks of one client on the others, each while
 legitimate text and image requests and /health are timed: 64 uploads that trickle their
-bodies, animated GIFs of 999 large frames, six 60 MB bodies at once, and (issue 33) 8192x8192
+bodies, animated GIFs of 999 large frames, six 60 MB bodies at once, and 8192x8192
 progressive JPEGs of 64 scans from one client that leaves and opens a second connection.
-`--engines` runs a misbehaving engine's cases (issue 33 item 3, bench/misbehaving_engine.py:
+`--engines` runs a misbehaving engine's cases (bench/misbehaving_engine.py:
 huge heads and /health answers, an endless stream line, Retry-After inf, ids outside the
 vocabulary, interim answers, a stopped PD beside a slow /health) on a stack of its own.
 
@@ -414,7 +414,7 @@ def cases(*, random_count: int = 300, big: bool = True, seed: int = 11) -> list[
 
 def many_frame_gif(frames: int, side: int) -> bytes:
     """`frames` copies of one `side`x`side` frame: small on the wire, each frame costly to
-    decode (issue 23: 999 frames of 4096x4096 in 14 MB passed every size limit)."""
+    decode (999 frames of 4096x4096 in 14 MB passed every size limit)."""
     from PIL import Image
 
     buf = io.BytesIO()
@@ -425,7 +425,7 @@ def many_frame_gif(frames: int, side: int) -> bytes:
 
 
 def issue33_cases() -> list[tuple[str, bytes, bool, tuple[int, ...]]]:
-    """(name, raw, valid, expected statuses): issue 33's request findings (item 5); its engine
+    """(name, raw, valid, expected statuses): a later review's request findings; its engine
     findings are bench/misbehaving_engine.py's, the broken VE tests/router_processes/test_broken_ve.py."""
     body = json.dumps(user("x")).encode()
     request = http(body)
@@ -438,7 +438,7 @@ def issue33_cases() -> list[tuple[str, bytes, bool, tuple[int, ...]]]:
 
 
 def issue23_cases(big: bool) -> list[tuple[str, bytes, bool, tuple[int, ...]]]:
-    """(name, raw, valid, expected statuses): issue 23's single-request findings."""
+    """(name, raw, valid, expected statuses): the first review's single-request findings."""
     out: list[tuple[str, bytes, bool, tuple[int, ...]]] = []
     body = json.dumps(user("x")).encode()
     for name, up in {
@@ -702,7 +702,7 @@ def run(url: str, selected: list[Case], concurrency: int = 8, max_s: float = 600
     }
 
 
-# --- attacks of one client on the others (issue 23) -------------------------------------------
+# --- attacks of one client on the others -------------------------------------------
 
 
 def _slow_uploads(host: str, port: int, stop: threading.Event, n: int = 64) -> None:
@@ -734,7 +734,7 @@ def _repeat(host: str, port: int, stop: threading.Event, raw: bytes, max_count: 
 
 
 def scan_bomb(side: int, extra_scans: int, seed: int = 0) -> bytes:
-    """A progressive JPEG whose last scan is repeated `extra_scans` times (issue 33: each
+    """A progressive JPEG whose last scan is repeated `extra_scans` times (each
     copy costs a decode of the whole image; 8192x8192: ~40 ms per 99-byte copy)."""
     from PIL import Image
 
@@ -832,7 +832,7 @@ def _under_attack(url: str, attack, seconds: float) -> dict:
     return out
 
 
-# --- PD streams that misbehave after they started (issue 33 item 4) ---------------------------
+# --- PD streams that misbehave after they started ---------------------------
 
 STREAM_MARK = 13  # max_tokens of the spoiled client's requests; the legitimate client asks for 4
 STREAM_GAP_S = 1.0  # the router's timeouts.stream_gap_s for these runs
@@ -1041,7 +1041,7 @@ def streams(seconds: float = 1.0) -> dict:
     return out
 
 
-# --- one VE whose side channel refuses reads (issue 33 item 1) ----------------------------------
+# --- one VE whose side channel refuses reads ----------------------------------
 
 
 def _image_chat(i: int) -> bytes:
@@ -1164,8 +1164,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--attacks", action="store_true", help="then the attacks of one client on the others")
     ap.add_argument("--attack-s", type=float, default=20.0, help="legitimate traffic per attack")
-    ap.add_argument("--streams", action="store_true", help="then PD streams that misbehave (issue 33, own stack)")
-    ap.add_argument("--engines", action="store_true", help="then a misbehaving engine (issue 33, own stack)")
+    ap.add_argument("--streams", action="store_true", help="then PD streams that misbehave (own stack)")
+    ap.add_argument("--engines", action="store_true", help="then a misbehaving engine (own stack)")
     ap.add_argument("--engine-s", type=float, default=10.0, help="legitimate traffic per engine case")
     ap.add_argument("--broken-ve", action="store_true", help="then a VE refusing reads under load (own stack)")
     ap.add_argument("--out", type=Path, help="write the summary as JSON here")

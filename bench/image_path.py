@@ -42,7 +42,7 @@ from bench.stack import engine_proc, router_proc
 KINDS = ("text", "image-repeated", "image-new")
 PROMPT = "Describe the picture in one short sentence."
 MAX_TOKENS = 8
-DEFAULT_BASELINE = "0225a3a"  # the image path before issue 14's work
+DEFAULT_BASELINE = "0225a3a"  # the image path before its speed work (docs/benchmarks.md)
 
 
 def chat_body(url: str | None) -> bytes:

@@ -1,4 +1,4 @@
-"""A deliberately misbehaving engine in front of which the router must hold (issue 33 item 3),
+"""A deliberately misbehaving engine in front of which the router must hold,
 and the runs that time the router while it misbehaves.
 
 `BadEngine` is a PD on raw asyncio sockets (tests/unit/router/raw_http.py's `RawServer`) on

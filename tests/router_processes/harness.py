@@ -213,7 +213,7 @@ class Stack:
         return stack
 
     def internals(self) -> list[str]:
-        """What no client may read in an error (issue 33): each engine's address and id."""
+        """What no client may read in an error: each engine's address and id."""
         engines = self.ves + self.pds
         return [f"{HOST}:{e.port}" for e in engines] + [e.engine_id for e in engines]
 

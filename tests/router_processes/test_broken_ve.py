@@ -1,4 +1,4 @@
-"""Issue 33 item 1: one VE whose side channel refuses reads (the sim's `refuse` fault, the
+"""One VE whose side channel refuses reads (the sim's `refuse` fault, the
 tutorial's missing-EFA-variable case) under load. A PD that fails a read loses its engine
 core and exits (vLLM's behaviour, docs/contract.md §3.5), so the router must charge the VE
 at the first failure, move the request onto another VE's blocks and never send that VE's

@@ -1,4 +1,4 @@
-"""A misbehaving engine cannot hurt the router (issue 33 item 3): a real router with a sim VE,
+"""A misbehaving engine cannot hurt the router: a real router with a sim VE,
 two sim PDs and bench/misbehaving_engine.py's raw-socket PD on 127.0.0.1, which misbehaves on
 the requests of one client (and, in the /health cases, on every probe) while a legitimate
 client's requests and /health are timed and the router's RSS is sampled. Each case: no answer

@@ -91,7 +91,7 @@ def run_one(stack: Stack, expected, i: int, stream: bool, max_tokens: int) -> Ou
 
 
 def _internals_in(stack: Stack, text: str) -> list[str]:
-    """The engine addresses and ids in an error a client got: none since issue 33."""
+    """The engine addresses and ids in an error a client got: none."""
     return [internal for internal in stack.internals() if internal in text]
 
 
@@ -168,7 +168,7 @@ def test_kill_a_pd_under_load(make_stack, oracle):
         assert len(busy) == 1
         next(pd for pd in stack.pds if pd.engine_id == busy[0]).kill()
         events = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
-    error = json.loads(events[-1])  # the router's own frame, nothing after it (issue 33)
+    error = json.loads(events[-1])  # the router's own frame, nothing after it
     assert error["error"]["code"] == 502 and error["error"]["message"] == "the connection to the engine broke"
     assert error["request_id"] and not _internals_in(stack, events[-1])
     assert "[DONE]" not in events and all("error" not in json.loads(e) for e in events[:-1])

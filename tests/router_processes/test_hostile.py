@@ -113,7 +113,7 @@ def test_a_client_that_leaves_during_its_upload_is_a_quiet_499(stack):
 
 
 def test_one_clients_attacks_do_not_deny_service_to_the_others(stack):
-    """Issue 23 findings 1, 2 and 9 (bench/hostile.py `attacks`, shorter and smaller): while
+    """Attacks of one client on the others (bench/hostile.py `attacks`, shorter and smaller): while
     64 uploads trickle their bodies, two clients send 999-frame GIFs, or six 8 MB bodies
     arrive, legitimate text and image requests are all answered, quickly, and /health stays
     responsive. (Before: 64 slow uploads made every other request a 429 for body_timeout_s;

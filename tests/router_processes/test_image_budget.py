@@ -1,4 +1,4 @@
-"""Issue 33 item 2 on a real router (+ sims): one attacker sends scan-bomb JPEGs (progressive,
+"""On a real router (+ sims): one attacker sends scan-bomb JPEGs (progressive,
 last scan repeated: seconds of decode each) with all three tricks that dodged the per-client
 image bound (leaving while its decode runs, its key as `Bearer K` and `bearer K`, a second
 connection), and a victim's small images are still answered quickly. The bench's figure and

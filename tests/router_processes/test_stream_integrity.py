@@ -1,4 +1,4 @@
-"""Issue 33 item 4 against a real router: bench/hostile.py's misbehaving-stream PD (raw
+"""Against a real router: bench/hostile.py's misbehaving-stream PD (raw
 sockets, 127.0.0.1) spoils one client's streams after they started, next to a sim VE, while a
 legitimate client streams and /health is timed. Each case (`hostile.STREAM_CASES`): the
 spoiled client gets the router's own error frame (its request id, no engine address, nothing

@@ -68,7 +68,7 @@ async def test_images_in_progress_do_not_delay_a_text_only_request(make_preproce
     assert all(len(r.items) == 1 for r in await asyncio.gather(*images))
 
 
-# --- issue 23: image work bounded in time, per client, and by format ------------------------
+# --- image work bounded in time, per client, and by format ------------------------
 
 
 def _big_gif(frames: int, side: int) -> bytes:
@@ -90,7 +90,7 @@ def _gif_of(side: int) -> bytes:
 
 
 def test_gif_frames_are_counted_without_decoding_any(monkeypatch):
-    """Issue 23 finding 1: Pillow's frame walk decodes every frame it passes. The count now
+    """Pillow's frame walk decodes every frame it passes. The count now
     reads the block structure: refused or not, at most the first frame is decoded."""
     from epd_kit.preprocess.image import gif_frames
 
@@ -108,7 +108,7 @@ def test_gif_frames_are_counted_without_decoding_any(monkeypatch):
 
 
 def test_formats_off_the_allow_list_never_reach_a_decoder(monkeypatch):
-    """Issue 23 finding 9: Pillow's EPS plugin (Ghostscript) was reachable from client bytes."""
+    """Pillow's EPS plugin (Ghostscript) was reachable from client bytes."""
     from PIL import EpsImagePlugin
 
     from epd_kit.preprocess import NotAnImage
@@ -128,7 +128,7 @@ def test_formats_off_the_allow_list_never_reach_a_decoder(monkeypatch):
 
 
 async def test_image_work_nobody_waits_for_is_cancelled(make_preprocessor, monkeypatch):
-    """Issue 23 finding 1: two requests got 504 and their image threads went on for minutes.
+    """Two requests got 504 and their image threads went on for minutes.
     When every request waiting for an image has ended, a queued job never starts and a running
     one is told to stop."""
     pre = make_preprocessor(limits=Limits(image_workers=1), workers=None)
@@ -160,7 +160,7 @@ async def test_image_work_nobody_waits_for_is_cancelled(make_preprocessor, monke
 
 
 async def test_one_client_cannot_hold_every_image_worker(make_preprocessor, monkeypatch):
-    """Issue 23 finding 1: unrelated small images waited 37-90 s behind one client's GIFs.
+    """Unrelated small images waited 37-90 s behind one client's GIFs.
     With 2 image threads one client holds at most 1 (limits.image_jobs_per_client)."""
     from epd_kit.preprocess.fairness import current_client
 

@@ -1,4 +1,4 @@
-"""Issue 33 item 2: a JPEG's scans are counted before decoding, a large image decodes in a
+"""A JPEG's scans are counted before decoding, a large image decodes in a
 child process that is killed past `limits.image_decode_timeout_s` or when nobody waits for
 it, and a client's image slot is held until its work has actually ended."""
 
@@ -19,7 +19,7 @@ from epd_kit.testing.images import data_url, image_part, make_image, png_data_ur
 
 
 def scan_bomb(side: int, extra_scans: int) -> bytes:
-    """A progressive JPEG whose last scan is repeated `extra_scans` times (issue 33: each
+    """A progressive JPEG whose last scan is repeated `extra_scans` times (each
     copy of a 99-byte scan cost an 8192x8192 decode ~50 ms more)."""
     buf = io.BytesIO()
     Image.new("RGB", (side, side), (120, 80, 40)).save(buf, format="JPEG", progressive=True, quality=70)
@@ -86,7 +86,7 @@ def test_a_decode_past_its_budget_is_stopped_and_the_next_image_decodes(checkpoi
 
 
 async def test_a_client_slot_is_held_until_its_image_work_has_ended(make_preprocessor, monkeypatch):
-    """Issue 33 item 2: a client that left had its slot freed while its decode kept running,
+    """A client that left had its slot freed while its decode kept running,
     so it could start another. The slot now goes only when the thread is done."""
     pre = make_preprocessor(limits=Limits(image_workers=2), workers=None)
     release = threading.Event()

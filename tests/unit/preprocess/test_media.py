@@ -252,7 +252,7 @@ async def test_every_fetch_failure_looks_the_same_to_the_client(
 
 
 async def test_no_cookie_from_one_fetch_reaches_another(make_preprocessor, server: _Server) -> None:
-    """Issue 23 finding 3: a Set-Cookie answered to client A's fetch went out on client B's."""
+    """A Set-Cookie answered to client A's fetch went out on client B's."""
     from epd_kit.preprocess.fairness import current_client
 
     pre = _allowing(make_preprocessor, f"127.0.0.1:{server.port}")

@@ -1,4 +1,4 @@
-"""Issue 33 item 3: no engine answer is trusted. Against raw servers on 127.0.0.1: a head too
+"""No engine answer is trusted. Against raw servers on 127.0.0.1: a head too
 long or with too many lines is refused after a bounded read (not joined quadratically), a
 body above the call's cap is refused before it is read whole, interim 1xx answers are
 skipped, a `/health` of 100 MB costs nothing, an engine 429's Retry-After is read

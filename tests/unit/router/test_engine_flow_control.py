@@ -1,4 +1,4 @@
-"""A streamed engine answer is flow-controlled (router/engine_http.py, issue 33 item 3): a PD
+"""A streamed engine answer is flow-controlled (router/engine_http.py): a PD
 that floods a stream the router's reader does not take (a slow client, or a burst) is held
 by TCP, not buffered by the router, and the reader gets bounded blocks; a stream paused on
 the reader's account does not fail the read timeout. Against a raw server on 127.0.0.1."""

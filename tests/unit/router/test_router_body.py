@@ -57,7 +57,7 @@ def test_an_inline_image_is_kept_apart_and_other_strings_come_back_whole():
 
 
 def test_short_payloads_go_through_the_parser_and_escaped_ones_are_lifted_unescaped():
-    """Issue 23 finding 7: a PNG whose base64 had '/' escaped (PHP's default) or was wrapped
+    """A PNG whose base64 had '/' escaped (PHP's default) or was wrapped
     with \\n was not lifted, counted as text and got 413."""
     long_b64 = "A/" * LIFT_MIN_BYTES
     doc = {
@@ -86,7 +86,7 @@ def test_short_payloads_go_through_the_parser_and_escaped_ones_are_lifted_unesca
 
 
 def test_punctuation_inside_text_is_text_not_json_values():
-    """Issue 23 finding 7: a 40 KB prompt of 20,000 commas, or a 90 KB JSON document pasted
+    """A 40 KB prompt of 20,000 commas, or a 90 KB JSON document pasted
     into a prompt, tripped max_json_values (counted as all , : [ { bytes)."""
     pasted = json.dumps([{"k": i, "v": [i, i]} for i in range(6000)])
     for text in ("a," * 20_000, pasted):
@@ -105,7 +105,7 @@ def test_punctuation_inside_text_is_text_not_json_values():
     ],
 )
 def test_a_number_beyond_a_double_is_a_400_naming_the_field(raw, where):
-    """Issue 23 finding 6: 1e400 parsed as infinity and reached the PD as `Infinity`."""
+    """1e400 parsed as infinity and reached the PD as `Infinity`."""
     err = refused(raw)
     assert err.status == 400 and err.param == where and "numbers must be finite" in err.message
 
@@ -193,7 +193,7 @@ def test_valid_documents_decode_like_json_loads(doc):
 
 
 def test_the_text_limit_counts_characters_a_json_escape_as_one():
-    """Issue 23 item 6: a prompt of 300,000 non-ASCII characters is 1.8 MB as json.dumps
+    """A prompt of 300,000 non-ASCII characters is 1.8 MB as json.dumps
     writes it (\\uXXXX each) and was a 413 under the 1 MiB limit; it is 300,000 characters."""
     doc = {"messages": [{"role": "user", "content": "é" * 300_000}]}
     assert decode_body(body_of(doc), LIMITS).doc == doc

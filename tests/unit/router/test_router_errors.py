@@ -150,7 +150,7 @@ def _every_upstream_error() -> list[UpstreamError]:
 
 @pytest.mark.parametrize("err", _every_upstream_error(), ids=lambda e: e.message[:60])
 def test_a_client_is_told_no_engine_internals(err):
-    """Issue 33: the JSON errors (not only the stream frames, 841a358) named the engine, its
+    """The JSON errors (not only the stream frames, 841a358) named the engine, its
     address and what it said about itself; the log keeps them (`message`), the client's
     envelope says what happened, with its request id."""
     assert err.engine_id in err.message  # for the log and /pools

@@ -227,7 +227,7 @@ async def test_attempts_are_bounded_and_the_last_failure_is_reported(make_servic
 
 
 async def test_a_pd_hung_mid_stream_ends_its_stream_within_the_gap(make_service):
-    """Issue 23 finding 4: streams on a PD that hung mid-stream waited pd_s and got 'exceeded
+    """Streams on a PD that hung mid-stream waited pd_s and got 'exceeded
     the router's total timeout'; the failure was not counted against the PD. Now the stream
     ends after timeouts.stream_gap_s with an error naming the PD and the cause, counted."""
     engines = Engines(hang_mid_stream=True)
@@ -239,7 +239,7 @@ async def test_a_pd_hung_mid_stream_ends_its_stream_within_the_gap(make_service)
     t = time.monotonic()
     frames = [f async for f in service.generation.relay(ctx, pd, outcome)]
     assert time.monotonic() - t < 0.3 + 1.0  # the gap, not pd_s (30 s here)
-    error = json.loads(frames[-1][6:])["error"]  # the router's frame, nothing after it (issue 33)
+    error = json.loads(frames[-1][6:])["error"]  # the router's frame, nothing after it
     assert outcome.status == "stream_error" and error["code"] == 504
     assert error["message"] == "generation stalled: no token for 0.3s" and "127.0.0.1" not in frames[-1].decode()
     failures = service.metrics.registry.get_sample_value(
@@ -284,7 +284,7 @@ async def test_a_ve_stays_in_flight_until_the_pd_call_that_reads_its_blocks_ends
 
 
 async def test_token_ids_outside_the_vocabulary_are_charged_to_the_pd_and_retried(make_service, caplog):
-    """Issue 33: they were a plain 502, not counted against the PD, so a PD sending them was
+    """They were a plain 502, not counted against the PD, so a PD sending them was
     never ejected and a non-streaming request was not retried. Now they are the PD's invalid
     answer: charged, retried on another PD, and the PD is ejected after failure_threshold
     consecutive ones (its /health, which answers 200, readmits it: then it starts again)."""

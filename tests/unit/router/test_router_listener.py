@@ -132,7 +132,7 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict]:
     ids=["one-huge-header", "many-headers"],
 )
 async def test_the_head_cap_holds_for_a_head_sent_in_one_write(headers):
-    """Issue 23 finding 8: the 16 KiB cap held only for heads that arrived in pieces."""
+    """The 16 KiB cap held only for heads that arrived in pieces."""
     closed: list[str] = []
     async with serving(closed) as port:
         answer = await exchange(port, b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\n" + headers + b"\r\n")
@@ -151,7 +151,7 @@ async def test_the_head_cap_holds_for_a_head_sent_in_one_write(headers):
     ids=["h2c", "foo", "websocket", "no-connection-upgrade"],
 )
 async def test_an_upgrade_is_ignored_the_body_read_and_the_next_request_served(upgrade):
-    """Issue 23 finding 5: `curl --http2` (Upgrade: h2c) got 400 'not valid JSON' (the body
+    """`curl --http2` (Upgrade: h2c) got 400 'not valid JSON' (the body
     was dropped) and a request pipelined after it got no answer."""
     closed: list[str] = []
     async with serving(closed) as port:
@@ -170,7 +170,7 @@ async def test_an_upgrade_is_ignored_the_body_read_and_the_next_request_served(u
 
 
 async def test_an_unsupported_transfer_coding_is_a_501():
-    """Issue 23 finding 9: `Transfer-Encoding: gzip, chunked` with a plain body was accepted."""
+    """`Transfer-Encoding: gzip, chunked` with a plain body was accepted."""
     closed: list[str] = []
     async with serving(closed) as port:
         head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\ntransfer-encoding: gzip, chunked\r\n\r\n"

@@ -166,7 +166,7 @@ def test_bad_structured_output_requests_are_400(extra, needle):
     ],
 )
 def test_integer_fields_are_bounded_with_a_400_naming_the_field(extra, field):
-    """Issue 23 finding 9: top_k 10^30 and stop_token_ids [10^30] reached the PD."""
+    """top_k 10^30 and stop_token_ids [10^30] reached the PD."""
     with pytest.raises(RouterError) as info:
         parse_request({"messages": [{"role": "user", "content": "hi"}], **extra})
     assert info.value.status == 400 and info.value.param == field

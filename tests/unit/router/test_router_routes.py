@@ -130,7 +130,7 @@ async def test_an_invalid_request_id_is_refused_with_a_fresh_one(client):
 
 
 async def test_a_slow_upload_does_not_take_a_preprocessing_slot(app, client):
-    """Issue 23 finding 2: uploads trickling their bodies held max_requests_preprocessing for
+    """Uploads trickling their bodies held max_requests_preprocessing for
     the whole body timeout and every other client got 429. Admission now follows the body."""
     arrived = [asyncio.Event() for _ in range(3)]
     finish = [asyncio.Event() for _ in range(3)]
@@ -152,7 +152,7 @@ async def test_a_slow_upload_does_not_take_a_preprocessing_slot(app, client):
 
 
 async def test_no_redirect_is_built_from_the_clients_host(client):
-    """Issue 23 finding 9: POST /v1/chat/completions/ answered 307 to a Location built from
+    """POST /v1/chat/completions/ answered 307 to a Location built from
     the client's Host header."""
     r = await client.post("/v1/chat/completions/", json=BODY, headers={"host": "evil.example"})
     assert r.status_code == 404 and "location" not in r.headers

@@ -1,4 +1,4 @@
-"""Issue 33 item 5: blank-line padding before a request line counts towards the 16 KiB head
+"""Blank-line padding before a request line counts towards the 16 KiB head
 cap (it streamed past it, holding the connection, on a kept-alive connection without limit);
 a key file with a non-ASCII key is refused at load; two Authorization headers are refused."""
 

@@ -1,4 +1,4 @@
-"""Issue 33 item 4: what a client sees of a PD stream that misbehaves after it started, over
+"""What a client sees of a PD stream that misbehaves after it started, over
 real HTTP from a scripted PD. A truncated stream, a PD error frame or a stream without
 tokens ends with the router's own error frame (request id, no engine address, nothing after
 it); malformed frames are skipped, counted and logged once; CRLF line endings are valid; a

@@ -1,6 +1,6 @@
 """PD answers -> OpenAI bodies: the completion body and the stream's chunk frames; token ids
 outside the vocabulary are the PD's invalid answer, and a PD's usage reaches the client only
-as non-negative integers that add up (issue 33)."""
+as non-negative integers that add up."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_stream_choices_are_detokenized_apart(config, char_renderer):
 
 
 def test_pd_error_frames_are_reported_not_relayed_and_junk_is_counted(config, char_renderer):
-    """Issue 33: a PD error frame was relayed verbatim (an engine address among its fields);
+    """A PD error frame was relayed verbatim (an engine address among its fields);
     the relay now writes the router's own frame from `engine_error`."""
     tr = StreamTranslator(context(config, stream=True), char_renderer(), PD)
     error = b'{"error":{"message":"boom\\nat 10.0.0.7","type":"InternalServerError","code":500,"addr":"10.0.0.7"}}'
@@ -152,7 +152,7 @@ def test_a_valid_pd_usage_is_relayed_as_its_three_counts(config, char_renderer):
 
 @pytest.mark.parametrize("bad", [-1, 2**40])
 def test_token_ids_outside_the_vocabulary_are_the_pds_invalid_answer(config, char_renderer, bad):
-    """Issue 33: they were a plain 502 never charged to the PD, so it was never ejected."""
+    """They were a plain 502 never charged to the PD, so it was never ejected."""
     result = GenerateResponse.model_validate({"request_id": "rid", "choices": [{"token_ids": [72, bad]}]})
     with pytest.raises(UpstreamError) as err:
         completion(context(config), result, char_renderer(), PD)

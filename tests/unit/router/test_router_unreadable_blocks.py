@@ -1,4 +1,4 @@
-"""Issue 33 item 1: a PD that could not read a VE's blocks (ECLoadFailure, which kills the
+"""A PD that could not read a VE's blocks (ECLoadFailure, which kills the
 PD's engine core, docs/contract.md §3.5) charges and quarantines that VE, the request moves
 to another PD only with blocks of another VE a PD has read from, and at most once."""
 
