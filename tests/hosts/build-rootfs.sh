@@ -11,7 +11,9 @@
 set -euo pipefail
 ROOT=${1:?usage: build-rootfs.sh ROOTFS_DIR [dlami|bare]}
 VARIANT=${2:-dlami}
-PKGS=systemd,systemd-sysv,dbus,python3,python3-venv,curl,ca-certificates,openssh-server,iproute2,procps,sudo
+# nftables: Ubuntu's server images (the DLAMI's base) ship nft; the kit's access rules load with it
+# (roles/epd_firewall installs it from the host's repositories where it is missing; these hosts have none)
+PKGS=systemd,systemd-sysv,dbus,python3,python3-venv,curl,ca-certificates,openssh-server,iproute2,procps,sudo,nftables
 case "$VARIANT" in
   dlami) PKGS=$PKGS,libfabric1 ;;
   bare) ;;

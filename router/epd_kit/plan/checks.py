@@ -16,6 +16,7 @@ from typing import Any
 
 from .defaults import CHECK_DEFAULTS
 from .errors import EpdPlanError
+from .firewall import firewall_problems
 from .fleet import unreachable_engines
 from .hints import did_you_mean
 from .inventory import fleet_settings, plan_from_hostvars
@@ -146,6 +147,7 @@ def check_inventory(
         for problem in unreachable_engines(plan, routers)
     ]
     problems += port_problems(plan, settings.router_port, hostvars, groups)
+    problems += firewall_problems(plan, hostvars, groups)
     problems += rollout_problems(plan, values[routers[0]] if routers else {})
     if problems:
         return {"problems": problems, "plan": None, "settings": None}

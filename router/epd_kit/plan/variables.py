@@ -42,6 +42,7 @@ ROLE_PLAYS: dict[str, tuple[str, ...]] = {
     "epd_common": ("deploy", "plan", "render", "restart", "rolling_restart", "start", "status", "stop", "teardown"),
     "epd_deps": ("deploy", "precompile"),
     "epd_engines": ("deploy", "precompile", "render", "restart", "start"),
+    "epd_firewall": ("deploy", "teardown"),
     "epd_haproxy": ("deploy", "loadbalancer"),
     "epd_observability": ("deploy", "observability"),
     "epd_preflight": ("deploy",),
@@ -92,6 +93,7 @@ C, P, CH, EN, RO, HA, OB, PF, PV = (
     "epd_provision.main",
 )
 DEPS = "epd_deps.main"
+FW = "epd_firewall.main"
 MAX_PORT = 65535
 
 _DECLARED: tuple[Var, ...] = (
@@ -196,6 +198,11 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_engines_poll_delay_s", 5, SECONDS, ENGINE, EN, minimum=1),
     _v("epd_engines_render_venv", "/opt/aws_neuronx_venv_pytorch_inference_vllm", PATH, ENGINE, EN),
     _v("epd_engines_progress_report_s", 60, SECONDS, ENGINE, EN, minimum=1),
+    # epd_firewall (firewall.py): the kit's nftables table on every engine, router and load-balancer
+    # host; false = no rules (security groups only). Client networks: CIDRs allowed to the router's
+    # and HAProxy's port (unset: anyone in a one-machine fleet, refused in a fleet of several)
+    _v("epd_firewall", True, BOOL, FLEET, FW),
+    _v("epd_client_networks", None, LIST, FLEET, FW),
     # epd_haproxy
     _v("epd_haproxy_bind_address", "{{ epd_bind_address | default('0.0.0.0') }}", STR, LOADBALANCER, HA),
     _v("epd_haproxy_port", 8080, PORT, LOADBALANCER, HA, minimum=1, maximum=MAX_PORT),

@@ -94,6 +94,7 @@ def write_inventory(path: Path, hosts: dict[str, tuple[int, int]], **group_vars)
     common = {
         "epd_model": "/models/Qwen3-VL-32B-Instruct",
         "epd_engine_backend": "sim",
+        "epd_client_networks": ["10.213.0.1/32"],  # several machines: the access rules need them
         **group_vars,
     }
     hostvars = {}

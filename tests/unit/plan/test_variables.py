@@ -312,7 +312,9 @@ def test_pool_settings_may_live_in_the_engine_group_and_rollout_settings_in_the_
     """group_vars/epd_engines for the pool, group_vars/epd_router for rollouts: hosts outside those
     groups do not have them, and nothing is refused."""
     engine = {"epd_model": "/models/m", "epd_num_ve": 1, "epd_num_pd": 1, "epd_bind_address": "10.0.0.1"}
-    hostvars = {"n1": engine, "r1": {"epd_rollout_batch_pd": 1, "epd_rr_drain_timeout_s": 300}}
+    engine["epd_client_networks"] = ["10.0.0.0/16"]  # two machines: the firewall needs the client networks
+    router = {"epd_rollout_batch_pd": 1, "epd_rr_drain_timeout_s": 300, "epd_bind_address": "10.0.0.2"}
+    hostvars = {"n1": engine, "r1": router}
     result = planner.check_inventory(hostvars, {"epd_engines": ["n1"], "epd_router": ["r1"]}, None, set(VARIABLES))
     assert result["problems"] == []
 
