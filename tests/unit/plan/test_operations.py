@@ -46,6 +46,8 @@ def test_router_config_takes_model_limits_and_endpoints_from_the_plan():
         "placement",
         "retries",
         "auth",
+        "engine_auth",
+        "admin",
         "endpoints",
     ]
     assert (config["model"], config["quantization"], config["listen"]) == (
@@ -57,6 +59,9 @@ def test_router_config_takes_model_limits_and_endpoints_from_the_plan():
     assert config["placement"] == {"pd_max_inflight": 32, "queue_size": 8}
     assert config["dtype"] == "bfloat16"  # the engines' --dtype
     assert config["auth"] == {"enabled": False, "protect_pools": False}  # no keys: off, said outright
+    assert config["engine_auth"] == {"key_file": None}  # the role passes epd_engine_key_file
+    # loopback and the router's own address: the kit's drain and rollout calls come from the host
+    assert config["admin"] == {"networks": ["127.0.0.0/8", "::1/128", "10.0.0.9/32"], "token_file": None}
     assert [(e["id"], e["state"]) for e in config["endpoints"]["pd"]] == [
         ("epd-a-pd-0", "active"),
         ("epd-a-pd-1", "draining"),
