@@ -1,12 +1,15 @@
 """The HAProxy role's configuration with TLS on, run by Debian's own haproxy (the .deb the sandbox
-installs, unpacked here) on 127.0.0.1: the check the role's `validate:` runs passes, the client
-port speaks TLS only, the redirect port answers 308 to https. Host-free; skipped where
-`tests/hosts/hosts.sh prepare` has not fetched the .deb files."""
+installs, unpacked here) on 127.0.0.1, with the PEM the roles install (templates/front-door.pem.j2,
+rendered by ansible-playbook from the operator's pair or bundle): the check the role's `validate:`
+runs passes, the client port speaks TLS only, the redirect port answers 308 to https. Host-free;
+skipped where `tests/hosts/hosts.sh prepare` has not fetched the .deb files."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +35,33 @@ def haproxy(tmp_path_factory) -> tuple[list[str], dict[str, str]]:
         subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
     libs = f"{root}/usr/lib/x86_64-linux-gnu:{root}/lib/x86_64-linux-gnu"
     return [str(root / "usr/sbin/haproxy")], {**os.environ, "LD_LIBRARY_PATH": libs}
+
+
+def front_door_pems(directory: Path, forms: dict[str, dict[str, str]]) -> dict[str, Path]:
+    """The PEM the roles write (their tasks' content), rendered by Ansible once per form of the
+    operator's files (a pair, a bundle): one play, one task each."""
+    pems = {name: directory / f"{name}.pem" for name in forms}
+    template = REPO / "templates/front-door.pem.j2"
+    tasks = [
+        {
+            "ansible.builtin.copy": {
+                "content": "{{ lookup('ansible.builtin.template', '" + str(template) + "') }}",
+                "dest": str(pems[name]),
+                "mode": "0600",
+            },
+            "vars": tls,
+        }
+        for name, tls in forms.items()
+    ]
+    playbook = directory / "pem.yml"
+    playbook.write_text(json.dumps([{"hosts": "localhost", "gather_facts": False, "tasks": tasks}]))
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local", str(playbook),
+         "-e", json.dumps({"ansible_python_interpreter": sys.executable})],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    return pems
 
 
 def render(tls_file: Path, port: int, redirect_port: int | None) -> str:
@@ -66,9 +96,18 @@ def test_tls_only_on_the_client_port_and_a_redirect_from_the_plain_one(haproxy, 
     binary, env = haproxy
     ca = SandboxCa(tmp_path / "ca")
     issued = ca.issue("front-door", ["127.0.0.1"])
+    pems = front_door_pems(
+        tmp_path,
+        {
+            "pair": {"epd_tls_certificate": str(issued.certificate), "epd_tls_key": str(issued.key)},
+            "bundle": {"epd_tls_bundle": str(issued.bundle)},
+        },
+    )
+    for pem in pems.values():  # chain, then key, each PEM block whole
+        assert pem.read_bytes() == issued.bundle.read_bytes(), pem.name
     port, redirect = free_port(), free_port()
     config = tmp_path / "haproxy.cfg"
-    config.write_text(render(issued.bundle, port, redirect))
+    config.write_text(render(pems["pair"], port, redirect))
     check = subprocess.run([*binary, "-c", "-f", str(config)], env=env, capture_output=True, text=True, check=False)
     assert check.returncode == 0, check.stdout + check.stderr
     process = subprocess.Popen(

@@ -166,6 +166,8 @@ def test_two_router_hosts_with_two_processes_each_serve_through_haproxy(stack):
 def test_the_front_door_speaks_tls_only(stack):
     """Plain HTTP on HAProxy's client port gets no HTTP answer; a client without the CA refuses
     the certificate; the openai SDK with the CA is answered, streaming and not, with an image."""
+    pem = stack.hosts["n3"].run("stat -c '%U:%G %a' /etc/haproxy/epd-front-door.pem").stdout.split()
+    assert pem == ["root:haproxy", "640"], pem  # the key's only copy on the host
     plain = LB_URL.replace("https://", "http://")
     with pytest.raises(httpx.HTTPError):
         httpx.get(plain + "/ready", timeout=5)
