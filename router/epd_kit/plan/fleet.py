@@ -14,9 +14,10 @@ from .errors import EpdPlanError
 from .hosts import HostSpec
 from .net import is_loopback, url
 from .placement import no_fit_message, place
-from .settings import MAX_PORT, MIN_PORT, Settings
+from .settings import MIN_PORT, Settings
 from .timeouts import start_timeout_s
 from .values import format_cores
+from .variables import MAX_PORT
 
 
 def plan_fleet(settings: Settings, hosts: Sequence[HostSpec]) -> dict[str, dict[str, Any]]:

@@ -12,6 +12,7 @@ from .errors import EpdPlanError
 from .managed import check_engine_environment, check_extra_args
 from .neuron_releases import DEFAULT_RELEASE, neuron_release
 from .values import as_int, as_str, as_str_list, is_power_of_two
+from .variables import VARIABLES
 
 # the fleet's Neuron release (epd_common's, not a pool setting): the engines' environment follows it
 RELEASE_VARIABLE = "epd_neuron_release"
@@ -19,7 +20,7 @@ RELEASE_VARIABLE = "epd_neuron_release"
 # the executable of each epd_engine_backend (its argv is `<executable> serve ...` either way)
 BACKEND_EXECUTABLES = {"vllm": "vllm", "sim": "epd-sim"}
 QUANTIZATIONS = ("bf16", "mxfp8")
-MIN_PORT, MAX_PORT = 1024, 65535
+MIN_PORT = 1024  # the engines' and the router's ports (MAX_PORT: variables.py)
 # a piece of an engine id (the prefix, a host's label): ids key NIXL handshakes and unit names
 ID_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -41,8 +42,6 @@ DIRECTORY_NAMES = frozenset(
         "var",
     }
 )
-# Sizes beyond these are typos (an extra zero), not plans: 1 Mi tokens of context, 1024 sequences per PD.
-MAX_MODEL_LEN, MAX_NUM_SEQS = 1_048_576, 1024
 
 
 @dataclass(frozen=True)
@@ -141,8 +140,11 @@ def check_model(value: Any) -> str:
     return model
 
 
-def port(name: str, value: Any) -> int:
-    return as_int(name, value, minimum=MIN_PORT, maximum=MAX_PORT)
+def declared_int(name: str, value: Any) -> int:
+    """`value` as an integer within the bounds variables.py declares for `name` (one home for them)."""
+    var = VARIABLES[name]
+    bound = [None if b is None else int(b) for b in (var.minimum, var.maximum)]
+    return as_int(name, value, minimum=bound[0], maximum=bound[1])
 
 
 def read_settings(variables: Mapping[str, Any]) -> Settings:
@@ -159,20 +161,20 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
         raise EpdPlanError(f"epd_engine_backend must be vllm or sim, got {backend!r}")
     tps = {}
     for key in ("epd_ve_tp", "epd_pd_tp"):
-        tps[key] = as_int(key, get(key), minimum=1, maximum=64)
+        tps[key] = declared_int(key, get(key))
         if not is_power_of_two(tps[key]):
             raise EpdPlanError(
                 f"{key} must be a power of two (1, 2, 4, 8, 16, 32, 64): trn2 tensor-parallel "
                 f"groups map onto aligned core blocks, got {tps[key]}"
             )
-    ve_dp = as_int("epd_ve_dp", get("epd_ve_dp"), minimum=1)
+    ve_dp = declared_int("epd_ve_dp", get("epd_ve_dp"))
     if tps["epd_ve_tp"] % ve_dp:
         raise EpdPlanError(
             f"epd_ve_dp ({ve_dp}) must divide epd_ve_tp ({tps['epd_ve_tp']}): the vision encoder "
             "runs dp_size data-parallel replicas inside the VE's cores"
         )
-    edge = as_int("epd_image_edge", get("epd_image_edge"), minimum=1)
-    patch = as_int("epd_patch_size", get("epd_patch_size"), minimum=1)
+    edge = declared_int("epd_image_edge", get("epd_image_edge"))
+    patch = declared_int("epd_patch_size", get("epd_patch_size"))
     if edge % patch:
         raise EpdPlanError(
             f"epd_image_edge ({edge}) must be a multiple of epd_patch_size ({patch}), "
@@ -190,22 +192,22 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
         ve_tp=tps["epd_ve_tp"],
         ve_dp=ve_dp,
         pd_tp=tps["epd_pd_tp"],
-        max_model_len=as_int("epd_max_model_len", get("epd_max_model_len"), minimum=1, maximum=MAX_MODEL_LEN),
-        max_num_seqs=as_int("epd_max_num_seqs", get("epd_max_num_seqs"), minimum=1, maximum=MAX_NUM_SEQS),
-        images_per_prompt=as_int("epd_images_per_prompt", get("epd_images_per_prompt"), minimum=1),
+        max_model_len=declared_int("epd_max_model_len", get("epd_max_model_len")),
+        max_num_seqs=declared_int("epd_max_num_seqs", get("epd_max_num_seqs")),
+        images_per_prompt=declared_int("epd_images_per_prompt", get("epd_images_per_prompt")),
         image_edge=edge,
         patch_size=patch,
-        encoder_cache_num_blocks=as_int("epd_encoder_cache_num_blocks", get("epd_encoder_cache_num_blocks"), minimum=2),
-        ve_port_base=port("epd_ve_port_base", get("epd_ve_port_base")),
-        pd_port_base=port("epd_pd_port_base", get("epd_pd_port_base")),
-        side_channel_port_base=port("epd_side_channel_port_base", get("epd_side_channel_port_base")),
-        router_port=port("epd_router_port", get("epd_router_port")),
+        encoder_cache_num_blocks=declared_int("epd_encoder_cache_num_blocks", get("epd_encoder_cache_num_blocks")),
+        ve_port_base=declared_int("epd_ve_port_base", get("epd_ve_port_base")),
+        pd_port_base=declared_int("epd_pd_port_base", get("epd_pd_port_base")),
+        side_channel_port_base=declared_int("epd_side_channel_port_base", get("epd_side_channel_port_base")),
+        router_port=declared_int("epd_router_port", get("epd_router_port")),
         engine_id_prefix=prefix,
-        start_stagger_s=as_int("epd_start_stagger_s", get("epd_start_stagger_s"), minimum=0),
-        compilation_timeout_s=as_int("epd_compilation_timeout_s", get("epd_compilation_timeout_s"), minimum=1),
+        start_stagger_s=declared_int("epd_start_stagger_s", get("epd_start_stagger_s")),
+        compilation_timeout_s=declared_int("epd_compilation_timeout_s", get("epd_compilation_timeout_s")),
         start_timeout_s=None
         if get("epd_start_timeout_s") is None
-        else as_int("epd_start_timeout_s", get("epd_start_timeout_s"), minimum=1),
+        else declared_int("epd_start_timeout_s", get("epd_start_timeout_s")),
         extra_args=check_extra_args(as_str_list("epd_extra_args", get("epd_extra_args"))),
         engine_environment=check_engine_environment(get("epd_engine_environment")),
         neuron_release=neuron_release(variables.get(RELEASE_VARIABLE) or DEFAULT_RELEASE).name,

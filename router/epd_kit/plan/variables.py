@@ -148,6 +148,8 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_ve_tp", 4, INT, FLEET, P, minimum=1, maximum=64),
     _v("epd_ve_dp", 4, INT, FLEET, P, minimum=1),
     _v("epd_pd_tp", 8, INT, FLEET, P, minimum=1, maximum=64),
+    # sizes beyond these maxima are typos (an extra zero), not plans: 1 Mi tokens of context,
+    # 1024 sequences per PD
     _v("epd_max_model_len", 8192, INT, FLEET, P, minimum=1, maximum=1_048_576),
     _v("epd_max_num_seqs", 8, INT, FLEET, P, minimum=1, maximum=1024),
     _v("epd_images_per_prompt", IMAGES_PER_PROMPT, INT, FLEET, P, minimum=1),
