@@ -91,10 +91,15 @@ def known_variables() -> frozenset[str]:
     return frozenset(name for name in names if name.startswith("epd_"))
 
 
-def checked_plan(hostvars, groups, faulted=None, check_variables=True):
-    """The inventory check and the plan: {problems, plan, settings} (epd_common's plan entry point)."""
+def checked_plan(hostvars, groups, faulted=None, check_variables=True, plan_fleet=True):
+    """The inventory check and the plan: {problems, warnings, plan, settings} (epd_common's plan entry point)."""
     known = known_variables() if check_variables else None
-    return plan.check_inventory(hostvars, groups, plan.plain(faulted or {}), known)
+    return plan.check_inventory(hostvars, groups, plan.plain(faulted or {}), known, plan_fleet=plan_fleet)
+
+
+def unresolved_addresses(hostvars, groups):
+    """Kit hosts' addresses taken from facts, which the controller check cannot resolve (epd_common's addresses)."""
+    return plan.unresolved_problems(hostvars, groups)
 
 
 def settings(hostvars, hosts):
@@ -147,6 +152,7 @@ class FilterModule:
             name: _filter(function)
             for name, function in {
                 "epd_checked_plan": checked_plan,
+                "epd_unresolved_addresses": unresolved_addresses,
                 "epd_plan": plan.plan_from_hostvars,
                 "epd_settings": settings,
                 "epd_plan_table": plan.plan_table,

@@ -28,7 +28,7 @@ the collection's filters load its bundled copy when the controller has no epd_ki
 docs/planner.md explains the rules; docs/architecture.md fixes the plan's schema.
 """
 
-from .checks import check_inventory
+from .checks import check_inventory, unresolved_problems
 from .command import (
     ROLE_FLAGS,
     ROLES,
@@ -110,5 +110,6 @@ __all__ = [
     "status_rows",
     "status_table",
     "unreachable_engines",
+    "unresolved_problems",
     "validate_plan",
 ]

@@ -20,8 +20,12 @@ from .firewall import firewall_problems
 from .fleet import unreachable_engines
 from .hints import did_you_mean
 from .inventory import fleet_settings, plan_from_hostvars
+from .router_check import available as router_models_available
+from .rules import Fleet
+from .rules import run as run_rules
 from .tls import tls_problems
 from .validate import (
+    BOOL_STRINGS,
     explicit,
     hosts_text,
     machine_of,
@@ -31,7 +35,7 @@ from .validate import (
     scope_problems,
     value_problems,
 )
-from .values import describe, plain
+from .values import describe, plain, unresolved
 from .variables import GROUP_SCOPES as KIT_GROUPS
 from .variables import VARIABLES
 
@@ -81,10 +85,47 @@ def machine_problems(hostvars: Mapping[str, Any], hosts: Iterable[str]) -> list[
 
 
 def text_only(hostvars: Mapping[str, Any], engine_hosts: list[str]) -> bool:
+    """epd_text_only as Ansible's `| bool` reads it (an INI inventory passes `true` as text)."""
     value = plain(hostvars[engine_hosts[0]].get("epd_text_only", CHECK_DEFAULTS["epd_text_only"]))
+    if isinstance(value, str) and value.strip().lower() in BOOL_STRINGS:
+        return value.strip().lower() in {"true", "yes", "on", "1", "y", "t"}
     if not isinstance(value, bool):
         raise EpdPlanError(f"epd_text_only must be true or false, got {describe(value)}")
     return value
+
+
+# addresses the plan needs before any host is contacted: a value taken from facts cannot resolve yet
+ADDRESS_VARIABLES = ("epd_bind_address", "epd_router_listen_host", "epd_haproxy_bind_address")
+
+
+def kit_hosts(hostvars: Mapping[str, Any], groups: Mapping[str, Any]) -> list[str]:
+    """Every host of the kit's groups that the inventory has, engine and router hosts first."""
+    names = [str(h) for group in (ENGINE_GROUP, ROUTER_GROUP, *KIT_GROUPS) for h in groups.get(group) or []]
+    return [host for host in dict.fromkeys(names) if host in hostvars]
+
+
+def unresolved_problems(hostvars: Mapping[str, Any], groups: Mapping[str, Any]) -> list[str]:
+    """An address set from facts (e.g. "{{ ansible_default_ipv4.address }}"): the check and the plan run
+    on the controller before facts are gathered, so the value is explained instead of Ansible's
+    undefined-variable error."""
+    problems = []
+    for host in kit_hosts(hostvars, groups):
+        for name in ADDRESS_VARIABLES:
+            if name not in hostvars[host]:
+                continue
+            try:
+                # ansible-core 2.19 hands an unresolvable value on as a marker (jinja2.Undefined); older ones raise
+                resolved = not unresolved(plain(hostvars[host][name]))
+            except Exception:  # Ansible's undefined-variable error: a fact, not known yet
+                resolved = False
+            if not resolved:
+                problems.append(
+                    f"{host}: {name} cannot be resolved before any host is contacted: the inventory check and the "
+                    "plan run on the controller before facts (ansible_default_ipv4, ...) are gathered, and every "
+                    f"engine's URL is built from it; write {host}'s private address itself (e.g. {name}: 10.0.0.5), "
+                    "or take it from the inventory (ansible_host) rather than from facts"
+                )
+    return problems
 
 
 def pool_problems(plan: Mapping[str, Mapping[str, Any]], is_text_only: bool) -> list[str]:
@@ -115,33 +156,52 @@ def check_inventory(
     groups: Mapping[str, Any],
     faulted: Mapping[str, Any] | None = None,
     known_variables: Collection[str] | None = None,
+    *,
+    plan_fleet: bool = True,
 ) -> dict[str, Any]:
-    """{"problems": [...], "plan": ..., "settings": ...}; plan and settings are None when there are problems.
+    """{"problems": [...], "warnings": [...], "plan": ..., "settings": ...}; plan and settings are None
+    when there are problems (or when not planning). Warnings never fail the check.
 
-    known_variables: every `epd_*` name the kit reads; None skips the unknown-variable check
-    (a re-plan after facts were gathered, when hostvars also hold the kit's own facts).
+    known_variables: every `epd_*` name the kit reads; None skips the unknown-variable check, the value
+    checks and the cross-setting rules (a re-plan after facts were gathered, when hostvars also hold
+    the kit's own facts). plan_fleet=False checks the variables only, without groups or a plan
+    (provision.yml and teardown.yml need no model and no router).
     """
     engines = [str(h) for h in groups.get(ENGINE_GROUP) or []]
     routers = [str(h) for h in groups.get(ROUTER_GROUP) or []]
     everyone = list(dict.fromkeys(engines + routers))
     # every host of the kit's groups: monitoring and load-balancer hosts' variables are the kit's too
-    kit_hosts = (str(h) for group in KIT_GROUPS for h in groups.get(group) or [])
-    inventory_hosts = [host for host in dict.fromkeys([*everyone, *kit_hosts]) if host in hostvars]
-    problems = group_problems(groups) + name_problems(inventory_hosts) + machine_problems(hostvars, everyone)
+    inventory_hosts = kit_hosts(hostvars, groups)
+    problems = group_problems(groups) if plan_fleet else []
+    problems += name_problems(inventory_hosts) + machine_problems(hostvars, everyone)
     values = {host: explicit(hostvars, host) for host in inventory_hosts}
+    warnings: list[str] = []
     if known_variables is not None:
         known = {*known_variables, *VARIABLES}
         problems += unknown_variable_problems(hostvars, inventory_hosts, known)
+        problems += unresolved_problems(hostvars, groups)
         problems += value_problems(values) + scope_problems(values, groups)
         problems += tls_problems(values, groups)  # the front door's certificate files (plan/tls.py)
+        if not router_models_available():
+            warnings.append(
+                "the router's settings (epd_router_<section>, epd_router_extra_config) were checked by kind only: "
+                "the controller's Python cannot import epd_kit.router (install the kit into Ansible's venv for "
+                "epd-router check-config's full rules)"
+            )
     if problems:
-        return {"problems": problems, "plan": None, "settings": None}
+        return {"problems": problems, "warnings": warnings, "plan": None, "settings": None}
+    fleet = Fleet(values, groups, {host: machine_of(host, hostvars[host]) for host in inventory_hosts})
+    if not plan_fleet:
+        rule_problems, rule_warnings = run_rules(fleet) if known_variables is not None else ([], [])
+        return {"problems": rule_problems, "warnings": warnings + rule_warnings, "plan": None, "settings": None}
     try:
         settings = fleet_settings(hostvars, engines)
         plan = plan_from_hostvars(hostvars, engines, faulted)
         problems = pool_problems(plan, text_only(hostvars, engines))
     except EpdPlanError as error:
-        return {"problems": [str(error)], "plan": None, "settings": None}
+        rule_problems, rule_warnings = run_rules(fleet) if known_variables is not None else ([], [])
+        problems = [str(error), *rule_problems]
+        return {"problems": problems, "warnings": warnings + rule_warnings, "plan": None, "settings": None}
     problems += [
         f"{problem}: set epd_bind_address of that engine host to its private address, or put the router on it"
         for problem in unreachable_engines(plan, routers)
@@ -149,6 +209,10 @@ def check_inventory(
     problems += port_problems(plan, settings.router_port, hostvars, groups)
     problems += firewall_problems(plan, hostvars, groups)
     problems += rollout_problems(plan, values[routers[0]] if routers else {})
+    if known_variables is not None:
+        rule_problems, rule_warnings = run_rules(Fleet(fleet.values, groups, fleet.machines, plan))
+        problems += rule_problems
+        warnings += rule_warnings
     if problems:
-        return {"problems": problems, "plan": None, "settings": None}
-    return {"problems": [], "plan": plan, "settings": settings.as_dict()}
+        return {"problems": problems, "warnings": warnings, "plan": None, "settings": None}
+    return {"problems": [], "warnings": warnings, "plan": plan, "settings": settings.as_dict()}

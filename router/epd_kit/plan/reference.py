@@ -41,6 +41,8 @@ def _rule(var: Var) -> str:
         parts.append(f"<= {var.maximum:g}")
     if var.choices:
         parts.append(" / ".join(var.choices))
+    if var.form:
+        parts.append(var.form + (f" ({', '.join(var.schemes)})" if var.schemes else ""))
     if var.keys:
         parts.append(f"keys: {var.keys}")
     return ", ".join(parts)

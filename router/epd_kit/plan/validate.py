@@ -8,22 +8,29 @@ naming the host(s), the variable and the fix.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from .errors import EpdPlanError
 from .hints import did_you_mean
 from .net import is_loopback
 from .rollout import PoolRule, amount
-from .values import as_int, describe, plain
+from .router_check import router_section_problems
+from .values import as_int, describe, plain, unresolved
 from .variables import (
+    ABSOLUTE,
+    ADDRESS,
     AMOUNT,
     ANY,
+    AUTO_BOOL,
     BOOL,
     DICT,
     DURATION_UNITS,
     ENGINE,
+    FINGERPRINT,
     FLEET,
     FLOAT,
     GROUP_SCOPES,
@@ -33,14 +40,18 @@ from .variables import (
     LOADBALANCER,
     MILLISECONDS,
     MINUTES,
+    NAME,
     PATH,
     PLANNED_KEYS,
     PORT,
     ROUTER,
     ROUTER_SECTIONS,
     SECONDS,
+    SHA256,
     STR,
+    URL,
     VARIABLES,
+    VERSION,
     Var,
 )
 
@@ -66,10 +77,111 @@ def explicit(hostvars: Mapping[str, Any], host: str) -> dict[str, Any]:
     for name in list(variables):
         if str(name) in VARIABLES:
             try:
-                out[str(name)] = plain(variables[name])
+                value = plain(variables[name])
             except Exception:  # Ansible's templating errors: the role that reads the value reports them
                 continue
+            if not unresolved(value):
+                out[str(name)] = value
     return out
+
+
+# --------------------------------------------------------------------------- forms
+
+# the pin shape apt, pip and the EFA installer's file name take (epd_provision's own check)
+VERSION_TEXT = re.compile(r"[0-9][0-9A-Za-z.+!~-]*")
+UNIX_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?")
+
+
+def _url(var: Var, text: str) -> str | None:
+    parts = urlsplit(text)
+    if parts.scheme not in var.schemes:
+        schemes = " or ".join(f"{scheme}://" for scheme in var.schemes)
+        return f"a URL starting with {schemes}" + (f" (e.g. https://{text})" if "://" not in text else "")
+    if parts.scheme != "file" and not parts.hostname:
+        return "a URL with a host name"
+    if any(c.isspace() for c in text):
+        return "a URL without spaces"
+    return None
+
+
+def _address(text: str) -> str | None:
+    if re.fullmatch(r"[0-9.]+", text):
+        try:
+            ipaddress.IPv4Address(text)
+        except ValueError:
+            return "an IPv4 address (four numbers 0-255) or a host name"
+        return None
+    try:
+        ipaddress.ip_address(text.strip("[]"))
+        return None
+    except ValueError:
+        pass
+    return None if HOST_NAME.fullmatch(text) else "an IP address or a host name"
+
+
+def form_problem(var: Var, value: Any, where: str | None = None) -> str | None:
+    """What is wrong with the shape of one scalar of `var` (its form, or a PATH's absoluteness), or None."""
+    form = ABSOLUTE if var.kind == PATH else var.form
+    where = where or var.name
+    if form is None:
+        return None
+    if form == AUTO_BOOL:
+        if isinstance(value, bool) or str(value).strip().lower() in {"auto", *BOOL_STRINGS}:
+            return None
+        return f"{where} is {value!r}: write auto, true or false"
+    text = str(value)
+    if text == "" and not var.default and form != NAME:
+        return None  # unset: the kit's default applies
+    wanted: str | None
+    if form == VERSION:
+        wanted = None if VERSION_TEXT.fullmatch(text) else "a version such as 2.21.37.0 (digits first, no spaces)"
+    elif form == SHA256:
+        wanted = None if re.fullmatch(r"[0-9a-f]{64}", text) else "64 lowercase hex digits (sha256sum's output)"
+        if wanted and re.fullmatch(r"[0-9A-Fa-f]{64}", text):
+            return f"{where} is {value!r}: write it in lowercase, as sha256sum prints it: {text.lower()}"
+    elif form == FINGERPRINT:
+        compact = re.sub(r"\s", "", text)
+        wanted = None if re.fullmatch(r"[0-9A-Fa-f]{40}", compact) else "40 hex digits (gpg --fingerprint)"
+    elif form == URL:
+        wanted = _url(var, text)
+    elif form == ABSOLUTE:
+        if not text.startswith("/"):
+            wanted = (
+                f"an absolute path (e.g. /{text.lstrip('./~')}): a relative one depends on the directory a task runs in"
+            )
+        else:
+            wanted = "one line" if "\n" in text else None
+    elif form == NAME:
+        wanted = None if UNIX_NAME.fullmatch(text) else "a user or group name (lowercase letters, digits, _ and -)"
+    elif form == ADDRESS:
+        wanted = _address(text)
+    else:
+        wanted = None
+    return f"{where} is {value!r}: write {wanted}" if wanted else None
+
+
+def _items_form_problem(var: Var, value: Any) -> str | None:
+    """The form of each item of a list, or each value of a mapping without declared keys."""
+    if var.form is None and var.kind != PATH:
+        return None
+    items = enumerate(value) if isinstance(value, list) else value.items() if isinstance(value, Mapping) else ()
+    for key, item in items:
+        problem = form_problem(var, item, f"{var.name}[{key!r}]" if isinstance(key, str) else f"{var.name}[{key}]")
+        if problem:
+            return problem
+    return None
+
+
+def _ini_hint(value: Any) -> str:
+    """A list or mapping that arrived as text: an INI inventory passes a value it cannot parse (YAML's
+    flow style, `{total_s: 10}`) as a string."""
+    if isinstance(value, str) and value.strip()[:1] in ("[", "{"):
+        return (
+            ": an INI inventory passes a list or mapping it cannot parse as text; write it as JSON "
+            '({"total_s": 10}) or in a YAML file (group_vars/*.yml)'
+        )
+    return ""
 
 
 # --------------------------------------------------------------------------- one value
@@ -117,7 +229,7 @@ def _number(var: Var, value: Any) -> str | None:
 
 def value_problem(var: Var, value: Any) -> str | None:
     """What is wrong with one value of `var`, or None. None values mean unset and pass."""
-    if value is None or var.kind == ANY:
+    if value is None or (var.kind == ANY and var.form is None):
         return None
     if var.kind in DURATION_UNITS:
         return _duration(var, value)
@@ -138,13 +250,17 @@ def value_problem(var: Var, value: Any) -> str | None:
             return f"{var.name} must be a string, got {describe(value)}"
         if var.choices and str(value) not in var.choices:
             return f"{var.name} must be one of {', '.join(var.choices)}, got {value!r}"
-        return None
+        return form_problem(var, value)
     if var.kind == LIST:
-        return None if isinstance(value, list) else f"{var.name} must be a list, got {describe(value)}"
+        if not isinstance(value, list):
+            return f"{var.name} must be a list, got {describe(value)}{_ini_hint(value)}"
+        return _items_form_problem(var, value)
     if var.kind == DICT:
         if not isinstance(value, Mapping):
-            return f"{var.name} must be a mapping, got {describe(value)}"
-        return "; ".join(key_problems(var, value)) or None
+            return f"{var.name} must be a mapping, got {describe(value)}{_ini_hint(value)}"
+        return "; ".join(key_problems(var, value)) or _items_form_problem(var, value)
+    if var.form is not None:  # ANY with a form
+        return form_problem(var, value)
     if var.kind == AMOUNT:
         try:
             amount(value, 100, var.name, round_up=True)
@@ -162,6 +278,7 @@ def _section_problems(where: str, section: str, value: Any) -> list[str]:
         return [f"{where} must be a mapping of {section} settings, got {describe(value)}"]
     allowed = ROUTER_SECTIONS[section]
     problems = []
+    typed = {}
     for key, item in value.items():
         path = f"{section}.{key}"
         if path in PLANNED_KEYS:
@@ -173,7 +290,10 @@ def _section_problems(where: str, section: str, value: Any) -> list[str]:
             problem = value_problem(Var(f"{where}.{key}", None, allowed[key], ROUTER), item)
             if problem:
                 problems.append(problem)
-    return problems
+            else:
+                typed[key] = item
+    # then the router's own model of the section: the rules `epd-router check-config` applies
+    return problems + router_section_problems(where, section, typed)
 
 
 def key_problems(var: Var, value: Mapping[str, Any]) -> list[str]:
@@ -213,9 +333,13 @@ def value_problems(values: Mapping[str, Mapping[str, Any]]) -> list[str]:
     for host, variables in values.items():
         for name, value in variables.items():
             var = VARIABLES[name]
-            if var.spec in ("epd_common.plan", "epd_preflight.controller") or var.scope == INTERNAL:
+            if var.scope == INTERNAL:
                 continue
-            problem = value_problem(var, value)
+            # the planner checks its own variables' kinds (settings.py, hosts.py); their forms are checked here
+            planned = var.spec in ("epd_common.plan", "epd_preflight.controller")
+            problem = (
+                (form_problem(var, value) if isinstance(value, str) else None) if planned else value_problem(var, value)
+            )
             if problem:
                 where.setdefault(problem, []).append(host)
     every = len(values) > 1

@@ -32,6 +32,13 @@ def plain(value: Any) -> Any:
     return value
 
 
+def unresolved(value: Any) -> bool:
+    """A value Ansible could not template (ansible-core 2.19 passes it on as a marker, jinja2's Undefined
+    before): e.g. a fact on the controller, before any host is contacted."""
+    name = type(value).__name__
+    return name.endswith("Marker") or "Undefined" in name
+
+
 def describe(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 

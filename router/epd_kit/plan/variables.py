@@ -31,6 +31,19 @@ INT, FLOAT, PORT = "int", "float", "port"
 SECONDS, MILLISECONDS, MINUTES = "seconds", "milliseconds", "minutes"  # whole numbers, no unit suffix
 AMOUNT = "amount"  # a count or a percentage of a pool, "25%" (rollout batches and floors)
 DURATION_UNITS = {SECONDS: "s", MILLISECONDS: "ms", MINUTES: "m"}
+# forms: what a string (or each item of a list, each value of a mapping) must look like beyond
+# its kind, checked on the controller (validate.py form_problem) so a malformed one never reaches a
+# unit, an environment file or a host. An empty string passes where the default is empty (unset).
+VERSION, SHA256, FINGERPRINT, URL, ABSOLUTE, NAME, ADDRESS, AUTO_BOOL = (
+    "version",
+    "sha256",
+    "fingerprint",
+    "url",
+    "absolute path",
+    "unix name",
+    "address",
+    "auto or a boolean",
+)
 
 FLEET, HOST, RUN, INTERNAL = "fleet", "host", "run", "internal"
 ENGINE, ROUTER, LOADBALANCER, MONITORING = "epd_engines", "epd_router", "epd_loadbalancer", "epd_monitoring"
@@ -39,7 +52,21 @@ GROUP_SCOPES = (ENGINE, ROUTER, LOADBALANCER, MONITORING)
 # The playbooks that run each role (directly, through playbooks/tasks or import_playbook);
 # a variable declared for a role is read by these plays (checked by the drift test).
 ROLE_PLAYS: dict[str, tuple[str, ...]] = {
-    "epd_common": ("deploy", "plan", "render", "restart", "rolling_restart", "start", "status", "stop", "teardown"),
+    "epd_common": (
+        "deploy",
+        "loadbalancer",
+        "observability",
+        "plan",
+        "precompile",
+        "provision",
+        "render",
+        "restart",
+        "rolling_restart",
+        "start",
+        "status",
+        "stop",
+        "teardown",
+    ),
     "epd_deps": ("deploy", "precompile"),
     "epd_engines": ("deploy", "precompile", "render", "restart", "start"),
     "epd_firewall": ("deploy", "teardown"),
@@ -65,6 +92,8 @@ class Var:
     maximum: float | None = None
     choices: tuple[str, ...] = ()
     keys: str | None = None  # a dict variable's allowed keys: a name in DICT_KEYS
+    form: str | None = None  # VERSION, SHA256, URL, ...: the shape of the value (PATH kinds are ABSOLUTE)
+    schemes: tuple[str, ...] = ()  # a URL's allowed schemes
     plays: tuple[str, ...] = field(default=())  # readers when no spec says it (playbook-level variables)
 
     @property
@@ -95,20 +124,22 @@ C, P, CH, EN, RO, HA, OB, PF, PV = (
 DEPS = "epd_deps.main"
 FW = "epd_firewall.main"
 MAX_PORT = 65535
+# URL schemes: apt's (file: a local mirror), a download's, pip's index (pip reads file: indexes too)
+APT_SCHEMES, DOWNLOAD_SCHEMES, INDEX_SCHEMES = ("http", "https", "file"), ("https", "http"), ("https", "http", "file")
 
 _DECLARED: tuple[Var, ...] = (
     # epd_common: the service user and host paths
-    _v("epd_user", "epd", STR, HOST, C),
+    _v("epd_user", "epd", STR, HOST, C, form=NAME),
     _v("epd_kit_venv", "/opt/epd/venv", PATH, HOST, C),
     _v("epd_etc_dir", "/etc/epd", PATH, HOST, C),
     _v("epd_engine_env_dir", "/etc/epd/engines", PATH, HOST, C),
     _v("epd_cache_dir", "/var/cache/epd", PATH, HOST, C),
-    _v("epd_compile_cache_dir", "{{ epd_cache_dir }}/neuron-compile-cache", STR, HOST, C),
+    _v("epd_compile_cache_dir", "{{ epd_cache_dir }}/neuron-compile-cache", STR, HOST, C, form=ABSOLUTE),
     # the compile cache's shared tier: one directory (a shared filesystem) for the whole fleet
-    _v("epd_compile_cache_shared_dir", "", STR, FLEET, C),
+    _v("epd_compile_cache_shared_dir", "", STR, FLEET, C, form=ABSOLUTE),
     _v("epd_compile_cache_strict", False, BOOL, FLEET, C),
     _v("epd_compile_cache_local_dir", "{{ epd_compile_cache_dir }}/neuron/compile_cache", STR, INTERNAL, C),
-    _v("epd_compile_cache_promote_command", "{{ epd_etc_dir }}/promote-compile-cache", STR, HOST, C),
+    _v("epd_compile_cache_promote_command", "{{ epd_etc_dir }}/promote-compile-cache", STR, HOST, C, form=ABSOLUTE),
     # the promotion's arguments (epd_common's compile_cache_promote entry point), set by the rollout
     _v("epd_common_promote_hosts", [], LIST, INTERNAL, "epd_common.compile_cache_promote"),
     _v("epd_common_promote_require", False, BOOL, INTERNAL, "epd_common.compile_cache_promote"),
@@ -118,8 +149,9 @@ _DECLARED: tuple[Var, ...] = (
         LIST,
         HOST,
         C,
+        form=ABSOLUTE,
     ),
-    _v("epd_engine_bin_path", ["/opt/amazon/efa/bin", "/opt/aws/neuron/bin"], LIST, HOST, C),
+    _v("epd_engine_bin_path", ["/opt/amazon/efa/bin", "/opt/aws/neuron/bin"], LIST, HOST, C, form=ABSOLUTE),
     _v("epd_router_config_file", "/etc/epd/router.yaml", PATH, HOST, C),
     _v("epd_router_env_file", "/etc/epd/router.env", PATH, HOST, C),
     _v("epd_secrets_env_file", "/etc/epd/secrets.env", PATH, HOST, C),
@@ -132,15 +164,16 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_admin_networks", None, LIST, FLEET, C),
     _v("epd_rotate_engine_key", False, BOOL, RUN, "epd_common.secrets", plays=("deploy",)),
     _v("epd_systemd_dir", "/etc/systemd/system", PATH, HOST, C),
-    _v("epd_engine_venv", "", STR, HOST, C),
+    _v("epd_engine_venv", "", STR, HOST, C, form=ABSOLUTE),
     # the Neuron release whose table (neuron_releases.py) provision.yml installs
     _v("epd_neuron_release", DEFAULT_RELEASE, STR, FLEET, C, choices=tuple(RELEASES)),
-    _v("epd_dlami_venv_glob", "/opt/aws_neuronx_venv_pytorch_inference_vllm_*", STR, HOST, C),
+    _v("epd_dlami_venv_glob", "/opt/aws_neuronx_venv_pytorch_inference_vllm_*", STR, HOST, C, form=ABSOLUTE),
     _v("epd_hf_token", "{{ lookup('ansible.builtin.env', 'HF_TOKEN') }}", STR, HOST, C),
     _v("epd_templates_dir", "{{ 'templates' | epd.kit.epd_kit_path }}", PATH, HOST, C),
     # the planner (epd_common's plan entry point): fleet-wide pool settings, checked by settings.py
     _v("epd_plan_faulted", {}, DICT, RUN, P),
     _v("epd_common_replan", False, BOOL, INTERNAL, P),
+    _v("epd_common_inventory_only", False, BOOL, INTERNAL, P),
     _v("epd_model", None, STR, FLEET, P),
     _v("epd_quantization", "bf16", STR, FLEET, P, choices=("bf16", "mxfp8")),
     _v("epd_modules_to_not_convert", [], LIST, FLEET, P),
@@ -179,7 +212,7 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_excluded_cores", [], LIST, ENGINE, P),
     _v("epd_slices", None, DICT, ENGINE, P),
     # also the router's and HAProxy's default listen address, so read on every host
-    _v("epd_bind_address", "127.0.0.1", STR, HOST, P),
+    _v("epd_bind_address", "127.0.0.1", STR, HOST, P, form=ADDRESS),
     _v("epd_engine_id_label", None, STR, ENGINE, P),
     # the inventory check
     _v("epd_text_only", False, BOOL, FLEET, CH),
@@ -206,7 +239,7 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_firewall", True, BOOL, FLEET, FW),
     _v("epd_client_networks", None, LIST, FLEET, FW),
     # epd_haproxy
-    _v("epd_haproxy_bind_address", "{{ epd_bind_address | default('0.0.0.0') }}", STR, LOADBALANCER, HA),
+    _v("epd_haproxy_bind_address", "{{ epd_bind_address | default('0.0.0.0') }}", STR, LOADBALANCER, HA, form=ADDRESS),
     _v("epd_haproxy_port", 8080, PORT, LOADBALANCER, HA, minimum=1, maximum=MAX_PORT),
     _v("epd_haproxy_check_inter_ms", 1000, MILLISECONDS, LOADBALANCER, HA, minimum=1),
     _v("epd_haproxy_check_fall", 2, INT, LOADBALANCER, HA, minimum=1),
@@ -223,12 +256,12 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_haproxy_http_redirect_port", None, PORT, LOADBALANCER, HA, minimum=1, maximum=MAX_PORT),
     # epd_observability
     _v("epd_observability_dir", "/etc/prometheus/epd", PATH, MONITORING, OB),
-    _v("epd_observability_prometheus_config", "", STR, MONITORING, OB),
+    _v("epd_observability_prometheus_config", "", STR, MONITORING, OB, form=ABSOLUTE),
     _v("epd_observability_scrape_interval_s", 15, SECONDS, MONITORING, OB, minimum=1),
-    _v("epd_observability_router_bearer_token_file", "", STR, MONITORING, OB),
+    _v("epd_observability_router_bearer_token_file", "", STR, MONITORING, OB, form=ABSOLUTE),
     _v("epd_observability_prometheus_service", "", STR, MONITORING, OB),
-    _v("epd_observability_promtool", "", STR, MONITORING, OB),
-    _v("epd_observability_grafana_dir", "", STR, MONITORING, OB),
+    _v("epd_observability_promtool", "", STR, MONITORING, OB, form=ABSOLUTE),
+    _v("epd_observability_grafana_dir", "", STR, MONITORING, OB, form=ABSOLUTE),
     _v("epd_observability_runbook_base", "docs/observability.md", STR, MONITORING, OB),
     _v("epd_observability_pool_floor_ratio", 0.5, FLOAT, MONITORING, OB, minimum=0, maximum=1),
     _v("epd_observability_ejected_for_m", 10, MINUTES, MONITORING, OB, minimum=1),
@@ -246,7 +279,15 @@ _DECLARED: tuple[Var, ...] = (
     # epd_provision (provision.yml runs on the engine hosts)
     _v("epd_provision_neuron", True, BOOL, ENGINE, PV),
     _v("epd_provision_allow_downgrade", False, BOOL, ENGINE, PV),
-    _v("epd_provision_neuron_apt_repository", "https://apt.repos.neuron.amazonaws.com", STR, ENGINE, PV),
+    _v(
+        "epd_provision_neuron_apt_repository",
+        "https://apt.repos.neuron.amazonaws.com",
+        STR,
+        ENGINE,
+        PV,
+        form=URL,
+        schemes=APT_SCHEMES,
+    ),
     _v("epd_provision_neuron_apt_suite", "", STR, ENGINE, PV),
     _v(
         "epd_provision_neuron_apt_key_url",
@@ -254,22 +295,26 @@ _DECLARED: tuple[Var, ...] = (
         STR,
         ENGINE,
         PV,
+        form=URL,
+        schemes=APT_SCHEMES,
     ),
-    _v("epd_provision_neuron_driver_version", "", STR, ENGINE, PV),
-    _v("epd_provision_neuron_runtime_version", "", STR, ENGINE, PV),
-    _v("epd_provision_neuron_collectives_version", "", STR, ENGINE, PV),
-    _v("epd_provision_neuron_tools_version", "", STR, ENGINE, PV),
-    _v("epd_provision_neuron_group", "neuron", STR, ENGINE, PV),
+    _v("epd_provision_neuron_driver_version", "", STR, ENGINE, PV, form=VERSION),
+    _v("epd_provision_neuron_runtime_version", "", STR, ENGINE, PV, form=VERSION),
+    _v("epd_provision_neuron_collectives_version", "", STR, ENGINE, PV, form=VERSION),
+    _v("epd_provision_neuron_tools_version", "", STR, ENGINE, PV, form=VERSION),
+    _v("epd_provision_neuron_group", "neuron", STR, ENGINE, PV, form=NAME),
     _v("epd_provision_neuron_kernel_headers", True, BOOL, ENGINE, PV),
     _v("epd_provision_neuron_check_devices", True, BOOL, ENGINE, PV),
     _v("epd_provision_efa", True, BOOL, ENGINE, PV),
-    _v("epd_provision_efa_installer_version", "", STR, ENGINE, PV),
+    _v("epd_provision_efa_installer_version", "", STR, ENGINE, PV, form=VERSION),
     _v(
         "epd_provision_efa_installer_url",
         "https://efa-installer.amazonaws.com/aws-efa-installer-{{ epd_provision_efa_version }}.tar.gz",
         STR,
         ENGINE,
         PV,
+        form=URL,
+        schemes=DOWNLOAD_SCHEMES,
     ),
     _v(
         "epd_provision_efa_installer_key_url",
@@ -277,12 +322,14 @@ _DECLARED: tuple[Var, ...] = (
         STR,
         ENGINE,
         PV,
+        form=URL,
+        schemes=DOWNLOAD_SCHEMES,
     ),
-    _v("epd_provision_efa_installer_key_fingerprint", "", STR, ENGINE, PV),
-    _v("epd_provision_efa_installer_sha256", "", STR, ENGINE, PV),
-    _v("epd_provision_efa_installer_archive", "", STR, ENGINE, PV),
+    _v("epd_provision_efa_installer_key_fingerprint", "", STR, ENGINE, PV, form=FINGERPRINT),
+    _v("epd_provision_efa_installer_sha256", "", STR, ENGINE, PV, form=SHA256),
+    _v("epd_provision_efa_installer_archive", "", STR, ENGINE, PV, form=ABSOLUTE),
     _v("epd_provision_efa_installer_options", ["--yes"], LIST, ENGINE, PV),
-    _v("epd_provision_efa_skip_kmod", "auto", ANY, ENGINE, PV),
+    _v("epd_provision_efa_skip_kmod", "auto", ANY, ENGINE, PV, form=AUTO_BOOL),
     _v("epd_provision_efa_check_provider", True, BOOL, ENGINE, PV),
     _v("epd_provision_cuda_stub", True, BOOL, ENGINE, PV),
     _v("epd_provision_cuda_stub_package", "cuda-cudart-dev-12-6", STR, ENGINE, PV),
@@ -297,11 +344,27 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_provision_engine_venv_enabled", True, BOOL, ENGINE, PV),
     _v("epd_provision_engine_venv", "", PATH, ENGINE, PV),
     _v("epd_provision_engine_venvs_dir", "/opt/epd/engine-venvs", PATH, ENGINE, PV),
-    _v("epd_provision_engine_pins", {}, DICT, ENGINE, PV),
+    _v("epd_provision_engine_pins", {}, DICT, ENGINE, PV, form=VERSION),
     _v("epd_provision_engine_extra_requirements", [], LIST, ENGINE, PV),
     _v("epd_provision_engine_resolve_dependencies", True, BOOL, ENGINE, PV),
-    _v("epd_provision_engine_pip_index_url", "https://pypi.org/simple", STR, ENGINE, PV),
-    _v("epd_provision_engine_pip_extra_index_urls", ["https://pip.repos.neuron.amazonaws.com"], LIST, ENGINE, PV),
+    _v(
+        "epd_provision_engine_pip_index_url",
+        "https://pypi.org/simple",
+        STR,
+        ENGINE,
+        PV,
+        form=URL,
+        schemes=INDEX_SCHEMES,
+    ),
+    _v(
+        "epd_provision_engine_pip_extra_index_urls",
+        ["https://pip.repos.neuron.amazonaws.com"],
+        LIST,
+        ENGINE,
+        PV,
+        form=URL,
+        schemes=INDEX_SCHEMES,
+    ),
     _v("epd_provision_engine_pip_find_links", [], LIST, ENGINE, PV),
     _v("epd_provision_engine_python", "/usr/bin/python3", PATH, ENGINE, PV),
     _v(
@@ -314,7 +377,7 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_provision_host_cache_dir", "/var/cache/epd/provision", PATH, ENGINE, PV),
     _v("epd_provision_batch", "100%", AMOUNT, RUN, plays=("provision",)),
     # epd_router
-    _v("epd_router_listen_host", "{{ epd_bind_address | default('127.0.0.1') }}", STR, ROUTER, RO),
+    _v("epd_router_listen_host", "{{ epd_bind_address | default('127.0.0.1') }}", STR, ROUTER, RO, form=ADDRESS),
     _v("epd_router_served_model_name", None, STR, ROUTER, RO),
     _v("epd_router_timeouts", {}, DICT, ROUTER, RO, keys="timeouts"),
     _v("epd_router_limits", {}, DICT, ROUTER, RO, keys="limits"),
@@ -350,7 +413,7 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_ops_wait_timeout_s", None, SECONDS, RUN, minimum=1, plays=("restart", "start")),
     _v("epd_teardown_purge_cache", False, BOOL, RUN, plays=("teardown",)),
     _v("epd_precompile_target", "trn2", STR, RUN, plays=("precompile",)),
-    _v("epd_precompile_root", "{{ epd_cache_dir }}/precompile", STR, RUN, plays=("precompile",)),
+    _v("epd_precompile_root", "{{ epd_cache_dir }}/precompile", STR, RUN, plays=("precompile",), form=ABSOLUTE),
     # set by the kit while it runs
     *(
         _v(name, None, ANY, INTERNAL, plays=plays)

@@ -20,10 +20,10 @@ BASE_HOST = {"epd_num_ve": 1, "epd_num_pd": 1}
 GROUPS = ("epd_engines", "epd_router", "epd_loadbalancer", "epd_monitoring")
 
 
-def bad_inventories() -> list[tuple[str, dict[str, Any], str]]:
-    """(name, change, message) of every row of docs/planner.md "Bad inventories and their messages"."""
+def bad_inventories(heading: str = "## Bad inventories and their messages") -> list[tuple[str, dict[str, Any], str]]:
+    """(name, change, message) of every row of the table under `heading` in docs/planner.md."""
     text = (REPO / "docs/planner.md").read_text()
-    start = text.index("## Bad inventories and their messages")
+    start = text.index(heading)
     section = text[start : text.index("\n## ", start + 1)]
     rows = []
     for line in section.splitlines():
@@ -63,6 +63,70 @@ def test_bad_inventory_is_refused_with_its_message(change, message):
     result = check(change)
     assert result["plan"] is None and result["settings"] is None
     assert any(message in problem for problem in result["problems"]), result["problems"]
+
+
+# issue 35's table: values checked by their form, the router's settings by the router's own models,
+# the cross-setting rules; "(warning)" rows pass and print their message as a warning
+SHAPE_ROWS = bad_inventories("## Settings checked by their shape and by each other")
+
+
+def test_the_docs_table_has_forty_more_mistakes():
+    assert len(SHAPE_ROWS) >= 40
+    assert not {row[0] for row in SHAPE_ROWS} & {row[0] for row in ROWS}
+
+
+@pytest.mark.parametrize(("name", "change", "message"), SHAPE_ROWS, ids=[row[0] for row in SHAPE_ROWS])
+def test_a_setting_of_the_wrong_shape_or_against_another_is_refused_before_any_host(name, change, message):
+    result = check(change)
+    if name.endswith("(warning)"):
+        assert result["problems"] == [] and result["plan"] is not None, result["problems"]
+        assert any(message.removeprefix("WARNING: ") in warning for warning in result["warnings"]), result["warnings"]
+    else:
+        assert result["plan"] is None and result["settings"] is None
+        assert any(message in problem for problem in result["problems"]), result["problems"]
+
+
+def test_every_cross_setting_rule_is_documented_with_its_reason():
+    text = (REPO / "docs/planner.md").read_text()
+    for rule in planner.rules.RULES:
+        assert f"`{rule.name}`" in text, f"docs/planner.md does not list the rule {rule.name}"
+        assert rule.reason
+
+
+@pytest.mark.parametrize(
+    ("value", "text_only"), [("true", True), ("yes", True), ("True", True), ("false", False), ("no", False)]
+)
+def test_ini_strings_for_booleans_read_as_ansible_bool(value, text_only):
+    """An INI inventory passes epd_text_only=true as the string 'true' (docs/planner.md "INI inventories")."""
+    result = check({"all": {"epd_text_only": value}, "n1": {"epd_num_ve": 0 if text_only else 1}})
+    assert result["problems"] == [], result["problems"]
+
+
+def test_ini_strings_for_numbers_pass():
+    change = {"all": {"epd_router_workers": "2", "epd_observability_error_ratio": "0.1", "epd_haproxy_port": "8080"}}
+    assert check(change)["problems"] == []
+
+
+def test_the_kit_defaults_warn_about_nothing():
+    change = {"epd_loadbalancer": ["n1"]}
+    result = check(change)
+    assert result["problems"] == [] and result["warnings"] == []
+
+
+def test_an_inventory_only_check_needs_no_model_or_router():
+    """provision.yml and teardown.yml check the variables without planning (epd_common_inventory_only)."""
+    hostvars = {"n1": {"epd_provision_efa_installer_sha256": "abc"}}
+    result = planner.check_inventory(
+        hostvars, {"epd_engines": ["n1"]}, None, repo_modules.filters().known_variables(), plan_fleet=False
+    )
+    assert result["problems"] == [
+        "n1: epd_provision_efa_installer_sha256 is 'abc': write 64 lowercase hex digits (sha256sum's output)"
+    ]
+    hostvars = {"n1": {"epd_provision_neuron_driver_version": "2.21.37.0"}}
+    result = planner.check_inventory(
+        hostvars, {"epd_engines": ["n1"]}, None, repo_modules.filters().known_variables(), plan_fleet=False
+    )
+    assert result == {"problems": [], "warnings": [], "plan": None, "settings": None}
 
 
 def test_the_base_inventory_passes_and_plans():
@@ -134,7 +198,7 @@ def test_the_default_start_timeout_covers_compile_budget_stagger_and_margin():
     """Unset, each host's TimeoutStartSec is derived from its own engines (another host's change leaves it)."""
     result = check(
         {
-            "all": {"epd_start_stagger_s": 30},
+            "all": {"epd_start_stagger_s": 30, "epd_client_networks": ["10.0.0.0/16"]},
             "n1": {"epd_num_pd": 3, "epd_bind_address": "10.0.0.1"},
             "n2": {"epd_num_pd": 2, "epd_bind_address": "10.0.0.2"},
         }

@@ -1,0 +1,62 @@
+"""The router's settings checked on the controller by the router's own models.
+
+`epd-router check-config` validates router.yaml on the router host with the pydantic models of
+epd_kit/router/config.py (and preprocess/settings.py); the inventory check validates each
+`epd_router_<section>` and `epd_router_extra_config` section with the same models, so one set of
+rules (bounds, enumerations, cross-field validators) refuses a value before any host is contacted,
+named by its inventory variable. The models live in the router package, which needs pydantic: a
+controller whose Python lacks the kit's package (an installed collection without it) checks the
+keys' kinds only and says so once (`available`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import cache
+from typing import Any
+
+
+@cache
+def _models() -> dict[str, Any] | None:
+    """{section: its pydantic model} of router.yaml, or None when the router package cannot load."""
+    try:
+        from epd_kit.router.config import RouterConfig  # late: the router's config imports the plan's variables
+    except ImportError:
+        return None
+    return {name: field.annotation for name, field in RouterConfig.model_fields.items()}
+
+
+def available() -> bool:
+    return _models() is not None
+
+
+def section_default(section: str, key: str) -> Any:
+    """The router's own default of `section.key` (None when the router package cannot load)."""
+    models = _models()
+    if models is None or section not in models:
+        return None
+    field = models[section].model_fields.get(key)
+    return None if field is None else field.get_default(call_default_factory=True)
+
+
+def router_section_problems(where: str, section: str, values: Mapping[str, Any]) -> list[str]:
+    """One line per value the router's model of `section` refuses, named `where.key`."""
+    models = _models()
+    if models is None or section not in models or not values:
+        return []
+    from pydantic import ValidationError
+
+    try:
+        models[section].model_validate(dict(values))
+    except ValidationError as error:
+        problems = []
+        for item in error.errors():
+            key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in item["loc"])
+            message = item["msg"].removeprefix("Value error, ")
+            shown = f"{where}{key} is {item['input']!r}" if key else where
+            problems.append(
+                f"{shown}: {message[0].lower()}{message[1:]} (the router's own rule, as epd-router check-config "
+                "applies it); change the value in the inventory (docs/router.md lists the router's settings)"
+            )
+        return problems
+    return []
