@@ -27,7 +27,7 @@ from tests.golden.tutorial import tutorial_command
 
 T = TypeVar("T")
 # a bound for a hang, not a speed goal: an in-process vLLM engine took 96-110 s to start (either
-# version) with the 2 cores at load 20-28 (other test runs), 20-30 s at load ~10
+# version) with the 2 cores at load 20-28 (other test runs), well under 90 s at load ~10
 READY_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 60.0
 
