@@ -1,6 +1,7 @@
 """Day-2 operations on four hosts, with bounded load through the router during every step,
 every request counted: a fleet-wide PD change rolls the PDs in batches (across hosts) and
-nothing else; in one deploy, a change on one host restarts no engine elsewhere and a PD removed
+nothing else; the Neuron release rolls to 2.33 and back, canaries first;
+in one deploy, a change on one host restarts no engine elsewhere and a PD removed
 from another drains before it stops; a second deploy (as the sudo user kitops) changes nothing
 on any host. Layout: the four-host fleet (tests/e2e/stack.py): n1 2 VE, n2 2 PD, n4 1 PD, n3
 the router. In a full run this module continues on the fleet test_three_hosts ends with
@@ -71,6 +72,31 @@ def test_a_pd_setting_fleet_wide_rolls_every_pd_in_batches_and_no_ve(stack, flee
         .stdout
     )
     all_active_and_healthy(stack)
+
+
+def test_the_neuron_release_rolls_to_2_33_under_load_and_back(stack, fleet, record_timing):
+    """epd_neuron_release 2.32.0 -> 2.33.0 and back is a rolling change (docs/operations.md "Upgrading
+    the Neuron release"): every engine's environment follows the release (VLLM_NEURON_BACKEND for
+    2.33's Precompile Cache, the sim's vLLM), so each deploy rolls all five engines, one canary per
+    configuration first, both pools' together; 2.33's canaries compile (its compiler's keys are
+    new), and no request fails either way."""
+    for release, vllm, backend in (("2.33.0", "0.29", "VLLM_NEURON_BACKEND='neuron_native'"), ("2.32.0", "0.24", None)):
+        before = engine_pids(stack)
+        fleet.group_vars["epd_neuron_release"] = release
+        fleet.write()
+        result, elapsed = under_load(stack, "playbooks/deploy.yml", "--tags", "engines", "-e", "epd_rollout_batch_pd=2")
+        record_timing(f"day 2: deploy --tags engines rolling the Neuron release to {release} (5 engines)", elapsed)
+        assert "5 engines in 3 batches" in result.stdout, result.describe()
+        canary = "batch 1/3 PD+VE canary: epd-n2-pd-0 (n2, compiles), epd-n1-ve-0 (n1, compiles)"
+        assert canary in result.stdout, result.describe()
+        assert restarted(before, engine_pids(stack)) == set(before), why_restarted(stack, set(before))
+        env = stack.hosts["n2"].run("cat /etc/epd/engines/pd-0.env").stdout
+        assert f"EPD_SIM_VLLM='{vllm}'" in env and (backend in env if backend else "VLLM_NEURON_BACKEND" not in env)
+        journal = stack.hosts["n4"].journal("epd-engine@pd-0.service", lines=400)
+        assert f"answering as vLLM {vllm} (EPD_SIM_VLLM)" in journal.rsplit("vLLM API server version", 1)[-1]
+        all_active_and_healthy(stack)
+    del fleet.group_vars["epd_neuron_release"]  # the default, as before
+    fleet.write()
 
 
 def test_a_change_on_one_host_restarts_no_engine_on_another_and_a_removed_pd_drains_before_it_stops(stack, fleet):
