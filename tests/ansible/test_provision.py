@@ -141,17 +141,31 @@ def provision_locally(tmp_path: Path, **variables) -> subprocess.CompletedProces
 @pytest.mark.parametrize(
     ("variables", "message"),
     [
-        ({"epd_provision_engine_pins": {"vllm-neuron": ""}}, "every pin must be a version"),
-        ({"epd_provision_efa_installer_sha256": "abc"}, "epd_provision_efa_installer_sha256 empty or 64 lowercase hex"),
-        ({"epd_provision_efa_installer_key_fingerprint": "4E90 91BC"}, "key_fingerprint empty or 40 hex digits"),
-        ({"epd_provision_neuron_driver_version": "latest"}, "every pin"),
+        # the inventory check refuses these on the controller first (docs/planner.md "Settings checked
+        # by their shape and by each other"); the role's own preflight keeps the same rules
+        (
+            {"epd_provision_engine_pins": {"vllm-neuron": ""}},
+            "epd_provision_engine_pins['vllm-neuron'] is '': write a version",
+        ),
+        (
+            {"epd_provision_efa_installer_sha256": "abc"},
+            "epd_provision_efa_installer_sha256 is 'abc': write 64 lowercase hex",
+        ),
+        (
+            {"epd_provision_efa_installer_key_fingerprint": "4E90 91BC"},
+            "key_fingerprint is '4E90 91BC': write 40 hex digits",
+        ),
+        (
+            {"epd_provision_neuron_driver_version": "latest"},
+            "epd_provision_neuron_driver_version is 'latest': write a version",
+        ),
         # mistake: the framework of another release (Neuron 2.31's torch-neuronx) pinned as an override
         (
             {"epd_provision_engine_pins": {"torch-neuronx": "2.9.0.2.15.32035"}},
             "epd_provision_engine_pins sets torch-neuronx, which Neuron 2.32.0's engine venv does not list",
         ),
         # mistake: a release the kit has no table for
-        ({"epd_neuron_release": "2.31.0"}, "value of epd_neuron_release must be one of: 2.32.0, 2.33.0, got: 2.31.0"),
+        ({"epd_neuron_release": "2.31.0"}, "epd_neuron_release must be one of 2.32.0, 2.33.0, got '2.31.0'"),
         # mistake: Neuron 2.33.0 without the pins its sources leave unconfirmed (the kit does not guess them)
         (
             {"epd_neuron_release": "2.33.0"},
@@ -168,7 +182,7 @@ def provision_locally(tmp_path: Path, **variables) -> subprocess.CompletedProces
             "Neuron 2.33.0: no source the kit read settles libtorch-neuronx-lite. Set them",
         ),
         # mistake: --minimal installs no libfabric (efa_installer.sh usage text)
-        ({"epd_provision_efa_installer_options": ["--yes", "--minimal"]}, "Remove --minimal"),
+        ({"epd_provision_efa_installer_options": ["--yes", "--minimal"]}, "remove --minimal"),
     ],
 )
 def test_the_preflight_refuses_bad_pins_before_reading_the_host(tmp_path, variables, message):

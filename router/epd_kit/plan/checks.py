@@ -26,6 +26,7 @@ from .rules import run as run_rules
 from .tls import tls_problems
 from .validate import (
     BOOL_STRINGS,
+    PRECOMPILE,
     explicit,
     hosts_text,
     machine_of,
@@ -100,7 +101,7 @@ ADDRESS_VARIABLES = ("epd_bind_address", "epd_router_listen_host", "epd_haproxy_
 
 def kit_hosts(hostvars: Mapping[str, Any], groups: Mapping[str, Any]) -> list[str]:
     """Every host of the kit's groups that the inventory has, engine and router hosts first."""
-    names = [str(h) for group in (ENGINE_GROUP, ROUTER_GROUP, *KIT_GROUPS) for h in groups.get(group) or []]
+    names = [str(h) for group in (ENGINE_GROUP, ROUTER_GROUP, *KIT_GROUPS, PRECOMPILE) for h in groups.get(group) or []]
     return [host for host in dict.fromkeys(names) if host in hostvars]
 
 

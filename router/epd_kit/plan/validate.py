@@ -59,6 +59,8 @@ from .variables import (
 BOOL_STRINGS = frozenset({"true", "false", "yes", "no", "on", "off", "1", "0", "y", "n", "t", "f"})
 WITH_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*$")
 UNIT_SECONDS = {"ms": 0.001, "s": 1, "sec": 1, "secs": 1, "m": 60, "min": 60, "mins": 60, "h": 3600, "d": 86400}
+# provision.yml gives the precompile hosts the engine hosts' venv from the same engine variables
+PRECOMPILE = "epd_precompile"
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # NAME_MAX of Linux file systems: an inventory name is a directory name on the controller
 # (render.yml's RENDER_DIR/<host>, Ansible's fact cache)
@@ -120,7 +122,7 @@ def _address(text: str) -> str | None:
     return None if HOST_NAME.fullmatch(text) else "an IP address or a host name"
 
 
-def form_problem(var: Var, value: Any, where: str | None = None) -> str | None:
+def form_problem(var: Var, value: Any, where: str | None = None, item: bool = False) -> str | None:
     """What is wrong with the shape of one scalar of `var` (its form, or a PATH's absoluteness), or None."""
     form = ABSOLUTE if var.kind == PATH else var.form
     where = where or var.name
@@ -131,7 +133,7 @@ def form_problem(var: Var, value: Any, where: str | None = None) -> str | None:
             return None
         return f"{where} is {value!r}: write auto, true or false"
     text = str(value)
-    if text == "" and not var.default and form != NAME:
+    if text == "" and not var.default and form != NAME and not item:
         return None  # unset: the kit's default applies
     wanted: str | None
     if form == VERSION:
@@ -167,7 +169,8 @@ def _items_form_problem(var: Var, value: Any) -> str | None:
         return None
     items = enumerate(value) if isinstance(value, list) else value.items() if isinstance(value, Mapping) else ()
     for key, item in items:
-        problem = form_problem(var, item, f"{var.name}[{key!r}]" if isinstance(key, str) else f"{var.name}[{key}]")
+        where = f"{var.name}[{key!r}]" if isinstance(key, str) else f"{var.name}[{key}]"
+        problem = form_problem(var, item, where, item=True)
         if problem:
             return problem
     return None
@@ -366,7 +369,8 @@ def scope_problems(values: Mapping[str, Mapping[str, Any]], groups: Mapping[str,
                     "set it once in group_vars/all (or -e)"
                 )
         elif var.scope in GROUP_SCOPES:
-            members = [str(h) for h in groups.get(var.scope) or [] if str(h) in values]
+            readers = [*(groups.get(var.scope) or []), *(groups.get(PRECOMPILE) or [] if var.scope == ENGINE else [])]
+            members = [str(h) for h in readers if str(h) in values]
             for host in hosts:
                 if host in members or name not in values[host]:
                     continue

@@ -241,7 +241,7 @@ _DECLARED: tuple[Var, ...] = (
     # epd_haproxy
     _v("epd_haproxy_bind_address", "{{ epd_bind_address | default('0.0.0.0') }}", STR, LOADBALANCER, HA, form=ADDRESS),
     _v("epd_haproxy_port", 8080, PORT, LOADBALANCER, HA, minimum=1, maximum=MAX_PORT),
-    _v("epd_haproxy_check_inter_ms", 1000, MILLISECONDS, LOADBALANCER, HA, minimum=1),
+    _v("epd_haproxy_check_inter_ms", 1000, MILLISECONDS, LOADBALANCER, HA, minimum=100),  # as the role's preflight
     _v("epd_haproxy_check_fall", 2, INT, LOADBALANCER, HA, minimum=1),
     _v("epd_haproxy_check_rise", 2, INT, LOADBALANCER, HA, minimum=1),
     _v("epd_haproxy_check_timeout_ms", 1000, MILLISECONDS, LOADBALANCER, HA, minimum=1),

@@ -17,7 +17,7 @@ from tests.ansible import helpers
 REPO = Path(__file__).resolve().parents[3]
 BASE_GROUP_VARS = {"epd_model": "/models/m"}
 BASE_HOST = {"epd_num_ve": 1, "epd_num_pd": 1}
-GROUPS = ("epd_engines", "epd_router", "epd_loadbalancer", "epd_monitoring")
+GROUPS = ("epd_engines", "epd_router", "epd_loadbalancer", "epd_monitoring", "epd_precompile")
 
 
 def bad_inventories(heading: str = "## Bad inventories and their messages") -> list[tuple[str, dict[str, Any], str]]:
