@@ -129,6 +129,14 @@ def test_an_inventory_only_check_needs_no_model_or_router():
     assert result == {"problems": [], "warnings": [], "plan": None, "settings": None}
 
 
+def test_without_the_router_package_the_router_settings_are_checked_by_kind_and_a_warning_says_so(monkeypatch):
+    """An installed collection whose controller Python lacks epd_kit.router (and pydantic): kinds only."""
+    monkeypatch.setattr(planner.router_check, "_models", lambda: None)
+    result = check({"all": {"epd_router_health": {"failure_ratio": 1.5}}})
+    assert result["problems"] == []
+    assert any("checked by kind only" in warning for warning in result["warnings"]), result["warnings"]
+
+
 def test_the_base_inventory_passes_and_plans():
     result = check({})
     assert result["problems"] == []
