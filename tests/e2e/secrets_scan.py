@@ -143,18 +143,21 @@ def stack_secrets(stack) -> dict[str, str]:
     return found
 
 
-def scan_stack(stack, secrets: Mapping[str, str], bodies: Mapping[str, str]) -> list[str]:
+def scan_stack(stack, secrets: Mapping[str, str], bodies: Mapping[str, str]) -> tuple[list[str], set[tuple[str, str]]]:
     """Every leak of `secrets` on the stack's hosts, in its deploy's output and in `bodies`
-    (what the router and engines answered, by what was asked)."""
+    (what the router and engines answered, by what was asked); and the (host, file) pairs where
+    a secret was found and is allowed (which shows the scan read the hosts' files)."""
     found: list[str] = []
+    allowed_files: set[tuple[str, str]] = set()
     for name, host in stack.hosts.items():
         gid = int(host.run("getent group epd | cut -d: -f3").stdout.strip() or -1)
         hits = hits_of(json.loads(python_on(host, SCAN, scan_request(secrets))))
         found += [f"{name}: {leak}" for leak in leaks(hits, gid)]
+        allowed_files |= {(name, hit.where) for hit in hits if allowed(hit, gid)}
     found += [h.describe() for h in text_hits("the deploy's ansible-playbook output", stack.deploy_output, secrets)]
     for asked, body in bodies.items():
         found += [h.describe() for h in text_hits(f"the answer to {asked}", body, secrets)]
-    return found
+    return found, allowed_files
 
 
 # on the router host: a PD's /inference without and with the engine key (read there, never an argv)

@@ -97,7 +97,10 @@ def test_the_engines_take_the_fleet_key_and_no_secret_leaks(three_host_stack, re
         ):
             answer = client.request(method, path, content=content or None)
             bodies[f"{method} {path} {content[:20]!r}"] = f"{answer.status_code} {answer.text}"
-    leaks = scan_stack(stack, secrets, bodies)
+    leaks, seen = scan_stack(stack, secrets, bodies)
+    # the scan read the hosts' files: it found the keys where they belong
+    assert {("n3", "/etc/epd/engine-key"), ("n3", "/etc/epd/admin-token")} <= seen, seen
+    assert {("n1", "/etc/epd/engine-key.env"), ("n2", "/etc/epd/engine-key.env")} <= seen, seen
     record_timing("3 hosts: secret grep (journals, files, argv, deploy output, answers)", time.monotonic() - start)
     assert leaks == [], "\n".join(leaks)
 
