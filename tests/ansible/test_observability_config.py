@@ -36,6 +36,9 @@ MONITORING = {
                 "hosts": {
                     "localhost": {
                         "ansible_connection": "local",
+                        # the address the engines' access rules let the scraper in from (the
+                        # controller on the sandbox bridge; docs/security.md "Who can reach what")
+                        "epd_bind_address": "10.213.0.1",
                         "ansible_python_interpreter": "{{ ansible_playbook_python }}",
                     }
                 }

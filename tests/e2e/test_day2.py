@@ -1,12 +1,13 @@
 """Day-2 operations on four hosts, with bounded load through the router during every step,
 every request counted: a fleet-wide PD change rolls the PDs in batches (across hosts) and
 nothing else; the Neuron release rolls to 2.33 and back, canaries first;
-in one deploy, a change on one host restarts no engine elsewhere and a PD removed
-from another drains before it stops; a second deploy (as the sudo user kitops) changes nothing
-on any host. Layout: the four-host fleet (tests/e2e/stack.py): n1 2 VE, n2 2 PD, n4 1 PD, n3
-the router. In a full run this module continues on the fleet test_three_hosts ends with
-(conftest: shared stacks), otherwise it deploys it. Tests run in file order on one deployment,
-each step building on the last.
+in one deploy, a change on one host restarts no engine elsewhere, a PD removed
+from another drains before it stops and a host removed from the fleet (n4) drains and loses its
+access to the VEs' side channels (docs/security.md "Who can reach what"); a second deploy (as the
+sudo user kitops) changes nothing on any host. Layout: the four-host fleet (tests/e2e/stack.py):
+n1 2 VE, n2 2 PD, n4 1 PD, n3 the router. In a full run this module continues on the fleet
+test_three_hosts ends with (conftest: shared stacks), otherwise it deploys it. Tests run in file
+order on one deployment, each step building on the last.
 
 How long batched and one-at-a-time rolling restarts take is a measurement, not a test: it lives
 in bench/rollout_batches.py (docs/benchmarks.md "Rollout batches")."""
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.e2e.access import nft_set
 from tests.e2e.conftest import FOUR_HOSTS, SharedStacks, deploy_stack
 from tests.e2e.stack import (
     Fleet,
@@ -100,14 +102,20 @@ def test_the_neuron_release_rolls_to_2_33_under_load_and_back(stack, fleet, reco
 
 
 def test_a_change_on_one_host_restarts_no_engine_on_another_and_a_removed_pd_drains_before_it_stops(stack, fleet):
-    """One deploy, two changes on two hosts (as an operator batches them): n1's VEs move to other
+    """One deploy, three changes on three hosts (as an operator batches them): n1's VEs move to other
     cores, so they restart and nothing else does; n2 loses a PD, which the routers drain before it
-    stops and whose files go, while n2's other PD runs on."""
+    stops and whose files go, while n2's other PD runs on; n4 leaves the fleet: its PD is drained
+    and only then do the VEs' side channels close to it (the last play, the plan's rules alone)."""
     before = engine_pids(stack)
+    n2, n4 = stack.hosts["n2"].address, stack.hosts["n4"].address
+    assert nft_set(stack.hosts["n1"], "side_channel_v4") == sorted([n2, n4])
     fleet.engine_host("n1")["epd_excluded_cores"] = [0, 1, 2, 3]
     fleet.engine_host("n2")["epd_num_pd"] = 1
+    del fleet.hosts_yml["all"]["children"]["epd_engines"]["hosts"]["n4"]
     fleet.write()
     result, _ = under_load(stack, "playbooks/deploy.yml")
+    assert nft_set(stack.hosts["n1"], "side_channel_v4") == [n2]
+    assert "epd-n4-pd-0" not in {e["id"] for e in stack.pools()}
     after = engine_pids(stack)
     moved = restarted(before, after)
     unplanned = {engine for engine in moved if not engine.startswith("n1/")}
@@ -124,7 +132,7 @@ def test_a_second_deploy_as_the_sudo_user_changes_nothing(stack, fleet, record_t
     router_before = stack.hosts["n3"].show("epd-router@0.service", "MainPID")
     result, elapsed = under_load(stack, "playbooks/deploy.yml", "-e", "ansible_user=kitops")
     record_timing("day 2: idempotent re-deploy, 4 hosts (as the sudo user, under load)", elapsed)
-    for host in stack.hosts:
+    for host in SandboxInventory.load(fleet.directory).hosts:  # n4 left the fleet in the step before
         assert result.recap[host]["changed"] == 0, result.describe()
     assert engine_pids(stack) == before
     assert stack.hosts["n3"].show("epd-router@0.service", "MainPID") == router_before

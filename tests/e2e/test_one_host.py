@@ -93,6 +93,9 @@ def monitored_one_host(dest: Path, prometheus_dir: Path) -> Path:
     settings_file.write_text(yaml.safe_dump(settings))
     monitoring = {
         "ansible_connection": "local",
+        # the controller's address on the sandbox bridge: the host's access rules let Prometheus
+        # scrape the engines from there (docs/security.md "Who can reach what")
+        "epd_bind_address": "10.213.0.1",
         "ansible_python_interpreter": "{{ ansible_playbook_python }}",
         "epd_observability_dir": str(prometheus_dir),
         "epd_observability_prometheus_config": str(prometheus_dir / "prometheus.yml"),
@@ -468,6 +471,9 @@ def test_teardown_leaves_the_host_clean(one_host_stack):
     ).stdout
     assert leftovers.strip() == "", f"teardown left: {leftovers}"
     assert n1.run("pgrep -f 'epd-(sim|router)'", check=False).returncode != 0
+    # the kit's access rules went with it (its table, file and unit)
+    assert n1.run("nft list table inet epd_kit", check=False).returncode != 0
+    assert not n1.path("/etc/nftables.d/epd-kit.nft").exists()
     assert (
         n1.run("test -e /models/tiny-qwen3-vl/config.json", check=False).returncode == 0
     )  # never the operator's model

@@ -22,7 +22,16 @@ import pytest
 from tests.e2e.conftest import deploy_stack
 from tests.e2e.stack import LoadGenerator, Stack, wait_for
 from tests.hosts.certs import SandboxCa, served_serial, trust
-from tests.hosts.harness import REPO, HostPool, ansible_playbook, hosts_env, machine_address, write_inventory
+from tests.hosts.harness import (
+    REPO,
+    HostPool,
+    TestHost,
+    ansible_playbook,
+    host_offset,
+    hosts_env,
+    machine_address,
+    write_inventory,
+)
 
 # a first deploy of three hosts plus a kit upgrade: more than the default 300 s on a loaded VM
 pytestmark = [pytest.mark.systemd, pytest.mark.timeout(1200)]
@@ -31,6 +40,7 @@ BASE = REPO / "inventory/sandbox/three-host"
 ROUTER_HOSTS = ("n1", "n2")
 LB_URL = f"https://{machine_address(3)}:8080"
 STATS_URL = f"http://{machine_address(3)}:8404/stats;csv"
+LB_HOST = TestHost(f"n{3 + host_offset()}", machine_address(3))  # the machine playing n3 in this lane
 # HAProxy's checks (the role's defaults): a dead router is out after inter × fall
 CHECK_INTER_S, CHECK_FALL = 1.0, 2
 DETECTION_WINDOW_S = CHECK_INTER_S * CHECK_FALL
@@ -115,8 +125,10 @@ def requests_total(url: str) -> float:
 
 
 def server_states() -> dict[str, str]:
-    """HAProxy's view of each router (UP, DOWN, ...), from its statistics page."""
-    rows = csv.DictReader(io.StringIO(httpx.get(STATS_URL, timeout=5).text.lstrip("# ")))
+    """HAProxy's view of each router (UP, DOWN, ...), from its statistics page, read on n3 itself: the
+    access rules let only monitoring hosts reach it from elsewhere (docs/security.md)."""
+    page = LB_HOST.run(f"curl -sf --max-time 5 '{STATS_URL}'").stdout
+    rows = csv.DictReader(io.StringIO(page.lstrip("# ")))
     return {
         row["svname"]: row["status"] for row in rows if row["pxname"] == "epd_routers" and row["svname"] in ROUTER_HOSTS
     }

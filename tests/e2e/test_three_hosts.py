@@ -7,15 +7,17 @@ every day-2 change."""
 from __future__ import annotations
 
 import json
+import shlex
 import time
 
 import pytest
 import yaml
 
+from tests.e2e.access import nft_set, open_ports
 from tests.e2e.conftest import FOUR_HOSTS
 from tests.e2e.secrets_scan import ENGINE_PROBE, python_on, scan_stack, stack_secrets
-from tests.e2e.stack import LoadGenerator, Stack, four_host_fleet, image_message, is_healthy, wait_for
-from tests.hosts.harness import ansible_playbook, machine_address, relocated
+from tests.e2e.stack import LoadGenerator, Stack, four_host_fleet, image_message, is_healthy, under_load, wait_for
+from tests.hosts.harness import TestHost, ansible_playbook, machine_address, relocated
 from tests.hosts.sandbox import SandboxInventory
 
 pytestmark = pytest.mark.systemd
@@ -119,6 +121,38 @@ def test_pd_reads_embeddings_from_a_ve_on_another_host(three_host_stack):
     assert sum(after[i] - before[i] for i in EXPECTED_PD) >= 3
 
 
+def connect_from(host: TestHost, address: str, port: int) -> str:
+    """'open', 'refused' or 'timeout': a TCP connect from inside `host` (3 s at most)."""
+    code = (
+        "import socket, sys\ns = socket.socket()\ns.settimeout(3)\n"
+        "try:\n    s.connect((sys.argv[1], int(sys.argv[2]))); print('open')\n"
+        "except ConnectionRefusedError:\n    print('refused')\nexcept TimeoutError:\n    print('timeout')"
+    )
+    return host.run(f"python3 -c {shlex.quote(code)} {address} {port}").stdout.strip()
+
+
+def test_only_the_planned_peers_reach_the_engine_and_side_channel_ports(three_host_stack):
+    """docs/security.md "Who can reach what": the VE host n1 is neither router nor PD, so a PD's port
+    refuses it; the router n3 is no PD, so a VE's side channel refuses it; the router reaches the
+    engines and the PD host the side channels (the image requests above read VE blocks across hosts)."""
+    hosts = three_host_stack.hosts
+    n1, n2 = machine_address(1), machine_address(2)
+    assert connect_from(hosts["n1"], n2, 18100) == "refused"
+    assert connect_from(hosts["n3"], n1, 14600) == "refused"
+    assert connect_from(hosts["n2"], n1, 14600) == "open"
+    health = hosts["n3"].run(f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 5 http://{n2}:18100/health")
+    assert health.stdout == "200"
+    assert nft_set(hosts["n1"], "side_channel_v4") == [n2]
+    assert nft_set(hosts["n2"], "engine_http_v4") == [machine_address(3)]
+
+
+def test_a_port_scan_from_outside_the_fleet_finds_only_ssh_and_the_router(three_host_stack):
+    """From the controller (a client network, not a peer): every port each host listens on and the
+    kit's port ranges; open are SSH and, on the router host, the router port."""
+    found = {name: open_ports(host) for name, host in three_host_stack.hosts.items()}
+    assert found == {"n1": [22], "n2": [22], "n3": [22, 18800]}, found
+
+
 def test_rolling_restart_under_load_fails_no_request(three_host_stack, record_timing):
     stack = three_host_stack
     before = main_pids(stack)
@@ -156,9 +190,13 @@ def test_adding_an_engine_host_reloads_the_router_and_restarts_no_engine(
         fleet = four_host_fleet(tmp_path / "four-host")
         engines_before = main_pids(stack)
         router_before = stack.hosts["n3"].show("epd-router@0.service", "MainPID", "NRestarts")
-        result = ansible_playbook(fleet.directory, "playbooks/deploy.yml")
-        assert result.returncode == 0, result.describe()
+        # under load (no request may fail): the peers let n4 in before its engine starts
+        result, _ = under_load(stack, "playbooks/deploy.yml", inventory=fleet.directory)
         assert n4.is_active("epd-engine@pd-0.service") == "active"
+        plays = result.stdout
+        assert plays.index("PLAY [Open the access rules") < plays.index("PLAY [Deploy and start the engines")
+        assert nft_set(stack.hosts["n1"], "side_channel_v4") == sorted([machine_address(2), n4.address])
+        assert nft_set(n4, "engine_http_v4") == [machine_address(3)]
         assert main_pids(stack) == engines_before, "an existing engine was restarted"
         assert stack.hosts["n3"].show("epd-router@0.service", "MainPID", "NRestarts") == router_before, (
             "the router was restarted instead of reloaded"
@@ -173,6 +211,12 @@ def test_adding_an_engine_host_reloads_the_router_and_restarts_no_engine(
         )
         for i in range(4):
             assert stack.chat(image_message(f"with a fourth host #{i}", (90, 200, 90)), max_tokens=4).choices
+        # n4's PD reads VE blocks from n1 through n1's rules (bounded: the router spreads over 3 PDs)
+        for i in range(12):
+            if stack.engine("epd-n4-pd-0").get("served", 0):
+                break
+            stack.chat(image_message(f"for n4 #{i}", (i * 20, 90, 90)), max_tokens=4)
+        assert stack.engine("epd-n4-pd-0").get("served", 0) >= 1
         # test_day2 continues on this four-host fleet (conftest: shared stacks)
         shared_stacks.keep(FOUR_HOSTS, Stack(SandboxInventory.load(fleet.directory), {**stack.hosts, "n4": n4}))
         kept = True
