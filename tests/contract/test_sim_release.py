@@ -75,3 +75,58 @@ def test_an_unknown_vllm_stops_the_engine_at_start(checkpoint) -> None:
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode != 0
     assert "EPD_SIM_VLLM='0.31': the simulated engine answers as vLLM 0.24 or 0.29" in result.stderr + result.stdout
+
+
+# vLLM's per-request generation error (GenerationError through create_error_response), the same
+# body in both releases; docs/compat.md "Generation errors" has the source lines
+GENERATION_ERROR = {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+
+
+def _text_body(stream: bool) -> dict:
+    return {
+        "request_id": f"gen-err-{int(stream)}",
+        "token_ids": [5, 6, 7, 8],
+        "features": {"mm_hashes": {}, "mm_placeholders": {}, "kwargs_data": {}},
+        "sampling_params": {"max_tokens": 8, "ignore_eos": True},
+        "stream": stream,
+    }
+
+
+def _set_faults(url: str, **faults: object) -> None:
+    r = httpx.put(url + "/sim/faults", json=faults, timeout=5)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("vllm", ["0.24", "0.29"])
+def test_a_failed_generation_has_its_vllms_shape_and_the_engine_stays_up(vllm: str, pair: Pair, pair_029: Pair) -> None:
+    """0.24: 200 with the "error" choice (serve/disagg/serving.py:292); 0.29: the route's 500
+    (token_in_token_out/serving.py:305); a stream, both: the tokens before, the error event,
+    [DONE]. /health stays 200 and the next request is served."""
+    pd = (pair if vllm == "0.24" else pair_029).pd
+    gen = pd.url + "/inference/v1/generate"
+    try:
+        _set_faults(pd.url, generation_error_rate=1.0, generation_error_after=3)
+        r = httpx.post(gen, json=_text_body(stream=False), timeout=10)
+        if vllm == "0.24":
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "error" and len(choice["token_ids"]) == 3
+        else:
+            assert r.status_code == 500 and r.json() == {"error": GENERATION_ERROR}
+        raw = httpx.post(gen, json=_text_body(stream=True), timeout=10).content
+        payloads = [sse_data(e) for e in split_sse(raw)[0]]
+        assert payloads[-1] == b"[DONE]"
+        docs = [json.loads(p) for p in payloads[:-1]]
+        assert docs[-1] == {"error": GENERATION_ERROR}
+        assert sum(len(d["choices"][0]["token_ids"]) for d in docs[:-1]) == 3
+        assert all(d["choices"][0]["finish_reason"] is None for d in docs[:-1])
+        _set_faults(pd.url, generation_error_rate=1.0)  # generation_error_after 0: before any token
+        first = [sse_data(e) for e in split_sse(httpx.post(gen, json=_text_body(True), timeout=10).content)[0]]
+        assert [json.loads(first[0]), first[1]] == [{"error": GENERATION_ERROR}, b"[DONE]"]
+        metrics = httpx.get(pd.url + "/metrics", timeout=5).text
+        assert 'kind="generation_error"' in metrics
+    finally:
+        _set_faults(pd.url)
+    assert httpx.get(pd.url + "/health", timeout=5).status_code == 200
+    ok = httpx.post(gen, json=_text_body(stream=False), timeout=10)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"

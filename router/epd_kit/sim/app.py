@@ -36,7 +36,7 @@ from .faults import FaultInjector, Faults
 from .metrics import SimMetrics
 from .pd import PrefillDecodeEngine, Sequence, build_sequence
 from .profile import LatencyProfile
-from .release import AnswerShape, answer_shape
+from .release import GENERATION_ERROR, AnswerShape, answer_shape
 from .ve import VisionEncoderEngine
 
 log = logging.getLogger("epd_sim.api")
@@ -179,6 +179,9 @@ def create_app(engine: SimEngine) -> FastAPI:
                 return Response(body, media_type="application/json")
             assert engine.pd is not None
             seq = build_sequence(req, cfg, request_id)
+            seq.fail_after = engine.injector.generation_error()
+            if seq.fail_after is not None:
+                engine.metrics.fault("generation_error")
             engine.pd.submit(seq)
         except RequestRejected as exc:
             return error_response(exc.message, exc.status, exc.err_type)
@@ -219,6 +222,8 @@ async def _complete(
         return error_response(message, status, "InternalServerError")
     if seq.finish_reason == "abort":
         return error_response("request aborted (engine shutting down)", 503, "ServiceUnavailable")
+    if seq.finish_reason == "error" and answers.generation_error_is_500:
+        return JSONResponse({"error": GENERATION_ERROR}, status_code=500)  # else 0.24's 200 with that choice
     tokens = list(seq.plan.token_ids[: seq.emitted]) if seq.plan else []
     body = GenerateResponse(
         request_id=server_request_id(),
@@ -250,6 +255,8 @@ async def _stream(
             await seq.event.wait()
             seq.event.clear()
             tokens = seq.take()
+            # generation failed for this request: the tokens before it, then vLLM's error event
+            failed = seq.done and seq.finish_reason == "error"
             if seq.error is not None:
                 message, status = _engine_error(seq)
                 yield sse_frame(
@@ -257,7 +264,7 @@ async def _stream(
                 )
                 break
             if tokens:
-                finish = seq.finish_reason if seq.done else None
+                finish = seq.finish_reason if seq.done and not failed else None
                 if continuous:
                     usage = Usage(
                         prompt_tokens=prompt, completion_tokens=seq.emitted, total_tokens=prompt + seq.emitted
@@ -275,6 +282,9 @@ async def _stream(
                     )
                 else:  # the hot path of a busy PD: same bytes as the model dump, built directly
                     yield token_frame(rid_json, tokens, finish, answers.stream_choice_tail)
+            if failed:
+                yield sse_frame({"error": GENERATION_ERROR})
+                break
             if seq.done:
                 if include_usage and seq.finish_reason in ("stop", "length"):
                     usage = Usage(

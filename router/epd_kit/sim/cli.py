@@ -157,6 +157,13 @@ def _sim(name: str, **kw: Any) -> Any:
 @_sim("crash-after", type=int, default=None, help="[sim fault] Hard exit(1) when request N+1 arrives.")
 @_sim("hang-after", type=int, default=None, help="[sim fault] Requests after the Nth never answer (/health stays 200).")
 @_sim("error-rate", type=float, default=0.0, help="[sim fault] Share of requests answered 500.")
+@_sim(
+    "generation-error-rate",
+    type=float,
+    default=0.0,
+    help="[sim fault] Share of PD requests whose generation fails as vLLM's does (finish_reason error).",
+)
+@_sim("generation-error-after", type=int, default=0, help="[sim fault] Tokens a failing generation emits first.")
 @_sim("extra-latency-ms", type=float, default=0.0, help="[sim fault] Added per request.")
 @_sim("jitter-ms", type=float, default=0.0, help="[sim fault] Uniform random extra latency.")
 @_sim(
@@ -211,6 +218,8 @@ def serve(model_tag: str | None, **opts: Any) -> None:
             crash_after=opts["sim_crash_after"],
             hang_after=opts["sim_hang_after"],
             error_rate=opts["sim_error_rate"],
+            generation_error_rate=opts["sim_generation_error_rate"],
+            generation_error_after=opts["sim_generation_error_after"],
             extra_latency_ms=opts["sim_extra_latency_ms"],
             jitter_ms=opts["sim_jitter_ms"],
             side_channel=opts["sim_side_channel"],

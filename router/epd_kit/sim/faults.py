@@ -18,6 +18,13 @@ class Faults(BaseModel):
     crash_after: int | None = Field(None, ge=0, description="hard exit(1) when request N+1 arrives")
     hang_after: int | None = Field(None, ge=0, description="requests after the Nth never answer")
     error_rate: float = Field(0.0, ge=0.0, le=1.0, description="share of requests answered 500")
+    # vLLM's per-request failure (a choice finished with reason "error", e.g. a KV load
+    # failure), answered in the shape of the vLLM the sim answers as (release.py); the engine
+    # stays up. Unlike error_rate's 500, a router must not count it against the engine.
+    generation_error_rate: float = Field(
+        0.0, ge=0.0, le=1.0, description="share of PD requests whose generation fails (finish_reason error)"
+    )
+    generation_error_after: int = Field(0, ge=0, description="tokens a failing generation emits before it fails")
     extra_latency_ms: float = Field(0.0, ge=0.0)
     jitter_ms: float = Field(0.0, ge=0.0, description="uniform 0..jitter added per request")
     side_channel: SideChannelFault = "ok"
@@ -42,6 +49,13 @@ class FaultInjector:
             return "hang"
         if f.error_rate and self._rng.random() < f.error_rate:
             return "error"
+        return None
+
+    def generation_error(self) -> int | None:
+        """For a PD request admitted: the tokens after which its generation fails, or None."""
+        f = self.faults
+        if f.generation_error_rate and self._rng.random() < f.generation_error_rate:
+            return f.generation_error_after
         return None
 
     async def delay(self) -> None:

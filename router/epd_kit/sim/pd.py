@@ -45,7 +45,8 @@ class Sequence:
     emitted: int = 0
     pending: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    error: BaseException | None = None
+    error: BaseException | None = None  # the engine core's failure (it dies)
+    fail_after: int | None = None  # fault: generation fails after this many tokens (the engine stays up)
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -264,6 +265,9 @@ class PrefillDecodeEngine:
 
     def _emit(self, seq: Sequence) -> None:
         assert seq.plan is not None
+        if seq.fail_after is not None and seq.emitted >= seq.fail_after:
+            self._finish(seq, "error")  # vLLM's FinishReason.ERROR: this request only
+            return
         seq.pending.append(seq.plan.token_ids[seq.emitted])
         seq.emitted += 1
         self.metrics.generation_tokens.inc()

@@ -5,9 +5,11 @@ argv stays the real `vllm serve` argv; unset, the sim answers as the default rel
 What differs, from each version's own code (docs/compat.md "vLLM 0.24 vs 0.29 on the kit's
 wire"): 0.29's non-streaming answer carries `generate-tokens-<caller's id>` (0.24: an id of its
 own), `model`, `created`, `usage` and `ec_transfer_params`, and each choice, streamed or not,
-`sampling_mask`. Requests are the same for both. The release's compiler series also names the
-sim's stand-in compiler versions (`sim_sdk`), so a release change is a cache miss, as it is on
-Neuron (compilation_cache.md "Cache Key": the neuronx-cc, torch-neuronx and NKI versions).
+`sampling_mask`; a failed generation (fault `generation_error_rate`) is 0.29's 500 where 0.24
+answers 200 with the failed choice. Requests are the same for both. The release's compiler
+series also names the sim's stand-in compiler versions (`sim_sdk`), so a release change is a
+cache miss, as it is on Neuron (compilation_cache.md "Cache Key": the neuronx-cc, torch-neuronx
+and NKI versions).
 """
 
 from __future__ import annotations
@@ -23,6 +25,18 @@ from epd_kit.plan.command import SIM_VLLM_VARIABLE
 from epd_kit.plan.neuron_releases import DEFAULT_RELEASE, RELEASES, vllm_version
 
 from ..wire import GenerateResponse, stream_request_id
+
+# vLLM's answer to a request whose generation failed (a choice finished with reason "error"):
+# GenerationError("Internal server error") through create_error_response, the same in both
+# releases (0.24.0 entrypoints/openai/engine/serving.py:117-134, 0.29.0
+# entrypoints/generate/base/serving.py:204-221). A stream carries it as its last event before
+# [DONE]; a non-streaming answer is this 500 in 0.29 and a 200 with the "error" choice in 0.24.
+GENERATION_ERROR: dict[str, Any] = {
+    "message": "Internal server error",
+    "type": "InternalServerError",
+    "param": None,
+    "code": 500,
+}
 
 
 def series(version: str) -> str:
@@ -71,6 +85,12 @@ class AnswerShape:
         }
         body.pop("request_id", None)
         return json.dumps({**shaped, **body}, separators=(",", ":")).encode()
+
+    @property
+    def generation_error_is_500(self) -> bool:
+        """A failed non-streaming generation: 0.29 raises it (token_in_token_out/serving.py:305),
+        0.24 answers 200 with the choice (serve/disagg/serving.py:292 does not check it)."""
+        return self.v029
 
     @property
     def stream_choice_tail(self) -> str:
