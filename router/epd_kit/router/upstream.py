@@ -5,7 +5,8 @@ the request bodies are bodies.py's).
 Rules (docs/contract.md §1.3): connect errors, timeouts (incl. a call's own deadline), broken
 connections and 5xx count against the engine, each as a `Failure` kind that health.py weighs;
 a 4xx never does (it is about the request); 429 is pushback: try elsewhere, do not mark the
-engine down.
+engine down; vLLM's per-request generation error (`generation_failed`) is a 502 that does
+not count either: the engine is fine, this one request failed on it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,20 @@ STAGE_NAMES = {"ve": "encode", "pd": "generate"}
 # How a PD says it could not read an embedding from a VE (vLLM's ECLoadFailure, contract
 # §7.2). Engines report it only as text; this is the one place that text is read.
 EC_LOAD_FAILURE_MARKERS = ("ECLoadFailure", "Encoder-cache load", "ec_locator")
+
+# How vLLM says generation failed for one request: a choice finished with reason "error", a
+# "retryable request-level internal error (e.g., KV load failure)" (vllm/v1/engine/__init__.py
+# FinishReason). `_raise_if_error` turns it into GenerationError("Internal server error"),
+# answered as {"error": {"message": "Internal server error", "type": "InternalServerError",
+# "param": null, "code": 500}}: in a stream as its last event before [DONE] (both releases),
+# else as the route's 500 in 0.29.0 (entrypoints/scale_out/token_in_token_out/serving.py:305)
+# and as a 200 with that choice in 0.24.0 (entrypoints/serve/disagg/serving.py:292 does not
+# check it). An engine-wide failure (EngineDeadError, EngineGenerateError, any other
+# exception) has the same type and code with another message, so the message tells them
+# apart. The router reads every shape whatever the fleet's release: during a release change
+# PDs of both serve side by side. docs/compat.md "Generation errors" has the file:lines.
+GENERATION_ERROR_MESSAGE = "Internal server error"
+GENERATION_ERROR_FINISH = "error"
 
 
 @dataclass(frozen=True)
@@ -136,8 +151,35 @@ def stream_truncated(engine: Engine, done: bool) -> UpstreamError:
     return _failure(engine, 502, message, failure=Failure.error, retry_other=False, client=client)
 
 
+def generation_failed(engine: Engine, how: str, *, retry_other: bool = True) -> UpstreamError:
+    """vLLM's per-request generation error (GENERATION_ERROR_MESSAGE): a 502 that is not
+    charged to the engine; another engine may still serve the request (vLLM calls it
+    retryable), while the client has nothing yet."""
+    stage = STAGE_NAMES[engine.role]
+    message = f"{where(engine)} failed this request: vLLM generation error ({how}); not counted against the engine"
+    client = f"the engine could not complete this request ({stage}: vLLM generation error)"
+    return _failure(engine, 502, message, failure=None, retry_other=retry_other, client=client)
+
+
+def _is_generation_error(error: object) -> bool:
+    """An `error` object of vLLM's ErrorResponse that is GenerationError's (code 500 when given)."""
+    return (
+        isinstance(error, dict) and error.get("message") == GENERATION_ERROR_MESSAGE and error.get("code", 500) == 500
+    )
+
+
+def _error_object(body: bytes) -> object:
+    try:
+        doc = json.loads(body[:4096] or b"null")
+    except ValueError:
+        return None
+    return doc.get("error") if isinstance(doc, dict) else None
+
+
 def stream_error_frame(engine: Engine, said: str) -> UpstreamError:
-    """A started stream in which the PD sent an error frame."""
+    """A started stream in which the PD sent an error frame (`said`: its message)."""
+    if _is_generation_error({"message": said}):  # the relay keeps the event's message only
+        return generation_failed(engine, "error event mid-stream", retry_other=False)
     message = f"{where(engine)} failed mid-stream: {said}"
     return _failure(engine, 502, message, said, failure=Failure.error, retry_other=False)
 
@@ -153,6 +195,8 @@ def classify_status(answer: EngineAnswer, engine: Engine) -> UpstreamError:
         err = _failure(engine, 429, message, said, failure=None, retry_other=True, client=client)
         err.retry_after = _retry_after(answer)
         return err
+    if code == 500 and _is_generation_error(_error_object(answer.body)):
+        return generation_failed(engine, "HTTP 500")
     if code >= 500:  # what the engine said stays in the log: it may name its internals
         message = f"{where(engine)} failed: HTTP {code}{detail}"
         client = f"the engine failed ({stage}, HTTP {code})"
@@ -190,6 +234,8 @@ def classify_stream_error(payload: bytes, engine: Engine) -> UpstreamError | Non
         return None
     if not (isinstance(doc, dict) and doc.get("error") and not doc.get("choices")):
         return None
+    if _is_generation_error(doc["error"]):
+        return generation_failed(engine, "error event before the first token")
     err = doc["error"] if isinstance(doc["error"], dict) else {"message": str(doc["error"])}
     code = err.get("code") if isinstance(err.get("code"), int) else 500
     engine_failed = not 400 <= code < 500  # a 4xx frame is about the request
@@ -235,9 +281,20 @@ def bad_body(engine: Engine, what: str) -> UpstreamError:
     return _failure(engine, 502, message, failure=Failure.error, retry_other=True, client=client)
 
 
+def _check_finished(body: GenerateResponse, engine: Engine) -> None:
+    """vLLM 0.24's non-streaming answer to a failed generation: 200 with a choice whose
+    finish_reason is "error" (0.29 answers the 500 above instead)."""
+    if any(choice.finish_reason == GENERATION_ERROR_FINISH for choice in body.choices):
+        raise generation_failed(engine, 'HTTP 200 with finish_reason "error"')
+
+
 def parse_ve_response(answer: EngineAnswer, engine: Engine, hashes: Sequence[str]) -> dict[str, EcLocator]:
     try:
         body = GenerateResponse.model_validate_json(answer.body)
+    except ValueError as exc:
+        raise bad_body(engine, f"not a GenerateResponse with valid ec_locator ({exc.__class__.__name__})") from None
+    _check_finished(body, engine)
+    try:
         locators = body.ec_locators()
     except ValueError as exc:
         raise bad_body(engine, f"not a GenerateResponse with valid ec_locator ({exc.__class__.__name__})") from None
@@ -249,6 +306,8 @@ def parse_ve_response(answer: EngineAnswer, engine: Engine, hashes: Sequence[str
 
 def parse_pd_response(answer: EngineAnswer, engine: Engine) -> GenerateResponse:
     try:
-        return GenerateResponse.model_validate_json(answer.body)
+        body = GenerateResponse.model_validate_json(answer.body)
     except ValueError as exc:
         raise bad_body(engine, f"not a GenerateResponse ({exc.__class__.__name__})") from None
+    _check_finished(body, engine)
+    return body
