@@ -1,27 +1,36 @@
-"""Action plugin epd.kit.epd_render_files: write a set of files under a directory of the controller
-in one task (render.yml; a task per file costs a worker fork and a module run each, which made
-rendering a fleet take tens of seconds).
+"""Action plugin epd.kit.epd_render_files: write the files of several hosts under directories of
+the controller in one task (render.yml).
 
 Options:
-  root: the directory every dest is under (created as needed).
-  files: a list of {dest, template, vars} (a template rendered exactly as the template module
-    renders it: the task's variables plus vars) or {dest, json} (written as to_nice_json(indent=2)).
-  directories: dests of directories to create even when no file lands in them.
+  hosts: the inventory hosts to render, each with its own variables: those this task would run
+    with on that host (inventory, play, role defaults, the plan's facts).
+  each_host: the name of a variable (the task's own vars) that, templated with a host's variables,
+    says what to write for that host, {root, files, directories}:
+      root: the directory every dest is under (created as needed).
+      files: a list of {dest, template, vars} (a template rendered exactly as the template module
+        renders it: the host's variables plus vars) or {dest, json} (written as to_nice_json(indent=2)).
+      directories: dests of directories to create even when no file lands in them.
 Files are written with mode 0644 and directories 0755; only files whose content differs are
-rewritten. Returns changed and written (the dests rewritten). Deploy writes the hosts' files with
-the template module instead (per-file change reporting, ownership, validation).
+rewritten. Returns changed and written ({host: the dests rewritten}). Deploy writes the hosts'
+files with the template module instead (per-file change reporting, ownership, validation).
+
+One task for many hosts, not one per host: a task per host cost a worker process that compiled
+every template and variable expression again (docs/benchmarks.md "Controller at fleet scale").
+Here each is compiled once for all the hosts of the task.
 
 The template lookup deep-copies the variables it is given, for every file: the fleet plan among
-them, so one host's render cost grew with the fleet (quadratic over the fleet: 61 s at 64 hosts,
-docs/benchmarks.md "Controller at fleet scale"). It gets a mapping whose deep copy is shallow,
+them, so one host's render cost grew with the fleet. It gets a mapping whose deep copy is shallow,
 as the template action module's copy is (task_vars.copy()), and renders through the same code.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ansible.errors import AnsibleActionFail
+from ansible.errors import AnsibleActionFail, AnsibleError
 from ansible.plugins.action import ActionBase
 from ansible.plugins.filter.core import to_nice_json
 
@@ -32,26 +41,93 @@ class ActionModule(ActionBase):
 
     def run(self, tmp=None, task_vars=None):
         result = super().run(tmp, task_vars)
-        args = self._task.args
-        root = Path(args["root"])
-        template = self._shared_loader_obj.lookup_loader.get(
-            "ansible.builtin.template", loader=self._loader, templar=self._templar
-        )
-        variables = _ShallowCopied(task_vars)
-        for directory in args.get("directories", []):
-            _directory(root, directory)
-        written = []
-        for spec in args.get("files", []):
-            if "template" in spec:
-                content = template.run([spec["template"]], variables=variables, template_vars=spec.get("vars", {}))[0]
-            elif "json" in spec:
-                content = to_nice_json(spec["json"], indent=2)
-            else:
-                raise AnsibleActionFail(f"{spec.get('dest')}: give either template or json")
-            if _write(_directory(root, str(Path(spec["dest"]).parent)) / Path(spec["dest"]).name, str(content)):
-                written.append(spec["dest"])
+        written = {}
+        with _compiled_once():
+            for host in self._task.args["hosts"]:
+                try:
+                    variables = self._host_variables(host, task_vars)
+                    templar = self._templar.copy_with_new_env(available_variables=variables)
+                    dests = self._render(templar.template(variables[self._task.args["each_host"]]), variables, templar)
+                except AnsibleError as error:
+                    raise AnsibleActionFail(f"rendering {host}: {error}") from None
+                if dests:
+                    written[host] = dests
         result.update(changed=bool(written), written=written)
         return result
+
+    def _host_variables(self, host: str, task_vars: dict) -> dict:
+        """The variables this task would run with on `host`, as the strategy computes them for a task
+        (the variable manager and the inventory have no public accessor in an action plugin)."""
+        manager = self._task._variable_manager
+        host_object = manager._inventory.get_host(host)
+        variables = manager.get_vars(play=self._task.get_play(), host=host_object, task=self._task)
+        variables["ansible_search_path"] = task_vars["ansible_search_path"]  # the task's, set by its executor
+        return variables
+
+    def _render(self, spec: dict, variables: dict, templar) -> list[str]:
+        root = Path(spec["root"])
+        template = self._shared_loader_obj.lookup_loader.get(
+            "ansible.builtin.template", loader=self._loader, templar=templar
+        )
+        shallow = _ShallowCopied(variables)
+        for directory in spec.get("directories", []):
+            _directory(root, directory)
+        written = []
+        for file in spec.get("files", []):
+            if "template" in file:
+                content = template.run([file["template"]], variables=shallow, template_vars=file.get("vars", {}))[0]
+            elif "json" in file:
+                content = to_nice_json(file["json"], indent=2)
+            else:
+                raise AnsibleActionFail(f"{file.get('dest')}: give either template or json")
+            if _write(_directory(root, str(Path(file["dest"]).parent)) / Path(file["dest"]).name, str(content)):
+                written.append(file["dest"])
+        return written
+
+
+@contextlib.contextmanager
+def _compiled_once() -> Iterator[None]:
+    """Compile each template and variable expression once for all the hosts of the task.
+
+    ansible-core 2.19 compiles (parses, generates and byte-compiles) a template string each time it
+    renders it, and every template lookup makes a new Jinja environment that resolves its filter
+    plugins again: most of a host's render. A compiled template depends on its source and the compile
+    options only (the variables come at render time); one compiled here keeps the environment it was
+    made in, whose filters are then resolved once. A compile error is not kept (it holds the templar
+    that met it). Other ansible-core versions (without these internals) compile as before."""
+    try:
+        from ansible._internal._templating._engine import TemplateEngine
+        from ansible._internal._templating._jinja_bits import AnsibleTemplate, AnsibleTemplateExpression
+    except ImportError:
+        yield
+        return
+    originals = {name: getattr(TemplateEngine, name, None) for name in ("_compile_template", "_compile_expression")}
+    if None in originals.values():
+        yield
+        return
+    compiled: dict = {}
+    try:
+        for name, original in originals.items():
+            setattr(TemplateEngine, name, _cached(original, compiled, (AnsibleTemplate, AnsibleTemplateExpression)))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(TemplateEngine, name, original)
+
+
+def _cached(compile_: Callable, compiled: dict, kept: tuple[type, ...]) -> Callable:
+    @functools.wraps(compile_)
+    def compile_once(engine, source: str, options):
+        # the loader's search path only matters to includes, which the kit's templates have none of
+        searchpath = tuple(getattr(engine.environment.loader, "searchpath", ()))
+        key = (compile_.__name__, source, options, engine.basedir, searchpath)
+        if (found := compiled.get(key)) is None:
+            found = compile_(engine, source, options)
+            if isinstance(found, kept):
+                compiled[key] = found
+        return found
+
+    return compile_once
 
 
 class _ShallowCopied(dict):
