@@ -121,7 +121,11 @@ def _cached(compile_: Callable, compiled: dict, kept: tuple[type, ...]) -> Calla
         # the loader's search path only matters to includes, which the kit's templates have none of
         searchpath = tuple(getattr(engine.environment.loader, "searchpath", ()))
         key = (compile_.__name__, source, options, engine.basedir, searchpath)
-        if (found := compiled.get(key)) is None:
+        try:
+            found = compiled.get(key)
+        except TypeError:  # options this ansible-core cannot hash: compile as it would
+            return compile_(engine, source, options)
+        if found is None:
             found = compile_(engine, source, options)
             if isinstance(found, kept):
                 compiled[key] = found
