@@ -1,6 +1,6 @@
 """The simulated engine checks API keys as `vllm serve` 0.24.0 does (epd_kit/sim/auth.py cites
 vLLM's code): --api-key (one or more values, the last flag wins) before VLLM_API_KEY, only the
-/v1, /v2 and /inference paths, never OPTIONS, 401 {"error": "Unauthorized"}."""
+/v1, /v2 and /inference paths (0.29.0: and /cohere), never OPTIONS, 401 {"error": "Unauthorized"}."""
 
 from __future__ import annotations
 
@@ -77,3 +77,16 @@ def test_flag_parsing_and_precedence(args, env, rest, tokens) -> None:
 def test_a_flag_without_a_value_is_an_error() -> None:
     with pytest.raises(ValueError, match="expected at least one argument"):
         split_api_key_flag(["--api-key", "--port", "1"])
+
+
+@pytest.mark.parametrize(("vllm", "cohere_without_key"), [("0.24", 404), ("0.29", 401)])
+def test_the_guarded_paths_follow_the_vllm_the_sim_answers_as(
+    launcher: Launcher, checkpoint, vllm: str, cohere_without_key: int
+) -> None:
+    """vllm 0.29.0 guards /cohere too (entrypoints/serve/middleware/authenticate.py:11); 0.24.0
+    does not, so there the path is the app's own 404."""
+    env = engine_env(PD_CORES) | {"VLLM_API_KEY": "k-env", "EPD_SIM_VLLM": vllm}
+    pd = launcher.start(pd_argv(str(checkpoint.path), free_port()), env, "pd").wait_ready()
+    assert httpx.post(pd.url + "/cohere/v2/rerank", json={}, timeout=5).status_code == cohere_without_key
+    assert _generate(pd.url, None).status_code == 401
+    assert _generate(pd.url, "Bearer k-env").status_code == 200

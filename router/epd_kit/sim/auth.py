@@ -10,6 +10,8 @@ Read from vllm 0.24.0 (site-packages/vllm):
   no key left means no check at all;
 - entrypoints/serve/utils/server_utils.py:41-92 `AuthenticationMiddleware`: only paths starting
   with GUARDED_PREFIX ("/v1", "/v2", "/inference", after removing the root path) are checked,
+  (vllm 0.29.0 moved it to entrypoints/serve/middleware/authenticate.py, same checks, and guards
+  "/cohere" too: `guarded_prefix` below; the key's precedence is middleware/register.py:33's, the same),
   never OPTIONS; `Authorization` is split on its first space, the scheme compared without
   case, the rest (not stripped) hashed with sha256 and compared to every key's hash with
   `secrets.compare_digest`; a refusal is 401 `{"error": "Unauthorized"}`.
@@ -26,7 +28,15 @@ if TYPE_CHECKING:  # the CLI imports this module before it loads the HTTP stack
     from starlette.datastructures import Headers
     from starlette.types import ASGIApp, Receive, Scope, Send
 
-GUARDED_PREFIX = ("/v1", "/v2", "/inference")
+GUARDED_PREFIX = ("/v1", "/v2", "/inference")  # vllm 0.24.0
+GUARDED_PREFIX_0_29 = (*GUARDED_PREFIX, "/cohere")  # vllm 0.29.0 middleware/authenticate.py:11
+
+
+def guarded_prefix(vllm_series: str) -> tuple[str, ...]:
+    """The paths the key guards in the vLLM the sim answers as ("0.24" or "0.29")."""
+    return GUARDED_PREFIX_0_29 if tuple(int(p) for p in vllm_series.split(".")) >= (0, 29) else GUARDED_PREFIX
+
+
 API_KEY_FLAG = "--api-key"
 
 
@@ -69,7 +79,7 @@ def engine_tokens(api_key: Sequence[str | None] | None, env: Mapping[str, str]) 
 class AuthenticationMiddleware:
     """vLLM's middleware (server_utils.py:44), same checks and answer."""
 
-    def __init__(self, app: ASGIApp, tokens: Sequence[str]) -> None:
+    def __init__(self, app: ASGIApp, tokens: Sequence[str], guarded: tuple[str, ...] = GUARDED_PREFIX) -> None:
         from starlette.datastructures import Headers
         from starlette.responses import JSONResponse
 
@@ -77,6 +87,7 @@ class AuthenticationMiddleware:
         self._refusal = JSONResponse
         self.app = app
         self.api_tokens = [hashlib.sha256(t.encode("utf-8")).digest() for t in tokens]
+        self.guarded = guarded
 
     def verify_token(self, headers: Headers) -> bool:
         value = headers.get("Authorization")
@@ -96,7 +107,7 @@ class AuthenticationMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope["path"].removeprefix(scope.get("root_path", ""))
-        if path.startswith(GUARDED_PREFIX) and not self.verify_token(self._headers(scope=scope)):
+        if path.startswith(self.guarded) and not self.verify_token(self._headers(scope=scope)):
             await self._refusal(content={"error": "Unauthorized"}, status_code=401)(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .auth import AuthenticationMiddleware, engine_tokens
+from .auth import AuthenticationMiddleware, engine_tokens, guarded_prefix
 from .compile_cache import CacheSettings, CompileFailure, cache_key, key_inputs, load_or_compile
 from .config import VLLM_VERSION, EngineConfig, ServeArgs, StartupFailure, build_engine_config
 from .faults import Faults
@@ -203,7 +203,7 @@ async def _serve(
         )
     app = create_app(engine)
     if tokens:  # vLLM's api_server.py:258-261
-        app.add_middleware(AuthenticationMiddleware, tokens=tokens)
+        app.add_middleware(AuthenticationMiddleware, tokens=tokens, guarded=guarded_prefix(engine.answers.vllm))
     config = uvicorn.Config(
         app,
         host=cfg.host,
