@@ -291,10 +291,7 @@ def _check_finished(body: GenerateResponse, engine: Engine) -> None:
 def parse_ve_response(answer: EngineAnswer, engine: Engine, hashes: Sequence[str]) -> dict[str, EcLocator]:
     try:
         body = GenerateResponse.model_validate_json(answer.body)
-    except ValueError as exc:
-        raise bad_body(engine, f"not a GenerateResponse with valid ec_locator ({exc.__class__.__name__})") from None
-    _check_finished(body, engine)
-    try:
+        _check_finished(body, engine)  # a failed generation has no locators to read (an UpstreamError)
         locators = body.ec_locators()
     except ValueError as exc:
         raise bad_body(engine, f"not a GenerateResponse with valid ec_locator ({exc.__class__.__name__})") from None
