@@ -28,13 +28,15 @@ if TYPE_CHECKING:  # the CLI imports this module before it loads the HTTP stack
     from starlette.datastructures import Headers
     from starlette.types import ASGIApp, Receive, Scope, Send
 
+    from .release import AnswerShape
+
 GUARDED_PREFIX = ("/v1", "/v2", "/inference")  # vllm 0.24.0
 GUARDED_PREFIX_0_29 = (*GUARDED_PREFIX, "/cohere")  # vllm 0.29.0 middleware/authenticate.py:11
 
 
-def guarded_prefix(vllm_series: str) -> tuple[str, ...]:
-    """The paths the key guards in the vLLM the sim answers as ("0.24" or "0.29")."""
-    return GUARDED_PREFIX_0_29 if tuple(int(p) for p in vllm_series.split(".")) >= (0, 29) else GUARDED_PREFIX
+def guarded_prefix(answers: AnswerShape) -> tuple[str, ...]:
+    """The paths the key guards in the vLLM the sim answers as."""
+    return GUARDED_PREFIX_0_29 if answers.v029 else GUARDED_PREFIX
 
 
 API_KEY_FLAG = "--api-key"

@@ -203,7 +203,7 @@ async def _serve(
         )
     app = create_app(engine)
     if tokens:  # vLLM's api_server.py:258-261
-        app.add_middleware(AuthenticationMiddleware, tokens=tokens, guarded=guarded_prefix(engine.answers.vllm))
+        app.add_middleware(AuthenticationMiddleware, tokens=tokens, guarded=guarded_prefix(engine.answers))
     config = uvicorn.Config(
         app,
         host=cfg.host,
