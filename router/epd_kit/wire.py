@@ -16,6 +16,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 GENERATE_PATH = "/inference/v1/generate"
+# the paths an engine started with an API key checks it on (never OPTIONS): vllm 0.24.0
+# entrypoints/serve/utils/server_utils.py:41 GUARDED_PREFIX; 0.29.0 adds "/cohere"
+# (entrypoints/serve/middleware/authenticate.py:11). docs/security.md "Engine keys".
+KEY_GUARDED_PATHS = ("/v1", "/v2", "/inference")
+KEY_GUARDED_PATHS_0_29 = (*KEY_GUARDED_PATHS, "/cohere")
 MODALITY_IMAGE = "image"  # the reference labels every item "image" (docs/contract.md §2.2)
 SSE_DONE = b"data: [DONE]\n\n"
 

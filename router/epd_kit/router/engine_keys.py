@@ -6,7 +6,7 @@ previous one on the second. Requests carry the key that last worked for that eng
 at start); an engine that answers 401 gets the other key on the same request, once, and keeps
 it while it works: while a rolling restart moves engines from the old key to the new one, no
 request fails. vLLM checks the key only on paths under /v1, /v2 and /inference
-(vllm 0.24.0 entrypoints/serve/utils/server_utils.py:41 GUARDED_PREFIX), so only those carry it.
+(wire.KEY_GUARDED_PATHS, from vLLM's code), so only those carry it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from epd_kit.router.auth import load_secret_lines
-
-GUARDED_PREFIX = ("/v1", "/v2", "/inference")
+from epd_kit.wire import KEY_GUARDED_PATHS
 
 
 def load_engine_keys(path: Path | None) -> tuple[bytes, ...]:
@@ -41,7 +40,7 @@ class EngineKeys:
 
     def header(self, origin: str, path: str) -> bytes:
         """The `authorization` header line for a request to `origin` + `path` (b"" if none)."""
-        if not self.keys or not path.startswith(GUARDED_PREFIX):
+        if not self.keys or not path.startswith(KEY_GUARDED_PATHS):
             return b""
         return b"authorization: Bearer " + self.keys[self._chosen.get(origin, 0)] + b"\r\n"
 

@@ -24,19 +24,18 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from ..wire import KEY_GUARDED_PATHS, KEY_GUARDED_PATHS_0_29
+
 if TYPE_CHECKING:  # the CLI imports this module before it loads the HTTP stack
     from starlette.datastructures import Headers
     from starlette.types import ASGIApp, Receive, Scope, Send
 
     from .release import AnswerShape
 
-GUARDED_PREFIX = ("/v1", "/v2", "/inference")  # vllm 0.24.0
-GUARDED_PREFIX_0_29 = (*GUARDED_PREFIX, "/cohere")  # vllm 0.29.0 middleware/authenticate.py:11
-
 
 def guarded_prefix(answers: AnswerShape) -> tuple[str, ...]:
     """The paths the key guards in the vLLM the sim answers as."""
-    return GUARDED_PREFIX_0_29 if answers.v029 else GUARDED_PREFIX
+    return KEY_GUARDED_PATHS_0_29 if answers.v029 else KEY_GUARDED_PATHS
 
 
 API_KEY_FLAG = "--api-key"
@@ -81,7 +80,7 @@ def engine_tokens(api_key: Sequence[str | None] | None, env: Mapping[str, str]) 
 class AuthenticationMiddleware:
     """vLLM's middleware (server_utils.py:44), same checks and answer."""
 
-    def __init__(self, app: ASGIApp, tokens: Sequence[str], guarded: tuple[str, ...] = GUARDED_PREFIX) -> None:
+    def __init__(self, app: ASGIApp, tokens: Sequence[str], guarded: tuple[str, ...] = KEY_GUARDED_PATHS) -> None:
         from starlette.datastructures import Headers
         from starlette.responses import JSONResponse
 
