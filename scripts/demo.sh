@@ -6,10 +6,11 @@
 #      namespace kithub (no uplink), each with the tiny checkpoint at /models/tiny-qwen3-vl,
 #   3. deploys with the real playbook: ansible-playbook -i inventory/sandbox/one-host playbooks/deploy.yml
 #      (same roles/templates as trn2; epd_engine_backend=sim),
-#   4. sends one chat request (generated image + text) through the router with the openai client,
+#   4. sends one chat request (generated image + text; for a text-only fleet, text, and shows the
+#      image request's 400) through the router with the openai client,
 #      prints the answer, a status table and how to look around.
 # The stack stays up. Tear down with: scripts/demo.sh --down
-#   scripts/demo.sh [--inventory inventory/sandbox/three-host] | --down
+#   scripts/demo.sh [--inventory inventory/sandbox/three-host | inventory/sandbox/text-only] | --down
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # needs root (systemd-nspawn, network namespaces): as root it runs as is; otherwise through sudo where there is one
@@ -31,7 +32,7 @@ case "${1:-}" in
     echo "demo: sandbox hosts stopped and the kithub network removed"; exit 0 ;;
   --inventory) INVENTORY=${2:?--inventory DIR}; shift 2 ;;
   "") ;;
-  *) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac
 [ -f "$INVENTORY/hosts.yml" ] || { echo "demo.sh: no inventory at $INVENTORY" >&2; exit 1; }
 
@@ -70,7 +71,7 @@ trap on_error ERR
 step "deploy: ansible-playbook -i $INVENTORY playbooks/deploy.yml"
 "${HUB[@]}" .venv/bin/ansible-playbook -i "$INVENTORY" playbooks/deploy.yml
 
-step "one chat request (generated image + text) through the router, openai client"
+step "one chat request (generated image + text; text only for epd_text_only) through the router, openai client"
 "${HUB[@]}" $PY tests/hosts/sandbox.py request "$INVENTORY"
 
 step "status"

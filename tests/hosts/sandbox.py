@@ -4,6 +4,7 @@ talk to the deployed router with the real `openai` client, print a status table.
     python tests/hosts/sandbox.py hosts INVENTORY_DIR      NAME:IP per host (for hosts.sh up)
     python tests/hosts/sandbox.py router INVENTORY_DIR     http://IP:PORT of the router
     python tests/hosts/sandbox.py request INVENTORY_DIR    one chat request: generated image + text
+                                                           (text only, and the image's 400, for epd_text_only)
     python tests/hosts/sandbox.py status INVENTORY_DIR     units per host + the router's /pools
 
 Must run inside the kithub network namespace (the router lives on a test host).
@@ -88,28 +89,33 @@ def demo_image_png(edge: int = 224) -> bytes:
 
 
 def chat_request(
-    router_url: str, text: str = "Describe this image in one sentence.", max_tokens: int = 24
+    router_url: str, text: str = "Describe this image in one sentence.", max_tokens: int = 24, *, image: bool = True
 ) -> tuple[str, object]:
-    """One request through the router with the official openai client; returns (model, response)."""
+    """One request through the router with the official openai client; returns (model, response).
+    `image`: the generated picture goes with the text (a text-only fleet refuses it with a 400)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{router_url}/v1", api_key="sandbox", timeout=60, max_retries=0)
     model = client.models.list().data[0].id
-    data_url = "data:image/png;base64," + base64.b64encode(demo_image_png()).decode()
+    content: list[dict] = [{"type": "text", "text": text}]
+    if image:
+        data_url = "data:image/png;base64," + base64.b64encode(demo_image_png()).decode()
+        content.insert(0, {"type": "image_url", "image_url": {"url": data_url}})
     response = client.chat.completions.create(
-        model=model,
-        messages=[
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": data_url}},
-                    {"type": "text", "text": text},
-                ],
-            }
-        ],
-        max_tokens=max_tokens,
+        model=model, messages=[{"role": "user", "content": content}], max_tokens=max_tokens
     )
     return model, response
+
+
+def image_refused(router_url: str) -> str:
+    """A text-only fleet's answer to an image request: the 400's OpenAI error message (raises if it answers)."""
+    from openai import BadRequestError
+
+    try:
+        chat_request(router_url)
+    except BadRequestError as error:
+        return f"{error.status_code} {error.body}"
+    raise SystemExit(f"{router_url}: a text-only fleet answered an image request instead of refusing it")
 
 
 def get_json(url: str, timeout: float = 5) -> object:
@@ -155,7 +161,11 @@ def main(argv: list[str]) -> int:
     elif command == "router":
         print(inventory.router_url)
     elif command == "request":
-        model, response = chat_request(inventory.router_url)
+        text_only = inventory.group_vars.get("epd_text_only") is True
+        if text_only:  # no VE: a text request, then the image request's 400
+            print(f"image:    refused, {image_refused(inventory.router_url)}")
+        text = "Say hello in one sentence." if text_only else "Describe this image in one sentence."
+        model, response = chat_request(inventory.router_url, text, image=not text_only)
         choice = response.choices[0]
         print(f"model:    {model}")
         print(f"answer:   {choice.message.content!r}")

@@ -198,7 +198,8 @@ def check_inventory(
     try:
         settings = fleet_settings(hostvars, engines)
         plan = plan_from_hostvars(hostvars, engines, faulted)
-        problems = pool_problems(plan, text_only(hostvars, engines))
+        is_text_only = text_only(hostvars, engines)
+        problems = pool_problems(plan, is_text_only)
     except EpdPlanError as error:
         rule_problems, rule_warnings = run_rules(fleet) if known_variables is not None else ([], [])
         problems = [str(error), *rule_problems]
@@ -216,4 +217,10 @@ def check_inventory(
         warnings += rule_warnings
     if problems:
         return {"problems": problems, "warnings": warnings, "plan": None, "settings": None}
-    return {"problems": [], "warnings": warnings, "plan": plan, "settings": settings.as_dict()}
+    # epd_text_only as read here: the router's config says it (router_config's text_only)
+    return {
+        "problems": [],
+        "warnings": warnings,
+        "plan": plan,
+        "settings": {**settings.as_dict(), "epd_text_only": is_text_only},
+    }

@@ -33,8 +33,11 @@ def router_config(
     admin_networks: Sequence[str] | None = None,
     monitoring_addresses: Sequence[str] = (),
     loadbalancer_addresses: Sequence[str] = (),
+    text_only: bool = False,
 ) -> dict[str, Any]:
-    """router.yaml as a mapping; `extra` is merged last, recursively."""
+    """router.yaml as a mapping; `extra` is merged last, recursively. `text_only`: the fleet's
+    epd_text_only as the inventory check read it (its settings' epd_text_only), written into
+    `endpoints` so the router accepts the empty VE list of the plan and refuses images."""
     sections = sections or {}
     config: dict[str, Any] = {
         "model": settings.model,
@@ -59,7 +62,8 @@ def router_config(
         "networks": admin_networks_of(admin_networks, listen_host, monitoring_addresses, loadbalancer_addresses),
         "token_file": admin_token_file,
     }
-    config["endpoints"] = router_endpoints(plan, draining)
+    endpoints = router_endpoints(plan, draining)
+    config["endpoints"] = {"text_only": True, **endpoints} if text_only else endpoints
     return merge(config, extra or {})
 
 

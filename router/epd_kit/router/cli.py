@@ -145,7 +145,7 @@ def check_config(path: Path) -> None:
     except ValueError as exc:
         click.echo(f"INVALID {exc}", err=True)
         sys.exit(1)
-    ve = ", ".join(f"{e.id}({e.state.value})" for e in cfg.endpoints.ve)
+    ve = ", ".join(f"{e.id}({e.state.value})" for e in cfg.endpoints.ve) or "none: text only"
     pd = ", ".join(f"{e.id}({e.state.value})" for e in cfg.endpoints.pd)
     click.echo(f"OK {path}: model {cfg.model}; VE [{ve}]; PD [{pd}]")
 

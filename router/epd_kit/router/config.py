@@ -14,7 +14,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from epd_kit.plan.variables import ROUTER_PORT
 from epd_kit.preprocess.model_files import ENGINE_DTYPES
@@ -178,8 +178,28 @@ class Endpoint(Section):
 
 
 class Endpoints(Section):
-    ve: list[Endpoint] = Field(min_length=1)
+    # A text-only fleet (the inventory's epd_text_only; the render writes it from the plan) has
+    # no VE: it says so here, and only then may `ve` be empty. Image requests then get a 400
+    # (generation.py) and readiness needs a PD only (state.py).
+    text_only: bool = False
+    ve: list[Endpoint] = Field(default_factory=list)
     pd: list[Endpoint] = Field(min_length=1)
+
+    @field_validator("ve")
+    @classmethod
+    def _ve_matches_text_only(cls, ve: list[Endpoint], info: ValidationInfo) -> list[Endpoint]:
+        text_only = info.data.get("text_only", False)
+        if text_only and ve:
+            raise ValueError(
+                f"{len(ve)} VE engine(s) with text_only: true: a text-only fleet has no VE "
+                "(epd_text_only with epd_num_ve 0 in the inventory)"
+            )
+        if not text_only and not ve:
+            raise ValueError(
+                "empty: list at least one VE, or set endpoints.text_only: true for a fleet that serves text "
+                "only (epd_text_only: true in the inventory)"
+            )
+        return ve
 
     @model_validator(mode="after")
     def _unique(self) -> Endpoints:

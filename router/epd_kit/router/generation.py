@@ -26,6 +26,7 @@ from epd_kit.router.encode import Encoder
 from epd_kit.router.engine_client import EngineClient, PdStream
 from epd_kit.router.errors import EcLoadFailed, RouterError, UpstreamError
 from epd_kit.router.metrics import RequestOutcome, RouterMetrics
+from epd_kit.router.openai_api import ChatCompletionRequest
 from epd_kit.router.pools import Engine
 from epd_kit.router.rendering import Renderer, render_request
 from epd_kit.router.state import RouterState
@@ -54,6 +55,8 @@ class Generation:
 
     async def prepare(self, ctx: RequestContext) -> None:
         """Everything before the PD: a PD to go to, the rendered prompt, the items' locators."""
+        if self._state.cfg.endpoints.text_only:
+            _refuse_images(ctx.request)
         if not self._state.pools.eligible_pd():
             self._metrics.rejections.labels("not_ready").inc()
             raise self._state.not_ready_error()
@@ -319,3 +322,16 @@ class GapWatch:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+def _refuse_images(request: ChatCompletionRequest) -> None:
+    """A text-only fleet has no VE: an image part is the client's mistake (400), refused before
+    any rendering or fetch, not a 503 that says to come back later."""
+    for i, message in enumerate(request.messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                raise RouterError(
+                    400,
+                    "this fleet is text-only: it has no encoder (VE) for images; send text only",
+                    param=f"messages[{i}].content[{j}]",
+                )

@@ -21,13 +21,17 @@ class RouterState:
 
     @property
     def ready(self) -> bool:
-        return not self.draining and bool(self.pools.eligible_ve()) and bool(self.pools.eligible_pd())
+        encoders = self.cfg.endpoints.text_only or bool(self.pools.eligible_ve())
+        return not self.draining and encoders and bool(self.pools.eligible_pd())
 
     def not_ready_reason(self) -> str:
         if self.draining:
             return "router is shutting down"
         parts = []
-        for role, engines in (("VE", self.pools.ve), ("PD", self.pools.pd)):
+        pools = {"VE": self.pools.ve, "PD": self.pools.pd}
+        if self.cfg.endpoints.text_only:
+            del pools["VE"]
+        for role, engines in pools.items():
             if not any(e.eligible for e in engines):
                 parts.append(f"no healthy active {role} ({len(engines)} configured)")
         return "; ".join(parts) or "ready"

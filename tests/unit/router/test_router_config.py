@@ -75,6 +75,11 @@ def test_architecture_example_parses_with_documented_defaults(tmp_path):
         (lambda d: d["endpoints"]["ve"][0].update(url="http://h:1/x"), "no path"),
         (lambda d: d["endpoints"]["ve"][0].update(state="paused"), "endpoints.ve.0.state"),
         (lambda d: d["endpoints"].update(pd=[]), "endpoints.pd"),
+        (
+            lambda d: d["endpoints"].update(ve=[]),
+            "endpoints.ve: empty: list at least one VE, or set endpoints.text_only: true",
+        ),
+        (lambda d: d["endpoints"].update(text_only=True), "endpoints.ve: 1 VE engine(s) with text_only: true"),
         (lambda d: d.pop("model"), "model: required key is missing"),
         (lambda d: d.update(placement={"ve_load_bound": 0.5}), "placement.ve_load_bound"),
         (lambda d: d.update(limits={"oversized_image": "crop"}), "limits.oversized_image"),
@@ -144,6 +149,12 @@ def test_check_config_refuses_world_readable_key_file(tmp_path):
     assert "secret-key-1" not in res.output
     keys.chmod(0o600)
     assert CliRunner().invoke(main, ["check-config", str(cfg)]).exit_code == 0
+
+
+def test_a_text_only_fleet_has_no_ve_and_says_so():
+    cfg = parse_config(minimal(text_only=True, ve=[], pd=[{"id": "epd-pd-0", "url": "http://127.0.0.1:18100"}]))
+    assert cfg.endpoints.text_only and cfg.endpoints.ve == []
+    assert parse_config(minimal()).endpoints.text_only is False
 
 
 def test_console_script_check_config_exit_code(tmp_path):

@@ -182,3 +182,37 @@ async def test_bytes_of_bodies_still_arriving_are_capped_in_all(app, client):
     finish.set()
     assert (await slow).status_code == 200
     assert app.state.service.intake.receiving_bytes == 0
+
+
+@pytest.fixture
+async def text_only_client(config, char_renderer):
+    """A text-only fleet's router: no VE, `endpoints.text_only` (the render writes it from the plan)."""
+    ENGINE_CALLS.clear()
+    doc = config()
+    doc["endpoints"] = {"text_only": True, "ve": [], "pd": doc["endpoints"]["pd"]}
+    async with scripted_engines.serve(engines, [e["url"] for e in doc["endpoints"]["pd"]]) as real:
+        for e in doc["endpoints"]["pd"]:
+            e["url"] = real[e["url"]]
+        app = create_app(parse_config(doc), char_renderer())
+        await app.state.service.start()
+        for e in app.state.service.state.pools.all():
+            e.healthy = True
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+            yield c
+        await app.state.service.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_text_only_fleet_is_ready_answers_text_and_refuses_an_image_with_a_400(text_only_client, stream):
+    assert (await text_only_client.get("/ready")).json() == {"ready": True}
+    r = await text_only_client.post("/v1/chat/completions", json=BODY)  # these scripted PDs do not stream
+    assert r.status_code == 200 and len(ENGINE_CALLS) == 1
+    image = {"type": "image_url", "image_url": {"url": "http://images.example/cat.png"}}
+    content = [{"type": "text", "text": "what is this?"}, image]
+    body = {**BODY, "stream": stream, "messages": [{"role": "user", "content": content}]}
+    r = await text_only_client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "messages[0].content[1]"
+    assert error["message"] == "this fleet is text-only: it has no encoder (VE) for images; send text only"
+    assert len(ENGINE_CALLS) == 1  # nothing reached a PD
