@@ -14,6 +14,7 @@ Each inner bound must end before the outer one, so the component that knows why 
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -161,7 +162,38 @@ def _above(fleet: Fleet, section: str, inner: str, outer: str, strict: bool) -> 
 def _stage_within_total(fleet: Fleet) -> Iterator[str]:
     for key in ("ve_s", "pd_s"):
         for router, stage, total in _above(fleet, "timeouts", key, "total_s", strict=True):
-            yield f"{router}: {stage} is above {total}: lower {key} to at most total_s, or raise total_s"
+            if not _far_past_total(fleet, router, key):  # router-timeouts-in-seconds refuses it
+                yield f"{router}: {stage} is above {total}: lower {key} to at most total_s, or raise total_s"
+
+
+# a router time limit this many times the request's total_s is not a choice but another unit
+WRONG_UNIT_FACTOR = 10
+ROUTER_TIME_LIMITS = ("connect_s", "ve_s", "pd_s", "stream_gap_s", "shutdown_grace_s")
+
+
+def _far_past_total(fleet: Fleet, router: str, key: str) -> bool:
+    value = _number(fleet.router(router, "timeouts", key)[0])
+    total = _number(fleet.router(router, "timeouts", "total_s")[0])
+    return value is not None and total is not None and value >= WRONG_UNIT_FACTOR * total
+
+
+@rule(
+    "router-timeouts-in-seconds",
+    "the router's time limits are seconds; one at least ten times the whole request's total_s was "
+    "most likely written in milliseconds, and it never applies",
+)
+def _router_timeouts_in_seconds(fleet: Fleet) -> Iterator[str]:
+    for router in fleet.members(ROUTER):
+        total, total_var = fleet.router(router, "timeouts", "total_s")
+        for key in ROUTER_TIME_LIMITS:
+            value, var = fleet.router(router, "timeouts", key)
+            if _far_past_total(fleet, router, key):
+                times = float(value) / float(total)
+                yield (
+                    f"{router}: {_said(var, value)} is {times:.0f} times {_said(total_var, total)}: "
+                    f"the router's timeouts are seconds ({float(value):g} ms would be {float(value) / 1000:g} s); "
+                    f"set {key} in seconds, below total_s"
+                )
 
 
 @rule(
@@ -238,11 +270,85 @@ def _router_reachable_by_lb(fleet: Fleet) -> Iterator[str]:
         listen = fleet.listen_host(router)
         far = [lb for lb in fleet.members(LOADBALANCER) if fleet.other_machine(lb, router)]
         if far and is_loopback(listen):
-            name = "epd_router_listen_host" if "epd_router_listen_host" in fleet.values[router] else "epd_bind_address"
             yield (
-                f"{router}: the router listens on {listen} ({name}), which the load balancer {far[0]} on another "
-                f"machine cannot reach: set epd_bind_address of {router} to its private address"
+                f"{router}: the router listens on {listen} ({_listen_variable(fleet, router)}), which the load "
+                f"balancer {far[0]} on another machine cannot reach: {_listen_fix(fleet, router)}"
             )
+
+
+def _listen_variable(fleet: Fleet, router: str) -> str:
+    return "epd_router_listen_host" if "epd_router_listen_host" in fleet.values[router] else "epd_bind_address"
+
+
+def _listen_fix(fleet: Fleet, router: str) -> str:
+    """The change that moves the router off loopback: the variable that put it there."""
+    if "epd_router_listen_host" in fleet.values[router]:
+        return (
+            f"set epd_router_listen_host of {router} to its private address, or remove it "
+            "(it defaults to epd_bind_address)"
+        )
+    return f"set epd_bind_address of {router} to its private address"
+
+
+@rule(
+    "router-reachable-by-clients",
+    "epd_client_networks opens the router's port to clients on other machines, and no load balancer "
+    "stands in front; a router on a loopback address answers none of them",
+)
+def _router_reachable_by_clients(fleet: Fleet) -> Iterator[str]:
+    clients = fleet.values[next(iter(fleet.values))].get("epd_client_networks") if fleet.values else None
+    several = len({fleet.machines[h] for h in fleet.values}) > 1
+    if not clients or not several or fleet.members(LOADBALANCER):
+        return
+    for router in fleet.members(ROUTER):
+        listen = fleet.listen_host(router)
+        if is_loopback(listen):
+            yield (
+                f"{router}: the router listens on {listen} ({_listen_variable(fleet, router)}) while "
+                f"epd_client_networks {list(clients)} lets clients of other machines reach its port: "
+                f"{_listen_fix(fleet, router)}"
+            )
+
+
+@rule(
+    "admin-networks-exclude-load-balancers",
+    "behind HAProxy every client's request comes from the load balancer's address: in the operator "
+    'networks it would open /metrics and /pools to every client (docs/security.md "Operator endpoints")',
+)
+def _admin_networks_exclude_lb(fleet: Fleet) -> Iterator[str]:
+    for router in fleet.members(ROUTER):
+        networks = fleet.values[router].get("epd_admin_networks")
+        if not isinstance(networks, list):
+            continue
+        for lb in fleet.members(LOADBALANCER):
+            for address in _addresses(fleet, lb):
+                for network in networks:
+                    if _contains(str(network), address):
+                        yield (
+                            f"{router}: epd_admin_networks has {network}, which holds the load balancer {lb}'s "
+                            f"address {address}: every client behind it could read /metrics and /pools; list the "
+                            "operators' and monitoring hosts' own addresses instead, or read the endpoints with "
+                            "the admin token (/etc/epd/admin-token)"
+                        )
+        return  # epd_admin_networks is fleet-wide: one router says it
+
+
+def _addresses(fleet: Fleet, host: str) -> list[str]:
+    """The host's IP-literal addresses the inventory gives: epd_bind_address and ansible_host."""
+    found = []
+    for value in (fleet.values[host].get("epd_bind_address"), fleet.machines[host][0]):
+        try:
+            found.append(str(ipaddress.ip_address(str(value).strip("[]"))))
+        except ValueError:
+            continue
+    return list(dict.fromkeys(found))
+
+
+def _contains(network: str, address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address) in ipaddress.ip_network(network, strict=False)
+    except ValueError:  # the router's own model refuses a malformed network, by name
+        return False
 
 
 @rule(
@@ -344,6 +450,33 @@ def _shared_tier(fleet: Fleet) -> Iterator[str]:
             )
 
 
+# systemd.exec(5) PrivateTmp=: the unit gets its own /tmp and /var/tmp, removed when it stops;
+# templates/epd-engine@.service.j2 sets PrivateTmp=true
+PRIVATE_TMP = ("/tmp", "/var/tmp")
+
+
+@rule(
+    "compile-cache-outside-private-tmp",
+    "each engine unit has PrivateTmp=true: its /tmp and /var/tmp are its own and removed when it "
+    "stops, so a cache there is shared with no other engine and every restart compiles again",
+)
+def _cache_outside_private_tmp(fleet: Fleet) -> Iterator[str]:
+    for host in fleet.members(ENGINE):
+        values = fleet.values[host]
+        dirs = {
+            "epd_compile_cache_dir" if "epd_compile_cache_dir" in values else "epd_cache_dir": _local_cache_dir(
+                fleet, host
+            ),
+            "epd_compile_cache_shared_dir": str(fleet.get(host, "epd_compile_cache_shared_dir") or ""),
+        }
+        for name, directory in dirs.items():
+            if any(directory.rstrip("/") == tmp or directory.startswith(tmp + "/") for tmp in PRIVATE_TMP):
+                yield (
+                    f"{host}: {name} puts the compile cache in {directory}, which each engine's PrivateTmp hides "
+                    f"and empties: set {name} to a lasting directory (the default is /var/cache/epd)"
+                )
+
+
 @rule(
     "strict-needs-a-shared-tier",
     "strict engines never compile: with no shared tier there is nothing to fetch and every engine fails",
@@ -401,6 +534,93 @@ def _pins_in_release(fleet: Fleet) -> Iterator[str]:
                     f"list; {did_you_mean(str(name), list(listed), fix)}"
                 )
         return
+
+
+# The vLLM Neuron plugin's floor: "Neuron SDK version: Neuron 2.31 or later" (aws-neuron-sdk
+# vllm-neuron/docs/getting-started/setup-guide.md, Prerequisites); Neuron 2.31.0's versions of the
+# system packages (v2.31.0 release-notes/components/index.html: Neuron Driver 2.29.0.0, Runtime
+# Library 2.33.10.0, Collectives 2.33.10.0, Developer Tools 2.31.11.0)
+PLUGIN_FLOOR = {
+    "epd_provision_neuron_driver_version": "2.29.0.0",
+    "epd_provision_neuron_runtime_version": "2.33.10.0",
+    "epd_provision_neuron_collectives_version": "2.33.10.0",
+    "epd_provision_neuron_tools_version": "2.31.11.0",
+}
+
+
+def _version(text: str) -> tuple[int, ...] | None:
+    parts = str(text).strip().split(".")
+    return tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else None  # the form check names others
+
+
+@rule(
+    "neuron-pins-at-the-plugin-floor",
+    "the vLLM Neuron plugin needs Neuron 2.31 or later (its setup guide); an older driver, runtime, "
+    "collectives or tools package is below what it was released with",
+)
+def _pins_at_floor(fleet: Fleet) -> Iterator[str]:
+    for host in fleet.members(ENGINE):
+        for name, floor in PLUGIN_FLOOR.items():
+            pin = fleet.get(host, name)
+            version = _version(pin) if pin else None
+            if version is not None and version < _version(floor):
+                yield (
+                    f"{host}: {name} is {pin}, below {floor} (Neuron 2.31's, the vLLM Neuron plugin's floor): "
+                    f"pin {floor} or later, or leave it empty for the release's own"
+                )
+
+
+# --------------------------------------------------------------------------- one-run options and missing parts
+
+# options of one run (-e), each an action: left in group_vars or host_vars, every run repeats it
+ONE_RUN_ACTIONS = {
+    "epd_rotate_engine_key": "every deploy makes a new engine key and restarts every engine",
+    "epd_teardown_purge_cache": "every teardown also deletes the compile cache",
+}
+
+
+@rule(
+    "one-run-actions-on-the-command-line",
+    "an option of one run (scope run) is an action for that run: set in the inventory it repeats on every run",
+    warning=True,
+)
+def _one_run_actions(fleet: Fleet) -> Iterator[str]:
+    for name, harm in ONE_RUN_ACTIONS.items():
+        hosts = [h for h in fleet.values if str(fleet.values[h].get(name, "")).strip().lower() in TRUE_STRINGS]
+        if hosts:
+            yield (
+                f"{name} is true ({', '.join(hosts[:3])}{', ...' if len(hosts) > 3 else ''}): if the inventory sets "
+                f"it, {harm}; give it on the command line for the one run (-e {name}=true) and remove it "
+                "from group_vars and host_vars"
+            )
+
+
+@rule(
+    "settings-for-parts-the-fleet-has",
+    "a setting of a part the fleet does not have (a load balancer, a monitoring host, TLS) changes "
+    "nothing; it was most likely meant for a part that is missing from the inventory",
+    warning=True,
+)
+def _settings_for_missing_parts(fleet: Fleet) -> Iterator[str]:
+    for group, part in ((LOADBALANCER, "load balancer"), (MONITORING, "monitoring host")):
+        if fleet.members(group):
+            continue
+        names = sorted({n for v in fleet.values.values() for n in v if n in VARIABLES and VARIABLES[n].scope == group})
+        if names:
+            one = len(names) == 1
+            yield (
+                f"{', '.join(names)} {'is' if one else 'are'} set but the fleet has no {part} "
+                f"(the group {group} is empty): add the host to {group}, or remove {'it' if one else 'them'}"
+            )
+    tls = any(v.get(n) for v in fleet.values.values() for n in ("epd_tls_certificate", "epd_tls_bundle"))
+    for lb in fleet.members(LOADBALANCER):
+        port = fleet.values[lb].get("epd_haproxy_http_redirect_port")
+        if port is not None and not tls:
+            yield (
+                f"{lb}: epd_haproxy_http_redirect_port is {port}, but TLS is off (no epd_tls_certificate or "
+                "epd_tls_bundle), so HAProxy opens no redirect listener: turn TLS on, or remove it"
+            )
+            return
 
 
 # --------------------------------------------------------------------------- the plan

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import itertools
+import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from .net import WILDCARD_ADDRESSES
 
@@ -87,6 +90,10 @@ def tls_problems(values: Mapping[str, Mapping[str, Any]], groups: Mapping[str, A
     if files is None:
         return problems
     names, problems = front_door_names(values, groups)
+    bad_names = name_problems(names)
+    if bad_names:  # the certificate is not at fault for them: check it against the names that are names
+        problems += bad_names
+        names = [n for n in names if not name_problems([n])]
     try:
         chain_pem = files.certificate.read_bytes()
         key_pem = chain_pem if files.key is None else files.key.read_bytes()
@@ -124,8 +131,7 @@ def _pair_problems(files: TlsFiles, chain_pem: bytes, key_pem: bytes, names: lis
         ]
     except ValueError:
         return [f"{files.key_variable} {files.key or files.certificate}: no PEM private key in the file"]
-    leaf = chain[0]
-    problems = []
+    problems, leaf = _order_problems(where, chain, key)
     now = datetime.datetime.now(datetime.UTC)
     if now < leaf.not_valid_before_utc:
         problems.append(
@@ -137,10 +143,7 @@ def _pair_problems(files: TlsFiles, chain_pem: bytes, key_pem: bytes, names: lis
             f"{where}: expired on {leaf.not_valid_after_utc:%Y-%m-%d %H:%M} UTC: renew it "
             '(docs/operations.md "Renewing the certificate")'
         )
-    public = serialization.PublicFormat.SubjectPublicKeyInfo
-    if key.public_key().public_bytes(serialization.Encoding.PEM, public) != leaf.public_key().public_bytes(
-        serialization.Encoding.PEM, public
-    ):
+    if not _owns(key, leaf):
         problems.append(
             f"{files.key_variable} {files.key or files.certificate}: the key is not the key of the "
             f"certificate in {files.certificate} (serial {leaf.serial_number:x}): give the pair's own key"
@@ -152,6 +155,75 @@ def _pair_problems(files: TlsFiles, chain_pem: bytes, key_pem: bytes, names: lis
             f"{', '.join(uncovered)}, where clients reach the front door: issue it with these as "
             "subject alternative names (an IP SAN for an address, a DNS SAN for a name), or set "
             "epd_tls_names to the names clients use"
+        )
+    return problems
+
+
+def _owns(key: Any, cert: Any) -> bool:
+    from cryptography.hazmat.primitives import serialization
+
+    public = (serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return bool(key.public_key().public_bytes(*public) == cert.public_key().public_bytes(*public))
+
+
+def _signs(issuer: Any, cert: Any) -> bool:
+    try:
+        cert.verify_directly_issued_by(issuer)  # the issuer's name and its signature over cert
+    except Exception:  # ValueError, TypeError, InvalidSignature: not this one's issuer
+        return False
+    return True
+
+
+def _order_problems(where: str, chain: list[Any], key: Any) -> tuple[list[str], Any]:
+    """The chain's order, leaf first and each certificate's issuer after it (what HAProxy and
+    the router send as is), judged by which certificate the key belongs to and which signs which.
+    Returns the problems and the leaf: the key's own certificate where it has one, so the dates
+    and names are checked on it and not blamed on a CA certificate that came first."""
+    owner = next((i for i, cert in enumerate(chain) if _owns(key, cert)), None)
+    if owner is None:  # the key belongs to none of them: the key check names that
+        return [], chain[0]
+    leaf = chain[owner]
+    if owner:
+        return [
+            f"{where}: the certificates are out of order: the key's own certificate ({_subject(leaf)}) is "
+            f"number {owner + 1} of {len(chain)}, after {_subject(chain[0])}: put the leaf first, then each "
+            "certificate's issuer after it (cat leaf.crt intermediate.crt > chain.crt)"
+        ], leaf
+    for number, (cert, issuer) in enumerate(itertools.pairwise(chain), start=1):
+        if not _signs(issuer, cert):
+            return [
+                f"{where}: certificate {number + 1} ({_subject(issuer)}) did not issue certificate {number} "
+                f"({_subject(cert)}, issued by {cert.issuer.rfc4514_string()}): after the leaf put its issuer, "
+                "then that one's issuer"
+            ], leaf
+    return [], leaf
+
+
+def _subject(cert: Any) -> str:
+    return cert.subject.rfc4514_string() or f"serial {cert.serial_number:x}"
+
+
+# a DNS name as a certificate carries it (RFC 1123 labels, an optional leading *.): no scheme, port or path
+DNS_NAME = re.compile(
+    r"^(\*\.)?([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)*[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?$"
+)
+
+
+def name_problems(names: list[str]) -> list[str]:
+    """epd_tls_names entries that are neither an address nor a host name (a URL, a host:port)."""
+    problems = []
+    for index, name in enumerate(names):
+        try:
+            ipaddress.ip_address(name)
+            continue
+        except ValueError:
+            pass
+        if DNS_NAME.fullmatch(name):
+            continue
+        host = urlsplit(name if "//" in name else f"//{name}").hostname or ""
+        problems.append(
+            f"epd_tls_names[{index}] is {name!r}: write the host name or address clients use, alone "
+            f"({host or 'e.g. api.example.com'}): no scheme, port or path"
         )
     return problems
 

@@ -137,7 +137,7 @@ def form_problem(var: Var, value: Any, where: str | None = None, item: bool = Fa
         return None  # unset: the kit's default applies
     wanted: str | None
     if form == VERSION:
-        wanted = None if VERSION_TEXT.fullmatch(text) else "a version such as 2.21.37.0 (digits first, no spaces)"
+        wanted = None if VERSION_TEXT.fullmatch(text) else "a version such as 2.30.2.0 (digits first, no spaces)"
     elif form == SHA256:
         wanted = None if re.fullmatch(r"[0-9a-f]{64}", text) else "64 lowercase hex digits (sha256sum's output)"
         if wanted and re.fullmatch(r"[0-9A-Fa-f]{64}", text):
@@ -148,7 +148,12 @@ def form_problem(var: Var, value: Any, where: str | None = None, item: bool = Fa
     elif form == URL:
         wanted = _url(var, text)
     elif form == ABSOLUTE:
-        if not text.startswith("/"):
+        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text):  # s3://bucket/..., nfs://...: no example built from it
+            wanted = (
+                "an absolute path on the host, not a URL: mount the store on every host that reads it "
+                "(NFS, FSx, a file gateway) and give the mount's directory"
+            )
+        elif not text.startswith("/"):
             wanted = (
                 f"an absolute path (e.g. /{text.lstrip('./~')}): a relative one depends on the directory a task runs in"
             )

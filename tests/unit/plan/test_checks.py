@@ -122,7 +122,7 @@ def test_an_inventory_only_check_needs_no_model_or_router():
     assert result["problems"] == [
         "n1: epd_provision_efa_installer_sha256 is 'abc': write 64 lowercase hex digits (sha256sum's output)"
     ]
-    hostvars = {"n1": {"epd_provision_neuron_driver_version": "2.21.37.0"}}
+    hostvars = {"n1": {"epd_provision_neuron_driver_version": "2.30.2.0"}}
     result = planner.check_inventory(
         hostvars, {"epd_engines": ["n1"]}, None, repo_modules.filters().known_variables(), plan_fleet=False
     )

@@ -96,6 +96,47 @@ def test_epd_tls_names_are_what_the_certificate_must_cover(ca):
     assert "do not cover" in tls_lines(check(pair(text)))[0]
 
 
+def reordered(issued, tmp_path: Path, order: list[int], extra: bytes = b"") -> dict[str, str]:
+    """The pair with its chain file's certificates in `order` (indexes into leaf, CA), then `extra`."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    certs = x509.load_pem_x509_certificates(issued.certificate.read_bytes())
+    path = tmp_path / "chain.crt"
+    path.write_bytes(b"".join(certs[i].public_bytes(serialization.Encoding.PEM) for i in order) + extra)
+    return {"epd_tls_certificate": str(path), "epd_tls_key": str(issued.key)}
+
+
+def test_a_chain_out_of_order_is_named_as_such_not_blamed_on_the_key_or_the_names(ca, tmp_path):
+    issued = ca.issue("reversed", [ADDRESS])
+    [line] = tls_lines(check(reordered(issued, tmp_path, [1, 0])))  # the CA first, then the leaf
+    assert "the certificates are out of order: the key's own certificate (CN=10.213.0.13) is number 2 of 2" in line
+    assert "put the leaf first, then each certificate's issuer after it" in line
+
+
+def test_a_chain_whose_next_certificate_did_not_issue_the_leaf_is_refused(ca, tmp_path_factory, tmp_path):
+    other = SandboxCa(tmp_path_factory.mktemp("other-ca"), name="another CA")
+    issued = ca.issue("wrong-issuer", [ADDRESS])
+    [line] = tls_lines(check(reordered(issued, tmp_path, [0], other.path.read_bytes())))
+    assert (
+        "certificate 2 (CN=another CA) did not issue certificate 1 (CN=10.213.0.13, issued by CN=epd-kit sandbox"
+        in line
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "host"),
+    [("https://api.example.com:8443/v1", "api.example.com"), ("api.example.com:443", "api.example.com")],
+)
+def test_a_name_that_is_a_url_is_refused_as_a_name_not_blamed_on_the_certificate(ca, name, host):
+    issued = ca.issue("url-name", [host])
+    [line] = tls_lines(check({**pair(issued), "epd_tls_names": [name]}))
+    assert line == (
+        f"epd_tls_names[0] is {name!r}: write the host name or address clients use, alone ({host}): "
+        "no scheme, port or path"
+    )
+
+
 def test_a_front_door_on_every_address_needs_epd_tls_names(ca):
     issued = ca.issue("wild", [ADDRESS])
     [line] = tls_lines(check(pair(issued), address="0.0.0.0"))
