@@ -3,6 +3,7 @@ then the same check through plan.yml (each problem printed once, no host contact
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,44 @@ def test_every_cross_setting_rule_is_documented_with_its_reason():
     for rule in planner.rules.RULES:
         assert f"`{rule.name}`" in text, f"docs/planner.md does not list the rule {rule.name}"
         assert rule.reason
+
+
+def promised_rules(doc: str) -> list[str]:
+    """The rule names in the first column of every `| rule | ... |` table of docs/<doc>."""
+    names, in_table = [], False
+    for line in (REPO / "docs" / doc).read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if cells and cells[0] == "rule":
+            in_table = True
+        elif not cells:
+            in_table = False
+        elif in_table and cells[0].startswith("`"):
+            names.append(cells[0].strip("`"))
+    return names
+
+
+@functools.cache
+def row_results() -> dict[str, dict[str, Any]]:
+    """The check's result for every row of docs/planner.md's two tables, once."""
+    return {row[0]: check(row[1]) for row in SHAPE_ROWS + ROWS}
+
+
+PROMISED = [(doc, name) for doc in ("operations.md", "security.md") for name in promised_rules(doc)]
+
+
+def test_the_operations_and_security_docs_promise_rules():
+    assert {doc for doc, _ in PROMISED} == {"operations.md", "security.md"} and len(PROMISED) >= 8
+
+
+@pytest.mark.parametrize(("doc", "name"), PROMISED, ids=[f"{doc}:{name}" for doc, name in PROMISED])
+def test_every_rule_the_docs_promise_is_a_rule_of_the_code_with_a_case_that_triggers_it(doc, name):
+    """A promise in docs/operations.md or docs/security.md is a registered rule, and one of
+    docs/planner.md's rows (each a test case above) meets it with the rule's own bracketed reason."""
+    rules = {rule.name: rule for rule in planner.rules.RULES}
+    assert name in rules, f"docs/{doc} promises the rule {name}, which epd_kit/plan/rules.py does not have"
+    lines = "warnings" if rules[name].warning else "problems"
+    met = [row for row, result in row_results().items() if any(f"[{name}: " in line for line in result[lines])]
+    assert met, f"no row of docs/planner.md's tables triggers {name}"
 
 
 @pytest.mark.parametrize(
