@@ -12,7 +12,8 @@ from inventory/sandbox/one-host in three ways: the engines bind to n1's address 
 the host must reach them), the sim compiles for EPD_SIM_COMPILE_S on a compile-cache miss (so a
 restart after the cache is cleared prints each engine's progress), and the epd_monitoring group.
 
-The layout advisor (docs/advisor.md) comes last before the check and the teardown: a slow
+The layout advisor (docs/advisor.md) comes last before the check, the text-only redeploy and
+the teardown: a slow
 simulated VE (EPD_SIM_ENCODE_MS_PER_1K_PATCHES, set from the first deploy: about 140 ms per
 256x256 image, 2 ms for the 64x64 images of the tests before) under image-heavy load (every
 request a new image, Poisson at 6 requests/s): the advisor names the VE pool and recommends a
@@ -448,6 +449,40 @@ def test_check_mode_changes_nothing(one_host_stack, record_timing):
     assert result.returncode == 0, result.describe()
     assert result.recap["n1"]["changed"] == 0, result.describe()
     assert kit_state(n1) == before
+
+
+def test_the_host_redeployed_text_only_answers_text_and_refuses_an_image(one_host_stack, record_timing):
+    """A text-only fleet (docs/planner.md "Text-only fleets") deployed over this one, as an operator
+    would change the inventory: epd_text_only and no VE. The VEs retire, the router reloads with
+    `endpoints.text_only` (router.yaml says it, so it accepts no VE), is ready with PDs alone,
+    answers a text request and refuses an image with a 400 in OpenAI's error shape."""
+    from openai import BadRequestError
+
+    fleet_dir = one_host_stack.inventory.directory
+    hosts_yml = yaml.safe_load((fleet_dir / "hosts.yml").read_text())
+    hosts_yml["all"]["children"]["epd_engines"]["hosts"]["n1"]["epd_num_ve"] = 0
+    (fleet_dir / "hosts.yml").write_text(yaml.safe_dump(hosts_yml, sort_keys=False))
+    (fleet_dir / "group_vars/all/text-only.yml").write_text("epd_text_only: true\n")
+    start = time.monotonic()
+    result = ansible_playbook(fleet_dir, "playbooks/deploy.yml", timeout=STEP_LIMIT_S)
+    record_timing("1 host: re-deploy as a text-only fleet (the VEs retire)", time.monotonic() - start)
+    assert result.returncode == 0, result.describe()
+    assert sorted(e["id"] for e in one_host_stack.pools()) == ["epd-pd-0", "epd-pd-1"]
+    n1 = one_host_stack.hosts["n1"]
+    assert {n1.is_active(f"epd-engine@ve-{i}.service") for i in (0, 1)} == {"inactive"}  # the advisor's two
+    ready = httpx.get(f"{one_host_stack.router_url}/ready", timeout=5, trust_env=False)
+    assert ready.status_code == 200 and ready.json() == {"ready": True}, ready.text
+    text = one_host_stack.chat([{"role": "user", "content": "Say hello to the sandbox."}], max_tokens=8)
+    assert text.choices[0].message.content and text.usage.completion_tokens <= 8
+    with pytest.raises(BadRequestError) as refused:
+        one_host_stack.chat(image_message("What is in the picture?", RED), max_tokens=8)
+    assert refused.value.status_code == 400
+    assert refused.value.body == {
+        "message": "this fleet is text-only: it has no encoder (VE) for images; send text only",
+        "type": "invalid_request_error",
+        "param": "messages[0].content[0]",
+        "code": 400,
+    }
 
 
 def test_teardown_leaves_the_host_clean(one_host_stack):
