@@ -296,7 +296,8 @@ def _listen_fix(fleet: Fleet, router: str) -> str:
     "stands in front; a router on a loopback address answers none of them",
 )
 def _router_reachable_by_clients(fleet: Fleet) -> Iterator[str]:
-    clients = fleet.values[next(iter(fleet.values))].get("epd_client_networks") if fleet.values else None
+    # fleet-wide (validate.scope_problems holds every host to one value): any host that sets it
+    clients = next((v["epd_client_networks"] for v in fleet.values.values() if "epd_client_networks" in v), None)
     several = len({fleet.machines[h] for h in fleet.values}) > 1
     if not clients or not several or fleet.members(LOADBALANCER):
         return
