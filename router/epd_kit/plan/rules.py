@@ -547,6 +547,9 @@ PLUGIN_FLOOR = {
     "epd_provision_neuron_collectives_version": "2.33.10.0",
     "epd_provision_neuron_tools_version": "2.31.11.0",
 }
+# the same page's engine venv packages (Neuron Compiler 2.26.6360.0, Neuron Kernel Interface 0.5.0,
+# torch-neuronx 2.9.0.2.15.32035), pinned through epd_provision_engine_pins
+ENGINE_PIN_FLOOR = {"neuronx-cc": "2.26.6360.0", "nki": "0.5.0", "torch-neuronx": "2.9.0.2.15.32035"}
 
 
 def _version(text: str) -> tuple[int, ...] | None:
@@ -561,8 +564,11 @@ def _version(text: str) -> tuple[int, ...] | None:
 )
 def _pins_at_floor(fleet: Fleet) -> Iterator[str]:
     for host in fleet.members(ENGINE):
-        for name, floor in PLUGIN_FLOOR.items():
-            pin = fleet.get(host, name)
+        pins = fleet.get(host, "epd_provision_engine_pins")
+        pins = pins if isinstance(pins, Mapping) else {}
+        checked = [(name, fleet.get(host, name), floor) for name, floor in PLUGIN_FLOOR.items()]
+        checked += [(f"epd_provision_engine_pins[{d!r}]", pins.get(d), floor) for d, floor in ENGINE_PIN_FLOOR.items()]
+        for name, pin, floor in checked:
             version = _version(pin) if pin else None
             if version is not None and version < _version(floor):
                 yield (
