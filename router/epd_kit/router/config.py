@@ -179,8 +179,8 @@ class Endpoint(Section):
 
 class Endpoints(Section):
     # A text-only fleet (the inventory's epd_text_only; the render writes it from the plan) has
-    # no VE: it says so here, and only then may `ve` be empty. Image requests then get a 400
-    # (generation.py) and readiness needs a PD only (state.py).
+    # no VE in service: it says so here, and only then may `ve` be empty (or hold draining VEs).
+    # Image requests then get a 400 (generation.py) and readiness needs a PD only (state.py).
     text_only: bool = False
     ve: list[Endpoint] = Field(default_factory=list)
     pd: list[Endpoint] = Field(min_length=1)
@@ -189,10 +189,13 @@ class Endpoints(Section):
     @classmethod
     def _ve_matches_text_only(cls, ve: list[Endpoint], info: ValidationInfo) -> list[Endpoint]:
         text_only = info.data.get("text_only", False)
-        if text_only and ve:
+        active = [e.id for e in ve if e.state is EngineState.active]
+        # draining VEs are allowed: a deploy that turns a fleet text-only drains them before it
+        # stops them (deploy.yml's retire step), with the new text-only file
+        if text_only and active:
             raise ValueError(
-                f"{len(ve)} VE engine(s) with text_only: true: a text-only fleet has no VE "
-                "(epd_text_only with epd_num_ve 0 in the inventory)"
+                f"{', '.join(active)} active with text_only: true: a text-only fleet has no VE in service "
+                "(epd_text_only with epd_num_ve 0 in the inventory; a VE on its way out is draining)"
             )
         if not text_only and not ve:
             raise ValueError(

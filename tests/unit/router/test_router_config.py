@@ -79,7 +79,7 @@ def test_architecture_example_parses_with_documented_defaults(tmp_path):
             lambda d: d["endpoints"].update(ve=[]),
             "endpoints.ve: empty: list at least one VE, or set endpoints.text_only: true",
         ),
-        (lambda d: d["endpoints"].update(text_only=True), "endpoints.ve: 1 VE engine(s) with text_only: true"),
+        (lambda d: d["endpoints"].update(text_only=True), "endpoints.ve: epd-ve-0 active with text_only: true"),
         (lambda d: d.pop("model"), "model: required key is missing"),
         (lambda d: d.update(placement={"ve_load_bound": 0.5}), "placement.ve_load_bound"),
         (lambda d: d.update(limits={"oversized_image": "crop"}), "limits.oversized_image"),
@@ -155,6 +155,10 @@ def test_a_text_only_fleet_has_no_ve_and_says_so():
     cfg = parse_config(minimal(text_only=True, ve=[], pd=[{"id": "epd-pd-0", "url": "http://127.0.0.1:18100"}]))
     assert cfg.endpoints.text_only and cfg.endpoints.ve == []
     assert parse_config(minimal()).endpoints.text_only is False
+    # a deploy that turns the fleet text-only drains its VEs with the new file before stopping them
+    draining = [{"id": "epd-ve-0", "url": "http://127.0.0.1:18300", "state": "draining"}]
+    cfg = parse_config(minimal(text_only=True, ve=draining, pd=[{"id": "epd-pd-0", "url": "http://127.0.0.1:18100"}]))
+    assert [e.id for e in cfg.endpoints.ve] == ["epd-ve-0"]
 
 
 def test_console_script_check_config_exit_code(tmp_path):
