@@ -99,9 +99,11 @@ def _serve(log_level: str, worker: str | None, **kwargs) -> None:
     from epd_kit.router.logs import setup_logging
     from epd_kit.router.metrics import shared_metrics_dir, use_worker_files
     from epd_kit.router.server import make_server
+    from epd_kit.router.tenants import set_worker
 
     setup_logging(log_level.upper())
     worker = worker or str(os.getpid())
+    set_worker(worker)  # the host's shared tenant buckets: one concurrency count per worker
     if shared_metrics_dir() is not None:
         use_worker_files(worker)
     try:
@@ -136,12 +138,11 @@ def serve(**kwargs) -> None:
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 def check_config(path: Path) -> None:
     """Validate a router config file (exit 0 = usable). Ansible's `validate:` runs this."""
-    from epd_kit.router.auth import load_api_keys
+    from epd_kit.router.tenants import load_client_keys
 
     try:
         cfg = load_config(path)
-        if cfg.auth.api_keys_file:
-            load_api_keys(cfg.auth.api_keys_file)
+        load_client_keys(cfg.auth.api_keys_file, cfg.auth.tenants_file)
     except ValueError as exc:
         click.echo(f"INVALID {exc}", err=True)
         sys.exit(1)
