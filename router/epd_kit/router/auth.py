@@ -8,10 +8,7 @@ import stat
 from pathlib import Path
 
 from epd_kit.router.errors import RouterError
-
-
-class KeyFileError(ValueError):
-    pass
+from epd_kit.router.tenants_file import KeyFileError
 
 
 def load_api_keys(path: Path) -> tuple[bytes, ...]:
