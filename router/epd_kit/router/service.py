@@ -73,7 +73,6 @@ class RouterService:
 
     async def stop(self) -> None:
         await self.engines.aclose()
-        self.tenants.close()
         self.decode_pool.shutdown(wait=False, cancel_futures=True)
         aclose = getattr(self.renderer, "aclose", None)
         if aclose is not None:

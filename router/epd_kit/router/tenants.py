@@ -96,10 +96,11 @@ class BucketTable:
 
     def slot(self, tenant: str) -> int:
         """The offset of `tenant`'s slot, claimed (full buckets) if it has none. Under the lock."""
-        offset = self._slots.get(tenant)
-        if offset is not None:
-            return offset
         name = tenant.encode()
+        offset = self._slots.get(tenant)
+        # checked each time: another process may have started the table over (renamed tenants)
+        if offset is not None and bytes(self._buf[offset : offset + _NAME.size]).rstrip(b"\0") == name:
+            return offset
         for i in range(MAX_TENANTS):
             offset = len(MAGIC) + i * SLOT
             held = bytes(self._buf[offset : offset + _NAME.size]).rstrip(b"\0")
@@ -364,10 +365,6 @@ class Tenants:
         assert self._quotas is not None, "a key with a tenant without a tenants file"
         # a tenant removed by a reload between the key check and here: no limits
         return self._quotas.admit(tenant, self.limits.get(tenant) or TenantLimits())
-
-    def close(self) -> None:
-        if self._quotas is not None:
-            self._quotas.table.close()
 
     def _table(self) -> tuple[BucketTable, int]:
         """The host's shared table when this process is one of its numbered workers and

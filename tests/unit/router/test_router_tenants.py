@@ -216,3 +216,20 @@ def test_check_config_names_the_line_of_a_tenant_typo(tmp_path, config):
     assert res.exit_code == 1
     assert f"tenants_file {tenants}: line 3: tenant 'acm' is not defined" in res.output
     assert "sk-2" not in res.output
+
+
+def test_a_full_table_starts_over_and_no_process_keeps_a_stale_slot(tmp_path):
+    from epd_kit.router.tenants_file import MAX_TENANTS
+
+    path = tmp_path / "tenant-buckets.bin"
+    one, two = BucketTable(path), BucketTable(path)
+    with one.locked():
+        for i in range(MAX_TENANTS):
+            one.slot(f"t{i}")
+    with two.locked():
+        cached = two.slot("t0")
+    with one.locked():
+        fresh = one.slot("renamed")  # a 257th name: the table starts over, "renamed" takes the first slot
+    assert fresh == cached
+    with two.locked():
+        assert two.slot("t0") != fresh  # the other process looks its tenant up again
