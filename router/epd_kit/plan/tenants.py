@@ -55,7 +55,7 @@ def tenant_problems(values: Mapping[str, Any]) -> list[str]:
     """What the router would refuse in the file rendered from one router host's `values` (its
     explicitly set variables); [] without tenant keys."""
     tenants, keys = values.get(TENANTS) or {}, values.get(KEYS) or []
-    if not tenants and not keys:
+    if (not tenants and not keys) or not isinstance(tenants, Mapping):  # the variable's own check names that
         return []
     lines, where, problems = _lines(tenants, keys)
     if problems:

@@ -387,7 +387,8 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_router_retries", {}, DICT, ROUTER, RO, keys="retries"),
     _v("epd_router_api_keys_file", None, PATH, ROUTER, RO),
     _v("epd_router_tenants", {}, DICT, ROUTER, RO),
-    _v("epd_router_tenant_keys", [], LIST, ROUTER, RO),
+    # kind "any": its shape is checked by plan/tenants.py, which never prints a value (the keys)
+    _v("epd_router_tenant_keys", [], ANY, ROUTER, RO),
     _v("epd_router_tenants_file", "/etc/epd/tenants", PATH, ROUTER, RO),
     _v("epd_router_extra_config", {}, DICT, ROUTER, RO, keys="router.yaml"),
     _v("epd_router_draining", [], LIST, ROUTER, RO),

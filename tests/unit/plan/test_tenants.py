@@ -46,6 +46,13 @@ def test_the_inventory_check_names_the_entry_and_never_a_key(tenants, keys, prob
     assert "secret" not in problems[0] and "two words" not in problems[0]
 
 
+def test_a_key_list_of_the_wrong_kind_is_named_once_without_its_value():
+    engine = {"epd_model": "/models/m", "epd_num_ve": 1, "epd_num_pd": 1, "epd_bind_address": "10.0.0.1"}
+    hostvars = {"n1": {**engine, "epd_router_tenants": TENANTS, "epd_router_tenant_keys": "sk-x-secret"}}
+    result = planner.check_inventory(hostvars, {"epd_engines": ["n1"], "epd_router": ["n1"]}, None, set(VARIABLES))
+    assert result["problems"] == ["epd_router_tenant_keys must be a list of {tenant: NAME, key: KEY}, got str"]
+
+
 def test_check_inventory_refuses_a_tenant_typo_before_any_host():
     engine = {"epd_model": "/models/m", "epd_num_ve": 1, "epd_num_pd": 1, "epd_bind_address": "10.0.0.1"}
     tenants = {"epd_router_tenants": TENANTS, "epd_router_tenant_keys": [{"tenant": "acm", "key": "sk-x-secret"}]}
