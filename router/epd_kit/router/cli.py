@@ -99,11 +99,9 @@ def _serve(log_level: str, worker: str | None, **kwargs) -> None:
     from epd_kit.router.logs import setup_logging
     from epd_kit.router.metrics import shared_metrics_dir, use_worker_files
     from epd_kit.router.server import make_server
-    from epd_kit.router.tenants import set_worker
 
     setup_logging(log_level.upper())
     worker = worker or str(os.getpid())
-    set_worker(worker)  # the host's shared tenant buckets: one concurrency count per worker
     if shared_metrics_dir() is not None:
         use_worker_files(worker)
     try:

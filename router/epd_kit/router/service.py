@@ -45,13 +45,16 @@ class RouterService:
         renderer: Renderer,
         *,
         config_path: Path | None = None,
+        worker: str | None = None,
     ) -> None:
+        """`worker`: this process's name among the host's router processes (the host's shared
+        tenant buckets keep one concurrency count per worker)."""
         self.config_path = config_path
         self.renderer = renderer
         self.state = RouterState(cfg, build_pools(cfg)[0])
         self.metrics = RouterMetrics(lambda: self.state.pools, lambda: getattr(renderer, "stats", None))
         self.auth, tenant_keys = load_client_keys(cfg.auth.api_keys_file, cfg.auth.tenants_file)
-        self.tenants = Tenants(TenantMetrics(self.metrics.registry), self.metrics.shared_dir)
+        self.tenants = Tenants(TenantMetrics(self.metrics.registry), self.metrics.shared_dir, worker)
         self.tenants.apply(tenant_keys)
         self.intake = IntakeGate()
         self.decode_pool = ThreadPoolExecutor(cfg.limits.text_workers, thread_name_prefix="epd-decode")

@@ -335,22 +335,15 @@ def count_images(messages: list) -> int:
     )
 
 
-class _Process:
-    # this process's name among the host's router processes (`epd-router serve --worker K`)
-    worker: str | None = None
-
-
-def set_worker(worker: str) -> None:
-    _Process.worker = worker
-
-
 class Tenants:
     """A router process's tenants: the limits of the file last applied (replaced by a reload)
     and the buckets (kept across reloads: a tenant keeps its levels while its name stays).
     The table is made on the first file applied: a router without tenants has none."""
 
-    def __init__(self, metrics: TenantMetrics, shared_dir: Path | None) -> None:
+    def __init__(self, metrics: TenantMetrics, shared_dir: Path | None, worker: str | None = None) -> None:
         self.metrics = metrics
+        # this process's name among the host's router processes (`epd-router serve --worker K`)
+        self._worker = worker
         self.limits: dict[str, TenantLimits] = {}
         self._shared_dir = shared_dir
         self._quotas: TenantQuotas | None = None
@@ -369,7 +362,7 @@ class Tenants:
     def _table(self) -> tuple[BucketTable, int]:
         """The host's shared table when this process is one of its numbered workers and
         metrics are shared, else this process's own."""
-        worker = _Process.worker
+        worker = self._worker
         if self._shared_dir is not None and worker is not None and worker.isdigit() and int(worker) < MAX_WORKERS:
             return BucketTable(self._shared_dir / "tenant-buckets.bin"), int(worker)
         return BucketTable(), 0
