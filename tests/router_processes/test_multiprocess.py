@@ -317,3 +317,37 @@ def test_pools_answers_for_the_whole_group_so_a_drain_waits_for_every_process(sl
     assert {v["state"] for v in seen["half_reloaded"]} == {"reloading"}, seen["half_reloaded"]
     assert {(v["state"], v["inflight"]) for v in seen["reloaded"]} == {("draining", 10)}, seen["reloaded"]
     assert {(v["state"], v["inflight"]) for v in seen["drained"]} == {("draining", 0)}, seen["drained"]
+
+
+def test_two_processes_share_a_tenants_token_bucket(ckpt, engines, tmp_path):
+    """A tenant's quota is the host's, not each process's (docs/router.md "Tenants"): answers
+    charged in one process refuse the tenant in the other. 60 tokens a minute and answers of
+    ~50 tokens: the group admits 2 requests in all (each process alone would admit 2)."""
+    ve, pd = engines
+    tenants = tmp_path / "tenants"
+    tenants.write_text("tenant t tokens_per_min=60\nkey t sk-tenant-t\n")
+    tenants.chmod(0o640)
+    path = tmp_path / "router.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(ckpt),
+                "listen": {"host": "127.0.0.1", "port": 0},
+                "auth": {"tenants_file": str(tenants)},
+                "endpoints": {"ve": [{"id": ve.name, "url": ve.url}], "pd": [{"id": pd.name, "url": pd.url}]},
+            }
+        )
+    )
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 40, "ignore_eos": True}
+    auth = {"Authorization": "Bearer sk-tenant-t"}
+    with router_group(path, 2, tmp_path / "group") as group:
+        statuses = []
+        for _ in range(16):  # a new connection each: the kernel hands them to either process
+            with httpx.Client(base_url=group.url, timeout=30, trust_env=False) as client:
+                statuses.append(client.post("/v1/chat/completions", json=body, headers=auth).status_code)
+        files = {w: group.metrics_dir / f"counter_{w}.db" for w in (0, 1)}
+        seen = {w: _sum_in_file(p, "epd_router_tenant_requests_total", tenant="t") for w, p in files.items()}
+        refusals = {w: _sum_in_file(p, "epd_router_tenant_requests_total", result="refused") for w, p in files.items()}
+    assert all(seen.values()), f"one process took every request, nothing shared was tested: {seen}"
+    assert statuses.count(200) == 2 and statuses.count(429) == 14, statuses
+    assert sum(refusals.values()) == 14, refusals

@@ -22,6 +22,7 @@ the collection's filters load its bundled copy when the controller has no epd_ki
     validate      its checks of every declared value, dict key, scope, port per machine, rollout setting
     hints         "did you mean": the known name most likely meant
     router_config router.yaml from the plan
+    tenants       the router's tenants file from the inventory, checked by the router's rules
     operations    what the ops playbooks compute (engine selection, rolling queue, status)
     rollout       batched rollouts: which engines restart together, the printed plan and estimate
 
@@ -53,6 +54,7 @@ from .placement import largest_fits, place, placement_order
 from .rollout import rollout_batches, rollout_plan
 from .router_config import router_config
 from .settings import BACKEND_EXECUTABLES, Settings, read_settings
+from .tenants import tenants_file_text
 from .timeouts import START_MARGIN_S, start_timeout_s
 from .unit import engine_unit, exec_start, read_env_file
 from .values import format_cores, plain
@@ -109,6 +111,7 @@ __all__ = [
     "start_timeout_s",
     "status_rows",
     "status_table",
+    "tenants_file_text",
     "unreachable_engines",
     "unresolved_problems",
     "validate_plan",

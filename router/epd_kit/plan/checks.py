@@ -23,6 +23,7 @@ from .inventory import fleet_settings, plan_from_hostvars
 from .router_check import available as router_models_available
 from .rules import Fleet
 from .rules import run as run_rules
+from .tenants import tenant_problems
 from .tls import tls_problems
 from .validate import (
     BOOL_STRINGS,
@@ -183,6 +184,8 @@ def check_inventory(
         problems += unresolved_problems(hostvars, groups)
         problems += value_problems(values) + scope_problems(values, groups)
         problems += tls_problems(values, groups)  # the front door's certificate files (plan/tls.py)
+        # the tenants file the router role renders, by the router's own rules (plan/tenants.py)
+        problems += list(dict.fromkeys(p for host in routers for p in tenant_problems(values.get(host, {}))))
         if not router_models_available():
             warnings.append(
                 "the router's settings (epd_router_<section>, epd_router_extra_config) were checked by kind only: "

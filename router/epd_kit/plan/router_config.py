@@ -26,6 +26,7 @@ def router_config(
     served_model_name: str | None = None,
     sections: Mapping[str, Mapping[str, Any]] | None = None,
     api_keys_file: str | None = None,
+    tenants_file: str | None = None,
     draining: Sequence[str] = (),
     extra: Mapping[str, Any] | None = None,
     engine_key_file: str | None = None,
@@ -56,7 +57,8 @@ def router_config(
         }
     )
     # without keys, say "off" outright: a reload only drops the keys of a running router when told so
-    config["auth"] = {"api_keys_file": api_keys_file} if api_keys_file else {"enabled": False}
+    auth = {"api_keys_file": api_keys_file, "tenants_file": tenants_file}
+    config["auth"] = {k: v for k, v in auth.items() if v} or {"enabled": False}
     config["engine_auth"] = {"key_file": engine_key_file}
     config["admin"] = {
         "networks": admin_networks_of(admin_networks, listen_host, monitoring_addresses, loadbalancer_addresses),

@@ -386,6 +386,10 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_router_placement", {}, DICT, ROUTER, RO, keys="placement"),
     _v("epd_router_retries", {}, DICT, ROUTER, RO, keys="retries"),
     _v("epd_router_api_keys_file", None, PATH, ROUTER, RO),
+    _v("epd_router_tenants", {}, DICT, ROUTER, RO),
+    # kind "any": its shape is checked by plan/tenants.py, which never prints a value (the keys)
+    _v("epd_router_tenant_keys", [], ANY, ROUTER, RO),
+    _v("epd_router_tenants_file", "/etc/epd/tenants", PATH, ROUTER, RO),
     _v("epd_router_extra_config", {}, DICT, ROUTER, RO, keys="router.yaml"),
     _v("epd_router_draining", [], LIST, ROUTER, RO),
     _v("epd_router_environment", {}, DICT, ROUTER, RO, keys="environment"),
@@ -504,7 +508,13 @@ ROUTER_SECTIONS: dict[str, dict[str, str]] = {
         "queue_timeout_s": FLOAT,
     },
     "retries": {"max_attempts": INT},
-    "auth": {"enabled": BOOL, "api_keys_file": PATH, "protect_metrics": BOOL, "protect_pools": BOOL},
+    "auth": {
+        "enabled": BOOL,
+        "api_keys_file": PATH,
+        "tenants_file": PATH,
+        "protect_metrics": BOOL,
+        "protect_pools": BOOL,
+    },
     "engine_auth": {"key_file": PATH},
     "admin": {"networks": LIST, "token_file": PATH},
 }
@@ -523,6 +533,7 @@ PLANNED_KEYS: dict[str, str] = {
     "limits.max_image_patches": "epd_image_edge / epd_patch_size",
     "auth.enabled": "epd_router_api_keys_file",
     "auth.api_keys_file": "epd_router_api_keys_file",
+    "auth.tenants_file": "epd_router_tenants and epd_router_tenant_keys (epd_router_tenants_file)",
     "engine_auth.key_file": "epd_engine_key_file",
     "admin.networks": "epd_admin_networks",
     "admin.token_file": "epd_admin_token_file",

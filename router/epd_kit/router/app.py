@@ -77,6 +77,7 @@ def create_app(
     renderer: Renderer | None = None,
     *,
     config_path: Path | None = None,
+    worker: str | None = None,
 ) -> RouterApp:
     app = FastAPI(
         title="epd-router",
@@ -89,6 +90,6 @@ def create_app(
         # the client's Host header; a wrong path is a 404 naming it
         redirect_slashes=False,
     )
-    app.state.service = RouterService(cfg, renderer or build_renderer(cfg), config_path=config_path)
+    app.state.service = RouterService(cfg, renderer or build_renderer(cfg), config_path=config_path, worker=worker)
     app.include_router(routes)
     return RouterApp(app)

@@ -8,10 +8,7 @@ import stat
 from pathlib import Path
 
 from epd_kit.router.errors import RouterError
-
-
-class KeyFileError(ValueError):
-    pass
+from epd_kit.router.tenants_file import KeyFileError
 
 
 def load_api_keys(path: Path) -> tuple[bytes, ...]:
@@ -20,11 +17,9 @@ def load_api_keys(path: Path) -> tuple[bytes, ...]:
     return load_secret_lines(path, "api_keys_file", group_readable=False)
 
 
-def load_secret_lines(path: Path, setting: str, *, group_readable: bool, spaces: bool = True) -> tuple[bytes, ...]:
-    """The secrets of a file, one a line, in order (blank lines and `#` comments ignored).
-    `group_readable`: a root:epd 0640 file is fine (the kit's engine key and admin token; the
-    router runs as a member of the group), never one others can read. Never names a secret in
-    an error: only the setting, the file and the line number."""
+def read_secret_file(path: Path, setting: str, *, group_readable: bool) -> str:
+    """The text of a file of secrets, refused when others (or, unless `group_readable`, the
+    group) may read it: the error says which `chmod` to run."""
     try:
         st = path.stat()
     except OSError as exc:
@@ -36,10 +31,18 @@ def load_secret_lines(path: Path, setting: str, *, group_readable: bool, spaces:
             f"{setting} {path}: mode {stat.S_IMODE(st.st_mode):04o} lets {who} read it; run: chmod {mode} {path}"
         )
     try:
-        text = path.read_text()
+        return path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise KeyFileError(f"{setting} {path}: cannot read: {reason or exc}") from None
+
+
+def load_secret_lines(path: Path, setting: str, *, group_readable: bool, spaces: bool = True) -> tuple[bytes, ...]:
+    """The secrets of a file, one a line, in order (blank lines and `#` comments ignored).
+    `group_readable`: a root:epd 0640 file is fine (the kit's engine key and admin token; the
+    router runs as a member of the group), never one others can read. Never names a secret in
+    an error: only the setting, the file and the line number."""
+    text = read_secret_file(path, setting, group_readable=group_readable)
     keys = []
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
@@ -71,21 +74,32 @@ def bearer_matches(authorization: str | None, keys: tuple[bytes, ...]) -> bool:
 
 
 class ApiKeyChecker:
-    def __init__(self, keys: tuple[bytes, ...] = ()) -> None:
+    """`owners`: the tenant of each key (tenants.py; "" for a key without one), empty when no
+    key has one."""
+
+    def __init__(self, keys: tuple[bytes, ...] = (), owners: tuple[str, ...] = ()) -> None:
         self.keys = keys
+        self.owners = owners
 
     @property
     def enabled(self) -> bool:
         return bool(self.keys)
 
-    def check(self, authorization: str | None) -> None:
+    def check(self, authorization: str | None) -> str | None:
+        """Refuses a request without a valid key (401); the key's tenant, if it has one."""
         if not self.keys:
-            return
+            return None
         if not authorization:
             raise RouterError(401, "missing API key: send 'Authorization: Bearer <key>'")
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise RouterError(401, "malformed Authorization header: expected 'Bearer <key>'")
         # compares against every key, so timing does not reveal which one matched
-        if not bearer_matches(authorization, self.keys):
+        given = token.strip().encode()
+        matched = -1
+        for index, key in enumerate(self.keys):
+            if hmac.compare_digest(given, key):
+                matched = index
+        if matched < 0:
             raise RouterError(401, "invalid API key")
+        return (self.owners[matched] or None) if self.owners else None

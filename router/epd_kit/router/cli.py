@@ -136,12 +136,11 @@ def serve(**kwargs) -> None:
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 def check_config(path: Path) -> None:
     """Validate a router config file (exit 0 = usable). Ansible's `validate:` runs this."""
-    from epd_kit.router.auth import load_api_keys
+    from epd_kit.router.tenants import load_client_keys
 
     try:
         cfg = load_config(path)
-        if cfg.auth.api_keys_file:
-            load_api_keys(cfg.auth.api_keys_file)
+        load_client_keys(cfg.auth.api_keys_file, cfg.auth.tenants_file)
     except ValueError as exc:
         click.echo(f"INVALID {exc}", err=True)
         sys.exit(1)

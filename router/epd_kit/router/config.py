@@ -106,21 +106,23 @@ class Auth(Section):
     # a reload needs to drop the keys of a running router (service.py).
     enabled: bool | None = None
     api_keys_file: Path | None = None
+    # keys that belong to tenants, with each tenant's limits (tenants.py; root:epd 0640)
+    tenants_file: Path | None = None
     # extension: whether /metrics and /pools need a key when keys are configured
     protect_metrics: bool = True
     protect_pools: bool = True
 
     @model_validator(mode="after")
     def _consistent(self) -> Auth:
-        if self.enabled is True and self.api_keys_file is None:
-            raise ValueError("enabled: true needs api_keys_file")
-        if self.enabled is False and self.api_keys_file is not None:
-            raise ValueError("enabled: false with an api_keys_file: remove one of them")
+        if self.enabled is True and not self.on:
+            raise ValueError("enabled: true needs api_keys_file or tenants_file")
+        if self.enabled is False and self.on:
+            raise ValueError("enabled: false with an api_keys_file or tenants_file: remove one of them")
         return self
 
     @property
     def on(self) -> bool:
-        return self.api_keys_file is not None
+        return self.api_keys_file is not None or self.tenants_file is not None
 
 
 class EngineAuth(Section):

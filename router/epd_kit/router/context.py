@@ -49,6 +49,9 @@ class RequestContext:
     # VEs whose blocks this request's PD call may read: each keeps one count of `inflight`
     # from its encode until the request ends (`release_encoders`), so a drain waits for it
     encoders_held: dict[str, Engine] = field(default_factory=dict)
+    # token ids relayed to a streaming client so far (translate.StreamTranslator): its usage,
+    # and what its tenant's token quota is charged (tenants.py)
+    completion_tokens: int = 0
 
     @classmethod
     def start(

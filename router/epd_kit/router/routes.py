@@ -29,6 +29,7 @@ from epd_kit.router.listener import CLIENT_GONE, DisconnectSignal
 from epd_kit.router.metrics import RequestOutcome
 from epd_kit.router.openai_api import ChatCompletionRequest, parse_request
 from epd_kit.router.service import RouterService
+from epd_kit.router.tenants import Ticket, count_images
 
 log = logging.getLogger("epd_router.app")
 
@@ -45,13 +46,13 @@ def _service(request: Request) -> RouterService:
     return request.app.state.service
 
 
-def _check_key(request: Request, protected: bool = True) -> None:
+def _check_key(request: Request, protected: bool = True) -> str | None:
+    """Refuses a request without a valid key (when keys are on); the key's tenant, if any."""
     # two Authorization headers: which one names the client is ambiguous (the first used to
     # win), so the request is refused whether or not keys are checked
     if len(request.headers.getlist("authorization")) > 1:
         raise RouterError(400, "more than one Authorization header: send exactly one 'Authorization: Bearer <key>'")
-    if protected:
-        _service(request).auth.check(request.headers.get("authorization"))
+    return _service(request).auth.check(request.headers.get("authorization")) if protected else None
 
 
 def _check_operator(request: Request, protected: bool) -> None:
@@ -83,10 +84,14 @@ async def chat_completions(request: Request) -> Response:
     given = request.headers.get("x-request-id")
     rid = _request_id(request)
     slot: IntakeSlot | None = None
+    ticket: Ticket | None = None  # the tenant's admission, given back with the tokens used
+    tokens = 0
     try:
         if given is not None and rid != given:
             raise RouterError(400, "x-request-id must be 1-128 characters of [A-Za-z0-9._:+=@-]")
-        _check_key(request)
+        tenant = _check_key(request)
+        if tenant is not None:  # before the body: a refused tenant costs no upload or work
+            ticket = service.tenants.admit(tenant)
         limits = service.state.cfg.limits
         # admitted once the body is in: a slow or stalled upload costs its own connection
         # (bounded by listen.body_timeout_s and listen.max_connections), never others' slots
@@ -95,15 +100,22 @@ async def chat_completions(request: Request) -> Response:
         slot = service.intake.enter(limits.max_requests_preprocessing)
         current_client.set(_client_of(request, service.auth.enabled))
         chat, inline = await _decode(service, body)
+        if ticket is not None:
+            ticket.images(count_images(chat.messages))
         del body  # `inline` keeps the image payloads' bytes until they are rendered
         ctx = RequestContext.start(chat, rid, service.state.cfg, intake=slot, inline=inline)
         if chat.stream:
-            return await _stream(request, service, ctx, outcome)
+            response = await _stream(request, service, ctx, outcome, ticket)
+            if isinstance(response, _CleanupStreamingResponse):
+                ticket = None  # the stream gives it back as it ends
+            return response
         service.begin_request()
         try:
             result = await _race_disconnect(request, service.generation.complete(ctx))
         finally:
             service.end_request()
+        if result is not None:
+            tokens = result["usage"]["total_tokens"]
     except ClientGone:
         return _client_left(outcome, rid, "during upload")
     except RouterError as err:
@@ -114,6 +126,8 @@ async def chat_completions(request: Request) -> Response:
     finally:
         if slot is not None:
             slot.release()
+        if ticket is not None:
+            ticket.finish(tokens)
     if result is None:  # client went away; nobody reads this
         return _client_left(outcome, rid, "before the answer")
     outcome.first_byte()
@@ -167,7 +181,9 @@ def _client_left(outcome: RequestOutcome, rid: str, when: str) -> Response:
     return Response(status_code=499)
 
 
-async def _stream(request: Request, service: RouterService, ctx: RequestContext, outcome: RequestOutcome) -> Response:
+async def _stream(
+    request: Request, service: RouterService, ctx: RequestContext, outcome: RequestOutcome, ticket: Ticket | None
+) -> Response:
     service.begin_request()  # ended by the response, whatever happens to it
     try:
         pd = await _race_disconnect(request, service.generation.open_stream(ctx))
@@ -181,6 +197,8 @@ async def _stream(request: Request, service: RouterService, ctx: RequestContext,
     async def finished() -> None:
         await service.generation.close(pd, ctx)
         service.end_request()
+        if ticket is not None:  # what the client got: the prompt and the tokens relayed
+            ticket.finish(len(ctx.token_ids) + ctx.completion_tokens)
         outcome.record()  # the status `relay` left, or client_closed if it never ran
 
     return _CleanupStreamingResponse(

@@ -201,7 +201,7 @@ def make_server(
 ) -> RouterServer:
     """`worker`: this process's name among the host's router processes (metrics files)."""
     inherited = inherited_sockets()
-    app = create_app(cfg, renderer, config_path=config_path)
+    app = create_app(cfg, renderer, config_path=config_path, worker=worker)
     service: RouterService = app.state.service
     listen = cfg.listen
     _allow_descriptors(listen.max_connections + _DESCRIPTORS_BESIDES_CLIENTS)

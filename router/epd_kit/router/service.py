@@ -19,7 +19,6 @@ from pathlib import Path
 
 from epd_kit.router.admin import AdminGate, load_admin_tokens
 from epd_kit.router.admission import PdAdmission
-from epd_kit.router.auth import ApiKeyChecker, load_api_keys
 from epd_kit.router.config import RouterConfig, load_config
 from epd_kit.router.encode import Encoder
 from epd_kit.router.engine_client import EngineClient
@@ -31,6 +30,7 @@ from epd_kit.router.pools import build_pools
 from epd_kit.router.probes import ServingProbes
 from epd_kit.router.rendering import Renderer
 from epd_kit.router.state import RouterState
+from epd_kit.router.tenants import TenantMetrics, Tenants, load_client_keys
 
 log = logging.getLogger("epd_router.service")
 
@@ -45,12 +45,17 @@ class RouterService:
         renderer: Renderer,
         *,
         config_path: Path | None = None,
+        worker: str | None = None,
     ) -> None:
+        """`worker`: this process's name among the host's router processes (the host's shared
+        tenant buckets keep one concurrency count per worker)."""
         self.config_path = config_path
         self.renderer = renderer
         self.state = RouterState(cfg, build_pools(cfg)[0])
         self.metrics = RouterMetrics(lambda: self.state.pools, lambda: getattr(renderer, "stats", None))
-        self.auth = ApiKeyChecker(load_api_keys(cfg.auth.api_keys_file) if cfg.auth.api_keys_file else ())
+        self.auth, tenant_keys = load_client_keys(cfg.auth.api_keys_file, cfg.auth.tenants_file)
+        self.tenants = Tenants(TenantMetrics(self.metrics.registry), self.metrics.shared_dir, worker)
+        self.tenants.apply(tenant_keys)
         self.intake = IntakeGate()
         self.decode_pool = ThreadPoolExecutor(cfg.limits.text_workers, thread_name_prefix="epd-decode")
         self.engines = EngineClient(self.state, self.metrics)
@@ -84,20 +89,20 @@ class RouterService:
             return False
         try:
             new = load_config(self.config_path)
-            keys = load_api_keys(new.auth.api_keys_file) if new.auth.api_keys_file else ()
+            auth, tenant_keys = load_client_keys(new.auth.api_keys_file, new.auth.tenants_file)
             # re-read on every reload: a rotation rewrites the files, not router.yaml
             engine_keys = load_engine_keys(new.engine_auth.key_file)
             admin = AdminGate(new.admin.networks, load_admin_tokens(new.admin.token_file))
-            if self.auth.enabled and not keys and new.auth.enabled is not False:
+            if self.auth.enabled and not auth.enabled and new.auth.enabled is not False:
                 raise ValueError(
-                    "the new file has no auth.api_keys_file: it would turn API-key authentication "
-                    "off; set auth: {enabled: false} to do that on purpose"
+                    "the new file has no auth.api_keys_file or auth.tenants_file: it would turn API-key "
+                    "authentication off; set auth: {enabled: false} to do that on purpose"
                 )
         except ValueError as exc:
             self.metrics.reloads.labels("error").inc()
             log.error("config reload failed; keeping the running config", extra={"error": str(exc)})
             return False
-        if self.auth.enabled and not keys:
+        if self.auth.enabled and not auth.enabled:
             log.warning("config reload turns API-key authentication off (auth.enabled: false)")
         old = self.state.cfg
         for key in RESTART_ONLY:
@@ -107,7 +112,8 @@ class RouterService:
         # one assignment each: a request sees either the old or the new snapshot
         self.state.cfg = new.model_copy(update={k: getattr(old, k) for k in RESTART_ONLY})
         self.state.pools = pools
-        self.auth = ApiKeyChecker(keys)
+        self.auth = auth
+        self.tenants.apply(tenant_keys)  # new limits; the buckets keep their levels
         self.engines.set_keys(engine_keys)
         self.admin = admin
         self.metrics.reloads.labels("ok").inc()

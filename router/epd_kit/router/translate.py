@@ -157,10 +157,13 @@ class StreamTranslator:
         self._detokenizers: dict[int, DetokenizerLike] = {}
         self._finished: set[int] = set()
         self._usage_sent = False
-        self.completion_tokens = 0
         self.progress = 0
         self.malformed = 0
         self.engine_error: str | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return self._ctx.completion_tokens
 
     @property
     def complete(self) -> bool:
@@ -208,8 +211,8 @@ class StreamTranslator:
         prompt = len(self._ctx.token_ids)
         return {
             "prompt_tokens": prompt,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": prompt + self.completion_tokens,
+            "completion_tokens": self._ctx.completion_tokens,
+            "total_tokens": prompt + self._ctx.completion_tokens,
         }
 
     def _delta(self, choice: dict[str, Any]) -> dict[str, Any]:
@@ -220,7 +223,7 @@ class StreamTranslator:
             detokenizer = self._detokenizers[index] = self._renderer.detokenizer(skip_special_tokens=self._skip_special)
             delta["role"] = "assistant"
         new_ids = choice.get("token_ids") or []
-        self.completion_tokens += len(new_ids)
+        self._ctx.completion_tokens += len(new_ids)
         finish = choice.get("finish_reason")
         if new_ids or finish is not None:
             self.progress += 1

@@ -26,8 +26,11 @@ from epd_kit.wire import EcLocator, GenerateResponse
 STAGE_NAMES = {"ve": "encode", "pd": "generate"}
 
 # How a PD says it could not read an embedding from a VE (vLLM's ECLoadFailure, contract
-# §7.2). Engines report it only as text; this is the one place that text is read.
-EC_LOAD_FAILURE_MARKERS = ("ECLoadFailure", "Encoder-cache load", "ec_locator")
+# §7.2), or could not take its blocks at all (the handshake's "EC region block_len mismatch",
+# §3.5: VE and PD disagree on the block geometry; the PD's engine core dies as on a failed
+# read, so the same blocks must go to no other PD). Engines report it only as text; this is
+# the one place that text is read.
+EC_LOAD_FAILURE_MARKERS = ("ECLoadFailure", "Encoder-cache load", "ec_locator", "EC region block_len mismatch")
 
 # How vLLM says generation failed for one request: a choice finished with reason "error", a
 # "retryable request-level internal error (e.g., KV load failure)" (vllm/v1/engine/__init__.py

@@ -1,0 +1,77 @@
+"""The router's tenants file from the inventory (docs/router.md "Tenants"): `epd_router_tenants`
+(each tenant's limits) and `epd_router_tenant_keys` (each key and its tenant; keep the keys in a
+vault). The role renders the text (`tenants_file_text`) into `epd_router_tenants_file`, root:epd
+0640; the inventory check refuses what the router would (`tenant_problems`, with the router's own
+parser, epd_kit.router.tenants_file), naming the inventory entry instead of a line, never a key.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+TENANTS, KEYS = "epd_router_tenants", "epd_router_tenant_keys"
+_LINE = re.compile(r"line (\d+): ")
+# errors name types and entries, never values: the keys' list holds secrets
+
+
+def _lines(tenants: Any, keys: Any) -> tuple[list[str], list[str], list[str]]:
+    """(file lines, the inventory entry of each, shape problems)."""
+    lines, where, problems = ["# rendered by epd-kit from epd_router_tenants and epd_router_tenant_keys"], [""], []
+    if not isinstance(tenants, Mapping):
+        return lines, where, [f"{TENANTS} must be a mapping of tenant name to its limits, got {type(tenants).__name__}"]
+    for name, given in tenants.items():
+        limits = given or {}
+        if not isinstance(limits, Mapping):
+            problems.append(f"{TENANTS}.{name} must be a mapping of limits (or empty), got {type(limits).__name__}")
+            continue
+        lines.append(" ".join(["tenant", str(name), *(f"{key}={value}" for key, value in limits.items())]))
+        where.append(f"{TENANTS}.{name}")
+    if not isinstance(keys, list):
+        return (
+            lines,
+            where,
+            [
+                *problems,
+                f"{KEYS} must be a list of {{tenant: NAME, key: KEY}}, got {type(keys).__name__}",
+            ],
+        )
+    for index, entry in enumerate(keys):
+        if not (isinstance(entry, Mapping) and set(entry) == {"tenant", "key"}):
+            problems.append(f"{KEYS}[{index}] must be {{tenant: NAME, key: KEY}} (exactly these two)")
+            continue
+        lines.append(f"key {entry['tenant']} {entry['key']}")
+        where.append(f"{KEYS}[{index}]")
+    return lines, where, problems
+
+
+def tenants_file_text(tenants: Any, keys: Any) -> str:
+    lines, _, _ = _lines(tenants or {}, keys or [])
+    return "\n".join(lines) + "\n"
+
+
+def tenant_problems(values: Mapping[str, Any]) -> list[str]:
+    """What the router would refuse in the file rendered from one router host's `values` (its
+    explicitly set variables); [] without tenant keys."""
+    tenants, keys = values.get(TENANTS) or {}, values.get(KEYS) or []
+    if (not tenants and not keys) or not isinstance(tenants, Mapping):  # the variable's own check names that
+        return []
+    lines, where, problems = _lines(tenants, keys)
+    if problems:
+        return problems
+    if any("\n" in line or "\r" in line for line in lines):
+        return [f"{TENANTS}/{KEYS}: a name, limit or key spans lines"]
+    try:
+        from epd_kit.router.tenants_file import parse_tenants  # late: the router's rules, when installed
+    except ImportError:  # a controller without the kit's package: the router's check-config checks it
+        return []
+    try:
+        parse_tenants("\n".join(lines), "tenants")
+    except ValueError as error:
+        text = str(error).removeprefix("tenants: ").replace("in this file", f"in {TENANTS}")
+        found = _LINE.match(text)
+        if found is None:
+            return [f"{KEYS}: {text}"]
+        return [f"{where[int(found.group(1)) - 1]}: {text[found.end() :]}"]
+    return []
