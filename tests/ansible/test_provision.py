@@ -375,6 +375,47 @@ def test_the_engine_wheelhouse_is_built_for_the_hosts_python_and_platform_not_th
     assert json.loads(other.stdout)["key"] != report["key"]
 
 
+def test_the_hosts_platform_tags_are_pips_own_in_its_order():
+    """The tags the wheelhouse asks pip for are the ones pip itself accepts on a host with that glibc,
+    in pip's order: the manylinux tags newest first (legacy aliases beside theirs), then linux_<arch>.
+    This machine is such a host: pip's own list for it is the reference."""
+    from pip._vendor.packaging import tags
+
+    sys.path.insert(0, str(ENGINE_WHEELHOUSE.parent))
+    try:
+        import build_engine_wheelhouse
+    finally:
+        sys.path.remove(str(ENGINE_WHEELHOUSE.parent))
+    import platform
+
+    machine, glibc = platform.machine(), platform.libc_ver()[1]
+    assert build_engine_wheelhouse.host_platform_tags(machine, glibc) == list(tags.platform_tags())
+
+
+def test_a_linux_x86_64_wheel_of_the_hosts_python_is_taken(tmp_path):
+    """Wheels published as linux_x86_64 (neuronx-cc and nki on the Neuron pip repository, by third-party
+    reports) are eligible on a host, so the wheelhouse takes them; a manylinux wheel of the same version is
+    preferred where both exist, as pip prefers it."""
+    links = tmp_path / "links"
+    links.mkdir()
+    fake_wheel(links, "neuronx_cc", "2.27.5334.0", "cp312-cp312-linux_x86_64")
+    fake_wheel(links, "engine_lib", "1.0", "cp312-cp312-linux_x86_64")
+    fake_wheel(links, "engine_lib", "1.0", "cp312-cp312-manylinux_2_28_x86_64")
+    result, names = build_wheelhouse_for(
+        tmp_path,
+        links,
+        "--requirement=neuronx-cc==2.27.5334.0",
+        "--requirement=engine-lib==1.0",
+        "--python-version=3.12",
+        "--host-platform=x86_64:2.39",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert names == [
+        "engine_lib-1.0-cp312-cp312-manylinux_2_28_x86_64.whl",
+        "neuronx_cc-2.27.5334.0-cp312-cp312-linux_x86_64.whl",
+    ]
+
+
 def test_a_wheelhouse_for_hosts_without_a_wheel_for_their_python_fails_naming_it(tmp_path):
     links = tmp_path / "links"
     links.mkdir()

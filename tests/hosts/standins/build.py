@@ -450,6 +450,10 @@ class Standin:
     source: str
     files: tuple[tuple[str, str], ...] = ()  # extra (path, text) files of the real package's layout
     init: str = ""  # more of <module>/__init__.py: names the real package's importers use
+    # the tag the real wheel is published with (the comment on each entry names where it was read);
+    # {cp} is the test hosts' CPython tag. A linux_x86_64 or manylinux tag makes pip on the
+    # controller refuse the stand-in where it would refuse the real wheel for the hosts.
+    tag: str = "py3-none-any"
 
 
 PIP_STANDINS: dict[str, Standin] = {
@@ -458,12 +462,16 @@ PIP_STANDINS: dict[str, Standin] = {
         "vllm",
         ("torch==2.11.0", "torchaudio==2.11.0", "torchvision==0.26.0"),
         "vllm 0.24.0 METADATA (PyPI wheel), its torch-family lines",
+        # PyPI's file list, as public listings copy it: vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
+        tag="cp38-abi3-manylinux_2_28_x86_64",
     ),
     "vllm-neuron": Standin(
         "vllm_neuron",
         None,
         ("libtorch-neuronx-lite", "vllm==0.24.0", "nixl==1.3.2"),
         "vllm-neuron 0.24.0.1.1.0 requirements/core.txt (pyproject.toml: dependencies from it)",
+        # v2.32.0 release-notes/releasecontent: vllm_neuron-0.24.0.1.1.0+e8242a9-py3-none-any.whl
+        tag="py3-none-any",
     ),
     "libtorch-neuronx-lite": Standin(
         "libtorch_neuronx_lite",
@@ -471,8 +479,19 @@ PIP_STANDINS: dict[str, Standin] = {
         ("protobuf", "psutil", "torch", "torch-xla"),
         "libtorch-neuronx-lite 2.11.0.1.0.1284 `pip show`: Requires: protobuf, psutil, torch, torch-xla",
     ),
-    "neuronx-cc": Standin("neuronxcc", "neuronx-cc", (), "METADATA not read (Neuron pip repository out of reach)"),
-    "nki": Standin("nki", None, (), "METADATA not read (Neuron pip repository out of reach)"),
+    # third-party reports of the Neuron pip repository's files (it is out of reach here):
+    # .../neuronx-cc/neuronx_cc-2.24.8799.0%2B6f62ff7c-cp310-cp310-linux_x86_64.whl,
+    # nki-0.4.0b4-cp312-cp312-linux_x86_64.whl, nki-0.3.0+...-cp311-cp311-linux_x86_64
+    "neuronx-cc": Standin(
+        "neuronxcc",
+        "neuronx-cc",
+        (),
+        "METADATA not read (Neuron pip repository out of reach)",
+        tag="{cp}-{cp}-linux_x86_64",
+    ),
+    "nki": Standin(
+        "nki", None, (), "METADATA not read (Neuron pip repository out of reach)", tag="{cp}-{cp}-linux_x86_64"
+    ),
     # PyTorch's own cu126 build shape (torch.version.cuda "12.6"): nixl then loads nixl_cu12, whose
     # CUDA 12 libraries the sandbox's cuda-cudart-12-6 stand-in provides. PyPI's torch 2.11.0 is a
     # CUDA 13 build (its METADATA: cuda-toolkit[...]==13.0.2); that shape is tested without hosts
@@ -485,6 +504,8 @@ PIP_STANDINS: dict[str, Standin] = {
         (("torch/version.py", '__version__ = "{version}"\ncuda = "12.6"\n'),),
         # nixl 1.3.2's nixl_cu12/_api.py imports torch and annotates with torch.Tensor at import
         "from . import version\n\n\nclass Tensor:\n    pass\n",
+        # pip's own log of PyPI: "Downloading torch-2.11.0-cp311-cp311-manylinux_2_28_x86_64.whl.metadata"
+        tag="{cp}-{cp}-manylinux_2_28_x86_64",
     ),
     "torchaudio": Standin("torchaudio", None, (), "requirements not carried"),
     "torchvision": Standin("torchvision", None, (), "requirements not carried"),
@@ -557,9 +578,10 @@ RELEASES = {"a": RELEASE_A, "b": RELEASE_B}
 
 
 def build_wheel(target: Path, dist: str, version: str, standin: Standin) -> None:
-    """A pure-python wheel: <module>/__init__.py that says it is a stand-in, the real package's
-    Requires-Dist lines (+ a console script that fails, + the extra files)."""
+    """A stand-in wheel (Python files only): <module>/__init__.py that says it is a stand-in, the
+    real package's Requires-Dist lines (+ a console script that fails, + the extra files), tagged as the real one."""
     stem = f"{dist.replace('-', '_')}-{version}"
+    tag = standin.tag.format(cp="cp" + HOST_PYTHON.replace(".", ""))
     requires = "".join(f"Requires-Dist: {line}\n" for line in standin.requires)
     files = {
         f"{standin.module}/__init__.py": f'"""{STANDIN_NOTE}."""\n\n__version__ = "{version}"\nSTANDIN = True\n\n\n'
@@ -568,8 +590,8 @@ def build_wheel(target: Path, dist: str, version: str, standin: Standin) -> None
         "    return 1\n" + (f"\n\n{standin.init}" if standin.init else ""),
         f"{stem}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n"
         f"Summary: STAND-IN for {dist} (epd-kit tests only); Requires-Dist from {standin.source}\n{requires}",
-        f"{stem}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: epd-kit-standins\nRoot-Is-Purelib: true\n"
-        "Tag: py3-none-any\n",
+        f"{stem}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: epd-kit-standins\n"
+        f"Root-Is-Purelib: {str(tag == 'py3-none-any').lower()}\nTag: {tag}\n",
     }
     files.update({path: text.format(version=version) for path, text in standin.files})
     if standin.script:
@@ -580,7 +602,7 @@ def build_wheel(target: Path, dist: str, version: str, standin: Standin) -> None
         record.append(f"{name},sha256={digest},{len(text.encode())}")
     record.append(f"{stem}.dist-info/RECORD,,")
     files[f"{stem}.dist-info/RECORD"] = "\n".join(record) + "\n"
-    with zipfile.ZipFile(target / f"{stem}-py3-none-any.whl", "w") as wheel:
+    with zipfile.ZipFile(target / f"{stem}-{tag}.whl", "w") as wheel:
         for name, text in files.items():
             wheel.writestr(name, text)
 
