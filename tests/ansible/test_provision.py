@@ -198,7 +198,7 @@ def test_a_python_below_3_11_is_refused_before_anything_changes(tmp_path):
     python = tmp_path / "python3.10"
     python.write_text("#!/bin/sh\necho 3.10 x86_64 2.35\n")
     python.chmod(0o755)
-    result = provision_locally(tmp_path, epd_provision_engine_python=str(python))
+    result = provision_locally(tmp_path, epd_provision_engine_python=str(python), epd_provision_extra_os=["Debian 12"])
     output = " ".join((result.stdout + result.stderr).split())
     assert result.returncode != 0, output[-3000:]
     assert "is Python 3.10 on x86_64 with glibc 2.35:" in output, output[-3000:]
@@ -218,7 +218,9 @@ def standin_apt() -> Path:
 
 
 def check_apt(tmp_path: Path, apt: Path, key: Path, *pins: str) -> subprocess.CompletedProcess[str]:
-    argv = ["bash", str(CHECK_APT), str(tmp_path / "scratch"), str(key), f"file://{apt}", standins.SUITE, *pins]
+    sources = tmp_path / "sources.list"
+    sources.write_text(f"deb [signed-by={key}] file://{apt} {standins.SUITE} main\n")
+    argv = ["bash", str(CHECK_APT), str(tmp_path / "scratch"), str(sources), *pins]
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -241,6 +243,31 @@ def test_the_repository_check_names_a_missing_pin(tmp_path, standin_apt):
     result = check_apt(tmp_path, standin_apt, key, "aws-neuronx-dkms=2.30.2.0", "aws-neuronx-tools=9.9")
     assert result.returncode == 1
     assert result.stdout.strip().endswith("aws-neuronx-tools 9.9"), result.stdout
+
+
+@pytest.mark.parametrize(
+    ("keyring_deb", "found"), [(standins.CUDA_KEYRING_DEB, True), ("cuda-keyring-wrong-key.deb", False)]
+)
+def test_the_cuda_repository_is_read_with_the_key_its_keyring_package_carries(
+    tmp_path, standin_apt, keyring_deb, found
+):
+    """The CUDA check reads the flat repository ("<url> /") with the keyring package's own key: the
+    right package finds the stub package (any version: no pin), one with another key fails on apt's
+    signature check."""
+    unpacked = tmp_path / "keyring"
+    subprocess.run(["dpkg-deb", "-x", str(standin_apt.parent / keyring_deb), str(unpacked)], check=True)
+    sources = tmp_path / "cuda.list"
+    sources.write_text(
+        f"deb [signed-by={unpacked / standins.CUDA_KEYRING.lstrip('/')}] file://{standin_apt.parent}/cuda/ /\n"
+    )
+    argv = ["bash", str(CHECK_APT), str(tmp_path / "work"), str(sources), "cuda-cudart-dev-12-6"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    if found:
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.split() == [f"cuda-cudart-dev-12-6={standins.CUDA_VERSION}-1"]
+    else:
+        assert result.returncode == 1, result.stdout
+        assert "apt-get update of" in result.stdout and ("NO_PUBKEY" in result.stdout or "not signed" in result.stdout)
 
 
 def build_engine_wheelhouse(cache: Path, *args: str) -> dict:
@@ -472,6 +499,11 @@ def test_the_release_set_resolves_and_the_old_set_fails_on_pips_conflict(tmp_pat
         ),
         (
             {"distribution": "Ubuntu", "distribution_version": "20.04", "distribution_major_version": "20"},
+            "Neuron 2.32.0 installs on Ubuntu 24.04, Ubuntu 22.04",
+        ),
+        # the sandbox's Debian is refused like any OS no source lists, unless epd_provision_extra_os names it
+        (
+            {"distribution": "Debian", "distribution_version": "12.7", "distribution_major_version": "12"},
             "Neuron 2.32.0 installs on Ubuntu 24.04, Ubuntu 22.04",
         ),
     ],
