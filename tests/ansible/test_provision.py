@@ -165,7 +165,7 @@ def provision_locally(tmp_path: Path, **variables) -> subprocess.CompletedProces
             "epd_provision_engine_pins sets torch-neuronx, which Neuron 2.32.0's engine venv does not list",
         ),
         # mistake: a release the kit has no table for
-        ({"epd_neuron_release": "2.31.0"}, "epd_neuron_release must be one of 2.32.0, 2.33.0, got '2.31.0'"),
+        ({"epd_neuron_release": "2.31.0"}, "epd_neuron_release must be one of 2.32.0, 2.33.0, 2.33.1, got '2.31.0'"),
         # mistake: Neuron 2.33.0 without the pins its sources leave unconfirmed (the kit does not guess them)
         (
             {"epd_neuron_release": "2.33.0"},
