@@ -5,6 +5,7 @@ The installs themselves run on real hosts in tests/e2e/test_provision_hosts.py."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -400,6 +401,59 @@ def test_the_engine_wheelhouse_is_built_for_the_hosts_python_and_platform_not_th
         "--host-platform=x86_64:2.39",
     )
     assert json.loads(other.stdout)["key"] != report["key"]
+
+
+@pytest.mark.parametrize(
+    ("loaded", "engines", "modprobe", "reboot"),
+    [
+        ("2.30.2.0", "", [], False),  # the release profile's aws-neuronx-dkms is loaded: nothing to do
+        ("2.30.1.0", "", ["-r neuron", "neuron"], False),  # an older one, no engine: reloaded
+        ("2.30.1.0", "epd-engine@ve-0.service loaded active running", [], True),  # engines hold it: reboot
+    ],
+)
+def test_the_loaded_driver_is_compared_with_the_release_profiles_dkms(tmp_path, loaded, engines, modprobe, reboot):
+    """driver.yml with no epd_provision_neuron_driver_version set (the default): the loaded driver is
+    compared with the release profile's aws-neuronx-dkms (2.32.0: 2.30.2.0), so the pinned driver
+    already loaded is neither reloaded nor waits for a reboot (before, it was compared with "")."""
+    module, devices, bin_dir = tmp_path / "module", tmp_path / "dev", tmp_path / "bin"
+    for directory in (module, devices, bin_dir):
+        directory.mkdir()
+    (module / "version").write_text(loaded + "\n")
+    (devices / "neuron0").write_text("")
+    log = tmp_path / "modprobe.log"
+    for name, body in (("modprobe", f'echo "$*" >> {log}'), ("systemctl", f"echo {engines!r}")):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    out = tmp_path / "reasons.json"
+    play = {
+        "hosts": "localhost",
+        "connection": "local",
+        "gather_facts": False,
+        "vars": {"ansible_python_interpreter": sys.executable, "epd_neuron_release": "2.32.0"},
+        "tasks": [
+            {"ansible.builtin.include_role": {"name": "epd.kit.epd_provision", "tasks_from": "driver"}},
+            {
+                "ansible.builtin.copy": {
+                    "content": "{{ epd_provision_reboot_reasons | default([]) | to_json }}",
+                    "dest": str(out),
+                }
+            },
+        ],
+    }
+    book = tmp_path / "driver.yml"
+    book.write_text(yaml.safe_dump([play], sort_keys=False))
+    # extra vars: the role's vars/main.yml outranks play vars
+    paths = tmp_path / "paths.json"
+    paths.write_text(
+        json.dumps({"epd_provision_neuron_module_dir": str(module), "epd_provision_neuron_device_dir": str(devices)})
+    )
+    result = playbook(str(book), "-e", f"@{paths}", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert (log.read_text().splitlines() if log.exists() else []) == modprobe
+    reasons = json.loads(out.read_text())
+    assert bool(reasons) == reboot, reasons
+    if reboot:
+        assert reasons == ["Neuron driver 2.30.1.0 is loaded and 2.30.2.0 installed, and engines are running"]
 
 
 def test_the_hosts_platform_tags_are_pips_own_in_its_order():
