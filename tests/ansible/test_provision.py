@@ -5,6 +5,7 @@ The installs themselves run on real hosts in tests/e2e/test_provision_hosts.py."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -165,7 +166,7 @@ def provision_locally(tmp_path: Path, **variables) -> subprocess.CompletedProces
             "epd_provision_engine_pins sets torch-neuronx, which Neuron 2.32.0's engine venv does not list",
         ),
         # mistake: a release the kit has no table for
-        ({"epd_neuron_release": "2.31.0"}, "epd_neuron_release must be one of 2.32.0, 2.33.0, got '2.31.0'"),
+        ({"epd_neuron_release": "2.31.0"}, "epd_neuron_release must be one of 2.32.0, 2.33.0, 2.33.1, got '2.31.0'"),
         # mistake: Neuron 2.33.0 without the pins its sources leave unconfirmed (the kit does not guess them)
         (
             {"epd_neuron_release": "2.33.0"},
@@ -198,7 +199,7 @@ def test_a_python_below_3_11_is_refused_before_anything_changes(tmp_path):
     python = tmp_path / "python3.10"
     python.write_text("#!/bin/sh\necho 3.10 x86_64 2.35\n")
     python.chmod(0o755)
-    result = provision_locally(tmp_path, epd_provision_engine_python=str(python))
+    result = provision_locally(tmp_path, epd_provision_engine_python=str(python), epd_provision_extra_os=["Debian 12"])
     output = " ".join((result.stdout + result.stderr).split())
     assert result.returncode != 0, output[-3000:]
     assert "is Python 3.10 on x86_64 with glibc 2.35:" in output, output[-3000:]
@@ -218,7 +219,9 @@ def standin_apt() -> Path:
 
 
 def check_apt(tmp_path: Path, apt: Path, key: Path, *pins: str) -> subprocess.CompletedProcess[str]:
-    argv = ["bash", str(CHECK_APT), str(tmp_path / "scratch"), str(key), f"file://{apt}", standins.SUITE, *pins]
+    sources = tmp_path / "sources.list"
+    sources.write_text(f"deb [signed-by={key}] file://{apt} {standins.SUITE} main\n")
+    argv = ["bash", str(CHECK_APT), str(tmp_path / "scratch"), str(sources), *pins]
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -241,6 +244,31 @@ def test_the_repository_check_names_a_missing_pin(tmp_path, standin_apt):
     result = check_apt(tmp_path, standin_apt, key, "aws-neuronx-dkms=2.30.2.0", "aws-neuronx-tools=9.9")
     assert result.returncode == 1
     assert result.stdout.strip().endswith("aws-neuronx-tools 9.9"), result.stdout
+
+
+@pytest.mark.parametrize(
+    ("keyring_deb", "found"), [(standins.CUDA_KEYRING_DEB, True), ("cuda-keyring-wrong-key.deb", False)]
+)
+def test_the_cuda_repository_is_read_with_the_key_its_keyring_package_carries(
+    tmp_path, standin_apt, keyring_deb, found
+):
+    """The CUDA check reads the flat repository ("<url> /") with the keyring package's own key: the
+    right package finds the stub package (any version: no pin), one with another key fails on apt's
+    signature check."""
+    unpacked = tmp_path / "keyring"
+    subprocess.run(["dpkg-deb", "-x", str(standin_apt.parent / keyring_deb), str(unpacked)], check=True)
+    sources = tmp_path / "cuda.list"
+    sources.write_text(
+        f"deb [signed-by={unpacked / standins.CUDA_KEYRING.lstrip('/')}] file://{standin_apt.parent}/cuda/ /\n"
+    )
+    argv = ["bash", str(CHECK_APT), str(tmp_path / "work"), str(sources), "cuda-cudart-dev-12-6"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    if found:
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.split() == [f"cuda-cudart-dev-12-6={standins.CUDA_VERSION}-1"]
+    else:
+        assert result.returncode == 1, result.stdout
+        assert "apt-get update of" in result.stdout and ("NO_PUBKEY" in result.stdout or "not signed" in result.stdout)
 
 
 def build_engine_wheelhouse(cache: Path, *args: str) -> dict:
@@ -375,6 +403,100 @@ def test_the_engine_wheelhouse_is_built_for_the_hosts_python_and_platform_not_th
     assert json.loads(other.stdout)["key"] != report["key"]
 
 
+@pytest.mark.parametrize(
+    ("loaded", "engines", "modprobe", "reboot"),
+    [
+        ("2.30.2.0", "", [], False),  # the release profile's aws-neuronx-dkms is loaded: nothing to do
+        ("2.30.1.0", "", ["-r neuron", "neuron"], False),  # an older one, no engine: reloaded
+        ("2.30.1.0", "epd-engine@ve-0.service loaded active running", [], True),  # engines hold it: reboot
+    ],
+)
+def test_the_loaded_driver_is_compared_with_the_release_profiles_dkms(tmp_path, loaded, engines, modprobe, reboot):
+    """driver.yml with no epd_provision_neuron_driver_version set (the default): the loaded driver is
+    compared with the release profile's aws-neuronx-dkms (2.32.0: 2.30.2.0), so the pinned driver
+    already loaded is neither reloaded nor waits for a reboot (before, it was compared with "")."""
+    module, devices, bin_dir = tmp_path / "module", tmp_path / "dev", tmp_path / "bin"
+    for directory in (module, devices, bin_dir):
+        directory.mkdir()
+    (module / "version").write_text(loaded + "\n")
+    (devices / "neuron0").write_text("")
+    log = tmp_path / "modprobe.log"
+    for name, body in (("modprobe", f'echo "$*" >> {log}'), ("systemctl", f"echo {engines!r}")):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    out = tmp_path / "reasons.json"
+    play = {
+        "hosts": "localhost",
+        "connection": "local",
+        "gather_facts": False,
+        "vars": {"ansible_python_interpreter": sys.executable, "epd_neuron_release": "2.32.0"},
+        "tasks": [
+            {"ansible.builtin.include_role": {"name": "epd.kit.epd_provision", "tasks_from": "driver"}},
+            {
+                "ansible.builtin.copy": {
+                    "content": "{{ epd_provision_reboot_reasons | default([]) | to_json }}",
+                    "dest": str(out),
+                }
+            },
+        ],
+    }
+    book = tmp_path / "driver.yml"
+    book.write_text(yaml.safe_dump([play], sort_keys=False))
+    # extra vars: the role's vars/main.yml outranks play vars
+    paths = tmp_path / "paths.json"
+    paths.write_text(
+        json.dumps({"epd_provision_neuron_module_dir": str(module), "epd_provision_neuron_device_dir": str(devices)})
+    )
+    result = playbook(str(book), "-e", f"@{paths}", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert (log.read_text().splitlines() if log.exists() else []) == modprobe
+    reasons = json.loads(out.read_text())
+    assert bool(reasons) == reboot, reasons
+    if reboot:
+        assert reasons == ["Neuron driver 2.30.1.0 is loaded and 2.30.2.0 installed, and engines are running"]
+
+
+def test_the_hosts_platform_tags_are_pips_own_in_its_order():
+    """The tags the wheelhouse asks pip for are the ones pip itself accepts on a host with that glibc,
+    in pip's order: the manylinux tags newest first (legacy aliases beside theirs), then linux_<arch>.
+    This machine is such a host: pip's own list for it is the reference."""
+    from pip._vendor.packaging import tags
+
+    sys.path.insert(0, str(ENGINE_WHEELHOUSE.parent))
+    try:
+        import build_engine_wheelhouse
+    finally:
+        sys.path.remove(str(ENGINE_WHEELHOUSE.parent))
+    import platform
+
+    machine, glibc = platform.machine(), platform.libc_ver()[1]
+    assert build_engine_wheelhouse.host_platform_tags(machine, glibc) == list(tags.platform_tags())
+
+
+def test_a_linux_x86_64_wheel_of_the_hosts_python_is_taken(tmp_path):
+    """Wheels published as linux_x86_64 (neuronx-cc and nki on the Neuron pip repository, by third-party
+    reports) are eligible on a host, so the wheelhouse takes them; a manylinux wheel of the same version is
+    preferred where both exist, as pip prefers it."""
+    links = tmp_path / "links"
+    links.mkdir()
+    fake_wheel(links, "neuronx_cc", "2.27.5334.0", "cp312-cp312-linux_x86_64")
+    fake_wheel(links, "engine_lib", "1.0", "cp312-cp312-linux_x86_64")
+    fake_wheel(links, "engine_lib", "1.0", "cp312-cp312-manylinux_2_28_x86_64")
+    result, names = build_wheelhouse_for(
+        tmp_path,
+        links,
+        "--requirement=neuronx-cc==2.27.5334.0",
+        "--requirement=engine-lib==1.0",
+        "--python-version=3.12",
+        "--host-platform=x86_64:2.39",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert names == [
+        "engine_lib-1.0-cp312-cp312-manylinux_2_28_x86_64.whl",
+        "neuronx_cc-2.27.5334.0-cp312-cp312-linux_x86_64.whl",
+    ]
+
+
 def test_a_wheelhouse_for_hosts_without_a_wheel_for_their_python_fails_naming_it(tmp_path):
     links = tmp_path / "links"
     links.mkdir()
@@ -431,6 +553,11 @@ def test_the_release_set_resolves_and_the_old_set_fails_on_pips_conflict(tmp_pat
         ),
         (
             {"distribution": "Ubuntu", "distribution_version": "20.04", "distribution_major_version": "20"},
+            "Neuron 2.32.0 installs on Ubuntu 24.04, Ubuntu 22.04",
+        ),
+        # the sandbox's Debian is refused like any OS no source lists, unless epd_provision_extra_os names it
+        (
+            {"distribution": "Debian", "distribution_version": "12.7", "distribution_major_version": "12"},
             "Neuron 2.32.0 installs on Ubuntu 24.04, Ubuntu 22.04",
         ),
     ],

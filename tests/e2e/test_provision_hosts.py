@@ -240,6 +240,25 @@ def test_a_pin_the_repository_does_not_have_fails_before_anything_is_installed(b
     assert_untouched(bare)
 
 
+def test_a_host_without_the_cuda_repository_is_refused_before_anything_is_installed(bare, bare_inventory, server):
+    """The CUDA driver stub comes from NVIDIA's repository through its cuda-keyring package (the setup
+    guide's step): a keyring package the host cannot fetch, or a repository it cannot verify with that
+    package's key, stops the run before the Neuron packages or EFA change, naming the step to run."""
+    missing = f"{server}/no-such/{standins.CUDA_KEYRING_DEB}"
+    result = provision(bare_inventory, pins("a", server, epd_provision_cuda_keyring_url=missing))
+    out = " ".join(result.stdout.split())
+    assert result.returncode != 0, result.describe()
+    assert "NVIDIA's CUDA repository, which has cuda-cudart-dev-12-6" in out and "Nothing was installed" in out, out
+    assert f"wget {missing} && dpkg -i {standins.CUDA_KEYRING_DEB}" in out, out
+    # a keyring package whose key did not sign the repository (here: the Neuron stand-in's key in its place)
+    wrong = f"{server}/cuda-keyring-wrong-key.deb"
+    result = provision(bare_inventory, pins("a", server, epd_provision_cuda_keyring_url=wrong))
+    out = " ".join(result.stdout.split())
+    assert result.returncode != 0, result.describe()
+    assert "apt-get update of" in out and "failed" in out and "Nothing was installed" in out, out
+    assert_untouched(bare)
+
+
 def test_a_missing_cuda_stub_fails_provisioning_naming_the_fix(bare, bare_inventory, server):
     """mistake: no libcuda.so.1 (epd_provision_cuda_stub=false on a host without one): the probe's
     ldd scan of NIXL's LIBFABRIC plugin finds it missing, and the message names the setting."""
@@ -275,6 +294,11 @@ def test_fresh_install_on_a_bare_host(bare, bare_inventory, server, record_timin
         f"{ENGINE_VENV}/bin/python -c 'import torch, nixl, vllm, vllm_neuron, neuronxcc, libtorch_neuronx_lite, nki'"
     )
     assert bare.run(f"readlink {ENGINE_VENV}").stdout.startswith(ENGINE_VENVS + "/")
+    # the compiler came from a wheel published like the real one, for the host's platform only
+    wheel = bare.run(f"cat {ENGINE_VENV}/lib/python3.11/site-packages/neuronx_cc-*.dist-info/WHEEL").stdout
+    assert "Tag: cp311-cp311-linux_x86_64" in wheel, wheel
+    # NVIDIA's repository came with its keyring package (the setup guide's dpkg -i), and the manual's g++
+    assert bare.run("dpkg-query -W -f '${db:Status-Status}' cuda-keyring g++").stdout == "installedinstalled"
     # the security doc's device access
     assert 'GROUP="neuron"' in bare.run("cat /etc/udev/rules.d/neuron-udev.rules").stdout
     bare.run("getent group neuron")
@@ -285,6 +309,8 @@ def test_a_second_run_changes_nothing(bare, bare_inventory, server):
     assert result.returncode == 0, result.describe()
     assert result.changed == 0, result.describe()
     assert "every pin is installed, nothing to do" in result.stdout
+    # no driver reload (it reports changed) and no reboot request
+    assert bare.run("ls /run/epd/reboot-required 2>/dev/null; true").stdout == "", result.describe()
 
 
 def versions_status(inventory: Path, variables: dict) -> str:
@@ -354,16 +380,17 @@ def test_a_dlami_like_host_newer_than_the_pins_is_left_alone(host_pool, server, 
     # what the DLAMI's image build did: the Neuron packages, the EFA software, the CUDA stub, hwloc, a vLLM venv
     keyring = "/usr/share/keyrings/standin-neuron.asc"
     debs = " ".join(f"{p}={v}-{standins.DEB_REVISION}" for p, v in release.neuron.items())
-    debs += " " + " ".join(standins.HWLOC_PACKAGES + standins.CUDA_STUB_PACKAGES[:1])
+    debs += " " + " ".join(standins.HWLOC_PACKAGES + standins.GXX_PACKAGES)
     efa = f"aws-efa-installer-{release.efa_installer}.tar.gz"
     server_host = server.removeprefix("http://").split(":")[0]
     wheels = " ".join(f"{d}=={v}" for d, v in release.engine_venv.items())
     dlami.run(
         f"set -e; curl -fsS -o {keyring} {server}/apt/GPG-PUB-KEY-EPD-STANDIN.PUB; "
         f"echo 'deb [signed-by={keyring}] {server}/apt {standins.SUITE} main' > /etc/apt/sources.list.d/image.list; "
-        "apt-get update -o Dir::Etc::SourceList=/etc/apt/sources.list.d/image.list -o Dir::Etc::SourceParts=- -qq; "
+        f"curl -fsS -o /tmp/cuda-keyring.deb {server}/{standins.CUDA_KEYRING_DEB}; dpkg -i /tmp/cuda-keyring.deb; "
+        "apt-get update -o Dir::Etc::SourceList=/dev/null -o Dir::Etc::SourceParts=/etc/apt/sources.list.d -qq; "
         f"DEBIAN_FRONTEND=noninteractive apt-get install -y -qq linux-headers-{standins.KERNEL}; "
-        f"DEBIAN_FRONTEND=noninteractive apt-get install -y -qq {debs}; "
+        f"DEBIAN_FRONTEND=noninteractive apt-get install -y -qq {debs} {standins.CUDA_STUB_PACKAGES[0]}; "
         "ln -sf /usr/local/cuda-12.6/targets/x86_64-linux/lib/stubs/libcuda.so /usr/local/lib/libcuda.so.1; ldconfig; "
         f"cd /tmp && curl -fsS -O {server}/efa/{efa} && tar -xzf {efa} && aws-efa-installer/efa_installer.sh -y; "
         f"python3 -m venv {DLAMI_VENV}; "

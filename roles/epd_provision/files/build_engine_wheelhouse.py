@@ -34,24 +34,32 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-# the oldest manylinux glibc minor pip wheels are built for (manylinux2014 = manylinux_2_17)
-OLDEST_GLIBC_MINOR = 17
+# PEP 600 (manylinux_2_N) and its legacy aliases, as pip's packaging (_manylinux.py) emits them:
+# the oldest glibc a manylinux wheel may need is 2.5 on x86_64 and i686, 2.17 elsewhere, and each
+# legacy alias follows the manylinux_2_N tag it stands for
+OLDEST_GLIBC_MINOR = {"x86_64": 5, "i686": 5}
+OLDEST_GLIBC_MINOR_OTHER = 17
+LEGACY_MANYLINUX = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
 
 
 def host_platform_tags(machine: str, glibc: str) -> list[str]:
     """The wheel platform tags a Linux host with this architecture and glibc (e.g. x86_64, 2.39)
-    installs, newest first: manylinux_2_<minor>_<arch> down to 2_17, and the legacy aliases
-    (PEP 600: manylinux2014 = 2_17, manylinux2010 = 2_12, manylinux1 = 2_5)."""
+    installs, in pip's order of preference (pip 23's packaging.tags._linux_platforms): every
+    manylinux_2_<minor>_<arch> from the host's glibc down, each legacy alias after the tag it
+    stands for, then the plain `linux_<arch>`, the tag of wheels built without the manylinux
+    policy (how third-party reports show neuronx-cc and nki on the Neuron pip repository:
+    `neuronx_cc-2.24.8799.0+6f62ff7c-cp310-cp310-linux_x86_64.whl`,
+    `nki-0.4.0b4-cp312-cp312-linux_x86_64.whl`). Without it pip never considers such a wheel:
+    "No matching distribution found"."""
     match = re.fullmatch(r"2\.(\d+)", glibc)
     if not match or not re.fullmatch(r"[a-z0-9_]+", machine):
         raise SystemExit(f"engine wheelhouse: not a glibc version and architecture: {glibc!r} {machine!r}")
-    minor = int(match.group(1))
-    tags = [f"manylinux_2_{m}_{machine}" for m in range(minor, OLDEST_GLIBC_MINOR - 1, -1)]
-    if minor >= 17:
-        tags.append(f"manylinux2014_{machine}")
-    if machine in ("x86_64", "i686"):
-        tags += [f"manylinux2010_{machine}"] * (minor >= 12) + [f"manylinux1_{machine}"] * (minor >= 5)
-    return tags
+    tags = []
+    for minor in range(int(match.group(1)), OLDEST_GLIBC_MINOR.get(machine, OLDEST_GLIBC_MINOR_OTHER) - 1, -1):
+        tags.append(f"manylinux_2_{minor}_{machine}")
+        if minor in LEGACY_MANYLINUX:
+            tags.append(f"{LEGACY_MANYLINUX[minor]}_{machine}")
+    return tags + [f"linux_{machine}"]
 
 
 def target_python(args: argparse.Namespace) -> str:

@@ -184,7 +184,8 @@ def engine_command(
             "EPD_MAX_NUM_SEQS": str(1 if role == "ve" else settings.max_num_seqs),
             "EPD_DTYPE": ENGINE_DTYPE,
             "EPD_LIMIT_MM_PER_PROMPT": json.dumps({"image": settings.images_per_prompt}),
-            ROLE_ARGS: ROLE_FLAGS[role],
+            # the pool's flags, then those the fleet's release's vLLM needs on every engine the router calls
+            ROLE_ARGS: ROLE_FLAGS[role] + neuron_release(settings.neuron_release).serve_flags(),
             ADDITIONAL_CONFIG: json.dumps(additional_config(settings, role)),
             EC_TRANSFER_CONFIG: json.dumps(ec_transfer_config(role, engine_id, bind_address, side_channel_port)),
             EXTRA_ARGS: settings.extra_args,

@@ -15,6 +15,8 @@ Sources, abbreviated in the table:
   wheels, which are out of reach here, the source named on the line)
 - v2.33.0 pages: awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/ (the SDK repository's
   snapshot read here ends at 2.32), named on each line
+- 2.33.1 notes: release-notes/2.33.1 ("Package updates ... All other packages are the same as in
+  Neuron 2.33.0"), and the GitHub release v2.33.1 of 2026-11-11
 
 A value no source read settles is UNCONFIRMED (None): the table says so, and the kit refuses to
 guess it. An engine venv pin must then come from the operator (`epd_provision_engine_pins`), an
@@ -24,7 +26,7 @@ changes a host otherwise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import EpdPlanError
 
@@ -73,6 +75,10 @@ class NeuronRelease:
         """The engine venv distributions whose version no source read settles."""
         return [dist for dist, pin in self.engine_venv.items() if pin.version is None]
 
+    def serve_flags(self) -> tuple[str, ...]:
+        """The `vllm serve` flags this release's vLLM needs on every engine the router calls."""
+        return tuple(flag.flag for flag in SERVE_FLAGS if _version(self.vllm) >= _version(flag.since))
+
     def profile(self) -> dict:
         """The plain-data form the roles read (`epd.kit.epd_neuron_release`); "" where unconfirmed."""
         return {
@@ -86,6 +92,7 @@ class NeuronRelease:
             "os": list(self.os),
             "vllm": self.vllm,
             "engine_environment": {name: str(pin.version) for name, pin in self.engine_environment.items()},
+            "serve_flags": list(self.serve_flags()),
         }
 
     def table(self) -> list[tuple[str, str, str]]:
@@ -100,7 +107,46 @@ class NeuronRelease:
             (f"`{name}` (engine environment)", pin.shown, pin.source) for name, pin in self.engine_environment.items()
         ]
         rows.append(("DLAMI vLLM venv", self.dlami_venv.shown, self.dlami_venv.source))
+        flags = [flag for flag in SERVE_FLAGS if flag.flag in self.serve_flags()]
+        rows.append(
+            (
+                "engine serve flags",
+                " ".join(flag.flag for flag in flags) or "none",
+                "; ".join(flag.source for flag in flags)
+                or f"vLLM {self.vllm}: each flag starts at a later vLLM ({_SINCE})",
+            )
+        )
         return rows
+
+
+@dataclass(frozen=True)
+class ServeFlag:
+    """A `vllm serve` flag every engine the router calls needs from vLLM `since` on."""
+
+    flag: str
+    since: str
+    source: str
+
+
+# The router drives both pools through POST /inference/v1/generate (wire.GENERATE_PATH), the
+# token-in-token-out route of vLLM's scale-out endpoints.
+SERVE_FLAGS: tuple[ServeFlag, ...] = (
+    ServeFlag(
+        "--enable-scale-out",
+        "0.30.0",
+        'vLLM v0.30.0 release notes, breaking changes: "scale-out endpoints are opt-in on plain `vllm serve` via '
+        '`--enable-scale-out` (replaces `VLLM_ENABLE_SCALE_OUT_ENDPOINTS`)" (#54579, #55176); '
+        "vllm/entrypoints/scale_out/factories.py register_scale_out_api_routers: not enabled, "
+        '"Scale-out endpoints are disabled" and the token_in_token_out router is not attached',
+    ),
+)
+
+
+_SINCE = ", ".join(f"{flag.flag} from {flag.since}" for flag in SERVE_FLAGS)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")[:3] if part.isdigit())
 
 
 _M232 = 'manifest 2.32.0: `{{"name":"{}","version":"{}"}}`'
@@ -262,10 +308,48 @@ NEURON_2_33 = NeuronRelease(
     ),
 )
 
-RELEASES: dict[str, NeuronRelease] = {release.name: release for release in (NEURON_2_32, NEURON_2_33)}
-# the newest release whose engine venv set is fully sourced: 2.33.0's libtorch-neuronx-lite and
-# nixl versions (and its EFA installer) are in no source read, so a 2.33 fleet needs the operator's
-# pins (docs/provisioning.md "Choosing the release")
+# Neuron 2.33.1 (11/11/2026), a patch release: its notes list the packages it updates ("All other
+# packages are the same as in Neuron 2.33.0"); the rest is 2.33.0's table
+_R2331 = "2.33.1 release notes, Package updates: `{}: {}`"
+_SAME_2331 = '; 2.33.1 notes: "All other packages are the same as in Neuron 2.33.0"'
+
+
+def _same_in_2_33_1(pins: dict[str, Pin]) -> dict[str, Pin]:
+    """2.33.0's pins, each source extended by the 2.33.1 notes' word that it did not change."""
+    return {name: replace(pin, source=pin.source + _SAME_2331) for name, pin in pins.items()}
+
+
+NEURON_2_33_1 = replace(
+    NEURON_2_33,
+    name="2.33.1",
+    system=_same_in_2_33_1(NEURON_2_33.system)
+    | {
+        "aws-neuronx-dkms": Pin("2.31.8.0", _R2331.format("aws-neuronx-dkms", "2.31.8.0")),
+        "aws-neuronx-runtime-lib": Pin("2.35.33.0", _R2331.format("aws-neuronx-runtime-lib", "2.35.33.0")),
+        "aws-neuronx-collectives": Pin("2.35.49.0", _R2331.format("aws-neuronx-collectives", "2.35.49.0")),
+    },
+    engine_venv=NEURON_2_33.engine_venv
+    | _same_in_2_33_1({k: v for k, v in NEURON_2_33.engine_venv.items() if v.version is not None})
+    | {
+        # rebuilt "against the updated Neuron Runtime" in three builds; the one for vllm 0.29.0's torch==2.13.0
+        "libtorch-neuronx-lite": Pin(
+            "2.13.0.1.0.4089",
+            _R2331.format("libtorch_neuronx_lite", "2.11.0.1.0.4089, 2.12.0.1.0.4089, and 2.13.0.1.0.4089")
+            + "; the torch 2.13 build, for vllm 0.29.0 METADATA `Requires-Dist: torch==2.13.0`",
+        ),
+    },
+    notes=NEURON_2_33.notes
+    + (
+        "2.33.1 changes the Neuron Runtime (a DMA ordering race that can hang the TPB AXI fabric, a GPSIMD check) and "
+        "rebuilds libtorch_neuronx_lite against it: no functional change in the framework packages (2.33.1 notes)",
+    ),
+)
+
+RELEASES: dict[str, NeuronRelease] = {release.name: release for release in (NEURON_2_32, NEURON_2_33, NEURON_2_33_1)}
+# the newest release whose engine venv set is fully sourced: 2.33's nixl version (vllm-neuron
+# 0.29.0.1.2.0's requirements/core.txt) and EFA installer version, and 2.33.0's
+# libtorch-neuronx-lite, are in no source read, so a 2.33 fleet needs the operator's pins
+# (docs/provisioning.md "Choosing the release", which names the source that would settle each)
 DEFAULT_RELEASE = "2.32.0"
 
 

@@ -17,7 +17,8 @@ the real part fails, flag by flag:
   NIXL's LIBFABRIC plugin links (symbol versions up to FABRIC_1.10; Debian bookworm's
   libfabric 1.17 stops at FABRIC_1.6) and no provider, like a host without an EFA interface;
 - the CUDA driver stub (cuda-cudart-dev-12-6) and cuda-cudart-12-6 are stub libraries with the
-  symbols the plugin links; hwloc is Debian's real libhwloc15;
+  symbols the plugin links, in a CUDA repository of their own that only a cuda-keyring package
+  (its sources list and key) opens, as the setup guide reaches NVIDIA's; hwloc is Debian's real libhwloc15;
 - the pip stand-ins carry the real distribution names (vllm, vllm-neuron, libtorch-neuronx-lite,
   neuronx-cc, nki, torch, ...), version <pin>+standin, and the real packages' Requires-Dist lines
   that name the torch family, the Neuron packages and NIXL (PIP_STANDINS says where each comes
@@ -31,6 +32,8 @@ Layout of the cached directory (served over http from 10.213.0.1 inside kithub b
     apt/          dists/<suite>/{InRelease,Release,Release.gpg,main/binary-amd64/Packages}, pool/*.deb,
                   GPG-PUB-KEY-EPD-STANDIN.PUB (the signing key; the real one is GPG-PUB-KEY-AMAZON-AWS-NEURON.PUB)
     efa/          aws-efa-installer-<version>.tar.gz (+ .sig, .sha256), aws-efa-installer.key
+    cuda/         a flat signed repository (InRelease, Packages) with the CUDA stub packages
+    cuda-keyring_1.0-1_all.deb   its sources list and key, as NVIDIA's cuda-keyring package carries them
     pip/          stand-in wheels (local version label +standin) and the real wheels they require
     empty-index/  the engine wheelhouse's --index-url: nothing, so every wheel comes from pip/
     manifest.json the releases below, the installer checksums and signing key
@@ -65,6 +68,8 @@ EFA_KMOD_PACKAGE = "efa"
 CUDA_STUB_PACKAGES = ("cuda-cudart-dev-12-6", "cuda-cudart-12-6")
 CUDA_VERSION = "12.6.77"  # stand-in only: no source names the exact 12.6 patch release
 HWLOC_PACKAGES = ("libhwloc15",)
+# the manual's compiler (setup/pytorch/manual.rst: apt-get install python3.X-venv g++), Debian's real one
+GXX_PACKAGES = ("g++",)
 KERNEL = os.uname().release  # the test hosts share the controller's kernel (systemd-nspawn)
 STANDIN_NOTE = "STAND-IN built by the epd-kit test harness: not AWS software, no driver, no kernel module"
 
@@ -165,10 +170,11 @@ class Deb:
     files: dict[str, Path | str] | None = None  # path in the package -> a built file or text
     postinst: str = ""
     description: str = ""
+    architecture: str = "amd64"
 
 
 def build_deb(pool: Path, deb: Deb, work: Path) -> Path:
-    out = pool / f"{deb.package}_{deb.version}_amd64.deb"
+    out = pool / f"{deb.package}_{deb.version}_{deb.architecture}.deb"
     if out.exists():
         return out
     root = work / f"deb-{deb.package}_{deb.version}"
@@ -186,7 +192,7 @@ def build_deb(pool: Path, deb: Deb, work: Path) -> Path:
     (root / "DEBIAN").mkdir()
     depends = f"Depends: {deb.depends}\n" if deb.depends else ""
     (root / "DEBIAN/control").write_text(
-        f"Package: {deb.package}\nVersion: {deb.version}\nArchitecture: amd64\n{depends}"
+        f"Package: {deb.package}\nVersion: {deb.version}\nArchitecture: {deb.architecture}\n{depends}"
         "Maintainer: epd-kit test harness <nobody@invalid>\nSection: misc\nPriority: optional\n"
         f"Description: STAND-IN for {deb.description or deb.package} (epd-kit tests only)\n {STANDIN_NOTE}.\n"
     )
@@ -238,12 +244,56 @@ def cuda_debs(work: Path) -> list[Deb]:
     ]
 
 
-def release_file(dists: Path) -> str:
+# NVIDIA's CUDA repository as the vllm-neuron setup guide reaches it: a cuda-keyring package whose
+# sources list names the repository and its key (signed-by); here a flat repository ("<url> /")
+# beside the keyring package, signed with a throwaway key. No source read shows the real
+# package's files: the role reads whatever sources list and keyring the package holds.
+CUDA_KEYRING_DEB = "cuda-keyring_1.0-1_all.deb"
+CUDA_KEYRING = "/usr/share/keyrings/cuda-archive-keyring.gpg"
+
+
+def build_cuda_repository(target: Path, work: Path, server: str) -> None:
+    target.mkdir(parents=True)
+    for deb in cuda_debs(work):
+        build_deb(target, deb, work)
+    run(["sh", "-c", "dpkg-scanpackages --multiversion . /dev/null > Packages"], cwd=target)
+    (target / "Release").write_text(release_file(target, "CUDA repository", suite=None))
+    gpg = signing_key(work, "cuda", "epd-kit STAND-IN CUDA repository (tests only)")
+    run([*gpg, "--clearsign", "--output", str(target / "InRelease"), str(target / "Release")])
+    (work / "cuda-archive-keyring.gpg").write_bytes(
+        subprocess.run([*gpg, "--export"], capture_output=True, check=True).stdout
+    )
+    keyring = Deb(
+        "cuda-keyring",
+        "1.0-1",
+        files={
+            CUDA_KEYRING: work / "cuda-archive-keyring.gpg",
+            "/etc/apt/sources.list.d/cuda-standin.list": f"deb [signed-by={CUDA_KEYRING}] {server}/cuda/ /\n",
+        },
+        description="NVIDIA's cuda-keyring (the CUDA repository's sources list and key)",
+        architecture="all",
+    )
+    shutil.copy2(build_deb(work, keyring, work), target.parent / CUDA_KEYRING_DEB)
+    # the same package with another key (the mistake: a keyring that did not sign the repository)
+    other = signing_key(work, "cuda-other", "epd-kit STAND-IN not the CUDA key (tests only)")
+    (work / "other-keyring.gpg").write_bytes(
+        subprocess.run([*other, "--export"], capture_output=True, check=True).stdout
+    )
+    wrong = Deb(
+        **{
+            **asdict(keyring),
+            "version": "1.0-1wrong",
+            "files": {**keyring.files, CUDA_KEYRING: work / "other-keyring.gpg"},
+        }
+    )
+    shutil.copy2(build_deb(work, wrong, work), target.parent / "cuda-keyring-wrong-key.deb")
+
+
+def release_file(dists: Path, label: str = "Neuron repository", suite: str | None = SUITE) -> str:
     lines = [
         "Origin: epd-kit-standin",
-        "Label: STAND-IN Neuron repository (epd-kit tests)",
-        f"Suite: {SUITE}",
-        f"Codename: {SUITE}",
+        f"Label: STAND-IN {label} (epd-kit tests)",
+        *([f"Suite: {suite}", f"Codename: {suite}"] if suite else []),
         f"Date: {formatdate(usegmt=True)}",
         "Architectures: amd64",
         "Components: main",
@@ -257,12 +307,12 @@ def release_file(dists: Path) -> str:
 
 
 def build_apt_repository(target: Path, work: Path, bare_rootfs: Path) -> None:
-    """The Neuron packages, the kernel headers, the CUDA stub and Debian's hwloc in one signed repository."""
+    """The Neuron packages, the kernel headers, Debian's hwloc and g++ in one signed repository."""
     pool = target / "pool"
     pool.mkdir(parents=True)
-    for deb in neuron_debs() + cuda_debs(work):
+    for deb in neuron_debs():
         build_deb(pool, deb, work)
-    run(["apt-get", "download", *missing_from(bare_rootfs, HWLOC_PACKAGES)], cwd=pool)
+    run(["apt-get", "download", *missing_from(bare_rootfs, HWLOC_PACKAGES + GXX_PACKAGES)], cwd=pool)
     dists = target / "dists" / SUITE
     binary = dists / "main/binary-amd64"
     binary.mkdir(parents=True)
@@ -450,6 +500,10 @@ class Standin:
     source: str
     files: tuple[tuple[str, str], ...] = ()  # extra (path, text) files of the real package's layout
     init: str = ""  # more of <module>/__init__.py: names the real package's importers use
+    # the tag the real wheel is published with (the comment on each entry names where it was read);
+    # {cp} is the test hosts' CPython tag. A linux_x86_64 or manylinux tag makes pip on the
+    # controller refuse the stand-in where it would refuse the real wheel for the hosts.
+    tag: str = "py3-none-any"
 
 
 PIP_STANDINS: dict[str, Standin] = {
@@ -458,12 +512,16 @@ PIP_STANDINS: dict[str, Standin] = {
         "vllm",
         ("torch==2.11.0", "torchaudio==2.11.0", "torchvision==0.26.0"),
         "vllm 0.24.0 METADATA (PyPI wheel), its torch-family lines",
+        # PyPI's file list, as public listings copy it: vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
+        tag="cp38-abi3-manylinux_2_28_x86_64",
     ),
     "vllm-neuron": Standin(
         "vllm_neuron",
         None,
         ("libtorch-neuronx-lite", "vllm==0.24.0", "nixl==1.3.2"),
         "vllm-neuron 0.24.0.1.1.0 requirements/core.txt (pyproject.toml: dependencies from it)",
+        # v2.32.0 release-notes/releasecontent: vllm_neuron-0.24.0.1.1.0+e8242a9-py3-none-any.whl
+        tag="py3-none-any",
     ),
     "libtorch-neuronx-lite": Standin(
         "libtorch_neuronx_lite",
@@ -471,8 +529,19 @@ PIP_STANDINS: dict[str, Standin] = {
         ("protobuf", "psutil", "torch", "torch-xla"),
         "libtorch-neuronx-lite 2.11.0.1.0.1284 `pip show`: Requires: protobuf, psutil, torch, torch-xla",
     ),
-    "neuronx-cc": Standin("neuronxcc", "neuronx-cc", (), "METADATA not read (Neuron pip repository out of reach)"),
-    "nki": Standin("nki", None, (), "METADATA not read (Neuron pip repository out of reach)"),
+    # third-party reports of the Neuron pip repository's files (it is out of reach here):
+    # .../neuronx-cc/neuronx_cc-2.24.8799.0%2B6f62ff7c-cp310-cp310-linux_x86_64.whl,
+    # nki-0.4.0b4-cp312-cp312-linux_x86_64.whl, nki-0.3.0+...-cp311-cp311-linux_x86_64
+    "neuronx-cc": Standin(
+        "neuronxcc",
+        "neuronx-cc",
+        (),
+        "METADATA not read (Neuron pip repository out of reach)",
+        tag="{cp}-{cp}-linux_x86_64",
+    ),
+    "nki": Standin(
+        "nki", None, (), "METADATA not read (Neuron pip repository out of reach)", tag="{cp}-{cp}-linux_x86_64"
+    ),
     # PyTorch's own cu126 build shape (torch.version.cuda "12.6"): nixl then loads nixl_cu12, whose
     # CUDA 12 libraries the sandbox's cuda-cudart-12-6 stand-in provides. PyPI's torch 2.11.0 is a
     # CUDA 13 build (its METADATA: cuda-toolkit[...]==13.0.2); that shape is tested without hosts
@@ -485,6 +554,8 @@ PIP_STANDINS: dict[str, Standin] = {
         (("torch/version.py", '__version__ = "{version}"\ncuda = "12.6"\n'),),
         # nixl 1.3.2's nixl_cu12/_api.py imports torch and annotates with torch.Tensor at import
         "from . import version\n\n\nclass Tensor:\n    pass\n",
+        # pip's own log of PyPI: "Downloading torch-2.11.0-cp311-cp311-manylinux_2_28_x86_64.whl.metadata"
+        tag="{cp}-{cp}-manylinux_2_28_x86_64",
     ),
     "torchaudio": Standin("torchaudio", None, (), "requirements not carried"),
     "torchvision": Standin("torchvision", None, (), "requirements not carried"),
@@ -557,9 +628,10 @@ RELEASES = {"a": RELEASE_A, "b": RELEASE_B}
 
 
 def build_wheel(target: Path, dist: str, version: str, standin: Standin) -> None:
-    """A pure-python wheel: <module>/__init__.py that says it is a stand-in, the real package's
-    Requires-Dist lines (+ a console script that fails, + the extra files)."""
+    """A stand-in wheel (Python files only): <module>/__init__.py that says it is a stand-in, the
+    real package's Requires-Dist lines (+ a console script that fails, + the extra files), tagged as the real one."""
     stem = f"{dist.replace('-', '_')}-{version}"
+    tag = standin.tag.format(cp="cp" + HOST_PYTHON.replace(".", ""))
     requires = "".join(f"Requires-Dist: {line}\n" for line in standin.requires)
     files = {
         f"{standin.module}/__init__.py": f'"""{STANDIN_NOTE}."""\n\n__version__ = "{version}"\nSTANDIN = True\n\n\n'
@@ -568,8 +640,8 @@ def build_wheel(target: Path, dist: str, version: str, standin: Standin) -> None
         "    return 1\n" + (f"\n\n{standin.init}" if standin.init else ""),
         f"{stem}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n"
         f"Summary: STAND-IN for {dist} (epd-kit tests only); Requires-Dist from {standin.source}\n{requires}",
-        f"{stem}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: epd-kit-standins\nRoot-Is-Purelib: true\n"
-        "Tag: py3-none-any\n",
+        f"{stem}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: epd-kit-standins\n"
+        f"Root-Is-Purelib: {str(tag == 'py3-none-any').lower()}\nTag: {tag}\n",
     }
     files.update({path: text.format(version=version) for path, text in standin.files})
     if standin.script:
@@ -580,7 +652,7 @@ def build_wheel(target: Path, dist: str, version: str, standin: Standin) -> None
         record.append(f"{name},sha256={digest},{len(text.encode())}")
     record.append(f"{stem}.dist-info/RECORD,,")
     files[f"{stem}.dist-info/RECORD"] = "\n".join(record) + "\n"
-    with zipfile.ZipFile(target / f"{stem}-py3-none-any.whl", "w") as wheel:
+    with zipfile.ZipFile(target / f"{stem}-{tag}.whl", "w") as wheel:
         for name, text in files.items():
             wheel.writestr(name, text)
 
@@ -608,7 +680,14 @@ def download_real_wheels(target: Path) -> None:
 
 # --- the role's variables for the stand-ins -----------------------------------------------------------
 
-SERVER = "http://10.213.0.1:18780"  # the tests serve the stand-in directory here, inside kithub only
+# the role's override variable of each Neuron package (epd_provision_neuron_<name>_version)
+NEURON_OVERRIDES = {
+    "driver": "aws-neuronx-dkms",
+    "runtime": "aws-neuronx-runtime-lib",
+    "collectives": "aws-neuronx-collectives",
+    "tools": "aws-neuronx-tools",
+}
+SERVER = "http://10.213.0.1:18780"  # the tests serve the stand-in directory at SERVER/standins, inside kithub only
 
 
 def provision_vars(release_name: str, target: Path | None = None, server: str = SERVER) -> dict:
@@ -624,16 +703,25 @@ def provision_vars(release_name: str, target: Path | None = None, server: str = 
         "epd_provision_neuron_apt_repository": f"{server}/apt",
         "epd_provision_neuron_apt_key_url": f"{server}/apt/GPG-PUB-KEY-EPD-STANDIN.PUB",
         "epd_provision_neuron_apt_suite": SUITE,
-        "epd_provision_neuron_driver_version": release.neuron["aws-neuronx-dkms"],
-        "epd_provision_neuron_runtime_version": release.neuron["aws-neuronx-runtime-lib"],
-        "epd_provision_neuron_collectives_version": release.neuron["aws-neuronx-collectives"],
-        "epd_provision_neuron_tools_version": release.neuron["aws-neuronx-tools"],
+        # the release profile's pins hold for release A: an override only where B differs (a role
+        # that read an unset override instead of the profile fails here as on a real host)
+        **{
+            f"epd_provision_neuron_{name}_version": release.neuron[package]
+            for name, package in NEURON_OVERRIDES.items()
+            if release.neuron[package] != RELEASE_A.neuron[package]
+        },
         "epd_provision_neuron_check_devices": False,  # no Neuron device in a container
-        "epd_provision_efa_installer_version": release.efa_installer,
+        "epd_provision_extra_os": ["Debian 12"],  # the test hosts' OS: no Neuron source lists it
+        **(
+            {"epd_provision_efa_installer_version": release.efa_installer}
+            if release.efa_installer != RELEASE_A.efa_installer
+            else {}
+        ),
         "epd_provision_efa_installer_url": f"{server}/efa/{efa_tarball}",
         "epd_provision_efa_installer_key_url": f"{server}/efa/aws-efa-installer.key",
         "epd_provision_efa_installer_key_fingerprint": manifest(target)["efa_key_fingerprint"],
         "epd_provision_efa_check_provider": False,  # the stand-in libfabric has no provider (no EFA device either)
+        "epd_provision_cuda_keyring_url": f"{server}/{CUDA_KEYRING_DEB}",
         "epd_provision_engine_pins": dict(release.engine_venv),
         "epd_provision_engine_resolve_dependencies": True,
         "epd_provision_engine_pip_index_url": f"file://{target / 'empty-index'}",
@@ -687,6 +775,7 @@ def build(target: Path) -> None:
         staging = work / "out"
         build_apt_repository(staging / "apt", work, rootfs)
         efa_key = build_efa_installers(staging / "efa", work)
+        build_cuda_repository(staging / "cuda", work, f"{SERVER}/standins")
         build_pip_standins(staging / "pip")
         (staging / "empty-index").mkdir()  # the engine wheelhouse's package index: nothing (find-links has all)
         manifest = {

@@ -4,16 +4,18 @@ read by the role through the epd.kit.epd_neuron_release filter."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import yaml
 
 from epd_kit import plan as planner
 from epd_kit.plan import EpdPlanError
-from epd_kit.plan.command import engine_env
+from epd_kit.plan.command import engine_env, serve_argv
 from epd_kit.plan.neuron_releases import (
     DEFAULT_RELEASE,
     RELEASES,
+    Pin,
     comparison_table,
     engine_requirements,
     markdown_table,
@@ -71,6 +73,41 @@ def test_the_2_33_profile_is_vllm_neuron_0_29_on_the_native_route_with_the_preco
     assert profile["engine_venv_unconfirmed"] == ["libtorch-neuronx-lite", "nixl"]
     assert profile["efa_installer"] == ""  # unconfirmed: the role asks for the operator's version
     assert "torch-neuronx" not in profile["engine_venv"]  # vLLM Neuron compiles through libtorch-neuronx-lite
+
+
+def test_the_2_33_1_profile_is_2_33_0_with_the_patch_releases_packages():
+    """2.33.1's notes list what it updates ("All other packages are the same as in Neuron 2.33.0"):
+    the driver, runtime and collectives, and libtorch-neuronx-lite's torch 2.13 build (vllm 0.29.0's
+    torch), which settles the pin 2.33.0 leaves open; nixl stays unconfirmed."""
+    patch, base = release_profile("2.33.1"), release_profile("2.33.0")
+    assert patch["system"] == base["system"] | {
+        "aws-neuronx-dkms": "2.31.8.0",
+        "aws-neuronx-runtime-lib": "2.35.33.0",
+        "aws-neuronx-collectives": "2.35.49.0",
+    }
+    assert patch["engine_venv"] == base["engine_venv"] | {"libtorch-neuronx-lite": "2.13.0.1.0.4089"}
+    assert patch["engine_venv_unconfirmed"] == ["nixl"] and patch["vllm"] == "0.29.0"
+    assert list(patch["engine_venv"]) == list(base["engine_venv"])  # the same requirement order
+    assert patch["engine_environment"] == base["engine_environment"]
+
+
+def _argv(release: str, role: str) -> list[str]:
+    settings = read_settings({"epd_model": "/models/m", "epd_neuron_release": release})
+    return serve_argv(settings, role, f"{role}-0", "10.0.0.1", 8000, 9000 if role == "ve" else None)
+
+
+@pytest.mark.parametrize("role", ["ve", "pd"])
+def test_a_release_whose_vllm_is_0_30_or_later_serves_the_routers_route_with_enable_scale_out(monkeypatch, role):
+    """vLLM 0.30.0 made the scale-out endpoints (the router's /inference/v1/generate) opt-in with
+    --enable-scale-out: every engine of such a release gets it, no engine of an older vLLM does."""
+    for name in RELEASES:
+        assert "--enable-scale-out" not in _argv(name, role)  # vLLM 0.24 and 0.29 serve the route as they are
+    newer = RELEASES["2.33.1"]
+    newer = replace(newer, engine_venv=newer.engine_venv | {"vllm": Pin("0.30.0", "a test release")})
+    monkeypatch.setitem(RELEASES, "2.33.1", newer)
+    argv = _argv("2.33.1", role)
+    assert argv.count("--enable-scale-out") == 1 and newer.profile()["serve_flags"] == ["--enable-scale-out"]
+    assert newer.table()[-1][:2] == ("engine serve flags", "--enable-scale-out")
 
 
 def test_an_unconfirmed_engine_pin_is_refused_until_the_operator_sets_it():
