@@ -58,3 +58,18 @@ def test_a_host_that_cannot_be_rendered_fails_the_run_with_its_name(tmp_path):
     assert "rendering n2: 'undefined_thing' is undefined" in result.stdout, result.stdout[-3000:]
     assert (out / "n1/etc/systemd/system/epd-engine@.service").is_file()  # rendered before n2
     assert not (out / "n2/etc/systemd/system/epd-engine@.service").exists()
+
+
+@pytest.mark.parametrize("workers", ["two", "0", "1.5"])
+def test_a_share_count_that_is_not_a_count_is_refused_naming_it(workers, tmp_path):
+    """`| int` reads a word as 0: the count is checked as written, and the message names
+    render_workers, not render_dir, and renders nothing."""
+    out = tmp_path / "out"
+    result = playbook("-i", str(MULTI_NODE), "playbooks/render.yml", "-e", f"render_dir={out}",
+                      "-e", f"render_workers={workers}")  # fmt: skip
+    assert result.returncode != 0
+    assert f"render_workers must be a whole number > 0 (how many shares render the fleet), got {workers}" in (
+        result.stdout
+    )
+    assert "pass the output directory" not in result.stdout
+    assert not out.exists()
