@@ -86,6 +86,7 @@ class RealEngine:
     images: int | None = None  # --limit-mm-per-prompt's image count; None: the kit's default
     max_model_len: int | None = None  # None: the kit's default
     max_num_seqs: int = 8
+    cpus: str = "0"  # VLLM_CPU_OMP_THREADS_BIND: the engine's cores, as the kit gives each engine its own
     port: int = field(default_factory=free_port)
     side_port: int | None = None
     process: ManagedProcess | None = None
@@ -121,6 +122,10 @@ class RealEngine:
             **os.environ,
             **CPU_ENVIRONMENT,
             "VLLM_CACHE_ROOT": str(cache),
+            # vLLM CPU's default ("auto") reserves a core for the scheduler and pins the worker to
+            # the rest (vllm/utils/ompmultiprocessing.py): on 2 cores every engine's worker lands
+            # on the same CPU (taskset showed a VE's and a PD's both on CPU 0)
+            "VLLM_CPU_OMP_THREADS_BIND": self.cpus,
             "VLLM_API_KEY": key,
             "PYTHONPATH": os.pathsep.join([str(self.plugin_site), *sys.path]),
         }

@@ -17,9 +17,17 @@ from .conftest import ROUTER
 from .engines import HOST, RealEngine
 
 ENGINE_KEY = "real-engine-tier-key-0123456789abcdef"
-# the router's waits, longer than the sim harness's: a CPU PD decodes a few tokens a second
-# under load (two engines on two cores)
-TIMEOUTS = {"connect_s": 1, "ve_s": 60, "pd_s": 120, "total_s": 180, "shutdown_grace_s": 10}
+# The router's waits, sized for CPU engines on a shared 2-core machine: the first request a
+# fresh vLLM 0.29 PD served took 23 s once (load ~6, docs/sim.md "Real vLLM"), past the
+# default first-token budget (first_token_base_s 15 s, sized for trn2) -> a 504
+TIMEOUTS = {
+    "connect_s": 1,
+    "ve_s": 60,
+    "pd_s": 120,
+    "total_s": 180,
+    "shutdown_grace_s": 10,
+    "first_token_base_s": 60,
+}
 HEALTH = {"interval_s": 0.5, "timeout_s": 2, "failure_threshold": 2, "success_threshold": 1}
 
 
@@ -58,6 +66,8 @@ class RealStack:
         store = workdir / "ec-store"
         store.mkdir()
 
+        cores = os.cpu_count() or 1
+
         def engine(role: str, index: int) -> RealEngine:
             return RealEngine(
                 role,
@@ -69,6 +79,8 @@ class RealStack:
                 plugin_site,
                 images=images,
                 max_model_len=pd_max_model_len if role == "pd" else None,
+                # VE i and PD i on different cores where there are two
+                cpus=str((index + (role == "pd")) % cores),
             )
 
         stack = cls(workdir, ckpt, [engine("ve", i) for i in range(n_ve)], [engine("pd", i) for i in range(n_pd)])

@@ -261,6 +261,10 @@ def build_tiny_checkpoint(path: Path, *, vocab_size: int = DEFAULT_VOCAB_SIZE, t
             "text_config": {
                 **text_fields,
                 "model_type": "qwen3_vl_text",
+                # vLLM 0.29 builds the language model from text_config (VllmConfig.with_hf_config)
+                # and reads its architectures[0]; qwen3_vl_text is not in transformers' causal-LM
+                # table it falls back to, so an empty list fails start-up (IndexError)
+                "architectures": ["Qwen3ForCausalLM"],
                 "rope_scaling": {"mrope_interleaved": True, "mrope_section": [8, 4, 4], "rope_type": "default"},
             },
             "vision_config": {
