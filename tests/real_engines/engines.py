@@ -10,17 +10,17 @@ as the kit passes it: VLLM_API_KEY in the environment, read from a key file (doc
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from epd_kit import plan
 from epd_kit.plan.command import EC_TRANSFER_CONFIG, MODEL
 from epd_kit.sim import launch
-from epd_kit.testing.process import ManagedProcess, free_port
+from epd_kit.testing.process import ManagedProcess
+from tests.router_processes.harness import SimEngine
 
 HOST = "127.0.0.1"
 # The kit's engine plugin (engine_plugin/): the VE scheduler that answers with locators
@@ -74,12 +74,10 @@ def cpu_argv(command: plan.EngineCommand, role: str, ec_store: Path) -> list[str
     return argv
 
 
-@dataclass
-class RealEngine:
-    role: str
-    engine_id: str
-    ckpt: Path
-    workdir: Path
+@dataclass(kw_only=True)
+class RealEngine(SimEngine):
+    """A real vLLM engine where the sim harness has an epd-sim one (same ports, url, id)."""
+
     ec_store: Path
     key_file: Path
     plugin_site: Path
@@ -87,17 +85,6 @@ class RealEngine:
     max_model_len: int | None = None  # None: the kit's default
     max_num_seqs: int = 8
     cpus: str = "0"  # VLLM_CPU_OMP_THREADS_BIND: the engine's cores, as the kit gives each engine its own
-    port: int = field(default_factory=free_port)
-    side_port: int | None = None
-    process: ManagedProcess | None = None
-
-    def __post_init__(self) -> None:
-        if self.role == "ve" and self.side_port is None:
-            self.side_port = free_port()
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
 
     def argv(self) -> list[str]:
         command = launch.engine_command(
@@ -115,7 +102,7 @@ class RealEngine:
         return cpu_argv(command, self.role, self.ec_store)
 
     def env(self) -> dict[str, str]:
-        cache = self.workdir / f"vllm-cache-{self.engine_id}"
+        cache = self.log_dir / f"vllm-cache-{self.engine_id}"
         cache.mkdir(parents=True, exist_ok=True)
         key = self.key_file.read_text().split()[0]  # the kit's file holds the current key first
         return {
@@ -132,7 +119,7 @@ class RealEngine:
 
     def start(self) -> RealEngine:
         self.process = ManagedProcess(
-            self.argv(), self.workdir / f"{self.engine_id}.log", env=self.env(), name=self.engine_id, append_log=True
+            self.argv(), self.log_dir / f"{self.engine_id}.log", env=self.env(), name=self.engine_id, append_log=True
         )
         return self
 
@@ -157,9 +144,3 @@ class RealEngine:
 
     def log(self) -> str:
         return self.process.log() if self.process else ""
-
-
-def engine_config_json(engine: RealEngine) -> dict[str, object]:
-    """The --ec-transfer-config the engine runs with (for assertions)."""
-    argv = engine.argv()
-    return json.loads(argv[argv.index("--ec-transfer-config") + 1])

@@ -74,9 +74,9 @@ class RealStack:
                 f"epd-{role}-{index}",
                 ckpt,
                 workdir,
-                store,
-                key_file,
-                plugin_site,
+                ec_store=store,
+                key_file=key_file,
+                plugin_site=plugin_site,
                 images=images,
                 max_model_len=pd_max_model_len if role == "pd" else None,
                 # VE i and PD i on different cores where there are two
