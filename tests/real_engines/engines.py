@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epd_kit import plan
-from epd_kit.plan.command import EC_TRANSFER_CONFIG, MODEL
+from epd_kit.plan.command import EC_TRANSFER_CONFIG
 from epd_kit.sim import launch
 from epd_kit.testing.process import ManagedProcess
 from tests.router_processes.harness import SimEngine
+from tests.vllm_dist import vllm_cli
 
 HOST = "127.0.0.1"
 # The kit's engine plugin (engine_plugin/): the VE scheduler that answers with locators
@@ -50,8 +51,8 @@ CPU_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_N
 def cpu_argv(command: plan.EngineCommand, role: str, ec_store: Path) -> list[str]:
     """The kit's command as a vllm-cpu engine runs it.
 
-    - `vllm serve MODEL` -> `python -m vllm.entrypoints.openai.api_server --model MODEL`: the
-      `vllm` CLI reads `importlib.metadata.version("vllm")` for its --version flag
+    - `vllm serve ...` as the kit renders it, run through `tests.vllm_dist.vllm_cli`: the
+      `vllm` script reads `importlib.metadata.version("vllm")` for its --version flag
       (vllm/entrypoints/cli/main.py), which the `vllm-cpu` distribution does not provide.
     - --ec-transfer-config: vLLM's shared-storage connector in place of the Neuron NIXL one,
       the kit's engine id, side channel and the rest of its extra config kept.
@@ -64,9 +65,7 @@ def cpu_argv(command: plan.EngineCommand, role: str, ec_store: Path) -> list[str
         EC_TRANSFER_CONFIG,
         {"ec_connector": CPU_EC_CONNECTOR, "ec_connector_extra_config": {"shared_storage_path": str(ec_store)}},
     )
-    serve = command.argv("vllm")
-    assert serve[:3] == ["vllm", "serve", str(command.values[MODEL])], serve[:3]
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", *serve[2:]]
+    argv = [*vllm_cli(sys.executable), *command.argv("vllm")[1:]]
     if role == "ve":
         argv += ["--scheduler-cls", LOCATOR_SCHEDULER]
     for flags, _reason in CPU_DIFFERENCES:
