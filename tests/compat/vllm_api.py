@@ -8,10 +8,11 @@ the old places. The objects are the same functions and classes under both names.
 
 from __future__ import annotations
 
-from importlib import metadata
 from importlib.util import find_spec
 
-VLLM_VERSION = metadata.version("vllm")
+from tests.vllm_dist import installed_vllm
+
+_, VLLM_VERSION = installed_vllm() or ("", "")  # the conftest runs this tier only where it is set
 VLLM_SERIES = ".".join(VLLM_VERSION.split(".")[:2])  # "0.24" or "0.29", as EPD_SIM_VLLM names it
 
 if find_spec("vllm.entrypoints.launchers") is not None:  # vLLM 0.29

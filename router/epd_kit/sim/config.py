@@ -87,7 +87,6 @@ class EngineConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     dtype_bytes: int
-    limit_images: int
     enable_prefix_caching: bool
     engine_id: str
     side_channel_host: str
@@ -246,7 +245,6 @@ def build_engine_config(args: ServeArgs, env: Mapping[str, str]) -> EngineConfig
     buckets = vision_cfg.get("num_vision_tokens_buckets") or [max_model_len]
     if not (isinstance(buckets, list) and all(isinstance(b, int) and b > 0 for b in buckets)):
         raise StartupFailure("ValueError", "num_vision_tokens_buckets must be a list of ints")
-    limit_images = int((args.limit_mm_per_prompt or {}).get("image", 999))
 
     geometry = info.vision
     if vab % geometry.merge_factor:
@@ -284,7 +282,6 @@ def build_engine_config(args: ServeArgs, env: Mapping[str, str]) -> EngineConfig
         max_num_batched_tokens=mnbt,
         max_num_seqs=max_num_seqs,
         dtype_bytes=_DTYPE_BYTES.get(args.dtype, 2),
-        limit_images=limit_images,
         # Prefix caching is ON unless --no-enable-prefix-caching is passed (vLLM default).
         enable_prefix_caching=args.enable_prefix_caching is not False,
         engine_id=engine_id,

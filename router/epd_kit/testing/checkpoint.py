@@ -219,7 +219,7 @@ def build_tiny_checkpoint(path: Path, *, vocab_size: int = DEFAULT_VOCAB_SIZE, t
         "attention_dropout": 0.0,
         "bos_token_id": endoftext,
         "eos_token_id": eos,
-        "head_dim": 16,
+        "head_dim": 32,  # vLLM's CPU attention takes head sizes of 32 and up (docs/sim.md)
         "hidden_act": "silu",
         "hidden_size": 64,
         "initializer_range": 0.02,
@@ -261,7 +261,11 @@ def build_tiny_checkpoint(path: Path, *, vocab_size: int = DEFAULT_VOCAB_SIZE, t
             "text_config": {
                 **text_fields,
                 "model_type": "qwen3_vl_text",
-                "rope_scaling": {"mrope_interleaved": True, "mrope_section": [4, 2, 2], "rope_type": "default"},
+                # vLLM 0.29 builds the language model from text_config (VllmConfig.with_hf_config)
+                # and reads its architectures[0]; qwen3_vl_text is not in transformers' causal-LM
+                # table it falls back to, so an empty list fails start-up (IndexError)
+                "architectures": ["Qwen3ForCausalLM"],
+                "rope_scaling": {"mrope_interleaved": True, "mrope_section": [8, 4, 4], "rope_type": "default"},
             },
             "vision_config": {
                 "deepstack_visual_indexes": [1, 2, 3],

