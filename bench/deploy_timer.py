@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import subprocess
 import tempfile
@@ -37,6 +38,20 @@ RUNS = int(os.environ.get("EPD_BENCH_RUNS", "3"))
 REF = os.environ.get("EPD_BENCH_REF", "")
 LAYOUTS = os.environ.get("EPD_BENCH_LAYOUTS", "one-host,three-host").split(",")
 TOP = 20
+# actions that run on the controller only (no module run on a host)
+CONTROLLER_ACTIONS = {
+    f"ansible.builtin.{name}"
+    for name in (
+        "set_fact",
+        "assert",
+        "debug",
+        "fail",
+        "meta",
+        "include_role",
+        "include_tasks",
+        "validate_argument_spec",
+    )
+}
 CALLBACKS = REPO / "bench/callback_plugins"
 
 
@@ -52,7 +67,17 @@ def reference_tree(ref: str, into: Path) -> Path:
     return tree
 
 
-def timed_deploy(tree: Path, inventory: Path, out: Path) -> dict:
+def host_cpu_s(machines: list[str]) -> float:
+    """CPU seconds the test hosts used so far: each runs in a cgroup of its own (tests/hosts/hosts.sh,
+    kit-NAME), whose cpu.stat counts every process inside it (sshd, Ansible's modules, engines)."""
+    total = 0.0
+    for name in machines:
+        stat = Path(f"/sys/fs/cgroup/unified/kit-{name}/cpu.stat").read_text()
+        total += int(dict(line.split() for line in stat.splitlines())["usage_usec"]) / 1e6
+    return total
+
+
+def timed_deploy(tree: Path, inventory: Path, out: Path, machines: list[str]) -> dict:
     argv, env = playbook_command(
         inventory,
         "playbooks/deploy.yml",
@@ -64,21 +89,30 @@ def timed_deploy(tree: Path, inventory: Path, out: Path) -> dict:
     )
     argv[3] = str(tree / "playbooks/deploy.yml")
     load = os.getloadavg()[0]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    hosts_before = host_cpu_s(machines)
     start = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tree, env=env, check=False)
     wall = time.monotonic() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    controller_cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    hosts_cpu = host_cpu_s(machines) - hosts_before  # the engines' and router's idle work is in it too
     if proc.returncode != 0:
         pytest.fail(f"re-deploy from {tree} failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}", pytrace=False)
     timer = json.loads(out.read_text())
     changed = {host: r["changed"] for host, r in timer["recap"].items()}
     return {
         "wall_s": round(wall, 2),
+        "controller_cpu_s": round(controller_cpu, 2),
+        "hosts_cpu_s": round(hosts_cpu, 2),
         "load": round(load, 2),
         "changed": changed,
         "changed_tasks": [f"{t['task']} ({', '.join(t['changed'])})" for t in timer["tasks"] if t["changed"]],
         "tasks": timer["tasks"],
         "plays": timer["plays"],
         "task_count": len(timer["tasks"]),
+        # a module run per host a task ran on (Python started on the host, or on the controller for a delegated one)
+        "module_runs": sum(len(t["hosts"]) for t in timer["tasks"] if t["action"] not in CONTROLLER_ACTIONS),
     }
 
 
@@ -91,10 +125,13 @@ def summary(runs: list[dict]) -> dict:
     return {
         "walls_s": [r["wall_s"] for r in runs],
         "median_s": round(statistics.median(r["wall_s"] for r in runs), 2),
+        "cpu_s": [round(r["controller_cpu_s"] + r["hosts_cpu_s"], 1) for r in runs],
+        "median_cpu_s": round(statistics.median(r["controller_cpu_s"] + r["hosts_cpu_s"] for r in runs), 2),
         "loads": [r["load"] for r in runs],
         "changed": [sum(r["changed"].values()) for r in runs],
         "changed_tasks": sorted({t for r in runs for t in r["changed_tasks"]}),
         "tasks_per_run": runs[-1]["task_count"],
+        "module_runs": runs[-1]["module_runs"],
         "top": [
             {"play": play, "task": task, "mean_s": round(statistics.mean(s), 2), "max_s": round(max(s), 2)}
             for (play, task), s in top
@@ -106,12 +143,16 @@ def report(layout: str, results: dict[str, dict]) -> str:
     lines = [f"## {layout}"]
     for tree, s in results.items():
         lines.append(
-            f"{tree}: median {s['median_s']} s over {s['walls_s']} (load {s['loads']}), changed={s['changed']}, "
-            f"{s['tasks_per_run']} tasks" + (f"; changed: {s['changed_tasks']}" if s["changed_tasks"] else "")
+            f"{tree}: median {s['median_s']} s over {s['walls_s']} (load {s['loads']}), CPU (controller + hosts) "
+            f"median {s['median_cpu_s']} s over {s['cpu_s']}, changed={s['changed']}, "
+            f"{s['tasks_per_run']} tasks, {s['module_runs']} module runs"
+            + (f"; changed: {s['changed_tasks']}" if s["changed_tasks"] else "")
         )
     if len(results) == 2:
         (a, sa), (b, sb) = results.items()
-        lines.append(f"{b} / {a}: {sb['median_s'] / sa['median_s']:.2f}")
+        lines.append(
+            f"{b} / {a}: wall {sb['median_s'] / sa['median_s']:.2f}, CPU {sb['median_cpu_s'] / sa['median_cpu_s']:.2f}"
+        )
     for tree, s in results.items():
         lines += [f"### top {TOP} tasks, {tree}", "| task | play | mean s | max s |", "|---|---|---|---|"]
         lines += [f"| {t['task']} | {t['play']} | {t['mean_s']} | {t['max_s']} |" for t in s["top"]]
@@ -127,10 +168,12 @@ def test_idempotent_redeploy(layout: str, host_pool: HostPool, tmp_path_factory)
     if REF:
         trees = {REF: reference_tree(REF, scratch), "this tree": REPO}
     runs: dict[str, list[dict]] = {name: [] for name in trees}
+    machines = [host.name for host in stack.hosts.values()]
     try:
         for i in range(RUNS):
             for name, tree in trees.items():
-                runs[name].append(timed_deploy(tree, inventory, scratch / f"{name.replace(' ', '-')}-{i}.json"))
+                out = scratch / f"{name.replace(' ', '-')}-{i}.json"
+                runs[name].append(timed_deploy(tree, inventory, out, machines))
     finally:
         host_pool.down(*stack.hosts.values())
     results = {name: summary(r) for name, r in runs.items()}

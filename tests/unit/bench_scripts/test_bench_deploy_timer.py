@@ -61,11 +61,21 @@ def test_the_timer_records_each_task_its_hosts_and_those_that_changed(tmp_path):
 def test_the_summary_ranks_tasks_by_their_mean_over_the_runs():
     def run(wall, seconds, changed=0):
         tasks = [{"play": "p", "task": name, "seconds": s, "changed": []} for name, s in seconds.items()]
-        return {"wall_s": wall, "load": 1.0, "changed": {"n1": changed}, "changed_tasks": [], "tasks": tasks,
-                "task_count": len(tasks)}  # fmt: skip
+        return {
+            "wall_s": wall,
+            "controller_cpu_s": wall / 2,
+            "hosts_cpu_s": 1.0,
+            "load": 1.0,
+            "changed": {"n1": changed},
+            "changed_tasks": [],
+            "tasks": tasks,
+            "task_count": len(tasks),
+            "module_runs": 1,
+        }
 
     summary = deploy_timer.summary(
         [run(10, {"a": 1.0, "b": 3.0}), run(14, {"a": 5.0, "b": 1.0}), run(12, {"a": 0, "b": 2})]
     )
     assert summary["median_s"] == 12 and summary["changed"] == [0, 0, 0]
+    assert summary["cpu_s"] == [6.0, 8.0, 7.0] and summary["median_cpu_s"] == 7.0
     assert [(t["task"], t["mean_s"], t["max_s"]) for t in summary["top"]] == [("a", 2.0, 5.0), ("b", 2.0, 3.0)]
