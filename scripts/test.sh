@@ -48,8 +48,31 @@ speed_probe() {
 }
 SPEED_START=$(speed_probe)
 summary() {
+  slowest
   echo "== timings"; printf '   %s\n' "${TIMES[@]}"; printf '   %-22s %4ss\n' total $((SECONDS - T0))
   printf '   %-22s %s before the tiers, %s after\n' "speed probe" "$SPEED_START" "$(speed_probe)"
+}
+# Every pytest process of the run writes a JUnit report into DURATIONS (pytest_run); at the end
+# the 20 slowest tests of all lanes together, each with its setup and teardown (a module's first
+# test carries the boot and first deploy of its stack), so the budget's big items are in one list.
+DURATIONS=""
+slowest() {
+  [ -n "$DURATIONS" ] && [ -d "$DURATIONS" ] || return 0
+  echo "== slowest 20 tests (setup + call + teardown, all lanes)"
+  python3 - "$DURATIONS" <<'PY' || true
+import pathlib, sys, xml.etree.ElementTree as ET
+rows = []
+for report in sorted(pathlib.Path(sys.argv[1]).glob("*.xml")):
+    try:
+        cases = ET.parse(report).getroot().iter("testcase")
+    except ET.ParseError:
+        continue  # a lane that was stopped before pytest wrote it
+    rows += [(float(c.get("time", 0)), report.stem, f"{c.get('classname')}::{c.get('name')}") for c in cases]
+for seconds, lane, test in sorted(rows, reverse=True)[:20]:
+    print(f"   {seconds:8.1f}s  {lane:<10} {test}")
+print(f"   ({len(rows)} tests, {sum(r[0] for r in rows):.0f} s in all)")
+PY
+  rm -rf "$DURATIONS"
 }
 background_pids=()
 teardown() {
@@ -99,9 +122,10 @@ rm -f /var/tmp/epd-kit/e2e-timings.json   # this run's figures only (both e2e la
 
 # PIP_RETRIES=0: inside kithub any package-index access fails at once instead of retrying for minutes
 in_kithub() { nsenter --net=/run/netns/kithub env PIP_RETRIES=0 "$@"; }
+DURATIONS=$(mktemp -d /var/tmp/epd-kit/durations.XXXXXX)
 pytest_run() {   # pytest_run ARGS...: pytest in kithub; "no tests collected" (rc 5) is a failure
-  local rc=0
-  in_kithub .venv/bin/python -m pytest -ra "$@" || rc=$?
+  local rc=0 label=${EPD_TEST_LANE:-${EPD_E2E_LANE:+e2e-$EPD_E2E_LANE}}
+  in_kithub .venv/bin/python -m pytest -ra --junitxml="$DURATIONS/${label:-pytest}.xml" "$@" || rc=$?
   if [ $rc -eq 5 ]; then
     echo "test.sh: FAILED: pytest collected no tests (arguments: ${*:-none}); a test run that tests nothing is a failure" >&2
     rc=1

@@ -48,6 +48,13 @@ options:
         description: Octal mode as a string, such as C("0644").
         type: str
         required: true
+      validate:
+        description:
+          - A command that checks the new content before it replaces the file, with C(%s) for the
+            path of the written temporary file (as M(ansible.builtin.template)'s C(validate)). Run only
+            when the content differs; a failure leaves the file as it was and fails the task with
+            the command's output. Empty or omitted, nothing checks it.
+        type: str
 author: epd-kit
 """
 
@@ -78,6 +85,7 @@ changed_paths:
 
 import os
 import re
+import shlex
 import tempfile
 
 from ansible.module_utils.basic import AnsibleModule
@@ -94,14 +102,26 @@ def _read(path: bytes) -> bytes | None:
         return None
 
 
-def _replace(module: AnsibleModule, path: bytes, content: bytes) -> None:
-    """Write beside the target, then rename over it: a reader never sees half a file."""
+def _replace(module: AnsibleModule, path: bytes, content: bytes, validate: str | None) -> None:
+    """Write beside the target, check it (validate), then rename over it: a reader never sees half
+    a file, nor one its checker refused."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=b"." + os.path.basename(path) + b".")
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(content)
             handle.flush()
             os.fsync(handle.fileno())
+        if validate:
+            argv = [arg.replace("%s", tmp.decode()) for arg in shlex.split(validate)]
+            rc, out, err = module.run_command(argv, check_rc=False)
+            if rc != 0:
+                module.fail_json(
+                    msg=f"{path.decode()}: the new content failed validation ({validate}, rc {rc}): "
+                    f"{(err or out).strip()}",
+                    rc=rc,
+                    stdout=out,
+                    stderr=err,
+                )
         module.atomic_move(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -120,6 +140,8 @@ def _apply(module: AnsibleModule, entry: dict, diffs: list[dict], directories: l
         module.fail_json(msg=f"{path}: the path must be absolute")
     if not OCTAL_MODE.match(entry["mode"]):
         module.fail_json(msg=f"{path}: mode {entry['mode']!r} is not an octal mode such as '0644'")
+    if entry.get("validate") and "%s" not in entry["validate"]:
+        module.fail_json(msg=f"{path}: validate {entry['validate']!r} must name the file to check as %s")
     is_directory = entry.get("content") is None
     existed = os.path.lexists(b_path)
     diff: dict = {"before_header": path, "after_header": path, "before": {}, "after": {}}
@@ -146,7 +168,7 @@ def _apply(module: AnsibleModule, entry: dict, diffs: list[dict], directories: l
             diff["before"] = "" if old is None else old.decode("utf-8", "replace")
             diff["after"] = entry["content"]
             if not module.check_mode:
-                _replace(module, b_path, new)
+                _replace(module, b_path, new, entry.get("validate"))
     if os.path.exists(b_path):  # a new path in check mode has no attributes to compare yet
         attributes = module.load_file_common_arguments(
             {"path": path, "owner": entry["owner"], "group": entry["group"], "mode": entry["mode"]}
@@ -174,6 +196,7 @@ def main() -> None:
                     "owner": {"type": "str", "required": True},
                     "group": {"type": "str", "required": True},
                     "mode": {"type": "str", "required": True},
+                    "validate": {"type": "str"},
                 },
             }
         },

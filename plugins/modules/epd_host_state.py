@@ -45,6 +45,13 @@ options:
     type: list
     elements: path
     default: []
+  users:
+    description:
+      - User names; each returns its account (as C(getent passwd) and C(id -Gn) show it), or null
+        when the host has no such user.
+    type: list
+    elements: str
+    default: []
 author: epd-kit
 """
 
@@ -87,6 +94,11 @@ owners:
   description: Path to its owner's user name (null when the path is missing).
   type: dict
   returned: always
+users:
+  description: User name to its account (null when missing) - primary group, every group it is in, home, shell.
+  type: dict
+  returned: always
+  sample: {"epd": {"group": "epd", "groups": ["epd", "neuron"], "home": "/var/cache/epd", "shell": "/usr/sbin/nologin"}}
 """
 
 import glob
@@ -125,6 +137,17 @@ def _group_exists(name: str) -> bool:
     return True
 
 
+def _user(name: str) -> dict | None:
+    try:
+        account = pwd.getpwnam(name)
+    except KeyError:
+        return None
+    every = grp.getgrall()
+    primary = next((g.gr_name for g in every if g.gr_gid == account.pw_gid), str(account.pw_gid))
+    groups = sorted({primary} | {g.gr_name for g in every if name in g.gr_mem})
+    return {"group": primary, "groups": groups, "home": account.pw_dir, "shell": account.pw_shell}
+
+
 def _running_units(module: AnsibleModule, pattern: str) -> list[str]:
     argv = ["systemctl", "list-units", "--plain", "--no-legend", "--state=active,activating,reloading", "--", pattern]
     _rc, out, _err = module.run_command(argv, check_rc=True)
@@ -140,6 +163,7 @@ def main() -> None:
             "unit_patterns": {"type": "list", "elements": "str", "default": []},
             "groups": {"type": "list", "elements": "str", "default": []},
             "owners": {"type": "list", "elements": "path", "default": []},
+            "users": {"type": "list", "elements": "str", "default": []},
         },
         supports_check_mode=True,
     )
@@ -152,6 +176,7 @@ def main() -> None:
         unit_patterns={pattern: _running_units(module, pattern) for pattern in params["unit_patterns"]},
         groups={name: _group_exists(name) for name in params["groups"]},
         owners={path: _owner(path) for path in params["owners"]},
+        users={name: _user(name) for name in params["users"]},
     )
 
 

@@ -83,6 +83,43 @@ def test_files_are_written_once_and_each_change_is_named(tmp_path):
     assert r["file_as_dir"]["failed"] and "exists and is not a directory" in r["file_as_dir"]["msg"]
 
 
+def test_files_validate_checks_new_content_before_it_replaces_the_file(tmp_path):
+    """validate (as template's) runs on the written temporary file, only when the content differs;
+    a refusal keeps the old file and names the command's output."""
+    target, log = tmp_path / "rules", tmp_path / "validated"
+    checker = f"sh -c 'cat %s >> {log}; grep -q ^ok %s'"
+    good, bad = _entry(target, "0644", "ok 1\n"), _entry(target, "0644", "no 2\n")
+
+    def write(name, entry, **task):
+        return {
+            "name": name,
+            "epd.kit.epd_files": {"files": [{**entry, "validate": checker}]},
+            "register": name,
+            **task,
+        }
+
+    tasks = [
+        write("first", good),
+        write("again", good),
+        write("refused", bad, ignore_errors=True),
+        {
+            "name": "no_placeholder",
+            "epd.kit.epd_files": {"files": [{**good, "validate": "true"}]},
+            "register": "no_placeholder",
+            "ignore_errors": True,
+        },
+    ]
+    r = local_play(tmp_path, tasks, [task["register"] for task in tasks])
+
+    assert r["first"]["changed_paths"] == [str(target)]
+    assert not r["again"]["changed"]
+    assert log.read_text() == "ok 1\nno 2\n"  # checked when new and when changed, not when equal
+    assert r["refused"]["failed"] and "failed validation" in r["refused"]["msg"]
+    assert target.read_text() == "ok 1\n"  # the refused content never replaced it
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".rules")]  # no temporary file left
+    assert r["no_placeholder"]["failed"] and "%s" in r["no_placeholder"]["msg"]
+
+
 def test_host_state_reads_files_globs_and_unit_states_in_one_run(tmp_path):
     """epd.kit.epd_host_state, the read side: missing files read as null, globs come back sorted,
     groups and owners through NSS, and it runs in check mode (the reads a --check deploy decides on)."""
@@ -97,6 +134,7 @@ def test_host_state_reads_files_globs_and_unit_states_in_one_run(tmp_path):
             "globs": {"env": f"{tmp_path}/*.env", "pending": f"{tmp_path}/*.pending", "none": "/nonexistent/*"},
             "groups": [GROUP, "epd-no-such-group"],
             "owners": [str(tmp_path / "a.env"), str(tmp_path / "gone.env")],
+            "users": [OWNER, "epd-no-such-user"],
         },
         "register": "state",
         "check_mode": True,
@@ -111,5 +149,17 @@ def test_host_state_reads_files_globs_and_unit_states_in_one_run(tmp_path):
     }
     assert state["groups"] == {GROUP: True, "epd-no-such-group": False}
     assert state["owners"] == {str(tmp_path / "a.env"): OWNER, str(tmp_path / "gone.env"): None}
+    account = pwd.getpwnam(OWNER)
+    assert state["users"] == {
+        OWNER: {
+            "group": grp.getgrgid(account.pw_gid).gr_name,
+            "groups": sorted(
+                {grp.getgrgid(account.pw_gid).gr_name, *(g.gr_name for g in grp.getgrall() if OWNER in g.gr_mem)}
+            ),
+            "home": account.pw_dir,
+            "shell": account.pw_shell,
+        },
+        "epd-no-such-user": None,
+    }
     # unit states and patterns are read on the test hosts (tests/e2e), which run systemd
     assert state["units"] == {} and state["unit_patterns"] == {}

@@ -193,6 +193,19 @@ class LoadGenerator:
             worker.join(timeout=60)
         return self.result
 
+    def answered(self, count: int = 2, timeout: float = 30) -> None:
+        """Wait until `count` more requests have come back (answered or failed: the test's own
+        assertions judge them), instead of a fixed sleep: the load flows before a step starts and
+        still after it ends. Bounded in time; a load that stopped sending fails here."""
+        with self._lock:
+            target = self.result.ok + len(self.result.failures) + count
+        wait_for(
+            lambda: self.result.ok + len(self.result.failures) >= target,
+            timeout=timeout,
+            interval=0.05,
+            what=f"{count} more load requests to come back ({self.result.sent} sent)",
+        )
+
     def body(self, n: int) -> dict:
         """Request n's chat body: an image of one of 7 colours and a text."""
         return {
@@ -319,11 +332,11 @@ def under_load(
         max_requests=int(rate_per_s * limit_s),
         max_seconds=limit_s,
     ) as load:
-        time.sleep(1)  # the load is flowing before the playbook starts
+        load.answered()  # the load is flowing before the playbook starts
         start = time.monotonic()
         result = ansible_playbook(inventory or stack.inventory.directory, playbook, *args, timeout=limit_s)
         elapsed = time.monotonic() - start
-        time.sleep(1)  # ... and still after it ends
+        load.answered()  # ... and still after it ends
         outcome = load.stop()
     assert result.returncode == 0, result.describe()
     assert outcome.sent >= rate_per_s * 5, f"the load ran only {outcome.sent} requests"

@@ -196,11 +196,11 @@ def test_a_setting_the_precompile_did_not_produce_fails_its_canary_and_stops_the
     with LoadGenerator(
         stack.router_url, stack.model_id(), rate_per_s=rate, max_requests=rate * 420, max_seconds=420
     ) as load:
-        time.sleep(1)  # the load is flowing before the deploy starts
+        load.answered()  # the load is flowing before the deploy starts
         start = time.monotonic()
         result = ansible_playbook(fleet.directory, "playbooks/deploy.yml", timeout=400)
         record_timing("compile cache: deploy whose PD canary misses the shared tier", time.monotonic() - start)
-        time.sleep(3)  # ... and still after it stopped
+        load.answered()  # ... and still after it stopped
         outcome = load.stop()
 
     assert result.returncode != 0, result.describe()

@@ -159,11 +159,11 @@ def test_rolling_restart_under_load_fails_no_request(three_host_stack, record_ti
     with LoadGenerator(
         stack.router_url, stack.model_id(), rate_per_s=12, max_requests=12 * 240, max_seconds=240
     ) as load:
-        time.sleep(2)
+        load.answered()
         start = time.monotonic()
         result = ansible_playbook(stack.inventory.directory, "playbooks/rolling_restart.yml", timeout=400)
         elapsed = time.monotonic() - start
-        time.sleep(2)
+        load.answered()
         outcome = load.stop()
     record_timing("3 hosts: rolling restart of 4 engines", elapsed)
     assert result.returncode == 0, result.describe()
