@@ -80,7 +80,7 @@ class RealStack:
                 images=images,
                 max_model_len=pd_max_model_len if role == "pd" else None,
                 # VE i and PD i on different cores where there are two
-                cpus=str((index + (role == "pd")) % cores),
+                cpu=(index + (role == "pd")) % cores,
             )
 
         stack = cls(workdir, ckpt, [engine("ve", i) for i in range(n_ve)], [engine("pd", i) for i in range(n_pd)])
