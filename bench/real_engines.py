@@ -98,6 +98,7 @@ def main() -> None:
             pd_url, model = stack.pds[0].url, str(ckpt)
             ttfts: dict[str, list[float]] = {"direct": [], "router": []}
             e2el: dict[str, list[float]] = {"direct": [], "router": []}
+            tokens = {"direct": 0, "router": 0}  # completion tokens: both must have served the same
             for round_ in range(args.rounds):
                 order = ("direct", "router") if round_ % 2 == 0 else ("router", "direct")
                 for target in order:
@@ -107,6 +108,7 @@ def main() -> None:
                         raise SystemExit(f"{target} round {round_}: {result['failed']} failed: {result['errors']}")
                     ttfts[target] += [t * 1000 for t in result["ttfts"] if t]
                     e2el[target].append(result["median_e2el_ms"])
+                    tokens[target] += result["total_output_tokens"]
             image_run = bench_serve(stack.url, model, work, "router-images", args, images=True)
         finally:
             stack.stop()
@@ -118,6 +120,7 @@ def main() -> None:
         "text_ttft_ms": text,
         "text_overhead_ms": {p: text["router"][p] - text["direct"][p] for p in ("p50", "p90", "p99")},
         "text_median_e2el_ms": {target: statistics.median(values) for target, values in e2el.items()},
+        "text_output_tokens": tokens,
         "images_router": {
             "completed": image_run["completed"],
             "failed": image_run["failed"],
