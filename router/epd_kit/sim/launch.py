@@ -20,7 +20,16 @@ from pathlib import Path
 from epd_kit import plan
 from epd_kit.testing.process import ManagedProcess, free_port
 
-__all__ = ["SimProcess", "engine_command", "engine_env", "free_port", "pd_argv", "serve_argv", "ve_argv"]
+__all__ = [
+    "SimProcess",
+    "engine_command",
+    "engine_env",
+    "free_port",
+    "local_settings",
+    "pd_argv",
+    "serve_argv",
+    "ve_argv",
+]
 
 DEFAULT_SIM = Path(sys.executable).parent / "epd-sim"
 # the sim's stand-in neuronx-cc (roles/epd_engines installs the same file for sim-backend hosts)
@@ -28,6 +37,38 @@ STANDIN_BIN = Path(__file__).resolve().parent / "standin_bin"
 HOST = "127.0.0.1"
 # The simulator always loads a local checkpoint directory: the kit then sets HF_HUB_OFFLINE=1.
 _LOCAL_SETTINGS = plan.read_settings({"epd_model": "/checkpoint", "epd_engine_backend": "sim"})
+
+
+def local_settings(
+    role: str,
+    model: str,
+    *,
+    tp: int | None = None,
+    dp: int | None = None,
+    max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+    images: int | None = None,
+    blocks: int | None = None,
+    **variables: object,
+) -> plan.Settings:
+    """The fleet settings of one local engine; a knob left unset keeps the planner's default,
+    `variables` are further inventory variables (default backend: sim)."""
+    knobs = {
+        f"epd_{role}_tp": tp,
+        "epd_ve_dp": dp,
+        "epd_max_model_len": max_model_len,
+        "epd_max_num_seqs": max_num_seqs,
+        "epd_images_per_prompt": images,
+        "epd_encoder_cache_num_blocks": blocks,
+    }
+    return plan.read_settings(
+        {
+            "epd_model": model,
+            "epd_engine_backend": "sim",
+            **variables,
+            **{name: value for name, value in knobs.items() if value is not None},
+        }
+    )
 
 
 def engine_command(
@@ -38,29 +79,10 @@ def engine_command(
     side_channel_port: int | None = None,
     host: str = HOST,
     engine_id: str | None = None,
-    tp: int | None = None,
-    dp: int | None = None,
-    max_model_len: int | None = None,
-    max_num_seqs: int | None = None,
-    images: int | None = None,
-    blocks: int | None = None,
+    **knobs: object,
 ) -> plan.EngineCommand:
-    """The kit's command for one local engine; a knob left unset keeps the planner's default."""
-    knobs = {
-        f"epd_{role}_tp": tp,
-        "epd_ve_dp": dp,
-        "epd_max_model_len": max_model_len,
-        "epd_max_num_seqs": max_num_seqs,
-        "epd_images_per_prompt": images,
-        "epd_encoder_cache_num_blocks": blocks,
-    }
-    settings = plan.read_settings(
-        {
-            "epd_model": model,
-            "epd_engine_backend": "sim",
-            **{name: value for name, value in knobs.items() if value is not None},
-        }
-    )
+    """The kit's command for one local engine (`knobs`: see `local_settings`)."""
+    settings = local_settings(role, model, **knobs)  # type: ignore[arg-type]
     engine_id = engine_id or f"{settings.engine_id_prefix}-{role}-0"
     return plan.engine_command(settings, role, engine_id, host, port, side_channel_port)
 

@@ -422,7 +422,11 @@ def test_bad_extra_args(extra, expected):
         ({"epd_ve_dp": 3}, "epd_ve_dp (3) must divide epd_ve_tp (4)"),
         ({"epd_image_edge": 500}, "epd_image_edge (500) must be a multiple of epd_patch_size (16), e.g. 496"),
         ({"epd_quantization": "fp16"}, "epd_quantization must be one of bf16, mxfp8, got 'fp16'"),
-        ({"epd_engine_backend": "docker"}, "epd_engine_backend must be vllm or sim"),
+        ({"epd_engine_backend": "docker"}, "epd_engine_backend must be one of vllm, vllm-cpu, sim, got 'docker'"),
+        (
+            {"epd_engine_backend": "vllm-cpu", "epd_quantization": "mxfp8"},
+            "epd_quantization mxfp8 needs epd_engine_backend vllm (Neuron)",
+        ),
         ({"epd_engine_id_prefix": "a b"}, "epd_engine_id_prefix must be letters"),
         ({"epd_max_model_len": 0}, "epd_max_model_len must be >= 1"),
         ({"epd_modules_to_not_convert": "lm_head"}, "epd_modules_to_not_convert must be a list of strings"),
