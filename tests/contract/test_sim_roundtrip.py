@@ -112,11 +112,11 @@ def test_streaming_sse(pair: Pair, checkpoint, image_token_id, include_usage) ->
 
 def test_repeated_images_hit_the_ve_cache(pair: Pair, checkpoint) -> None:
     a, b = fake_image((1, 8, 8), 41, checkpoint.vision), fake_image((1, 8, 8), 42, checkpoint.vision)
-    hits0 = metric(pair.ve.url, "vllm:encoder_cache_hits_total")
+    hits0 = metric(pair.ve.url, "epd_sim:encoder_cache_hits_total")
     first = encode(pair, [a, b])
     second = encode(pair, [b, a])
     assert first == second  # same blocks: no re-encode, no new allocation
-    assert metric(pair.ve.url, "vllm:encoder_cache_hits_total") == hits0 + 2
+    assert metric(pair.ve.url, "epd_sim:encoder_cache_hits_total") == hits0 + 2
 
 
 def test_text_only_request_needs_no_ve(pair: Pair, checkpoint) -> None:

@@ -229,7 +229,7 @@ def test_a_request_moves_the_request_ttft_and_encode_series(one_host_stack, prom
         "requests": 'sum(epd_router_requests_total{status="200"})',
         "ttft": "sum(epd_router_time_to_first_token_seconds_count)",
         "encode": "sum(epd_router_encode_seconds_count)",
-        "ve cache queries": 'sum(vllm:encoder_cache_queries_total{role="ve"})',
+        "ve prompt tokens": 'sum(vllm:prompt_tokens_total{role="ve"})',
         "pd generated tokens": 'sum(vllm:generation_tokens_total{role="pd"})',
     }
     wait_for(lambda: prometheus.query("epd_router_encode_seconds_count"), timeout=30, what="a router scrape")

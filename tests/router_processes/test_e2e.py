@@ -203,7 +203,7 @@ def test_repeated_image_hits_the_same_ve_cache(stack, oracle):
 
     def hits() -> dict[str, float]:
         return {
-            ve.engine_id: metric(httpx.get(ve.url + "/metrics").text, "vllm:encoder_cache_hits_total")
+            ve.engine_id: metric(httpx.get(ve.url + "/metrics").text, "epd_sim:encoder_cache_hits_total")
             for ve in stack.ves
         }
 

@@ -46,6 +46,17 @@ class PoolFigures:
 
 
 @dataclass(frozen=True)
+class EngineFigures:
+    """What scraped engines say of themselves, from vLLM's own series (docs/observability.md
+    "Engine metrics the kit reads"): requests they finished and the time those waited in the
+    engine's scheduler queue. vLLM exports no encoder-cache counter, so there is no VE cache
+    figure here."""
+
+    requests: float  # vllm:request_success_total
+    queue_wait: HistogramDelta  # vllm:request_queue_time_seconds
+
+
+@dataclass(frozen=True)
 class Stages:
     """Mean seconds per request from arrival to first token, split by stage."""
 
@@ -77,7 +88,9 @@ class Analysis:
     pools: dict[str, PoolFigures]
     preprocess_cache_hit: float | None
     dedupe_share: float | None  # duplicate items in a request not encoded again
-    encoder_cache_hit: float | None  # VE engines' encoder cache, when engines were scraped
+    # by role when the series carry Prometheus's `role` target label, else "all" (engines
+    # scraped with --engine-url); empty when no engine was scraped
+    engines: dict[str, EngineFigures]
     min_requests: int
     notes: list[str] = field(default_factory=list)
 
@@ -154,6 +167,21 @@ def _pool(window: Window, role: str, hist: HistogramDelta, engines: int, slots: 
     )
 
 
+def _engines(window: Window) -> dict[str, EngineFigures]:
+    success, queue = "vllm:request_success_total", "vllm:request_queue_time_seconds"
+    labelled = {dict(labels).get("role") for labels in window.after.series(success)}
+    if not labelled:
+        return {}
+    groups = [role for role in ROLES if role in labelled] if labelled <= set(ROLES) else ["all"]
+    return {
+        group: EngineFigures(
+            window.counter(success, **({} if group == "all" else {"role": group})),
+            window.histogram(queue, **({} if group == "all" else {"role": group})),
+        )
+        for group in groups
+    }
+
+
 def _ratio(part: float, whole: float) -> float | None:
     return part / whole if whole > 0 else None
 
@@ -191,7 +219,6 @@ def analyse(
         window.counter(f"{R}preprocess_cache_misses_total"),
     )
     items, dedupe = window.counter(f"{R}encode_items_total"), window.counter(f"{R}dedupe_items_total")
-    ec_queries = window.counter("vllm:encoder_cache_queries_total")
     return Analysis(
         seconds=window.seconds,
         requests=requests,
@@ -207,7 +234,7 @@ def analyse(
         },
         preprocess_cache_hit=_ratio(hits, hits + misses),
         dedupe_share=_ratio(dedupe, items + dedupe),
-        encoder_cache_hit=_ratio(window.counter("vllm:encoder_cache_hits_total"), ec_queries),
+        engines=_engines(window),
         min_requests=min_requests,
         notes=notes,
     )

@@ -57,7 +57,13 @@ def _live(urls: list[str], window: float, save: Path | None):
 
 @click.command("advise")
 @click.option("--url", "urls", multiple=True, metavar="URL", help="a router's base URL (repeat for every router host)")
-@click.option("--engine-url", "engine_urls", multiple=True, metavar="URL", help="an engine's base URL (VE cache hits)")
+@click.option(
+    "--engine-url",
+    "engine_urls",
+    multiple=True,
+    metavar="URL",
+    help="an engine's base URL (its requests and queue wait)",
+)
 @click.option("--prometheus", metavar="URL", help="a Prometheus server scraping the routers (and engines)")
 @click.option("--before", "before_files", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--after", "after_files", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
@@ -150,6 +156,9 @@ def _as_dict(analysis, rec) -> dict:
         "latency_p50_s": analysis.latency.quantile(0.5),
         "latency_p99_s": analysis.latency.quantile(0.99),
         "pools": pools,
+        "engines": {
+            group: {"requests": e.requests, "queue_wait_s": e.queue_wait.mean} for group, e in analysis.engines.items()
+        },
         "recommendation": None,
     }
     if rec is not None:

@@ -76,12 +76,18 @@ def analysis_lines(a: Analysis) -> list[str]:
         f"router preprocess cache hit {_pct(a.preprocess_cache_hit)}",
         f"in-request duplicates {_pct(a.dedupe_share)}",
     ]
-    caches.append(
-        f"VE encoder cache hit {_pct(a.encoder_cache_hit)}"
-        if a.encoder_cache_hit is not None
-        else "VE encoder cache hit: not scraped (add --engine-url for the VEs)"
-    )
     lines += ["", "caches: " + "; ".join(caches)]
+    if a.engines:
+        lines.append(
+            "engines (vLLM's own series): "
+            + "; ".join(
+                f"{group.upper() if group != 'all' else 'all scraped'} {e.requests:.0f} requests finished, "
+                f"mean wait in the engine's queue {_s(e.queue_wait.mean)} s"
+                for group, e in a.engines.items()
+            )
+        )
+    else:
+        lines.append("engines: not scraped (add --engine-url for the VEs and PDs)")
     lines += [f"note: {n}" for n in a.notes]
     lines += ["", f"verdict: {a.verdict()}", f"confidence: {a.confidence()}"]
     return lines

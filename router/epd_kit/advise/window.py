@@ -77,14 +77,15 @@ class Window:
         values = {dict(labels).get(label, "") for labels in self.after.series(name)}
         return {value: self.counter(name, **{label: value}) for value in sorted(values)}
 
-    def histogram(self, name: str) -> HistogramDelta:
-        """A histogram's increments; buckets matched by their bound's value, not its spelling."""
-        before, after = _buckets(self.before, name), _buckets(self.after, name)
+    def histogram(self, name: str, **match: str) -> HistogramDelta:
+        """A histogram's increments (summed over its series matching `match`); buckets matched
+        by their bound's value, not its spelling."""
+        before, after = _buckets(self.before, name, match), _buckets(self.after, name, match)
         for bound, cumulative in after.items():
             if cumulative < before.get(bound, 0.0):
                 raise ScrapeError(f"{name} went down between the scrapes: a router restarted inside the window")
         buckets = tuple((b, after[b] - before.get(b, 0.0)) for b in sorted(after))
-        return HistogramDelta(self.counter(f"{name}_count"), self.counter(f"{name}_sum"), buckets)
+        return HistogramDelta(self.counter(f"{name}_count", **match), self.counter(f"{name}_sum", **match), buckets)
 
     def engines(self) -> list[EngineSeen]:
         healthy = self.after.series(f"{R}engine_healthy")
@@ -105,9 +106,11 @@ class Window:
         return seen
 
 
-def _buckets(scrape: Scrape, name: str) -> dict[float, float]:
+def _buckets(scrape: Scrape, name: str, match: dict[str, str]) -> dict[float, float]:
     out: dict[float, float] = {}
     for labels, value in scrape.series(f"{name}_bucket").items():
+        if not set(match.items()) <= set(labels):
+            continue
         le = dict(labels).get("le")
         if le is not None:
             bound = float(le)

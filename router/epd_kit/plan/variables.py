@@ -275,7 +275,6 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_observability_ttft_slo_s", 5.0, FLOAT, MONITORING, OB, minimum=0),
     _v("epd_observability_ttft_objective", 0.99, FLOAT, MONITORING, OB, minimum=0, maximum=1),
     _v("epd_observability_ttft_burn_rate", 14.4, FLOAT, MONITORING, OB, minimum=0),
-    _v("epd_observability_ve_hit_ratio_drop", 0.5, FLOAT, MONITORING, OB, minimum=0, maximum=1),
     _v("epd_observability_pd_waiting_max", 8, INT, MONITORING, OB, minimum=1),
     # epd_preflight's host checks
     _v("epd_preflight_vl_architecture_pattern", "(VL|Vision|Llava|ForConditionalGeneration)", STR, HOST, PF),

@@ -1,5 +1,10 @@
 """Prometheus metrics with vLLM's names (`vllm:` prefix, `model_name` + `engine` labels).
-One registry per engine object: no process-global state."""
+One registry per engine object: no process-global state.
+
+Every `vllm:*` family here is one real vLLM 0.24.0 and 0.29.0 engines export (recorded from
+real VE and PD engines in tests/real_engines/recorded/, held by
+tests/unit/test_engine_metric_names.py); what the sim counts that vLLM does not export is
+`epd_sim:*`, which only tests read (docs/observability.md "Engine metrics the kit reads")."""
 
 from __future__ import annotations
 
@@ -32,11 +37,15 @@ class SimMetrics:
         self._labels = labels
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens produced.")
-        self.ec_queries = counter("vllm:encoder_cache_queries", "VE encoder-cache lookups.")
-        self.ec_hits = counter("vllm:encoder_cache_hits", "VE encoder-cache hits (no encode).")
-        self.ec_loads = counter("vllm:ec_loads", "PD embedding reads from a VE.")
-        self.ec_load_failures = counter("vllm:ec_load_failures", "PD ECLoadFailure events.")
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        # vLLM counts prefix-cache queries and hits in tokens (v1/metrics/loggers.py)
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
+        # the sim's own counts (vLLM exports none of them): tests read them, the kit's
+        # dashboard, alerts and advisor never do
+        self.ec_queries = counter("epd_sim:encoder_cache_queries", "VE encoder-cache lookups.")
+        self.ec_hits = counter("epd_sim:encoder_cache_hits", "VE encoder-cache hits (no encode).")
+        self.ec_loads = counter("epd_sim:ec_loads", "PD embedding reads from a VE.")
+        self.ec_load_failures = counter("epd_sim:ec_load_failures", "PD ECLoadFailure events.")
         self._faults = Counter(
             "epd_sim:injected_faults",
             "Faults injected by the simulator.",
@@ -46,6 +55,14 @@ class SimMetrics:
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token.",
+            names,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**labels)
+        # vLLM: from arrival to the scheduler first running the request (its WAITING time)
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time spent in the WAITING phase for request.",
             names,
             buckets=_LATENCY_BUCKETS,
             registry=r,

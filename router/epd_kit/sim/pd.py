@@ -204,6 +204,7 @@ class PrefillDecodeEngine:
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting.popleft()
             seq.state = "loading"
+            self.metrics.queue_time.observe(time.monotonic() - seq.arrived)
             self.running.append(seq)
             task = asyncio.create_task(self._load(seq))
             self._loads.add(task)
@@ -215,6 +216,7 @@ class PrefillDecodeEngine:
             cached_tokens, cached = 0, ()
             if self.prefix_cache is not None:
                 cached_tokens, cached = self.prefix_cache.match(seq.prompt_ids)
+                self.metrics.prefix_cache_queries.inc(len(seq.prompt_ids))
                 if cached_tokens:
                     self.metrics.prefix_cache_hits.inc(cached_tokens)
             # Items wholly inside the cached prefix are never pulled (the EPD APC hazard).

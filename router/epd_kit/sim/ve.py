@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 from .. import mm_serde
@@ -160,8 +161,10 @@ class VisionEncoderEngine:
                 raise
         self._waiting += 1
         self.metrics.waiting.set(self._waiting)
+        queued = time.monotonic()
         try:
             async with self._busy:
+                self.metrics.queue_time.observe(time.monotonic() - queued)
                 self._waiting -= 1
                 self.metrics.waiting.set(self._waiting)
                 self.metrics.running.set(1)

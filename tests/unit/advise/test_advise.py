@@ -307,3 +307,68 @@ def test_prometheus_instant_queries_are_summed_over_targets(monkeypatch):
     assert asked[0][0] == "http://prom:9090/api/v1/query"
     assert asked[0][1]["query"] == scrape.PROMETHEUS_SELECTOR
     assert Window(before, after, 600).counter("epd_router_requests_total") == 40  # (25 - 5) x 2 routers
+
+
+def _engine_page(requests: int, waits: list[float], role: str | None) -> str:
+    """A vLLM engine's /metrics (the families and labels real vLLM exports: tests/real_engines/recorded)."""
+    labels = 'engine="0",model_name="m"' + (f',role="{role}"' if role else "")
+    lines = [
+        "# TYPE vllm:request_success_total counter",
+        f'vllm:request_success_total{{{labels},finished_reason="length"}} {requests}',
+        "# TYPE vllm:request_queue_time_seconds histogram",
+    ]
+    for bound in ("0.1", "1.0", "+Inf"):
+        count = sum(1 for w in waits if bound == "+Inf" or w <= float(bound))
+        lines.append(f'vllm:request_queue_time_seconds_bucket{{{labels},le="{bound}"}} {count}')
+    lines += [
+        f"vllm:request_queue_time_seconds_count{{{labels}}} {len(waits)}",
+        f"vllm:request_queue_time_seconds_sum{{{labels}}} {sum(waits)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def test_engine_figures_come_from_vllms_own_series(tmp_path):
+    """Engines scraped with --engine-url (no role label) are summed; the report says so."""
+    load = Load(rate=4, image_share=0.5, ve_service_s=0.05, pd_service_s=0.2, num_ve=1, num_pd=1)
+    before, after = write_scrapes(load, tmp_path / "scrapes")
+    pages = {"before": [_engine_page(2, [0.0, 0.0], None), _engine_page(5, [0.1] * 5, None)]}
+    pages["after"] = [_engine_page(12, [0.0] * 2 + [0.5] * 10, None), _engine_page(9, [0.1] * 9, None)]
+    files: dict[str, list[str]] = {"before": [str(before)], "after": [str(after)]}
+    for name, texts in pages.items():
+        for index, text in enumerate(texts):
+            path = tmp_path / f"{name}-engine-{index}.prom"
+            path.write_text(text)
+            files[name].append(str(path))
+    inventory = write_inventory(tmp_path / "inv.json", {"n1": (1, 1)})
+    args = ["advise", "--window", str(load.seconds), "--inventory", str(inventory)]
+    for name in ("before", "after"):
+        for path in files[name]:
+            args += [f"--{name}", path]
+    runner = CliRunner()
+    out = runner.invoke(main, [*args, "--json"])
+    assert out.exit_code == 0, out.output
+    engines = json.loads(out.output)["engines"]
+    assert list(engines) == ["all"]
+    assert engines["all"]["requests"] == (12 - 2) + (9 - 5)
+    assert engines["all"]["queue_wait_s"] == pytest.approx((10 * 0.5 + 4 * 0.1) / 14)
+    text = runner.invoke(main, args).output
+    assert (
+        "engines (vLLM's own series): all scraped 14 requests finished, mean wait in the engine's queue 0.386 s" in text
+    )
+    # without engine pages the report says how to add them
+    bare = ["advise", "--window", str(load.seconds), "--inventory", str(inventory), "--before", str(before)]
+    bare += ["--after", str(after)]
+    assert "engines: not scraped (add --engine-url for the VEs and PDs)" in runner.invoke(main, bare).output
+
+
+def test_engine_figures_are_split_by_role_when_prometheus_labels_them():
+    from epd_kit.advise.analysis import analyse
+
+    router = '# TYPE epd_router_requests_total counter\nepd_router_requests_total{status="200"} 1\n'
+    before = parse_text(router + _engine_page(0, [], "ve") + _engine_page(0, [], "pd").replace("# TYPE", "# X"), "b")
+    after_text = router + _engine_page(3, [0.2] * 3, "ve") + _engine_page(4, [1.0] * 4, "pd").replace("# TYPE", "# X")
+    analysis = analyse(Window(before, parse_text(after_text, "a"), 60), pd_slots=8)
+    assert {role: (e.requests, e.queue_wait.mean) for role, e in analysis.engines.items()} == {
+        "ve": (3, pytest.approx(0.2)),
+        "pd": (4, pytest.approx(1.0)),
+    }
