@@ -26,8 +26,10 @@ from .conftest import REPO
 from .stack import RealStack
 
 RECORD = os.environ.get("EPD_RECORD_METRICS") == "1"
-CHATS = 8  # bounded: 8 chats of 4 tokens, two of them text-only
-TEXT_CHATS = 2
+# the chats sent (bounded: 8 of 4 tokens): an image seed each, repeated; None: text only
+SEEDS = (1, 2, 1, None, 2, 1, 2, None)
+CHATS, TEXT_CHATS = len(SEEDS), SEEDS.count(None)
+WINDOW_S = 10  # what advise is told; the figures checked do not depend on it
 MAX_TOKENS = 4
 
 
@@ -60,12 +62,12 @@ def chat(stack: RealStack, seed: int | None) -> None:
 
 @pytest.fixture(scope="module")
 def traffic(stack):
-    """Before/after scrapes of the router and both engines around CHATS chats (images 1, 2, 1,
-    2, ... and two text-only ones): what `epd-router advise --before/--after` reads."""
+    """Before/after scrapes of the router and both engines around the SEEDS chats: what
+    `epd-router advise --before/--after` reads."""
     sources = {"router": stack.url, "ve": stack.ves[0].url, "pd": stack.pds[0].url}
     before = {name: scrape(url) for name, url in sources.items()}
-    for index in range(CHATS):
-        chat(stack, None if index % 4 == 3 else 1 + index % 2)
+    for seed in SEEDS:
+        chat(stack, seed)
     after = {name: scrape(url) for name, url in sources.items()}
     return before, after
 
@@ -104,7 +106,8 @@ def test_advise_reports_the_real_engines_figures(stack, traffic, tmp_path):
     """`epd-router advise` on saved scrapes of the router and the real engines: the requests
     it counts are the ones sent, and the engine figures come from vLLM's own series."""
     before, after = traffic
-    args = [str(REPO / ".venv" / "bin" / "epd-router"), "advise", "--window", "10", "--json", "--min-requests", "1"]
+    args = [str(REPO / ".venv" / "bin" / "epd-router"), "advise", "--window", str(WINDOW_S), "--json"]
+    args += ["--min-requests", "1"]
     for name, texts in (("before", before), ("after", after)):
         for source, text in texts.items():
             path = tmp_path / f"{name}-{source}.prom"
@@ -116,6 +119,7 @@ def test_advise_reports_the_real_engines_figures(stack, traffic, tmp_path):
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["requests"] == CHATS
+    assert round(report["pools"]["ve"]["rate_per_s"] * WINDOW_S) == CHATS - TEXT_CHATS  # the VE stage's arrivals
     # saved scrapes carry no `role` label: the engines' figures are summed ("all")
     engines = report["engines"]["all"]
     assert engines["requests"] == 2 * CHATS - TEXT_CHATS  # each chat on the PD, those with an image on the VE too

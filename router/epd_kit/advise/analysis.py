@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from epd_kit.plan import ROLES
 
 from .queueing import PoolModel, fit_service_time
+from .scrape import ScrapeError
 from .window import HistogramDelta, Window
 
 R = "epd_router_"
@@ -182,6 +183,14 @@ def _engines(window: Window) -> dict[str, EngineFigures]:
     }
 
 
+def _engines_or_note(window: Window, notes: list[str]) -> dict[str, EngineFigures]:
+    try:
+        return _engines(window)
+    except ScrapeError:  # an engine's counters went down: it restarted inside the window
+        notes.append("an engine restarted inside the window: the engines' own figures are left out")
+        return {}
+
+
 def _ratio(part: float, whole: float) -> float | None:
     return part / whole if whole > 0 else None
 
@@ -234,7 +243,7 @@ def analyse(
         },
         preprocess_cache_hit=_ratio(hits, hits + misses),
         dedupe_share=_ratio(dedupe, items + dedupe),
-        engines=_engines(window),
+        engines=_engines_or_note(window, notes),
         min_requests=min_requests,
         notes=notes,
     )

@@ -372,3 +372,14 @@ def test_engine_figures_are_split_by_role_when_prometheus_labels_them():
         "ve": (3, pytest.approx(0.2)),
         "pd": (4, pytest.approx(1.0)),
     }
+
+
+def test_an_engine_restart_inside_the_window_leaves_its_figures_out():
+    from epd_kit.advise.analysis import analyse
+
+    router = '# TYPE epd_router_requests_total counter\nepd_router_requests_total{status="200"} 1\n'
+    before = parse_text(router + _engine_page(9, [0.1] * 9, None), "b")
+    after = parse_text(router + _engine_page(2, [0.1] * 2, None), "a")  # restarted: counts from 0
+    analysis = analyse(Window(before, after, 60), pd_slots=8)
+    assert analysis.engines == {}
+    assert "an engine restarted inside the window" in " ".join(analysis.notes)
