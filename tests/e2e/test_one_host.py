@@ -7,7 +7,7 @@ Observability (docs/observability.md) rides on the same stack instead of booting
 the deploy's last play writes the scrape targets and a prometheus.yml on the controller (group
 epd_monitoring = localhost), Prometheus (Debian's package) scrapes the host from there, and PromQL
 over its HTTP API (127.0.0.1 only) shows every target up and a request moving the router's
-request, TTFT and encode series and the VE's encoder-cache series. For that the inventory differs
+request, TTFT and encode series and the VE's prompt-token series. For that the inventory differs
 from inventory/sandbox/one-host in three ways: the engines bind to n1's address (a Prometheus off
 the host must reach them), the sim compiles for EPD_SIM_COMPILE_S on a compile-cache miss (so a
 restart after the cache is cleared prints each engine's progress), and the epd_monitoring group.
