@@ -54,17 +54,24 @@ def fast_export(monkeypatch):
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
 
 
+def traced_stack(ckpt, workdir, receiver: OtlpReceiver, router_traced: bool) -> Stack:
+    """One VE and one PD exporting their spans to `receiver`, and the router (its spans too if
+    `router_traced`)."""
+    router = {"tracing": {"otlp_traces_endpoint": receiver.url}} if router_traced else {}
+    return Stack.start(
+        ckpt,
+        workdir,
+        n_ve=1,
+        n_pd=1,
+        sim_env={"epd-ve-0": ENGINE_ENV, "epd-pd-0": ENGINE_ENV},
+        engine_args=("--otlp-traces-endpoint", receiver.url),
+        **router,
+    )
+
+
 def test_router_spans_continue_the_client_trace_and_reach_the_engines(ckpt, tmp_path, fast_export):
     with OtlpReceiver() as receiver:
-        stack = Stack.start(
-            ckpt,
-            tmp_path,
-            n_ve=1,
-            n_pd=1,
-            sim_env={"epd-ve-0": ENGINE_ENV, "epd-pd-0": ENGINE_ENV},
-            engine_args=("--otlp-traces-endpoint", receiver.url),
-            tracing={"otlp_traces_endpoint": receiver.url},
-        )
+        stack = traced_stack(ckpt, tmp_path, receiver, router_traced=True)
         try:
             trace_id, client_span, header = traceparent()
             ask(stack, header)
@@ -109,14 +116,7 @@ def test_router_spans_continue_the_client_trace_and_reach_the_engines(ckpt, tmp_
 def test_tracing_off_passes_the_client_traceparent_on(ckpt, tmp_path, fast_export):
     """The router exports nothing, yet the engines' spans join the client's trace."""
     with OtlpReceiver() as receiver:
-        stack = Stack.start(
-            ckpt,
-            tmp_path,
-            n_ve=1,
-            n_pd=1,
-            sim_env={"epd-ve-0": ENGINE_ENV, "epd-pd-0": ENGINE_ENV},
-            engine_args=("--otlp-traces-endpoint", receiver.url),
-        )
+        stack = traced_stack(ckpt, tmp_path, receiver, router_traced=False)
         try:
             trace_id, client_span, header = traceparent()
             ask(stack, header)
