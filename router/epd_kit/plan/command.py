@@ -222,8 +222,8 @@ def cpu_flags(settings: Settings, role: str) -> tuple[str, ...]:
 def tracing_flags(settings: Settings) -> tuple[str, ...]:
     """vLLM exports its spans (one `llm_request` per request, child of the traceparent the router
     sends) to the collector epd_otlp_traces_endpoint names: `--otlp-traces-endpoint`, in vLLM
-    0.24.0 and 0.29.0 alike (vllm/engine/arg_utils.py, vllm/config/observability.py; its
-    OpenTelemetry packages are vLLM's own Requires-Dist). () when no collector is named."""
+    0.24.0 and 0.29.0 alike (vllm/engine/arg_utils.py, vllm/config/observability.py, which refuses
+    to start without the OpenTelemetry packages). () when no collector is named."""
     return ("--otlp-traces-endpoint", settings.otlp_traces_endpoint) if settings.otlp_traces_endpoint else ()
 
 
