@@ -65,3 +65,16 @@ def test_the_sim_takes_the_flag_as_vllm_does():
     params = {p.name: p for p in serve.params}
     option = params["otlp_traces_endpoint"]
     assert option.opts == ["--otlp-traces-endpoint"] and option.nargs == 1 and option.default is None
+
+
+def test_the_sample_ratio_goes_through_the_router_extra_config_checked_by_the_router():
+    result = check({"all": {"epd_otlp_traces_endpoint": URL}})
+    settings = planner.read_settings(result["settings"])
+    extra = {"tracing": {"sample_ratio": 0.1}}  # epd_router_extra_config, merged key by key
+    config = planner.router_config(result["plan"], settings, listen_host="127.0.0.1", extra=extra)
+    tracing = parse_config(config).tracing
+    assert (tracing.otlp_traces_endpoint, tracing.sample_ratio) == (URL, 0.1)
+    result = check({"n1": {"epd_router_extra_config": {"tracing": {"sample_ratio": 2}}}})
+    assert any("tracing.sample_ratio is 2: input should be less than or equal to 1" in p for p in result["problems"])
+    result = check({"n1": {"epd_router_extra_config": {"tracing": {"otlp_traces_endpoint": URL}}}})
+    assert any("set that instead" in p and "epd_otlp_traces_endpoint" in p for p in result["problems"])
