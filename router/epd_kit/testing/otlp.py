@@ -67,6 +67,10 @@ class OtlpReceiver:
         self._server.shutdown()
         self._server.server_close()
 
+    def clear(self) -> None:
+        with self._lock:
+            self.spans.clear()
+
     def trace(self, trace_id: str) -> list[Span]:
         with self._lock:
             return [s for s in self.spans if s.trace_id == trace_id]
