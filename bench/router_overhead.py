@@ -12,16 +12,25 @@ Added latency = percentile(proxy) - percentile(direct) at the same concurrency.
 Router/floor CPU per 1,000 requests from /proc/<pid>/stat (all threads), peak RSS = VmHWM
 (reset through /proc/<pid>/clear_refs before each cell). Optional py-spy profile of the
 router (all threads) for the text and the distinct-image cases.
+
+Two optional routers join the rotation as paths of their own, measured like `router`:
+  before  (--baseline REF) the router of git REF (its tree from `git archive`, run from this
+          venv with PYTHONPATH on it): a change's cost, before and after side by side in one run;
+  traced  (--traced) this checkout's router with tracing on (router.yaml tracing), exporting
+          every request's spans to an OTLP/HTTP receiver in this process (epd_kit.testing.otlp).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -30,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import images
-from bench.common import IMG_DIR, RESULTS_DIR, RunRecord, percentile
+from bench.common import IMG_DIR, REPO, RESULTS_DIR, RunRecord, percentile
 from bench.httpload import Connection, Target, closed_loop, encode_post
 from bench.procs import VENV_BIN, Proc, pin_self
 from bench.stack import engine_proc, floor_proc, router_proc
@@ -40,6 +49,7 @@ PROMPT = "Describe the picture in one short sentence, then list three colours yo
 MAX_TOKENS = 16
 KINDS = ("text", "image-repeated", "image-distinct")
 CONFIGS = ("direct", "floor", "router")
+ROUTERS = ("router", "before", "traced")  # paths that send OpenAI requests to a router
 EC_TRANSFER_TIMEOUT_S = 30.0
 
 
@@ -165,7 +175,11 @@ class Workload:
             r = await conns["router"].request(encode_post("/v1/chat/completions", self.router_body(), ports["router"]))
             return r.status == 200 and ok_marker in r.body, r.first_byte_s
 
-        return {"direct": direct, "floor": floor, "router": router}[config]
+        async def other_router(conns: dict[str, Connection], idx: int) -> tuple[bool, float]:
+            r = await conns[config].request(encode_post("/v1/chat/completions", self.router_body(), ports[config]))
+            return r.status == 200 and ok_marker in r.body, r.first_byte_s
+
+        return {"direct": direct, "floor": floor, "router": router}.get(config, other_router)
 
 
 @dataclass
@@ -190,21 +204,23 @@ def run_row(
     max_requests: int,
     deadline_s: float,
     rounds: int,
+    configs: Sequence[str] = CONFIGS,
 ) -> dict[str, Cell]:
-    """One concurrency level, all three paths, interleaved: `rounds` rounds of direct, floor,
-    router, each 1/rounds of the count and time budget, so that background load on this
-    shared machine falls on all three alike. Samples, CPU and wall time are pooled."""
+    """One concurrency level, every path, interleaved: `rounds` rounds of direct, floor,
+    router (and `before`, `traced`), each 1/rounds of the count and time budget, so that
+    background load on this shared machine falls on all alike. Samples, CPU and wall time are
+    pooled."""
     warm = min(concurrency, 8)
     acc = {
         cfg: {"lat": [], "n": 0, "err": 0, "ex": [], "ok": 0, "wall": 0.0, "cpu": 0.0, "sent": 0, "rss": 0.0}
-        for cfg in CONFIGS
+        for cfg in configs
     }
-    for cfg in CONFIGS:
+    for cfg in configs:
         if cfg in proxies:
             proxies[cfg].reset_peak_rss()
     for _ in range(rounds):
-        for cfg in CONFIGS:
-            targets = {"direct": ("ve", "pd"), "floor": ("floor",), "router": ("router",)}[cfg]
+        for cfg in configs:
+            targets = {"direct": ("ve", "pd")}.get(cfg, (cfg,))
             tgt = {name: Target("127.0.0.1", ports[name]) for name in targets}
             proxy = proxies.get(cfg)
             cpu0 = proxy.cpu_s() if proxy else 0.0
@@ -439,9 +455,12 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
         action="store_true",
         help="keep one router/floor for every kind (faster; peak RSS then carries over)",
     )
+    ap.add_argument("--baseline", metavar="REF", help="also run the router of git REF (path `before`)")
+    ap.add_argument("--traced", action="store_true", help="also run this router with tracing on (path `traced`)")
     ap.add_argument("--out-dir", type=Path, default=None)
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
+    configs = (*CONFIGS, *(["before"] if args.baseline else []), *(["traced"] if args.traced else []))
     rec = RunRecord.start("router_overhead")
     t_start = time.perf_counter()
     pin_self(args.loadgen_cpu or None)
@@ -458,39 +477,58 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     ve = engine_proc("ve", 0, ckpt, work, ec_extra=ec_extra).start(eng_cpu)
     pd = engine_proc("pd", 0, ckpt, work, ec_extra=ec_extra).start(eng_cpu)
     procs: list[Proc] = [ve, pd]
+    receiver = None
+    exits = contextlib.ExitStack()
     try:
+        before_tree = _baseline_tree(args.baseline, work) if args.baseline else None
+        if args.traced:
+            from epd_kit.testing.otlp import OtlpReceiver
+
+            receiver = exits.enter_context(OtlpReceiver())
         ve.wait_healthy()
         pd.wait_healthy()
         cells: dict = {}
         router = floor = None
+        extra: dict[str, Proc] = {}
         prev_kind = ""
         for kind in args.kinds:
             # fresh proxies per kind: peak RSS is then this kind's, not memory kept from the
             # previous kind's busiest level (CPython does not give freed arenas back)
             if router is None or not args.reuse_proxies:
-                for old in (router, floor):
+                for old in (router, floor, *extra.values()):
                     if old is not None:
                         old.stop()
                         procs.remove(old)
                         old.log_path.rename(old.log_path.with_name(f"{old.log_path.stem}-{prev_kind}.log"))
                 router = router_proc(ckpt, [ve], [pd], work).start(proxy_cpu)
                 floor = floor_proc(ve, pd, work).start(proxy_cpu)
-                procs += [router, floor]
-                router.wait_healthy()
-                floor.wait_healthy()
-                _wait_ready(router)
+                extra = {}
+                if before_tree is not None:
+                    extra["before"] = _before_proc(before_tree, ckpt, ve, pd, work).start(proxy_cpu)
+                if receiver is not None:
+                    traced = {"tracing": {"otlp_traces_endpoint": receiver.url}}
+                    extra["traced"] = router_proc(ckpt, [ve], [pd], _subdir(work, "traced"), extra=traced)
+                    extra["traced"].start(proxy_cpu)
+                procs += [router, floor, *extra.values()]
+                for proc in (router, floor, *extra.values()):
+                    proc.wait_healthy()
+                for proc in (router, *extra.values()):
+                    _wait_ready(proc)
             prev_kind = kind
             ports = {"ve": ve.port, "pd": pd.port, "router": router.port, "floor": floor.port}
+            ports.update({name: proc.port for name, proc in extra.items()})
             wl = Workload(kind, ckpt)
             n_max = args.text_requests if kind == "text" else args.image_requests
             cells[kind] = {}
             for c in args.concurrency:
                 rounds = args.text_rounds if kind == "text" else args.rounds
-                cells_row = run_row(wl, ports, {"floor": floor, "router": router}, c, n_max, args.cell_seconds, rounds)
+                proxies = {"floor": floor, "router": router, **extra}
+                cells_row = run_row(wl, ports, proxies, c, n_max, args.cell_seconds, rounds, configs)
                 row: dict = {cfg: cell.__dict__ for cfg, cell in cells_row.items()}
                 row["added"] = {
                     cfg: {q: row[cfg][q] - row["direct"][q] for q in ("p50_ms", "p99_ms")}
-                    for cfg in ("floor", "router")
+                    for cfg in configs
+                    if cfg != "direct"
                 }
                 fl, ro = row["added"]["floor"]["p50_ms"], row["added"]["router"]["p50_ms"]
                 row["router_over_floor_p50"] = ro / fl if fl > 0 else None
@@ -500,14 +538,18 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
                     + "  ".join(
                         f"{cfg} p50 {row[cfg]['p50_ms']:7.2f} p99 {row[cfg]['p99_ms']:7.2f} ms "
                         f"{row[cfg]['rps']:6.1f}/s err {row[cfg]['errors']}"
-                        for cfg in CONFIGS
+                        for cfg in configs
                     ),
                     flush=True,
                 )
         rec.results = {"cells": cells, "pinning": {"loadgen+engines": args.loadgen_cpu, "router/floor": args.proxy_cpu}}
         rec.results["max_rps"] = {
-            kind: {cfg: max(cells[kind][c][cfg]["rps"] for c in cells[kind]) for cfg in CONFIGS} for kind in cells
+            kind: {cfg: max(cells[kind][c][cfg]["rps"] for c in cells[kind]) for cfg in configs} for kind in cells
         }
+        if args.baseline:
+            rec.results["baseline"] = args.baseline
+        if receiver is not None:
+            rec.results["traced_spans_received"] = len(receiver.spans)
         if args.profile:
             out = args.out_dir or RESULTS_DIR
             out.mkdir(parents=True, exist_ok=True)
@@ -530,6 +572,7 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
     finally:
         for p in reversed(procs):
             p.stop()
+        exits.close()
         logs = (args.out_dir or RESULTS_DIR) / "logs-router_overhead"
         shutil.rmtree(logs, ignore_errors=True)
         logs.mkdir(parents=True, exist_ok=True)
@@ -543,6 +586,41 @@ def main(argv: Sequence[str] | None = None) -> RunRecord:
         plot(rec.results, (args.out_dir or IMG_DIR) / "bench-router-overhead.png")
     print(f"wrote {path} in {rec.wall_s:.1f} s")
     return rec
+
+
+def _subdir(work: Path, name: str) -> Path:
+    """A router's own directory (its router.yaml and log beside the others')."""
+    path = work / name
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def _baseline_tree(ref: str, work: Path) -> Path:
+    """The kit's package at git `ref` (`git archive`), for PYTHONPATH."""
+    tree = work / "baseline"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, "router"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    return tree / "router"
+
+
+def _before_proc(tree: Path, ckpt: Path, ve: Proc, pd: Proc, work: Path) -> Proc:
+    """The baseline's router, its epd_kit from `tree` ahead of this checkout's (checked: a run
+    that measured this checkout twice would say nothing)."""
+    env = {"PYTHONPATH": str(tree)}
+    where = subprocess.run(
+        [sys.executable, "-c", "import epd_kit.router.app as m; print(m.__file__)"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert where.startswith(str(tree)), f"the baseline router would import {where}, not the tree at {tree}"
+    launcher = [sys.executable, "-m", "epd_kit.router.cli"]
+    proc = router_proc(ckpt, [ve], [pd], _subdir(work, "before"), launcher=launcher)
+    proc.extra_env = env
+    proc.name = "epd-router-before"
+    return proc
 
 
 def _wait_ready(router: Proc, timeout_s: float = 30.0) -> None:

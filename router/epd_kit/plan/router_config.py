@@ -64,6 +64,8 @@ def router_config(
         "networks": admin_networks_of(admin_networks, listen_host, monitoring_addresses, loadbalancer_addresses),
         "token_file": admin_token_file,
     }
+    if settings.otlp_traces_endpoint:  # the router's spans go where the engines' go
+        config["tracing"] = {"otlp_traces_endpoint": settings.otlp_traces_endpoint}
     endpoints = router_endpoints(plan, draining)
     config["endpoints"] = {"text_only": True, **endpoints} if text_only else endpoints
     return merge(config, extra or {})

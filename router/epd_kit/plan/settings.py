@@ -76,6 +76,7 @@ class Settings:
     engine_environment: tuple[tuple[str, str], ...] = ()
     neuron_release: str = DEFAULT_RELEASE
     vllm_cpu_ec_dir: str = str(VARIABLES["epd_vllm_cpu_ec_dir"].default)
+    otlp_traces_endpoint: str = ""
 
     @property
     def model_is_local(self) -> bool:
@@ -222,4 +223,5 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
         engine_environment=check_engine_environment(get("epd_engine_environment")),
         neuron_release=neuron_release(variables.get(RELEASE_VARIABLE) or DEFAULT_RELEASE).name,
         vllm_cpu_ec_dir=as_str("epd_vllm_cpu_ec_dir", get("epd_vllm_cpu_ec_dir")),
+        otlp_traces_endpoint=as_str("epd_otlp_traces_endpoint", get("epd_otlp_traces_endpoint") or ""),
     )

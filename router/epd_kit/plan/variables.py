@@ -183,6 +183,9 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_engine_backend", "vllm", STR, FLEET, P, choices=("vllm", "vllm-cpu", "sim")),
     # vllm-cpu: the directory of the encoder cache's shared-storage connector (VE writes, PD reads)
     _v("epd_vllm_cpu_ec_dir", "/var/cache/epd/ec-store", STR, FLEET, P, form=ABSOLUTE),
+    # an OTLP/HTTP collector's traces URL: the router and every engine export their spans there
+    # (docs/router.md "Tracing"); unset: no traces
+    _v("epd_otlp_traces_endpoint", "", STR, FLEET, P, form=URL, schemes=("http", "https")),
     _v("epd_ve_tp", 4, INT, FLEET, P, minimum=1, maximum=64),
     _v("epd_ve_dp", 4, INT, FLEET, P, minimum=1),
     _v("epd_pd_tp", 8, INT, FLEET, P, minimum=1, maximum=64),
@@ -536,6 +539,7 @@ ROUTER_SECTIONS: dict[str, dict[str, str]] = {
     },
     "engine_auth": {"key_file": PATH},
     "admin": {"networks": LIST, "token_file": PATH},
+    "tracing": {"otlp_traces_endpoint": STR, "sample_ratio": FLOAT},
 }
 # router.yaml keys the kit writes from other variables: set those instead (a second value
 # would disagree with the socket unit, the engines or the plan)
@@ -556,6 +560,7 @@ PLANNED_KEYS: dict[str, str] = {
     "engine_auth.key_file": "epd_engine_key_file",
     "admin.networks": "epd_admin_networks",
     "admin.token_file": "epd_admin_token_file",
+    "tracing.otlp_traces_endpoint": "epd_otlp_traces_endpoint",
 }
 
 

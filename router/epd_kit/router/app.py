@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from starlette.datastructures import State
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from epd_kit.router.config import RouterConfig
@@ -63,11 +64,18 @@ class RouterApp:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == CHAT_PATH:
             scope["app"] = self.api  # what `request.app` is on FastAPI's path too
             request = Request(scope, receive, send)
+            tracing = self.api.state.service.tracing
+            trace = tracing.begin(request.headers)  # None unless traced or given a traceparent
+            response: Response | None = None
             try:
-                response = await chat_completions(request)
-            except Exception as exc:  # a router bug outside the handler's own net: still an envelope
-                response = await EXCEPTION_HANDLERS[Exception](request, exc)
-            await response(scope, receive, send)
+                try:
+                    response = await chat_completions(request)
+                except Exception as exc:  # a router bug outside the handler's own net: still an envelope
+                    response = await EXCEPTION_HANDLERS[Exception](request, exc)
+                await response(scope, receive, send)
+            finally:
+                if trace is not None:
+                    tracing.finish(trace, response)
             return
         await self.api(scope, receive, send)
 

@@ -150,6 +150,25 @@ class Admin(Section):
         return networks
 
 
+class Tracing(Section):
+    """OpenTelemetry traces of the chat requests (tracing.py, docs/router.md "Tracing"): off
+    (None) unless a collector's OTLP/HTTP traces URL is named (restart only). `sample_ratio`:
+    the share of requests without a sampled parent (the client's traceparent) that are traced."""
+
+    otlp_traces_endpoint: str | None = None
+    sample_ratio: float = Field(default=1.0, ge=0, le=1)
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _traces_url(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or not parts.path:
+            raise ValueError(f"{url!r} is not a collector's OTLP/HTTP traces URL (http://host:4318/v1/traces)")
+        return url
+
+
 class EngineState(str, Enum):  # noqa: UP042 (StrEnum would change str(member))
     active = "active"
     draining = "draining"
@@ -241,6 +260,7 @@ class RouterConfig(Section):
     auth: Auth = Field(default_factory=Auth)
     engine_auth: EngineAuth = Field(default_factory=EngineAuth)
     admin: Admin = Field(default_factory=Admin)
+    tracing: Tracing = Field(default_factory=Tracing)
     endpoints: Endpoints
 
     @field_validator("dtype")

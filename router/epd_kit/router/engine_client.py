@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from epd_kit.router import bodies, deadlines, engine_http, upstream
+from epd_kit.router import bodies, deadlines, engine_http, tracing, upstream
 from epd_kit.router.bodies import VeBody, ve_body
 from epd_kit.router.config import Health
 from epd_kit.router.engine_keys import EngineKeys
@@ -130,7 +130,8 @@ class EngineClient:
         """One encode POST to a VE: a locator for every item, or an UpstreamError. The caller
         has reserved the items' tokens in `engine.inflight_work`."""
         try:
-            locators = await self._encode(engine, items, request_id)
+            with tracing.engine_call(engine, "ve encode"):
+                locators = await self._encode(engine, items, request_id)
         except UpstreamError as err:
             raise self.failed(err, engine) from None
         self.health.call_succeeded(engine)
@@ -150,7 +151,8 @@ class EngineClient:
         UpstreamError: token ids outside the vocabulary), charged to the PD as any other
         invalid answer before the call counts as a success."""
         try:
-            result = accept(await self._generate(engine, body, prompt_tokens, max_tokens))
+            with tracing.engine_call(engine, "pd generate"):
+                result = accept(await self._generate(engine, body, prompt_tokens, max_tokens))
         except UpstreamError as err:
             raise self.failed(err, engine) from None
         self.health.call_succeeded(engine)
@@ -163,7 +165,8 @@ class EngineClient:
         committed. The caller closes the returned stream's response."""
         engine.inflight_work += prompt_tokens  # waiting for prefill until the first payload
         try:
-            pd = await self._open_stream(engine, body)
+            with tracing.engine_call(engine, "pd generate"):
+                pd = await self._open_stream(engine, body)
         except UpstreamError as err:
             raise self.failed(err, engine) from None
         finally:

@@ -62,6 +62,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from epd_kit.router.engine_keys import EngineKeys
+from epd_kit.router.tracing import engine_headers
 
 # --- errors: what went wrong with an engine call -------------------------------------------
 
@@ -587,7 +588,7 @@ class _Pool:
     def head(self, path: str, length: int | None) -> bytes:
         """A POST's head (`length`: its body's), or a GET's (None); with the engine key where
         the engine checks one (engine_keys.py)."""
-        auth = self.client.keys.header(self.url, path)
+        auth = self.client.keys.header(self.url, path) + engine_headers()  # and the call's traceparent
         if length is None:
             return f"GET {self.base_path}{path} HTTP/1.1\r\nhost: {self.netloc}\r\n".encode("latin-1") + auth + b"\r\n"
         prefix = self._heads.get(path)

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from epd_kit.router import bodies, engine_http, translate, upstream
+from epd_kit.router import bodies, engine_http, tracing, translate, upstream
 from epd_kit.router.admission import PdAdmission
 from epd_kit.router.context import RequestContext
 from epd_kit.router.encode import Encoder
@@ -63,7 +63,8 @@ class Generation:
         t = time.monotonic()
         try:
             async with ctx.time_limit("preprocessing"):
-                rendered = await render_request(self._renderer, ctx.request, ctx.inline)
+                with tracing.span("render"):
+                    rendered = await render_request(self._renderer, ctx.request, ctx.inline)
         finally:
             ctx.preprocessed()
         self._metrics.preprocess.observe(time.monotonic() - t)
@@ -187,6 +188,7 @@ class Generation:
         ok = client_left = False
         t = time.monotonic()
         watch = GapWatch(self._state.cfg.timeouts.stream_gap_s, pd.response.close)
+        span = tracing.span("stream")
         try:
             async with ctx.time_limit("generate"):
                 payload: bytes | None = pd.first
@@ -231,6 +233,7 @@ class Generation:
             await self.close(pd, ctx)
             self._metrics.pd.observe(time.monotonic() - t)
             outcome.status = "200" if ok else ("client_closed" if client_left else "stream_error")
+            span.end(None if ok else outcome.status)
             if translator.malformed:
                 self._metrics.malformed_frames.inc(translator.malformed)
                 log.warning(

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epd_kit.preprocess.fairness import client_identity, current_client
 from epd_kit.preprocess.settings import Limits
+from epd_kit.router import tracing
 from epd_kit.router.body import decode_body
 from epd_kit.router.context import RequestContext
 from epd_kit.router.errors import RouterError
@@ -96,10 +97,11 @@ async def chat_completions(request: Request) -> Response:
         # admitted once the body is in: a slow or stalled upload costs its own connection
         # (bounded by listen.body_timeout_s and listen.max_connections), never others' slots
         receiving_cap = limits.max_requests_preprocessing * limits.max_body_bytes
-        body = await read_body(request, limits.max_body_bytes, service.intake, receiving_cap)
-        slot = service.intake.enter(limits.max_requests_preprocessing)
-        current_client.set(_client_of(request, service.auth.enabled))
-        chat, inline = await _decode(service, body)
+        with tracing.span("receive"):
+            body = await read_body(request, limits.max_body_bytes, service.intake, receiving_cap)
+            slot = service.intake.enter(limits.max_requests_preprocessing)
+            current_client.set(_client_of(request, service.auth.enabled))
+            chat, inline = await _decode(service, body)
         if ticket is not None:
             ticket.images(count_images(chat.messages))
         del body  # `inline` keeps the image payloads' bytes until they are rendered

@@ -6,6 +6,7 @@
     encoder     encode.Encoder               VE fan-out, retries, re-encode
     admission   admission.PdAdmission        PD slots and the FIFO wait queue
     generation  generation.Generation        render → encode → PD (one retry loop) → answer
+    tracing     tracing.Tracing              the requests' spans (off unless configured)
 
 All of them read the same `RouterState`; `reload` swaps its config and pool snapshot.
 """
@@ -31,11 +32,12 @@ from epd_kit.router.probes import ServingProbes
 from epd_kit.router.rendering import Renderer
 from epd_kit.router.state import RouterState
 from epd_kit.router.tenants import TenantMetrics, Tenants, load_client_keys
+from epd_kit.router.tracing import Tracing
 
 log = logging.getLogger("epd_router.service")
 
 # settings baked into the listener or the preprocessor at start; a reload keeps the old values
-RESTART_ONLY = ("model", "served_model_name", "quantization", "listen", "limits", "media")
+RESTART_ONLY = ("model", "served_model_name", "quantization", "listen", "limits", "media", "tracing")
 
 
 class RouterService:
@@ -64,6 +66,7 @@ class RouterService:
         self.admission = PdAdmission(self.state, self.metrics)
         self.encoder = Encoder(self.state, self.engines, self.metrics)
         self.generation = Generation(self.state, renderer, self.engines, self.encoder, self.admission, self.metrics)
+        self.tracing = Tracing(cfg.tracing)
         self.active_requests = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -76,6 +79,7 @@ class RouterService:
 
     async def stop(self) -> None:
         await self.engines.aclose()
+        await self.tracing.aclose()
         self.decode_pool.shutdown(wait=False, cancel_futures=True)
         aclose = getattr(self.renderer, "aclose", None)
         if aclose is not None:

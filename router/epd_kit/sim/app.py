@@ -37,6 +37,7 @@ from .metrics import SimMetrics
 from .pd import PrefillDecodeEngine, Sequence, build_sequence
 from .profile import LatencyProfile
 from .release import GENERATION_ERROR, AnswerShape, answer_shape
+from .tracing import SimTracer, untraced
 from .ve import VisionEncoderEngine
 
 log = logging.getLogger("epd_sim.api")
@@ -104,7 +105,8 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-def create_app(engine: SimEngine) -> FastAPI:
+def create_app(engine: SimEngine, tracer: SimTracer | None = None) -> FastAPI:
+    """`tracer`: --otlp-traces-endpoint's (tracing.py); None: tracing off."""
     app = FastAPI(title="epd-sim", docs_url=None, redoc_url=None, openapi_url=None)
     cfg = engine.cfg
 
@@ -151,7 +153,6 @@ def create_app(engine: SimEngine) -> FastAPI:
         log.warning("fault injection changed: %s", faults.model_dump(exclude_defaults=True))
         return JSONResponse(faults.model_dump())
 
-    @app.post(GENERATE_PATH)
     async def generate(request: Request) -> Response:
         raw = await request.body()
         verdict = engine.injector.admit()
@@ -201,6 +202,7 @@ def create_app(engine: SimEngine) -> FastAPI:
             )
         return await _complete(engine.pd, seq, request, engine.answers, cfg.served_model_name)
 
+    app.post(GENERATE_PATH)(untraced(generate) if tracer is None else tracer.traced(generate))
     return app
 
 

@@ -131,6 +131,7 @@ def _sim(name: str, **kw: Any) -> Any:
 @click.option("--served-model-name", default=None, help="Model name used in the API (default: the model argument).")
 @click.option("--max-logprobs", type=int, default=None, help="Maximum logprobs (accepted).")
 @click.option("--logprobs-mode", default=None, help="Logprobs mode (accepted).")
+@click.option("--otlp-traces-endpoint", default=None, help="Target URL to which OpenTelemetry traces will be sent.")
 @click.option("--disable-uvicorn-access-log", is_flag=True, default=False, help="Disable uvicorn access log.")
 @_sim(
     "profile",
@@ -201,6 +202,7 @@ def serve(model_tag: str | None, **opts: Any) -> None:
         ec_transfer_config=opts["ec_transfer_config"] or {},
         served_model_name=opts["served_model_name"],
         api_key=click.get_current_context().meta.get("api_key"),
+        otlp_traces_endpoint=opts["otlp_traces_endpoint"],
     )
     try:
         profile = build_profile(

@@ -72,6 +72,8 @@ class ServeArgs:
     # --api-key (vLLM: one or more; logged with the other non-default args, as vLLM does: the
     # kit passes the key through VLLM_API_KEY instead, docs/security.md "Engine keys")
     api_key: list[str | None] | None = None
+    # --otlp-traces-endpoint: the collector spans go to (tracing.py); None: tracing off
+    otlp_traces_endpoint: str | None = None
 
 
 @dataclass(frozen=True)

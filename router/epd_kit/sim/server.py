@@ -9,7 +9,7 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .auth import AuthenticationMiddleware, engine_tokens, guarded_prefix
 from .compile_cache import CacheSettings, CompileFailure, cache_key, key_inputs, load_or_compile
@@ -17,6 +17,9 @@ from .config import VLLM_VERSION, EngineConfig, ServeArgs, StartupFailure, build
 from .faults import Faults
 from .profile import LatencyProfile
 from .release import answer_shape
+
+if TYPE_CHECKING:
+    from .tracing import SimTracer
 
 log = logging.getLogger("epd_sim.server")
 
@@ -69,12 +72,24 @@ def run(args: ServeArgs, sim: SimOptions, env: Mapping[str, str]) -> int:
     except ValueError as exc:
         return _fail("ValueError", str(exc))
     log.info("answering as vLLM %s (EPD_SIM_VLLM)", answers.vllm)
+    tracer = None
+    if args.otlp_traces_endpoint is not None:
+        from .tracing import SimTracer
+
+        try:
+            tracer = SimTracer(args.otlp_traces_endpoint, env)
+        except ValueError as exc:
+            return _fail("ValueError", str(exc))
     for warning in cfg.warnings:
         log.warning("%s", warning)
     graph = _GraphKey.of(args, cfg, cache, env)
     if cache.cpu_compile:
         return asyncio.run(_cpu_compile(cfg, sim, cache, graph))
-    return asyncio.run(_serve(cfg, sim, cache, graph, engine_tokens(args.api_key, env)))
+    try:
+        return asyncio.run(_serve(cfg, sim, cache, graph, engine_tokens(args.api_key, env), tracer))
+    finally:
+        if tracer is not None:
+            tracer.shutdown()  # what is queued goes out (vLLM: atexit)
 
 
 @dataclass(frozen=True)
@@ -169,7 +184,12 @@ async def _load_and_warmup(cfg: EngineConfig, sim: SimOptions, cache: CacheSetti
 
 
 async def _serve(
-    cfg: EngineConfig, sim: SimOptions, cache: CacheSettings, graph: _GraphKey, tokens: Sequence[str] = ()
+    cfg: EngineConfig,
+    sim: SimOptions,
+    cache: CacheSettings,
+    graph: _GraphKey,
+    tokens: Sequence[str] = (),
+    tracer: SimTracer | None = None,
 ) -> int:
     if not await _load_and_warmup(cfg, sim, cache, graph):
         return 1
@@ -201,7 +221,7 @@ async def _serve(
             f"EC handshake server did not become ready within 5s ({cfg.side_channel_host}:"
             f"{cfg.side_channel_port}: {exc})",
         )
-    app = create_app(engine)
+    app = create_app(engine, tracer)
     if tokens:  # vLLM's api_server.py:258-261
         app.add_middleware(AuthenticationMiddleware, tokens=tokens, guarded=guarded_prefix(engine.answers))
     config = uvicorn.Config(

@@ -61,3 +61,18 @@ def test_profile_summary_buckets():
     assert s["samples"] == 140 and s["busy_samples"] == 50
     assert s["share_of_busy"]["preprocess: pixel_values (numpy)"] == 0.6
     assert s["share_of_busy"]["httpx/httpcore client (engine calls)"] == 0.4
+
+
+def test_router_overhead_before_and_traced_paths(tmp_path):
+    """--baseline REF and --traced add two routers to the same rotation: each answers every
+    request, and the traced one's spans reach the bench's receiver."""
+    # enough requests for each router's CPU to show at /proc's 10 ms resolution
+    args = ["--concurrency", "2", "--kinds", "text", "--text-requests", "150", "--cell-seconds", "5"]
+    args += ["--text-rounds", "1", "--loadgen-cpu", "", "--proxy-cpu", "", "--no-plot", "--out-dir", str(tmp_path)]
+    rec = router_overhead.main([*args, "--baseline", "HEAD", "--traced"])
+    row = rec.results["cells"]["text"]["2"]
+    for cfg in ("router", "before", "traced"):
+        assert row[cfg]["errors"] == 0 and row[cfg]["n"] > 0, (cfg, row[cfg]["error_examples"])
+        assert row[cfg]["proxy_cpu_ms_per_1k"] > 0
+    assert rec.results["baseline"] == "HEAD"
+    assert rec.results["traced_spans_received"] > 0

@@ -1,0 +1,116 @@
+"""An OTLP/HTTP traces receiver for tests (127.0.0.1, a thread): it decodes what the router's and
+the sim's exporters POST to `/v1/traces` (protobuf, as the OTLP specification's HTTP binding
+says) and keeps every span, so a test can assert a request's span tree. A test tool, not a
+collector: the kit deploys none of it."""
+
+from __future__ import annotations
+
+import gzip
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+TRACES_PATH = "/v1/traces"
+
+
+@dataclass(frozen=True)
+class Span:
+    trace_id: str  # 32 hex digits
+    span_id: str  # 16 hex digits
+    parent_id: str  # "" for a root
+    name: str
+    kind: int  # OTLP's SpanKind: 2 server, 3 client
+    service: str  # the resource's service.name
+    attributes: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # the status message of an ERROR status
+
+
+class OtlpReceiver:
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self.posts = 0
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                if self.headers.get("content-encoding") == "gzip":
+                    body = gzip.decompress(body)
+                ok = self.path == TRACES_PATH and receiver._take(body)
+                from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+                answer = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200 if ok else 400)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args: Any) -> None:
+                return None
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="otlp-receiver", daemon=True)
+
+    @property
+    def url(self) -> str:
+        """The traces URL to configure (an exporter's full endpoint)."""
+        return f"http://127.0.0.1:{self._server.server_address[1]}{TRACES_PATH}"
+
+    def __enter__(self) -> OtlpReceiver:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def clear(self) -> None:
+        with self._lock:
+            self.spans.clear()
+
+    def trace(self, trace_id: str) -> list[Span]:
+        with self._lock:
+            return [s for s in self.spans if s.trace_id == trace_id]
+
+    def _take(self, body: bytes) -> bool:
+        from google.protobuf.message import DecodeError
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        request = ExportTraceServiceRequest()
+        try:
+            request.ParseFromString(body)
+        except DecodeError:
+            return False
+        spans = []
+        for resource_spans in request.resource_spans:
+            service = _attributes(resource_spans.resource.attributes).get("service.name", "")
+            for scope_spans in resource_spans.scope_spans:
+                for s in scope_spans.spans:
+                    spans.append(
+                        Span(
+                            trace_id=s.trace_id.hex(),
+                            span_id=s.span_id.hex(),
+                            parent_id=s.parent_span_id.hex(),
+                            name=s.name,
+                            kind=s.kind,
+                            service=service,
+                            attributes=_attributes(s.attributes),
+                            error=s.status.message if s.status.code == 2 else None,
+                        )
+                    )
+        with self._lock:
+            self.spans += spans
+            self.posts += 1
+        return True
+
+
+def _attributes(pairs: Any) -> dict[str, Any]:
+    out = {}
+    for pair in pairs:
+        value = pair.value
+        kind = value.WhichOneof("value")
+        out[pair.key] = getattr(value, kind) if kind else None
+    return out

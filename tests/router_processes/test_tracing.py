@@ -1,0 +1,127 @@
+"""Traces (docs/router.md "Tracing"): the router's span tree of a request under the client's
+traceparent, and the traceparent each engine call carries, seen through the engines' own spans
+(the sim's `--otlp-traces-endpoint`, as vLLM's) in an OTLP/HTTP receiver on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from epd_kit.router.tracing import REQUEST_SPAN
+from epd_kit.testing.images import image_part, png_data_url, user_message
+from epd_kit.testing.otlp import OtlpReceiver, Span
+
+from .harness import Stack, wait_until
+
+SERVER, CLIENT = 2, 3  # OTLP SpanKind
+ENGINE_ENV = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}  # as the kit's engine units
+
+
+def traceparent() -> tuple[str, str, str]:
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    return trace_id, span_id, f"00-{trace_id}-{span_id}-01"
+
+
+def ask(stack: Stack, header: str | None, stream: bool = False) -> None:
+    headers = {"traceparent": header} if header else {}
+    client = openai.OpenAI(base_url=stack.router.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    messages = [user_message("Describe this image.", image_part(png_data_url(160, 120, seed=7)))]
+    answer = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=4, stream=stream, extra_headers=headers
+    )
+    if stream:
+        assert list(answer)
+    else:
+        assert answer.choices[0].finish_reason
+
+
+def spans_of(receiver: OtlpReceiver, trace_id: str, names: list[str]) -> list[Span]:
+    """The trace's spans once all of `names` (with repeats) are in."""
+
+    def complete() -> bool:
+        got = [s.name for s in receiver.trace(trace_id)]
+        return all(got.count(n) >= names.count(n) for n in set(names))
+
+    wait_until(complete, 20, f"spans {names} of trace {trace_id} (got {receiver.trace(trace_id)})")
+    return receiver.trace(trace_id)
+
+
+@pytest.fixture
+def fast_export(monkeypatch):
+    # the SDK's batch delay (5 s by default) for the router and the sims, which inherit it
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+
+
+@contextlib.contextmanager
+def traced_stack(ckpt, workdir, router_traced: bool) -> Iterator[tuple[Stack, OtlpReceiver]]:
+    """An OTLP receiver, one VE and one PD exporting their spans to it, and the router (its spans
+    too if `router_traced`); all stopped on exit."""
+    with OtlpReceiver() as receiver:
+        router = {"tracing": {"otlp_traces_endpoint": receiver.url}} if router_traced else {}
+        stack = Stack.start(
+            ckpt,
+            workdir,
+            n_ve=1,
+            n_pd=1,
+            sim_env={"epd-ve-0": ENGINE_ENV, "epd-pd-0": ENGINE_ENV},
+            engine_args=("--otlp-traces-endpoint", receiver.url),
+            **router,
+        )
+        try:
+            yield stack, receiver
+        finally:
+            stack.stop()
+
+
+def test_router_spans_continue_the_client_trace_and_reach_the_engines(ckpt, tmp_path, fast_export):
+    with traced_stack(ckpt, tmp_path, router_traced=True) as (stack, receiver):
+        trace_id, client_span, header = traceparent()
+        ask(stack, header)
+        names = [REQUEST_SPAN, "receive", "render", "ve encode", "pd generate", "llm_request", "llm_request"]
+        spans = spans_of(receiver, trace_id, names)
+        by_name = {s.name: s for s in spans}
+        root = by_name[REQUEST_SPAN]
+        # the client's trace goes on: the request span is the child of the client's span
+        assert root.parent_id == client_span and root.kind == SERVER and root.service == "epd-router"
+        assert root.attributes["http.response.status_code"] == 200
+        for name in ("receive", "render", "ve encode", "pd generate"):
+            assert by_name[name].parent_id == root.span_id, name
+        ve_call, pd_call = by_name["ve encode"], by_name["pd generate"]
+        assert ve_call.kind == pd_call.kind == CLIENT
+        assert ve_call.attributes["epd.engine.id"] == "epd-ve-0"
+        assert pd_call.attributes["epd.engine.id"] == "epd-pd-0"
+        # each engine's span is the child of the call that carried its traceparent
+        engine_spans = {s.parent_id: s for s in spans if s.name == "llm_request"}
+        assert set(engine_spans) == {ve_call.span_id, pd_call.span_id}
+        assert all(s.kind == SERVER for s in engine_spans.values())
+        assert engine_spans[pd_call.span_id].attributes["gen_ai.request.id"]
+
+        # a stream: its relay is a span of its own; a request without a traceparent starts a trace
+        receiver.clear()
+        ask(stack, None, stream=True)
+        wait_until(lambda: any(s.name == "stream" for s in receiver.spans), 20, "the stream's span")
+        roots = [s for s in receiver.spans if s.name == REQUEST_SPAN]
+        assert len(roots) == 1 and roots[0].parent_id == ""
+        streamed = spans_of(receiver, roots[0].trace_id, ["stream", "pd generate", "llm_request", "llm_request"])
+        assert {s.parent_id for s in streamed if s.name in ("stream", "pd generate")} == {roots[0].span_id}
+
+        # a malformed traceparent is ignored (W3C: a new trace starts), never passed on
+        receiver.clear()
+        bad_trace = secrets.token_hex(16)
+        ask(stack, f"00-{bad_trace.upper()}-{secrets.token_hex(8)}-01")
+        wait_until(lambda: sum(s.name == "llm_request" for s in receiver.spans) >= 2, 20, "the engines' spans")
+        assert not [s for s in receiver.spans if s.trace_id in (bad_trace, bad_trace.upper())]
+
+
+def test_tracing_off_passes_the_client_traceparent_on(ckpt, tmp_path, fast_export):
+    """The router exports nothing, yet the engines' spans join the client's trace."""
+    with traced_stack(ckpt, tmp_path, router_traced=False) as (stack, receiver):
+        trace_id, client_span, header = traceparent()
+        ask(stack, header)
+        spans = spans_of(receiver, trace_id, ["llm_request", "llm_request"])
+        assert {s.parent_id for s in spans} == {client_span}
+        assert not [s for s in receiver.spans if s.service == "epd-router"]
