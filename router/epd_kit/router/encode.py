@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from epd_kit.router import upstream
 from epd_kit.router.context import RequestContext
-from epd_kit.router.errors import EcLoadFailed, RouterError, UpstreamError
+from epd_kit.router.errors import EcLoadFailed, EngineDied, RouterError, UpstreamError
 from epd_kit.router.metrics import RouterMetrics
 from epd_kit.router.placement import Item, group_by_ve, place_items
 from epd_kit.router.pools import Engine
@@ -135,16 +135,18 @@ class Encoder:
                 if ve not in answered or not ctx.hold_encoder(engine):
                     engine.inflight -= 1
 
-    def charge_unreadable(self, ctx: RequestContext, err: EcLoadFailed) -> list[Engine]:
-        """A PD could not read this request's blocks: charge the VEs that encoded the items
-        it names (all the request's VEs when it names none it can be matched to) and take
+    def charge_unreadable(self, ctx: RequestContext, err: EcLoadFailed | EngineDied) -> list[Engine]:
+        """A PD could not read this request's blocks (or its engine core died with them to
+        read): charge the VEs that encoded the items it names (all the request's VEs when it
+        names none it can be matched to, as a real PD's EngineDeadError never does) and take
         them out of service (`Engine.blocks_unreadable`). Returns the VEs charged."""
         named = {ve for h, ve in ctx.encoded_by.items() if h[:16] in err.engine_text}
         suspects = named or set(ctx.encoded_by.values())
+        died = isinstance(err, EngineDied)
         charged = []
         for engine in self._state.pools.ve:
             if engine.id in suspects and not engine.quarantined:
-                self._engines.failed(upstream.blocks_unreadable(engine, err.engine_id), engine)
+                self._engines.failed(upstream.blocks_unreadable(engine, err.engine_id, engine_died=died), engine)
                 # The last VE in service is charged but stays: a read can also fail for a cause
                 # that is not the VE's (a timeout on a loaded PD or network), and taking every
                 # VE out would fail every image request for a whole quarantine.
@@ -198,9 +200,10 @@ class Encoder:
         async with ctx.time_limit("re-encode"):
             ctx.locators.update(await self.encode(ctx, only=stale, avoid=avoid))
 
-    async def refresh_locators(self, ctx: RequestContext, err: UpstreamError) -> bool:
+    async def refresh_locators(self, ctx: RequestContext, *, reencode_all: bool) -> bool:
         """Before retrying a failed PD call elsewhere: re-encode the items whose VE is gone
-        or quarantined (probed now), or all of them if the PD could not read the embeddings;
+        or quarantined (probed now), or all of them if the PD may not have read the
+        embeddings (`reencode_all`: its ECLoadFailure, or its engine core's death, generation.py);
         a failed EC read kills a PD engine core (§3.5), so the retry must not read the same
         locators, nor any block of a VE a PD could not read. Returns True if any locator
         changed."""
@@ -210,7 +213,7 @@ class Encoder:
         await asyncio.gather(*(self._engines.check(e) for e in encoders.values()))
         gone = {ve for ve in set(ctx.encoded_by.values()) if ve not in encoders or not encoders[ve].eligible}
         stale = {h for h, ve in ctx.encoded_by.items() if ve in gone}
-        if isinstance(err, EcLoadFailed):
+        if reencode_all:
             stale = set(ctx.encoded_by)
         if not stale:
             return False

@@ -146,3 +146,15 @@ class EcLoadFailed(UpstreamError):
     items' hashes)."""
 
     engine_text: str = ""
+
+
+class EngineDied(UpstreamError):
+    """A PD's engine core died (vLLM's `EngineDeadError`): its API server answers this
+    request, every one in flight and every one that arrives until it exits with the same
+    fixed message, never the cause, which only its log has (docs/contract.md §3.5). For a
+    request whose blocks it was to read the cause may be them (a failed or missing read
+    kills the engine core), so generation.py treats it as an `EcLoadFailed` then, unless the
+    engine was already known dead when the call went out. Recognised in upstream.py;
+    `engine_text` is what the PD said."""
+
+    engine_text: str = ""

@@ -24,7 +24,7 @@ from epd_kit.router.admission import PdAdmission
 from epd_kit.router.context import RequestContext
 from epd_kit.router.encode import Encoder
 from epd_kit.router.engine_client import EngineClient, PdStream
-from epd_kit.router.errors import EcLoadFailed, RouterError, UpstreamError
+from epd_kit.router.errors import EcLoadFailed, EngineDied, RouterError, UpstreamError
 from epd_kit.router.metrics import RequestOutcome, RouterMetrics
 from epd_kit.router.openai_api import ChatCompletionRequest
 from epd_kit.router.pools import Engine
@@ -133,14 +133,16 @@ class Generation:
                     # (another request found out): no PD may be sent to read them
                     await self._encoder.reencode(ctx, stale, {ctx.encoded_by[h] for h in stale})
                 engine = await self._admission.acquire(tried, last)
+                started = time.monotonic()
                 try:
                     result = await call(engine, self._pd_body(ctx, stream))
                 except UpstreamError as err:
                     await self._admission.release(engine)
                     tried.add(engine.id)
                     last = err
-                    if isinstance(err, EcLoadFailed):
-                        self._encoder.charge_unreadable(ctx, err)
+                    read_failed = self._failed_read(err, engine, started, ctx)
+                    if read_failed is not None:
+                        self._encoder.charge_unreadable(ctx, read_failed)
                         unreadable += 1
                     # after a failed read, one more PD at most, and only with blocks of VEs a
                     # PD has read from: each failed read costs a PD its engine core (§3.5)
@@ -151,8 +153,8 @@ class Generation:
                         "generate failed before the client got a byte, retrying on another PD",
                         extra={"request_id": ctx.request_id, "engine": engine.id, "error": err.message},
                     )
-                    await self._encoder.refresh_locators(ctx, err)
-                    if isinstance(err, EcLoadFailed) and (unproven := self._encoder.unproven(ctx)):
+                    await self._encoder.refresh_locators(ctx, reencode_all=read_failed is not None)
+                    if read_failed is not None and (unproven := self._encoder.unproven(ctx)):
                         log.warning(
                             "not retried: no PD has read the blocks of the VEs that re-encoded the items yet",
                             extra={"request_id": ctx.request_id, "engines": unproven},
@@ -166,6 +168,27 @@ class Generation:
                 if not keep_slot:
                     await self._admission.release(engine)
                 return result
+
+    @staticmethod
+    def _failed_read(
+        err: UpstreamError, engine: Engine, started: float, ctx: RequestContext
+    ) -> EcLoadFailed | EngineDied | None:
+        """`err` if the PD's failure may be a failed read of this request's blocks: its
+        ECLoadFailure, or its engine core's death (a real vLLM PD answers only vLLM's
+        EngineDeadError message, whatever the cause: upstream.ENGINE_DEAD_MESSAGE) while it
+        had blocks of this request to read. A death the router already had an answer about
+        before this call went out is not: the engine core was dead when the request came.
+        The engine core dies on the first failed read, so every request in flight on it gets
+        the same answer and cannot be told from the one whose blocks killed it: each is
+        charged to its VEs (docs/router.md "Failure outcomes" says why that is the safe side)."""
+        if isinstance(err, EcLoadFailed):
+            return err
+        if not isinstance(err, EngineDied):
+            return None
+        known_dead = bool(engine.core_died_at) and started > engine.core_died_at
+        if not engine.core_died_at:
+            engine.core_died_at = time.monotonic()
+        return err if ctx.encoded_by and not known_dead else None
 
     def _may_retry(self, err: UpstreamError, tried: set[str], ctx: RequestContext) -> bool:
         return err.retry_other and len(tried) < self._state.cfg.retries.max_attempts and time.monotonic() < ctx.deadline

@@ -57,6 +57,7 @@ class EngineHealth:
 
     def call_succeeded(self, engine: Engine) -> None:
         engine.call_failures = 0
+        engine.core_died_at = 0.0  # it serves: whatever died before is not this engine core
         engine.streak.clear()
         self._remember(engine, True)
 

@@ -60,6 +60,10 @@ class Engine:
     quarantined_until: float = 0.0
     unreadable: int = 0  # such failures so far; each doubles the next quarantine
     reads_ok_at: float = 0.0  # when a PD last read this VE's blocks (`time.monotonic()`)
+    # PD only: when the router first had its engine core's death (vLLM's EngineDeadError
+    # answer) since it last served or came back into service; a call made after it met an
+    # engine core already dead (generation.py `_failed_read`)
+    core_died_at: float = 0.0
 
     @property
     def eligible(self) -> bool:
@@ -89,6 +93,8 @@ class Engine:
             return  # the health rules readmit it at their first good probe after the quarantine
         if healthy != self.healthy:
             self.healthy = healthy
+            if healthy:
+                self.core_died_at = 0.0  # back in service: a restarted engine
             self.last_change = time.monotonic()
             log.log(
                 logging.INFO if healthy else logging.WARNING,

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from epd_kit.router import engine_http
-from epd_kit.router.errors import EcLoadFailed, Failure, UpstreamError
+from epd_kit.router.errors import EcLoadFailed, EngineDied, Failure, UpstreamError
 from epd_kit.router.pools import Engine
 from epd_kit.wire import EcLocator, GenerateResponse
 
@@ -31,6 +31,17 @@ STAGE_NAMES = {"ve": "encode", "pd": "generate"}
 # read, so the same blocks must go to no other PD). Engines report it only as text; this is
 # the one place that text is read.
 EC_LOAD_FAILURE_MARKERS = ("ECLoadFailure", "Encoder-cache load", "ec_locator", "EC region block_len mismatch")
+
+# What vLLM's API server answers once its engine core has died, whatever killed it
+# (vllm/v1/engine/exceptions.py EngineDeadError, 0.24.0 and 0.29.0): the failed request, every
+# one in flight and every one that arrives before the server exits (entrypoints/launcher.py
+# terminate_if_errored) get it, as a 500 {"error": {"message": this, "type":
+# "InternalServerError", "code": 500}} or, in a stream, as that error event and [DONE]. The
+# cause (an ECLoadFailure, a missing embedding, anything else) stays in the engine's log: the
+# engine core is another process, and the API server only learns that it died. So a real PD
+# never sends EC_LOAD_FAILURE_MARKERS; this message is how its failed read reaches the router
+# (docs/contract.md §3.5, docs/router.md "Failure outcomes").
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
 # How vLLM says generation failed for one request: a choice finished with reason "error", a
 # "retryable request-level internal error (e.g., KV load failure)" (vllm/v1/engine/__init__.py
@@ -87,12 +98,15 @@ def _failure(
     """The typed error for a failed engine call; `engine_text` is what the engine said.
     `message` (with `where`) is for the log and /pools; `client` is what the client is told,
     without engine internals (no address, no id), else UpstreamError's default."""
-    ec_load = engine.role == "pd" and any(m in engine_text for m in EC_LOAD_FAILURE_MARKERS)
-    error_type = EcLoadFailed if ec_load else UpstreamError
+    error_type: type[UpstreamError] = UpstreamError
+    if engine.role == "pd" and any(m in engine_text for m in EC_LOAD_FAILURE_MARKERS):
+        error_type = EcLoadFailed
+    elif engine.role == "pd" and ENGINE_DEAD_MESSAGE in engine_text:
+        error_type = EngineDied
     err = error_type(
         status, message, engine_id=engine.id, stage=STAGE_NAMES[engine.role], failure=failure, retry_other=retry_other
     )
-    if isinstance(err, EcLoadFailed):
+    if isinstance(err, EcLoadFailed | EngineDied):
         err.engine_text = engine_text
     if client is not None:
         err.client_message = client
@@ -278,11 +292,15 @@ def _retry_after(answer: EngineAnswer) -> float:
     return min(max(seconds, 1.0), MAX_RETRY_AFTER_S) if math.isfinite(seconds) else 1.0
 
 
-def blocks_unreadable(ve: Engine, pd_id: str) -> UpstreamError:
+def blocks_unreadable(ve: Engine, pd_id: str, *, engine_died: bool = False) -> UpstreamError:
     """What a VE is charged with when a PD could not read its blocks (an `EcLoadFailed`
-    from that PD): the producer's failure, since a PD engine core that fails a read dies
-    (docs/contract.md §3.5) and a VE whose side channel refuses reads would kill every PD."""
-    message = f"PD {pd_id} could not read the blocks of VE {ve.id} (ECLoadFailure)"
+    from that PD, or its `EngineDied` on a request with blocks to read): the producer's
+    failure, since a PD engine core that fails a read dies (docs/contract.md §3.5) and a VE
+    whose side channel refuses reads would kill every PD."""
+    if engine_died:
+        message = f"PD {pd_id}'s engine core died (EngineDeadError) with the blocks of VE {ve.id} to read"
+    else:
+        message = f"PD {pd_id} could not read the blocks of VE {ve.id} (ECLoadFailure)"
     client = "an engine could not read the image embeddings"
     return _failure(ve, 502, message, failure=Failure.error, retry_other=True, client=client)
 
