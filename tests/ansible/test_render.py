@@ -93,7 +93,8 @@ def test_readiness_gate_and_stagger_match_the_plan(inventory, rendered):
         unit = parse_unit((out / host / "etc/systemd/system/epd-engine@.service").read_text())
         timeout = int(unit.values("Service", "TimeoutStartSec")[0])
         assert unit.values("Service", "LimitMEMLOCK") == ["infinity"]
-        assert unit.values("Service", "Restart") == ["on-failure"]
+        # a dead vLLM engine core's API server exits 0: on-failure would not restart it
+        assert unit.values("Service", "Restart") == ["always"]
         assert not unit.values("Service", "PrivateDevices"), "PrivateDevices would hide /dev/neuron*"
         for engine in host_plan["engines"]:
             unit_text, env_files, _ = engine_files(out / host, engine["instance"])

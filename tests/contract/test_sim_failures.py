@@ -23,6 +23,7 @@ from sim_harness import (
 )
 
 from epd_kit.sim.client import build_prompt, fake_image, pd_body, ve_body
+from epd_kit.sim.errors import ENGINE_DEAD_MESSAGE
 from epd_kit.sim.model import expected_tokens
 from epd_kit.wire import GenerateResponse, split_sse, sse_data
 
@@ -33,10 +34,21 @@ def _encode(url: str, images) -> dict:
     return GenerateResponse.model_validate(r.json()).ec_locators()
 
 
+def _engine_dead(r: httpx.Response) -> bool:
+    """vLLM's answer once its engine core died, whatever the cause (docs/sim.md "Real vLLM")."""
+    return r.status_code == 500 and r.json()["error"] == {
+        "message": ENGINE_DEAD_MESSAGE,
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+
+
 def _assert_died(pd, log_markers: list[str]) -> None:
-    """PD engine core died: 503 on /health, then a non-zero exit; the log says why."""
+    """PD engine core died: 503 on /health, then the process exits 0 as vLLM's API server
+    does; only the log says why."""
     assert httpx.get(pd.url + "/health", timeout=2).status_code == 503
-    assert pd.wait_exit(10) != 0
+    assert pd.wait_exit(10) == 0
     log = pd.log()
     for marker in log_markers:
         assert marker in log, f"{marker!r} not in log:\n{log}"
@@ -114,9 +126,11 @@ def test_missing_efa_env_times_out_the_read_and_kills_pd(
     t0 = time.monotonic()
     r = httpx.post(pd.url + "/inference/v1/generate", json=pd_body(prompt, [a], phs, locs), timeout=10)
     assert time.monotonic() - t0 >= 0.9  # transfer_timeout_sec defaults to 1 s
-    assert r.status_code == 500
-    assert f"ECLoadFailure: Encoder-cache load failed for mm_hashes: ['{a.mm_hash}']" in r.text
-    _assert_died(pd, ["EC wait_for_load timed out after 1.00 s", "Encoder-cache load failed for mm_hashes"])
+    assert _engine_dead(r)
+    _assert_died(
+        pd,
+        ["EC wait_for_load timed out after 1.00 s", f"Encoder-cache load failed for mm_hashes: ['{a.mm_hash}']"],
+    )
     assert httpx.get(ve_url + "/health").status_code == 200  # the VE is not the one dying
 
 
@@ -140,7 +154,7 @@ def test_block_size_disagreement_fails_the_handshake(
     locs = _encode(pair.ve.url, [a])
     prompt, phs = build_prompt([a], image_token_id)
     r = httpx.post(pd.url + "/inference/v1/generate", json=pd_body(prompt, [a], phs, locs), timeout=10)
-    assert r.status_code == 500 and "EC region block_len mismatch" in r.text
+    assert _engine_dead(r)
     _assert_died(
         pd,
         [
@@ -199,8 +213,35 @@ def test_missing_locator_is_ec_load_failure(launcher: Launcher, checkpoint, imag
     events, _ = split_sse(raw)
     assert [sse_data(e) for e in events][-1] == b"[DONE]"  # ...then an error frame, [DONE]
     error = json.loads(sse_data(events[0]))["error"]
-    assert error["code"] == 500
-    assert error["message"] == (f"ECLoadFailure: Encoder-cache load failed for mm_hashes: ['{a.mm_hash}']")
+    assert error == {"message": ENGINE_DEAD_MESSAGE, "type": "InternalServerError", "param": None, "code": 500}
+    _assert_died(pd, [f"Encoder-cache load failed for mm_hashes: ['{a.mm_hash}']"])
+
+
+def test_a_missing_block_fails_every_request_in_flight_and_after_then_exits_0(
+    launcher: Launcher, checkpoint, image_token_id
+) -> None:
+    """As a real vLLM PD whose engine core died (tests/real_engines/test_missing_block.py):
+    the request that killed it, a stream in flight (error event, [DONE]) and a request that
+    comes before the process exits all get vLLM's EngineDeadError message; it exits 0."""
+    pd = start_pd(launcher, str(checkpoint.path), env=engine_env(PD_CORES, decode_ms_per_token="20"))
+    gen = pd.url + "/inference/v1/generate"
+    text = {
+        "token_ids": [5, 6, 7, 8],
+        "features": {"mm_hashes": {}, "mm_placeholders": {}, "kwargs_data": {}},
+        "sampling_params": {"max_tokens": 2000, "ignore_eos": True},
+    }
+    a = fake_image((1, 8, 8), 102, checkpoint.vision)
+    prompt, phs = build_prompt([a], image_token_id)
+    with httpx.stream("POST", gen, json={**text, "request_id": "long", "stream": True}, timeout=10) as stream:
+        chunks = stream.iter_bytes()
+        raw = next(chunks)  # generating
+        assert _engine_dead(httpx.post(gen, json=pd_body(prompt, [a], phs, {}), timeout=10))
+        raw += b"".join(chunks)
+    events, _ = split_sse(raw)
+    datas = [sse_data(e) for e in events]
+    assert datas[-1] == b"[DONE]"
+    assert json.loads(datas[-2])["error"]["message"] == ENGINE_DEAD_MESSAGE
+    assert _engine_dead(httpx.post(gen, json={**text, "request_id": "after"}, timeout=10))
     _assert_died(pd, [f"Encoder-cache load failed for mm_hashes: ['{a.mm_hash}']"])
 
 
@@ -214,5 +255,5 @@ def test_evicted_block_is_detected_not_ignored(launcher: Launcher, checkpoint, i
     assert locs_a[a.mm_hash].remote_block_ids == locs_b[b.mm_hash].remote_block_ids
     prompt, phs = build_prompt([a], image_token_id)
     r = httpx.post(pair.pd.url + "/inference/v1/generate", json=pd_body(prompt, [a], phs, locs_a), timeout=10)
-    assert r.status_code == 500 and "ECLoadFailure" in r.text
+    assert _engine_dead(r)
     _assert_died(pair.pd, ["evicted or reused before the read"])

@@ -31,7 +31,7 @@ from ..wire import (
     stream_request_id,
 )
 from .config import VLLM_VERSION, EngineConfig
-from .errors import EngineDeadError, InputRejected, RequestRejected
+from .errors import ENGINE_DEAD_MESSAGE, EngineDeadError, InputRejected, RequestRejected
 from .faults import FaultInjector, Faults
 from .metrics import SimMetrics
 from .pd import PrefillDecodeEngine, Sequence, build_sequence
@@ -191,8 +191,8 @@ def create_app(engine: SimEngine, tracer: SimTracer | None = None) -> FastAPI:
             return StreamingResponse(iter((sse_frame(frame), SSE_DONE)), media_type="text/event-stream")
         except RequestRejected as exc:
             return error_response(exc.message, exc.status, exc.err_type)
-        except EngineDeadError as exc:
-            return error_response(f"EngineDeadError: {exc}", 500, "InternalServerError")
+        except EngineDeadError as exc:  # a request that came after the engine core died
+            return error_response(str(exc), 500, "InternalServerError")
         if req.stream:
             include_usage = req.stream_options is not None and (req.stream_options.include_usage is not False)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
@@ -207,8 +207,9 @@ def create_app(engine: SimEngine, tracer: SimTracer | None = None) -> FastAPI:
 
 
 def _engine_error(seq: Sequence) -> tuple[str, int]:
-    exc = seq.error
-    return f"{type(exc).__name__}: {exc}", 500
+    """What a request in flight when the engine core died is answered: vLLM's EngineDeadError
+    message, never the cause (`seq.error`), which only the log has (docs/sim.md "Real vLLM")."""
+    return ENGINE_DEAD_MESSAGE, 500
 
 
 async def _complete(

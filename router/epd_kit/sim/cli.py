@@ -179,7 +179,7 @@ def _sim(name: str, **kw: Any) -> Any:
     "dead-linger-s",
     type=float,
     default=1.0,
-    help="[sim] Seconds /health answers 503 after a fatal error before exit(1).",
+    help="[sim] Seconds /health answers 503 after a fatal error before the process exits (0, as vLLM).",
 )
 @_sim("grace-s", type=float, default=10.0, help="[sim] SIGTERM grace for in-flight requests.")
 def serve(model_tag: str | None, **opts: Any) -> None:

@@ -48,5 +48,16 @@ class ECLoadFailure(Exception):
         super().__init__(f"Encoder-cache load failed for mm_hashes: {mm_hashes}")
 
 
+# What vLLM's API server answers to every request once its engine core died, whatever the
+# cause (vllm/v1/engine/exceptions.py EngineDeadError, 0.24.0 and 0.29.0; a 500
+# InternalServerError, or a stream's error event then [DONE]): the engine core is another
+# process, and the API server learns only that it died. The cause goes to the log.
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+
 class EngineDeadError(Exception):
-    """The engine core died; every request fails until the process is restarted."""
+    """The engine core died; every request fails until the process is restarted. Its text
+    is always vLLM's ENGINE_DEAD_MESSAGE."""
+
+    def __init__(self) -> None:
+        super().__init__(ENGINE_DEAD_MESSAGE)

@@ -151,7 +151,7 @@ class PrefillDecodeEngine:
 
     def submit(self, seq: Sequence) -> None:
         if self.dead is not None:
-            raise EngineDeadError(f"engine core is dead: {self.dead}")
+            raise EngineDeadError()
         if seq.locators and not self._warned_kv_params:
             # vLLM logs this per request (the locators ride in kv_transfer_params, contract
             # §3.1); the sim logs it once so a busy PD's log stays readable.
