@@ -74,8 +74,11 @@ class RealStack:
         n_pd: int = 1,
         images: int | None = None,
         pd_max_model_len: int | None = None,
+        ec_stores: dict[str, Path] | None = None,
         **router_overrides: Any,
     ) -> RealStack:
+        """`ec_stores`: engine id -> the EC store directory it gets instead of the one the
+        others share (a VE whose embeddings no PD finds: test_missing_block.py)."""
         key_file = workdir / "engine-key"
         key_file.write_text(ENGINE_KEY + "\n")
         key_file.chmod(0o600)
@@ -90,7 +93,7 @@ class RealStack:
                 f"epd-{role}-{index}",
                 ckpt,
                 workdir,
-                ec_store=store,
+                ec_store=(ec_stores or {}).get(f"epd-{role}-{index}", store),
                 key_file=key_file,
                 plugin_site=plugin_site,
                 images=images,

@@ -27,7 +27,8 @@ from tests.unit.router.test_router_generation import (
 )
 
 # vLLM's handshake check (docs/contract.md §3.5: `block_len` mismatch → ValueError "EC region
-# block_len mismatch…"), as the sim's PD answers it before its engine core dies
+# block_len mismatch…"), as an engine that names it in its answer would (a real vLLM PD, and the
+# sim since, answer only EngineDeadError's message: test_router_engine_death.py)
 BLOCK_LEN = (
     "BlockLenMismatch: EC region block_len mismatch: remote engine epd-ve-0 advertises 131072 "
     "bytes/block, local region has 262144 bytes/block"
