@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
+from epd_kit.router import upstream
 from epd_kit.router.config import parse_config
 from epd_kit.router.context import RequestContext
 from epd_kit.router.errors import RouterError
@@ -24,6 +25,8 @@ from tests.unit.router import scripted_engines
 VE_PORTS = {11: "epd-ve-0", 12: "epd-ve-1"}
 PD_PORTS = {21: "epd-pd-0", 22: "epd-pd-1"}
 EC_LOAD = "ECLoadFailure: Encoder-cache load failed for mm_hashes: ['h1']"
+# a real vLLM PD's answer once its engine core died, whatever the cause (a failed read among them)
+ENGINE_DEAD = upstream.ENGINE_DEAD_MESSAGE
 
 
 @dataclass
@@ -168,10 +171,11 @@ def engine_failures(service: RouterService, engine: str) -> float:
     return service.metrics.registry.get_sample_value("epd_router_engine_failures_total", labels) or 0.0
 
 
+@pytest.mark.parametrize("said", [EC_LOAD, ENGINE_DEAD], ids=["ec-load", "engine-dead"])
 @pytest.mark.parametrize(
     ("stream", "how"), [(False, "http"), (True, "http"), (True, "frame")], ids=["complete", "stream", "stream-frame"]
 )
-async def test_ec_load_failure_re_encodes_then_retries_on_another_pd(make_service, stream, how):
+async def test_ec_load_failure_re_encodes_then_retries_on_another_pd(make_service, stream, how, said):
     engines = Engines()
     service = await make_service(engines)
     # a PD reads both VEs' blocks first (h1 and h2 go to different VEs): after a failed read
@@ -179,7 +183,7 @@ async def test_ec_load_failure_re_encodes_then_retries_on_another_pd(make_servic
     assert await answer(service, False) == "Hi"
     engines.pd_calls.clear()
     engines.encodes.clear()
-    engines.pd_failures.append((how, 500, EC_LOAD))
+    engines.pd_failures.append((how, 500, said))
     assert await answer(service, stream) == "Hi"
     first, second = engines.pd_calls
     assert first.engine != second.engine

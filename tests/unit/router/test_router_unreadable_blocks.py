@@ -11,6 +11,7 @@ from epd_kit.router.errors import RouterError
 from epd_kit.router.openai_api import parse_request
 from tests.unit.router.test_router_generation import (
     EC_LOAD,
+    ENGINE_DEAD,
     Engines,
     all_slots_free,
     answer,
@@ -55,12 +56,15 @@ async def test_no_retry_onto_blocks_no_pd_has_read(make_service):  # noqa: F811
     assert all_slots_free(service)
 
 
-async def test_a_second_failed_read_ends_the_retries(make_service):  # noqa: F811
+@pytest.mark.parametrize(
+    "said", [(EC_LOAD, EC_LOAD.replace("h1", "h2")), (ENGINE_DEAD, ENGINE_DEAD)], ids=["ec-load", "engine-dead"]
+)
+async def test_a_second_failed_read_ends_the_retries(make_service, said):  # noqa: F811
     engines = Engines()
     service = await make_service(engines, max_attempts=3)
     assert await answer(service, False) == "Hi"
     engines.pd_calls.clear()
-    engines.pd_failures += [("http", 500, EC_LOAD), ("http", 500, EC_LOAD.replace("h1", "h2"))]
+    engines.pd_failures += [("http", 500, message) for message in said]
     with pytest.raises(RouterError):
         await answer(service, False)
     assert len(engines.pd_calls) == 2  # not a third PD, though max_attempts allows it
