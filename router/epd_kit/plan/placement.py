@@ -137,3 +137,70 @@ def no_fit_message(host: HostSpec, settings: Settings) -> str:
         "free cores, or move engines to another host. Each slice needs tp free cores starting "
         "at a multiple of tp."
     )
+
+
+def place_models(host: HostSpec, settings: Settings) -> tuple[dict[str, list[int]], dict[str, dict[str, list[int]]]]:
+    """Every model's slices on one host: the first model's (today's `place`, hand-pinned slices
+    kept), then the further models' (settings.models) on the cores left, all together widest TP
+    first, so no model's narrow engines break up an aligned block another's wide engine needs.
+    Returns (the first model's starts per role, {further model: starts per role}); a model that
+    does not fit is refused naming it and the host."""
+    further = [m for m in settings.models if m.runs_on(host.name) and (m.num_ve or m.num_pd)]
+    if not further:
+        starts = place(host, settings)
+        if starts is None:
+            raise EpdPlanError(no_fit_message(host, settings))
+        return starts, {}
+    first = place(host, settings)  # alone first: a first model that does not fit is today's message
+    if first is None:
+        raise EpdPlanError(no_fit_message(host, settings))
+    for upto in range(1, len(further) + 1):
+        placed = _place_together(host, settings, further[:upto])
+        if placed is None:
+            model = further[upto - 1]
+            others = [settings.model, *(m.name for m in further[: upto - 1])]
+            raise EpdPlanError(model_no_fit_message(host, settings, model, others))
+    assert placed is not None
+    return placed[None], {name: starts for name, starts in placed.items() if name is not None}
+
+
+def _place_together(host: HostSpec, settings: Settings, further) -> dict[str | None, dict[str, list[int]]] | None:
+    pinned = check_pinned(host, settings)
+    used = set(host.blocked)
+    for role, starts in pinned.items():
+        for start in starts:
+            used.update(range(start, start + settings.tp(role)))
+    # (model position, role, tp, count): the first model is position 0 (key None)
+    pools = [(0, None, role, settings.tp(role), host.count(role)) for role in ROLES]
+    pools += [
+        (i + 1, m.name, role, m.settings.tp(role), m.count(role)) for i, m in enumerate(further) for role in ROLES
+    ]
+    result: dict[str | None, dict[str, list[int]]] = {None: {role: list(pinned.get(role, [])) for role in ROLES}}
+    for _, name, _, _, _ in pools:
+        result.setdefault(name, {role: [] for role in ROLES})
+    for _, name, role, tp, count in sorted(pools, key=lambda p: (-p[3], p[0], p[2] != "pd")):
+        missing = count - len(result[name][role])
+        for start in range(0, host.core_count - tp + 1, tp):
+            if missing <= 0:
+                break
+            block = range(start, start + tp)
+            if used.isdisjoint(block):
+                used.update(block)
+                result[name][role].append(start)
+                missing -= 1
+        if missing > 0:
+            return None
+    return result
+
+
+def model_no_fit_message(host: HostSpec, settings: Settings, model, before: list[str]) -> str:
+    s = model.settings
+    need = model.num_ve * s.ve_tp + model.num_pd * s.pd_tp
+    first = host.num_ve * settings.ve_tp + host.num_pd * settings.pd_tp
+    return (
+        f"{host.name}: model {model.name} does not fit: it asks for {model.num_ve} VE (tp {s.ve_tp}) + "
+        f"{model.num_pd} PD (tp {s.pd_tp}) = {need} cores beside {', '.join(before)} ({first} cores for the "
+        f"first model's {host.num_ve} VE + {host.num_pd} PD), on {host.usable_cores} usable cores. Lower its "
+        "num_ve/num_pd in epd_models, run it on other hosts (its hosts list), or give the host more cores. "
+        "Each slice needs tp free cores starting at a multiple of tp."
+    )

