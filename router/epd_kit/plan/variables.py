@@ -547,6 +547,7 @@ ROUTER_SECTIONS: dict[str, dict[str, str]] = {
 # would disagree with the socket unit, the engines or the plan)
 PLANNED_KEYS: dict[str, str] = {
     "model": "epd_model",
+    "models": "epd_models",
     "served_model_name": "epd_router_served_model_name",
     "quantization": "epd_quantization",
     "dtype": "nothing: the kit sets the engines' dtype",
