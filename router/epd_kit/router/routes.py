@@ -276,9 +276,12 @@ async def pools_view(request: Request) -> JSONResponse:
     _check_operator(request, service.state.cfg.auth.protect_pools)
     group = service.metrics.group_engines()
     engines = []
-    for lane in service.lanes.values():
+    for index, lane in enumerate(service.lanes.values()):
         for engine in lane.state.pools.all():
-            engines.append({**engine.snapshot(), "model": lane.name} if service.several else engine.snapshot())
+            snapshot = engine.snapshot()
+            if service.several:  # whose pools it is in (0: the first model's; rollout.py reads it)
+                snapshot.update(model=lane.name, model_index=index)
+            engines.append(snapshot)
     if group is not None:
         # several processes: a drain or an activation must hold in all of them, not only in
         # the one that happens to answer (docs/router.md "Scale-out")
