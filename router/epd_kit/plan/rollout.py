@@ -511,7 +511,7 @@ def retiring_endpoints(
     if names:  # several models (epd_models): each model's lists, a retiring engine in its own
         endpoints["models"] = {name: router_endpoints(plan, draining, name) for name in names}
         lanes.update(endpoints["models"])
-    planned = {endpoint["id"] for lane in lanes.values() for pool in lane.values() for endpoint in pool}
+    planned = {endpoint["id"] for lane in lanes.values() for role in ("ve", "pd") for endpoint in lane[role]}
     # an engine of a model no longer planned is not kept: the router's processes roll to drop
     # the model (router.yaml `models` is read at start), docs/operations.md "Several models"
     # /pools of a router with several models: each engine's `model` and `model_index` (0: the first)
