@@ -1,0 +1,85 @@
+"""Two models on one fleet (inventory/sandbox/two-models: the vision model's VE + PD and the
+text-only model "text" on a PD of its own, with the router, on n1), deployed with the real
+playbook over SSH: each model answers the real openai client through the one router from its own
+engine units (epd-engine@text-pd-0 is the text model's), an unknown model is OpenAI's 404, and an
+inventory whose models do not fit is refused in deploy's controller preflight, before any host is
+touched (every engine keeps its process, no file changes)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.e2e.conftest import DEPLOY, deploy_stack, sandbox_inventory
+from tests.e2e.stack import Stack, image_message
+from tests.hosts.harness import HostPool, ansible_playbook
+
+pytestmark = [pytest.mark.systemd, pytest.mark.timeout(600)]
+
+UNITS = ("epd-engine@pd-0.service", "epd-engine@ve-0.service", "epd-engine@text-pd-0.service", "epd-router@0.service")
+
+
+@pytest.fixture(scope="module")
+def stack(host_pool: HostPool, record_timing, tmp_path_factory) -> Stack:
+    return deploy_stack(host_pool, sandbox_inventory("two-models", tmp_path_factory), record_timing, "two models")
+
+
+def main_pids(stack: Stack) -> dict[str, str]:
+    host = stack.hosts["n1"]
+    return {unit: host.show(unit, "MainPID")["MainPID"] for unit in UNITS}
+
+
+def test_each_model_answers_through_the_one_router_from_its_own_engines(stack: Stack):
+    host = stack.hosts["n1"]
+    assert host.run("systemctl is-active " + " ".join(UNITS)).stdout.split() == ["active"] * len(UNITS)
+    client = stack.openai()
+    assert [m.id for m in client.models.list().data] == ["vision", "text"]
+    before = {e["id"]: e["served"] for e in stack.pools()}
+    vision = client.chat.completions.create(
+        model="vision", messages=image_message("What is in this picture?", (200, 30, 30)), max_tokens=8
+    )
+    assert vision.model == "vision" and vision.choices[0].message.content
+    text = client.chat.completions.create(
+        model="text", messages=[{"role": "user", "content": "Say hello."}], max_tokens=8
+    )
+    assert text.model == "text" and text.choices[0].message.content
+    after = {e["id"]: e for e in stack.pools()}
+    assert {i: after[i]["served"] - before[i] for i in after} == {"epd-ve-0": 1, "epd-pd-0": 1, "epd-text-pd-0": 1}
+    assert after["epd-text-pd-0"]["model"] == "text" and after["epd-pd-0"]["model"] == "vision"
+    print(f"vision: {vision.choices[0].message.content!r}; text: {text.choices[0].message.content!r}")
+
+
+def test_an_unknown_model_is_openai_404_and_the_text_model_refuses_images(stack: Stack):
+    from openai import BadRequestError, NotFoundError
+
+    client = stack.openai()
+    with pytest.raises(NotFoundError) as refused:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert refused.value.body["code"] == "model_not_found"
+    assert refused.value.body["message"].startswith(
+        "The model `gpt-4o` does not exist: this router serves vision, text"
+    )
+    with pytest.raises(BadRequestError, match="text-only"):
+        client.chat.completions.create(model="text", messages=image_message("What is this?", (30, 30, 200)))
+    with stack.http(5) as http:
+        assert http.get("/ready", params={"model": "text"}).json() == {"ready": True}
+
+
+def test_models_that_do_not_fit_are_refused_before_any_host_is_touched(stack: Stack, tmp_path: Path):
+    bad = shutil.copytree(stack.inventory.directory, tmp_path / "inventory")
+    models = bad / "group_vars/all/models.yml"
+    doc = yaml.safe_load(models.read_text())
+    doc["epd_models"][0]["num_pd"] = 3  # 3 x 8 cores beside the vision model's 12, on 24
+    models.write_text(yaml.safe_dump(doc))
+    pids = main_pids(stack)
+    files = stack.hosts["n1"].run("find /etc/epd /etc/systemd/system -type f | sort | xargs sha256sum").stdout
+    result = ansible_playbook(bad, DEPLOY, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "n1: model text does not fit: it asks for 0 VE (tp 4) + 3 PD (tp 8) = 24 cores" in output, output[-3000:]
+    assert "Preflight on every host" not in output, "the deploy went past the controller's check"
+    assert main_pids(stack) == pids
+    assert stack.hosts["n1"].run("find /etc/epd /etc/systemd/system -type f | sort | xargs sha256sum").stdout == files
