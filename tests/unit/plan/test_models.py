@@ -199,3 +199,16 @@ def test_retiring_engines_drain_in_their_own_models_pools():
         ("epd-text-pd-0", "active"),
         ("epd-text-pd-1", "draining"),
     ]
+
+
+def test_the_advisor_refuses_a_fleet_of_several_models_naming_why():
+    """The router's stage metrics carry no model label: no advice rather than one model's load
+    read as another's."""
+    from epd_kit.advise.layout import Advisor, Inventory, InventoryError
+
+    n1 = {"epd_model": VISION, "epd_num_ve": 1, "epd_num_pd": 1, "epd_core_count": 24, "epd_models": [TEXT]}
+    inventory = Inventory({"n1": n1}, {"epd_engines": ["n1"], "epd_router": ["n1"]})
+    with pytest.raises(InventoryError, match=r"serves 2 models \(epd_models: text\).*no model label"):
+        Advisor(inventory)
+    del n1["epd_models"]
+    assert Advisor(inventory).current.counts == {"n1": (1, 1)}
