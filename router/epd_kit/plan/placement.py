@@ -62,27 +62,8 @@ def check_pinned(host: HostSpec, settings: Settings) -> dict[str, list[int]]:
 
 def place(host: HostSpec, settings: Settings, counts: Mapping[str, int] | None = None) -> dict[str, list[int]] | None:
     """Slice starts per role, or None when the counts do not fit."""
-    counts = counts or {role: host.count(role) for role in ROLES}
-    pinned = check_pinned(host, settings)
-    used = set(host.blocked)
-    for role, starts in pinned.items():
-        for start in starts:
-            used.update(range(start, start + settings.tp(role)))
-    result = {role: list(pinned.get(role, [])) for role in ROLES}
-    for role in placement_order(settings):
-        tp = settings.tp(role)
-        missing = counts[role] - len(result[role])
-        for start in range(0, host.core_count - tp + 1, tp):
-            if missing <= 0:
-                break
-            block = range(start, start + tp)
-            if used.isdisjoint(block):
-                used.update(block)
-                result[role].append(start)
-                missing -= 1
-        if missing > 0:
-            return None
-    return result
+    placed = _place_together(host, settings, [], counts)
+    return None if placed is None else placed[None]
 
 
 def largest_fits(host: HostSpec, settings: Settings) -> list[tuple[int, int]]:
@@ -164,14 +145,19 @@ def place_models(host: HostSpec, settings: Settings) -> tuple[dict[str, list[int
     return placed[None], {name: starts for name, starts in placed.items() if name is not None}
 
 
-def _place_together(host: HostSpec, settings: Settings, further) -> dict[str | None, dict[str, list[int]]] | None:
+def _place_together(
+    host: HostSpec, settings: Settings, further, counts: Mapping[str, int] | None = None
+) -> dict[str | None, dict[str, list[int]]] | None:
+    """Slice starts per model (None: the first, with `counts` or the host's) and role, or None
+    when they do not fit; placement_order's rule (widest TP first, PD on a tie) across models."""
+    counts = counts or {role: host.count(role) for role in ROLES}
     pinned = check_pinned(host, settings)
     used = set(host.blocked)
     for role, starts in pinned.items():
         for start in starts:
             used.update(range(start, start + settings.tp(role)))
     # (model position, role, tp, count): the first model is position 0 (key None)
-    pools = [(0, None, role, settings.tp(role), host.count(role)) for role in ROLES]
+    pools = [(0, None, role, settings.tp(role), counts[role]) for role in ROLES]
     pools += [
         (i + 1, m.name, role, m.settings.tp(role), m.count(role)) for i, m in enumerate(further) for role in ROLES
     ]
