@@ -24,13 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import EpdPlanError
-from .values import as_int, as_str, describe, plain
-
-if TYPE_CHECKING:
-    from .settings import Settings
+from .values import ID_PART, as_int, as_str, describe, plain
 
 # a further model's default port bases: the fleet's + this per position (a host's 64 cores
 # hold at most 64 engines of one role, and a VE's side-channel ports stride by its TP)
@@ -58,7 +55,7 @@ class ModelSpec:
     """One further model: its name, its own settings (its checkpoint, TPs, ports), its pools."""
 
     name: str
-    settings: Settings
+    settings: Any  # its settings.Settings (settings.py imports this module, not the other way)
     text_only: bool = False
     num_ve: int = 0
     num_pd: int = 1
@@ -87,11 +84,9 @@ class ModelSpec:
         return out
 
 
-def read_models(variables: Mapping[str, Any], fleet: Settings, read_settings: Any) -> tuple[ModelSpec, ...]:
+def read_models(variables: Mapping[str, Any], fleet: Any, read_settings: Any) -> tuple[ModelSpec, ...]:
     """epd_models, validated; `read_settings` reads each model's settings from the fleet's
     variables with the entry's own values put over them (passed in: settings.py calls this)."""
-    from .settings import ID_PART  # settings imports this module
-
     raw = plain(variables.get("epd_models")) if "epd_models" in variables else None
     if raw in (None, [], ()):
         return ()

@@ -12,7 +12,7 @@ from .errors import EpdPlanError
 from .managed import check_engine_environment, check_extra_args
 from .models import ModelSpec, read_models
 from .neuron_releases import DEFAULT_RELEASE, neuron_release
-from .values import as_int, as_str, as_str_list, is_power_of_two
+from .values import ID_PART, as_int, as_str, as_str_list, is_power_of_two
 from .variables import VARIABLES
 
 # the fleet's Neuron release (epd_common's, not a pool setting): the engines' environment follows it
@@ -25,8 +25,6 @@ RELEASE_VARIABLE = "epd_neuron_release"
 BACKEND_EXECUTABLES = {"vllm": "vllm", "vllm-cpu": "epd-vllm", "sim": "epd-sim"}
 QUANTIZATIONS = ("bf16", "mxfp8")
 MIN_PORT = 1024  # the engines' and the router's ports (MAX_PORT: variables.py)
-# a piece of an engine id (the prefix, a host's label): ids key NIXL handshakes and unit names
-ID_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 # A hub id is owner/name; an owner that is a usual directory name means a relative path.
 DIRECTORY_NAMES = frozenset(
