@@ -8,6 +8,7 @@ touched (every engine keeps its process, no file changes)."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,46 @@ def test_models_that_do_not_fit_are_refused_before_any_host_is_touched(stack: St
     assert "Preflight on every host" not in output, "the deploy went past the controller's check"
     assert main_pids(stack) == pids
     assert stack.hosts["n1"].run("find /etc/epd /etc/systemd/system -type f | sort | xargs sha256sum").stdout == files
+
+
+def test_a_rolling_restart_of_the_text_models_engine_drains_it_in_its_own_pool(stack: Stack, record_timing):
+    """rolling_restart.yml -e engines=text-pd-0: the router drains it in `endpoints.models.text`
+    (a reload: the router process keeps its PID), the unit restarts, the vision model's engines
+    keep theirs, and both models answer after."""
+    pids = main_pids(stack)
+    start = time.monotonic()
+    result = ansible_playbook(stack.inventory.directory, "playbooks/rolling_restart.yml", "-e", "engines=text-pd-0")
+    record_timing("two models: rolling restart of text-pd-0", time.monotonic() - start)
+    assert result.returncode == 0, result.describe()
+    after = main_pids(stack)
+    changed = {unit for unit in UNITS if after[unit] != pids[unit]}
+    assert changed == {"epd-engine@text-pd-0.service"}
+    stack.wait_ready(timeout=60)
+    client = stack.openai()
+    for model in ("vision", "text"):
+        answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert answer.model == model
+
+
+def test_removing_the_text_model_stops_its_engine_and_the_router_drops_it(stack: Stack, record_timing):
+    """A deploy without the epd_models entry (last: it changes the stack): its unit is stopped and
+    disabled, its env file removed, the router's process rolls (a new one, without the lane), and
+    /v1/models lists `vision` alone, answering from its engines, which kept their processes."""
+    host = stack.hosts["n1"]
+    before = main_pids(stack)
+    vision_pids = {unit: pid for unit, pid in before.items() if "text" not in unit and "router" not in unit}
+    (stack.inventory.directory / "group_vars/all/models.yml").unlink()
+    start = time.monotonic()
+    result = ansible_playbook(stack.inventory.directory, DEPLOY, timeout=400)
+    record_timing("two models: deploy removing the text model", time.monotonic() - start)
+    assert result.returncode == 0, result.describe()
+    assert host.units("epd-engine@*") == ["epd-engine@pd-0.service", "epd-engine@ve-0.service"]
+    assert host.run("test -e /etc/epd/engines/text-pd-0.env", check=False).returncode != 0
+    after = main_pids(stack)
+    assert {unit: after[unit] for unit in vision_pids} == vision_pids
+    assert after["epd-router@0.service"] not in ("0", before["epd-router@0.service"])
+    stack.wait_ready(timeout=60)
+    client = stack.openai()
+    assert [m.id for m in client.models.list().data] == ["vision"]
+    assert client.chat.completions.create(model="vision", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert [e["id"] for e in stack.pools()] == ["epd-ve-0", "epd-pd-0"]
