@@ -33,21 +33,33 @@ def rows(result):
     ]
 
 
-def test_two_models_share_the_host_widest_tp_first_each_on_its_own_ports():
+def test_two_models_share_the_host_each_on_its_own_cores_and_ports():
     result = check([TEXT])
     assert result["problems"] == []
     assert rows(result) == [
         ("pd-0", "epd-pd-0", 0, 8, 18100, None),
-        ("text-pd-0", "epd-text-pd-0", 8, 8, 18164, "text"),
-        ("ve-0", "epd-ve-0", 16, 4, 18300, None),
+        ("ve-0", "epd-ve-0", 8, 4, 18300, None),
+        ("text-pd-0", "epd-text-pd-0", 16, 8, 18164, "text"),
     ]
     text = next(e for e in result["plan"]["n1"]["engines"] if e.get("model") == "text")
     assert text["argv"][:3] == ["vllm", "serve", "/models/tiny-text"]
 
 
-def test_widest_tp_first_across_models():
+def test_adding_or_removing_a_further_model_moves_no_engine_of_the_others():
+    """The first model's engines stay where it is placed alone (a moved engine restarts); a model
+    added last takes the cores left; removing the last one moves nothing."""
+    alone = {r[0]: r[2] for r in rows(check())}
+    one = {r[0]: r[2] for r in rows(check([TEXT]))}
+    second = {"name": "two", "model": "/m2", "text_only": True, "num_pd": 1, "pd_tp": 4}
+    two = {r[0]: r[2] for r in rows(check([TEXT, second], epd_core_count=32))}
+    assert alone == {"pd-0": 0, "ve-0": 8}
+    assert one == {**alone, "text-pd-0": 16}
+    assert two == {**one, "two-pd-0": 12}
+
+
+def test_widest_tp_first_across_models_when_one_after_the_other_does_not_fit():
     """20 cores: model by model (the first's PD 0-7 and VE 8-11, then text's PD) leaves no aligned
-    8-core block; widest TP first across models (both PDs, then the VE) fits."""
+    8-core block; widest TP first across models (both PDs, then the VE) fits, moving the VE."""
     result = check([TEXT], epd_core_count=20)
     assert result["problems"] == []
     assert [(r[0], r[2]) for r in rows(result)] == [("pd-0", 0), ("text-pd-0", 8), ("ve-0", 16)]
