@@ -1,9 +1,11 @@
 """Two models on one fleet (inventory/sandbox/two-models: the vision model's VE + PD and the
 text-only model "text" on a PD of its own, with the router, on n1), deployed with the real
 playbook over SSH: each model answers the real openai client through the one router from its own
-engine units (epd-engine@text-pd-0 is the text model's), an unknown model is OpenAI's 404, and an
+engine units (epd-engine@text-pd-0 is the text model's), an unknown model is OpenAI's 404, an
 inventory whose models do not fit is refused in deploy's controller preflight, before any host is
-touched (every engine keeps its process, no file changes)."""
+touched (every engine keeps its process, no file changes), a rolling restart of the text model's
+engine drains it in its own pool, and a deploy without the model stops its engine and drops it
+from the router. Lane b (tests/e2e/conftest.py LANE_B); 150 s in a run here."""
 
 from __future__ import annotations
 
