@@ -9,6 +9,7 @@ from the router. Lane b (tests/e2e/conftest.py LANE_B); 150 s in a run here."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ import yaml
 from tests.e2e.conftest import DEPLOY, deploy_stack, sandbox_inventory
 from tests.e2e.stack import Stack, image_message
 from tests.hosts.harness import HostPool, ansible_playbook
+from tests.vllm_dist import bench_serve, compat_python
 
 pytestmark = [pytest.mark.systemd, pytest.mark.timeout(600)]
 
@@ -69,6 +71,23 @@ def test_an_unknown_model_is_openai_404_and_the_text_model_refuses_images(stack:
         client.chat.completions.create(model="text", messages=image_message("What is this?", (30, 30, 200)))
     with stack.http(5) as http:
         assert http.get("/ready", params={"model": "text"}).json() == {"ready": True}
+
+
+@pytest.mark.parametrize("model", ["vision", "text"])
+def test_vllm_bench_serve_runs_against_each_deployed_model(stack: Stack, host_pool: HostPool, tmp_path: Path, model):
+    """vLLM's own benchmark client (vllm 0.24.0's `vllm bench serve`, the compat env) against the
+    deployed router: 10 requests to each model (one random image each for `vision`), all answered."""
+    python = compat_python()
+    if python is None:
+        pytest.skip("the vLLM-compat venv is not built (yet): scripts/compat-env.sh --vllm 0.24.0 builds it")
+    assert host_pool.seed is not None
+    tokenizer = str(host_pool.seed / "models/tiny-qwen3-vl")  # what the hosts carry at /models/tiny-qwen3-vl
+    status, summary, stderr = bench_serve(
+        python, stack.router_url, model, tokenizer, 10, image=model == "vision", cwd=tmp_path
+    )
+    print(f"vllm bench serve --model {model} against the sandbox (exit {status}):\n{summary}")
+    assert status == 0, stderr
+    assert re.search(r"Successful requests:\s+10\b", summary) and re.search(r"Failed requests:\s+0\b", summary), summary
 
 
 def test_models_that_do_not_fit_are_refused_before_any_host_is_touched(stack: Stack, tmp_path: Path):

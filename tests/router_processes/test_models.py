@@ -7,16 +7,14 @@ runs against each model."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 
 import httpx
 import pytest
 
 from epd_kit.testing.images import image_part, png_data_url, user_message
 from epd_kit.testing.process import stop_all
-from tests.vllm_dist import vllm_cli
+from tests.vllm_dist import bench_serve, compat_python
 
 from .harness import SimEngine, Stack, wait_until
 
@@ -118,43 +116,13 @@ def test_vllm_bench_serve_runs_against_each_model(two, ckpt, model):
     vision model with one random image per request (random-mm), the text model with text
     (random); every request succeeds."""
     stack, _ = two
-    if subprocess.run(["scripts/compat-env.sh", "--vllm", "0.24.0", "--ready"], check=False).returncode:
+    python = compat_python()
+    if python is None:
         pytest.skip("the vLLM-compat venv is not built (yet): scripts/compat-env.sh --vllm 0.24.0 builds it")
-    venv = subprocess.run(
-        ["scripts/compat-env.sh", "--vllm", "0.24.0", "--path"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    dataset = (
-        [
-            "--dataset-name", "random-mm",
-            "--random-mm-base-items-per-request", "1",
-            "--random-mm-num-mm-items-range-ratio", "0",
-            "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
-            "--random-mm-bucket-config", "{(64, 64, 1): 1.0}",
-        ]
-        if model == "vision"
-        else ["--dataset-name", "random"]
-    )  # fmt: skip
-    argv = [
-        *vllm_cli(f"{venv}/bin/python"), "bench", "serve",
-        "--backend", "openai-chat",
-        "--base-url", stack.router.url,
-        "--endpoint", "/v1/chat/completions",
-        "--model", model,
-        "--tokenizer", str(ckpt),
-        *dataset,
-        "--num-prompts", str(BENCH_PROMPTS),
-        "--random-input-len", "16",
-        "--random-output-len", "4",
-        "--random-range-ratio", "0",
-        "--request-rate", "20",
-        "--max-concurrency", "8",
-        "--seed", "7",
-        "--disable-tqdm",
-    ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=env, check=False, cwd=stack.workdir)
-    summary = done.stdout[done.stdout.find("=====") :] if "=====" in done.stdout else done.stdout[-3000:]
-    print(f"vllm bench serve --model {model} (exit {done.returncode}):\n{summary}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert re.search(rf"Successful requests:\s+{BENCH_PROMPTS}\b", done.stdout), summary
-    assert re.search(r"Failed requests:\s+0\b", done.stdout), summary
+    status, summary, stderr = bench_serve(
+        python, stack.router.url, model, str(ckpt), BENCH_PROMPTS, image=model == "vision", cwd=stack.workdir
+    )
+    print(f"vllm bench serve --model {model} (exit {status}):\n{summary}")
+    assert status == 0, stderr
+    assert re.search(rf"Successful requests:\s+{BENCH_PROMPTS}\b", summary), summary
+    assert re.search(r"Failed requests:\s+0\b", summary), summary
