@@ -5,7 +5,8 @@ engine units (epd-engine@text-pd-0 is the text model's), an unknown model is Ope
 inventory whose models do not fit is refused in deploy's controller preflight, before any host is
 touched (every engine keeps its process, no file changes), a rolling restart of the text model's
 engine drains it in its own pool, and a deploy without the model stops its engine and drops it
-from the router. Lane b (tests/e2e/conftest.py LANE_B); 150 s in a run here."""
+from the router; `vllm bench serve` runs against each deployed model. Lane b
+(tests/e2e/conftest.py LANE_B); 152 s in a run here."""
 
 from __future__ import annotations
 
