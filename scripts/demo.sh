@@ -7,10 +7,11 @@
 #   3. deploys with the real playbook: ansible-playbook -i inventory/sandbox/one-host playbooks/deploy.yml
 #      (same roles/templates as trn2; epd_engine_backend=sim),
 #   4. sends one chat request (generated image + text; for a text-only fleet, text, and shows the
-#      image request's 400) through the router with the openai client,
+#      image request's 400; with several models, one per model and an unknown model's 404) through
+#      the router with the openai client,
 #      prints the answer, a status table and how to look around.
 # The stack stays up. Tear down with: scripts/demo.sh --down
-#   scripts/demo.sh [--inventory inventory/sandbox/three-host | inventory/sandbox/text-only] | --down
+#   scripts/demo.sh [--inventory inventory/sandbox/three-host | .../text-only | .../two-models] | --down
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # needs root (systemd-nspawn, network namespaces): as root it runs as is; otherwise through sudo where there is one

@@ -37,3 +37,61 @@ CLI = Path(__file__).resolve().parents[1] / "engine_plugin/src/epd_vllm_plugin/c
 def vllm_cli(python: str) -> list[str]:
     """argv[:n] that runs `vllm` (the CLI) with the vLLM of `python`'s env."""
     return [python, str(CLI)]
+
+
+def compat_python(version: str = "0.24.0") -> str | None:
+    """The Python of the vLLM-compat env of `version` (scripts/compat-env.sh), or None while it is
+    not built (a full run builds it beside the lanes)."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    script = str(repo / "scripts/compat-env.sh")
+    if subprocess.run([script, "--vllm", version, "--ready"], check=False, cwd=repo).returncode:
+        return None
+    venv = subprocess.run(
+        [script, "--vllm", version, "--path"], capture_output=True, text=True, check=True, cwd=repo
+    ).stdout.strip()
+    return f"{venv}/bin/python"
+
+
+def bench_serve(
+    python: str, base_url: str, model: str, tokenizer: str, prompts: int, *, image: bool, cwd: Path
+) -> tuple[int, str, str]:
+    """`vllm bench serve --backend openai-chat` against a router: `prompts` requests at 20/s,
+    at most 8 at once, 16 prompt and 4 output tokens, one random 64x64 image each when `image`.
+    Returns (exit status, its summary, the tail of its stderr)."""
+    import os
+    import subprocess
+
+    dataset = (
+        [
+            "--dataset-name", "random-mm",
+            "--random-mm-base-items-per-request", "1",
+            "--random-mm-num-mm-items-range-ratio", "0",
+            "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
+            "--random-mm-bucket-config", "{(64, 64, 1): 1.0}",
+        ]
+        if image
+        else ["--dataset-name", "random"]
+    )  # fmt: skip
+    argv = [
+        *vllm_cli(python), "bench", "serve",
+        "--backend", "openai-chat",
+        "--base-url", base_url,
+        "--endpoint", "/v1/chat/completions",
+        "--model", model,
+        "--tokenizer", tokenizer,
+        *dataset,
+        "--num-prompts", str(prompts),
+        "--random-input-len", "16",
+        "--random-output-len", "4",
+        "--random-range-ratio", "0",
+        "--request-rate", "20",
+        "--max-concurrency", "8",
+        "--seed", "7",
+        "--disable-tqdm",
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=env, check=False, cwd=cwd)
+    summary = done.stdout[done.stdout.find("=====") :] if "=====" in done.stdout else done.stdout[-3000:]
+    return done.returncode, summary, done.stderr[-3000:]

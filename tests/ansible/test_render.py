@@ -115,6 +115,13 @@ def test_router_config_lists_every_engine_of_every_host(inventory, rendered):
     hostvars = resolved(inventory)[0]
     if text_only(hostvars, groups["epd_engines"]):  # said outright, from the plan
         expected = {"text_only": True, **expected}
+    models = planner.fleet_settings(hostvars, groups["epd_engines"]).models
+    if models:  # each further model's pools beside the first's (inventory/sandbox/two-models)
+        expected["models"] = {
+            m.name: {**({"text_only": True} if m.text_only else {}), **planner.router_endpoints(plan, (), m.name)}
+            for m in models
+        }
+        assert all(expected["models"][m.name]["pd"] for m in models)
     for router in groups["epd_router"]:
         config_path = out / router / "etc/epd/router.yaml"
         config = yaml.safe_load(config_path.read_text())

@@ -33,7 +33,7 @@ FOUR_HOSTS = "four hosts"  # the stack test_three_hosts leaves for test_day2
 # modules that deploy under load to several hosts at length (router HA, day 2) share lane b, one
 # after the other, so their load and deploys never meet. Lane b has 4 machines (n6-n9), so
 # test_provision_hosts (n4, n5) runs in lane a.
-LANE_B = {"test_router_ha", "test_three_hosts", "test_day2", "test_preflight_hosts"}
+LANE_B = {"test_router_ha", "test_three_hosts", "test_day2", "test_preflight_hosts", "test_two_models"}
 # run first in their lane, in this order: the harness's own checks, then the one module whose
 # first deploy installs the kit as an operator's does (preinstalled=False); every later boot of
 # the lane starts with what that install left (deploy_stack, HostPool.capture_kit)

@@ -4,7 +4,8 @@ talk to the deployed router with the real `openai` client, print a status table.
     python tests/hosts/sandbox.py hosts INVENTORY_DIR      NAME:IP per host (for hosts.sh up)
     python tests/hosts/sandbox.py router INVENTORY_DIR     http://IP:PORT of the router
     python tests/hosts/sandbox.py request INVENTORY_DIR    one chat request: generated image + text
-                                                           (text only, and the image's 400, for epd_text_only)
+                                                           (text only, and the image's 400, for epd_text_only);
+                                                           with epd_models, one per model and an unknown one's 404
     python tests/hosts/sandbox.py status INVENTORY_DIR     units per host + the router's /pools
 
 Must run inside the kithub network namespace (the router lives on a test host).
@@ -89,14 +90,20 @@ def demo_image_png(edge: int = 224) -> bytes:
 
 
 def chat_request(
-    router_url: str, text: str = "Describe this image in one sentence.", max_tokens: int = 24, *, image: bool = True
+    router_url: str,
+    text: str = "Describe this image in one sentence.",
+    max_tokens: int = 24,
+    *,
+    image: bool = True,
+    model: str | None = None,
 ) -> tuple[str, object]:
     """One request through the router with the official openai client; returns (model, response).
-    `image`: the generated picture goes with the text (a text-only fleet refuses it with a 400)."""
+    `image`: the generated picture goes with the text (a text-only fleet refuses it with a 400).
+    `model`: the model to ask (None: the first /v1/models lists)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{router_url}/v1", api_key="sandbox", timeout=60, max_retries=0)
-    model = client.models.list().data[0].id
+    model = model or client.models.list().data[0].id
     content: list[dict] = [{"type": "text", "text": text}]
     if image:
         data_url = "data:image/png;base64," + base64.b64encode(demo_image_png()).decode()
@@ -107,12 +114,31 @@ def chat_request(
     return model, response
 
 
-def image_refused(router_url: str) -> str:
+def served_models(router_url: str) -> list[str]:
+    """The router's /v1/models, through the openai client."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{router_url}/v1", api_key="sandbox", timeout=60, max_retries=0)
+    return [m.id for m in client.models.list().data]
+
+
+def unknown_model_refused(router_url: str, model: str = "no-such-model") -> str:
+    """The router's answer to a model it does not serve: the 404's OpenAI error (raises if it answers)."""
+    from openai import NotFoundError
+
+    try:
+        chat_request(router_url, "hello", image=False, model=model)
+    except NotFoundError as error:
+        return f"{error.status_code} {error.body}"
+    raise SystemExit(f"{router_url}: the router answered a request for {model!r} instead of a 404")
+
+
+def image_refused(router_url: str, model: str | None = None) -> str:
     """A text-only fleet's answer to an image request: the 400's OpenAI error message (raises if it answers)."""
     from openai import BadRequestError
 
     try:
-        chat_request(router_url)
+        chat_request(router_url, model=model)
     except BadRequestError as error:
         return f"{error.status_code} {error.body}"
     raise SystemExit(f"{router_url}: a text-only fleet answered an image request instead of refusing it")
@@ -141,6 +167,8 @@ def status_table(inventory: SandboxInventory) -> str:
 def pools_table(pools: object) -> str:
     engines = pools.get("engines", []) if isinstance(pools, dict) else []
     columns = ("id", "role", "url", "state", "healthy", "inflight", "served", "failures")
+    if any("model" in e for e in engines):
+        columns = ("model", *columns)
     rows = [columns] + [tuple(str(e.get(c, "-")) for c in columns) for e in engines]
     return format_rows(rows) if engines else json.dumps(pools, indent=2)[:2000]
 
@@ -160,6 +188,22 @@ def main(argv: list[str]) -> int:
         print(" ".join(f"{n}:{a}" for n, a in inventory.hosts.items()))
     elif command == "router":
         print(inventory.router_url)
+    elif command == "request" and inventory.group_vars.get("epd_models"):
+        text_only = {entry["name"]: entry.get("text_only") is True for entry in inventory.group_vars["epd_models"]}
+        for number, model in enumerate(served_models(inventory.router_url)):
+            vision = not (inventory.group_vars.get("epd_text_only") is True if number == 0 else text_only.get(model))
+            if not vision:
+                print(f"{model}: image refused, {image_refused(inventory.router_url, model)}")
+            text = "Describe this image in one sentence." if vision else "Say hello in one sentence."
+            _, response = chat_request(inventory.router_url, text, image=vision, model=model)
+            choice = response.choices[0]
+            print(f"{model}: model {response.model}, {'image + text' if vision else 'text'}")
+            print(f"{model}: answer {choice.message.content!r}")
+            print(
+                f"{model}: finish {choice.finish_reason}; usage: {response.usage.prompt_tokens} prompt + "
+                f"{response.usage.completion_tokens} completion tokens"
+            )
+        print(f"unknown model: {unknown_model_refused(inventory.router_url)}")
     elif command == "request":
         text_only = inventory.group_vars.get("epd_text_only") is True
         if text_only:  # no VE: a text request, then the image request's 400

@@ -196,6 +196,15 @@ class Advisor:
             self.text_only = text_only(inventory.hostvars, self.engine_hosts)
         except EpdPlanError as exc:
             raise InventoryError(str(exc)) from None
+        if self.settings.models:
+            # the router's stage histograms (encode, PD, TTFT) carry no model label: one model's
+            # load would be read as another's, so no advice rather than wrong advice
+            raise InventoryError(
+                f"this fleet serves {1 + len(self.settings.models)} models (epd_models: "
+                f"{', '.join(m.name for m in self.settings.models)}): the advisor reads the router's stage "
+                "metrics, which carry no model label, so it cannot tell one model's pools from another's; "
+                "it advises one-model fleets only (docs/advisor.md)"
+            )
         counts = {h: [0, 0] for h in self.engine_hosts}
         for host, host_plan in checked["plan"].items():
             for engine in host_plan["engines"]:

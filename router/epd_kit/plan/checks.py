@@ -134,7 +134,8 @@ def pool_problems(plan: Mapping[str, Mapping[str, Any]], is_text_only: bool) -> 
     count = {"ve": 0, "pd": 0}
     for host_plan in plan.values():
         for engine in host_plan["engines"]:
-            count[engine["role"]] += 1
+            if "model" not in engine:  # the first model's (a further model's pools: models.py)
+                count[engine["role"]] += 1
     problems = []
     if not count["pd"]:
         problems.append(

@@ -12,8 +12,9 @@ from typing import Any
 from .command import CPU_BACKEND, ROLES, engine_command, engine_env
 from .errors import EpdPlanError
 from .hosts import HostSpec
+from .models import check_model_hosts
 from .net import is_loopback, url
-from .placement import no_fit_message, place
+from .placement import place_models
 from .settings import MIN_PORT, Settings
 from .timeouts import start_timeout_s
 from .values import format_cores
@@ -43,39 +44,14 @@ def plan_fleet(settings: Settings, hosts: Sequence[HostSpec]) -> dict[str, dict[
             )
         labels[label] = host.name
     host_part = {host.name: "" if len(hosts) == 1 else f"{host.id_label or host.name}-" for host in hosts}
+    check_model_hosts(settings.models, names)
     plan: dict[str, dict[str, Any]] = {}
     for host in hosts:
-        starts = place(host, settings)
-        if starts is None:
-            raise EpdPlanError(no_fit_message(host, settings))
-        engines = []
-        for role in ROLES:
-            tp = settings.tp(role)
-            for local, start in enumerate(starts[role]):
-                engine_id = f"{settings.engine_id_prefix}-{host_part[host.name]}{role}-{local}"
-                port = (settings.ve_port_base if role == "ve" else settings.pd_port_base) + local
-                side = settings.side_channel_port_base + local * tp if role == "ve" else None
-                cores = list(range(start, start + tp))
-                command = engine_command(settings, role, engine_id, host.bind_address, port, side)
-                engines.append(
-                    {
-                        "instance": f"{role}-{local}",
-                        "role": role,
-                        "engine_id": engine_id,
-                        "tp": tp,
-                        "dp": settings.ve_dp if role == "ve" else 1,
-                        "cores": cores,
-                        "host": host.bind_address,
-                        "port": port,
-                        "url": url(host.bind_address, port),
-                        "side_channel_port": side,
-                        "side_channel_ports": list(range(side, side + tp)) if side is not None else [],
-                        "start_delay_s": 0,
-                        "argv": command.argv(settings.executable),
-                        "unit_variables": command.unit_variables(),
-                        "env": engine_env(settings, cores, engine_id),
-                    }
-                )
+        starts, further = place_models(host, settings)
+        engines = _engines(settings, host, host_part[host.name], starts)
+        for spec in settings.models:
+            if spec.name in further:
+                engines += _engines(spec.settings, host, host_part[host.name], further[spec.name], spec.name)
         engines.sort(key=lambda e: e["cores"][0])
         for position, engine in enumerate(engines):
             engine["start_delay_s"] = position * settings.start_stagger_s
@@ -91,6 +67,44 @@ def plan_fleet(settings: Settings, hosts: Sequence[HostSpec]) -> dict[str, dict[
         }
     validate_plan(plan, settings)
     return plan
+
+
+def _engines(
+    settings: Settings, host: HostSpec, host_part: str, starts: Mapping[str, Sequence[int]], model: str | None = None
+) -> list[dict[str, Any]]:
+    """One model's engines on one host. The first model's (model None) are named as always
+    (pd-0, epd-pd-0); a further model's carry its name (text-pd-0, epd-text-pd-0) and a `model` key."""
+    engines = []
+    name_part = f"{model}-" if model else ""
+    for role in ROLES:
+        tp = settings.tp(role)
+        for local, start in enumerate(starts[role]):
+            engine_id = f"{settings.engine_id_prefix}-{host_part}{name_part}{role}-{local}"
+            port = (settings.ve_port_base if role == "ve" else settings.pd_port_base) + local
+            side = settings.side_channel_port_base + local * tp if role == "ve" else None
+            cores = list(range(start, start + tp))
+            command = engine_command(settings, role, engine_id, host.bind_address, port, side)
+            engine = {
+                "instance": f"{name_part}{role}-{local}",
+                "role": role,
+                "engine_id": engine_id,
+                "tp": tp,
+                "dp": settings.ve_dp if role == "ve" else 1,
+                "cores": cores,
+                "host": host.bind_address,
+                "port": port,
+                "url": url(host.bind_address, port),
+                "side_channel_port": side,
+                "side_channel_ports": list(range(side, side + tp)) if side is not None else [],
+                "start_delay_s": 0,
+                "argv": command.argv(settings.executable),
+                "unit_variables": command.unit_variables(),
+                "env": engine_env(settings, cores, engine_id),
+            }
+            if model:
+                engine["model"] = model
+            engines.append(engine)
+    return engines
 
 
 def validate_plan(plan: Mapping[str, Mapping[str, Any]], settings: Settings) -> None:
@@ -158,13 +172,15 @@ def validate_plan(plan: Mapping[str, Mapping[str, Any]], settings: Settings) -> 
 
 
 def router_endpoints(
-    plan: Mapping[str, Mapping[str, Any]], draining: Sequence[str] = ()
+    plan: Mapping[str, Mapping[str, Any]], draining: Sequence[str] = (), model: str | None = None
 ) -> dict[str, list[dict[str, str]]]:
-    """The router's endpoint lists, host by host in inventory order and by number on each host;
-    ids in `draining` are marked so."""
+    """The router's endpoint lists of one model (None: the first), host by host in inventory
+    order and by number on each host; ids in `draining` are marked so."""
     out: dict[str, list[dict[str, Any]]] = {role: [] for role in ROLES}
     for host_plan in plan.values():
         for engine in sorted(host_plan["engines"], key=lambda e: int(e["instance"].rsplit("-", 1)[1])):
+            if engine.get("model") != model:
+                continue
             state = "draining" if engine["engine_id"] in draining else "active"
             out[engine["role"]].append({"id": engine["engine_id"], "url": engine["url"], "state": state})
     return out

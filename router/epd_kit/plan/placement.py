@@ -62,27 +62,8 @@ def check_pinned(host: HostSpec, settings: Settings) -> dict[str, list[int]]:
 
 def place(host: HostSpec, settings: Settings, counts: Mapping[str, int] | None = None) -> dict[str, list[int]] | None:
     """Slice starts per role, or None when the counts do not fit."""
-    counts = counts or {role: host.count(role) for role in ROLES}
-    pinned = check_pinned(host, settings)
-    used = set(host.blocked)
-    for role, starts in pinned.items():
-        for start in starts:
-            used.update(range(start, start + settings.tp(role)))
-    result = {role: list(pinned.get(role, [])) for role in ROLES}
-    for role in placement_order(settings):
-        tp = settings.tp(role)
-        missing = counts[role] - len(result[role])
-        for start in range(0, host.core_count - tp + 1, tp):
-            if missing <= 0:
-                break
-            block = range(start, start + tp)
-            if used.isdisjoint(block):
-                used.update(block)
-                result[role].append(start)
-                missing -= 1
-        if missing > 0:
-            return None
-    return result
+    placed = _place_together(host, settings, [], counts)
+    return None if placed is None else placed[None]
 
 
 def largest_fits(host: HostSpec, settings: Settings) -> list[tuple[int, int]]:
@@ -136,4 +117,104 @@ def no_fit_message(host: HostSpec, settings: Settings) -> str:
         "epd_num_pd on that host (keep the TP: changing it invalidates the compile cache), "
         "free cores, or move engines to another host. Each slice needs tp free cores starting "
         "at a multiple of tp."
+    )
+
+
+def place_models(host: HostSpec, settings: Settings) -> tuple[dict[str, list[int]], dict[str, dict[str, list[int]]]]:
+    """Every model's slices on one host. The first model's are where it is placed alone (today's
+    `place`, hand-pinned slices kept); each further model (settings.models, in order) then takes
+    free aligned blocks of the cores left, widest TP first. So adding a model, or removing the
+    last one, moves no engine already placed (a moved engine restarts). Only when that does not
+    fit are all models placed together, widest TP first across models (a wide engine of one model
+    then goes before a narrow one of another, which may move the first model's engines).
+    Returns (the first model's starts per role, {further model: starts per role}); a model that
+    does not fit either way is refused naming it and the host."""
+    further = [m for m in settings.models if m.runs_on(host.name) and (m.num_ve or m.num_pd)]
+    first = place(host, settings)  # alone first: a first model that does not fit is today's message
+    if first is None:
+        raise EpdPlanError(no_fit_message(host, settings))
+    if not further:
+        return first, {}
+    stable = _place_after(host, settings, first, further)
+    if stable is not None:
+        return first, stable
+    for upto in range(1, len(further) + 1):
+        placed = _place_together(host, settings, further[:upto])
+        if placed is None:
+            model = further[upto - 1]
+            others = [settings.model, *(m.name for m in further[: upto - 1])]
+            raise EpdPlanError(model_no_fit_message(host, settings, model, others))
+    assert placed is not None
+    return placed[None], {name: starts for name, starts in placed.items() if name is not None}
+
+
+def _take(host: HostSpec, used: set[int], tp: int, count: int) -> list[int] | None:
+    """`count` free aligned tp-core blocks, lowest first (marked used), or None."""
+    starts: list[int] = []
+    for start in range(0, host.core_count - tp + 1, tp):
+        if len(starts) >= count:
+            break
+        block = range(start, start + tp)
+        if used.isdisjoint(block):
+            used.update(block)
+            starts.append(start)
+    return starts if len(starts) >= count else None
+
+
+def _place_after(
+    host: HostSpec, settings: Settings, first: Mapping[str, list[int]], further
+) -> dict[str, dict[str, list[int]]] | None:
+    """The further models, one after the other, on the cores the first model leaves."""
+    used = set(host.blocked)
+    for role, starts in first.items():
+        for start in starts:
+            used.update(range(start, start + settings.tp(role)))
+    out: dict[str, dict[str, list[int]]] = {}
+    for model in further:
+        out[model.name] = {role: [] for role in ROLES}
+        for role in sorted(ROLES, key=lambda r: (-model.settings.tp(r), r != "pd")):
+            taken = _take(host, used, model.settings.tp(role), model.count(role))
+            if taken is None:
+                return None
+            out[model.name][role] = taken
+    return out
+
+
+def _place_together(
+    host: HostSpec, settings: Settings, further, counts: Mapping[str, int] | None = None
+) -> dict[str | None, dict[str, list[int]]] | None:
+    """Slice starts per model (None: the first, with `counts` or the host's) and role, or None
+    when they do not fit; placement_order's rule (widest TP first, PD on a tie) across models."""
+    counts = counts or {role: host.count(role) for role in ROLES}
+    pinned = check_pinned(host, settings)
+    used = set(host.blocked)
+    for role, starts in pinned.items():
+        for start in starts:
+            used.update(range(start, start + settings.tp(role)))
+    # (model position, model name, role, tp, count): the first model is position 0 (name None)
+    pools = [(0, None, role, settings.tp(role), counts[role]) for role in ROLES]
+    pools += [
+        (i + 1, m.name, role, m.settings.tp(role), m.count(role)) for i, m in enumerate(further) for role in ROLES
+    ]
+    result: dict[str | None, dict[str, list[int]]] = {None: {role: list(pinned.get(role, [])) for role in ROLES}}
+    for _, name, _, _, _ in pools:
+        result.setdefault(name, {role: [] for role in ROLES})
+    for _, name, role, tp, count in sorted(pools, key=lambda p: (-p[3], p[0], p[2] != "pd")):
+        taken = _take(host, used, tp, count - len(result[name][role]))
+        if taken is None:
+            return None
+        result[name][role] += taken
+    return result
+
+
+def model_no_fit_message(host: HostSpec, settings: Settings, model, before: list[str]) -> str:
+    s = model.settings
+    need = model.num_ve * s.ve_tp + model.num_pd * s.pd_tp
+    first = host.num_ve * settings.ve_tp + host.num_pd * settings.pd_tp
+    return (
+        f"{host.name}: model {model.name} does not fit: it asks for {model.num_ve} VE (tp {s.ve_tp}) + "
+        f"{model.num_pd} PD (tp {s.pd_tp}) = {need} cores beside {', '.join(before)} ({first} cores for the "
+        f"first model's {host.num_ve} VE + {host.num_pd} PD), on {host.usable_cores} usable cores. Lower its "
+        "num_ve/num_pd in epd_models, run it on other hosts (its hosts list), or give the host more cores. "
+        "Each slice needs tp free cores starting at a multiple of tp."
     )

@@ -24,7 +24,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import EpdPlanError
@@ -66,6 +66,7 @@ class PoolRule:
     size: int  # engines of the pool in the whole plan, selected or not
     batch: int
     floor: int  # engines that stay in rotation during every batch
+    model: str | None = None  # a further model's pool (epd_models); None: the first model's
 
     @classmethod
     def resolve(cls, pool: str, size: int, batch: Any, min_available: Any) -> PoolRule:
@@ -261,26 +262,39 @@ def rollout_batches(
     restarts first, before any other batch; the pools' canaries restart together, up to each
     pool's batch size per canary batch."""
     by_key = {(host, e["instance"]): e for host, host_plan in plan.items() for e in host_plan["engines"]}
-    sizes = {pool: sum(1 for e in by_key.values() if e["role"] == pool) for pool in POOLS}
+    # each model's pools are their own (epd_models): its own size, batches and floor; the first
+    # model's keep their keys ("pd", "ve"), a further model's are "pd:<name>", "ve:<name>"
+    models = list(dict.fromkeys(e.get("model") for e in by_key.values()))
     selected = _selected(plan, engines)
     canaries: dict[str, list[Mapping[str, str]]] = {}  # per pool, its canaries in order
     batches: list[Batch] = []
     rules: dict[str, PoolRule] = {}
     for pool in POOLS:
-        members = [e for e in selected if by_key[(e["host"], e["instance"])]["role"] == pool]
-        if not members:
-            continue
-        size = (batch or {}).get(pool, VARIABLES[f"epd_rollout_batch_{pool}"].default)
-        rule = PoolRule.resolve(pool, sizes[pool], size, (min_available or {}).get(pool))
-        rules[pool] = rule
-        ordered = _round_robin(members)
-        if compiles:
-            first: dict[str, Mapping[str, str]] = {}
-            for e in ordered:
-                first.setdefault(compile_config(by_key[(e["host"], e["instance"])]), e)
-            canaries[pool] = list(first.values())
-            ordered = [e for e in ordered if e not in first.values()]
-        batches += [Batch(pool, chunk) for chunk in _chunks(ordered, rule.batch)]
+        for model in models:
+            key = pool if model is None else f"{pool}:{model}"
+            size_of = sum(1 for e in by_key.values() if e["role"] == pool and e.get("model") == model)
+            members = [
+                e
+                for e in selected
+                if by_key[(e["host"], e["instance"])]["role"] == pool
+                and by_key[(e["host"], e["instance"])].get("model") == model
+            ]
+            if not members:
+                continue
+            size = (batch or {}).get(pool, VARIABLES[f"epd_rollout_batch_{pool}"].default)
+            try:
+                rule = PoolRule.resolve(pool, size_of, size, (min_available or {}).get(pool))
+            except EpdPlanError as error:
+                raise EpdPlanError(f"model {model}: {error}" if model else str(error)) from None
+            rules[key] = rule if model is None else replace(rule, model=model)
+            ordered = _round_robin(members)
+            if compiles:
+                first: dict[str, Mapping[str, str]] = {}
+                for e in ordered:
+                    first.setdefault(compile_config(by_key[(e["host"], e["instance"])]), e)
+                canaries[key] = list(first.values())
+                ordered = [e for e in ordered if e not in first.values()]
+            batches += [Batch(pool, chunk) for chunk in _chunks(ordered, rule.batch)]
     return _canary_batches(canaries, rules) + batches, rules
 
 
@@ -293,12 +307,13 @@ def _canary_batches(canaries: Mapping[str, Sequence[Mapping[str, str]]], rules: 
     """The canaries in as few batches as the pools' rules allow: batch k holds each pool's k-th
     slice of up to its batch size. Different pools compile at the same time; a pool never has
     more engines out than its own batches would take."""
-    slices = {pool: _chunks(engines, rules[pool].batch) for pool, engines in canaries.items()}
+    slices = {key: _chunks(engines, rules[key].batch) for key, engines in canaries.items()}
     rounds = max((len(s) for s in slices.values()), default=0)
     out = []
     for k in range(rounds):
-        pools = [pool for pool in POOLS if k < len(slices.get(pool, ()))]
-        out.append(Batch("+".join(pools), tuple(e for pool in pools for e in slices[pool][k]), canary=True))
+        keys = [key for key in slices if k < len(slices[key])]
+        label = "+".join(dict.fromkeys(key.split(":", 1)[0] for key in keys))
+        out.append(Batch(label, tuple(e for key in keys for e in slices[key][k]), canary=True))
     return out
 
 
@@ -417,7 +432,8 @@ def rollout_plan(
     for rule in rules.values():
         alone = " (a pool of one leaves rotation while it restarts)" if rule.size == 1 else ""
         kept = f"at least {rule.floor} of {rule.size} stay in rotation"
-        lines.append(f"{rule.pool.upper()}: batches of up to {rule.batch}, {kept}{alone}")
+        name = f"{rule.pool.upper()} of {rule.model}" if rule.model else rule.pool.upper()
+        lines.append(f"{name}: batches of up to {rule.batch}, {kept}{alone}")
     for number, (item, row) in enumerate(zip(batches, outcomes, strict=True), 1):
         members = ", ".join(f"{e['engine_id']} ({e['host']}, {o})" for e, o in zip(item.engines, row, strict=True))
         kind = " canary" if item.canary else ""
@@ -489,9 +505,24 @@ def retiring_endpoints(
     endpoints: {ve, pd}}: the plan's endpoints plus each retiring engine, state draining, so its
     requests finish before it stops.
     """
-    endpoints = router_endpoints(plan, draining)
-    planned = {endpoint["id"] for pool in endpoints.values() for endpoint in pool}
-    retiring = [e for e in pools if e["id"] not in planned and e.get("state") != "removed"]
+    endpoints: dict[str, Any] = router_endpoints(plan, draining)
+    lanes: dict[str | None, dict[str, Any]] = {None: endpoints}
+    names = list(dict.fromkeys(e["model"] for p in plan.values() for e in p["engines"] if "model" in e))
+    if names:  # several models (epd_models): each model's lists, a retiring engine in its own
+        endpoints["models"] = {name: router_endpoints(plan, draining, name) for name in names}
+        lanes.update(endpoints["models"])
+    planned = {endpoint["id"] for lane in lanes.values() for role in ("ve", "pd") for endpoint in lane[role]}
+    # an engine of a model no longer planned is not kept: the router's processes roll to drop
+    # the model (router.yaml `models` is read at start), docs/operations.md "Several models"
+    # /pools of a router with several models: each engine's `model` and `model_index` (0: the first)
+
+    def lane_of(engine: Mapping[str, Any]) -> str | None:
+        return None if not engine.get("model_index") else engine.get("model")
+
+    retiring = [
+        e for e in pools if e["id"] not in planned and e.get("state") != "removed" and lane_of(e) in (None, *names)
+    ]
     for engine in retiring:
-        endpoints.setdefault(engine["role"], []).append({"id": engine["id"], "url": engine["url"], "state": "draining"})
+        lane = lanes[lane_of(engine)]
+        lane.setdefault(engine["role"], []).append({"id": engine["id"], "url": engine["url"], "state": "draining"})
     return {"retiring": [e["id"] for e in retiring], "endpoints": endpoints}

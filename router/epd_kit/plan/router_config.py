@@ -68,7 +68,27 @@ def router_config(
         config["tracing"] = {"otlp_traces_endpoint": settings.otlp_traces_endpoint}
     endpoints = router_endpoints(plan, draining)
     config["endpoints"] = {"text_only": True, **endpoints} if text_only else endpoints
+    if settings.models:
+        # the further models (epd_models): what each lane is read at start (`models`), and its
+        # endpoints beside the first model's, so a changed endpoint list reloads as always
+        config["models"] = [model_entry(spec) for spec in settings.models]
+        config["endpoints"]["models"] = {}
+        for spec in settings.models:
+            lists = router_endpoints(plan, draining, spec.name)
+            config["endpoints"]["models"][spec.name] = {"text_only": True, **lists} if spec.text_only else lists
     return merge(config, extra or {})
+
+
+def model_entry(spec: Any) -> dict[str, Any]:
+    """One further model in router.yaml's `models`: its served name, checkpoint and the limits its
+    settings fix (the other limits are the top-level section's)."""
+    s = spec.settings
+    return {
+        "name": spec.name,
+        "model": s.model,
+        "quantization": None if s.quantization == "bf16" else s.quantization,
+        "limits": {"images_per_prompt": s.images_per_prompt, "max_image_patches": s.vision_attention_block_size},
+    }
 
 
 LOOPBACK = ["127.0.0.0/8", "::1/128"]

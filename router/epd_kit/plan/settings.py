@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .defaults import GLOBAL_DEFAULTS
 from .errors import EpdPlanError
 from .managed import check_engine_environment, check_extra_args
+from .models import ModelSpec, read_models
 from .neuron_releases import DEFAULT_RELEASE, neuron_release
-from .values import as_int, as_str, as_str_list, is_power_of_two
+from .values import ID_PART, as_int, as_str, as_str_list, is_power_of_two
 from .variables import VARIABLES
 
 # the fleet's Neuron release (epd_common's, not a pool setting): the engines' environment follows it
@@ -24,8 +25,6 @@ RELEASE_VARIABLE = "epd_neuron_release"
 BACKEND_EXECUTABLES = {"vllm": "vllm", "vllm-cpu": "epd-vllm", "sim": "epd-sim"}
 QUANTIZATIONS = ("bf16", "mxfp8")
 MIN_PORT = 1024  # the engines' and the router's ports (MAX_PORT: variables.py)
-# a piece of an engine id (the prefix, a host's label): ids key NIXL handshakes and unit names
-ID_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 # A hub id is owner/name; an owner that is a usual directory name means a relative path.
 DIRECTORY_NAMES = frozenset(
@@ -77,6 +76,8 @@ class Settings:
     neuron_release: str = DEFAULT_RELEASE
     vllm_cpu_ec_dir: str = str(VARIABLES["epd_vllm_cpu_ec_dir"].default)
     otlp_traces_endpoint: str = ""
+    # the fleet's further models (epd_models, models.py); the first is this one
+    models: tuple[ModelSpec, ...] = ()
 
     @property
     def model_is_local(self) -> bool:
@@ -107,6 +108,8 @@ class Settings:
             value = getattr(self, key.removeprefix("epd_"))
             if key == "epd_engine_environment":
                 value = dict(value)
+            elif key == "epd_models":
+                value = [m.as_dict() for m in value]
             out[key] = list(value) if isinstance(value, tuple) else value
         out["model_is_local"] = self.model_is_local
         out["vision_attention_block_size"] = self.vision_attention_block_size
@@ -195,7 +198,7 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
     if not ID_PART.fullmatch(prefix):
         raise EpdPlanError(f"epd_engine_id_prefix must be letters, digits, '.', '_' or '-', got {prefix!r}")
     modules = as_str_list("epd_modules_to_not_convert", get("epd_modules_to_not_convert"))
-    return Settings(
+    settings = Settings(
         model=check_model(variables.get("epd_model") if "epd_model" in variables else None),
         quantization=quantization,
         modules_to_not_convert=modules,
@@ -225,3 +228,5 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
         vllm_cpu_ec_dir=as_str("epd_vllm_cpu_ec_dir", get("epd_vllm_cpu_ec_dir")),
         otlp_traces_endpoint=as_str("epd_otlp_traces_endpoint", get("epd_otlp_traces_endpoint") or ""),
     )
+    models = read_models(variables, settings, read_settings)
+    return replace(settings, models=models) if models else settings

@@ -12,6 +12,9 @@ from typing import Any
 
 from .errors import EpdPlanError
 
+# a piece of an engine id (the prefix, a host's label, a model's name): ids key NIXL handshakes and unit names
+ID_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
 CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 
 

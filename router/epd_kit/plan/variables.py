@@ -177,6 +177,8 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_common_replan", False, BOOL, INTERNAL, P),
     _v("epd_common_inventory_only", False, BOOL, INTERNAL, P),
     _v("epd_model", None, STR, FLEET, P),
+    # the models served beside epd_model, each its own checkpoint, pools and settings (models.py)
+    _v("epd_models", [], LIST, FLEET, P),
     _v("epd_quantization", "bf16", STR, FLEET, P, choices=("bf16", "mxfp8")),
     _v("epd_modules_to_not_convert", [], LIST, FLEET, P),
     # vllm: vLLM Neuron on trn2; vllm-cpu: vLLM's CPU build (the sandbox's real engines); sim: epd-sim
@@ -545,6 +547,7 @@ ROUTER_SECTIONS: dict[str, dict[str, str]] = {
 # would disagree with the socket unit, the engines or the plan)
 PLANNED_KEYS: dict[str, str] = {
     "model": "epd_model",
+    "models": "epd_models",
     "served_model_name": "epd_router_served_model_name",
     "quantization": "epd_quantization",
     "dtype": "nothing: the kit sets the engines' dtype",

@@ -39,11 +39,17 @@ def build_renderer(cfg: RouterConfig) -> Renderer:
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     service: RouterService = app.state.service
     await service.start()
-    pools = service.state.pools
-    log.info(
-        "router started",
-        extra={"ve": [e.id for e in pools.ve], "pd": [e.id for e in pools.pd], "ready": service.state.ready},
-    )
+    for lane in service.lanes.values():
+        pools = lane.state.pools
+        log.info(
+            "router started",
+            extra={
+                "model": lane.name,
+                "ve": [e.id for e in pools.ve],
+                "pd": [e.id for e in pools.pd],
+                "ready": lane.state.ready,
+            },
+        )
     try:
         yield
     finally:
@@ -98,6 +104,12 @@ def create_app(
         # the client's Host header; a wrong path is a 404 naming it
         redirect_slashes=False,
     )
-    app.state.service = RouterService(cfg, renderer or build_renderer(cfg), config_path=config_path, worker=worker)
+    app.state.service = RouterService(
+        cfg,
+        renderer or build_renderer(cfg),
+        config_path=config_path,
+        worker=worker,
+        lane_renderer=None if renderer is not None else build_renderer,
+    )
     app.include_router(routes)
     return RouterApp(app)

@@ -146,7 +146,13 @@ def check_config(path: Path) -> None:
         sys.exit(1)
     ve = ", ".join(f"{e.id}({e.state.value})" for e in cfg.endpoints.ve) or "none: text only"
     pd = ", ".join(f"{e.id}({e.state.value})" for e in cfg.endpoints.pd)
-    click.echo(f"OK {path}: model {cfg.model}; VE [{ve}]; PD [{pd}]")
+    line = f"OK {path}: model {cfg.model}; VE [{ve}]; PD [{pd}]"
+    for entry in cfg.models:  # the further models, each with its own pools
+        lane = cfg.endpoints.models[entry.name]
+        lane_ve = ", ".join(f"{e.id}({e.state.value})" for e in lane.ve) or "none: text only"
+        lane_pd = ", ".join(f"{e.id}({e.state.value})" for e in lane.pd)
+        line += f"; model {entry.name} ({entry.model}): VE [{lane_ve}]; PD [{lane_pd}]"
+    click.echo(line)
 
 
 @main.command()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 from enum import Enum
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
@@ -205,6 +206,9 @@ class Endpoints(Section):
     text_only: bool = False
     ve: list[Endpoint] = Field(default_factory=list)
     pd: list[Endpoint] = Field(min_length=1)
+    # the further models' pools (`models` below names them), by name: here beside the first
+    # model's, so that a changed endpoint list of any model applies on reload (service.py)
+    models: dict[str, Endpoints] = Field(default_factory=dict)
 
     @field_validator("ve")
     @classmethod
@@ -228,7 +232,11 @@ class Endpoints(Section):
     @model_validator(mode="after")
     def _unique(self) -> Endpoints:
         seen: dict[str, str] = {}
-        for role, entries in (("ve", self.ve), ("pd", self.pd)):
+        lanes = [("", self)] + [(f"models.{name}.", e) for name, e in self.models.items()]
+        for prefix, lane in lanes:
+            if prefix and lane.models:
+                raise ValueError(f"{prefix}models: a model's endpoints have no models of their own")
+        for role, entries in ((f"{p}{r}", getattr(lane, r)) for p, lane in lanes for r in ("ve", "pd")):
             urls: set[str] = set()
             for ep in entries:
                 if ep.id in seen:
@@ -241,6 +249,17 @@ class Endpoints(Section):
                     raise ValueError(f"duplicate {role} URL {ep.url!r}")
                 urls.add(ep.url)
         return self
+
+
+class ModelEntry(Section):
+    """A further model (docs/router.md "Several models"): its served name (what a request's
+    `model` says), its checkpoint, and its own limits over the top-level section; its pools
+    are `endpoints.models.<name>`. Read at start (restart only)."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$")
+    model: str = Field(min_length=1)
+    quantization: str | None = None
+    limits: dict[str, Any] = Field(default_factory=dict)
 
 
 class RouterConfig(Section):
@@ -261,7 +280,42 @@ class RouterConfig(Section):
     engine_auth: EngineAuth = Field(default_factory=EngineAuth)
     admin: Admin = Field(default_factory=Admin)
     tracing: Tracing = Field(default_factory=Tracing)
+    # the models served beside `model` (the first), each a lane of its own (lanes.py)
+    models: list[ModelEntry] = Field(default_factory=list)
     endpoints: Endpoints
+
+    @model_validator(mode="after")
+    def _models(self) -> RouterConfig:
+        names = [self.model_name]
+        for index, entry in enumerate(self.models):
+            if entry.name in names:
+                raise ValueError(f"models[{index}].name {entry.name!r} is served twice: each model needs its own name")
+            names.append(entry.name)
+            if entry.name not in self.endpoints.models:
+                raise ValueError(f"models[{index}] ({entry.name}) has no pools: add endpoints.models.{entry.name}")
+            try:
+                Limits.model_validate({**self.limits.model_dump(), **entry.limits})
+            except ValidationError as exc:
+                raise ValueError(f"models[{index}] ({entry.name}).limits: {exc.errors()[0]['msg']}") from None
+        extra = sorted(set(self.endpoints.models) - set(names[1:]))
+        if extra:
+            raise ValueError(f"endpoints.models.{extra[0]}: no such model in `models` (its name, checkpoint)")
+        return self
+
+    def lane_config(self, name: str) -> RouterConfig:
+        """The config one further model's lane runs with: this one, with that model's name,
+        checkpoint, limits and pools (and no further models)."""
+        entry = next(m for m in self.models if m.name == name)
+        return self.model_copy(
+            update={
+                "model": entry.model,
+                "served_model_name": entry.name,
+                "quantization": entry.quantization,
+                "limits": Limits.model_validate({**self.limits.model_dump(), **entry.limits}),
+                "endpoints": self.endpoints.models[name],
+                "models": [],
+            }
+        )
 
     @field_validator("dtype")
     @classmethod

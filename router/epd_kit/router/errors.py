@@ -42,9 +42,11 @@ class RouterError(Exception):
         param: str | None = None,
         retry_after: float | None = None,
         type_: str | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
+        self.code = code  # OpenAI's error code where it has one (model_not_found); else the status
         self.message = message
         self.param = param
         self.retry_after = retry_after
@@ -60,7 +62,7 @@ class RouterError(Exception):
                 "message": self.message if self.client_message is None else self.client_message,
                 "type": self.type,
                 "param": self.param,
-                "code": self.status,
+                "code": self.code or self.status,
             },
             "request_id": request_id,
         }

@@ -24,7 +24,7 @@ from epd_kit.router import tracing
 from epd_kit.router.body import decode_body
 from epd_kit.router.context import RequestContext
 from epd_kit.router.errors import RouterError
-from epd_kit.router.generation import GapWatch
+from epd_kit.router.generation import GapWatch, Generation
 from epd_kit.router.intake import ClientGone, IntakeSlot, read_body
 from epd_kit.router.listener import CLIENT_GONE, DisconnectSignal
 from epd_kit.router.metrics import RequestOutcome
@@ -102,18 +102,19 @@ async def chat_completions(request: Request) -> Response:
             slot = service.intake.enter(limits.max_requests_preprocessing)
             current_client.set(_client_of(request, service.auth.enabled))
             chat, inline = await _decode(service, body)
+        lane = service.lane_for(chat.model)  # several models: by the body's `model` (404 if unknown)
         if ticket is not None:
             ticket.images(count_images(chat.messages))
         del body  # `inline` keeps the image payloads' bytes until they are rendered
-        ctx = RequestContext.start(chat, rid, service.state.cfg, intake=slot, inline=inline)
+        ctx = RequestContext.start(chat, rid, lane.state.cfg, intake=slot, inline=inline)
         if chat.stream:
-            response = await _stream(request, service, ctx, outcome, ticket)
+            response = await _stream(request, service, lane.generation, ctx, outcome, ticket)
             if isinstance(response, _CleanupStreamingResponse):
                 ticket = None  # the stream gives it back as it ends
             return response
         service.begin_request()
         try:
-            result = await _race_disconnect(request, service.generation.complete(ctx))
+            result = await _race_disconnect(request, lane.generation.complete(ctx))
         finally:
             service.end_request()
         if result is not None:
@@ -184,11 +185,16 @@ def _client_left(outcome: RequestOutcome, rid: str, when: str) -> Response:
 
 
 async def _stream(
-    request: Request, service: RouterService, ctx: RequestContext, outcome: RequestOutcome, ticket: Ticket | None
+    request: Request,
+    service: RouterService,
+    generation: Generation,
+    ctx: RequestContext,
+    outcome: RequestOutcome,
+    ticket: Ticket | None,
 ) -> Response:
     service.begin_request()  # ended by the response, whatever happens to it
     try:
-        pd = await _race_disconnect(request, service.generation.open_stream(ctx))
+        pd = await _race_disconnect(request, generation.open_stream(ctx))
     except BaseException:
         service.end_request()
         raise
@@ -197,14 +203,14 @@ async def _stream(
         return _client_left(outcome, ctx.request_id, "before the answer")
 
     async def finished() -> None:
-        await service.generation.close(pd, ctx)
+        await generation.close(pd, ctx)
         service.end_request()
         if ticket is not None:  # what the client got: the prompt and the tokens relayed
             ticket.finish(len(ctx.token_ids) + ctx.completion_tokens)
         outcome.record()  # the status `relay` left, or client_closed if it never ran
 
     return _CleanupStreamingResponse(
-        service.generation.relay(ctx, pd, outcome),
+        generation.relay(ctx, pd, outcome),
         finished,
         service.state.cfg.listen.idle_timeout_s,
         ctx.request_id,
@@ -216,9 +222,7 @@ async def _stream(
 @routes.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
     _check_key(request)
-    cfg = _service(request).state.cfg
-    model = {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "epd-kit", "root": cfg.model}
-    return JSONResponse({"object": "list", "data": [model]})
+    return JSONResponse({"object": "list", "data": [lane.card() for lane in _service(request).lanes.values()]})
 
 
 # --- operations -------------------------------------------------------------------------------
@@ -231,29 +235,39 @@ async def health() -> JSONResponse:
 
 @routes.get("/ready")
 async def ready(request: Request) -> JSONResponse:
-    state = _service(request).state
-    if state.ready:
+    """Ready when every model's lane is (`?model=NAME`: that model's alone; an unknown one is
+    the 404 of a request naming it)."""
+    service = _service(request)
+    model = request.query_params.get("model")
+    lanes = [service.lanes[model] if model in service.lanes else service.lane_for(model)] if model else None
+    lanes = lanes or list(service.lanes.values())
+    waiting = [lane for lane in lanes if not lane.state.ready]
+    if not waiting:
         return JSONResponse({"ready": True})
+    reasons = [lane.state.not_ready_reason() for lane in waiting]
+    if service.several and not service.state.draining:
+        reasons = [f"{lane.name}: {reason}" for lane, reason in zip(waiting, reasons, strict=True)]
     return JSONResponse(
-        {"ready": False, "reason": state.not_ready_reason()},
+        {"ready": False, "reason": "; ".join(dict.fromkeys(reasons))},
         status_code=503,
-        headers={"Retry-After": str(round(state.retry_after_s()))},
+        headers={"Retry-After": str(round(waiting[0].state.retry_after_s()))},
     )
 
 
 @routes.get("/healthcheck")
 async def healthcheck(request: Request) -> JSONResponse:
-    state = _service(request).state
-    pools = state.pools
-    return JSONResponse(
-        {
-            "status": "ok" if state.ready else "degraded",
-            "ve_instances": len(pools.ve),
-            "pd_instances": len(pools.pd),
-            "ve_healthy": len(pools.eligible_ve()),
-            "pd_healthy": len(pools.eligible_pd()),
-        }
-    )
+    service = _service(request)
+    lanes = list(service.lanes.values())
+    body = {
+        "status": "ok" if all(lane.state.ready for lane in lanes) else "degraded",
+        "ve_instances": sum(len(lane.state.pools.ve) for lane in lanes),
+        "pd_instances": sum(len(lane.state.pools.pd) for lane in lanes),
+        "ve_healthy": sum(len(lane.state.pools.eligible_ve()) for lane in lanes),
+        "pd_healthy": sum(len(lane.state.pools.eligible_pd()) for lane in lanes),
+    }
+    if service.several:
+        body["models"] = {lane.name: "ok" if lane.state.ready else "degraded" for lane in lanes}
+    return JSONResponse(body)
 
 
 @routes.get("/pools")
@@ -261,7 +275,13 @@ async def pools_view(request: Request) -> JSONResponse:
     service = _service(request)
     _check_operator(request, service.state.cfg.auth.protect_pools)
     group = service.metrics.group_engines()
-    engines = [e.snapshot() for e in service.state.pools.all()]
+    engines = []
+    for index, lane in enumerate(service.lanes.values()):
+        for engine in lane.state.pools.all():
+            snapshot = engine.snapshot()
+            if service.several:  # whose pools it is in (0: the first model's; rollout.py reads it)
+                snapshot.update(model=lane.name, model_index=index)
+            engines.append(snapshot)
     if group is not None:
         # several processes: a drain or an activation must hold in all of them, not only in
         # the one that happens to answer (docs/router.md "Scale-out")
@@ -271,7 +291,7 @@ async def pools_view(request: Request) -> JSONResponse:
                 engine.update(inflight=view.inflight, healthy=engine["healthy"] and view.healthy, state=view.state)
     return JSONResponse(
         {
-            "ready": service.state.ready,
+            "ready": all(lane.state.ready for lane in service.lanes.values()),
             "draining": service.state.draining,
             "active_requests": service.active_requests,
             "engines": engines,

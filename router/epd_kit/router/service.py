@@ -8,13 +8,16 @@
     generation  generation.Generation        render → encode → PD (one retry loop) → answer
     tracing     tracing.Tracing              the requests' spans (off unless configured)
 
-All of them read the same `RouterState`; `reload` swaps its config and pool snapshot.
+All of them read the same `RouterState`; `reload` swaps its config and pool snapshot. They are
+the first model's lane; each further model (config `models`) has a lane of its own (lanes.py),
+and `lanes` holds them all, by served name.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,6 +29,7 @@ from epd_kit.router.engine_client import EngineClient
 from epd_kit.router.engine_keys import load_engine_keys
 from epd_kit.router.generation import Generation
 from epd_kit.router.intake import IntakeGate
+from epd_kit.router.lanes import Lane, combined_pools, unknown_model
 from epd_kit.router.metrics import RouterMetrics
 from epd_kit.router.pools import build_pools
 from epd_kit.router.probes import ServingProbes
@@ -37,7 +41,8 @@ from epd_kit.router.tracing import Tracing
 log = logging.getLogger("epd_router.service")
 
 # settings baked into the listener or the preprocessor at start; a reload keeps the old values
-RESTART_ONLY = ("model", "served_model_name", "quantization", "listen", "limits", "media", "tracing")
+# (`models`: a lane per model is built at start; the further models' pools, endpoints.models, reload)
+RESTART_ONLY = ("model", "served_model_name", "quantization", "listen", "limits", "media", "tracing", "models")
 
 
 class RouterService:
@@ -48,13 +53,18 @@ class RouterService:
         *,
         config_path: Path | None = None,
         worker: str | None = None,
+        lane_renderer: Callable[[RouterConfig], Renderer] | None = None,
     ) -> None:
         """`worker`: this process's name among the host's router processes (the host's shared
-        tenant buckets keep one concurrency count per worker)."""
+        tenant buckets keep one concurrency count per worker). `lane_renderer`: a further model's
+        renderer from its lane's config (None: `renderer` serves every model, as in tests)."""
         self.config_path = config_path
         self.renderer = renderer
         self.state = RouterState(cfg, build_pools(cfg)[0])
-        self.metrics = RouterMetrics(lambda: self.state.pools, lambda: getattr(renderer, "stats", None))
+        self.lanes: dict[str, Lane] = {}
+        self.metrics = RouterMetrics(
+            lambda: combined_pools(lambda: list(self.lanes.values())), lambda: getattr(renderer, "stats", None)
+        )
         self.auth, tenant_keys = load_client_keys(cfg.auth.api_keys_file, cfg.auth.tenants_file)
         self.tenants = Tenants(TenantMetrics(self.metrics.registry), self.metrics.shared_dir, worker)
         self.tenants.apply(tenant_keys)
@@ -66,6 +76,13 @@ class RouterService:
         self.admission = PdAdmission(self.state, self.metrics)
         self.encoder = Encoder(self.state, self.engines, self.metrics)
         self.generation = Generation(self.state, renderer, self.engines, self.encoder, self.admission, self.metrics)
+        first = Lane(cfg.model_name, self.state, renderer, self.engines, self.admission, self.encoder, self.generation)
+        self.lanes[first.name] = first
+        for entry in cfg.models:
+            lane_cfg = cfg.lane_config(entry.name)
+            lane_renderer_ = lane_renderer(lane_cfg) if lane_renderer is not None else renderer
+            self.lanes[entry.name] = Lane.build(entry.name, lane_cfg, lane_renderer_, self.metrics)
+            self.lanes[entry.name].engines.set_keys(load_engine_keys(cfg.engine_auth.key_file))
         self.tracing = Tracing(cfg.tracing)
         self.active_requests = 0
         self._idle = asyncio.Event()
@@ -75,15 +92,39 @@ class RouterService:
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.engines.start(await ServingProbes.build(self.renderer))
+        for lane in self.lanes.values():
+            await lane.engines.start(await ServingProbes.build(lane.renderer))
 
     async def stop(self) -> None:
-        await self.engines.aclose()
+        for lane in self.lanes.values():
+            await lane.engines.aclose()
         await self.tracing.aclose()
         self.decode_pool.shutdown(wait=False, cancel_futures=True)
-        aclose = getattr(self.renderer, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        renderers = {id(lane.renderer): lane.renderer for lane in self.lanes.values()}
+        for renderer in renderers.values():
+            aclose = getattr(renderer, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    @property
+    def several(self) -> bool:
+        """More than one model: requests are routed by their `model`."""
+        return len(self.lanes) > 1
+
+    def lane_for(self, model: str | None) -> Lane:
+        """The lane of a request's `model`. One model: the one lane, whatever the request names
+        (as before). Several: the lane of that served name (or checkpoint); no `model`: the
+        first; any other name is OpenAI's 404 model_not_found."""
+        lanes = list(self.lanes.values())
+        if not self.several or not model:
+            return lanes[0]
+        lane = self.lanes.get(model)
+        if lane is not None:
+            return lane
+        for lane in lanes:
+            if lane.state.cfg.model == model:
+                return lane
+        raise unknown_model(model, list(self.lanes))
 
     def reload(self) -> bool:
         """Re-read the config file and apply it atomically; a bad file keeps the old config,
@@ -116,9 +157,23 @@ class RouterService:
         # one assignment each: a request sees either the old or the new snapshot
         self.state.cfg = new.model_copy(update={k: getattr(old, k) for k in RESTART_ONLY})
         self.state.pools = pools
+        served = {m.name for m in new.models}
+        for name, lane in list(self.lanes.items())[1:]:
+            if name not in served:
+                log.warning(f"config reload: model {name!r} is gone from `models`; it is served until a restart")
+                continue
+            lane_old = lane.state.cfg
+            lane_new = new.lane_config(name).model_copy(update={k: getattr(lane_old, k) for k in RESTART_ONLY})
+            lane_pools, lane_removed = build_pools(lane_new, lane.state.pools)
+            lane.state.cfg = lane_new
+            lane.state.pools = lane_pools
+            removed += lane_removed
+        for name in served - set(self.lanes):
+            log.warning(f"config reload: new model {name!r} in `models`; it is served after a restart")
         self.auth = auth
         self.tenants.apply(tenant_keys)  # new limits; the buckets keep their levels
-        self.engines.set_keys(engine_keys)
+        for lane in self.lanes.values():
+            lane.engines.set_keys(engine_keys)
         self.admin = admin
         self.metrics.reloads.labels("ok").inc()
         log.info(
@@ -129,10 +184,11 @@ class RouterService:
                 "removed": [e.id for e in removed],
             },
         )
-        self.engines.probe_soon()
-        task = asyncio.get_running_loop().create_task(self.admission.pools_changed())
-        self._background.add(task)  # the loop keeps only weak references
-        task.add_done_callback(self._background.discard)
+        for lane in self.lanes.values():
+            lane.engines.probe_soon()
+            task = asyncio.get_running_loop().create_task(lane.admission.pools_changed())
+            self._background.add(task)  # the loop keeps only weak references
+            task.add_done_callback(self._background.discard)
         return True
 
     # --- drain -----------------------------------------------------------------------------
@@ -149,7 +205,8 @@ class RouterService:
     def begin_drain(self) -> None:
         """Stop looking ready (/ready says 503, load balancers move on); requests are still
         served."""
-        self.state.draining = True
+        for lane in self.lanes.values():
+            lane.state.draining = True
 
     async def wait_idle(self, grace_s: float) -> bool:
         """Wait up to `grace_s` for the requests in flight; True if none is left."""

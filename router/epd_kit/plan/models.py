@@ -1,0 +1,154 @@
+"""The fleet's further models (epd_models): each its own checkpoint, pools and settings.
+
+The fleet's first model is today's: epd_model with each host's epd_num_ve / epd_num_pd and the
+fleet-wide settings. `epd_models` lists the models served beside it, one mapping each:
+
+    name            the served name (the request's `model`), and part of its engines' ids and
+                    unit names (epd-engine@<name>-pd-0): letters, digits, '.', '_', '-'
+    model           its checkpoint (as epd_model)
+    text_only       true: PD alone, no VE (images refused with the router's 400)
+    num_ve, num_pd  engines per engine host it runs on
+    hosts           the engine hosts it runs on (default: every engine host)
+    ve_tp, ve_dp, pd_tp, max_model_len, max_num_seqs, images_per_prompt, image_edge,
+    patch_size, encoder_cache_num_blocks, quantization, modules_to_not_convert, extra_args
+                    its own values of those fleet settings (default: the fleet's)
+    ve_port_base, pd_port_base, side_channel_port_base
+                    its own port bases (default: the fleet's + 64 x its position, 1-based, so
+                    no two models' engines share a port on a host)
+
+Every value is checked by the fleet settings' own rules (settings.read_settings), each problem
+naming the model. docs/planner.md "Several models".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import EpdPlanError
+from .values import ID_PART, as_int, as_str, describe, plain
+
+# a further model's default port bases: the fleet's + this per position (a host's 64 cores
+# hold at most 64 engines of one role, and a VE's side-channel ports stride by its TP)
+PORT_STRIDE = 64
+SETTING_KEYS = (
+    "ve_tp",
+    "ve_dp",
+    "pd_tp",
+    "max_model_len",
+    "max_num_seqs",
+    "images_per_prompt",
+    "image_edge",
+    "patch_size",
+    "encoder_cache_num_blocks",
+    "quantization",
+    "modules_to_not_convert",
+    "extra_args",
+)
+PORT_KEYS = ("ve_port_base", "pd_port_base", "side_channel_port_base")
+ENTRY_KEYS = ("name", "model", "text_only", "num_ve", "num_pd", "hosts", *SETTING_KEYS, *PORT_KEYS)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One further model: its name, its own settings (its checkpoint, TPs, ports), its pools."""
+
+    name: str
+    settings: Any  # its settings.Settings (settings.py imports this module, not the other way)
+    text_only: bool = False
+    num_ve: int = 0
+    num_pd: int = 1
+    hosts: tuple[str, ...] | None = None  # None: every engine host
+
+    def runs_on(self, host: str) -> bool:
+        return self.hosts is None or host in self.hosts
+
+    def count(self, role: str) -> int:
+        return self.num_ve if role == "ve" else self.num_pd
+
+    def as_dict(self) -> dict[str, Any]:
+        """The entry as read_models reads it back, every setting resolved (epd_fleet_settings)."""
+        s = self.settings
+        out: dict[str, Any] = {
+            "name": self.name,
+            "model": s.model,
+            "text_only": self.text_only,
+            "num_ve": self.num_ve,
+            "num_pd": self.num_pd,
+            "hosts": None if self.hosts is None else list(self.hosts),
+        }
+        for key in (*SETTING_KEYS, *PORT_KEYS):
+            value = getattr(s, key)
+            out[key] = list(value) if isinstance(value, tuple) else value
+        return out
+
+
+def read_models(variables: Mapping[str, Any], fleet: Any, read_settings: Any) -> tuple[ModelSpec, ...]:
+    """epd_models, validated; `read_settings` reads each model's settings from the fleet's
+    variables with the entry's own values put over them (passed in: settings.py calls this)."""
+    raw = plain(variables.get("epd_models")) if "epd_models" in variables else None
+    if raw in (None, [], ()):
+        return ()
+    if not isinstance(raw, (list, tuple)):
+        raise EpdPlanError(f"epd_models must be a list of models (name, model, num_pd, ...), got {describe(raw)}")
+    names: dict[str, int] = {}
+    models = []
+    for index, entry in enumerate(raw):
+        where = f"epd_models[{index}]"
+        if not isinstance(entry, Mapping):
+            raise EpdPlanError(f"{where} must be a mapping with name, model, num_ve/num_pd, got {describe(entry)}")
+        name = as_str(f"{where}.name", entry.get("name", "")).strip()
+        if not ID_PART.fullmatch(name):
+            raise EpdPlanError(
+                f"{where}.name {name!r} must be letters, digits, '.', '_' or '-' (it is the served model name "
+                "and part of its engines' ids and unit names)"
+            )
+        where = f"epd_models[{index}] ({name})"
+        unknown = sorted(set(map(str, entry)) - set(ENTRY_KEYS))
+        if unknown:
+            raise EpdPlanError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(ENTRY_KEYS)}")
+        if name in names:
+            raise EpdPlanError(f"{where}: the name {name!r} is also epd_models[{names[name]}]'s; names must differ")
+        if name == fleet.model:
+            raise EpdPlanError(f"{where}: the name {name!r} is the first model's (epd_model); names must differ")
+        names[name] = index
+        overrides: dict[str, Any] = {"epd_models": [], "epd_model": entry.get("model")}
+        for key in SETTING_KEYS:
+            if key in entry and entry[key] is not None:
+                overrides[f"epd_{key}"] = entry[key]
+        for key in PORT_KEYS:
+            base = getattr(fleet, key) + PORT_STRIDE * (index + 1)
+            overrides[f"epd_{key}"] = entry[key] if entry.get(key) is not None else base
+        try:
+            settings = read_settings({**variables, **overrides})
+        except EpdPlanError as error:
+            raise EpdPlanError(f"{where}: {error}") from None
+        text_only = entry.get("text_only", False)
+        if not isinstance(text_only, bool):
+            raise EpdPlanError(f"{where}.text_only must be true or false, got {describe(text_only)}")
+        num_ve = as_int(f"{where}.num_ve", entry.get("num_ve", 0), minimum=0)
+        num_pd = as_int(f"{where}.num_pd", entry.get("num_pd", 1), minimum=1)
+        if text_only and num_ve:
+            raise EpdPlanError(f"{where}: text_only is true but num_ve is {num_ve}: set num_ve to 0 or drop text_only")
+        if not text_only and not num_ve:
+            raise EpdPlanError(
+                f"{where}: no VE engine (num_ve 0): set num_ve, or text_only: true for a model that serves text only"
+            )
+        hosts = entry.get("hosts")
+        if hosts is not None:
+            if not isinstance(hosts, (list, tuple)) or not hosts or not all(isinstance(h, str) for h in hosts):
+                raise EpdPlanError(f"{where}.hosts must be a list of engine host names, got {describe(hosts)}")
+            hosts = tuple(hosts)
+        models.append(ModelSpec(name, settings, text_only, num_ve, num_pd, hosts))
+    return tuple(models)
+
+
+def check_model_hosts(models: Sequence[ModelSpec], engine_hosts: Sequence[str]) -> None:
+    for index, spec in enumerate(models):
+        for host in spec.hosts or ():
+            if host not in engine_hosts:
+                raise EpdPlanError(
+                    f"epd_models[{index}] ({spec.name}).hosts names {host}, which is not an engine host "
+                    f"(epd_engines: {', '.join(engine_hosts)})"
+                )
