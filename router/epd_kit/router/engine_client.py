@@ -11,7 +11,7 @@ has what it cost against the clients before it). An engine POST's deadline is th
 timer (`DeadlineExceeded`), not an `asyncio.timeout` around the call. Kept-alive
 connections survive idle pauses (`ENGINE_KEEPALIVE_S`); one the engine closed while idle
 (vLLM's uvicorn after 5 s) is dropped when the pool next looks at it, and a request that
-races such a close (the connection ends before any answer byte) is resent once on a fresh
+races such a close (the connection ends before any answer byte, by a FIN or a reset) is resent once on a fresh
 connection (`_send`). The `/health` probes go through the same client (`health_status`),
 each under its own deadline.
 
@@ -281,7 +281,9 @@ class EngineClient:
             index = http.keys.index(engine.url)
             try:
                 resp, body = await http.post(engine.url, GENERATE_PATH, content, **limits)
-            except engine_http.ClosedBeforeAnswer:
+            except engine_http.ConnectionFailed as exc:
+                if not _raced_a_close(exc):
+                    raise
                 resp, body = await http.post(engine.url, GENERATE_PATH, content, fresh=True, **limits)
             if attempt or not self._other_key(engine, resp.status, index):
                 break
@@ -306,7 +308,9 @@ class EngineClient:
             index = self.http.keys.index(engine.url)
             try:
                 resp = await self.http.open(engine.url, GENERATE_PATH, content, connect_s=connect_s, read_s=read_s)
-            except engine_http.ClosedBeforeAnswer:
+            except engine_http.ConnectionFailed as exc:
+                if not _raced_a_close(exc):
+                    raise
                 resp = await self.http.open(
                     engine.url, GENERATE_PATH, content, connect_s=connect_s, read_s=read_s, fresh=True
                 )
@@ -347,3 +351,13 @@ class EngineClient:
         finally:
             if resp is not None and not committed:
                 resp.close()
+
+
+def _raced_a_close(exc: engine_http.ConnectionFailed) -> bool:
+    """A call that failed as an engine's keep-alive close raced our reuse of the connection:
+    it ended before any answer byte, by a FIN (`ClosedBeforeAnswer`) or a reset
+    (`ConnectionBroken`: an engine that closes with our request unread in its buffer resets
+    it). A refused dial is not a race."""
+    return isinstance(exc, (engine_http.ClosedBeforeAnswer, engine_http.ConnectionBroken)) and not isinstance(
+        exc, engine_http.CannotConnect
+    )

@@ -3,12 +3,15 @@ while idle is dropped by the pool, and a request that races the engine's close (
 connection dies before any answer byte) is resent once on a fresh connection, without
 charging the engine. The engine here is a raw asyncio server on 127.0.0.1 that answers the
 first request of each connection and, when told to, drops the connection on the next one
-without a byte, the way a keep-alive expiry races a reused connection."""
+without a byte (closed, or reset as a server that closes with a request unread in its buffer
+does), the way a keep-alive expiry races a reused connection."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import struct
 
 import pytest
 
@@ -21,11 +24,13 @@ from tests.unit.router.raw_http import RawServer, read_message
 
 class RacingEngine(RawServer):
     """HTTP/1.1 keep-alive engine: GET /health → 200; a generate → two tokens. With
-    `drop_reused`, a second request on a connection is dropped unanswered."""
+    `drop_reused`, a second request on a connection is dropped unanswered (`reset`: by a
+    TCP reset)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.drop_reused = False
+        self.reset = False
         self.generate_connections = 0  # connections that carried a generate (probes aside)
         self.generates = 0
         self.dropped = 0
@@ -36,6 +41,10 @@ class RacingEngine(RawServer):
             head, body = await read_message(reader)
             if served and self.drop_reused and not head.startswith(b"GET"):
                 self.dropped += 1
+                if self.reset:
+                    sock = writer.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    writer.transport.abort()
                 return  # closes the connection: no byte of an answer
             served += 1
             if head.startswith(b"GET"):
@@ -80,10 +89,11 @@ async def ask(service: RouterService) -> str:
     return answer["choices"][0]["message"]["content"]
 
 
-async def test_a_request_racing_the_engines_close_is_resent_on_a_fresh_connection(setup):
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+async def test_a_request_racing_the_engines_close_is_resent_on_a_fresh_connection(setup, reset):
     service, pd = setup
     assert await ask(service) == "Hi"  # one connection, kept alive in the pool
-    pd.drop_reused = True
+    pd.drop_reused, pd.reset = True, reset
     assert await ask(service) == "Hi"  # reused: dropped unanswered, resent on a new connection
     assert pd.dropped == 1 and pd.generates == 2 and pd.generate_connections == 2
     engine = service.state.pools.pd[0]
