@@ -236,3 +236,51 @@ def test_a_named_traces_collector_reaches_the_router_config_and_every_engine_uni
         text = env_file.read_text()
         assert f"--otlp-traces-endpoint {url}" in text, env_file.name
         assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL='http/protobuf'" in text, env_file.name
+
+
+def test_a_rollouts_draining_write_changes_only_the_endpoints_of_the_file_the_host_has(tmp_path, rendered):
+    """The router role with epd_router_endpoints_only (rolling_batch.yml, rolling_activate.yml,
+    drain_retiring.yml set it) renders the host's router.yaml (epd_router_current, as config.yml
+    reads it) with the plan's endpoints alone: a model the inventory adds (`two`) stays out of
+    `models` and of the endpoints, for the router play to roll in (docs/operations.md "Several models")."""
+    two_models = REPO / "inventory/sandbox/two-models"
+    running = (rendered(two_models) / "n1/etc/epd/router.yaml").read_text()
+    inventory = shutil.copytree(two_models, tmp_path / "inventory")  # the links' targets copied
+    models = inventory / "group_vars/all/models.yml"
+    doc = yaml.safe_load(models.read_text())
+    doc["epd_models"].append({"name": "two", "model": "/models/tiny-qwen3-vl", "text_only": True, "pd_tp": 4})
+    models.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "out"
+    play = {
+        "hosts": "epd_router",
+        "connection": "local",
+        "gather_facts": False,
+        "vars": {"ansible_python_interpreter": "{{ ansible_playbook_python }}", "epd_hf_token": ""},
+        "tasks": [
+            {"ansible.builtin.include_role": {"name": "epd.kit.epd_common", "tasks_from": "plan"}, "run_once": True},
+            {"ansible.builtin.set_fact": {"epd_router_current": {"files": {"/etc/epd/router.yaml": running}}}},
+            {
+                "ansible.builtin.include_role": {"name": "epd.kit.epd_router", "tasks_from": "render"},
+                "vars": {
+                    "epd_render_hosts": ["{{ inventory_hostname }}"],
+                    "epd_render_root": str(out / "{{ inventory_hostname }}"),
+                    "epd_router_endpoints_only": True,
+                },
+            },
+        ],
+    }
+    book = tmp_path / "play.yml"
+    book.write_text(yaml.safe_dump([play], sort_keys=False))
+    result = playbook("-i", str(inventory), str(book))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    written = yaml.safe_load((out / "n1/etc/epd/router.yaml").read_text())
+    before = yaml.safe_load(running)
+    assert [m["name"] for m in written["models"]] == ["text"]
+    assert {k: v for k, v in written.items() if k != "endpoints"} == {
+        k: v for k, v in before.items() if k != "endpoints"
+    }
+    assert written["endpoints"] == before["endpoints"]  # no engine draining: the plan's lists, as running
+    full = playbook("-i", str(inventory), "playbooks/render.yml", "-e", f"render_dir={tmp_path / 'full'}")
+    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-2000:]
+    rendered_full = yaml.safe_load((tmp_path / "full/n1/etc/epd/router.yaml").read_text())
+    assert [m["name"] for m in rendered_full["models"]] == ["text", "two"]  # what the router play writes

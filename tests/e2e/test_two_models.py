@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 import yaml
 
 from tests.e2e.conftest import DEPLOY, deploy_stack, sandbox_inventory
-from tests.e2e.stack import Stack, image_message
+from tests.e2e.stack import Stack, image_message, under_load
 from tests.hosts.harness import HostPool, ansible_playbook
 from tests.vllm_dist import bench_serve, compat_python
 
@@ -127,18 +128,96 @@ def test_a_rolling_restart_of_the_text_models_engine_drains_it_in_its_own_pool(s
         assert answer.model == model
 
 
+def test_a_deploy_adding_a_model_while_it_rolls_an_engine_serves_it_without_a_failed_request(
+    stack: Stack, record_timing
+):
+    """One deploy adds the text-only model `small` (a tp4 PD on n1's 4 spare cores) and changes the
+    text model's engine (its max_num_seqs): epd-engine@text-pd-0 rolls through the router, drained
+    in its own pool by the batch's writes, which change router.yaml's endpoints alone; the router
+    play then finds `models` changed and rolls the router's process, so `small` is served. Under
+    bounded load on `vision` (8/s) no request fails; the vision engines keep their processes."""
+    host = stack.hosts["n1"]
+    models = stack.inventory.directory / "group_vars/all/models.yml"
+    doc = yaml.safe_load(models.read_text())
+    doc["epd_models"][0]["max_num_seqs"] = 4
+    doc["epd_models"].append({"name": "small", "model": "/models/tiny-qwen3-vl", "text_only": True, "pd_tp": 4})
+    models.write_text(yaml.safe_dump(doc))
+    before = main_pids(stack)
+    result, elapsed = under_load(stack, DEPLOY, limit_s=450)
+    record_timing("two models: deploy adding a model and rolling text-pd-0, under load", elapsed)
+    assert "batch 1/1 PD canary: epd-text-pd-0" in result.stdout, result.describe()
+    after = main_pids(stack)
+    assert {unit for unit in UNITS if after[unit] != before[unit]} == {
+        "epd-engine@text-pd-0.service",
+        "epd-router@0.service",
+    }
+    assert (
+        "--max-num-seqs 4"
+        in host.run("tr '\\0' ' ' < /proc/$(systemctl show -pMainPID --value epd-engine@text-pd-0)/cmdline").stdout
+    )
+    assert host.run("systemctl is-active epd-engine@small-pd-0.service", check=False).stdout.strip() == "active"
+    stack.wait_ready(timeout=60)
+    client = stack.openai()
+    assert [m.id for m in client.models.list().data] == ["vision", "text", "small"]
+    answer = client.chat.completions.create(model="small", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert answer.model == "small" and answer.choices[0].message.content
+    assert stack.engine("epd-small-pd-0")["model"] == "small"
+
+
+class PoolsWatch:
+    """Samples the router's GET /pools every 0.5 s in a thread while a playbook runs (bounded: at
+    most `max_seconds`): each engine's states seen, in order."""
+
+    def __init__(self, stack: Stack, max_seconds: float) -> None:
+        self.stack, self.max_seconds = stack, max_seconds
+        self.states: dict[str, list[str]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pools-watch", daemon=True)
+
+    def __enter__(self) -> PoolsWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        while not self._stop.is_set() and time.monotonic() - start < self.max_seconds:
+            try:
+                for engine in self.stack.pools():
+                    seen = self.states.setdefault(engine["id"], [])
+                    if not seen or seen[-1] != engine["state"]:
+                        seen.append(engine["state"])
+            except Exception:  # the router's process rolling, or a slow answer: the next sample
+                pass
+            self._stop.wait(0.5)
+
+
 def test_removing_the_text_model_stops_its_engine_and_the_router_drops_it(stack: Stack, record_timing):
-    """A deploy without the epd_models entry (last: it changes the stack): its unit is stopped and
-    disabled, its env file removed, the router's process rolls (a new one, without the lane), and
-    /v1/models lists `vision` alone, answering from its engines, which kept their processes."""
+    """A deploy without the epd_models entries (last: it changes the stack): the router, still
+    serving the models (its `models` is read at start), first drains their engines in their own
+    pools (GET /pools shows each `draining`, the retire step waits until none has a request in
+    flight), then their units are stopped and disabled, their env files removed, the router's
+    process rolls (a new one, without the lanes), and /v1/models lists `vision` alone, answering
+    from its engines, which kept their processes."""
     host = stack.hosts["n1"]
     before = main_pids(stack)
     vision_pids = {unit: pid for unit, pid in before.items() if "text" not in unit and "router" not in unit}
+    removed = [e["id"] for e in stack.pools() if e["model"] != "vision"]
+    assert "epd-text-pd-0" in removed
     (stack.inventory.directory / "group_vars/all/models.yml").unlink()
     start = time.monotonic()
-    result = ansible_playbook(stack.inventory.directory, DEPLOY, timeout=400)
-    record_timing("two models: deploy removing the text model", time.monotonic() - start)
+    with PoolsWatch(stack, max_seconds=400) as watch:
+        result = ansible_playbook(stack.inventory.directory, DEPLOY, timeout=400)
+    record_timing("two models: deploy removing the further models", time.monotonic() - start)
     assert result.returncode == 0, result.describe()
+    drain = result.stdout.split("no request in flight on them]", 1)[-1].split("TASK [", 1)[0]
+    assert "ok: [n1]" in drain, result.describe()
+    assert {engine: watch.states.get(engine) for engine in removed} == {
+        engine: ["active", "draining"] for engine in removed
+    }, watch.states
     assert host.units("epd-engine@*") == ["epd-engine@pd-0.service", "epd-engine@ve-0.service"]
     assert host.run("test -e /etc/epd/engines/text-pd-0.env", check=False).returncode != 0
     after = main_pids(stack)

@@ -497,13 +497,20 @@ def changed_engines(
 
 
 def retiring_endpoints(
-    plan: Mapping[str, Mapping[str, Any]], pools: Sequence[Mapping[str, Any]], draining: Sequence[str] = ()
+    plan: Mapping[str, Mapping[str, Any]],
+    pools: Sequence[Mapping[str, Any]],
+    draining: Sequence[str] = (),
+    *,
+    served: Sequence[str] = (),
 ) -> dict[str, Any]:
     """A router's endpoints while the engines it serves that the plan no longer has drain.
 
     pools: the engines of the router's GET /pools ({id, url, role, state}). Returns {retiring: [id],
     endpoints: {ve, pd}}: the plan's endpoints plus each retiring engine, state draining, so its
-    requests finish before it stops.
+    requests finish before it stops. served: the further models the host's router.yaml names
+    (its `models`). An engine of one of them that the plan no longer has is retiring but not in
+    `endpoints`: the endpoints-only render (router_config's `running`) keeps that model's pools,
+    every engine draining. An engine of a model neither planned nor in the file is left alone.
     """
     endpoints: dict[str, Any] = router_endpoints(plan, draining)
     lanes: dict[str | None, dict[str, Any]] = {None: endpoints}
@@ -512,17 +519,18 @@ def retiring_endpoints(
         endpoints["models"] = {name: router_endpoints(plan, draining, name) for name in names}
         lanes.update(endpoints["models"])
     planned = {endpoint["id"] for lane in lanes.values() for role in ("ve", "pd") for endpoint in lane[role]}
-    # an engine of a model no longer planned is not kept: the router's processes roll to drop
-    # the model (router.yaml `models` is read at start), docs/operations.md "Several models"
     # /pools of a router with several models: each engine's `model` and `model_index` (0: the first)
 
     def lane_of(engine: Mapping[str, Any]) -> str | None:
         return None if not engine.get("model_index") else engine.get("model")
 
     retiring = [
-        e for e in pools if e["id"] not in planned and e.get("state") != "removed" and lane_of(e) in (None, *names)
+        e
+        for e in pools
+        if e["id"] not in planned and e.get("state") != "removed" and lane_of(e) in (None, *names, *served)
     ]
     for engine in retiring:
-        lane = lanes[lane_of(engine)]
-        lane.setdefault(engine["role"], []).append({"id": engine["id"], "url": engine["url"], "state": "draining"})
+        if lane_of(engine) in lanes:  # else a model gone from the plan, drained whole by the render
+            lane = lanes[lane_of(engine)]
+            lane.setdefault(engine["role"], []).append({"id": engine["id"], "url": engine["url"], "state": "draining"})
     return {"retiring": [e["id"] for e in retiring], "endpoints": endpoints}

@@ -35,10 +35,16 @@ def router_config(
     monitoring_addresses: Sequence[str] = (),
     loadbalancer_addresses: Sequence[str] = (),
     text_only: bool = False,
+    running: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """router.yaml as a mapping; `extra` is merged last, recursively. `text_only`: the fleet's
     epd_text_only as the inventory check read it (its settings' epd_text_only), written into
-    `endpoints` so the router accepts the empty VE list of the plan and refuses images."""
+    `endpoints` so the router accepts the empty VE list of the plan and refuses images.
+
+    `running`: the router.yaml the host has (parsed; empty or None: none yet). Given, only its
+    `endpoints` change (`endpoints_only`): the draining writes of a rollout (rolling_batch.yml,
+    drain_retiring.yml) leave every other section, `models` included, to the router play, which
+    rolls the processes for what a reload does not apply (docs/operations.md "Several models")."""
     sections = sections or {}
     config: dict[str, Any] = {
         "model": settings.model,
@@ -76,7 +82,32 @@ def router_config(
         for spec in settings.models:
             lists = router_endpoints(plan, draining, spec.name)
             config["endpoints"]["models"][spec.name] = {"text_only": True, **lists} if spec.text_only else lists
-    return merge(config, extra or {})
+    config = merge(config, extra or {})
+    return endpoints_only(config, running) if running else config
+
+
+def endpoints_only(config: Mapping[str, Any], running: Mapping[str, Any]) -> dict[str, Any]:
+    """`running` with the endpoints of `config`, for the models `running` serves (its `models`, read
+    at start): a model `config` adds gets its pools when the router play rolls the processes;
+    one `config` no longer has keeps its running pools, every engine draining, so its requests
+    finish in its own pools before its engines stop."""
+    endpoints = {k: v for k, v in config["endpoints"].items() if k != "models"}
+    new, old = config["endpoints"].get("models") or {}, (running.get("endpoints") or {}).get("models") or {}
+    planned = {entry["name"] for entry in config.get("models") or []}
+    lanes = {}
+    for entry in running.get("models") or []:
+        name = entry["name"]
+        if name in planned:
+            lanes[name] = new[name]
+        else:
+            lane = old.get(name) or {}
+            lanes[name] = {
+                **lane,
+                **{role: [{**e, "state": "draining"} for e in lane.get(role) or []] for role in ("ve", "pd")},
+            }
+    if lanes:
+        endpoints["models"] = lanes
+    return {**running, "endpoints": endpoints}
 
 
 def model_entry(spec: Any) -> dict[str, Any]:

@@ -416,6 +416,7 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_router_tenants_file", "/etc/epd/tenants", PATH, ROUTER, RO),
     _v("epd_router_extra_config", {}, DICT, ROUTER, RO, keys="router.yaml"),
     _v("epd_router_draining", [], LIST, ROUTER, RO),
+    _v("epd_router_endpoints_only", False, BOOL, INTERNAL, RO),
     _v("epd_router_environment", {}, DICT, ROUTER, RO, keys="environment"),
     _v("epd_router_workers", 1, INT, ROUTER, RO, minimum=1, maximum=256),
     _v("epd_router_restart_sec", 2, SECONDS, ROUTER, RO, minimum=0),

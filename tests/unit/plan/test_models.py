@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import yaml
 
 from epd_kit import plan as planner
 from epd_kit.router.config import parse_config
@@ -224,3 +225,81 @@ def test_the_advisor_refuses_a_fleet_of_several_models_naming_why():
         Advisor(inventory)
     del n1["epd_models"]
     assert Advisor(inventory).current.counts == {"n1": (1, 1)}
+
+
+def running_file(models):
+    """The router.yaml a host has, as the router play wrote it for `models` (parsed back)."""
+    result = check(models)
+    text = yaml.safe_dump(
+        planner.router_config(result["plan"], planner.read_settings(result["settings"]), listen_host="127.0.0.1"),
+        sort_keys=False,
+    )
+    return yaml.safe_load(text)
+
+
+def test_a_draining_write_changes_the_endpoints_alone_a_new_model_waits_for_the_router_play():
+    """A deploy that adds a model and a limit while it rolls the text model's engine: the
+    rolling batch's write (running=) keeps the running `models` and limits (the router play's
+    change: it rolls the processes) and drains the engine in its own pool; the new model's pools
+    are not in it (the running router has no such model)."""
+    running = running_file([TEXT])
+    two = {"name": "two", "model": VISION, "text_only": True, "num_pd": 1, "pd_tp": 4}
+    result = check([TEXT, two], epd_core_count=28)
+    settings = planner.read_settings(result["settings"])
+    kwargs = {
+        "listen_host": "127.0.0.1",
+        "draining": ["epd-text-pd-0"],
+        "sections": {"limits": {"max_requests_preprocessing": 32}},
+    }
+    full = planner.router_config(result["plan"], settings, **kwargs)
+    assert [m["name"] for m in full["models"]] == ["text", "two"] and full["limits"]["max_requests_preprocessing"] == 32
+    config = planner.router_config(result["plan"], settings, running=running, **kwargs)
+    assert {k: v for k, v in config.items() if k != "endpoints"} == {
+        k: v for k, v in running.items() if k != "endpoints"
+    }
+    assert list(config) == list(running)  # the file's order: a write that changes nothing changes no byte
+    assert config["endpoints"]["models"] == {
+        "text": {
+            "text_only": True,
+            "ve": [],
+            "pd": [{"id": "epd-text-pd-0", "url": "http://127.0.0.1:18164", "state": "draining"}],
+        }
+    }
+    assert config["endpoints"]["pd"] == full["endpoints"]["pd"]
+    parse_config(config)  # the router's own schema (check-config) takes it
+
+
+def test_a_draining_write_keeps_a_removed_models_pools_every_engine_draining():
+    """A deploy without the text model: the running router still serves it (`models` is read at
+    start), so the draining writes keep its pools with its engine draining, until the router play
+    rolls the processes without it; the retire step waits on that engine in its own pool."""
+    running = running_file([TEXT])
+    result = check()
+    settings = planner.read_settings(result["settings"])
+    config = planner.router_config(result["plan"], settings, listen_host="127.0.0.1", running=running)
+    assert config["models"] == running["models"]
+    assert config["endpoints"]["models"] == {
+        "text": {
+            "text_only": True,
+            "ve": [],
+            "pd": [{"id": "epd-text-pd-0", "url": "http://127.0.0.1:18164", "state": "draining"}],
+        }
+    }
+    assert parse_config(config).lane_config("text").endpoints.pd[0].state.value == "draining"
+    pools = [
+        {"id": "epd-pd-0", "url": "http://127.0.0.1:18100", "role": "pd", "state": "active", "model_index": 0},
+        {"id": "epd-text-pd-0", "url": "http://127.0.0.1:18164", "role": "pd", "state": "active", "model": "text"}
+        | {"model_index": 1},
+    ]
+    served = [m["name"] for m in running["models"]]
+    out = planner.rollout.retiring_endpoints(result["plan"], pools, served=served)
+    assert out["retiring"] == ["epd-text-pd-0"]
+    assert "models" not in out["endpoints"]  # the render drains the removed model's pools whole
+    assert planner.rollout.retiring_endpoints(result["plan"], pools)["retiring"] == []  # not in the file: left
+
+
+def test_without_a_running_file_the_draining_write_is_the_whole_render():
+    result = check([TEXT])
+    settings = planner.read_settings(result["settings"])
+    full = planner.router_config(result["plan"], settings, listen_host="h")
+    assert planner.router_config(result["plan"], settings, listen_host="h", running={}) == full
