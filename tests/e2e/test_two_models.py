@@ -4,9 +4,11 @@ playbook over SSH: each model answers the real openai client through the one rou
 engine units (epd-engine@text-pd-0 is the text model's), an unknown model is OpenAI's 404, an
 inventory whose models do not fit is refused in deploy's controller preflight, before any host is
 touched (every engine keeps its process, no file changes), a rolling restart of the text model's
-engine drains it in its own pool, and a deploy without the model stops its engine and drops it
-from the router; `vllm bench serve` runs against each deployed model. Lane b
-(tests/e2e/conftest.py LANE_B); 152 s in a run here."""
+engine drains it in its own pool, a deploy that adds a model while it rolls the text model's
+engine serves the new model without a failed request, and a deploy without the further models
+drains their engines in their own pools, stops them and drops the models from the router;
+`vllm bench serve` runs against each deployed model. Lane b (tests/e2e/conftest.py LANE_B);
+133 s in a run here (docs/sandbox.md)."""
 
 from __future__ import annotations
 
