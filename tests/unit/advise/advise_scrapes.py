@@ -148,3 +148,19 @@ def write_inventory(path: Path, hosts: dict[str, tuple[int, int]], **group_vars)
     }
     path.write_text(json.dumps(doc))
     return path
+
+
+def run_advise(before: Path, after: Path, seconds: float, inventory: Path, *extra: str) -> tuple[dict, str]:
+    """`epd-router advise` on saved scrapes: its --json document and its printed report."""
+    from click.testing import CliRunner
+
+    from epd_kit.router.cli import main
+
+    args = ["advise", "--before", str(before), "--after", str(after), "--window", str(seconds)]
+    args += ["--inventory", str(inventory), *extra]
+    runner = CliRunner()
+    as_json = runner.invoke(main, [*args, "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    text = runner.invoke(main, args)
+    assert text.exit_code == 0, text.output
+    return json.loads(as_json.output), text.output

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from epd_kit.router.cli import main
-from tests.unit.advise.advise_scrapes import Load, write_inventory, write_scrapes
+from tests.unit.advise.advise_scrapes import Load, run_advise, write_inventory, write_scrapes
 
 TEXT = {"name": "text", "model": "/models/tiny-text", "text_only": True, "num_pd": 1}
 # the first model's VE is the bottleneck (one VE ~82 % busy), its PDs are idle
@@ -25,14 +25,7 @@ def advise(tmp_path, hosts, vision: Load, text: Load, **group_vars) -> tuple[dic
     inventory = write_inventory(
         tmp_path / "inv.json", hosts, epd_models=[TEXT], epd_router_served_model_name="vision", **group_vars
     )
-    args = ["advise", "--before", str(before), "--after", str(after), "--window", str(vision.seconds)]
-    args += ["--inventory", str(inventory)]
-    runner = CliRunner()
-    as_json = runner.invoke(main, [*args, "--json"])
-    assert as_json.exit_code == 0, as_json.output
-    text_out = runner.invoke(main, args)
-    assert text_out.exit_code == 0, text_out.output
-    return json.loads(as_json.output), text_out.output
+    return run_advise(before, after, vision.seconds, inventory)
 
 
 def test_each_model_is_advised_on_its_own_series_and_engines(tmp_path):
