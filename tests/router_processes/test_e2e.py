@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from epd_kit.testing.images import image_part, png_data_url, user_message
 
@@ -171,12 +172,19 @@ def test_operations_endpoints(stack):
         "epd_router_preprocess_seconds_bucket",
         "epd_router_encode_seconds_bucket",
         "epd_router_pd_seconds_bucket",
-        'epd_router_engine_inflight{engine="epd-pd-0",role="pd"}',
-        'epd_router_engine_healthy{engine="epd-ve-2",role="ve"} 1.0',
         "epd_router_preprocess_cache_hits_total",
         "epd_router_dedupe_items_total",
     ):
         assert name in text, name
+    # per-engine series carry the engine's model (the served name: here the checkpoint)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    model = ("model", str(stack.ckpt))
+    assert ("epd_router_engine_inflight", (("engine", "epd-pd-0"), model, ("role", "pd"))) in samples
+    assert samples[("epd_router_engine_healthy", (("engine", "epd-ve-2"), model, ("role", "ve")))] == 1.0
     out = subprocess.run(
         [str(Path(sys.executable).parent / "epd-router"), "status", "--url", url],
         check=False,

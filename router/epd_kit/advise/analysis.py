@@ -9,7 +9,7 @@ from epd_kit.plan import ROLES
 
 from .queueing import PoolModel, fit_service_time
 from .scrape import ScrapeError
-from .window import HistogramDelta, Window
+from .window import EngineSeen, HistogramDelta, Window
 
 R = "epd_router_"
 # Below this a pool is not a bottleneck, whatever the ranking says.
@@ -94,6 +94,7 @@ class Analysis:
     engines: dict[str, EngineFigures]
     min_requests: int
     notes: list[str] = field(default_factory=list)
+    model: str | None = None  # the served name these figures are of (None: the fleet's one model)
 
     @property
     def enough_traffic(self) -> bool:
@@ -149,8 +150,10 @@ class Analysis:
         )
 
 
-def _pool(window: Window, role: str, hist: HistogramDelta, engines: int, slots: int, cap: int | None) -> PoolFigures:
-    seen = [e for e in window.engines() if e.role == role]
+def _pool(
+    seen: list[EngineSeen], window: Window, role: str, hist: HistogramDelta, engines: int, slots: int, cap: int | None
+) -> PoolFigures:
+    seen = [e for e in seen if e.role == role]
     rate = hist.count / window.seconds
     measured = hist.mean
     servers = engines * slots
@@ -168,24 +171,31 @@ def _pool(window: Window, role: str, hist: HistogramDelta, engines: int, slots: 
     )
 
 
-def _engines(window: Window) -> dict[str, EngineFigures]:
+def _engines(window: Window, match: dict[str, str]) -> dict[str, EngineFigures]:
     success, queue = "vllm:request_success_total", "vllm:request_queue_time_seconds"
-    labelled = {dict(labels).get("role") for labels in window.after.series(success)}
+    series = [dict(labels) for labels in window.after.series(success)]
+    labelled = {labels.get("role") for labels in series if match.items() <= labels.items()}
     if not labelled:
         return {}
     groups = [role for role in ROLES if role in labelled] if labelled <= set(ROLES) else ["all"]
     return {
         group: EngineFigures(
-            window.counter(success, **({} if group == "all" else {"role": group})),
-            window.histogram(queue, **({} if group == "all" else {"role": group})),
+            window.counter(success, **match, **({} if group == "all" else {"role": group})),
+            window.histogram(queue, **match, **({} if group == "all" else {"role": group})),
         )
         for group in groups
     }
 
 
-def _engines_or_note(window: Window, notes: list[str]) -> dict[str, EngineFigures]:
+def _engines_or_note(window: Window, match: dict[str, str] | None, notes: list[str]) -> dict[str, EngineFigures]:
+    if match is None:
+        notes.append(
+            "the engines' own figures are left out: vLLM labels its series by checkpoint (model_name), and "
+            "another model of this fleet runs the same checkpoint"
+        )
+        return {}
     try:
-        return _engines(window)
+        return _engines(window, match)
     except ScrapeError:  # an engine's counters went down: it restarted inside the window
         notes.append("an engine restarted inside the window: the engines' own figures are left out")
         return {}
@@ -201,17 +211,28 @@ def analyse(
     pd_max_inflight: int = 64,
     min_requests: int = DEFAULT_MIN_REQUESTS,
     engines: dict[str, int] | None = None,
+    *,
+    model: str | None = None,
+    engine_match: dict[str, str] | None = None,
+    caches: bool = True,
 ) -> Analysis:
     """The window's figures. pd_slots: epd_max_num_seqs; pd_max_inflight: the router's
-    placement.pd_max_inflight; engines: active engines per pool (default: what the router saw)."""
-    seen = window.engines()
+    placement.pd_max_inflight; engines: active engines per pool (default: what the router saw).
+
+    Several models: `model` is the served name whose series (the router's `model` label) and
+    engines are read, the rest left out; `engine_match` selects that model's series among the
+    engines' own (vLLM's `model_name`, the checkpoint; None: they cannot be told apart, left out);
+    `caches`: whether the router's preprocess-cache counters (its first model's renderer's,
+    unlabelled) are this model's. None and the defaults: every series, as one model."""
+    match = {} if model is None else {"model": model}
+    seen = window.engines(model)
     active = engines or {role: sum(1 for e in seen if e.role == role and e.active) for role in ROLES}
-    statuses = window.by_label(f"{R}requests_total", "status")
+    statuses = window.by_label(f"{R}requests_total", "status", **match)
     requests = sum(statuses.values())
-    preprocess = window.histogram(f"{R}preprocess_seconds")
-    encode = window.histogram(f"{R}encode_seconds")
-    pd = window.histogram(f"{R}pd_seconds")
-    ttft = window.histogram(f"{R}time_to_first_token_seconds")
+    preprocess = window.histogram(f"{R}preprocess_seconds", **match)
+    encode = window.histogram(f"{R}encode_seconds", **match)
+    pd = window.histogram(f"{R}pd_seconds", **match)
+    ttft = window.histogram(f"{R}time_to_first_token_seconds", **match)
     per_request = max(preprocess.count, 1.0)
     pre_s = preprocess.mean or 0.0
     enc_s = encode.total / per_request
@@ -224,26 +245,30 @@ def analyse(
     if missing:
         notes.append(f"no active {' or '.join(missing)} engine at the second scrape")
     hits, misses = (
-        window.counter(f"{R}preprocess_cache_hits_total"),
-        window.counter(f"{R}preprocess_cache_misses_total"),
+        (window.counter(f"{R}preprocess_cache_hits_total"), window.counter(f"{R}preprocess_cache_misses_total"))
+        if caches
+        else (0.0, 0.0)
     )
-    items, dedupe = window.counter(f"{R}encode_items_total"), window.counter(f"{R}dedupe_items_total")
+    items, dedupe = window.counter(f"{R}encode_items_total", **match), window.counter(f"{R}dedupe_items_total", **match)
     return Analysis(
         seconds=window.seconds,
         requests=requests,
         failed=sum(v for s, v in statuses.items() if s != "200"),
-        rejections={k: v for k, v in window.by_label(f"{R}rejections_total", "reason").items() if v > 0},
+        rejections={k: v for k, v in window.by_label(f"{R}rejections_total", "reason", **match).items() if v > 0},
         image_requests=encode.count,
         stages=stages,
         ttft=ttft,
-        latency=window.histogram(f"{R}request_duration_seconds"),
+        latency=window.histogram(f"{R}request_duration_seconds", **match),
         pools={
-            "ve": _pool(window, "ve", encode, active["ve"], 1, None),
-            "pd": _pool(window, "pd", pd, active["pd"], min(pd_slots, pd_max_inflight), active["pd"] * pd_max_inflight),
+            "ve": _pool(seen, window, "ve", encode, active["ve"], 1, None),
+            "pd": _pool(
+                seen, window, "pd", pd, active["pd"], min(pd_slots, pd_max_inflight), active["pd"] * pd_max_inflight
+            ),
         },
         preprocess_cache_hit=_ratio(hits, hits + misses),
         dedupe_share=_ratio(dedupe, items + dedupe),
-        engines=_engines_or_note(window, notes),
+        engines=_engines_or_note(window, {} if model is None else engine_match, notes),
         min_requests=min_requests,
         notes=notes,
+        model=model,
     )

@@ -102,15 +102,15 @@ def advise(
     if not 0 < window <= MAX_WINDOW_S:
         raise click.UsageError(f"--window must be in (0, {MAX_WINDOW_S}] seconds")
     from epd_kit.plan import EpdPlanError
+    from epd_kit.router.metrics import NO_MODEL
 
-    from .analysis import analyse
     from .layout import Advisor, InventoryError, load_inventory
     from .report import analysis_lines, recommendation_lines
     from .scrape import ScrapeError, prometheus_at, read_files
     from .window import Window
 
     try:
-        advisor = Advisor(load_inventory(inventory), _faulted(faulted))
+        advisors = Advisor.per_model(load_inventory(inventory), _faulted(faulted))
         if urls:
             before, after, seconds = _live([*urls, *engine_urls], window, save)
         elif prometheus:
@@ -118,15 +118,64 @@ def advise(
             before, after, seconds = prometheus_at(prometheus, stop - window), prometheus_at(prometheus, stop), window
         else:
             before, after, seconds = read_files(before_files), read_files(after_files), window
-        analysis = analyse(Window(before, after, seconds), advisor.pd_slots, pd_max_inflight, min_requests)
-        rec = advisor.recommend(analysis, target_busy)
+        span = Window(before, after, seconds)
+        results = [
+            (advisor, *_advise(advisor, advisors, span, pd_max_inflight, min_requests, target_busy))
+            for advisor in advisors
+        ]
     except (ScrapeError, InventoryError, EpdPlanError) as exc:
         click.echo(f"epd-router advise: {exc}", err=True)
         sys.exit(2)
-    if as_json:
-        click.echo(json.dumps(_as_dict(analysis, rec), indent=2))
+    if len(results) == 1:  # one model: the report of the fleet, as it always was
+        _, analysis, rec = results[0]
+        if as_json:
+            click.echo(json.dumps(_as_dict(analysis, rec), indent=2))
+        else:
+            click.echo("\n".join(analysis_lines(analysis) + [""] + recommendation_lines(rec)))
         return
-    click.echo("\n".join(analysis_lines(analysis) + [""] + recommendation_lines(rec)))
+    unknown = span.counter("epd_router_requests_total", model=NO_MODEL)
+    if as_json:
+        doc = {
+            "models": {advisor.name: _as_dict(analysis, rec) for advisor, analysis, rec in results},
+            "requests_without_model": unknown,
+        }
+        click.echo(json.dumps(doc, indent=2))
+        return
+    lines = [
+        f"{len(results)} models: {', '.join(a.name for a, _, _ in results)}; each is advised on its own series "
+        f"and engines; {unknown:.0f} requests were refused before their model was known (model {NO_MODEL})"
+    ]
+    for advisor, analysis, rec in results:
+        lines += ["", f"=== model {advisor.name} ===", *analysis_lines(analysis), "", *recommendation_lines(rec)]
+    click.echo("\n".join(lines))
+
+
+def _advise(advisor, advisors, window, pd_max_inflight: int, min_requests: int, target_busy: float):
+    """One model's analysis and recommendation (several models: its own series and engines)."""
+    from .analysis import analyse
+    from .scrape import ScrapeError
+
+    if len(advisors) == 1:
+        analysis = analyse(window, advisor.pd_slots, pd_max_inflight, min_requests)
+        return analysis, advisor.recommend(analysis, target_busy)
+    if not window.label_values("epd_router_requests_total", "model") and window.after.total(
+        "epd_router_requests_total"
+    ):
+        raise ScrapeError(
+            "the router's series carry no `model` label (a router older than per-model metrics): a fleet of "
+            "several models is advised per model, which needs them; upgrade the router and take the window again"
+        )
+    checkpoints = [a.checkpoint for a in advisors]
+    analysis = analyse(
+        window,
+        advisor.pd_slots,
+        pd_max_inflight,
+        min_requests,
+        model=advisor.name,
+        engine_match=None if checkpoints.count(advisor.checkpoint) > 1 else {"model_name": advisor.checkpoint},
+        caches=advisor is advisors[0],
+    )
+    return analysis, advisor.recommend(analysis, target_busy)
 
 
 def _as_dict(analysis, rec) -> dict:
@@ -144,6 +193,7 @@ def _as_dict(analysis, rec) -> dict:
         for role, p in analysis.pools.items()
     }
     out = {
+        "model": analysis.model,
         "seconds": analysis.seconds,
         "requests": analysis.requests,
         "enough_traffic": analysis.enough_traffic,
@@ -174,6 +224,7 @@ def _as_dict(analysis, rec) -> dict:
             "engine_changes": rec.proposed.changes_from(rec.current),
             "headroom": None if math.isinf(rec.headroom) else rec.headroom,
             "next_step": None,
+            "refused": rec.refused,
         }
         step = rec.next_step
         if step is not None:

@@ -11,6 +11,12 @@ the least busy one that lowers the busiest pool by at least MIN_GAIN (the load n
 engine it moves). Hosts with hand-pinned slices (epd_slices) keep their engines. The proposal
 states its headroom (how far the load can grow before the busiest pool passes the target) and
 the next step (the smallest change that meets the target again at that load).
+
+Several models (epd_models): one Advisor per model, each reading its own model's series and
+moving only its own engines: the first model's per host (epd_num_ve / epd_num_pd), a further
+model's through its epd_models entry (num_ve / num_pd, the same on every host it runs on). A
+layout that would move another model's engine (a slice or port of it changes) is refused,
+naming the engine; the report says which better layout was refused for it.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from epd_kit.plan import ROLES, EpdPlanError, check_inventory, fleet_settings, place, plan_table, read_host
-from epd_kit.plan.checks import ENGINE_GROUP, text_only
+from epd_kit.plan.checks import ENGINE_GROUP, ROUTER_GROUP, text_only
 from epd_kit.plan.defaults import HOST_DEFAULTS
+from epd_kit.plan.models import ModelSpec
 from epd_kit.plan.rollout import PoolRule
+from epd_kit.plan.values import format_cores
 
 from .analysis import DEFAULT_TARGET_BUSY, Analysis
 from .queueing import PoolModel
@@ -93,6 +101,9 @@ def load_inventory(path: Path) -> Inventory:
 @dataclass(frozen=True)
 class Layout:
     counts: dict[str, tuple[int, int]]  # host -> (VE, PD)
+    # a further model's: its epd_models entry ("epd_models[0] (text)"), whose num_ve / num_pd
+    # are the counts on every host it runs on; None: the first model's, per host
+    entry: str | None = None
 
     def total(self, role: str) -> int:
         return sum(ve if role == "ve" else pd for ve, pd in self.counts.values())
@@ -103,6 +114,11 @@ class Layout:
 
     def inventory_change(self, other: Layout) -> list[str]:
         """The inventory lines that turn `other` into this layout."""
+        if self.entry is not None:
+            (ve, pd), (old_ve, old_pd) = next(iter(self.counts.values())), next(iter(other.counts.values()))
+            if (ve, pd) == (old_ve, old_pd):
+                return []
+            return [f"{self.entry}: num_ve {old_ve} -> {ve}, num_pd {old_pd} -> {pd}"]
         lines = []
         for host, (ve, pd) in self.counts.items():
             old_ve, old_pd = other.counts[host]
@@ -169,6 +185,9 @@ class Recommendation:
     reason: str
     target: float = DEFAULT_TARGET_BUSY
     next_step: NextStep | None = None  # None when the load cannot grow (no traffic) or past target
+    # a better-ranked layout refused because it would move another model's engine (why, and
+    # what it would have changed); None: none was
+    refused: str | None = None
 
     @property
     def changed(self) -> bool:
@@ -182,37 +201,70 @@ class Recommendation:
         return self.proposed.inventory_change(self.current)
 
 
-class Advisor:
-    """The planner's view of the inventory and the moves it allows."""
+def first_model_name(inventory: Inventory, settings: Any) -> str:
+    """The first model's served name (the router's `model` label): epd_router_served_model_name
+    of the router hosts, else its checkpoint (epd_model), as the router's config says."""
+    for host in inventory.groups.get(ROUTER_GROUP, []):
+        name = inventory.hostvars.get(host, {}).get("epd_router_served_model_name")
+        if name:
+            return str(name)
+    return settings.model
 
-    def __init__(self, inventory: Inventory, faulted: Mapping[str, list[int]] | None = None) -> None:
+
+class Advisor:
+    """The planner's view of the inventory and the moves it allows, for one model of the fleet
+    (`model`: a further model's served name, epd_models; None: the first, epd_model)."""
+
+    def __init__(
+        self, inventory: Inventory, faulted: Mapping[str, list[int]] | None = None, model: str | None = None
+    ) -> None:
         self.inventory, self.faulted = inventory, dict(faulted or {})
         checked = self._check(inventory.hostvars)
         if checked["problems"]:
             raise InventoryError("the inventory does not plan: " + "; ".join(checked["problems"]))
-        self.engine_hosts = [str(h) for h in inventory.groups.get(ENGINE_GROUP, [])]
+        self.plan = checked["plan"]
+        self.fleet_hosts = [str(h) for h in inventory.groups.get(ENGINE_GROUP, [])]
         try:
-            self.settings = fleet_settings(inventory.hostvars, self.engine_hosts)
-            self.text_only = text_only(inventory.hostvars, self.engine_hosts)
+            self.fleet = fleet_settings(inventory.hostvars, self.fleet_hosts)
+            fleet_text_only = text_only(inventory.hostvars, self.fleet_hosts)
         except EpdPlanError as exc:
             raise InventoryError(str(exc)) from None
-        if self.settings.models:
-            # the router's stage histograms (encode, PD, TTFT) carry no model label: one model's
-            # load would be read as another's, so no advice rather than wrong advice
-            raise InventoryError(
-                f"this fleet serves {1 + len(self.settings.models)} models (epd_models: "
-                f"{', '.join(m.name for m in self.settings.models)}): the advisor reads the router's stage "
-                "metrics, which carry no model label, so it cannot tell one model's pools from another's; "
-                "it advises one-model fleets only (docs/advisor.md)"
-            )
+        self.spec: ModelSpec | None = None
+        if model is not None:
+            self.spec = next((m for m in self.fleet.models if m.name == model), None)
+            if self.spec is None:
+                raise InventoryError(f"no model {model!r} in epd_models")
+        self.index = None if self.spec is None else self.fleet.models.index(self.spec)
+        self.several = bool(self.fleet.models)
+        # this model's settings (TPs, max_num_seqs, checkpoint) and hosts
+        self.settings = self.fleet if self.spec is None else self.spec.settings
+        self.text_only = fleet_text_only if self.spec is None else self.spec.text_only
+        self.name = first_model_name(inventory, self.fleet) if self.spec is None else self.spec.name
+        self.engine_hosts = [h for h in self.fleet_hosts if self.spec is None or self.spec.runs_on(h)]
         counts = {h: [0, 0] for h in self.engine_hosts}
-        for host, host_plan in checked["plan"].items():
+        for host, host_plan in self.plan.items():
             for engine in host_plan["engines"]:
-                counts[host][ROLES.index(engine["role"])] += 1
-        self.current = Layout({h: (c[0], c[1]) for h, c in counts.items()})
-        first = inventory.hostvars[self.engine_hosts[0]]
+                if self._mine(engine):
+                    counts[host][ROLES.index(engine["role"])] += 1
+        entry = None if self.spec is None else f"epd_models[{self.index}] ({self.spec.name})"
+        self.current = Layout({h: (c[0], c[1]) for h, c in counts.items()}, entry)
+        first = inventory.hostvars[self.fleet_hosts[0]]
         self.min_available = {role: first.get(f"epd_rollout_min_available_{role}") for role in ROLES}
         self.batch = {role: first.get(f"epd_rollout_batch_{role}", 1) for role in ROLES}
+        self._refused: list[str] = []
+
+    @classmethod
+    def per_model(cls, inventory: Inventory, faulted: Mapping[str, list[int]] | None = None) -> list[Advisor]:
+        """One advisor per model of the fleet, the first model's first."""
+        first = cls(inventory, faulted)
+        return [first] + [cls(inventory, faulted, spec.name) for spec in first.fleet.models]
+
+    def _mine(self, engine: Mapping[str, Any]) -> bool:
+        return engine.get("model") == (None if self.spec is None else self.spec.name)
+
+    @property
+    def checkpoint(self) -> str:
+        return self.settings.model
 
     @property
     def pd_slots(self) -> int:
@@ -222,9 +274,10 @@ class Advisor:
         return check_inventory(hostvars, self.inventory.groups, self.faulted)
 
     def host_options(self, host: str) -> list[tuple[int, int]]:
-        """Every (VE, PD) the planner's placement fits on `host` (only its own counts if pinned)."""
+        """Every (VE, PD) the planner's placement fits on `host` (only its own counts if pinned),
+        this model's engines alone on it (the whole plan is checked in `refusal`)."""
         variables = self.inventory.hostvars[host]
-        if variables.get("epd_slices"):
+        if variables.get("epd_slices") and self.spec is None:
             return [self.current.counts[host]]
         spec = read_host(
             host, {k: variables[k] for k in HOST_DEFAULTS if k in variables}, self.settings, self.faulted.get(host, ())
@@ -232,9 +285,9 @@ class Advisor:
         ve_max = 0 if self.text_only else spec.core_count // self.settings.ve_tp
         return [
             (ve, pd)
-            for ve in range(ve_max + 1)
-            for pd in range(spec.core_count // self.settings.pd_tp + 1)
-            if place(replace(spec, num_ve=ve, num_pd=pd), self.settings, {"ve": ve, "pd": pd}) is not None
+            for ve in range(0 if self.spec is None else int(not self.text_only), ve_max + 1)
+            for pd in range(0 if self.spec is None else 1, spec.core_count // self.settings.pd_tp + 1)
+            if place(replace(spec, num_ve=ve, num_pd=pd, slices=None), self.settings, {"ve": ve, "pd": pd}) is not None
         ]
 
     def floor(self, role: str) -> int:
@@ -262,13 +315,51 @@ class Advisor:
                     PoolRule.resolve(role, size, self.batch[role], floor)
                 except EpdPlanError as exc:
                     return str(exc)
-        problems = self._check(self.hostvars_for(layout))["problems"]
-        return "; ".join(problems) if problems else None
+        checked = self._check(self.hostvars_for(layout))
+        if checked["problems"]:
+            return "; ".join(checked["problems"])
+        return self.moved_engine(layout, checked["plan"]) if self.several else None
+
+    def moved_engine(self, layout: Layout, plan: Mapping[str, Any]) -> str | None:
+        """Why `layout` is refused if its plan moves or removes another model's engine (None:
+        every other model's engine keeps its host, cores and port)."""
+        now = {
+            e["engine_id"]: (host, e["cores"], e["port"])
+            for host, host_plan in plan.items()
+            for e in host_plan["engines"]
+        }
+        for host, host_plan in self.plan.items():
+            for engine in host_plan["engines"]:
+                if self._mine(engine):
+                    continue
+                was = (host, engine["cores"], engine["port"])
+                if now.get(engine["engine_id"]) != was:
+                    owner = engine.get("model") or first_model_name(self.inventory, self.fleet)
+                    where = now.get(engine["engine_id"])
+                    moved = (
+                        "out of the plan"
+                        if where is None
+                        else f"from {host} cores {format_cores(was[1])} port {was[2]} to {where[0]} cores "
+                        f"{format_cores(where[1])} port {where[2]}"
+                    )
+                    change = "; ".join(layout.inventory_change(self.current))
+                    return (
+                        f"{change} would move model {owner}'s engine {engine['engine_id']} {moved}: the advisor "
+                        f"changes model {self.name}'s engines only (move {owner}'s on purpose, or add a host)"
+                    )
+        return None
 
     def hostvars_for(self, layout: Layout) -> dict[str, dict[str, Any]]:
         hostvars = copy.deepcopy(self.inventory.hostvars)
-        for host, (ve, pd) in layout.counts.items():
-            hostvars[host]["epd_num_ve"], hostvars[host]["epd_num_pd"] = ve, pd
+        if self.spec is None:
+            for host, (ve, pd) in layout.counts.items():
+                hostvars[host]["epd_num_ve"], hostvars[host]["epd_num_pd"] = ve, pd
+            return hostvars
+        ve, pd = next(iter(layout.counts.values()))
+        for variables in hostvars.values():
+            models = variables.get("epd_models")
+            if isinstance(models, list) and len(models) > self.index:
+                models[self.index] = {**models[self.index], "num_ve": ve, "num_pd": pd}
         return hostvars
 
     def plan_lines(self, layout: Layout) -> list[str]:
@@ -289,6 +380,7 @@ class Advisor:
         """None when the window cannot support a recommendation (too little traffic)."""
         if not analysis.enough_traffic:
             return None
+        self._refused = []
         before = self.predict(analysis, self.current)
         options = {host: self.host_options(host) for host in self.engine_hosts}
         if analysis.bottleneck is None or before.busiest <= target:
@@ -330,13 +422,16 @@ class Advisor:
         target: float,
         options: Mapping[str, list[tuple[int, int]]],
     ) -> Recommendation:
+        refused = self._refused[0] if self._refused else None
         next_step = None
         load = after.headroom(target)
         if 1 <= load < math.inf:
             at_load = self.predict(analysis, layout, load)
             found = self._smallest_change(analysis, layout, at_load, target, options)
             next_step = NextStep(*(found or (None, None)), load)
-        return Recommendation(self.current, layout, before, after, self.plan_lines(layout), reason, target, next_step)
+        return Recommendation(
+            self.current, layout, before, after, self.plan_lines(layout), reason, target, next_step, refused
+        )
 
     def _smallest_change(
         self,
@@ -371,15 +466,25 @@ class Advisor:
         return self._first_accepted(candidates)
 
     def _first_accepted(self, candidates: list[tuple]) -> tuple[Layout, Prediction] | None:
+        """The best-ranked candidate the planner and the rollout rules accept; a better one
+        refused for moving another model's engine is kept to be reported."""
         for *_, layout, predicted in sorted(candidates, key=lambda c: (*c[:3], sorted(c[3].counts.items()))):
-            if self.refusal(layout) is None:
+            why = self.refusal(layout)
+            if why is None:
                 return layout, predicted
+            if self.several and " would move model " in why:
+                self._refused.append(why)
         return None
 
     def _cheapest_layouts(self, base: Layout, options: Mapping[str, list[tuple[int, int]]]) -> list[Layout]:
         """For every pair of pool sizes the hosts can hold within MAX_CHANGES of `base`, the layout
         reaching it with the fewest engine changes (the model sees only the pools' sizes): one
-        pass over the hosts, keeping per (VE total, PD total) the cheapest counts so far."""
+        pass over the hosts, keeping per (VE total, PD total) the cheapest counts so far. A
+        further model's counts are its epd_models entry's, the same on each of its hosts."""
+        if self.spec is not None:
+            shared = set.intersection(*(set(options[h]) for h in self.engine_hosts))
+            layouts = [Layout(dict.fromkeys(self.engine_hosts, counts), base.entry) for counts in sorted(shared)]
+            return [layout for layout in layouts if layout.changes_from(base) <= MAX_CHANGES]
         best: dict[tuple[int, int], tuple[int, dict[str, tuple[int, int]]]] = {(0, 0): (0, {})}
         for host in self.engine_hosts:
             old_ve, old_pd = base.counts[host]

@@ -102,14 +102,17 @@ def recommendation_lines(rec: Recommendation | None) -> list[str]:
         f"{_pct(f.pd.utilisation)}; VE+PD mean time per request {_s(b.mean_s)} -> {_s(f.mean_s)} s; "
         f"most requests/s at this mix {b.max_rate:.1f} -> {f.max_rate:.1f}"
     )
+    refused = [] if rec.refused is None else [f"not proposed: {rec.refused}"]
     if not rec.changed:
         return [
             f"recommendation: no change ({rec.reason})",
+            *refused,
             f"model (M/M/c per pool, docs/advisor.md): VE busy {_pct(b.ve.utilisation)}, PD busy "
             f"{_pct(b.pd.utilisation)}; most requests/s at this mix {b.max_rate:.1f}",
             *headroom_lines(rec),
         ]
     lines = [f"recommendation: change the layout, {rec.reason} (the planner accepts it; the rollout floors hold)"]
+    lines += refused
     lines.append(f"predicted at the same load (M/M/c per pool, docs/advisor.md): {model}")
     lines += headroom_lines(rec)
     lines += ["", "inventory change (host_vars or the host's line in the inventory):"]

@@ -72,10 +72,16 @@ class Window:
             )
         return after - before
 
-    def by_label(self, name: str, label: str) -> dict[str, float]:
-        """A counter's increments per value of one label."""
-        values = {dict(labels).get(label, "") for labels in self.after.series(name)}
-        return {value: self.counter(name, **{label: value}) for value in sorted(values)}
+    def by_label(self, name: str, label: str, **match: str) -> dict[str, float]:
+        """A counter's increments per value of one label (over its series matching `match`)."""
+        values = {
+            dict(labels).get(label, "") for labels in self.after.series(name) if set(match.items()) <= set(labels)
+        }
+        return {value: self.counter(name, **match, **{label: value}) for value in sorted(values)}
+
+    def label_values(self, name: str, label: str) -> set[str]:
+        """The values one label takes on a series at the second scrape."""
+        return {dict(labels)[label] for labels in self.after.series(name) if label in dict(labels)}
 
     def histogram(self, name: str, **match: str) -> HistogramDelta:
         """A histogram's increments (summed over its series matching `match`); buckets matched
@@ -87,12 +93,15 @@ class Window:
         buckets = tuple((b, after[b] - before.get(b, 0.0)) for b in sorted(after))
         return HistogramDelta(self.counter(f"{name}_count", **match), self.counter(f"{name}_sum", **match), buckets)
 
-    def engines(self) -> list[EngineSeen]:
+    def engines(self, model: str | None = None) -> list[EngineSeen]:
+        """The engines the routers saw at the second scrape (`model`: that model's only)."""
         healthy = self.after.series(f"{R}engine_healthy")
         draining = {dict(k).get("engine"): v for k, v in self.after.series(f"{R}engine_draining").items()}
         seen = []
         for labels, value in sorted(healthy.items()):
             tags = dict(labels)
+            if model is not None and tags.get("model") != model:
+                continue
             engine, role = tags.get("engine", ""), tags.get("role", "")
             seen.append(
                 EngineSeen(

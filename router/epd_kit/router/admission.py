@@ -68,7 +68,7 @@ class WaitQueue:
 class PdAdmission:
     def __init__(self, state: RouterState, metrics: RouterMetrics) -> None:
         self._state = state
-        self._metrics = metrics
+        self._metrics = metrics.for_model(state.cfg.model_name)  # this lane's model's series
         self._rr = RoundRobin()
         self.queue = WaitQueue()
 
@@ -82,7 +82,7 @@ class PdAdmission:
             if engine is not None:
                 return engine
         if self.queue.waiting >= placement.queue_size:
-            self._metrics.rejections.labels("queue_full").inc()
+            self._metrics.rejected("queue_full")
             raise RouterError(
                 429,
                 f"overloaded: every PD engine is at its limit of {placement.pd_max_inflight} requests "
@@ -100,7 +100,7 @@ class PdAdmission:
                 self._check_eligible(exclude, last_error)
                 remaining = give_up - loop.time()
                 if remaining <= 0:
-                    self._metrics.rejections.labels("queue_timeout").inc()
+                    self._metrics.rejected("queue_timeout")
                     raise RouterError(
                         429, f"overloaded: waited {placement.queue_timeout_s:g}s for a free PD slot", retry_after=1
                     )
@@ -142,5 +142,5 @@ class PdAdmission:
             return
         if last_error is not None:
             raise last_error
-        self._metrics.rejections.labels("not_ready").inc()
+        self._metrics.rejected("not_ready")
         raise self._state.not_ready_error()

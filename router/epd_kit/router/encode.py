@@ -31,6 +31,7 @@ class Encoder:
         self._state = state
         self._engines = engines
         self._metrics = metrics
+        self._model_metrics = metrics.for_model(state.cfg.model_name)  # this lane's model's series
 
     async def encode(
         self,
@@ -46,8 +47,8 @@ class Encoder:
                 by_hash.setdefault(item.mm_hash, item)
         if only is None:
             if len(by_hash) < len(ctx.items):
-                self._metrics.dedupe.inc(len(ctx.items) - len(by_hash))
-            self._metrics.items.inc(len(by_hash))
+                self._model_metrics.dedupe.inc(len(ctx.items) - len(by_hash))
+            self._model_metrics.items.inc(len(by_hash))
         max_attempts = self._state.cfg.retries.max_attempts
         locators: dict[str, EcLocator] = {}
         tried: dict[str, set[str]] = {h: set() for h in by_hash}
@@ -69,7 +70,7 @@ class Encoder:
                 h = exc.args[0]
                 if h in last_error:
                     raise last_error[h] from None
-                self._metrics.rejections.labels("no_ve").inc()
+                self._model_metrics.rejected("no_ve")
                 reason = self._state.not_ready_reason() if not eligible else "no VE left to try"
                 raise RouterError(
                     503, f"cannot encode images: {reason}", retry_after=self._state.retry_after_s()
@@ -86,7 +87,7 @@ class Encoder:
                         if not result.retry_other or len(tried[h]) >= max_attempts:
                             raise result
                         pending.append(h)
-                    self._metrics.retries.labels("encode").inc()
+                    self._model_metrics.retried("encode")
                     log.warning(
                         "encode failed, retrying on next HRW choice",
                         extra={"request_id": ctx.request_id, "engine": ve, "error": result.message},

@@ -51,14 +51,14 @@ class Generation:
         self._engines = engines
         self._encoder = encoder
         self._admission = admission
-        self._metrics = metrics
+        self._metrics = metrics.for_model(state.cfg.model_name)  # this lane's model's series
 
     async def prepare(self, ctx: RequestContext) -> None:
         """Everything before the PD: a PD to go to, the rendered prompt, the items' locators."""
         if self._state.cfg.endpoints.text_only:
             _refuse_images(ctx.request)
         if not self._state.pools.eligible_pd():
-            self._metrics.rejections.labels("not_ready").inc()
+            self._metrics.rejected("not_ready")
             raise self._state.not_ready_error()
         t = time.monotonic()
         try:
@@ -148,7 +148,7 @@ class Generation:
                     # PD has read from: each failed read costs a PD its engine core (§3.5)
                     if not self._may_retry(err, tried, ctx) or unreadable > 1:
                         raise
-                    self._metrics.retries.labels("generate").inc()
+                    self._metrics.retried("generate")
                     log.warning(
                         "generate failed before the client got a byte, retrying on another PD",
                         extra={"request_id": ctx.request_id, "engine": engine.id, "error": err.message},

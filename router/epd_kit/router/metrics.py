@@ -7,6 +7,12 @@ sets it), every counter and histogram lives in memory-mapped files there and any
 PID, so a restarted worker continues its own counters instead of leaving a dead file behind.
 Values read from the live state at scrape time (per-engine gauges, the preprocessor's cache
 counters) are copied into shared series by `publish()`, which each process runs every second.
+
+Several models (docs/router.md "Several models"): the series of a request's path carry a
+`model` label whose value is a served name from the config, or `_none` (`NO_MODEL`) for a
+request refused before its model was known (unreadable body, bad key, unknown model). The
+client's own `model` string never becomes a label value, so the series stay bounded by the
+config. The per-engine series carry their engine's model too (an engine serves one model).
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from prometheus_client.registry import Collector
 
 from epd_kit.router.config import EngineState
 from epd_kit.router.pools import Engine, Pools
+
+# the `model` label of a request refused before its model was known (a served name never starts
+# with "_": config.py)
+NO_MODEL = "_none"
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -94,9 +104,9 @@ class _PoolCollector(Collector):
     def collect(self):
         engines = self._pools().all()
         for gauge in _ENGINE_GAUGES:
-            family = GaugeMetricFamily(gauge.name, gauge.doc, labels=["engine", "role"])
+            family = GaugeMetricFamily(gauge.name, gauge.doc, labels=["engine", "role", "model"])
             for e in engines:
-                family.add_metric([e.id, e.role], gauge.value(e))
+                family.add_metric([e.id, e.role, e.model], gauge.value(e))
             yield family
 
 
@@ -158,7 +168,7 @@ class _SharedLiveValues:
         self._stats = preprocess_stats
         self._engine_gauges = [
             (
-                Gauge(g.name, g.doc, ["engine", "role"], multiprocess_mode=g.group_mode, registry=registry),
+                Gauge(g.name, g.doc, ["engine", "role", "model"], multiprocess_mode=g.group_mode, registry=registry),
                 g.value,
             )
             for g in _ENGINE_GAUGES
@@ -169,7 +179,7 @@ class _SharedLiveValues:
     def publish(self) -> None:
         for e in self._pools().all():
             for gauge, value in self._engine_gauges:
-                gauge.labels(e.id, e.role).set(value(e))
+                gauge.labels(e.id, e.role, e.model).set(value(e))
         stats = self._stats()
         for attr, counter in self._counters.items():
             value = getattr(stats, attr, None)
@@ -198,40 +208,48 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         self.shared_dir = shared_metrics_dir()
         r = self.registry
-        self.requests = Counter("epd_router_requests", "Chat requests by final HTTP status", ["status"], registry=r)
-        self._requests_by_status: dict[str, Any] = {}
+        self.requests = Counter(
+            "epd_router_requests", "Chat requests by final HTTP status", ["status", "model"], registry=r
+        )
         self.latency = Histogram(
             "epd_router_request_duration_seconds",
             "Total request latency",
+            ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.ttft = Histogram(
             "epd_router_time_to_first_token_seconds",
             "Request arrival to first content byte",
+            ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.preprocess = Histogram(
             "epd_router_preprocess_seconds",
             "Rendering and image preprocessing time",
+            ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.encode = Histogram(
             "epd_router_encode_seconds",
             "VE stage time per request (all VEs, incl. retries)",
+            ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.pd = Histogram(
             "epd_router_pd_seconds",
             "PD stage time per request",
+            ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.retries = Counter("epd_router_retries", "Upstream calls retried", ["stage"], registry=r)
-        self.rejections = Counter("epd_router_rejections", "Requests refused by the router", ["reason"], registry=r)
+        self.retries = Counter("epd_router_retries", "Upstream calls retried", ["stage", "model"], registry=r)
+        self.rejections = Counter(
+            "epd_router_rejections", "Requests refused by the router", ["reason", "model"], registry=r
+        )
         self.engine_failures = Counter(
             "epd_router_engine_failures",
             "Upstream failures counted against an engine",
@@ -247,10 +265,12 @@ class RouterMetrics:
         self.malformed_frames = Counter(
             "epd_router_pd_stream_malformed_frames",
             "PD stream events skipped as malformed (not JSON, not an object, bad fields)",
+            ["model"],
             registry=r,
         )
-        self.dedupe = Counter("epd_router_dedupe_items", "Duplicate media items not re-encoded", registry=r)
-        self.items = Counter("epd_router_encode_items", "Unique media items sent to VEs", registry=r)
+        self.dedupe = Counter("epd_router_dedupe_items", "Duplicate media items not re-encoded", ["model"], registry=r)
+        self.items = Counter("epd_router_encode_items", "Unique media items sent to VEs", ["model"], registry=r)
+        self._models: dict[str, ModelMetrics] = {}
         self.reloads = Counter("epd_router_config_reloads", "Config reloads by result", ["result"], registry=r)
         self.connections_closed = Counter(
             "epd_router_client_connections_closed",
@@ -303,16 +323,50 @@ class RouterMetrics:
         multiprocess.MultiProcessCollector(fleet, str(self.shared_dir))
         return generate_latest(fleet)
 
-    def requests_with(self, status: str) -> Any:
-        """`requests.labels(status)`, looked up once per status (a label lookup takes a lock
-        and validates the labels every time)."""
-        child = self._requests_by_status.get(status)
-        if child is None:
-            child = self._requests_by_status[status] = self.requests.labels(status)
-        return child
+    def for_model(self, model: str) -> ModelMetrics:
+        """One model's children of the per-model series (`model`: a served name from the config
+        or NO_MODEL, never a client's string), looked up once per model."""
+        found = self._models.get(model)
+        if found is None:
+            found = self._models[model] = ModelMetrics(self, model)
+        return found
 
     def track_request(self) -> RequestOutcome:
         return RequestOutcome(self)
+
+
+class ModelMetrics:
+    """The series one model's requests record into, labelled once: a label lookup takes a lock
+    and validates the labels every time, so the labelled children are kept (per status,
+    reason and stage as they first occur)."""
+
+    def __init__(self, metrics: RouterMetrics, model: str) -> None:
+        self._metrics = metrics
+        self.model = model
+        self.latency = metrics.latency.labels(model=model)
+        self.ttft = metrics.ttft.labels(model=model)
+        self.preprocess = metrics.preprocess.labels(model=model)
+        self.encode = metrics.encode.labels(model=model)
+        self.pd = metrics.pd.labels(model=model)
+        self.items = metrics.items.labels(model=model)
+        self.dedupe = metrics.dedupe.labels(model=model)
+        self.malformed_frames = metrics.malformed_frames.labels(model=model)
+        self._children: dict[tuple[str, str], Any] = {}
+
+    def _child(self, family: Any, kind: str, value: str) -> Any:
+        child = self._children.get((kind, value))
+        if child is None:
+            child = self._children[(kind, value)] = family.labels(value, self.model)
+        return child
+
+    def requests(self, status: str) -> Any:
+        return self._child(self._metrics.requests, "status", status)
+
+    def rejected(self, reason: str) -> None:
+        self._child(self._metrics.rejections, "reason", reason).inc()
+
+    def retried(self, stage: str) -> None:
+        self._child(self._metrics.retries, "stage", stage).inc()
 
 
 class RequestOutcome:
@@ -320,12 +374,14 @@ class RequestOutcome:
     the time to first byte are recorded, once per request, from its arrival.
 
     `status` is an HTTP status, `stream_error` (a stream failed after it started) or
-    `client_closed`, which is also what a request that ends without a verdict was."""
+    `client_closed`, which is also what a request that ends without a verdict was. `model` is
+    the served name of the lane that took the request, NO_MODEL until one did."""
 
     def __init__(self, metrics: RouterMetrics) -> None:
         self._metrics = metrics
         self.started = time.monotonic()
         self.status = "client_closed"
+        self.model = NO_MODEL
         self._first_byte_s: float | None = None
         self._recorded = False
 
@@ -339,7 +395,8 @@ class RequestOutcome:
         self._recorded = True
         if status is not None:
             self.status = status
-        self._metrics.requests_with(self.status).inc()
-        self._metrics.latency.observe(time.monotonic() - self.started)
+        series = self._metrics.for_model(self.model)
+        series.requests(self.status).inc()
+        series.latency.observe(time.monotonic() - self.started)
         if self._first_byte_s is not None:
-            self._metrics.ttft.observe(self._first_byte_s)
+            series.ttft.observe(self._first_byte_s)

@@ -37,6 +37,7 @@ class Engine:
     url: str
     role: Role
     state: EngineState = EngineState.active
+    model: str = ""  # the served name of the model it serves (its lane's)
     healthy: bool = False  # unknown until the first probe answers
     inflight: int = 0  # requests currently on this engine
     # work waiting on this engine, in tokens: VE embedding tokens being encoded (the load-bound
@@ -149,7 +150,7 @@ def build_pools(cfg: RouterConfig, previous: Pools | None = None) -> tuple[Pools
         if prev is not None and prev.url == ep.url and prev.role == role:
             prev.state = ep.state
             return prev
-        return Engine(id=ep.id, url=ep.url, role=role, state=ep.state)
+        return Engine(id=ep.id, url=ep.url, role=role, state=ep.state, model=cfg.model_name)
 
     pools = Pools(
         ve=tuple(make(ep, "ve") for ep in cfg.endpoints.ve),

@@ -103,6 +103,7 @@ async def chat_completions(request: Request) -> Response:
             current_client.set(_client_of(request, service.auth.enabled))
             chat, inline = await _decode(service, body)
         lane = service.lane_for(chat.model)  # several models: by the body's `model` (404 if unknown)
+        outcome.model = lane.name  # counted under a served name from here on, never the client's string
         if ticket is not None:
             ticket.images(count_images(chat.messages))
         del body  # `inline` keeps the image payloads' bytes until they are rendered

@@ -46,42 +46,76 @@ class _Servers:
         return start + service
 
 
-def _engines(load: Load) -> list[SimpleNamespace]:
+MODEL = "/models/Qwen3-VL-32B-Instruct"  # write_inventory's epd_model: the one model's served name
+
+
+def _engines(load: Load, model: str, prefix: str) -> list[SimpleNamespace]:
     def engine(role: str, n: int) -> SimpleNamespace:
         return SimpleNamespace(
-            id=f"epd-{role}-{n}", role=role, inflight=0, healthy=True, state=SimpleNamespace(value="active")
+            id=f"epd-{prefix}{role}-{n}",
+            role=role,
+            model=model,
+            inflight=0,
+            healthy=True,
+            state=SimpleNamespace(value="active"),
         )
 
     return [engine("ve", n) for n in range(load.num_ve)] + [engine("pd", n) for n in range(load.num_pd)]
 
 
-def write_scrapes(load: Load, directory: Path) -> tuple[Path, Path]:
-    """before.prom (after the warm-up) and after.prom (`seconds` later)."""
-    engines = _engines(load)
-    metrics = RouterMetrics(lambda: SimpleNamespace(all=lambda: engines))
+@dataclass(frozen=True)
+class _Request:
+    arrival: float
+    encode_s: float | None  # None: no image
+    pd_s: float
+    ttft_s: float
+    latency_s: float
+
+
+def _simulate(load: Load) -> list[_Request]:
     rng = random.Random(load.seed)
     ve, pd = _Servers(load.num_ve), _Servers(load.num_pd * load.pd_slots)
     arrival, end = 0.0, load.warmup_s + load.seconds
-    before_text = None
+    out = []
     while True:
         arrival += rng.expovariate(load.rate)
-        if before_text is None and arrival >= load.warmup_s:
-            before_text = metrics.render().decode()
         if arrival >= end:
-            break
+            return out
         ready = arrival + PREPROCESS_S
-        metrics.preprocess.observe(PREPROCESS_S)
+        encode_s = None
         if rng.random() < load.image_share:
             encoded = ve.serve(ready, rng.expovariate(1 / load.ve_service_s))
-            metrics.encode.observe(encoded - ready)
-            metrics.items.inc()
+            encode_s = encoded - ready
             ready = encoded
         service = rng.expovariate(1 / load.pd_service_s)
         done = pd.serve(ready, service)
-        metrics.pd.observe(done - ready)
-        metrics.ttft.observe(done - service * 0.8 - arrival)  # first token after the prefill part
-        metrics.latency.observe(done - arrival)
-        metrics.requests.labels("200").inc()
+        # first token after the prefill part
+        out.append(_Request(arrival, encode_s, done - ready, done - service * 0.8 - arrival, done - arrival))
+
+
+def write_scrapes(load: Load, directory: Path, first: str = MODEL, **more: Load) -> tuple[Path, Path]:
+    """before.prom (after the warm-up) and after.prom (`seconds` later): `load` as the model
+    served as `first`, and each of `more` as a further model of that name (its engines
+    epd-<name>-pd-0 ...), on one router's metrics. The window is `load`'s."""
+    models = {first: ("", load), **{name: (f"{name}-", extra) for name, extra in more.items()}}
+    engines = [e for name, (prefix, m) in models.items() for e in _engines(m, name, prefix)]
+    metrics = RouterMetrics(lambda: SimpleNamespace(all=lambda: engines))
+    requests = sorted(
+        ((r, name) for name, (_, m) in models.items() for r in _simulate(m)), key=lambda item: item[0].arrival
+    )
+    before_text = None
+    for request, name in requests:
+        if before_text is None and request.arrival >= load.warmup_s:
+            before_text = metrics.render().decode()
+        series = metrics.for_model(name)
+        series.preprocess.observe(PREPROCESS_S)
+        if request.encode_s is not None:
+            series.encode.observe(request.encode_s)
+            series.items.inc()
+        series.pd.observe(request.pd_s)
+        series.ttft.observe(request.ttft_s)
+        series.latency.observe(request.latency_s)
+        series.requests("200").inc()
     directory.mkdir(parents=True, exist_ok=True)
     before, after = directory / "before.prom", directory / "after.prom"
     before.write_text(before_text or "")
@@ -92,7 +126,7 @@ def write_scrapes(load: Load, directory: Path) -> tuple[Path, Path]:
 def write_inventory(path: Path, hosts: dict[str, tuple[int, int]], **group_vars) -> Path:
     """An `ansible-inventory --list` document: engine hosts with their counts, sim backend."""
     common = {
-        "epd_model": "/models/Qwen3-VL-32B-Instruct",
+        "epd_model": MODEL,
         "epd_engine_backend": "sim",
         "epd_client_networks": ["10.213.0.1/32"],  # several machines: the access rules need them
         **group_vars,
@@ -114,3 +148,19 @@ def write_inventory(path: Path, hosts: dict[str, tuple[int, int]], **group_vars)
     }
     path.write_text(json.dumps(doc))
     return path
+
+
+def run_advise(before: Path, after: Path, seconds: float, inventory: Path, *extra: str) -> tuple[dict, str]:
+    """`epd-router advise` on saved scrapes: its --json document and its printed report."""
+    from click.testing import CliRunner
+
+    from epd_kit.router.cli import main
+
+    args = ["advise", "--before", str(before), "--after", str(after), "--window", str(seconds)]
+    args += ["--inventory", str(inventory), *extra]
+    runner = CliRunner()
+    as_json = runner.invoke(main, [*args, "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    text = runner.invoke(main, args)
+    assert text.exit_code == 0, text.output
+    return json.loads(as_json.output), text.output

@@ -12,7 +12,7 @@ from epd_kit.advise.queueing import erlang_c, fit_service_time, mean_time_in_sys
 from epd_kit.advise.scrape import ScrapeError, parse_text
 from epd_kit.advise.window import Window
 from epd_kit.router.cli import main
-from tests.unit.advise.advise_scrapes import Load, write_inventory, write_scrapes
+from tests.unit.advise.advise_scrapes import Load, run_advise, write_inventory, write_scrapes
 
 WINDOW = 120.0
 
@@ -20,14 +20,7 @@ WINDOW = 120.0
 def advise(tmp_path, load: Load, hosts: dict[str, tuple[int, int]], *extra: str, **group_vars) -> tuple[dict, str]:
     before, after = write_scrapes(load, tmp_path / "scrapes")
     inventory = write_inventory(tmp_path / "inv.json", hosts, **group_vars)
-    args = ["advise", "--before", str(before), "--after", str(after), "--window", str(load.seconds)]
-    args += ["--inventory", str(inventory), *extra]
-    runner = CliRunner()
-    as_json = runner.invoke(main, [*args, "--json"])
-    assert as_json.exit_code == 0, as_json.output
-    text = runner.invoke(main, args)
-    assert text.exit_code == 0, text.output
-    return json.loads(as_json.output), text.output
+    return run_advise(before, after, load.seconds, inventory, *extra)
 
 
 def test_image_heavy_with_too_few_ves_recommends_more_ves(tmp_path):

@@ -214,17 +214,19 @@ def test_retiring_engines_drain_in_their_own_models_pools():
     ]
 
 
-def test_the_advisor_refuses_a_fleet_of_several_models_naming_why():
-    """The router's stage metrics carry no model label: no advice rather than one model's load
-    read as another's."""
-    from epd_kit.advise.layout import Advisor, Inventory, InventoryError
+def test_the_advisor_sees_each_models_own_engines():
+    """One advisor per model (docs/advisor.md "Several models"): the first model's counts per
+    host, a further model's through its epd_models entry; a one-model fleet has one advisor."""
+    from epd_kit.advise.layout import Advisor, Inventory
 
     n1 = {"epd_model": VISION, "epd_num_ve": 1, "epd_num_pd": 1, "epd_core_count": 24, "epd_models": [TEXT]}
     inventory = Inventory({"n1": n1}, {"epd_engines": ["n1"], "epd_router": ["n1"]})
-    with pytest.raises(InventoryError, match=r"serves 2 models \(epd_models: text\).*no model label"):
-        Advisor(inventory)
+    first, text = Advisor.per_model(inventory)
+    assert (first.name, first.current.counts, first.current.entry) == (VISION, {"n1": (1, 1)}, None)
+    assert (text.name, text.current.counts, text.current.entry) == ("text", {"n1": (0, 1)}, "epd_models[0] (text)")
+    assert text.text_only and text.checkpoint == "/models/tiny-text"
     del n1["epd_models"]
-    assert Advisor(inventory).current.counts == {"n1": (1, 1)}
+    assert [a.current.counts for a in Advisor.per_model(inventory)] == [{"n1": (1, 1)}]
 
 
 def running_file(models):

@@ -159,7 +159,8 @@ async def answer(service: RouterService, stream: bool) -> str:
 
 
 def retries(service: RouterService, stage: str) -> float:
-    return service.metrics.registry.get_sample_value("epd_router_retries_total", {"stage": stage}) or 0.0
+    labels = {"stage": stage, "model": service.state.cfg.model_name}
+    return service.metrics.registry.get_sample_value("epd_router_retries_total", labels) or 0.0
 
 
 def all_slots_free(service: RouterService) -> bool:

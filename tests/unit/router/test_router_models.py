@@ -10,9 +10,11 @@ import re
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from epd_kit.router.app import create_app
 from epd_kit.router.config import ConfigError, parse_config
+from epd_kit.router.metrics import NO_MODEL
 from tests.unit.router import scripted_engines
 
 engine_calls: list[str] = []  # the logical URL of each engine that got a generate call
@@ -174,6 +176,42 @@ def test_the_config_names_what_is_wrong_with_its_models():
     assert parse_config(two_models()).lane_config("text").limits.images_per_prompt == 2
 
 
+def model_labels(service) -> set[str]:
+    """Every value of the `model` label on the router's /metrics page."""
+    text = service.metrics.render().decode()
+    return {s.labels["model"] for f in text_string_to_metric_families(text) for s in f.samples if "model" in s.labels}
+
+
+def sample(service, name: str, **labels: str) -> float:
+    return service.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_metrics_carry_the_served_model_or_none_never_the_clients_string(router):
+    """Per model: requests, latency, TTFT and the stage histograms by the lane's served name (a
+    request naming the checkpoint, or no model, too); a request refused before its model is
+    known (an unknown model, an unreadable body) under `_none`: the label's values are the
+    config's names and `_none`, whatever clients send."""
+    client, service, _ = router
+    for model in ("vision", "text", "/models/text", None):
+        assert (await client.post("/v1/chat/completions", json=chat(model))).status_code == 200
+    for model in ("nope", "nope\n2"):
+        assert (await client.post("/v1/chat/completions", json=chat(model))).status_code == 404
+    assert (await client.post("/v1/chat/completions", content=b"{not json")).status_code == 400
+    requests = "epd_router_requests_total"
+    assert sample(service, requests, status="200", model="vision") == 2
+    assert sample(service, requests, status="200", model="text") == 2
+    assert sample(service, requests, status="404", model=NO_MODEL) == 2
+    assert sample(service, requests, status="400", model=NO_MODEL) == 1
+    for histogram in ("request_duration", "time_to_first_token", "preprocess", "pd"):
+        for model in ("vision", "text"):
+            assert sample(service, f"epd_router_{histogram}_seconds_count", model=model) == 2, (histogram, model)
+    assert sample(service, "epd_router_request_duration_seconds_count", model=NO_MODEL) == 3
+    healthy = "epd_router_engine_healthy"
+    assert sample(service, healthy, engine="epd-text-pd-0", role="pd", model="text") == 1
+    assert sample(service, healthy, engine="epd-ve-0", role="ve", model="vision") == 1
+    assert model_labels(service) == {"vision", "text", NO_MODEL}
+
+
 async def test_one_model_routes_any_model_name_as_before(config, char_renderer):
     doc = config()
     entries = engine_urls(doc)
@@ -188,5 +226,7 @@ async def test_one_model_routes_any_model_name_as_before(config, char_renderer):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
             assert (await client.post("/v1/chat/completions", json=chat("anything"))).status_code == 200
             assert [m["id"] for m in (await client.get("/v1/models")).json()["data"]] == ["/m"]
+            # counted under the served name, whatever the request said
+            assert model_labels(service) == {"/m"}
             assert "model" not in (await client.get("/pools")).json()["engines"][0]
         await service.stop()

@@ -12,6 +12,7 @@ import pytest
 
 from epd_kit.router.app import create_app
 from epd_kit.router.config import parse_config
+from epd_kit.router.metrics import NO_MODEL
 from tests.unit.router import scripted_engines
 
 ENGINE_CALLS: list[str] = []
@@ -73,9 +74,11 @@ async def client(app):
         yield c
 
 
-def requests_total(app, status: str) -> float:
-    registry = app.state.service.metrics.registry
-    return registry.get_sample_value("epd_router_requests_total", {"status": status}) or 0.0
+def requests_total(app, status: str, model: str | None = None) -> float:
+    """Requests that ended with `status` under the `model` label (default: the served model)."""
+    service = app.state.service
+    labels = {"status": status, "model": model or service.state.cfg.model_name}
+    return service.metrics.registry.get_sample_value("epd_router_requests_total", labels) or 0.0
 
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -105,7 +108,7 @@ async def test_a_lone_surrogate_is_refused_before_any_engine_call(app, client, s
     r = await client.post("/v1/chat/completions", content=body)
     assert r.status_code == 400 and "lone UTF-16 surrogate" in r.json()["error"]["message"]
     assert r.json()["request_id"] and ENGINE_CALLS == []
-    assert requests_total(app, "400") == 1
+    assert requests_total(app, "400", NO_MODEL) == 1  # refused before its model was known
 
 
 async def test_the_preprocessing_limit_answers_429_with_retry_after(app, client):

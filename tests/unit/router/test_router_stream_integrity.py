@@ -124,7 +124,8 @@ async def test_malformed_frames_are_counted_and_logged_once(make_service, caplog
     assert status == "200" and frames[-1] == b"data: [DONE]\n\n"
     text = "".join(json.loads(f[6:])["choices"][0]["delta"].get("content", "") for f in frames[:-1])
     assert text == "Hi"
-    assert service.metrics.registry.get_sample_value("epd_router_pd_stream_malformed_frames_total") == 300
+    labels = {"model": service.state.cfg.model_name}
+    assert service.metrics.registry.get_sample_value("epd_router_pd_stream_malformed_frames_total", labels) == 300
     assert [r.getMessage() for r in caplog.records].count("malformed PD stream frames skipped") == 1
 
 
