@@ -178,7 +178,8 @@ def test_a_stopped_ve_leaves_text_served_and_images_refused_until_it_starts(stac
             json={"model": stack.model_id(), "messages": image_message("and this?", (1, 2, 3)), "max_tokens": 2},
         )
     assert refused.status_code == 503, refused.text
-    assert refused.json()["error"]["message"] == "cannot encode images: no healthy active VE (1 configured)", refused.text
+    no_ve = "cannot encode images: no healthy active VE (1 configured)"
+    assert refused.json()["error"]["message"] == no_ve, refused.text
     started = time.monotonic()
     n1.systemctl("start", unit, timeout=300)  # returns once /health is 200 (ExecStartPost)
     stack.wait_engine_health("epd-ve-0", True, timeout=60)
