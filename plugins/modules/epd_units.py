@@ -18,6 +18,9 @@ description:
     C(state=started) - a unit counts as enabled when C(systemctl is-enabled) succeeds for it
     (enabled, static, alias, indirect, generated, ...) and as running when it is active,
     activating or reloading.
+  - A unit to start that systemd reports C(failed) is reset first (C(systemctl reset-failed), one
+    call): after a crash loop systemd refuses to start it again ("Start request repeated too
+    quickly", its StartLimitBurst), so a deploy that fixes what crashed it could not start it.
   - Restarts, stops and reloads are not its job; those stay with
     M(ansible.builtin.systemd_service), where throttle and handlers order them.
   - Supports check mode (reports what it would enable and start).
@@ -48,6 +51,11 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+reset:
+  description: The units this run reset from C(failed) before starting them.
+  type: list
+  elements: str
+  returned: always
 enabled:
   description: The units this run enabled.
   type: list
@@ -102,13 +110,16 @@ def main() -> None:
     to_enable = _not_enabled(module, list(dict.fromkeys(params["enabled"])))
     states = active_states(module, list(dict.fromkeys(params["started"])))
     to_start = [name for name, state in states.items() if state not in RUNNING]
+    to_reset = [name for name in to_start if states[name] == "failed"]
 
     if not module.check_mode:
         if to_enable:
             _run(module, ["systemctl", "enable", "--", *to_enable])
+        if to_reset:
+            _run(module, ["systemctl", "reset-failed", "--", *to_reset])
         if to_start:
             _run(module, ["systemctl", "start", *(["--no-block"] if params["no_block"] else []), "--", *to_start])
-    module.exit_json(changed=bool(to_enable or to_start), enabled=to_enable, started=to_start)
+    module.exit_json(changed=bool(to_enable or to_start), reset=to_reset, enabled=to_enable, started=to_start)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """epd.kit.epd_units, the module that enables and starts a role's units in one module run, through
 real ansible-playbook on this machine against a stand-in `systemctl` (no systemd runs here; the
 e2e tier runs the module against real systemd in every deploy): one call per verb, only the units
-that need it, nothing in check mode, and a unit systemd does not know fails with systemctl's words."""
+that need it, nothing in check mode, a failed unit reset before its start, and a unit systemd does
+not know fails with systemctl's words."""
 
 from __future__ import annotations
 
@@ -47,10 +48,16 @@ for name in names:
             print(f"Failed to enable unit: Unit file {{name}} does not exist.", file=sys.stderr)
             sys.exit(1)
         unit["enabled"] = True
+    elif verb == "reset-failed":
+        if unit is not None and unit["active"] == "failed":
+            unit["active"] = "inactive"
     elif verb == "start":
         if unit is None:
             print(f"Failed to start {{name}}: Unit {{name}} not found.", file=sys.stderr)
             sys.exit(5)
+        if unit["active"] == "failed":  # its start limit hit after a crash loop
+            print(f"Job for {{name}} failed. Start request repeated too quickly.", file=sys.stderr)
+            sys.exit(1)
         unit["active"] = "activating" if "--no-block" in args else "active"
 json.dump(units, open(state_file, "w"))
 """
@@ -125,3 +132,37 @@ def test_units_are_enabled_and_started_in_one_call_per_verb_and_only_when_needed
     assert r["unknown"]["failed"] is True
     assert "systemctl enable -- epd-nope.service failed (rc 1)" in r["unknown"]["msg"], r["unknown"]
     assert "Unit file epd-nope.service does not exist" in r["unknown"]["msg"], r["unknown"]
+
+
+def test_a_failed_unit_is_reset_before_its_start(tmp_path: Path):
+    """After a crash loop systemd marks the unit failed and refuses a plain start (its start
+    limit): a deploy that fixed the cause resets it first, and only it."""
+    state, log = tmp_path / "units.json", tmp_path / "calls.log"
+    state.write_text(
+        json.dumps(
+            {
+                "epd-engine@pd-0.service": {"enabled": True, "active": "failed"},
+                "epd-engine@ve-0.service": {"enabled": True, "active": "inactive"},
+            }
+        )
+    )
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "systemctl"
+    fake.write_text(FAKE_SYSTEMCTL.format(python=sys.executable, state=str(state), log=str(log)))
+    fake.chmod(0o755)
+    engines = ["epd-engine@pd-0.service", "epd-engine@ve-0.service"]
+    task = {
+        "name": "started",
+        "epd.kit.epd_units": {"started": engines},
+        "register": "started",
+        "environment": {"PATH": f"{bin_dir}:/usr/bin:/bin"},
+    }
+    r = local_play(tmp_path, [task], ["started"])
+    assert r["started"]["reset"] == ["epd-engine@pd-0.service"] and r["started"]["started"] == engines
+    made = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [c for c in made if c[0] in ("reset-failed", "start")] == [
+        ["reset-failed", "--", "epd-engine@pd-0.service"],
+        ["start", "--", *engines],
+    ]
+    assert {u["active"] for u in json.loads(state.read_text()).values()} == {"active"}

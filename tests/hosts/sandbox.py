@@ -7,8 +7,11 @@ talk to the deployed router with the real `openai` client, print a status table.
                                                            (text only, and the image's 400, for epd_text_only);
                                                            with epd_models, one per model and an unknown one's 404
     python tests/hosts/sandbox.py status INVENTORY_DIR     units per host + the router's /pools
+    python tests/hosts/sandbox.py engine-vllm INVENTORY_DIR  the vLLM of a vllm-cpu inventory's engines
+                                                           (its Neuron release's), nothing for another backend
 
-Must run inside the kithub network namespace (the router lives on a test host).
+Must run inside the kithub network namespace (the router lives on a test host); hosts, router
+and engine-vllm read the inventory alone.
 """
 
 from __future__ import annotations
@@ -217,6 +220,11 @@ def main(argv: list[str]) -> int:
             f"finish:   {choice.finish_reason}; usage: {response.usage.prompt_tokens} prompt + "
             f"{response.usage.completion_tokens} completion tokens"
         )
+    elif command == "engine-vllm":  # the vLLM a vllm-cpu inventory's engines run; nothing for another backend
+        if inventory.group_vars.get("epd_engine_backend") == "vllm-cpu":
+            from epd_kit.plan.neuron_releases import DEFAULT_RELEASE, vllm_version
+
+            print(vllm_version(inventory.group_vars.get("epd_neuron_release", DEFAULT_RELEASE)))
     elif command == "status":
         print(status_table(inventory))
         try:

