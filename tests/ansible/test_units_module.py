@@ -63,23 +63,28 @@ json.dump(units, open(state_file, "w"))
 """
 
 
-def test_units_are_enabled_and_started_in_one_call_per_verb_and_only_when_needed(tmp_path: Path):
+def fake_systemctl(tmp_path: Path, units: dict) -> tuple[Path, Path, Path]:
+    """The stand-in on a PATH directory of its own: (its state file, its call log, the directory)."""
     state, log = tmp_path / "units.json", tmp_path / "calls.log"
-    state.write_text(
-        json.dumps(
-            {
-                "epd.target": {"enabled": True, "active": "inactive"},
-                "epd-engines.target": {"enabled": False, "active": "inactive"},
-                "epd-engine@pd-0.service": {"enabled": False, "active": "inactive"},
-                "epd-engine@pd-1.service": {"enabled": True, "active": "active"},
-            }
-        )
-    )
+    state.write_text(json.dumps(units))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "systemctl"
     fake.write_text(FAKE_SYSTEMCTL.format(python=sys.executable, state=str(state), log=str(log)))
     fake.chmod(0o755)
+    return state, log, bin_dir
+
+
+def test_units_are_enabled_and_started_in_one_call_per_verb_and_only_when_needed(tmp_path: Path):
+    state, log, bin_dir = fake_systemctl(
+        tmp_path,
+        {
+            "epd.target": {"enabled": True, "active": "inactive"},
+            "epd-engines.target": {"enabled": False, "active": "inactive"},
+            "epd-engine@pd-0.service": {"enabled": False, "active": "inactive"},
+            "epd-engine@pd-1.service": {"enabled": True, "active": "active"},
+        },
+    )
     engines = ["epd-engine@pd-0.service", "epd-engine@pd-1.service"]
     units = {"enabled": ["epd.target", "epd-engines.target", *engines], "started": engines, "no_block": True}
 
@@ -137,20 +142,13 @@ def test_units_are_enabled_and_started_in_one_call_per_verb_and_only_when_needed
 def test_a_failed_unit_is_reset_before_its_start(tmp_path: Path):
     """After a crash loop systemd marks the unit failed and refuses a plain start (its start
     limit): a deploy that fixed the cause resets it first, and only it."""
-    state, log = tmp_path / "units.json", tmp_path / "calls.log"
-    state.write_text(
-        json.dumps(
-            {
-                "epd-engine@pd-0.service": {"enabled": True, "active": "failed"},
-                "epd-engine@ve-0.service": {"enabled": True, "active": "inactive"},
-            }
-        )
+    state, log, bin_dir = fake_systemctl(
+        tmp_path,
+        {
+            "epd-engine@pd-0.service": {"enabled": True, "active": "failed"},
+            "epd-engine@ve-0.service": {"enabled": True, "active": "inactive"},
+        },
     )
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / "systemctl"
-    fake.write_text(FAKE_SYSTEMCTL.format(python=sys.executable, state=str(state), log=str(log)))
-    fake.chmod(0o755)
     engines = ["epd-engine@pd-0.service", "epd-engine@ve-0.service"]
     task = {
         "name": "started",

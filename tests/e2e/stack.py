@@ -141,6 +141,11 @@ class Stack:
         client = self.openai()
         return client.chat.completions.create(model=self.model_id(), messages=messages, max_tokens=max_tokens, **kwargs)
 
+    def chat_stream(self, messages: list[dict], max_tokens: int = 8) -> tuple[str, object]:
+        """A streamed chat with usage: the text of its deltas and its last chunk (the usage one)."""
+        chunks = list(self.chat(messages, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True}))
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1]
+
     def engine_host(self, instance_host: str) -> TestHost:
         return self.hosts[instance_host]
 

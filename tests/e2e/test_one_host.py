@@ -199,17 +199,9 @@ def test_text_image_and_streaming_requests(one_host_stack):
     assert red.choices[0].message.content != blue.choices[0].message.content
     assert red.usage.prompt_tokens > text.usage.prompt_tokens  # image tokens are in the prompt
 
-    stream = stack.openai().chat.completions.create(
-        model=stack.model_id(),
-        messages=image_message("What is in the picture?", RED),
-        max_tokens=16,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    chunks = list(stream)
-    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed, last = stack.chat_stream(image_message("What is in the picture?", RED), max_tokens=16)
     assert streamed == red.choices[0].message.content
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == red.usage.completion_tokens
+    assert last.usage is not None and last.usage.completion_tokens == red.usage.completion_tokens
 
 
 def test_every_router_and_engine_target_is_up(one_host_stack, prometheus):

@@ -86,16 +86,8 @@ def test_images_streaming_and_text_through_real_engines(stack: Stack):
     before = served(stack)
     red = stack.chat(image_message("What is in the picture?", RED), max_tokens=8)
     assert red.choices[0].message.content and red.usage.prompt_tokens > 0
-    stream = stack.openai().chat.completions.create(
-        model=stack.model_id(),
-        messages=image_message("What is in the picture?", BLUE),
-        max_tokens=8,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    chunks = list(stream)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    streamed, last = stack.chat_stream(image_message("What is in the picture?", BLUE))
+    assert streamed and last.usage is not None and last.usage.completion_tokens > 0
     two = chat_text(stack, images("Compare the two pictures.", RED, GREEN))
     assert two.choices[0].message.content
     text = chat_text(stack, "Say hello.")
