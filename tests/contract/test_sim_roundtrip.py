@@ -172,6 +172,18 @@ def test_a_prompt_past_max_model_len_is_refused_as_vllm_refuses_it(pair: Pair) -
     assert r.status_code == 400 and r.json()["error"]["message"].startswith(PROMPT_TOO_LONG), r.text
 
 
+def test_a_prompt_past_max_model_len_without_max_tokens_is_the_routes_400(pair: Pair) -> None:
+    """Without max_tokens, vLLM's generate route computes it from the context left before the
+    request is scheduled, and refuses there: a 400 with its own message, streaming too."""
+    body = pd_body([11] * 8193, [], [], {})
+    body["sampling_params"].pop("max_tokens", None)
+    for stream in (False, True):
+        r = httpx.post(pair.pd.url + "/inference/v1/generate", json={**body, "stream": stream}, timeout=10)
+        assert r.status_code == 400, r.text
+        said = r.json()["error"]["message"]
+        assert said == "Input length (8193) exceeds model's maximum context length (8192).", r.text
+
+
 def test_max_tokens_past_max_model_len_stop_there(pair: Pair) -> None:
     """vLLM's generate route does not refuse prompt + max_tokens > max_model_len: the request
     stops at max_model_len with finish_reason "length"."""
