@@ -18,9 +18,9 @@ description:
     C(state=started) - a unit counts as enabled when C(systemctl is-enabled) succeeds for it
     (enabled, static, alias, indirect, generated, ...) and as running when it is active,
     activating or reloading.
-  - A unit to start that systemd reports C(failed) is reset first (C(systemctl reset-failed), one
-    call): after a crash loop systemd refuses to start it again ("Start request repeated too
-    quickly", its StartLimitBurst), so a deploy that fixes what crashed it could not start it.
+  - A unit to start that systemd reports C(failed) is reset first, with one C(systemctl reset-failed)
+    call. After a crash loop systemd refuses to start it again (Start request repeated too quickly,
+    its StartLimitBurst), so a deploy that fixes what crashed it could not start it otherwise.
   - Restarts, stops and reloads are not its job; those stay with
     M(ansible.builtin.systemd_service), where throttle and handlers order them.
   - Supports check mode (reports what it would enable and start).
