@@ -73,6 +73,14 @@ wheelhouse() {  # wheelhouse VERSION [--dry-run]: build the archive if missing; 
         --requirements-file "$(requirements "$1")" --no-deps --no-configured-find-links "${@:2}" \
         | "$PYTHON" -c 'import json, sys; report = json.load(sys.stdin); print(report["archive"], int(report["changed"]))'
 }
+fetch_wheelhouse() {  # fetch_wheelhouse VERSION: the archive's path, downloaded once (says so)
+    local started archive changed
+    started=$(now)
+    read -r archive changed < <(wheelhouse "$1") || true
+    [[ -n $archive ]] || { echo "compat-env: no vllm $1 wheelhouse (the build's error is above)" >&2; return 1; }
+    [[ $changed == 0 ]] || echo "compat-env: downloaded the vllm $1 wheelhouse $archive ($(du -sh "$archive" | cut -f1)) in $(since "$started") s" >&2
+    echo "$archive"
+}
 build() {  # build VERSION DIR ARCHIVE
     local started wheels
     started=$(now)
@@ -93,14 +101,13 @@ build() {  # build VERSION DIR ARCHIVE
     echo "compat-env: built in $(since "$started") s, $(du -sh "$2" | cut -f1) on disk" >&2
 }
 ensure() {  # ensure VERSION
-    local started dir archive changed
+    local started dir archive
     started=$(now)
     dir=$(env_dir "$1")
     mkdir -p "$CACHE"
     exec 9>"$dir.lock"
     flock 9
-    read -r archive changed < <(wheelhouse "$1")
-    [[ $changed == 0 ]] || echo "compat-env: downloaded the vllm $1 wheelhouse $archive ($(du -sh "$archive" | cut -f1)) in $(since "$started") s" >&2
+    archive=$(fetch_wheelhouse "$1")
     if [[ -f $dir/.epd-compat-ok ]]; then
         echo "compat-env: cached $dir for vllm $1 (checked in $(since "$started") s)" >&2
     else
@@ -136,12 +143,7 @@ case ${1:-} in
         printf '%s\n' "${VERSIONS[@]}"
         ;;
     --wheelhouse)
-        for version in "${VERSIONS[@]}"; do
-            started=$(now)
-            read -r archive changed < <(wheelhouse "$version")
-            [[ $changed == 0 ]] || echo "compat-env: downloaded the vllm $version wheelhouse in $(since "$started") s" >&2
-            echo "$archive"
-        done
+        for version in "${VERSIONS[@]}"; do fetch_wheelhouse "$version"; done
         ;;
     pytest)
         shift

@@ -18,6 +18,7 @@ import pytest
 from tests.e2e.conftest import DEPLOY, deploy_stack, sandbox_inventory
 from tests.e2e.stack import Stack, image_data_url, image_message, wait_for
 from tests.hosts.harness import REPO, HostPool, ansible_playbook
+from tests.hosts.sandbox import SandboxInventory, engine_vllm
 
 pytestmark = [pytest.mark.systemd, pytest.mark.timeout(1500)]
 
@@ -26,9 +27,10 @@ RED, BLUE, GREEN = (200, 30, 30), (30, 30, 200), (30, 160, 30)
 
 
 def default_vllm() -> str:
-    from epd_kit.plan.neuron_releases import DEFAULT_RELEASE, vllm_version
-
-    return vllm_version(DEFAULT_RELEASE)
+    """The vLLM of inventory/sandbox/vllm-cpu's engines (the default release's)."""
+    vllm = engine_vllm(SandboxInventory.load(REPO / "inventory/sandbox/vllm-cpu"))
+    assert vllm is not None, "inventory/sandbox/vllm-cpu is not a vllm-cpu inventory"
+    return vllm
 
 
 @pytest.fixture(scope="module")

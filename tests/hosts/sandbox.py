@@ -181,6 +181,15 @@ def format_rows(rows: list[tuple[str, ...]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in rows)
 
 
+def engine_vllm(inventory: SandboxInventory) -> str | None:
+    """The vLLM a vllm-cpu inventory's engines run (its Neuron release's); None for another backend."""
+    if inventory.group_vars.get("epd_engine_backend") != "vllm-cpu":
+        return None
+    from epd_kit.plan.neuron_releases import DEFAULT_RELEASE, vllm_version
+
+    return vllm_version(inventory.group_vars.get("epd_neuron_release", DEFAULT_RELEASE))
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
@@ -220,11 +229,9 @@ def main(argv: list[str]) -> int:
             f"finish:   {choice.finish_reason}; usage: {response.usage.prompt_tokens} prompt + "
             f"{response.usage.completion_tokens} completion tokens"
         )
-    elif command == "engine-vllm":  # the vLLM a vllm-cpu inventory's engines run; nothing for another backend
-        if inventory.group_vars.get("epd_engine_backend") == "vllm-cpu":
-            from epd_kit.plan.neuron_releases import DEFAULT_RELEASE, vllm_version
-
-            print(vllm_version(inventory.group_vars.get("epd_neuron_release", DEFAULT_RELEASE)))
+    elif command == "engine-vllm":
+        if vllm := engine_vllm(inventory):
+            print(vllm)
     elif command == "status":
         print(status_table(inventory))
         try:
