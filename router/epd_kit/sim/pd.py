@@ -67,15 +67,7 @@ def build_sequence(req: GenerateRequest, cfg: EngineConfig, request_id: str) -> 
     """Validate a PD body (docs/contract.md §3.1) into a sequence; RequestRejected for a bad body."""
     prompt = req.token_ids
     sp = req.sampling_params
-    if "max_tokens" not in sp.model_fields_set and len(prompt) > cfg.max_model_len:
-        # vLLM's generate route fills an absent max_tokens from the context left before it
-        # schedules the request (vllm/entrypoints/serve/disagg/serving.py get_max_tokens, 0.24.0;
-        # scale_out/token_in_token_out in 0.29.0), and that refuses first: a plain 400, streaming
-        # too (a real PD behind the router, tests/e2e/test_real_engines.py)
-        raise RequestRejected(
-            f"Input length ({len(prompt)}) exceeds model's maximum context length ({cfg.max_model_len})."
-        )
-    check_prompt_length(len(prompt), cfg.max_model_len)
+    check_prompt_length(len(prompt), cfg.max_model_len, max_tokens_given="max_tokens" in sp.model_fields_set)
     remaining = cfg.max_model_len - len(prompt)
     # vLLM: absent (or null) max_tokens means "the rest of the context".
     max_tokens = sp.max_tokens if sp.max_tokens is not None else remaining

@@ -42,7 +42,9 @@ class EncodeItem:
 
 def parse_items(req: GenerateRequest, cfg: EngineConfig) -> list[EncodeItem]:
     """Validate the VE body far enough to know each item's geometry (docs/contract.md §2.2, §2.6)."""
-    check_prompt_length(len(req.token_ids), cfg.max_model_len)
+    check_prompt_length(
+        len(req.token_ids), cfg.max_model_len, max_tokens_given="max_tokens" in req.sampling_params.model_fields_set
+    )
     items = req.features.items() if req.features else []
     if not items:
         raise RequestRejected("a VE request needs at least one multimodal item in features")
