@@ -69,7 +69,7 @@ class SimEngine:
         self.ve: VisionEncoderEngine | None = None
         self.pd: PrefillDecodeEngine | None = None
         if cfg.role == "ve":
-            self.ve = VisionEncoderEngine(cfg, profile, self.metrics, faults)
+            self.ve = VisionEncoderEngine(cfg, profile, self.metrics, faults, self.answers)
         else:
             self.pd = PrefillDecodeEngine(cfg, profile, self.metrics, self._dead)
 

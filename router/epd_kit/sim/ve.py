@@ -23,6 +23,7 @@ from .faults import Faults
 from .metrics import SimMetrics
 from .model import embedding_bytes
 from .profile import LatencyProfile
+from .release import AnswerShape
 from .side_channel import SideChannelServer
 
 log = logging.getLogger("epd_sim.ve")
@@ -111,8 +112,11 @@ def spread_over_replicas(patches: list[int], replicas: int) -> list[int]:
 
 
 class VisionEncoderEngine:
-    def __init__(self, cfg: EngineConfig, profile: LatencyProfile, metrics: SimMetrics, faults: Faults) -> None:
+    def __init__(
+        self, cfg: EngineConfig, profile: LatencyProfile, metrics: SimMetrics, faults: Faults, answers: AnswerShape
+    ) -> None:
         self.cfg = cfg
+        self.answers = answers
         self.profile = profile
         self.metrics = metrics
         self.cache = EncoderCache(cfg.encoder_cache_num_blocks, cfg.encoder_cache_min_hold_s)
@@ -173,9 +177,10 @@ class VisionEncoderEngine:
                 blocks = await self._encode(list(unique.values()))
         finally:
             self.metrics.running.set(0 if not self._busy.locked() else 1)
+        finish, tokens = self.answers.ve_finish
         self.metrics.prompt_tokens.inc(len(req.token_ids))
-        self.metrics.generation_tokens.inc(1)
-        self.metrics.finished("length")
+        self.metrics.generation_tokens.inc(len(tokens))
+        self.metrics.finished(finish)
         locators = {
             h: EcLocator(
                 engine_id=self.cfg.engine_id,
@@ -188,7 +193,7 @@ class VisionEncoderEngine:
         }
         return GenerateResponse(
             request_id=server_request_id(),
-            choices=[GenerateChoice(index=0, finish_reason="length", token_ids=[0])],
+            choices=[GenerateChoice(index=0, finish_reason=finish, token_ids=list(tokens))],
             kv_transfer_params={"ec_locator": locators},
         )
 
