@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .. import mm_serde
 from ..wire import (
@@ -25,6 +26,9 @@ from .model import embedding_bytes
 from .profile import LatencyProfile
 from .release import AnswerShape
 from .side_channel import SideChannelServer
+
+if TYPE_CHECKING:
+    from .tracing import RequestTrace
 
 log = logging.getLogger("epd_sim.ve")
 
@@ -148,7 +152,7 @@ class VisionEncoderEngine:
     async def stop(self) -> None:
         await self.side_channel.close()
 
-    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+    async def generate(self, req: GenerateRequest, trace: RequestTrace | None = None) -> GenerateResponse:
         items = parse_items(req, self.cfg)
         unique: dict[str, EncodeItem] = {}
         for it in items:
@@ -168,9 +172,13 @@ class VisionEncoderEngine:
         self._waiting += 1
         self.metrics.waiting.set(self._waiting)
         queued = time.monotonic()
+        if trace is not None:
+            trace.queue()
         try:
             async with self._busy:
                 self.metrics.queue_time.observe(time.monotonic() - queued)
+                if trace is not None:
+                    trace.schedule()
                 self._waiting -= 1
                 self.metrics.waiting.set(self._waiting)
                 self.metrics.running.set(1)
@@ -181,6 +189,9 @@ class VisionEncoderEngine:
         self.metrics.prompt_tokens.inc(len(req.token_ids))
         self.metrics.generation_tokens.inc(len(tokens))
         self.metrics.finished(finish)
+        if trace is not None:
+            trace.output(len(tokens))
+            trace.finish(finish)
         locators = {
             h: EcLocator(
                 engine_id=self.cfg.engine_id,
