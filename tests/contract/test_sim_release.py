@@ -36,8 +36,10 @@ def test_a_0_29_engine_answers_with_0_29s_fields(pair_029: Pair, checkpoint, ima
     # 0.29 serving.py serve_tokens_full_generator: the caller's id, model, created, usage
     assert body["request_id"] == f"generate-tokens-{ve_body([a])['request_id']}"
     assert body["model"] and body["created"] >= before and body["ec_transfer_params"] is None
-    assert body["usage"]["prompt_tokens"] == a.num_tokens and body["usage"]["completion_tokens"] == 1
+    # 0.29's encoder-only engine samples nothing: it stops once the prompt is encoded (release.py ve_finish)
+    assert body["usage"]["prompt_tokens"] == a.num_tokens and body["usage"]["completion_tokens"] == 0
     assert body["choices"][0]["sampling_mask"] is None
+    assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["token_ids"] == []
     locs = GenerateResponse.model_validate(body).ec_locators()  # the locators where 0.24 has them
     assert set(locs) == {a.mm_hash}
 
@@ -67,6 +69,7 @@ def test_a_0_24_engine_keeps_0_24s_answer(pair: Pair, checkpoint) -> None:
     body = httpx.post(pair.ve.url + "/inference/v1/generate", json=ve_body([a]), timeout=10).json()
     assert not {"model", "created", "usage", "ec_transfer_params"} & set(body)
     assert "sampling_mask" not in body["choices"][0]
+    assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["token_ids"] == [0]
 
 
 def test_an_unknown_vllm_stops_the_engine_at_start(checkpoint) -> None:

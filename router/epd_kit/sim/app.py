@@ -69,7 +69,7 @@ class SimEngine:
         self.ve: VisionEncoderEngine | None = None
         self.pd: PrefillDecodeEngine | None = None
         if cfg.role == "ve":
-            self.ve = VisionEncoderEngine(cfg, profile, self.metrics, faults)
+            self.ve = VisionEncoderEngine(cfg, profile, self.metrics, faults, self.answers)
         else:
             self.pd = PrefillDecodeEngine(cfg, profile, self.metrics, self._dead)
 
@@ -173,13 +173,15 @@ def create_app(engine: SimEngine, tracer: SimTracer | None = None) -> FastAPI:
         except ValidationError as exc:
             return error_response(f"invalid request body: {exc}", 400, "BadRequestError")
         request_id = req.request_id or uuid.uuid4().hex
+        trace = tracer.request(request.headers, req, request_id, cfg.max_model_len) if tracer else None
         try:
             if engine.ve is not None:
-                resp = await engine.ve.generate(req)
+                resp = await engine.ve.generate(req, trace)
                 body = engine.answers.answer(resp, request_id, cfg.served_model_name, len(req.token_ids))
                 return Response(body, media_type="application/json")
             assert engine.pd is not None
             seq = build_sequence(req, cfg, request_id)
+            seq.trace = trace
             seq.fail_after = engine.injector.generation_error()
             if seq.fail_after is not None:
                 engine.metrics.fault("generation_error")
@@ -202,7 +204,7 @@ def create_app(engine: SimEngine, tracer: SimTracer | None = None) -> FastAPI:
             )
         return await _complete(engine.pd, seq, request, engine.answers, cfg.served_model_name)
 
-    app.post(GENERATE_PATH)(untraced(generate) if tracer is None else tracer.traced(generate))
+    app.post(GENERATE_PATH)(untraced(generate) if tracer is None else generate)
     return app
 
 

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .. import mm_serde
 from ..wire import EcLocator, GenerateRequest, Placeholder
@@ -24,6 +25,9 @@ from .metrics import SimMetrics
 from .model import Generation, plan_generation
 from .prefix_cache import PrefixCache, blend
 from .profile import LatencyProfile
+
+if TYPE_CHECKING:
+    from .tracing import RequestTrace
 
 log = logging.getLogger("epd_sim.pd")
 
@@ -47,6 +51,7 @@ class Sequence:
     finish_reason: str | None = None
     error: BaseException | None = None  # the engine core's failure (it dies)
     fail_after: int | None = None  # fault: generation fails after this many tokens (the engine stays up)
+    trace: RequestTrace | None = None  # --otlp-traces-endpoint set: its span's figures (tracing.py)
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -159,6 +164,8 @@ class PrefillDecodeEngine:
                 "Got kv_transfer_params, but no KVConnector found. Disabling KVTransfer for this request. (logged once)"
             )
             self._warned_kv_params = True
+        if seq.trace is not None:
+            seq.trace.queue()
         self.waiting.append(seq)
         self._gauges()
         self._wake.set()
@@ -183,6 +190,8 @@ class PrefillDecodeEngine:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(seq)
         seq.state, seq.finish_reason, seq.error = "done", reason, error
+        if seq.trace is not None and error is None:  # the engine's death: no output, no span
+            seq.trace.finish(reason)
         seq.event.set()
         self.metrics.finished(reason)
         if reason in ("stop", "length"):
@@ -204,6 +213,8 @@ class PrefillDecodeEngine:
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting.popleft()
             seq.state = "loading"
+            if seq.trace is not None:
+                seq.trace.schedule()
             self.metrics.queue_time.observe(time.monotonic() - seq.arrived)
             self.running.append(seq)
             task = asyncio.create_task(self._load(seq))
@@ -257,7 +268,10 @@ class PrefillDecodeEngine:
 
     def _emit(self, seq: Sequence) -> None:
         assert seq.plan is not None
-        if seq.fail_after is not None and seq.emitted >= seq.fail_after:
+        failed = seq.fail_after is not None and seq.emitted >= seq.fail_after
+        if seq.trace is not None:
+            seq.trace.output(0 if failed else 1)
+        if failed:
             self._finish(seq, "error")  # vLLM's FinishReason.ERROR: this request only
             return
         seq.pending.append(seq.plan.token_ids[seq.emitted])

@@ -6,7 +6,8 @@ What differs, from each version's own code (docs/compat.md "vLLM 0.24 vs 0.29 on
 wire"): 0.29's non-streaming answer carries `generate-tokens-<caller's id>` (0.24: an id of its
 own), `model`, `created`, `usage` and `ec_transfer_params`, and each choice, streamed or not,
 `sampling_mask`; a failed generation (fault `generation_error_rate`) is 0.29's 500 where 0.24
-answers 200 with the failed choice. Requests are the same for both. The release's compiler
+answers 200 with the failed choice; a VE request ends "stop" with no token in 0.29, "length" with
+one in 0.24 (`ve_finish`). Requests are the same for both. The release's compiler
 series also names the sim's stand-in compiler versions (`sim_sdk`), so a release change is a
 cache miss, as it is on Neuron (compilation_cache.md "Cache Key": the neuronx-cc, torch-neuronx
 and NKI versions).
@@ -85,6 +86,16 @@ class AnswerShape:
         }
         body.pop("request_id", None)
         return json.dumps({**shaped, **body}, separators=(",", ":")).encode()
+
+    @property
+    def ve_finish(self) -> tuple[str, tuple[int, ...]]:
+        """How a VE request ends (finish_reason, tokens): 0.24's encoder-only runner samples a
+        stand-in token 0 per step (v1/outputs.py make_empty_encoder_model_runner_output), so the
+        router's max_tokens 1 ends it, "length"; 0.29's samples nothing and its scheduler stops the
+        request once the prompt is encoded (v1/core/sched/scheduler.py update_from_output,
+        is_mm_encoder_only), "stop" with no token: usage.completion_tokens 0, as a real 0.29 VE's
+        span had."""
+        return ("stop", ()) if self.v029 else ("length", (0,))
 
     @property
     def generation_error_is_500(self) -> bool:

@@ -77,7 +77,7 @@ def run(args: ServeArgs, sim: SimOptions, env: Mapping[str, str]) -> int:
         from .tracing import SimTracer
 
         try:
-            tracer = SimTracer(args.otlp_traces_endpoint, env)
+            tracer = SimTracer.for_endpoint(args.otlp_traces_endpoint, env)
         except ValueError as exc:
             return _fail("ValueError", str(exc))
     for warning in cfg.warnings:

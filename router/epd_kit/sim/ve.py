@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .. import mm_serde
 from ..wire import (
@@ -23,7 +24,11 @@ from .faults import Faults
 from .metrics import SimMetrics
 from .model import embedding_bytes
 from .profile import LatencyProfile
+from .release import AnswerShape
 from .side_channel import SideChannelServer
+
+if TYPE_CHECKING:
+    from .tracing import RequestTrace
 
 log = logging.getLogger("epd_sim.ve")
 
@@ -111,8 +116,11 @@ def spread_over_replicas(patches: list[int], replicas: int) -> list[int]:
 
 
 class VisionEncoderEngine:
-    def __init__(self, cfg: EngineConfig, profile: LatencyProfile, metrics: SimMetrics, faults: Faults) -> None:
+    def __init__(
+        self, cfg: EngineConfig, profile: LatencyProfile, metrics: SimMetrics, faults: Faults, answers: AnswerShape
+    ) -> None:
         self.cfg = cfg
+        self.answers = answers
         self.profile = profile
         self.metrics = metrics
         self.cache = EncoderCache(cfg.encoder_cache_num_blocks, cfg.encoder_cache_min_hold_s)
@@ -144,7 +152,7 @@ class VisionEncoderEngine:
     async def stop(self) -> None:
         await self.side_channel.close()
 
-    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+    async def generate(self, req: GenerateRequest, trace: RequestTrace | None = None) -> GenerateResponse:
         items = parse_items(req, self.cfg)
         unique: dict[str, EncodeItem] = {}
         for it in items:
@@ -164,18 +172,26 @@ class VisionEncoderEngine:
         self._waiting += 1
         self.metrics.waiting.set(self._waiting)
         queued = time.monotonic()
+        if trace is not None:
+            trace.queue()
         try:
             async with self._busy:
                 self.metrics.queue_time.observe(time.monotonic() - queued)
+                if trace is not None:
+                    trace.schedule()
                 self._waiting -= 1
                 self.metrics.waiting.set(self._waiting)
                 self.metrics.running.set(1)
                 blocks = await self._encode(list(unique.values()))
         finally:
             self.metrics.running.set(0 if not self._busy.locked() else 1)
+        finish, tokens = self.answers.ve_finish
         self.metrics.prompt_tokens.inc(len(req.token_ids))
-        self.metrics.generation_tokens.inc(1)
-        self.metrics.finished("length")
+        self.metrics.generation_tokens.inc(len(tokens))
+        self.metrics.finished(finish)
+        if trace is not None:
+            trace.output(len(tokens))
+            trace.finish(finish)
         locators = {
             h: EcLocator(
                 engine_id=self.cfg.engine_id,
@@ -188,7 +204,7 @@ class VisionEncoderEngine:
         }
         return GenerateResponse(
             request_id=server_request_id(),
-            choices=[GenerateChoice(index=0, finish_reason="length", token_ids=[0])],
+            choices=[GenerateChoice(index=0, finish_reason=finish, token_ids=list(tokens))],
             kv_transfer_params={"ec_locator": locators},
         )
 

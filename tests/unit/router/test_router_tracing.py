@@ -74,4 +74,4 @@ def test_the_sim_refuses_a_protocol_it_cannot_export(env, message):
     except ImportError:
         pass
     with pytest.raises(ValueError, match=re.escape(message)):
-        SimTracer("http://127.0.0.1:4318/v1/traces", env)
+        SimTracer.for_endpoint("http://127.0.0.1:4318/v1/traces", env)

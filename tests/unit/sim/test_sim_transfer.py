@@ -18,6 +18,7 @@ from epd_kit.sim.faults import Faults
 from epd_kit.sim.metrics import SimMetrics
 from epd_kit.sim.model import embedding_bytes
 from epd_kit.sim.profile import PROFILES
+from epd_kit.sim.release import answer_shape
 from epd_kit.sim.ve import VisionEncoderEngine, spread_over_replicas
 from epd_kit.wire import EcLocator, GenerateRequest
 
@@ -34,7 +35,7 @@ async def _ve(tiny_ckpt, faults: Faults | None = None) -> VisionEncoderEngine:
     args = ve_args(str(tiny_ckpt))
     extra = {"side_channel_host": "127.0.0.1", "side_channel_port": 0}
     args = dataclasses.replace(args, ec_transfer_config={**args.ec_transfer_config, "ec_connector_extra_config": extra})
-    ve = VisionEncoderEngine(config(args, "8-11"), ZERO, SimMetrics("m", "ve"), faults or Faults())
+    ve = VisionEncoderEngine(config(args, "8-11"), ZERO, SimMetrics("m", "ve"), faults or Faults(), answer_shape())
     await ve.start()
     return ve
 
