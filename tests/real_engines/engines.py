@@ -40,6 +40,7 @@ class RealEngine(SimEngine):
     max_model_len: int | None = None  # None: the kit's default
     max_num_seqs: int = 8
     cpu: int = 0  # the engine's core (its plan slice), as the kit gives each engine its own
+    otlp_traces_endpoint: str = ""  # epd_otlp_traces_endpoint: "" exports nothing (the kit's default)
 
     def settings(self) -> plan.Settings:
         return launch.local_settings(
@@ -53,6 +54,7 @@ class RealEngine(SimEngine):
             epd_engine_backend="vllm-cpu",
             epd_vllm_cpu_ec_dir=str(self.ec_store),
             epd_extra_args=list(NO_WEIGHTS),
+            epd_otlp_traces_endpoint=self.otlp_traces_endpoint,
         )
 
     def argv(self) -> list[str]:

@@ -75,10 +75,12 @@ class RealStack:
         images: int | None = None,
         pd_max_model_len: int | None = None,
         ec_stores: dict[str, Path] | None = None,
+        otlp_traces_endpoint: str = "",
         **router_overrides: Any,
     ) -> RealStack:
         """`ec_stores`: engine id -> the EC store directory it gets instead of the one the
-        others share (a VE whose embeddings no PD finds: test_missing_block.py)."""
+        others share (a VE whose embeddings no PD finds: test_missing_block.py).
+        `otlp_traces_endpoint`: epd_otlp_traces_endpoint, the engines' and the router's."""
         key_file = workdir / "engine-key"
         key_file.write_text(ENGINE_KEY + "\n")
         key_file.chmod(0o600)
@@ -100,6 +102,7 @@ class RealStack:
                 max_model_len=pd_max_model_len if role == "pd" else None,
                 # VE i and PD i on different cores where there are two
                 cpu=(index + (role == "pd")) % cores,
+                otlp_traces_endpoint=otlp_traces_endpoint,
             )
 
         stack = cls(workdir, ckpt, [engine("ve", i) for i in range(n_ve)], [engine("pd", i) for i in range(n_pd)])
@@ -108,6 +111,8 @@ class RealStack:
                 one.start()
             for one in stack.engines:
                 one.wait_healthy()
+            if otlp_traces_endpoint:  # as the plan's router.yaml (plan/router_config.py)
+                router_overrides.setdefault("tracing", {"otlp_traces_endpoint": otlp_traces_endpoint})
             stack.start_router(**router_overrides)
         except BaseException:
             stack.stop()

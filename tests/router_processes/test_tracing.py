@@ -13,17 +13,12 @@ import pytest
 
 from epd_kit.router.tracing import REQUEST_SPAN
 from epd_kit.testing.images import image_part, png_data_url, user_message
-from epd_kit.testing.otlp import OtlpReceiver, Span
+from epd_kit.testing.otlp import OtlpReceiver, new_traceparent
 
 from .harness import Stack, wait_until
 
 SERVER, CLIENT = 2, 3  # OTLP SpanKind
 ENGINE_ENV = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}  # as the kit's engine units
-
-
-def traceparent() -> tuple[str, str, str]:
-    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
-    return trace_id, span_id, f"00-{trace_id}-{span_id}-01"
 
 
 def ask(stack: Stack, header: str | None, stream: bool = False) -> None:
@@ -37,17 +32,6 @@ def ask(stack: Stack, header: str | None, stream: bool = False) -> None:
         assert list(answer)
     else:
         assert answer.choices[0].finish_reason
-
-
-def spans_of(receiver: OtlpReceiver, trace_id: str, names: list[str]) -> list[Span]:
-    """The trace's spans once all of `names` (with repeats) are in."""
-
-    def complete() -> bool:
-        got = [s.name for s in receiver.trace(trace_id)]
-        return all(got.count(n) >= names.count(n) for n in set(names))
-
-    wait_until(complete, 20, f"spans {names} of trace {trace_id} (got {receiver.trace(trace_id)})")
-    return receiver.trace(trace_id)
 
 
 @pytest.fixture
@@ -79,10 +63,10 @@ def traced_stack(ckpt, workdir, router_traced: bool) -> Iterator[tuple[Stack, Ot
 
 def test_router_spans_continue_the_client_trace_and_reach_the_engines(ckpt, tmp_path, fast_export):
     with traced_stack(ckpt, tmp_path, router_traced=True) as (stack, receiver):
-        trace_id, client_span, header = traceparent()
+        trace_id, client_span, header = new_traceparent()
         ask(stack, header)
         names = [REQUEST_SPAN, "receive", "render", "ve encode", "pd generate", "llm_request", "llm_request"]
-        spans = spans_of(receiver, trace_id, names)
+        spans = receiver.wait_for(trace_id, names)
         by_name = {s.name: s for s in spans}
         root = by_name[REQUEST_SPAN]
         # the client's trace goes on: the request span is the child of the client's span
@@ -112,7 +96,7 @@ def test_router_spans_continue_the_client_trace_and_reach_the_engines(ckpt, tmp_
         wait_until(lambda: any(s.name == "stream" for s in receiver.spans), 20, "the stream's span")
         roots = [s for s in receiver.spans if s.name == REQUEST_SPAN]
         assert len(roots) == 1 and roots[0].parent_id == ""
-        streamed = spans_of(receiver, roots[0].trace_id, ["stream", "pd generate", "llm_request", "llm_request"])
+        streamed = receiver.wait_for(roots[0].trace_id, ["stream", "pd generate", "llm_request", "llm_request"])
         assert {s.parent_id for s in streamed if s.name in ("stream", "pd generate")} == {roots[0].span_id}
 
         # a malformed traceparent is ignored (W3C: a new trace starts), never passed on
@@ -126,8 +110,8 @@ def test_router_spans_continue_the_client_trace_and_reach_the_engines(ckpt, tmp_
 def test_tracing_off_passes_the_client_traceparent_on(ckpt, tmp_path, fast_export):
     """The router exports nothing, yet the engines' spans join the client's trace."""
     with traced_stack(ckpt, tmp_path, router_traced=False) as (stack, receiver):
-        trace_id, client_span, header = traceparent()
+        trace_id, client_span, header = new_traceparent()
         ask(stack, header)
-        spans = spans_of(receiver, trace_id, ["llm_request", "llm_request"])
+        spans = receiver.wait_for(trace_id, ["llm_request", "llm_request"])
         assert {s.parent_id for s in spans} == {client_span}
         assert not [s for s in receiver.spans if s.service == "epd-router"]

@@ -6,7 +6,9 @@ collector: the kit deploys none of it."""
 from __future__ import annotations
 
 import gzip
+import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -75,6 +77,19 @@ class OtlpReceiver:
         with self._lock:
             return [s for s in self.spans if s.trace_id == trace_id]
 
+    def wait_for(self, trace_id: str, names: list[str], timeout: float = 20) -> list[Span]:
+        """The trace's spans once all of `names` (with repeats) are in; AssertionError, naming
+        what came, after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.trace(trace_id)
+            found = [s.name for s in got]
+            if all(found.count(name) >= names.count(name) for name in set(names)):
+                return got
+            if time.monotonic() > deadline:
+                raise AssertionError(f"after {timeout}s, trace {trace_id} has {sorted(found)}, not all of {names}")
+            time.sleep(0.05)
+
     def _take(self, body: bytes) -> bool:
         from google.protobuf.message import DecodeError
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -105,6 +120,12 @@ class OtlpReceiver:
             self.spans += spans
             self.posts += 1
         return True
+
+
+def new_traceparent() -> tuple[str, str, str]:
+    """A client's W3C trace context: (trace id, its span id, the `traceparent` header)."""
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    return trace_id, span_id, f"00-{trace_id}-{span_id}-01"
 
 
 def _attributes(pairs: Any) -> dict[str, Any]:

