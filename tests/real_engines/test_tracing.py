@@ -7,6 +7,8 @@ environment for that setting: `--otlp-traces-endpoint` and OTEL_EXPORTER_OTLP_TR
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 
@@ -14,11 +16,16 @@ from epd_kit.router.tracing import REQUEST_SPAN
 from epd_kit.testing.images import image_part, png_data_url, user_message
 from epd_kit.testing.otlp import OtlpReceiver, Span, new_traceparent
 from tests.router_processes.harness import wait_until
+from tests.vllm_dist import installed_vllm
 
 from .stack import RealStack
 
 SERVER, CLIENT = 2, 3  # OTLP SpanKind
 MAX_TOKENS = 5
+PD_MAX_MODEL_LEN = 512  # a prompt past it is the PD's 400
+# a VE request's generated tokens: 0.24's encoder-only runner emits its stand-in token, 0.29's
+# scheduler stops the request once encoded (docs/compat.md)
+VE_COMPLETION_TOKENS = {"0.24.0": 1, "0.29.0": 0}
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +33,13 @@ def traced(ckpt, plugin_site, tmp_path_factory):
     with pytest.MonkeyPatch.context() as env, OtlpReceiver() as receiver:
         # the SDK's batch delay (5 s by default), for the router and the engines, which inherit it
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
-        stack = RealStack.start(tmp_path_factory.mktemp("traced"), ckpt, plugin_site, otlp_traces_endpoint=receiver.url)
+        stack = RealStack.start(
+            tmp_path_factory.mktemp("traced"),
+            ckpt,
+            plugin_site,
+            pd_max_model_len=PD_MAX_MODEL_LEN,
+            otlp_traces_endpoint=receiver.url,
+        )
         try:
             yield stack, receiver
         finally:
@@ -87,6 +100,7 @@ def test_an_image_request_is_one_trace_through_router_ve_and_pd(traced):
     # token, under the PD's request id (docs/contract.md §2.2)
     assert 0 < ve_span.attributes["gen_ai.usage.prompt_tokens"] < usage.prompt_tokens
     assert ve_span.attributes["gen_ai.request.max_tokens"] == 1
+    assert ve_span.attributes["gen_ai.usage.completion_tokens"] == VE_COMPLETION_TOKENS[installed_vllm()[1]]
     assert ve_span.attributes["gen_ai.request.id"] == f"{engine_request_id}/enc/epd-ve-0"
 
 
@@ -118,6 +132,21 @@ def test_a_request_without_traceparent_starts_a_trace_the_engines_join(traced):
     spans = receiver.wait_for(root.trace_id, ["ve encode", "pd generate", "llm_request", "llm_request"], 60)
     engine_span_under(spans, one(spans, "ve encode"))
     engine_span_under(spans, one(spans, "pd generate"))
+
+
+def test_a_request_the_pd_refuses_has_the_ves_span_and_none_of_the_pd(traced):
+    """vLLM traces a request that ends in its engine: the PD's 400 for a prompt past its
+    --max-model-len comes before (the input processor), so that call has no engine span."""
+    stack, receiver = traced
+    trace_id, _, header = new_traceparent()
+    long_text = " ".join(f"word{i}" for i in range(PD_MAX_MODEL_LEN))
+    with pytest.raises(openai.BadRequestError):
+        ask(stack, image_part(png_data_url(64, 48, seed=15)), long_text, header=header)
+    spans = receiver.wait_for(trace_id, [REQUEST_SPAN, "ve encode", "pd generate", "llm_request"], 60)
+    assert one(spans, REQUEST_SPAN).attributes["http.response.status_code"] == 400
+    engine_span_under(spans, one(spans, "ve encode"))
+    time.sleep(1)  # ten of the engines' export intervals (OTEL_BSP_SCHEDULE_DELAY): a PD span would be in
+    assert not [s for s in receiver.trace(trace_id) if s.parent_id == one(spans, "pd generate").span_id]
 
 
 def test_requests_are_served_while_the_collector_is_down(traced):
