@@ -20,6 +20,7 @@ from .firewall import firewall_problems
 from .fleet import unreachable_engines
 from .hints import did_you_mean
 from .inventory import fleet_settings, plan_from_hostvars
+from .models import first_name_problems
 from .router_check import available as router_models_available
 from .rules import Fleet
 from .rules import run as run_rules
@@ -187,6 +188,9 @@ def check_inventory(
         problems += tls_problems(values, groups)  # the front door's certificate files (plan/tls.py)
         # the tenants file the router role renders, by the router's own rules (plan/tenants.py)
         problems += list(dict.fromkeys(p for host in routers for p in tenant_problems(values.get(host, {}))))
+        # the first model's served name (a further model's: models.py read_models)
+        served = {host: values.get(host, {}).get("epd_router_served_model_name") for host in routers}
+        problems += first_name_problems(served)
         if not router_models_available():
             warnings.append(
                 "the router's settings (epd_router_<section>, epd_router_extra_config) were checked by kind only: "

@@ -9,10 +9,11 @@ Values read from the live state at scrape time (per-engine gauges, the preproces
 counters) are copied into shared series by `publish()`, which each process runs every second.
 
 Several models (docs/router.md "Several models"): the series of a request's path carry a
-`model` label whose value is a served name from the config, or `_none` (`NO_MODEL`) for a
-request refused before its model was known (unreadable body, bad key, unknown model). The
-client's own `model` string never becomes a label value, so the series stay bounded by the
-config. The per-engine series carry their engine's model too (an engine serves one model).
+`model` label whose value is a served name from the config, or NO_MODEL (`_none`) for a
+request refused before its model was known (unreadable body, bad key, unknown model); no served
+name starts with "_" (plan/models.py RESERVED_PREFIX). The client's own `model` string never
+becomes a label value, so the series stay bounded by the config. The per-engine series carry
+their engine's model too (an engine serves one model).
 """
 
 from __future__ import annotations
@@ -28,12 +29,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from epd_kit.plan.models import NO_MODEL  # the one spelling: the planner and the config refuse it as a name
 from epd_kit.router.config import EngineState
 from epd_kit.router.pools import Engine, Pools
-
-# the `model` label of a request refused before its model was known (a served name never starts
-# with "_": config.py)
-NO_MODEL = "_none"
 
 _LATENCY_BUCKETS = (
     0.001,

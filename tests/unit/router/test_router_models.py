@@ -176,6 +176,22 @@ def test_the_config_names_what_is_wrong_with_its_models():
     assert parse_config(two_models()).lane_config("text").limits.images_per_prompt == 2
 
 
+@pytest.mark.parametrize(
+    ("doc", "key"),
+    [
+        (two_models(served_model_name=NO_MODEL), "served_model_name"),
+        (two_models(served_model_name=None, model="_vision"), "model (the served name without served_model_name)"),
+        (two_models(served_model_name=None, model=NO_MODEL), "model (the served name without served_model_name)"),
+    ],
+)
+def test_a_served_name_may_not_be_the_metrics_own_label_value(doc, key):
+    """NO_MODEL labels the requests refused before their model was known: a model served under
+    that name (or any name starting with '_', kept for such values) would be counted with them."""
+    name = doc["served_model_name"] or doc["model"]
+    with pytest.raises(ConfigError, match=re.escape(f"{key}: '{name}' starts with '_'")):
+        parse_config(doc)
+
+
 def model_labels(service) -> set[str]:
     """Every value of the `model` label on the router's /metrics page."""
     text = service.metrics.render().decode()
