@@ -188,9 +188,6 @@ def check_inventory(
         problems += tls_problems(values, groups)  # the front door's certificate files (plan/tls.py)
         # the tenants file the router role renders, by the router's own rules (plan/tenants.py)
         problems += list(dict.fromkeys(p for host in routers for p in tenant_problems(values.get(host, {}))))
-        # the first model's served name (a further model's: models.py read_models)
-        served = {host: values.get(host, {}).get("epd_router_served_model_name") for host in routers}
-        problems += first_name_problems(served)
         if not router_models_available():
             warnings.append(
                 "the router's settings (epd_router_<section>, epd_router_extra_config) were checked by kind only: "
@@ -216,6 +213,9 @@ def check_inventory(
         f"{problem}: set epd_bind_address of that engine host to its private address, or put the router on it"
         for problem in unreachable_engines(plan, routers)
     ]
+    # the first model's served name (a further model's: models.py read_models)
+    served = {host: values.get(host, {}).get("epd_router_served_model_name") for host in routers}
+    problems += first_name_problems(served, settings.models)
     problems += port_problems(plan, settings.router_port, hostvars, groups)
     problems += firewall_problems(plan, hostvars, groups)
     problems += rollout_problems(plan, values[routers[0]] if routers else {})

@@ -101,14 +101,23 @@ def reserved_name(name: str) -> str | None:
     )
 
 
-def first_name_problems(served: Mapping[str, Any]) -> list[str]:
+def first_name_problems(served: Mapping[str, Any], models: Sequence[ModelSpec]) -> list[str]:
     """The first model's served name on each router host (`served`: host -> its
-    epd_router_served_model_name, None when unset: epd_model, which cannot start with '_')."""
+    epd_router_served_model_name, None when unset: epd_model, which cannot start with '_' and
+    read_models holds against the further names) against the reserved names and `models`' names."""
     problems = []
     for host, name in served.items():
-        why = None if name is None else reserved_name(str(name))
+        if name is None:
+            continue
+        why = reserved_name(str(name))
         if why:
             problems.append(f"{host}: epd_router_served_model_name {why}; choose another name")
+        for index, spec in enumerate(models):
+            if spec.name == str(name):
+                problems.append(
+                    f"{host}: epd_router_served_model_name {spec.name!r} is also epd_models[{index}]'s name; names "
+                    "must differ (a request's model picks the model by it)"
+                )
     return problems
 
 
