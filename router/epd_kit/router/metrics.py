@@ -108,7 +108,7 @@ class _PoolCollector(Collector):
             yield family
 
 
-# {served name: its renderer's PreprocessStats (None: a renderer without them)}, read at scrape time
+# {served name: its renderer's PreprocessStats (cache_hits, cache_misses, ...)}, read at scrape time
 PreprocessStatsByModel = Callable[[], Mapping[str, Any]]
 
 
