@@ -9,6 +9,8 @@ import json
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -19,12 +21,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from epd_kit import plan as planner
 from epd_kit.testing.checkpoint import build_tiny_checkpoint
 from epd_kit.testing.images import image_part, png_data_url, user_message
+from epd_kit.testing.process import ManagedProcess, free_port
 from tests.ansible.helpers import REPO, inventory_hostvars, playbook
-from tests.router_processes.harness import Stack
+from tests.router_processes.harness import Stack, wait_until
 
 pytestmark = pytest.mark.ansible
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+PROMETHEUS_LIFETIME_S = 900
 DASHBOARD = REPO / "roles/epd_observability/files/epd-dashboard.json"
 RULE_TESTS = REPO / "observability/epd-alerts.test.yml"
 DOCS = REPO / "docs/observability.md"
@@ -189,13 +194,64 @@ def exported_names(text: str) -> set[str]:
     return names
 
 
-def dashboard_queries() -> list[tuple[str, str]]:
+def dashboard_variables() -> dict[str, tuple[str, str]]:
+    """{name: (selector, label)} of the dashboard's query variables: label_values(SELECTOR, LABEL)."""
     dashboard = json.loads(DASHBOARD.read_text())
-    queries = [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p["targets"]]
-    variables = [v for v in dashboard["templating"]["list"] if "definition" in v]
-    # label_values(SELECTOR, LABEL): the selector is the query
-    queries += [(v["name"], re.sub(r"^label_values\((.*),\s*\w+\)$", r"\1", v["definition"])) for v in variables]
-    return queries
+    out = {}
+    for v in dashboard["templating"]["list"]:
+        if "definition" in v:
+            match = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", v["definition"])
+            assert match, f"variable {v['name']}: {v['definition']} is not label_values(SELECTOR, LABEL)"
+            assert v.get("allValue") == ".*", f"variable {v['name']}: All must be .* (every value, none left out)"
+            out[v["name"]] = (match[1], match[2])
+    return out
+
+
+def panel_queries() -> list[tuple[str, str]]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p["targets"]]
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """Every panel's query, and each variable's selector (the query of its values)."""
+    return panel_queries() + [(name, selector) for name, (selector, _) in dashboard_variables().items()]
+
+
+# what Grafana puts in for its own variables
+GRAFANA_VARIABLES = {"__rate_interval": "1m", "__interval": "15s", "__range": "1h"}
+
+
+def expand(expr: str, values: dict[str, str]) -> str:
+    """`expr` as Grafana sends it: each $name / ${name} replaced by `values[name]` (a dashboard
+    variable's value) or Grafana's own; a variable the dashboard does not define fails."""
+
+    def value(match: re.Match) -> str:
+        name = match[1] or match[2]
+        if name in values:
+            return values[name]
+        assert name in GRAFANA_VARIABLES, f"{expr} uses ${name}, which the dashboard does not define"
+        return GRAFANA_VARIABLES[name]
+
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", value, expr)
+
+
+def regex_value(value: str) -> str:
+    """One selected value in a `=~"..."` matcher, as Grafana's Prometheus source escapes it."""
+    return re.sub(r"([\\^$.|?*+()\[\]{}])", r"\\\\\1", value)
+
+
+def at_all() -> dict[str, str]:
+    return dict.fromkeys(dashboard_variables(), ".*")
+
+
+def test_every_dashboard_variable_is_defined():
+    """Each $variable of a panel or a variable's query is the dashboard's or Grafana's own; the
+    check refuses an unknown one."""
+    for title, expr in dashboard_queries():
+        assert "$" not in expand(expr, at_all()), title
+    with pytest.raises(AssertionError, match=r"uses \$tenant, which the dashboard does not define"):
+        expand('sum(rate(epd_router_requests_total{tenant=~"$tenant"}[$__rate_interval]))', at_all())
+    assert {"host", "engine", "model"} <= set(dashboard_variables())
 
 
 def test_metric_name_extraction():
@@ -205,9 +261,78 @@ def test_metric_name_extraction():
     assert metric_names('a_total / on (x) b{le="5.0"} > 0.1 and vllm:c[5m] offset 1h') == {"a_total", "b", "vllm:c"}
 
 
+class Prometheus:
+    """The real Prometheus server (Debian's, installed by scripts/bootstrap.sh) on 127.0.0.1,
+    scraping the stack every second with the labels the kit's targets carry."""
+
+    def __init__(self, stack: Stack, directory: Path) -> None:
+        def target(url: str, role: str, engine_id: str, instance: str) -> dict:
+            labels = {"host": "n1", "role": role, "engine_id": engine_id, "instance": instance}
+            return {"targets": [url.removeprefix("http://")], "labels": labels}
+
+        engines = [target(e.url, e.role, e.engine_id, e.engine_id.removeprefix("epd-")) for e in stack.ves + stack.pds]
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [
+                # as the kit's prometheus.yml: the router's per-engine series keep their engine's role
+                {
+                    "job_name": "epd-router",
+                    "honor_labels": True,
+                    "static_configs": [target(stack.router.url, "router", "", "router")],
+                },
+                {"job_name": "epd-engines", "static_configs": engines},
+            ],
+        }
+        (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        argv = [
+            # bounded: it outlives no test run, even one killed before its teardown
+            "timeout",
+            str(PROMETHEUS_LIFETIME_S),
+            PROMETHEUS,
+            f"--config.file={directory / 'prometheus.yml'}",
+            f"--storage.tsdb.path={directory / 'tsdb'}",
+        ]
+        argv += [f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"]
+        self.process = ManagedProcess(argv, directory / "prometheus.log")
+        try:
+            wait_until(lambda: self.answers("vector(1)"), 30, "prometheus to answer", interval=0.25)
+            # every target up, and scraped often enough for a rate over the panels' range
+            scraped = f"count((count_over_time(up[1m]) >= 3) and (up == 1)) == {1 + len(engines)}"
+            wait_until(lambda: self.answers(scraped), 30, "every target up and scraped 3 times", interval=0.25)
+        except BaseException:
+            self.stop()
+            raise
+
+    def answers(self, promql: str) -> bool:
+        try:
+            return bool(self.query(promql))
+        except (httpx.HTTPError, AssertionError):
+            return False
+
+    def query(self, promql: str) -> list[dict]:
+        """The instant query's result; a query Prometheus refuses fails naming it."""
+        reply = httpx.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=5, trust_env=False)
+        assert reply.status_code == 200, f"{promql}: {reply.text}"
+        return reply.json()["data"]["result"]
+
+    def stop(self) -> None:
+        self.process.stop(20)
+
+
+@dataclass
+class Scraped:
+    names: set[str]  # every series name the router's and the engines' /metrics carry
+    prometheus: Prometheus
+    model: str  # the router's one model's served name
+
+
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> set[str]:
-    """Names on the /metrics pages of a running router, one VE and one PD (after one image request)."""
+def scraped(tmp_path_factory) -> Iterator[Scraped]:
+    """A running router, one VE and one PD (after one image request), and Prometheus scraping them."""
+    if not Path(PROMETHEUS).exists():
+        pytest.fail("no prometheus binary: scripts/bootstrap.sh installs Debian's prometheus package", pytrace=False)
     tmp = tmp_path_factory.mktemp("scrape")
     stack = Stack.start(build_tiny_checkpoint(tmp / "tiny-qwen3-vl"), tmp, n_ve=1, n_pd=1)
     try:
@@ -218,9 +343,18 @@ def exported(tmp_path_factory) -> set[str]:
         names: set[str] = set()
         for url in [stack.router.url, *(e.url for e in stack.ves + stack.pds)]:
             names |= exported_names(httpx.get(url + "/metrics", timeout=5, trust_env=False).text)
-        return names
+        prometheus = Prometheus(stack, tmp)
+        try:
+            yield Scraped(names, prometheus, str(stack.ckpt))
+        finally:
+            prometheus.stop()
     finally:
         stack.stop()
+
+
+@pytest.fixture(scope="module")
+def exported(scraped) -> set[str]:
+    return scraped.names
 
 
 def test_every_dashboard_query_names_exported_metrics(exported):
@@ -233,12 +367,44 @@ def test_every_dashboard_query_names_exported_metrics(exported):
         assert not missing, f"panel {title!r} queries {sorted(missing)}, which neither router nor engines export"
 
 
+def test_every_dashboard_query_runs_and_keeps_its_data_for_each_value_a_variable_offers(scraped):
+    """Every panel's query on the real Prometheus with the variables at All (`.*`), then with each
+    variable set to one value its own query offers: a panel that shows data at All must show it for
+    some value of each variable, so a filter on a label its series lack (`model` on an engine's
+    vllm:* series) fails here. Queries without data at All count nothing that happened here
+    (retries, rejections, failures)."""
+    prometheus = scraped.prometheus
+    everything = at_all()
+    offered = {}
+    for name, (selector, label) in dashboard_variables().items():
+        values = [
+            r["metric"].get(label, "") for r in prometheus.query(f"group by ({label}) ({expand(selector, everything)})")
+        ]
+        assert values, f"variable {name} offers no value: {selector}"
+        offered[name] = values
+    assert offered["model"] == [scraped.model]  # the one model's served name (here its checkpoint)
+    with_data = []
+    for title, expr in panel_queries():
+        if not prometheus.query(expand(expr, everything)):
+            continue
+        with_data.append(title)
+        for name, values in offered.items():
+            assert any(prometheus.query(expand(expr, {**everything, name: regex_value(value)})) for value in values), (
+                f"panel {title!r} shows nothing for any {name} the dashboard offers ({values}): {expr}"
+            )
+    # 24 of 31 here: all but the error ratio, rejections, quarantines, engine failures (two),
+    # retries and reloads, which count events this run has none of
+    assert len(with_data) >= 24, with_data
+
+
 def test_dashboard_structure():
     dashboard = json.loads(DASHBOARD.read_text())
-    assert {v["name"] for v in dashboard["templating"]["list"]} >= {"host", "engine"}
+    assert {v["name"] for v in dashboard["templating"]["list"]} >= {"host", "engine", "model"}
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     for panel in dashboard["panels"]:
         assert panel["title"] and panel["description"] and panel["targets"], panel.get("title")
         assert {"x", "y", "w", "h"} <= set(panel["gridPos"])
-        assert f"| {panel['title']} |" in DOCS.read_text(), f"panel {panel['title']!r} missing from docs"
+        # docs/observability.md "Dashboard": the panel's row with its queries as they are
+        queries = "<br>".join(f"`{t['expr']}`".replace("|", "\\|") for t in panel["targets"])
+        assert f"| {panel['title']} | {queries} |" in DOCS.read_text(), f"panel {panel['title']!r}: docs differ"

@@ -185,6 +185,8 @@ def test_operations_endpoints(stack):
     model = ("model", str(stack.ckpt))
     assert ("epd_router_engine_inflight", (("engine", "epd-pd-0"), model, ("role", "pd"))) in samples
     assert samples[("epd_router_engine_healthy", (("engine", "epd-ve-2"), model, ("role", "ve")))] == 1.0
+    # and so do the preprocess cache counters (each model's renderer has its own cache)
+    assert ("epd_router_preprocess_cache_misses_total", (model,)) in samples
     out = subprocess.run(
         [str(Path(sys.executable).parent / "epd-router"), "status", "--url", url],
         check=False,

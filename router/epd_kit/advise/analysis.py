@@ -214,16 +214,14 @@ def analyse(
     *,
     model: str | None = None,
     engine_match: dict[str, str] | None = None,
-    caches: bool = True,
 ) -> Analysis:
     """The window's figures. pd_slots: epd_max_num_seqs; pd_max_inflight: the router's
     placement.pd_max_inflight; engines: active engines per pool (default: what the router saw).
 
     Several models: `model` is the served name whose series (the router's `model` label) and
     engines are read, the rest left out; `engine_match` selects that model's series among the
-    engines' own (vLLM's `model_name`, the checkpoint; None: they cannot be told apart, left out);
-    `caches`: whether the router's preprocess-cache counters (its first model's renderer's,
-    unlabelled) are this model's. None and the defaults: every series, as one model."""
+    engines' own (vLLM's `model_name`, the checkpoint; None: they cannot be told apart, left out).
+    None and the defaults: every series, as one model."""
     match = {} if model is None else {"model": model}
     seen = window.engines(model)
     active = engines or {role: sum(1 for e in seen if e.role == role and e.active) for role in ROLES}
@@ -244,11 +242,8 @@ def analyse(
     missing = [role.upper() for role in ROLES if active[role] == 0]
     if missing:
         notes.append(f"no active {' or '.join(missing)} engine at the second scrape")
-    hits, misses = (
-        (window.counter(f"{R}preprocess_cache_hits_total"), window.counter(f"{R}preprocess_cache_misses_total"))
-        if caches
-        else (0.0, 0.0)
-    )
+    hits = window.counter(f"{R}preprocess_cache_hits_total", **match)
+    misses = window.counter(f"{R}preprocess_cache_misses_total", **match)
     items, dedupe = window.counter(f"{R}encode_items_total", **match), window.counter(f"{R}dedupe_items_total", **match)
     return Analysis(
         seconds=window.seconds,

@@ -173,7 +173,6 @@ def _advise(advisor, advisors, window, pd_max_inflight: int, min_requests: int, 
         min_requests,
         model=advisor.name,
         engine_match=None if checkpoints.count(advisor.checkpoint) > 1 else {"model_name": advisor.checkpoint},
-        caches=advisor is advisors[0],
     )
     return analysis, advisor.recommend(analysis, target_busy)
 

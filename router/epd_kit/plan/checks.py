@@ -20,6 +20,7 @@ from .firewall import firewall_problems
 from .fleet import unreachable_engines
 from .hints import did_you_mean
 from .inventory import fleet_settings, plan_from_hostvars
+from .models import first_name_problems
 from .router_check import available as router_models_available
 from .rules import Fleet
 from .rules import run as run_rules
@@ -212,6 +213,9 @@ def check_inventory(
         f"{problem}: set epd_bind_address of that engine host to its private address, or put the router on it"
         for problem in unreachable_engines(plan, routers)
     ]
+    # the first model's served name (a further model's: models.py read_models)
+    served = {host: values.get(host, {}).get("epd_router_served_model_name") for host in routers}
+    problems += first_name_problems(served, settings.models)
     problems += port_problems(plan, settings.router_port, hostvars, groups)
     problems += firewall_problems(plan, hostvars, groups)
     problems += rollout_problems(plan, values[routers[0]] if routers else {})

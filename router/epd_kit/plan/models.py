@@ -4,7 +4,8 @@ The fleet's first model is today's: epd_model with each host's epd_num_ve / epd_
 fleet-wide settings. `epd_models` lists the models served beside it, one mapping each:
 
     name            the served name (the request's `model`), and part of its engines' ids and
-                    unit names (epd-engine@<name>-pd-0): letters, digits, '.', '_', '-'
+                    unit names (epd-engine@<name>-pd-0): letters, digits, '.', '_', '-', not
+                    starting with '_' (RESERVED_PREFIX)
     model           its checkpoint (as epd_model)
     text_only       true: PD alone, no VE (images refused with the router's 400)
     num_ve, num_pd  engines per engine host it runs on
@@ -32,6 +33,12 @@ from .values import ID_PART, as_int, as_str, describe, plain
 # a further model's default port bases: the fleet's + this per position (a host's 64 cores
 # hold at most 64 engines of one role, and a VE's side-channel ports stride by its TP)
 PORT_STRIDE = 64
+# The router metrics' own values of their `model` label start with RESERVED_PREFIX, so no served
+# name may (the first model's epd_router_served_model_name included): NO_MODEL is the label of a
+# request refused before its model was known (epd_kit/router/metrics.py, docs/observability.md
+# "The model label"); the prefix keeps room for more such values without another rule.
+RESERVED_PREFIX = "_"
+NO_MODEL = f"{RESERVED_PREFIX}none"
 SETTING_KEYS = (
     "ve_tp",
     "ve_dp",
@@ -84,6 +91,36 @@ class ModelSpec:
         return out
 
 
+def reserved_name(name: str) -> str | None:
+    """Why `name` cannot be a served name, or None when it can."""
+    if not name.startswith(RESERVED_PREFIX):
+        return None
+    return (
+        f"{name!r} starts with {RESERVED_PREFIX!r}: the router's metrics keep such names for their own "
+        f"values of the model label ({NO_MODEL}: a request refused before its model was known)"
+    )
+
+
+def first_name_problems(served: Mapping[str, Any], models: Sequence[ModelSpec]) -> list[str]:
+    """The first model's served name on each router host (`served`: host -> its
+    epd_router_served_model_name, None when unset: epd_model, which cannot start with '_' and
+    read_models holds against the further names) against the reserved names and `models`' names."""
+    problems = []
+    for host, name in served.items():
+        if name is None:
+            continue
+        why = reserved_name(str(name))
+        if why:
+            problems.append(f"{host}: epd_router_served_model_name {why}; choose another name")
+        for index, spec in enumerate(models):
+            if spec.name == str(name):
+                problems.append(
+                    f"{host}: epd_router_served_model_name {spec.name!r} is also epd_models[{index}]'s name; names "
+                    "must differ (a request's model picks the model by it)"
+                )
+    return problems
+
+
 def read_models(variables: Mapping[str, Any], fleet: Any, read_settings: Any) -> tuple[ModelSpec, ...]:
     """epd_models, validated; `read_settings` reads each model's settings from the fleet's
     variables with the entry's own values put over them (passed in: settings.py calls this)."""
@@ -99,6 +136,9 @@ def read_models(variables: Mapping[str, Any], fleet: Any, read_settings: Any) ->
         if not isinstance(entry, Mapping):
             raise EpdPlanError(f"{where} must be a mapping with name, model, num_ve/num_pd, got {describe(entry)}")
         name = as_str(f"{where}.name", entry.get("name", "")).strip()
+        why = reserved_name(name)
+        if why:
+            raise EpdPlanError(f"{where}.name {why}; choose another name")
         if not ID_PART.fullmatch(name):
             raise EpdPlanError(
                 f"{where}.name {name!r} must be letters, digits, '.', '_' or '-' (it is the served model name "

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from epd_kit.plan.models import reserved_name
 from epd_kit.plan.variables import ROUTER_PORT
 from epd_kit.preprocess.model_files import ENGINE_DTYPES
 from epd_kit.preprocess.settings import Limits, Media, Section
@@ -286,6 +287,10 @@ class RouterConfig(Section):
 
     @model_validator(mode="after")
     def _models(self) -> RouterConfig:
+        why = reserved_name(self.model_name)
+        if why:
+            key = "served_model_name" if self.served_model_name else "model (the served name without served_model_name)"
+            raise ValueError(f"{key}: {why}; choose another name")
         names = [self.model_name]
         for index, entry in enumerate(self.models):
             if entry.name in names:

@@ -5,21 +5,22 @@ through prometheus_client's multiprocess mode: with `PROMETHEUS_MULTIPROC_DIR` s
 sets it), every counter and histogram lives in memory-mapped files there and any process's
 /metrics sums them all. The files are keyed by the worker's name (`use_worker_files`), not by
 PID, so a restarted worker continues its own counters instead of leaving a dead file behind.
-Values read from the live state at scrape time (per-engine gauges, the preprocessor's cache
-counters) are copied into shared series by `publish()`, which each process runs every second.
+Values read from the live state at scrape time (per-engine gauges, each model's preprocessor's
+cache counters) are copied into shared series by `publish()`, which each process runs every second.
 
 Several models (docs/router.md "Several models"): the series of a request's path carry a
-`model` label whose value is a served name from the config, or `_none` (`NO_MODEL`) for a
-request refused before its model was known (unreadable body, bad key, unknown model). The
-client's own `model` string never becomes a label value, so the series stay bounded by the
-config. The per-engine series carry their engine's model too (an engine serves one model).
+`model` label whose value is a served name from the config, or NO_MODEL (`_none`) for a
+request refused before its model was known (unreadable body, bad key, unknown model); no served
+name starts with "_" (plan/models.py RESERVED_PREFIX). The client's own `model` string never
+becomes a label value, so the series stay bounded by the config. The per-engine series carry
+their engine's model too (an engine serves one model).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,12 +29,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from epd_kit.plan.models import NO_MODEL  # the one spelling: the planner and the config refuse it as a name
 from epd_kit.router.config import EngineState
 from epd_kit.router.pools import Engine, Pools
-
-# the `model` label of a request refused before its model was known (a served name never starts
-# with "_": config.py)
-NO_MODEL = "_none"
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -110,20 +108,26 @@ class _PoolCollector(Collector):
             yield family
 
 
-class _PreprocessCollector(Collector):
-    """The preprocessor's own cache counters, read at scrape time (one source of truth)."""
+# {served name: its renderer's PreprocessStats (cache_hits, cache_misses, ...)}, read at scrape time
+PreprocessStatsByModel = Callable[[], Mapping[str, Any]]
 
-    def __init__(self, stats: Callable[[], Any]) -> None:
+
+class _PreprocessCollector(Collector):
+    """Each model's preprocessor's own cache counters, read at scrape time (one source of truth)."""
+
+    def __init__(self, stats: PreprocessStatsByModel) -> None:
         self._stats = stats
 
     def collect(self):
-        stats = self._stats()
-        if stats is None:
-            return
+        by_model = self._stats()
         for name, attr, doc in _PREPROCESS_COUNTERS:
-            value = getattr(stats, attr, None)
-            if isinstance(value, int):
-                yield CounterMetricFamily(name, doc, value=value)
+            family = CounterMetricFamily(name, doc, labels=["model"])
+            for model, stats in by_model.items():
+                value = getattr(stats, attr, None)
+                if isinstance(value, int):
+                    family.add_metric([model], value)
+            if family.samples:
+                yield family
 
 
 _PREPROCESS_COUNTERS = (
@@ -163,7 +167,7 @@ class _SharedLiveValues:
     combined (healthy: every process sees it so; draining, active: any process has it so),
     cache counters as increments since the last publish."""
 
-    def __init__(self, pools: Callable[[], Pools], preprocess_stats: Callable[[], Any], registry) -> None:
+    def __init__(self, pools: Callable[[], Pools], preprocess_stats: PreprocessStatsByModel, registry) -> None:
         self._pools = pools
         self._stats = preprocess_stats
         self._engine_gauges = [
@@ -173,19 +177,21 @@ class _SharedLiveValues:
             )
             for g in _ENGINE_GAUGES
         ]
-        self._counters = {attr: Counter(name, doc, registry=registry) for name, attr, doc in _PREPROCESS_COUNTERS}
-        self._published: dict[str, int] = {}
+        self._counters = {
+            attr: Counter(name, doc, ["model"], registry=registry) for name, attr, doc in _PREPROCESS_COUNTERS
+        }
+        self._published: dict[tuple[str, str], int] = {}
 
     def publish(self) -> None:
         for e in self._pools().all():
             for gauge, value in self._engine_gauges:
                 gauge.labels(e.id, e.role, e.model).set(value(e))
-        stats = self._stats()
-        for attr, counter in self._counters.items():
-            value = getattr(stats, attr, None)
-            if isinstance(value, int):
-                counter.inc(max(0, value - self._published.get(attr, 0)))
-                self._published[attr] = value
+        for model, stats in self._stats().items():
+            for attr, counter in self._counters.items():
+                value = getattr(stats, attr, None)
+                if isinstance(value, int):
+                    counter.labels(model).inc(max(0, value - self._published.get((model, attr), 0)))
+                    self._published[(model, attr)] = value
 
 
 @dataclass(frozen=True)
@@ -204,7 +210,9 @@ def _group_state(active_somewhere: bool, draining_somewhere: bool) -> str:
 
 
 class RouterMetrics:
-    def __init__(self, pools: Callable[[], Pools], preprocess_stats: Callable[[], Any] = lambda: None) -> None:
+    def __init__(self, pools: Callable[[], Pools], preprocess_stats: PreprocessStatsByModel = dict) -> None:
+        """`preprocess_stats`: each model's renderer's cache counters, by served name (the
+        `model` label of the epd_router_preprocess_* counters)."""
         self.registry = CollectorRegistry()
         self.shared_dir = shared_metrics_dir()
         r = self.registry

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from epd_kit.router.admin import AdminGate, load_admin_tokens
 from epd_kit.router.admission import PdAdmission
@@ -45,6 +46,16 @@ log = logging.getLogger("epd_router.service")
 RESTART_ONLY = ("model", "served_model_name", "quantization", "listen", "limits", "media", "tracing", "models")
 
 
+def preprocess_stats(lanes: Mapping[str, Lane]) -> dict[str, Any]:
+    """Each model's renderer's cache counters by its served name (the metrics' `model` label). A
+    renderer several lanes share (one given for every model, as in tests) is one cache: it counts
+    under the first of them."""
+    by_renderer: dict[int, tuple[str, Any]] = {}
+    for name, lane in lanes.items():
+        by_renderer.setdefault(id(lane.renderer), (name, getattr(lane.renderer, "stats", None)))
+    return {name: stats for name, stats in by_renderer.values() if stats is not None}
+
+
 class RouterService:
     def __init__(
         self,
@@ -63,7 +74,7 @@ class RouterService:
         self.state = RouterState(cfg, build_pools(cfg)[0])
         self.lanes: dict[str, Lane] = {}
         self.metrics = RouterMetrics(
-            lambda: combined_pools(lambda: list(self.lanes.values())), lambda: getattr(renderer, "stats", None)
+            lambda: combined_pools(lambda: list(self.lanes.values())), lambda: preprocess_stats(self.lanes)
         )
         self.auth, tenant_keys = load_client_keys(cfg.auth.api_keys_file, cfg.auth.tenants_file)
         self.tenants = Tenants(TenantMetrics(self.metrics.registry), self.metrics.shared_dir, worker)

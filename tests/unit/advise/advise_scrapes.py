@@ -31,6 +31,7 @@ class Load:
     seconds: float = 120.0
     warmup_s: float = 20.0
     seed: int = 7
+    cache_hit_share: float = 0.0  # of the image requests, those whose image the preprocess cache held
 
 
 class _Servers:
@@ -99,7 +100,9 @@ def write_scrapes(load: Load, directory: Path, first: str = MODEL, **more: Load)
     epd-<name>-pd-0 ...), on one router's metrics. The window is `load`'s."""
     models = {first: ("", load), **{name: (f"{name}-", extra) for name, extra in more.items()}}
     engines = [e for name, (prefix, m) in models.items() for e in _engines(m, name, prefix)]
-    metrics = RouterMetrics(lambda: SimpleNamespace(all=lambda: engines))
+    # each model's renderer's cache counters (the preprocessor's PreprocessStats fields read)
+    caches = {name: SimpleNamespace(cache_hits=0, cache_misses=0, owed=0.0) for name in models}
+    metrics = RouterMetrics(lambda: SimpleNamespace(all=lambda: engines), lambda: caches)
     requests = sorted(
         ((r, name) for name, (_, m) in models.items() for r in _simulate(m)), key=lambda item: item[0].arrival
     )
@@ -112,6 +115,13 @@ def write_scrapes(load: Load, directory: Path, first: str = MODEL, **more: Load)
         if request.encode_s is not None:
             series.encode.observe(request.encode_s)
             series.items.inc()
+            cache = caches[name]
+            cache.owed += models[name][1].cache_hit_share
+            if cache.owed >= 1:
+                cache.owed -= 1
+                cache.cache_hits += 1
+            else:
+                cache.cache_misses += 1
         series.pd.observe(request.pd_s)
         series.ttft.observe(request.ttft_s)
         series.latency.observe(request.latency_s)

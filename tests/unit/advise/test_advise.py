@@ -25,9 +25,10 @@ def advise(tmp_path, load: Load, hosts: dict[str, tuple[int, int]], *extra: str,
 
 def test_image_heavy_with_too_few_ves_recommends_more_ves(tmp_path):
     # 2 VEs encode 18 image requests/s of 0.09 s each (81% busy); 7 PDs x 8 slots are 36% busy
-    load = Load(rate=20, image_share=0.9, ve_service_s=0.09, pd_service_s=1.0, num_ve=2, num_pd=7)
+    load = Load(rate=20, image_share=0.9, ve_service_s=0.09, pd_service_s=1.0, num_ve=2, num_pd=7, cache_hit_share=0.25)
     doc, text = advise(tmp_path, load, {"n1": (2, 7)})
     assert doc["bottleneck"] == "ve"
+    assert "caches: router preprocess cache hit 25%; in-request duplicates 0%" in text  # the one model's
     assert doc["pools"]["ve"]["busy"] == pytest.approx(0.81, abs=0.08)
     assert doc["pools"]["ve"]["service_s"] == pytest.approx(0.09, rel=0.15)
     assert doc["pools"]["ve"]["queueing_s"] > 0.05

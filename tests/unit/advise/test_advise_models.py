@@ -98,3 +98,24 @@ def test_scrapes_without_the_model_label_are_refused_for_several_models(tmp_path
     args = ["advise", "--before", str(before), "--after", str(after), "--window", "120", "--inventory", str(inventory)]
     out = CliRunner().invoke(main, args)
     assert out.exit_code == 2 and "carry no `model` label" in out.output
+
+
+def test_each_models_preprocess_cache_is_its_own(tmp_path):
+    """The router's preprocess cache counters carry the model (each model's renderer has its
+    own cache): each section shows its own model's hit ratio, the text model's none."""
+    vision = Load(
+        rate=10, image_share=0.9, ve_service_s=0.05, pd_service_s=0.3, num_ve=1, num_pd=2, cache_hit_share=0.25
+    )
+    second = Load(
+        rate=5, image_share=1.0, ve_service_s=0.05, pd_service_s=0.3, num_ve=1, num_pd=1, seed=5, cache_hit_share=0.75
+    )
+    before, after = write_scrapes(vision, tmp_path / "scrapes", "vision", second=second, text=TEXT_LOAD)
+    further = [{"name": "second", "model": "/models/tiny-second", "num_ve": 1, "num_pd": 1}, TEXT]
+    inventory = write_inventory(
+        tmp_path / "inv.json", {"n1": (1, 2)}, epd_models=further, epd_router_served_model_name="vision"
+    )
+    _, text = run_advise(before, after, vision.seconds, inventory)
+    sections = dict(section.split(" ===", 1) for section in text.split("=== model ")[1:])
+    assert "router preprocess cache hit 25%" in sections["vision"]
+    assert "router preprocess cache hit 75%" in sections["second"]
+    assert "router preprocess cache hit -" in sections["text"]

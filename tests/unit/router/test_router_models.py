@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -14,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epd_kit.router.app import create_app
 from epd_kit.router.config import ConfigError, parse_config
-from epd_kit.router.metrics import NO_MODEL
+from epd_kit.router.metrics import NO_MODEL, _SharedLiveValues
+from epd_kit.router.service import RouterService
 from tests.unit.router import scripted_engines
 
 engine_calls: list[str] = []  # the logical URL of each engine that got a generate call
@@ -176,6 +179,22 @@ def test_the_config_names_what_is_wrong_with_its_models():
     assert parse_config(two_models()).lane_config("text").limits.images_per_prompt == 2
 
 
+@pytest.mark.parametrize(
+    ("doc", "key"),
+    [
+        (two_models(served_model_name=NO_MODEL), "served_model_name"),
+        (two_models(served_model_name=None, model="_vision"), "model (the served name without served_model_name)"),
+        (two_models(served_model_name=None, model=NO_MODEL), "model (the served name without served_model_name)"),
+    ],
+)
+def test_a_served_name_may_not_be_the_metrics_own_label_value(doc, key):
+    """NO_MODEL labels the requests refused before their model was known: a model served under
+    that name (or any name starting with '_', kept for such values) would be counted with them."""
+    name = doc["served_model_name"] or doc["model"]
+    with pytest.raises(ConfigError, match=re.escape(f"{key}: '{name}' starts with '_'")):
+        parse_config(doc)
+
+
 def model_labels(service) -> set[str]:
     """Every value of the `model` label on the router's /metrics page."""
     text = service.metrics.render().decode()
@@ -230,3 +249,60 @@ async def test_one_model_routes_any_model_name_as_before(config, char_renderer):
             assert model_labels(service) == {"/m"}
             assert "model" not in (await client.get("/pools")).json()["engines"][0]
         await service.stop()
+
+
+def cache_stats(hits: int, misses: int) -> SimpleNamespace:
+    return SimpleNamespace(cache_hits=hits, cache_misses=misses, inflight_joins=0, images_downscaled=0)
+
+
+def cache_samples(text: str) -> Counter:
+    """{(name, model): value} of the preprocess cache counters on a /metrics page."""
+    return Counter(
+        {
+            (s.name, s.labels.get("model")): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name.startswith("epd_router_preprocess_cache_") and s.name.endswith("_total")
+        }
+    )
+
+
+def test_each_models_preprocess_cache_counts_under_its_name(char_renderer):
+    """Each lane has its own renderer (its checkpoint's preprocessor and cache): its cache
+    counters carry its served name, not the first model's renderer's for the whole router."""
+    vision, text = char_renderer(), char_renderer()
+    vision.stats, text.stats = cache_stats(3, 1), cache_stats(5, 7)
+    service = RouterService(parse_config(two_models()), vision, lane_renderer=lambda cfg: text)
+    assert cache_samples(service.metrics.render().decode()) == {
+        ("epd_router_preprocess_cache_hits_total", "vision"): 3,
+        ("epd_router_preprocess_cache_misses_total", "vision"): 1,
+        ("epd_router_preprocess_cache_hits_total", "text"): 5,
+        ("epd_router_preprocess_cache_misses_total", "text"): 7,
+    }
+    # one renderer for every lane (as tests give it) is one cache: counted once, under the first
+    shared = char_renderer()
+    shared.stats = cache_stats(2, 2)
+    service = RouterService(parse_config(two_models()), shared)
+    assert cache_samples(service.metrics.render().decode()) == {
+        ("epd_router_preprocess_cache_hits_total", "vision"): 2,
+        ("epd_router_preprocess_cache_misses_total", "vision"): 2,
+    }
+
+
+def test_shared_preprocess_counters_publish_each_models_increments():
+    """Several router processes (multiprocess mode): each publishes its models' cache counters as
+    increments since its last publish, per model."""
+    from prometheus_client import CollectorRegistry
+
+    stats = {"vision": cache_stats(3, 1), "text": cache_stats(0, 4)}
+    registry = CollectorRegistry()
+    live = _SharedLiveValues(lambda: SimpleNamespace(all=list), lambda: stats, registry)
+    live.publish()
+    stats["vision"] = cache_stats(10, 1)
+    live.publish()
+    live.publish()
+    value = registry.get_sample_value
+    assert value("epd_router_preprocess_cache_hits_total", {"model": "vision"}) == 10
+    assert value("epd_router_preprocess_cache_misses_total", {"model": "vision"}) == 1
+    assert value("epd_router_preprocess_cache_misses_total", {"model": "text"}) == 4
+    assert value("epd_router_preprocess_cache_hits_total", {"model": "text"}) == 0
