@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import secrets
 import shutil
 import subprocess
 import time
@@ -45,7 +44,7 @@ import pytest
 import yaml
 
 from epd_kit.router.tracing import REQUEST_SPAN
-from epd_kit.testing.otlp import OtlpReceiver, Span
+from epd_kit.testing.otlp import CLIENT, SERVER, OtlpReceiver, Span, client_traceparent
 from epd_kit.testing.process import free_port
 from tests.e2e.conftest import deploy_stack
 from tests.e2e.stack import LoadGenerator, Stack, image_data_url, image_message, is_healthy, wait_for
@@ -74,10 +73,9 @@ ENGINES = {
 }
 RED, BLUE = (200, 30, 30), (30, 30, 200)
 # traces: the SDK's batch delay of the router's and the engines' exporters (5 s by default), the
-# engines' service name (vLLM leaves it unknown_service), OTLP's span kinds
+# engines' service name (vLLM leaves it unknown_service)
 EXPORT_DELAY_MS = "100"
 ENGINE_SERVICE = "epd-sandbox-engine"
-SERVER, CLIENT = 2, 3
 TRACES_FILE = "group_vars/all/traces.yml"  # epd_otlp_traces_endpoint alone: removing it turns traces off
 # everything the kit writes on a host (teardown must remove all of it; --check must touch none)
 KIT_FILES = (
@@ -278,12 +276,6 @@ def running_command(host: TestHost, unit: str) -> tuple[list[str], dict[str, str
     return argv, dict(line.partition("=")[::2] for line in environ)
 
 
-def traceparent() -> tuple[str, str, str]:
-    """A client's W3C traceparent (sampled): its trace id, its span id, the header."""
-    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
-    return trace_id, span_id, f"00-{trace_id}-{span_id}-01"
-
-
 def test_a_traced_request_exports_the_routers_and_each_engines_spans(one_host_stack, otlp):
     """epd_otlp_traces_endpoint on the deployed fleet: every engine runs with vLLM's flag and the
     OTLP/HTTP protocol, and a client's traced image request leaves, in the collector, the router's
@@ -296,7 +288,7 @@ def test_a_traced_request_exports_the_routers_and_each_engines_spans(one_host_st
         assert argv[argv.index("--otlp-traces-endpoint") + 1] == otlp.url, argv
         assert environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") == "http/protobuf", environ
         pids[engine_id] = n1.show(unit, "MainPID")["MainPID"]
-    trace_id, client_span, header = traceparent()
+    trace_id, client_span, header = client_traceparent()
     reply = one_host_stack.chat(
         image_message("What is in the picture? (traced)", BLUE), max_tokens=4, extra_headers={"traceparent": header}
     )
@@ -576,7 +568,7 @@ def test_traces_off_after_the_redeploy_export_nothing(one_host_stack, otlp):
         assert "--otlp-traces-endpoint" not in argv, argv
         assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" not in environ, environ
     posts = otlp.posts
-    trace_id, _client_span, header = traceparent()
+    trace_id, _client_span, header = client_traceparent()
     reply = one_host_stack.chat(
         [{"role": "user", "content": "Say hello, untraced."}], max_tokens=4, extra_headers={"traceparent": header}
     )

@@ -13,17 +13,11 @@ import pytest
 
 from epd_kit.router.tracing import REQUEST_SPAN
 from epd_kit.testing.images import image_part, png_data_url, user_message
-from epd_kit.testing.otlp import OtlpReceiver, Span
+from epd_kit.testing.otlp import CLIENT, SERVER, OtlpReceiver, Span, client_traceparent
 
 from .harness import Stack, wait_until
 
-SERVER, CLIENT = 2, 3  # OTLP SpanKind
 ENGINE_ENV = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}  # as the kit's engine units
-
-
-def traceparent() -> tuple[str, str, str]:
-    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
-    return trace_id, span_id, f"00-{trace_id}-{span_id}-01"
 
 
 def ask(stack: Stack, header: str | None, stream: bool = False) -> None:
@@ -79,7 +73,7 @@ def traced_stack(ckpt, workdir, router_traced: bool) -> Iterator[tuple[Stack, Ot
 
 def test_router_spans_continue_the_client_trace_and_reach_the_engines(ckpt, tmp_path, fast_export):
     with traced_stack(ckpt, tmp_path, router_traced=True) as (stack, receiver):
-        trace_id, client_span, header = traceparent()
+        trace_id, client_span, header = client_traceparent()
         ask(stack, header)
         names = [REQUEST_SPAN, "receive", "render", "ve encode", "pd generate", "llm_request", "llm_request"]
         spans = spans_of(receiver, trace_id, names)
@@ -120,7 +114,7 @@ def test_router_spans_continue_the_client_trace_and_reach_the_engines(ckpt, tmp_
 def test_tracing_off_passes_the_client_traceparent_on(ckpt, tmp_path, fast_export):
     """The router exports nothing, yet the engines' spans join the client's trace."""
     with traced_stack(ckpt, tmp_path, router_traced=False) as (stack, receiver):
-        trace_id, client_span, header = traceparent()
+        trace_id, client_span, header = client_traceparent()
         ask(stack, header)
         spans = spans_of(receiver, trace_id, ["llm_request", "llm_request"])
         assert {s.parent_id for s in spans} == {client_span}

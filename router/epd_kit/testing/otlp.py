@@ -6,12 +6,20 @@ tree. A test tool, not a collector: the kit deploys none of it."""
 from __future__ import annotations
 
 import gzip
+import secrets
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 TRACES_PATH = "/v1/traces"
+SERVER, CLIENT = 2, 3  # OTLP's SpanKind values (Span.kind)
+
+
+def client_traceparent() -> tuple[str, str, str]:
+    """A client's W3C traceparent (version 00, sampled): its trace id, its span id, the header."""
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    return trace_id, span_id, f"00-{trace_id}-{span_id}-01"
 
 
 @dataclass(frozen=True)
@@ -20,7 +28,7 @@ class Span:
     span_id: str  # 16 hex digits
     parent_id: str  # "" for a root
     name: str
-    kind: int  # OTLP's SpanKind: 2 server, 3 client
+    kind: int  # OTLP's SpanKind: SERVER, CLIENT, ...
     service: str  # the resource's service.name
     attributes: dict[str, Any] = field(default_factory=dict)
     resource: dict[str, Any] = field(default_factory=dict)  # the exporter's resource attributes
