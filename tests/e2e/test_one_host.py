@@ -268,12 +268,12 @@ def test_a_request_moves_the_request_ttft_and_encode_series(one_host_stack, prom
     assert after["requests"] == before["requests"] + 1
 
 
-def running_command(host: TestHost, unit: str) -> tuple[list[str], dict[str, str]]:
-    """The argv and the environment of a unit's main process, as it runs."""
+def running_command(host: TestHost, unit: str) -> tuple[str, list[str], dict[str, str]]:
+    """The PID, argv and environment of a unit's main process, as it runs."""
     pid = host.show(unit, "MainPID")["MainPID"]
     argv = host.run(f"tr '\\0' '\\n' < /proc/{pid}/cmdline").stdout.splitlines()
     environ = host.run(f"tr '\\0' '\\n' < /proc/{pid}/environ").stdout.splitlines()
-    return argv, dict(line.partition("=")[::2] for line in environ)
+    return pid, argv, dict(line.partition("=")[::2] for line in environ)
 
 
 def test_a_traced_request_exports_the_routers_and_each_engines_spans(one_host_stack, otlp):
@@ -284,10 +284,9 @@ def test_a_traced_request_exports_the_routers_and_each_engines_spans(one_host_st
     n1 = one_host_stack.hosts["n1"]
     pids = {}
     for unit, engine_id in ENGINES.items():
-        argv, environ = running_command(n1, unit)
+        pids[engine_id], argv, environ = running_command(n1, unit)
         assert argv[argv.index("--otlp-traces-endpoint") + 1] == otlp.url, argv
         assert environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") == "http/protobuf", environ
-        pids[engine_id] = n1.show(unit, "MainPID")["MainPID"]
     trace_id, client_span, header = client_traceparent()
     reply = one_host_stack.chat(
         image_message("What is in the picture? (traced)", BLUE), max_tokens=4, extra_headers={"traceparent": header}
@@ -526,7 +525,9 @@ def test_the_host_redeployed_text_only_answers_text_and_refuses_an_image(one_hos
     """A text-only fleet (docs/planner.md "Text-only fleets") deployed over this one, as an operator
     would change the inventory: epd_text_only and no VE. The VEs retire, the router reloads with
     `endpoints.text_only` (router.yaml says it, so it accepts no VE), is ready with PDs alone,
-    answers a text request and refuses an image with a 400 in OpenAI's error shape."""
+    answers a text request and refuses an image with a 400 in OpenAI's error shape. The same
+    deploy turns traces off (epd_otlp_traces_endpoint removed): the PDs roll and the router's
+    processes restart for it (test_traces_off_after_the_redeploy_export_nothing)."""
     from openai import BadRequestError
 
     fleet_dir = one_host_stack.inventory.directory
@@ -534,10 +535,12 @@ def test_the_host_redeployed_text_only_answers_text_and_refuses_an_image(one_hos
     hosts_yml["all"]["children"]["epd_engines"]["hosts"]["n1"]["epd_num_ve"] = 0
     (fleet_dir / "hosts.yml").write_text(yaml.safe_dump(hosts_yml, sort_keys=False))
     (fleet_dir / "group_vars/all/text-only.yml").write_text("epd_text_only: true\n")
-    (fleet_dir / TRACES_FILE).unlink()  # and traces off: test_traces_off_after_the_redeploy
+    (fleet_dir / TRACES_FILE).unlink()
     start = time.monotonic()
     result = ansible_playbook(fleet_dir, "playbooks/deploy.yml", timeout=STEP_LIMIT_S)
-    record_timing("1 host: re-deploy as a text-only fleet (the VEs retire)", time.monotonic() - start)
+    record_timing(
+        "1 host: re-deploy as a text-only fleet, traces off (the VEs retire, the PDs roll)", time.monotonic() - start
+    )
     assert result.returncode == 0, result.describe()
     assert sorted(e["id"] for e in one_host_stack.pools()) == ["epd-pd-0", "epd-pd-1"]
     n1 = one_host_stack.hosts["n1"]
@@ -564,7 +567,7 @@ def test_traces_off_after_the_redeploy_export_nothing(one_host_stack, otlp):
     still listening, from no process: the router, restarted for it, has no exporter left."""
     n1 = one_host_stack.hosts["n1"]
     for unit in ("epd-engine@pd-0.service", "epd-engine@pd-1.service"):
-        argv, environ = running_command(n1, unit)
+        _pid, argv, environ = running_command(n1, unit)
         assert "--otlp-traces-endpoint" not in argv, argv
         assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" not in environ, environ
     posts = otlp.posts
