@@ -12,6 +12,12 @@ from inventory/sandbox/one-host in three ways: the engines bind to n1's address 
 the host must reach them), the sim compiles for EPD_SIM_COMPILE_S on a compile-cache miss (so a
 restart after the cache is cleared prints each engine's progress), and the epd_monitoring group.
 
+Traces (docs/observability.md "Traces") ride on it too: the first deploy names a collector,
+`epd_otlp_traces_endpoint`, that is the kit's OTLP/HTTP test receiver (epd_kit.testing.otlp) in
+this process on the controller's hub address; a traced image request's spans, the router's and
+each engine's, arrive there under the client's trace. The text-only re-deploy near the end also
+removes the setting: the re-rendered engines and the restarted router export nothing after it.
+
 The layout advisor (docs/advisor.md) comes last before the check, the text-only redeploy and
 the teardown: a slow
 simulated VE (EPD_SIM_ENCODE_MS_PER_1K_PATCHES, set from the first deploy: about 140 ms per
@@ -37,10 +43,12 @@ import httpx
 import pytest
 import yaml
 
+from epd_kit.router.tracing import REQUEST_SPAN
+from epd_kit.testing.otlp import CLIENT, SERVER, OtlpReceiver, Span, client_traceparent
 from epd_kit.testing.process import free_port
 from tests.e2e.conftest import deploy_stack
 from tests.e2e.stack import LoadGenerator, Stack, image_data_url, image_message, is_healthy, wait_for
-from tests.hosts.harness import REPO, HostPool, ansible_playbook, copy_inventory
+from tests.hosts.harness import HUB_ADDRESS, REPO, HostPool, TestHost, ansible_playbook, copy_inventory, in_hub_netns
 
 # a first deploy that installs the kit, then a dozen steps on it: more than the default 300 s budget
 pytestmark = [pytest.mark.systemd, pytest.mark.timeout(900)]
@@ -64,6 +72,11 @@ ENGINES = {
     "epd-engine@ve-0.service": "epd-ve-0",
 }
 RED, BLUE = (200, 30, 30), (30, 30, 200)
+# traces: the SDK's batch delay of the router's and the engines' exporters (5 s by default), the
+# engines' service name (vLLM leaves it unknown_service)
+EXPORT_DELAY_MS = "100"
+ENGINE_SERVICE = "epd-sandbox-engine"
+TRACES_FILE = "group_vars/all/traces.yml"  # epd_otlp_traces_endpoint alone: removing it turns traces off
 # everything the kit writes on a host (teardown must remove all of it; --check must touch none)
 KIT_FILES = (
     "/etc/epd /etc/systemd/system/epd-engine@.service /etc/systemd/system/epd-router.service "
@@ -80,8 +93,9 @@ def kit_state(host) -> str:
     return files + pids
 
 
-def monitored_one_host(dest: Path, prometheus_dir: Path) -> Path:
-    """inventory/sandbox/one-host + engines on n1's address + a slow sim compile and encode + epd_monitoring."""
+def monitored_one_host(dest: Path, prometheus_dir: Path, traces_url: str) -> Path:
+    """inventory/sandbox/one-host + engines on n1's address + a slow sim compile and encode + epd_monitoring
+    + traces to `traces_url`."""
     copy_inventory(REPO / "inventory/sandbox/one-host", dest)
     hosts = yaml.safe_load((dest / "hosts.yml").read_text())
     n1 = hosts["all"]["children"]["epd_engines"]["hosts"]["n1"]
@@ -91,12 +105,16 @@ def monitored_one_host(dest: Path, prometheus_dir: Path) -> Path:
     settings = yaml.safe_load(settings_file.read_text())
     settings["epd_engine_environment"]["EPD_SIM_COMPILE_S"] = COMPILE_S
     settings["epd_engine_environment"]["EPD_SIM_ENCODE_MS_PER_1K_PATCHES"] = ENCODE_MS_PER_1K_PATCHES
+    settings["epd_engine_environment"]["OTEL_BSP_SCHEDULE_DELAY"] = EXPORT_DELAY_MS
+    settings["epd_engine_environment"]["OTEL_SERVICE_NAME"] = ENGINE_SERVICE
+    settings["epd_router_environment"] = {"OTEL_BSP_SCHEDULE_DELAY": EXPORT_DELAY_MS}
     settings_file.write_text(yaml.safe_dump(settings))
+    (dest / TRACES_FILE).write_text(yaml.safe_dump({"epd_otlp_traces_endpoint": traces_url}))
     monitoring = {
         "ansible_connection": "local",
         # the controller's address on the sandbox bridge: the host's access rules let Prometheus
         # scrape the engines from there (docs/security.md "Who can reach what")
-        "epd_bind_address": "10.213.0.1",
+        "epd_bind_address": HUB_ADDRESS,
         "ansible_python_interpreter": "{{ ansible_playbook_python }}",
         "epd_observability_dir": str(prometheus_dir),
         "epd_observability_prometheus_config": str(prometheus_dir / "prometheus.yml"),
@@ -108,10 +126,21 @@ def monitored_one_host(dest: Path, prometheus_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one_host_stack(host_pool: HostPool, record_timing, tmp_path_factory) -> Stack:
+def otlp() -> Iterator[OtlpReceiver]:
+    """The collector of the fleet's traces: the kit's OTLP/HTTP test receiver in this process, on
+    the controller's hub address (the only address of ours the test hosts reach; inside kithub),
+    for the module's life: the router and the engines export every traced request to it."""
+    if not in_hub_netns():
+        pytest.fail("the traces receiver listens on the hub bridge: run inside kithub (scripts/test.sh)", pytrace=False)
+    with OtlpReceiver(HUB_ADDRESS) as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def one_host_stack(host_pool: HostPool, record_timing, tmp_path_factory, otlp: OtlpReceiver) -> Stack:
     # the operator's first deploy on a host without the kit: the install runs for real here
     tmp = tmp_path_factory.mktemp("one-host")
-    inventory = monitored_one_host(tmp / "inventory", tmp / "prometheus")
+    inventory = monitored_one_host(tmp / "inventory", tmp / "prometheus", otlp.url)
     return deploy_stack(host_pool, inventory, record_timing, "1 host", preinstalled=False)
 
 
@@ -237,6 +266,55 @@ def test_a_request_moves_the_request_ttft_and_encode_series(one_host_stack, prom
 
     after = wait_for(moved, timeout=30, what=f"every series to move from {before}")
     assert after["requests"] == before["requests"] + 1
+
+
+def running_command(host: TestHost, unit: str) -> tuple[str, list[str], dict[str, str]]:
+    """The PID, argv and environment of a unit's main process, as it runs."""
+    pid = host.show(unit, "MainPID")["MainPID"]
+    argv = host.run(f"tr '\\0' '\\n' < /proc/{pid}/cmdline").stdout.splitlines()
+    environ = host.run(f"tr '\\0' '\\n' < /proc/{pid}/environ").stdout.splitlines()
+    return pid, argv, dict(line.partition("=")[::2] for line in environ)
+
+
+def test_a_traced_request_exports_the_routers_and_each_engines_spans(one_host_stack, otlp):
+    """epd_otlp_traces_endpoint on the deployed fleet: every engine runs with vLLM's flag and the
+    OTLP/HTTP protocol, and a client's traced image request leaves, in the collector, the router's
+    span tree under the client's span and each engine's `llm_request` under the call that carried
+    its traceparent, exported by that engine's process (across the kit's nftables rules)."""
+    n1 = one_host_stack.hosts["n1"]
+    pids = {}
+    for unit, engine_id in ENGINES.items():
+        pids[engine_id], argv, environ = running_command(n1, unit)
+        assert argv[argv.index("--otlp-traces-endpoint") + 1] == otlp.url, argv
+        assert environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") == "http/protobuf", environ
+    trace_id, client_span, header = client_traceparent()
+    reply = one_host_stack.chat(
+        image_message("What is in the picture? (traced)", BLUE), max_tokens=4, extra_headers={"traceparent": header}
+    )
+    assert reply.choices[0].message.content is not None
+    wanted = {REQUEST_SPAN: 1, "receive": 1, "render": 1, "ve encode": 1, "pd generate": 1, "llm_request": 2}
+
+    def complete() -> list[Span]:
+        spans = otlp.trace(trace_id)
+        names = [s.name for s in spans]
+        return spans if all(names.count(name) >= n for name, n in wanted.items()) else []
+
+    spans = wait_for(complete, timeout=20, what=f"the spans {wanted} of trace {trace_id} (got {otlp.trace(trace_id)})")
+    assert sorted(s.name for s in spans) == sorted(name for name, n in wanted.items() for _ in range(n)), spans
+    by_name = {s.name: s for s in spans}
+    root = by_name[REQUEST_SPAN]
+    assert root.parent_id == client_span and root.kind == SERVER and root.service == "epd-router", root
+    assert root.attributes["http.response.status_code"] == 200 and root.attributes["epd.request_id"], root
+    for name in ("receive", "render", "ve encode", "pd generate"):
+        assert by_name[name].parent_id == root.span_id and by_name[name].service == "epd-router", by_name[name]
+    calls = {by_name[name].attributes["epd.engine.id"]: by_name[name] for name in ("ve encode", "pd generate")}
+    assert {c.kind for c in calls.values()} == {CLIENT}
+    assert set(calls) in ({"epd-ve-0", "epd-pd-0"}, {"epd-ve-0", "epd-pd-1"}), calls
+    engine_spans = {s.parent_id: s for s in spans if s.name == "llm_request"}
+    for engine_id, call in calls.items():  # each engine's span: under its call, from its process
+        mine = engine_spans[call.span_id]
+        assert mine.kind == SERVER and mine.service == ENGINE_SERVICE, mine
+        assert mine.resource["vllm.process_id"] == pids[engine_id], (engine_id, pids, mine)
 
 
 def test_stopping_one_pd_keeps_serving_and_it_rejoins_on_start(one_host_stack):
@@ -447,7 +525,9 @@ def test_the_host_redeployed_text_only_answers_text_and_refuses_an_image(one_hos
     """A text-only fleet (docs/planner.md "Text-only fleets") deployed over this one, as an operator
     would change the inventory: epd_text_only and no VE. The VEs retire, the router reloads with
     `endpoints.text_only` (router.yaml says it, so it accepts no VE), is ready with PDs alone,
-    answers a text request and refuses an image with a 400 in OpenAI's error shape."""
+    answers a text request and refuses an image with a 400 in OpenAI's error shape. The same
+    deploy turns traces off (epd_otlp_traces_endpoint removed): the PDs roll and the router's
+    processes restart for it (test_traces_off_after_the_redeploy_export_nothing)."""
     from openai import BadRequestError
 
     fleet_dir = one_host_stack.inventory.directory
@@ -455,9 +535,12 @@ def test_the_host_redeployed_text_only_answers_text_and_refuses_an_image(one_hos
     hosts_yml["all"]["children"]["epd_engines"]["hosts"]["n1"]["epd_num_ve"] = 0
     (fleet_dir / "hosts.yml").write_text(yaml.safe_dump(hosts_yml, sort_keys=False))
     (fleet_dir / "group_vars/all/text-only.yml").write_text("epd_text_only: true\n")
+    (fleet_dir / TRACES_FILE).unlink()
     start = time.monotonic()
     result = ansible_playbook(fleet_dir, "playbooks/deploy.yml", timeout=STEP_LIMIT_S)
-    record_timing("1 host: re-deploy as a text-only fleet (the VEs retire)", time.monotonic() - start)
+    record_timing(
+        "1 host: re-deploy as a text-only fleet, traces off (the VEs retire, the PDs roll)", time.monotonic() - start
+    )
     assert result.returncode == 0, result.describe()
     assert sorted(e["id"] for e in one_host_stack.pools()) == ["epd-pd-0", "epd-pd-1"]
     n1 = one_host_stack.hosts["n1"]
@@ -475,6 +558,32 @@ def test_the_host_redeployed_text_only_answers_text_and_refuses_an_image(one_hos
         "param": "messages[0].content[0]",
         "code": 400,
     }
+
+
+def test_traces_off_after_the_redeploy_export_nothing(one_host_stack, otlp):
+    """The re-deploy before removed epd_otlp_traces_endpoint (the default: unset): the PDs run
+    without vLLM's flag and its protocol, and a client's traced request, which the router still
+    passes on to the PD (as vLLM, the sim warns that it is not tracing), reaches the collector,
+    still listening, from no process: the router, restarted for it, has no exporter left."""
+    n1 = one_host_stack.hosts["n1"]
+    for unit in ("epd-engine@pd-0.service", "epd-engine@pd-1.service"):
+        _pid, argv, environ = running_command(n1, unit)
+        assert "--otlp-traces-endpoint" not in argv, argv
+        assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" not in environ, environ
+    posts = otlp.posts
+    trace_id, _client_span, header = client_traceparent()
+    reply = one_host_stack.chat(
+        [{"role": "user", "content": "Say hello, untraced."}], max_tokens=4, extra_headers={"traceparent": header}
+    )
+    assert reply.choices[0].message.content
+    untraced = "Received a request with trace context but tracing is disabled"
+    wait_for(
+        lambda: untraced in n1.run("journalctl -q --no-pager -o cat -u 'epd-engine@pd-*'").stdout,
+        timeout=10,
+        what="the PD's warning that it got a trace context and is not tracing",
+    )
+    time.sleep(3)  # 30 times the export delay the traced requests arrived within
+    assert otlp.posts == posts and otlp.trace(trace_id) == [], otlp.trace(trace_id)
 
 
 def test_teardown_leaves_the_host_clean(one_host_stack):

@@ -27,6 +27,9 @@ HOSTS_SH = HOSTS_DIR / "hosts.sh"
 REPO = HOSTS_DIR.parent.parent
 HUB_NETNS = "kithub"
 NET_PREFIX = "10.213.0"
+# the controller's address on the hub bridge (hosts.sh net-up): inside kithub, the one address of
+# the tests' side that the test hosts reach (a server a deployed host must call listens here)
+HUB_ADDRESS = f"{NET_PREFIX}.1"
 # where the sandbox checkpoint lives on every host (inventory/sandbox uses this path)
 HOST_MODEL_DIR = "/models/tiny-qwen3-vl"
 # what epd_deps leaves on a host: the kit's venv (with its wheelhouse marker) and the shipped

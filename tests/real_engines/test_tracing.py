@@ -14,13 +14,12 @@ import pytest
 
 from epd_kit.router.tracing import REQUEST_SPAN
 from epd_kit.testing.images import image_part, png_data_url, user_message
-from epd_kit.testing.otlp import OtlpReceiver, Span, new_traceparent
+from epd_kit.testing.otlp import CLIENT, SERVER, OtlpReceiver, Span, client_traceparent
 from tests.router_processes.harness import wait_until
 from tests.vllm_dist import installed_vllm
 
 from .stack import RealStack
 
-SERVER, CLIENT = 2, 3  # OTLP SpanKind
 MAX_TOKENS = 5
 PD_MAX_MODEL_LEN = 512  # a prompt past it is the PD's 400
 # a VE request's generated tokens: 0.24's encoder-only runner emits its stand-in token, 0.29's
@@ -78,7 +77,7 @@ def engine_span_under(spans: list[Span], call: Span) -> Span:
 
 def test_an_image_request_is_one_trace_through_router_ve_and_pd(traced):
     stack, receiver = traced
-    trace_id, client_span, header = new_traceparent()
+    trace_id, client_span, header = client_traceparent()
     usage = ask(stack, "Describe this image.", image_part(png_data_url(64, 48, seed=11)), header=header)
     spans = receiver.wait_for(
         trace_id, [REQUEST_SPAN, "receive", "render", "ve encode", "pd generate", "llm_request", "llm_request"], 60
@@ -106,7 +105,7 @@ def test_an_image_request_is_one_trace_through_router_ve_and_pd(traced):
 
 def test_a_streamed_text_request_has_no_ve_span_and_its_stream_span(traced):
     stack, receiver = traced
-    trace_id, client_span, header = new_traceparent()
+    trace_id, client_span, header = client_traceparent()
     usage = ask(stack, "Say something.", header=header, stream=True)
     spans = receiver.wait_for(trace_id, [REQUEST_SPAN, "pd generate", "stream", "llm_request"], 60)
     root = one(spans, REQUEST_SPAN)
@@ -138,7 +137,7 @@ def test_a_request_the_pd_refuses_has_the_ves_span_and_none_of_the_pd(traced):
     """vLLM traces a request that ends in its engine: the PD's 400 for a prompt past its
     --max-model-len comes before (the input processor), so that call has no engine span."""
     stack, receiver = traced
-    trace_id, _, header = new_traceparent()
+    trace_id, _, header = client_traceparent()
     long_text = " ".join(f"word{i}" for i in range(PD_MAX_MODEL_LEN))
     with pytest.raises(openai.BadRequestError):
         ask(stack, image_part(png_data_url(64, 48, seed=15)), long_text, header=header)

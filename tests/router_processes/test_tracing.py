@@ -13,11 +13,10 @@ import pytest
 
 from epd_kit.router.tracing import REQUEST_SPAN
 from epd_kit.testing.images import image_part, png_data_url, user_message
-from epd_kit.testing.otlp import OtlpReceiver, new_traceparent
+from epd_kit.testing.otlp import CLIENT, SERVER, OtlpReceiver, client_traceparent
 
 from .harness import Stack, wait_until
 
-SERVER, CLIENT = 2, 3  # OTLP SpanKind
 ENGINE_ENV = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}  # as the kit's engine units
 
 
@@ -63,7 +62,7 @@ def traced_stack(ckpt, workdir, router_traced: bool) -> Iterator[tuple[Stack, Ot
 
 def test_router_spans_continue_the_client_trace_and_reach_the_engines(ckpt, tmp_path, fast_export):
     with traced_stack(ckpt, tmp_path, router_traced=True) as (stack, receiver):
-        trace_id, client_span, header = new_traceparent()
+        trace_id, client_span, header = client_traceparent()
         ask(stack, header)
         names = [REQUEST_SPAN, "receive", "render", "ve encode", "pd generate", "llm_request", "llm_request"]
         spans = receiver.wait_for(trace_id, names)
@@ -110,7 +109,7 @@ def test_router_spans_continue_the_client_trace_and_reach_the_engines(ckpt, tmp_
 def test_tracing_off_passes_the_client_traceparent_on(ckpt, tmp_path, fast_export):
     """The router exports nothing, yet the engines' spans join the client's trace."""
     with traced_stack(ckpt, tmp_path, router_traced=False) as (stack, receiver):
-        trace_id, client_span, header = new_traceparent()
+        trace_id, client_span, header = client_traceparent()
         ask(stack, header)
         spans = receiver.wait_for(trace_id, ["llm_request", "llm_request"])
         assert {s.parent_id for s in spans} == {client_span}

@@ -1,7 +1,7 @@
-"""An OTLP/HTTP traces receiver for tests (127.0.0.1, a thread): it decodes what the router's and
-the sim's exporters POST to `/v1/traces` (protobuf, as the OTLP specification's HTTP binding
-says) and keeps every span, so a test can assert a request's span tree. A test tool, not a
-collector: the kit deploys none of it."""
+"""An OTLP/HTTP traces receiver for tests (a thread, on 127.0.0.1 or the address a test names): it
+decodes what the router's and the sim's exporters POST to `/v1/traces` (protobuf, as the OTLP
+specification's HTTP binding says) and keeps every span, so a test can assert a request's span
+tree. A test tool, not a collector: the kit deploys none of it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 TRACES_PATH = "/v1/traces"
+SERVER, CLIENT = 2, 3  # OTLP's SpanKind values (Span.kind)
+
+
+def client_traceparent() -> tuple[str, str, str]:
+    """A client's W3C traceparent (version 00, sampled): its trace id, its span id, the header."""
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    return trace_id, span_id, f"00-{trace_id}-{span_id}-01"
 
 
 @dataclass(frozen=True)
@@ -22,14 +29,17 @@ class Span:
     span_id: str  # 16 hex digits
     parent_id: str  # "" for a root
     name: str
-    kind: int  # OTLP's SpanKind: 2 server, 3 client
+    kind: int  # OTLP's SpanKind: SERVER, CLIENT, ...
     service: str  # the resource's service.name
     attributes: dict[str, Any] = field(default_factory=dict)
+    resource: dict[str, Any] = field(default_factory=dict)  # the exporter's resource attributes
     error: str | None = None  # the status message of an ERROR status
 
 
 class OtlpReceiver:
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        """`host`: the address to listen on (a free port of it); loopback unless an exporter on
+        another machine must reach it (the end-to-end tests' hub bridge address)."""
         self.spans: list[Span] = []
         self.posts = 0
         self._lock = threading.Lock()
@@ -53,13 +63,14 @@ class OtlpReceiver:
             def log_message(self, *args: Any) -> None:
                 return None
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer((host, 0), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, name="otlp-receiver", daemon=True)
 
     @property
     def url(self) -> str:
         """The traces URL to configure (an exporter's full endpoint)."""
-        return f"http://127.0.0.1:{self._server.server_address[1]}{TRACES_PATH}"
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}{TRACES_PATH}"
 
     def __enter__(self) -> OtlpReceiver:
         self._thread.start()
@@ -101,7 +112,8 @@ class OtlpReceiver:
             return False
         spans = []
         for resource_spans in request.resource_spans:
-            service = _attributes(resource_spans.resource.attributes).get("service.name", "")
+            resource = _attributes(resource_spans.resource.attributes)
+            service = resource.get("service.name", "")
             for scope_spans in resource_spans.scope_spans:
                 for s in scope_spans.spans:
                     spans.append(
@@ -114,18 +126,13 @@ class OtlpReceiver:
                             service=service,
                             attributes=_attributes(s.attributes),
                             error=s.status.message if s.status.code == 2 else None,
+                            resource=resource,
                         )
                     )
         with self._lock:
             self.spans += spans
             self.posts += 1
         return True
-
-
-def new_traceparent() -> tuple[str, str, str]:
-    """A client's W3C trace context: (trace id, its span id, the `traceparent` header)."""
-    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
-    return trace_id, span_id, f"00-{trace_id}-{span_id}-01"
 
 
 def _attributes(pairs: Any) -> dict[str, Any]:
