@@ -434,6 +434,7 @@ def advise(stack: Stack, window_s: float) -> dict:
     argv += ["--inventory", str(stack.inventory.directory), "--json"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=window_s + 120, env=env, check=False)
     assert done.returncode == 0, done.stderr
+    print(done.stdout)  # the whole report beside a failure (an assertion's message is cut short)
     return json.loads(done.stdout)
 
 
