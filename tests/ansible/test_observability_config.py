@@ -21,15 +21,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from epd_kit import plan as planner
 from epd_kit.testing.checkpoint import build_tiny_checkpoint
 from epd_kit.testing.images import image_part, png_data_url, user_message
-from epd_kit.testing.process import ManagedProcess, free_port
 from tests.ansible.helpers import REPO, inventory_hostvars, playbook
+from tests.prometheus import PrometheusServer
 from tests.router_processes.harness import Stack, wait_until
 
 pytestmark = pytest.mark.ansible
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
-PROMETHEUS_LIFETIME_S = 900
 DASHBOARD = REPO / "roles/epd_observability/files/epd-dashboard.json"
 RULE_TESTS = REPO / "observability/epd-alerts.test.yml"
 DOCS = REPO / "docs/observability.md"
@@ -261,78 +259,49 @@ def test_metric_name_extraction():
     assert metric_names('a_total / on (x) b{le="5.0"} > 0.1 and vllm:c[5m] offset 1h') == {"a_total", "b", "vllm:c"}
 
 
-class Prometheus:
-    """The real Prometheus server (Debian's, installed by scripts/bootstrap.sh) on 127.0.0.1,
-    scraping the stack every second with the labels the kit's targets carry."""
+def scraping(stack: Stack, directory: Path) -> PrometheusServer:
+    """The real Prometheus server scraping the stack every second with the labels the kit's
+    targets carry, once every target is up and scraped often enough for a rate over the panels'
+    range."""
 
-    def __init__(self, stack: Stack, directory: Path) -> None:
-        def target(url: str, role: str, engine_id: str, instance: str) -> dict:
-            labels = {"host": "n1", "role": role, "engine_id": engine_id, "instance": instance}
-            return {"targets": [url.removeprefix("http://")], "labels": labels}
+    def target(url: str, role: str, engine_id: str, instance: str) -> dict:
+        labels = {"host": "n1", "role": role, "engine_id": engine_id, "instance": instance}
+        return {"targets": [url.removeprefix("http://")], "labels": labels}
 
-        engines = [target(e.url, e.role, e.engine_id, e.engine_id.removeprefix("epd-")) for e in stack.ves + stack.pds]
-        config = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [
-                # as the kit's prometheus.yml: the router's per-engine series keep their engine's role
-                {
-                    "job_name": "epd-router",
-                    "honor_labels": True,
-                    "static_configs": [target(stack.router.url, "router", "", "router")],
-                },
-                {"job_name": "epd-engines", "static_configs": engines},
-            ],
-        }
-        (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        argv = [
-            # bounded: it outlives no test run, even one killed before its teardown
-            "timeout",
-            str(PROMETHEUS_LIFETIME_S),
-            PROMETHEUS,
-            f"--config.file={directory / 'prometheus.yml'}",
-            f"--storage.tsdb.path={directory / 'tsdb'}",
-        ]
-        argv += [f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"]
-        self.process = ManagedProcess(argv, directory / "prometheus.log")
-        try:
-            wait_until(lambda: self.answers("vector(1)"), 30, "prometheus to answer", interval=0.25)
-            # every target up, and scraped often enough for a rate over the panels' range
-            scraped = f"count((count_over_time(up[1m]) >= 3) and (up == 1)) == {1 + len(engines)}"
-            wait_until(lambda: self.answers(scraped), 30, "every target up and scraped 3 times", interval=0.25)
-        except BaseException:
-            self.stop()
-            raise
-
-    def answers(self, promql: str) -> bool:
-        try:
-            return bool(self.query(promql))
-        except (httpx.HTTPError, AssertionError):
-            return False
-
-    def query(self, promql: str) -> list[dict]:
-        """The instant query's result; a query Prometheus refuses fails naming it."""
-        reply = httpx.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=5, trust_env=False)
-        assert reply.status_code == 200, f"{promql}: {reply.text}"
-        return reply.json()["data"]["result"]
-
-    def stop(self) -> None:
-        self.process.stop(20)
+    engines = [target(e.url, e.role, e.engine_id, e.engine_id.removeprefix("epd-")) for e in stack.ves + stack.pds]
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [
+            # as the kit's prometheus.yml: the router's per-engine series keep their engine's role
+            {
+                "job_name": "epd-router",
+                "honor_labels": True,
+                "static_configs": [target(stack.router.url, "router", "", "router")],
+            },
+            {"job_name": "epd-engines", "static_configs": engines},
+        ],
+    }
+    (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
+    server = PrometheusServer(directory / "prometheus.yml", directory)
+    try:
+        scraped = f"count((count_over_time(up[1m]) >= 3) and (up == 1)) == {1 + len(engines)}"
+        wait_until(lambda: server.answers(scraped), 30, "every target up and scraped 3 times", interval=0.25)
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 @dataclass
 class Scraped:
     names: set[str]  # every series name the router's and the engines' /metrics carry
-    prometheus: Prometheus
+    prometheus: PrometheusServer
     model: str  # the router's one model's served name
 
 
 @pytest.fixture(scope="module")
 def scraped(tmp_path_factory) -> Iterator[Scraped]:
     """A running router, one VE and one PD (after one image request), and Prometheus scraping them."""
-    if not Path(PROMETHEUS).exists():
-        pytest.fail("no prometheus binary: scripts/bootstrap.sh installs Debian's prometheus package", pytrace=False)
     tmp = tmp_path_factory.mktemp("scrape")
     stack = Stack.start(build_tiny_checkpoint(tmp / "tiny-qwen3-vl"), tmp, n_ve=1, n_pd=1)
     try:
@@ -343,7 +312,7 @@ def scraped(tmp_path_factory) -> Iterator[Scraped]:
         names: set[str] = set()
         for url in [stack.router.url, *(e.url for e in stack.ves + stack.pds)]:
             names |= exported_names(httpx.get(url + "/metrics", timeout=5, trust_env=False).text)
-        prometheus = Prometheus(stack, tmp)
+        prometheus = scraping(stack, tmp)
         try:
             yield Scraped(names, prometheus, str(stack.ckpt))
         finally:

@@ -67,12 +67,7 @@ def test_a_pd_setting_fleet_wide_rolls_every_pd_in_batches_and_no_ve(stack, flee
     assert "batch 2/2 PD: epd-n4-pd-0 (n4, compiles), epd-n2-pd-1 (n2, local hit)" in result.stdout, result.describe()
     after = engine_pids(stack)
     assert restarted(before, after) == {"n2/pd-0", "n2/pd-1", "n4/pd-0"}
-    assert (
-        "--max-num-seqs 4"
-        in stack.hosts["n2"]
-        .run("tr '\\0' ' ' < /proc/$(systemctl show -pMainPID --value epd-engine@pd-1)/cmdline")
-        .stdout
-    )
+    assert "--max-num-seqs 4" in " ".join(stack.hosts["n2"].main_process("epd-engine@pd-1")[1])
     all_active_and_healthy(stack)
 
 

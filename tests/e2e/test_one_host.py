@@ -32,11 +32,9 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -44,18 +42,16 @@ import pytest
 import yaml
 
 from epd_kit.router.tracing import REQUEST_SPAN
-from epd_kit.testing.otlp import CLIENT, SERVER, OtlpReceiver, Span, client_traceparent
-from epd_kit.testing.process import free_port
+from epd_kit.testing.otlp import CLIENT, SERVER, OtlpReceiver, client_traceparent
 from tests.e2e.conftest import deploy_stack
 from tests.e2e.stack import LoadGenerator, Stack, image_data_url, image_message, is_healthy, wait_for
-from tests.hosts.harness import HUB_ADDRESS, REPO, HostPool, TestHost, ansible_playbook, copy_inventory, in_hub_netns
+from tests.hosts.harness import HUB_ADDRESS, REPO, HostPool, ansible_playbook, copy_inventory, in_hub_netns
+from tests.prometheus import PrometheusServer
 
 # a first deploy that installs the kit, then a dozen steps on it: more than the default 300 s budget
 pytestmark = [pytest.mark.systemd, pytest.mark.timeout(900)]
 
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 COMPILE_S = "10"
-LIFETIME_S = 900  # Prometheus never outlives this, whatever happens to the test process
 LOCAL_COMPILE_CACHE = "/var/cache/epd/neuron-compile-cache/neuron/compile_cache"
 # the advisor's load
 RATE_PER_S = 6
@@ -144,55 +140,15 @@ def one_host_stack(host_pool: HostPool, record_timing, tmp_path_factory, otlp: O
     return deploy_stack(host_pool, inventory, record_timing, "1 host", preinstalled=False)
 
 
-@dataclass
-class Prometheus:
-    url: str
-    proc: subprocess.Popen
-
-    def query(self, promql: str) -> list[dict]:
-        reply = httpx.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=5, trust_env=False)
-        reply.raise_for_status()
-        return reply.json()["data"]["result"]
-
-    def value(self, promql: str) -> float:
-        result = self.query(promql)
-        return float(result[0]["value"][1]) if result else 0.0
-
-
 @pytest.fixture(scope="module")
-def prometheus(one_host_stack: Stack, tmp_path_factory) -> Iterator[Prometheus]:
+def prometheus(one_host_stack: Stack, tmp_path_factory) -> Iterator[PrometheusServer]:
     """The real Prometheus server on 127.0.0.1, reading the prometheus.yml the deploy wrote."""
-    if not Path(PROMETHEUS).exists():
-        pytest.fail("no prometheus binary: scripts/bootstrap.sh installs Debian's prometheus package", pytrace=False)
     config = one_host_stack.inventory.directory.parent / "prometheus/prometheus.yml"
-    tsdb = tmp_path_factory.mktemp("tsdb")
-    port = free_port()
-    with open(tsdb / "prometheus.log", "wb") as log:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(
-            [
-                "timeout",
-                str(LIFETIME_S),
-                PROMETHEUS,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={tsdb}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                "--storage.tsdb.retention.time=1h",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    server = Prometheus(f"http://127.0.0.1:{port}", proc)
+    server = PrometheusServer(config, tmp_path_factory.mktemp("prometheus-server"))
     try:
-        wait_for(lambda: server.query("vector(1)"), timeout=30, what="prometheus to answer")
         yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        server.stop()
 
 
 def test_deploy_starts_every_unit_and_the_router_sees_all_engines(one_host_stack):
@@ -268,14 +224,6 @@ def test_a_request_moves_the_request_ttft_and_encode_series(one_host_stack, prom
     assert after["requests"] == before["requests"] + 1
 
 
-def running_command(host: TestHost, unit: str) -> tuple[str, list[str], dict[str, str]]:
-    """The PID, argv and environment of a unit's main process, as it runs."""
-    pid = host.show(unit, "MainPID")["MainPID"]
-    argv = host.run(f"tr '\\0' '\\n' < /proc/{pid}/cmdline").stdout.splitlines()
-    environ = host.run(f"tr '\\0' '\\n' < /proc/{pid}/environ").stdout.splitlines()
-    return pid, argv, dict(line.partition("=")[::2] for line in environ)
-
-
 def test_a_traced_request_exports_the_routers_and_each_engines_spans(one_host_stack, otlp):
     """epd_otlp_traces_endpoint on the deployed fleet: every engine runs with vLLM's flag and the
     OTLP/HTTP protocol, and a client's traced image request leaves, in the collector, the router's
@@ -284,7 +232,7 @@ def test_a_traced_request_exports_the_routers_and_each_engines_spans(one_host_st
     n1 = one_host_stack.hosts["n1"]
     pids = {}
     for unit, engine_id in ENGINES.items():
-        pids[engine_id], argv, environ = running_command(n1, unit)
+        pids[engine_id], argv, environ = n1.main_process(unit)
         assert argv[argv.index("--otlp-traces-endpoint") + 1] == otlp.url, argv
         assert environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") == "http/protobuf", environ
     trace_id, client_span, header = client_traceparent()
@@ -292,15 +240,9 @@ def test_a_traced_request_exports_the_routers_and_each_engines_spans(one_host_st
         image_message("What is in the picture? (traced)", BLUE), max_tokens=4, extra_headers={"traceparent": header}
     )
     assert reply.choices[0].message.content is not None
-    wanted = {REQUEST_SPAN: 1, "receive": 1, "render": 1, "ve encode": 1, "pd generate": 1, "llm_request": 2}
-
-    def complete() -> list[Span]:
-        spans = otlp.trace(trace_id)
-        names = [s.name for s in spans]
-        return spans if all(names.count(name) >= n for name, n in wanted.items()) else []
-
-    spans = wait_for(complete, timeout=20, what=f"the spans {wanted} of trace {trace_id} (got {otlp.trace(trace_id)})")
-    assert sorted(s.name for s in spans) == sorted(name for name, n in wanted.items() for _ in range(n)), spans
+    wanted = [REQUEST_SPAN, "receive", "render", "ve encode", "pd generate", "llm_request", "llm_request"]
+    spans = otlp.wait_for(trace_id, wanted, timeout=20)
+    assert sorted(s.name for s in spans) == sorted(wanted), spans
     by_name = {s.name: s for s in spans}
     root = by_name[REQUEST_SPAN]
     assert root.parent_id == client_span and root.kind == SERVER and root.service == "epd-router", root
@@ -568,7 +510,7 @@ def test_traces_off_after_the_redeploy_export_nothing(one_host_stack, otlp):
     still listening, from no process: the router, restarted for it, has no exporter left."""
     n1 = one_host_stack.hosts["n1"]
     for unit in ("epd-engine@pd-0.service", "epd-engine@pd-1.service"):
-        _pid, argv, environ = running_command(n1, unit)
+        _pid, argv, environ = n1.main_process(unit)
         assert "--otlp-traces-endpoint" not in argv, argv
         assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" not in environ, environ
     posts = otlp.posts

