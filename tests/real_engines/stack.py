@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import yaml
 
+from epd_kit.testing.images import user_message
 from epd_kit.testing.process import ManagedProcess, free_port
 from tests.router_processes.harness import router_config
 
@@ -45,6 +49,41 @@ def install_plugin(work: Path) -> Path:
         check=True,
     )
     return target
+
+
+@dataclass
+class Client:
+    """The openai client on a stack's router, the model it serves (the checkpoint's path) and the
+    max_tokens its chats ask for."""
+
+    openai: openai.OpenAI
+    model: str
+    max_tokens: int
+
+    def chat(
+        self, *parts, stream: bool = False, max_tokens: int | None = None, headers: Mapping[str, str] | None = None
+    ) -> tuple[str | None, str | None, Any]:
+        """One chat (`headers`: extra request headers); (text, finish_reason, usage) as the client
+        reads them; a stream asks for its usage and must carry it once."""
+        request = {
+            "model": self.model,
+            "messages": [user_message(*parts)],
+            "max_tokens": self.max_tokens if max_tokens is None else max_tokens,
+            "extra_headers": dict(headers or {}),
+        }
+        if not stream:
+            answer = self.openai.chat.completions.create(**request)
+            return answer.choices[0].message.content, answer.choices[0].finish_reason, answer.usage
+        text, finish, usages = "", None, []
+        events = self.openai.chat.completions.create(**request, stream=True, stream_options={"include_usage": True})
+        for event in events:
+            for choice in event.choices:
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+            if event.usage:
+                usages.append(event.usage)
+        assert len(usages) == 1, usages
+        return text, finish, usages[0]
 
 
 @dataclass
@@ -143,6 +182,12 @@ class RealStack:
             name="router",
         )
         self.router.wait_http(self.url + "/ready", 60)
+
+    @contextlib.contextmanager
+    def client(self, max_tokens: int) -> Iterator[Client]:
+        """An openai client on the router (no retries: each failure is the test's to see)."""
+        with openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=180) as one:
+            yield Client(one, str(self.ckpt), max_tokens)
 
     def pools(self) -> dict[str, dict[str, Any]]:
         doc = httpx.get(self.url + "/pools", timeout=5, trust_env=False).json()

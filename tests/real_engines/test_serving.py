@@ -7,13 +7,12 @@ the router from .venv; requests through the openai client, as a user sends them.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import httpx
 import openai
 import pytest
 
-from epd_kit.testing.images import image_part, png_data_url, user_message
+from epd_kit.testing.images import image_part, png_data_url
 
 from .stack import ENGINE_KEY, RealStack
 
@@ -35,36 +34,14 @@ def stack(ckpt, plugin_site, tmp_path_factory):
     one.stop()
 
 
-@dataclass
-class Client:
-    openai: openai.OpenAI
-    model: str  # the router serves the checkpoint under its path
-
-
 @pytest.fixture(scope="module")
 def client(stack):
-    with openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=180) as one:
-        yield Client(one, str(stack.ckpt))
+    with stack.client(MAX_TOKENS) as one:
+        yield one
 
 
 def image(seed: int) -> dict:
     return image_part(png_data_url(64, 48, seed=seed))
-
-
-def chat(client: Client, *parts, stream: bool = False, max_tokens: int = MAX_TOKENS):
-    """One chat; (text, finish_reason, usage) as the client reads them."""
-    request = {"model": client.model, "messages": [user_message(*parts)], "max_tokens": max_tokens}
-    if not stream:
-        answer = client.openai.chat.completions.create(**request)
-        return answer.choices[0].message.content, answer.choices[0].finish_reason, answer.usage
-    text, finish, usage = "", None, None
-    events = client.openai.chat.completions.create(**request, stream=True, stream_options={"include_usage": True})
-    for event in events:
-        for choice in event.choices:
-            text += choice.delta.content or ""
-            finish = choice.finish_reason or finish
-        usage = event.usage or usage
-    return text, finish, usage
 
 
 def ve_requests(stack) -> int:
@@ -78,7 +55,7 @@ def stored(stack) -> set[str]:
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
 def test_an_image_chat_is_answered(stack, client, stream):
     before = ve_requests(stack)
-    text, finish, usage = chat(client, image(1 + stream), "Describe this image.", stream=stream)
+    text, finish, usage = client.chat(image(1 + stream), "Describe this image.", stream=stream)
     assert finish == "length" and text
     assert usage.completion_tokens == MAX_TOKENS and usage.prompt_tokens > 16  # 16 image tokens + text
     assert ve_requests(stack) == before + 1  # the VE encoded it, and answered with its locator
@@ -86,7 +63,7 @@ def test_an_image_chat_is_answered(stack, client, stream):
 
 def test_two_images_reach_the_pd_through_the_store(stack, client):
     before = stored(stack)
-    text, finish, _ = chat(client, image(10), image(11), "Compare the two images.")
+    text, finish, _ = client.chat(image(10), image(11), "Compare the two images.")
     assert finish == "length" and text
     assert len(stored(stack) - before) == 2  # the VE stored both under the router's hashes
 
@@ -94,17 +71,17 @@ def test_two_images_reach_the_pd_through_the_store(stack, client):
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
 def test_a_repeated_image_is_encoded_once(stack, client, stream):
     before, encoded = stored(stack), ve_requests(stack)
-    text, finish, _ = chat(client, image(20 + stream), image(20 + stream), "Same picture twice.", stream=stream)
+    text, finish, _ = client.chat(image(20 + stream), image(20 + stream), "Same picture twice.", stream=stream)
     assert finish == "length" and text
     assert len(stored(stack) - before) == 1  # one item, one entry
-    text, _, _ = chat(client, image(20 + stream), "And once more.", stream=stream)
+    text, _, _ = client.chat(image(20 + stream), "And once more.", stream=stream)
     assert text and ve_requests(stack) == encoded + 2 and len(stored(stack) - before) == 1
 
 
 def test_a_text_only_chat_skips_the_ve(stack, client):
     before = ve_requests(stack)
     for stream in (False, True):
-        text, finish, _ = chat(client, "Hello there.", stream=stream)
+        text, finish, _ = client.chat("Hello there.", stream=stream)
         assert finish == "length" and text
     assert ve_requests(stack) == before
 
@@ -125,14 +102,14 @@ def test_the_generate_route_does_not_count_images_against_the_limit(stack, clien
     prompt."), which the generate route's pre-built features skip: a VE and a PD started
     with a limit of 2 serve 3 images. The router enforces the limit (docs/contract.md §10)."""
     parts = [image(30 + i) for i in range(ENGINE_IMAGES + 1)]
-    text, finish, _ = chat(client, *parts, "More images than the engines' limit.")
+    text, finish, _ = client.chat(*parts, "More images than the engines' limit.")
     assert finish == "length" and text
 
 
 def test_max_tokens_past_the_pds_max_model_len_stop_at_it(stack, client):
     """vLLM's generate route does not refuse prompt + max_tokens > --max-model-len (its
     chat route does): the engine stops the request at max_model_len, finish_reason "length"."""
-    text, finish, usage = chat(client, image(41), "Long answer.", max_tokens=PD_MAX_MODEL_LEN)
+    text, finish, usage = client.chat(image(41), "Long answer.", max_tokens=PD_MAX_MODEL_LEN)
     assert finish == "length" and text
     assert usage.prompt_tokens + usage.completion_tokens == PD_MAX_MODEL_LEN
 
@@ -145,7 +122,7 @@ def test_a_body_the_pd_refuses_is_a_4xx_that_says_why(stack, client, stream):
     engines stay in service."""
     long_text = " ".join(f"word{i}" for i in range(PD_MAX_MODEL_LEN))
     with pytest.raises(openai.BadRequestError) as refused:
-        chat(client, image(40), long_text, stream=stream)
+        client.chat(image(40), long_text, stream=stream)
     assert refused.value.status_code == 400
     message = json.dumps(refused.value.body)
     assert f"longer than the maximum model length of {PD_MAX_MODEL_LEN}" in message, message

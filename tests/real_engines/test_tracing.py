@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from epd_kit.router.tracing import REQUEST_SPAN
-from epd_kit.testing.images import image_part, png_data_url, user_message
+from epd_kit.testing.images import image_part, png_data_url
 from epd_kit.testing.otlp import CLIENT, SERVER, OtlpReceiver, Span, client_traceparent
 from tests.router_processes.harness import wait_until
 from tests.vllm_dist import installed_vllm
@@ -45,19 +45,10 @@ def traced(ckpt, plugin_site, tmp_path_factory):
             stack.stop()
 
 
-def ask(stack: RealStack, *parts, header: str | None = None, stream: bool = False) -> openai.types.CompletionUsage:
-    """One chat with the client's `traceparent` (if any); the usage the client was told."""
-    headers = {"traceparent": header} if header else {}
-    with openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=180) as client:
-        request = {"model": str(stack.ckpt), "messages": [user_message(*parts)], "max_tokens": MAX_TOKENS}
-        if not stream:
-            return client.chat.completions.create(**request, extra_headers=headers).usage
-        events = client.chat.completions.create(
-            **request, stream=True, stream_options={"include_usage": True}, extra_headers=headers
-        )
-        usages = [event.usage for event in events if event.usage]
-        assert len(usages) == 1, usages
-        return usages[0]
+@pytest.fixture
+def client(traced):
+    with traced[0].client(MAX_TOKENS) as one:
+        yield one
 
 
 def one(spans: list[Span], name: str) -> Span:
@@ -75,10 +66,12 @@ def engine_span_under(spans: list[Span], call: Span) -> Span:
     return children[0]
 
 
-def test_an_image_request_is_one_trace_through_router_ve_and_pd(traced):
-    stack, receiver = traced
+def test_an_image_request_is_one_trace_through_router_ve_and_pd(traced, client):
+    _, receiver = traced
     trace_id, client_span, header = client_traceparent()
-    usage = ask(stack, "Describe this image.", image_part(png_data_url(64, 48, seed=11)), header=header)
+    usage = client.chat(
+        "Describe this image.", image_part(png_data_url(64, 48, seed=11)), headers={"traceparent": header}
+    )[2]
     spans = receiver.wait_for(
         trace_id, [REQUEST_SPAN, "receive", "render", "ve encode", "pd generate", "llm_request", "llm_request"], 60
     )
@@ -103,10 +96,10 @@ def test_an_image_request_is_one_trace_through_router_ve_and_pd(traced):
     assert ve_span.attributes["gen_ai.request.id"] == f"{engine_request_id}/enc/epd-ve-0"
 
 
-def test_a_streamed_text_request_has_no_ve_span_and_its_stream_span(traced):
-    stack, receiver = traced
+def test_a_streamed_text_request_has_no_ve_span_and_its_stream_span(traced, client):
+    _, receiver = traced
     trace_id, client_span, header = client_traceparent()
-    usage = ask(stack, "Say something.", header=header, stream=True)
+    usage = client.chat("Say something.", headers={"traceparent": header}, stream=True)[2]
     spans = receiver.wait_for(trace_id, [REQUEST_SPAN, "pd generate", "stream", "llm_request"], 60)
     root = one(spans, REQUEST_SPAN)
     assert root.parent_id == client_span
@@ -117,10 +110,10 @@ def test_a_streamed_text_request_has_no_ve_span_and_its_stream_span(traced):
     assert [s.name for s in spans].count("llm_request") == 1
 
 
-def test_a_request_without_traceparent_starts_a_trace_the_engines_join(traced):
-    stack, receiver = traced
+def test_a_request_without_traceparent_starts_a_trace_the_engines_join(traced, client):
+    _, receiver = traced
     before = {s.span_id for s in receiver.spans if s.name == REQUEST_SPAN}
-    ask(stack, "Describe this image.", image_part(png_data_url(64, 48, seed=12)))
+    client.chat("Describe this image.", image_part(png_data_url(64, 48, seed=12)))
 
     def new_roots() -> list[Span]:
         return [s for s in receiver.spans if s.name == REQUEST_SPAN and s.span_id not in before]
@@ -133,14 +126,14 @@ def test_a_request_without_traceparent_starts_a_trace_the_engines_join(traced):
     engine_span_under(spans, one(spans, "pd generate"))
 
 
-def test_a_request_the_pd_refuses_has_the_ves_span_and_none_of_the_pd(traced):
+def test_a_request_the_pd_refuses_has_the_ves_span_and_none_of_the_pd(traced, client):
     """vLLM traces a request that ends in its engine: the PD's 400 for a prompt past its
     --max-model-len comes before (the input processor), so that call has no engine span."""
-    stack, receiver = traced
+    _, receiver = traced
     trace_id, _, header = client_traceparent()
     long_text = " ".join(f"word{i}" for i in range(PD_MAX_MODEL_LEN))
     with pytest.raises(openai.BadRequestError):
-        ask(stack, image_part(png_data_url(64, 48, seed=15)), long_text, header=header)
+        client.chat(image_part(png_data_url(64, 48, seed=15)), long_text, headers={"traceparent": header})
     spans = receiver.wait_for(trace_id, [REQUEST_SPAN, "ve encode", "pd generate", "llm_request"], 60)
     assert one(spans, REQUEST_SPAN).attributes["http.response.status_code"] == 400
     engine_span_under(spans, one(spans, "ve encode"))
@@ -148,13 +141,13 @@ def test_a_request_the_pd_refuses_has_the_ves_span_and_none_of_the_pd(traced):
     assert not [s for s in receiver.trace(trace_id) if s.parent_id == one(spans, "pd generate").span_id]
 
 
-def test_requests_are_served_while_the_collector_is_down(traced):
+def test_requests_are_served_while_the_collector_is_down(traced, client):
     """The exports run beside the requests (the SDK's batch processors): a collector that is
     gone costs the router and the engines failed exports, never a failed request. Last in the
     module: the receiver stays down."""
     stack, receiver = traced
     receiver.__exit__(None, None, None)  # its port now refuses connections
     for seed in (13, 14):
-        usage = ask(stack, "Describe this image.", image_part(png_data_url(64, 48, seed=seed)), stream=seed == 14)
+        usage = client.chat("Describe this image.", image_part(png_data_url(64, 48, seed=seed)), stream=seed == 14)[2]
         assert usage.completion_tokens == MAX_TOKENS
     assert all(one.process.returncode is None for one in stack.engines), "an engine exited"
