@@ -193,10 +193,11 @@ class Generation:
     def _may_retry(self, err: UpstreamError, tried: set[str], ctx: RequestContext) -> bool:
         return err.retry_other and len(tried) < self._state.cfg.retries.max_attempts and time.monotonic() < ctx.deadline
 
-    @staticmethod
-    def _pd_body(ctx: RequestContext, stream: bool) -> dict:
+    def _pd_body(self, ctx: RequestContext, stream: bool) -> dict:
         sampling = ctx.request.sampling_params()
-        return bodies.pd_request_body(ctx.engine_request_id, ctx.token_ids, ctx.items, sampling, ctx.locators, stream)
+        return bodies.pd_request_body(
+            ctx.engine_request_id, ctx.token_ids, ctx.items, sampling, ctx.locators, stream, self._state.cfg.handoff
+        )
 
     async def relay(self, ctx: RequestContext, pd: PdStream, outcome: RequestOutcome) -> AsyncIterator[bytes]:
         """The client's SSE bytes, ending in `[DONE]` only when the answer is complete. A

@@ -132,6 +132,12 @@ def _sim(name: str, **kw: Any) -> Any:
 @click.option("--max-logprobs", type=int, default=None, help="Maximum logprobs (accepted).")
 @click.option("--logprobs-mode", default=None, help="Logprobs mode (accepted).")
 @click.option("--otlp-traces-endpoint", default=None, help="Target URL to which OpenTelemetry traces will be sent.")
+@click.option(
+    "--enable-scale-out",
+    is_flag=True,
+    default=False,
+    help="Serve the scale-out endpoints, /inference/v1/generate among them (vLLM >= 0.30; refused by older vLLMs).",
+)
 @click.option("--disable-uvicorn-access-log", is_flag=True, default=False, help="Disable uvicorn access log.")
 @_sim(
     "profile",
@@ -203,6 +209,7 @@ def serve(model_tag: str | None, **opts: Any) -> None:
         served_model_name=opts["served_model_name"],
         api_key=click.get_current_context().meta.get("api_key"),
         otlp_traces_endpoint=opts["otlp_traces_endpoint"],
+        enable_scale_out=opts["enable_scale_out"],
     )
     try:
         profile = build_profile(
