@@ -174,6 +174,12 @@ def _sim(name: str, **kw: Any) -> Any:
 @_sim("extra-latency-ms", type=float, default=0.0, help="[sim fault] Added per request.")
 @_sim("jitter-ms", type=float, default=0.0, help="[sim fault] Uniform random extra latency.")
 @_sim(
+    "handoff-unannounced",
+    is_flag=True,
+    default=False,
+    help="[sim fault] VE answers carry no fetchable hand-off (no ec_locator; ec_transfer_params without an address).",
+)
+@_sim(
     "side-channel",
     type=click.Choice(["ok", "refuse", "slow", "hang"]),
     default="ok",
@@ -231,6 +237,7 @@ def serve(model_tag: str | None, **opts: Any) -> None:
             generation_error_after=opts["sim_generation_error_after"],
             extra_latency_ms=opts["sim_extra_latency_ms"],
             jitter_ms=opts["sim_jitter_ms"],
+            handoff_unannounced=opts["sim_handoff_unannounced"],
             side_channel=opts["sim_side_channel"],
             side_channel_delay_ms=opts["sim_side_channel_delay_ms"],
         )

@@ -111,6 +111,11 @@ def _check_encodable(item: EncodeItem, cfg: EngineConfig) -> None:
         )
 
 
+def _indices(mm_hash: str, items: list[EncodeItem]) -> list[int]:
+    """Every index of `mm_hash` among the request's items (upstream's `item_indices`)."""
+    return [i for i, other in enumerate(items) if other.mm_hash == mm_hash]
+
+
 def spread_over_replicas(patches: list[int], replicas: int) -> list[int]:
     """Greedy longest-first assignment of items to vision DP replicas; load per replica."""
     load = [0] * max(1, replicas)
@@ -197,11 +202,18 @@ class VisionEncoderEngine:
             trace.output(len(tokens))
             trace.finish(finish)
         handoff = {h: self._handoff_item(h, it, blocks[h], items) for h, it in unique.items()}
+        if self.faults.handoff_unannounced:
+            handoff = {h: self._unannounced(h, items) for h in unique} if self.answers.handoff != EC_LOCATOR else {}
         return GenerateResponse(
             request_id=server_request_id(),
             choices=[GenerateChoice(index=0, finish_reason=finish, token_ids=list(tokens))],
             **handoff_answer_fields(self.answers.handoff, handoff),
         )
+
+    @staticmethod
+    def _unannounced(mm_hash: str, items: list[EncodeItem]) -> EcHandoffItem:
+        """Fault `handoff_unannounced`: upstream's entry for an item its producer no longer holds."""
+        return EcTransferItem(item_indices=_indices(mm_hash, items), metadata={})
 
     def _handoff_item(self, mm_hash: str, item: EncodeItem, block_id: int, items: list[EncodeItem]) -> EcHandoffItem:
         """Where the PD fetches `mm_hash`, in the hand-off of the vLLM the sim answers as."""
@@ -218,7 +230,7 @@ class VisionEncoderEngine:
         # sim's PD needs), its side channel's address, the bytes of its blocks and the tensor's
         # shape (rows x the encoder's output width); the PD fetches it by mm_hash
         return EcTransferItem(
-            item_indices=[i for i, other in enumerate(items) if other.mm_hash == mm_hash],
+            item_indices=_indices(mm_hash, items),
             metadata={},
             peer_host=self.cfg.side_channel_host,
             peer_port=self.side_channel_port,
