@@ -124,3 +124,31 @@ def test_a_sim_answering_as_an_older_vllm_refuses_enable_scale_out(checkpoint, v
     )
     assert result.returncode != 0
     assert "unrecognized arguments: --enable-scale-out" in result.stderr + result.stdout
+
+
+def test_a_0_32_pd_that_cannot_read_an_announced_item_fails_that_request_only(
+    pair_032: Pair, checkpoint, image_token_id
+):
+    """An entry with the producer's address whose read fails (here: the VE never held the item):
+    upstream's consumer fails the request (FINISHED_ERROR, vLLM 0.32.0 ec_connector/cpu/scheduler
+    _fail_or_fallback: Qwen3-VL's image_grid_thw is placeholder metadata, no pixels to encode)
+    and the engine stays up: vLLM's generation error, 500 "Internal server error" (release.py)."""
+    a = fake_image((1, 8, 8), 74, checkpoint.vision)
+    entry = {
+        "item_indices": [0],
+        "metadata": {"image_grid_thw": [1, 8, 8]},
+        "peer_host": "127.0.0.1",
+        "peer_port": pair_032.side_port,
+        "size_bytes": 4096,
+        "shape": [a.num_tokens, 8],
+    }
+    prompt, phs = build_prompt([a], image_token_id)
+    request = pd_body(prompt, [a], phs, {a.mm_hash: entry}, max_tokens=4, handoff=EC_TRANSFER_PARAMS)
+    r = httpx.post(pair_032.pd.url + GENERATE, json=request, timeout=10)
+    assert r.status_code == 500 and r.json()["error"]["message"] == "Internal server error", r.text
+    assert httpx.get(pair_032.pd.url + "/health", timeout=2).status_code == 200
+    assert f"needs remote encoding mm_hash={a.mm_hash}" in pair_032.pd.log()
+    # and it serves the next request
+    body = _encode(pair_032.ve.url, [a])
+    ok = pd_body(prompt, [a], phs, body["ec_transfer_params"], max_tokens=4, handoff=EC_TRANSFER_PARAMS)
+    assert httpx.post(pair_032.pd.url + GENERATE, json=ok, timeout=10).status_code == 200

@@ -22,12 +22,12 @@ FLEETS = {
 }
 
 
-def _start(ckpt, workdir, handoff: str, n_ve: int, broken_ve: str | None = None) -> Stack:
+def _start(ckpt, workdir, handoff: str, n_ve: int, n_pd: int = 1, broken_ve: dict[str, str] | None = None) -> Stack:
+    """A fleet of sims answering as `handoff`'s vLLM; `broken_ve`: epd-ve-0's fault settings."""
     vllm, flags = FLEETS[handoff]
-    envs = {f"epd-ve-{i}": {"EPD_SIM_VLLM": vllm} for i in range(n_ve)} | {"epd-pd-0": {"EPD_SIM_VLLM": vllm}}
-    if broken_ve:
-        envs[broken_ve]["EPD_SIM_HANDOFF_UNANNOUNCED"] = "1"
-    return Stack.start(ckpt, workdir, n_ve=n_ve, n_pd=1, sim_env=envs, engine_args=flags, handoff=handoff)
+    envs = {f"epd-{role}-{i}": {"EPD_SIM_VLLM": vllm} for role, n in (("ve", n_ve), ("pd", n_pd)) for i in range(n)}
+    envs["epd-ve-0"].update(broken_ve or {})
+    return Stack.start(ckpt, workdir, n_ve=n_ve, n_pd=n_pd, sim_env=envs, engine_args=flags, handoff=handoff)
 
 
 def _chat(stack: Stack, oracle, seed: int, images: int = 1) -> None:
@@ -60,7 +60,7 @@ def test_an_image_chat_crosses_in_the_fleets_handoff(ckpt, oracle, tmp_path, han
 
 @pytest.mark.parametrize("handoff", list(FLEETS))
 def test_a_ve_answer_without_a_fetchable_entry_is_charged_to_that_ve_and_reencoded(ckpt, oracle, tmp_path, handoff):
-    stack = _start(ckpt, tmp_path, handoff, n_ve=2, broken_ve="epd-ve-0")
+    stack = _start(ckpt, tmp_path, handoff, n_ve=2, broken_ve={"EPD_SIM_HANDOFF_UNANNOUNCED": "1"})
     try:
         # each image's VE is its HRW choice: up to 16 images until one was placed on the broken
         # VE (each has a 1-in-2 chance); every chat must be answered right regardless
@@ -76,5 +76,29 @@ def test_a_ve_answer_without_a_fetchable_entry_is_charged_to_that_ve_and_reencod
         assert f"no {what} for 1 item(s)" in stack.router.log()
         assert stack.pds[0].proc.poll() is None  # the PD never got an LM-only request
         assert "EngineCore encountered a fatal error" not in stack.pds[0].process.log()
+    finally:
+        stack.stop()
+
+
+def test_a_0_32_pd_that_cannot_fetch_an_item_fails_that_request_and_the_router_encodes_it_elsewhere(
+    ckpt, oracle, tmp_path
+):
+    """Upstream's PD fails only the request whose item it could not read from the address it had
+    (vLLM 0.32.0: FINISHED_ERROR, "re-issuing the request re-runs the encode"); the router
+    retries on another PD with the items encoded on the other VE. Nothing dies, nobody is
+    charged (the same generation error comes for any failed generation)."""
+    stack = _start(ckpt, tmp_path, "ec_transfer_params", n_ve=2, n_pd=2, broken_ve={"EPD_SIM_SIDE_CHANNEL": "refuse"})
+    failing = "No local model input is available; failing the request."
+    try:
+        for seed in range(500, 516):  # until an image's HRW choice was the VE whose reads fail
+            _chat(stack, oracle, seed=seed)
+            if any(failing in pd.process.log() for pd in stack.pds):
+                break
+        assert any(failing in pd.process.log() for pd in stack.pds)
+        assert "retrying on another PD" in stack.router.log()
+        pools = stack.router.pools()
+        assert all(pools[e]["failures"] == 0 and pools[e]["healthy"] for e in pools), pools
+        for pd in stack.pds:
+            assert pd.proc.poll() is None and "EngineCore encountered a fatal error" not in pd.process.log()
     finally:
         stack.stop()

@@ -201,18 +201,22 @@ class Encoder:
         async with ctx.time_limit("re-encode"):
             ctx.locators.update(await self.encode(ctx, only=stale, avoid=avoid))
 
-    async def refresh_locators(self, ctx: RequestContext, *, reencode_all: bool) -> bool:
+    async def refresh_locators(self, ctx: RequestContext, *, reencode_all: bool, elsewhere: bool = False) -> bool:
         """Before retrying a failed PD call elsewhere: re-encode the items whose VE is gone
         or quarantined (probed now), or all of them if the PD may not have read the
         embeddings (`reencode_all`: its ECLoadFailure, or its engine core's death, generation.py);
         a failed EC read kills a PD engine core (§3.5), so the retry must not read the same
         locators, nor any block of a VE a PD could not read. Returns True if any locator
-        changed."""
+        changed. `elsewhere`: the items' own VEs may be the cause (an upstream PD's generation
+        error, generation.py), so each item goes to another VE where there is one."""
         if not ctx.items:
             return False
         encoders = {e.id: e for e in self._state.pools.ve if e.id in set(ctx.encoded_by.values())}
         await asyncio.gather(*(self._engines.check(e) for e in encoders.values()))
         gone = {ve for ve in set(ctx.encoded_by.values()) if ve not in encoders or not encoders[ve].eligible}
+        if elsewhere:
+            eligible = {e.id for e in self._state.pools.eligible_ve()}
+            gone |= {ve for ve in set(ctx.encoded_by.values()) if eligible - {ve}}
         stale = {h for h, ve in ctx.encoded_by.items() if ve in gone}
         if reencode_all:
             stale = set(ctx.encoded_by)

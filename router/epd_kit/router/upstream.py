@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from epd_kit.router import engine_http
-from epd_kit.router.errors import EcLoadFailed, EngineDied, Failure, UpstreamError
+from epd_kit.router.errors import EcLoadFailed, EngineDied, Failure, GenerationFailed, UpstreamError
 from epd_kit.router.pools import Engine
 from epd_kit.wire import EC_LOCATOR, EcHandoffItem, GenerateResponse, HandoffKind, unreadable_items
 
@@ -94,11 +94,11 @@ def _failure(
     failure: Failure | None,
     retry_other: bool,
     client: str | None = None,
+    error_type: type[UpstreamError] = UpstreamError,
 ) -> UpstreamError:
     """The typed error for a failed engine call; `engine_text` is what the engine said.
     `message` (with `where`) is for the log and /pools; `client` is what the client is told,
     without engine internals (no address, no id), else UpstreamError's default."""
-    error_type: type[UpstreamError] = UpstreamError
     if engine.role == "pd" and any(m in engine_text for m in EC_LOAD_FAILURE_MARKERS):
         error_type = EcLoadFailed
     elif engine.role == "pd" and ENGINE_DEAD_MESSAGE in engine_text:
@@ -175,7 +175,9 @@ def generation_failed(engine: Engine, how: str, *, retry_other: bool = True) -> 
     stage = STAGE_NAMES[engine.role]
     message = f"{where(engine)} failed this request: vLLM generation error ({how}); not counted against the engine"
     client = f"the engine could not complete this request ({stage}: vLLM generation error)"
-    return _failure(engine, 502, message, failure=None, retry_other=retry_other, client=client)
+    return _failure(
+        engine, 502, message, failure=None, retry_other=retry_other, client=client, error_type=GenerationFailed
+    )
 
 
 def _is_generation_error(error: object) -> bool:

@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .. import mm_serde
-from ..wire import EC_LOCATOR, EcHandoffItem, GenerateRequest, HandoffKind, Placeholder, unreadable_items
+from ..wire import (
+    EC_LOCATOR,
+    EC_TRANSFER_PARAMS,
+    EcHandoffItem,
+    GenerateRequest,
+    HandoffKind,
+    Placeholder,
+    unreadable_items,
+)
 from .config import EngineConfig
 from .ec_loader import BlockLenMismatch, EcLoader
 from .errors import ECLoadFailure, EngineDeadError, LocalEncodeFailure, RequestRejected, check_prompt_length
@@ -256,6 +264,9 @@ class PrefillDecodeEngine:
         except (ECLoadFailure, BlockLenMismatch, LocalEncodeFailure) as exc:
             if isinstance(exc, ECLoadFailure):
                 self.metrics.ec_load_failures.inc()
+                if seq.handoff == EC_TRANSFER_PARAMS:
+                    self._read_failed(seq, exc)
+                    return
             self.die(exc)
             return
         if seq.done:  # aborted while loading
@@ -272,6 +283,24 @@ class PrefillDecodeEngine:
         seq.state = "prefill"
         self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
         self._wake.set()
+
+    def _read_failed(self, seq: Sequence, exc: ECLoadFailure) -> None:
+        """Upstream's consumer (vLLM 0.32.0) on a read it cannot complete fails this request
+        only: its items have an address but the read failed, and with no pixels to encode
+        (Qwen3-VL's image_grid_thw is placeholder metadata, not input) `_fail_or_fallback`
+        records it, `take_unavailable_requests` hands it to the scheduler, which finishes it
+        FINISHED_ERROR ("Failing is retryable: re-issuing the request re-runs the encode",
+        v1/core/sched/scheduler.py); the engine stays up. vLLM's generation error reaches the
+        client (release.py GENERATION_ERROR)."""
+        for mm_hash in exc.mm_hashes:
+            log.error(
+                "EC consumer: request %s needs remote encoding mm_hash=%s but %s. "
+                "No local model input is available; failing the request.",
+                seq.request_id,
+                mm_hash,
+                exc.cause or "the remote read failed",
+            )
+        self._finish(seq, "error")
 
     def _emit(self, seq: Sequence) -> None:
         assert seq.plan is not None

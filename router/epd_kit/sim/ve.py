@@ -226,12 +226,14 @@ class VisionEncoderEngine:
                 num_tokens=item.placeholder.length,
             )
         # upstream's producer (vLLM 0.32.0 ec_connector/cpu/scheduler/__init__.py request_finished):
-        # every index of the item in this request, the model's placeholder metadata (none the
-        # sim's PD needs), its side channel's address, the bytes of its blocks and the tensor's
-        # shape (rows x the encoder's output width); the PD fetches it by mm_hash
+        # every index of the item in this request, the model's placeholder metadata (Qwen3-VL's
+        # image_grid_thw, model_executor/models/qwen2_vl.py Qwen2VLMultiModalDataParser
+        # embedding_fields, as utils.py collect_ec_item_metadata lists it), its side channel's
+        # address, the bytes of its blocks and the tensor's shape (rows x the encoder's output
+        # width); the PD fetches it by mm_hash
         return EcTransferItem(
             item_indices=_indices(mm_hash, items),
-            metadata={},
+            metadata={"image_grid_thw": list(item.grid)},
             peer_host=self.cfg.side_channel_host,
             peer_port=self.side_channel_port,
             size_bytes=self.cfg.block_len,
