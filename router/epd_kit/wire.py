@@ -57,7 +57,7 @@ class EcLocator(_Strict):
         return True
 
 
-# The two hand-offs of an item's encoder output from a VE to a PD (docs/contract.md "Hand-offs";
+# The two hand-offs of an item's encoder output from a VE to a PD (docs/contract.md §2.7;
 # a fleet speaks one, router.yaml `handoff`, derived by the planner from the engines' vLLM):
 # - ec_locator: vllm-neuron's EC connector (Neuron 2.32 and 2.33, vLLM 0.24.0 and 0.29.0). The VE
 #   answers `kv_transfer_params.ec_locator` {mm_hash: EcLocator}; the PD reads the same mapping
@@ -146,11 +146,11 @@ def handoff_request_fields(
     hand-off a client's `kv_transfer_params` and `ec_transfer_params` in extra_args are dropped
     (vLLM 0.32.0 v1/request.py reads both from there), and `ec_transfer_params` goes on top only
     when the request has items (a text-only request carries none, as vLLM's default null)."""
-    extra = {k: v for k, v in (extra_args or {}).items() if k not in ("kv_transfer_params", "ec_transfer_params")}
     if kind == EC_LOCATOR:
         extra = dict(extra_args or {})
         extra["kv_transfer_params"] = {"ec_locator": _dump(items)}
         return extra, {}
+    extra = {k: v for k, v in (extra_args or {}).items() if k not in ("kv_transfer_params", "ec_transfer_params")}
     return extra, ({"ec_transfer_params": _dump(items)} if items else {})
 
 

@@ -181,7 +181,7 @@ class EngineClient:
         request: its outcome goes to the health rules through the prober only."""
         assert self._probes is not None
         if engine.role == "pd":
-            body = self._probes.pd_body()
+            body = self._probes.pd_body(self._state.cfg.handoff)
             await self._generate(engine, body, len(body["token_ids"]), 1)
         elif self._probes.item is not None:
             item = self._probes.item

@@ -33,3 +33,16 @@ def test_a_release_change_changes_the_compile_cache_key_as_its_compiler_does():
     # an explicit simulated SDK still wins
     pinned = cc.key_inputs(target="trn2", env={"EPD_SIM_VLLM": "0.29", "EPD_SIM_NEURON_SDK": "x"}, **KEY)
     assert pinned["neuronxcc"] == "x"
+
+
+@pytest.mark.parametrize(
+    ("value", "handoff", "opt_in"),
+    [("0.24", "ec_locator", False), ("0.29", "ec_locator", False), ("0.32", "ec_transfer_params", True)],
+)
+def test_a_0_3x_sim_speaks_upstreams_handoff_and_serves_the_route_only_when_asked(value, handoff, opt_in):
+    """vLLM 0.30+ hands items over ec_transfer_params and needs --enable-scale-out
+    (docs/sim.md "Hand-offs"); 0.32 is not a Neuron release's: its compiler stand-in is the
+    newest release's."""
+    shape = answer_shape({"EPD_SIM_VLLM": value})
+    assert (shape.vllm, shape.handoff, shape.scale_out_opt_in) == (value, handoff, opt_in)
+    assert sim_sdk({"EPD_SIM_VLLM": "0.32"}) == sim_sdk({"EPD_SIM_VLLM": "0.29"})
