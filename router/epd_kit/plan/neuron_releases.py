@@ -75,6 +75,11 @@ class NeuronRelease:
         """The engine venv distributions whose version no source read settles."""
         return [dist for dist, pin in self.engine_venv.items() if pin.version is None]
 
+    @property
+    def handoff(self) -> str:
+        """How this release's VEs hand encoder outputs to its PDs (router.yaml `handoff`)."""
+        return handoff_of(self.vllm)
+
     def serve_flags(self) -> tuple[str, ...]:
         """The `vllm serve` flags this release's vLLM needs on every engine the router calls."""
         return serve_flags_of(self.vllm)
@@ -93,6 +98,7 @@ class NeuronRelease:
             "vllm": self.vllm,
             "engine_environment": {name: str(pin.version) for name, pin in self.engine_environment.items()},
             "serve_flags": list(self.serve_flags()),
+            "handoff": self.handoff,
         }
 
     def table(self) -> list[tuple[str, str, str]]:
@@ -107,6 +113,7 @@ class NeuronRelease:
             (f"`{name}` (engine environment)", pin.shown, pin.source) for name, pin in self.engine_environment.items()
         ]
         rows.append(("DLAMI vLLM venv", self.dlami_venv.shown, self.dlami_venv.source))
+        rows.append(("engine hand-off", self.handoff, f"vLLM {self.vllm}: {HANDOFF_RULE}"))
         flags = [flag for flag in SERVE_FLAGS if flag.flag in self.serve_flags()]
         rows.append(
             (
@@ -172,6 +179,10 @@ EC_TRANSFER_PARAMS_SINCE = "0.30.0"
 # the two hand-offs, as epd_kit.wire.HandoffKind spells them (the planner is stdlib only and does
 # not import the wire; tests/unit/test_wire.py keeps the two equal)
 HANDOFFS = ("ec_locator", "ec_transfer_params")
+HANDOFF_RULE = (
+    f"from {EC_TRANSFER_PARAMS_SINCE} on ec_transfer_params (upstream's ECCPUConnector with ec_enable_nixl, "
+    "vllm PR #47941), before it ec_locator (vllm-neuron's kv_transfer_params.ec_locator); docs/contract.md §2.7"
+)
 
 
 def handoff_of(vllm: str) -> str:
