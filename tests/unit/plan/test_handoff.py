@@ -29,14 +29,16 @@ def test_vllm_0_30_and_later_speak_ec_transfer_params_every_supported_release_ec
     for name, release in RELEASES.items():  # 2.32: vLLM 0.24.0, 2.33.x: 0.29.0
         settings = read_settings({**MODEL, "epd_neuron_release": name})
         assert (settings.engine_vllm, settings.handoff) == (release.vllm, "ec_locator"), name
+        assert release.profile()["handoff"] == "ec_locator"
+        assert ("engine hand-off", "ec_locator") in [row[:2] for row in release.table()]
 
 
 def test_a_neuron_release_on_a_later_vllm_speaks_upstreams_handoff(monkeypatch):
     newer = RELEASES["2.33.1"]
-    monkeypatch.setitem(
-        RELEASES, "2.33.1", replace(newer, engine_venv=newer.engine_venv | {"vllm": Pin("0.30.0", "t")})
-    )
+    newer = replace(newer, engine_venv=newer.engine_venv | {"vllm": Pin("0.30.0", "t")})
+    monkeypatch.setitem(RELEASES, "2.33.1", newer)
     assert read_settings({**MODEL, "epd_neuron_release": "2.33.1"}).handoff == "ec_transfer_params"
+    assert newer.profile()["handoff"] == "ec_transfer_params"
 
 
 @pytest.mark.parametrize("backend", ["vllm", "sim"])
