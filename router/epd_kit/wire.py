@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -50,6 +50,108 @@ class EcLocator(_Strict):
     port: int = Field(gt=0, lt=65536)
     remote_block_ids: list[int] = Field(min_length=1)
     num_tokens: int = Field(gt=0)
+
+    @property
+    def readable(self) -> bool:
+        """Every key is required: a locator that parsed names blocks a PD can read."""
+        return True
+
+
+# The two hand-offs of an item's encoder output from a VE to a PD (docs/contract.md §2.7;
+# a fleet speaks one, router.yaml `handoff`, derived by the planner from the engines' vLLM):
+# - ec_locator: vllm-neuron's EC connector (Neuron 2.32 and 2.33, vLLM 0.24.0 and 0.29.0). The VE
+#   answers `kv_transfer_params.ec_locator` {mm_hash: EcLocator}; the PD reads the same mapping
+#   from `sampling_params.extra_args.kv_transfer_params.ec_locator` (§2.4, §3.1).
+# - ec_transfer_params: upstream vLLM >= 0.30 (ECCPUConnector with "ec_enable_nixl", vllm PR
+#   #47941). The VE answers a top-level `ec_transfer_params` {mm_hash: EcTransferItem} with
+#   `kv_transfer_params` null, and the PD takes that mapping as its request's top-level
+#   `ec_transfer_params` (vLLM 0.32.0 entrypoints/scale_out/token_in_token_out/protocol.py:
+#   GenerateRequest.ec_transfer_params and GenerateResponseBase.ec_transfer_params; serving.py
+#   copies the request's into sampling_params.extra_args["ec_transfer_params"], which
+#   v1/request.py reads into Request.ec_transfer_params).
+HandoffKind = Literal["ec_locator", "ec_transfer_params"]
+EC_LOCATOR: HandoffKind = "ec_locator"
+EC_TRANSFER_PARAMS: HandoffKind = "ec_transfer_params"
+HANDOFF_KINDS: tuple[HandoffKind, ...] = get_args(HandoffKind)
+
+
+class EcTransferItem(_Open):
+    """One item of upstream's `ec_transfer_params`, as vLLM 0.32.0's producer announces it
+    (distributed/ec_transfer/ec_connector/cpu/scheduler/__init__.py request_finished: the entry
+    of utils.py collect_ec_item_metadata, `item_indices` and `metadata`, updated with
+    `peer_host`, `peer_port`, `size_bytes`, `shape`). Other keys are kept: the PD gets the entry
+    as the VE wrote it."""
+
+    item_indices: list[int] = Field(min_length=1)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    peer_host: str | None = Field(default=None, min_length=1)
+    peer_port: int | None = Field(default=None, gt=0, lt=65536)
+    size_bytes: int | None = Field(default=None, gt=0)
+    shape: list[int] | None = None
+
+    @property
+    def readable(self) -> bool:
+        """Whether a PD can fetch it. An entry without the address is what the producer writes
+        for an item it no longer holds ("announcing no metadata", request_finished); the
+        consumer then encodes the item itself (cpu/scheduler/__init__.py _admit_item: "Without
+        a producer address ... the encoder runs locally"), which the router's LM-only kwargs
+        cannot feed: the PD's engine core dies (issue 54). Without size_bytes or shape the
+        consumer gives the read up (_RemoteUnavailable) and, with no media, fails the request."""
+        return None not in (self.peer_host, self.peer_port, self.size_bytes, self.shape)
+
+
+EcHandoffItem = EcLocator | EcTransferItem
+
+
+def handoff_items(
+    kind: HandoffKind, kv_transfer_params: object, ec_transfer_params: object
+) -> dict[str, EcHandoffItem]:
+    """The items of one hand-off, read where `kind` carries them (a VE's answer, a PD's body).
+    ValueError (pydantic's ValidationError is one) for a malformed mapping."""
+    if kind == EC_LOCATOR:
+        raw = kv_transfer_params.get("ec_locator") if isinstance(kv_transfer_params, dict) else None
+        model: type[EcLocator | EcTransferItem] = EcLocator
+    else:
+        raw, model = ec_transfer_params, EcTransferItem
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{kind} is not a mapping of mm_hash to its entry")
+    return {str(h): model.model_validate(entry) for h, entry in raw.items()}
+
+
+def unreadable_items(items: dict[str, EcHandoffItem], hashes: Iterable[str]) -> list[str]:
+    """The `hashes` a PD could not fetch from `items`: absent, or without an address."""
+    return [h for h in hashes if h not in items or not items[h].readable]
+
+
+def _dump(items: dict[str, EcHandoffItem]) -> dict[str, dict[str, Any]]:
+    # exclude_unset: an entry goes on exactly as the VE wrote it (and a sim's as it built it)
+    return {h: item.model_dump(exclude_unset=True) for h, item in items.items()}
+
+
+def handoff_answer_fields(kind: HandoffKind, items: dict[str, EcHandoffItem]) -> dict[str, Any]:
+    """A VE answer's hand-off members: vllm-neuron's `kv_transfer_params.ec_locator`, or
+    upstream's top-level `ec_transfer_params` beside a null `kv_transfer_params`."""
+    if kind == EC_LOCATOR:
+        return {"kv_transfer_params": {"ec_locator": _dump(items)}}
+    return {"kv_transfer_params": None, "ec_transfer_params": _dump(items)}
+
+
+def handoff_request_fields(
+    kind: HandoffKind, extra_args: dict[str, Any] | None, items: dict[str, EcHandoffItem]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A PD body's hand-off: (its sampling_params.extra_args, its top-level members). The
+    router's own `kv_transfer_params` replaces a client's wholesale (§3.1); with upstream's
+    hand-off a client's `kv_transfer_params` and `ec_transfer_params` in extra_args are dropped
+    (vLLM 0.32.0 v1/request.py reads both from there), and `ec_transfer_params` goes on top only
+    when the request has items (a text-only request carries none, as vLLM's default null)."""
+    if kind == EC_LOCATOR:
+        extra = dict(extra_args or {})
+        extra["kv_transfer_params"] = {"ec_locator": _dump(items)}
+        return extra, {}
+    extra = {k: v for k, v in (extra_args or {}).items() if k not in ("kv_transfer_params", "ec_transfer_params")}
+    return extra, ({"ec_transfer_params": _dump(items)} if items else {})
 
 
 class Features(_Strict):
@@ -116,14 +218,12 @@ class SamplingParams(_Open):
 
     def ec_locators(self) -> dict[str, EcLocator]:
         """The locators a PD reads: `extra_args.kv_transfer_params.ec_locator` (§3.1)."""
-        ktp = (self.extra_args or {}).get("kv_transfer_params") or {}
-        raw = ktp.get("ec_locator") or {}
-        return {h: EcLocator.model_validate(loc) for h, loc in raw.items()}
+        items = handoff_items(EC_LOCATOR, (self.extra_args or {}).get("kv_transfer_params"), None)
+        return {h: item for h, item in items.items() if isinstance(item, EcLocator)}
 
     def with_ec_locators(self, locators: dict[str, EcLocator]) -> SamplingParams:
         """Copy with `kv_transfer_params` replaced wholesale, client extra_args kept (§3.1)."""
-        extra = dict(self.extra_args or {})
-        extra["kv_transfer_params"] = {"ec_locator": {h: loc.model_dump() for h, loc in locators.items()}}
+        extra, _ = handoff_request_fields(EC_LOCATOR, self.extra_args, dict(locators))
         return self.model_copy(update={"extra_args": extra})
 
     def wire_dict(self) -> dict[str, Any]:
@@ -137,8 +237,15 @@ class GenerateRequest(_Open):
     token_ids: list[int] = Field(min_length=1)
     features: Features | None = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    # upstream's hand-off (HandoffKind "ec_transfer_params"): the VEs' entries, by mm_hash
+    ec_transfer_params: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    def handoff(self, kind: HandoffKind) -> dict[str, EcHandoffItem]:
+        """The items a PD reads, where `kind` puts them. ValueError for a malformed mapping."""
+        ktp = (self.sampling_params.extra_args or {}).get("kv_transfer_params")
+        return handoff_items(kind, ktp, self.ec_transfer_params)
 
     def wire_dict(self) -> dict[str, Any]:
         body: dict[str, Any] = {"token_ids": self.token_ids}
@@ -146,6 +253,8 @@ class GenerateRequest(_Open):
             body = {"request_id": self.request_id, **body}
         body["features"] = (self.features or Features()).model_dump()
         body["sampling_params"] = self.sampling_params.wire_dict()
+        if self.ec_transfer_params is not None:
+            body["ec_transfer_params"] = self.ec_transfer_params
         if self.stream:
             body["stream"] = True
             if self.stream_options is not None:
@@ -218,10 +327,16 @@ class GenerateResponse(_Open):
     choices: list[GenerateChoice]
     prompt_logprobs: Any = None
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM >= 0.29 (absent in 0.24: a 0.24 answer is dumped without it, sim/release.py)
+    ec_transfer_params: dict[str, Any] | None = None
 
     def ec_locators(self) -> dict[str, EcLocator]:
-        raw = (self.kv_transfer_params or {}).get("ec_locator") or {}
-        return {h: EcLocator.model_validate(loc) for h, loc in raw.items()}
+        items = handoff_items(EC_LOCATOR, self.kv_transfer_params, None)
+        return {h: item for h, item in items.items() if isinstance(item, EcLocator)}
+
+    def handoff(self, kind: HandoffKind) -> dict[str, EcHandoffItem]:
+        """The items a VE answered, where `kind` puts them. ValueError for a malformed mapping."""
+        return handoff_items(kind, self.kv_transfer_params, self.ec_transfer_params)
 
 
 class StreamChoice(_Open):

@@ -77,7 +77,8 @@ def test_an_unknown_vllm_stops_the_engine_at_start(checkpoint) -> None:
     argv = [sys.executable, "-m", "epd_kit.sim.cli", *pd_argv(str(checkpoint.path), free_port())[1:]]
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode != 0
-    assert "EPD_SIM_VLLM='0.31': the simulated engine answers as vLLM 0.24 or 0.29" in result.stderr + result.stdout
+    said = result.stderr + result.stdout
+    assert "EPD_SIM_VLLM='0.31': the simulated engine answers as vLLM 0.24, 0.29 or 0.32" in said
 
 
 # vLLM's per-request generation error (GenerationError through create_error_response), the same

@@ -26,7 +26,7 @@ from .managed import (
     cold_start_timeouts,
     vllm_timeouts,
 )
-from .neuron_releases import neuron_release
+from .neuron_releases import neuron_release, serve_flags_of
 
 if TYPE_CHECKING:
     from .settings import Settings
@@ -255,7 +255,7 @@ def engine_command(
             # the pool's flags, then those the fleet's release's vLLM needs on every engine the router
             # calls, then (vllm-cpu) what a CPU engine needs, then the collector of its traces
             ROLE_ARGS: ROLE_FLAGS[role]
-            + neuron_release(settings.neuron_release).serve_flags()
+            + serve_flags_of(settings.engine_vllm)
             + cpu_flags(settings, role)
             + tracing_flags(settings),
             ADDITIONAL_CONFIG: json.dumps(additional_config(settings, role)),

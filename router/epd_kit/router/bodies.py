@@ -15,7 +15,16 @@ import json
 from collections.abc import Sequence
 
 from epd_kit.router.rendering import PreparedItemLike
-from epd_kit.wire import EcLocator, Features, Placeholder, SamplingParams, encode_request_chunks
+from epd_kit.wire import (
+    EC_LOCATOR,
+    EcHandoffItem,
+    Features,
+    HandoffKind,
+    Placeholder,
+    SamplingParams,
+    encode_request_chunks,
+    handoff_request_fields,
+)
 
 
 class VeBody:
@@ -61,11 +70,14 @@ def pd_request_body(
     token_ids: list[int],
     items: Sequence[PreparedItemLike],
     sampling: dict,
-    locators: dict[str, EcLocator],
+    locators: dict[str, EcHandoffItem],
     stream: bool,
+    handoff: HandoffKind = EC_LOCATOR,
 ) -> dict:
     """Contract §3.1: real prompt, per-item placeholders with duplicates kept, LM-only
-    kwargs, locators under sampling_params.extra_args.kv_transfer_params.ec_locator.
+    kwargs, the items' hand-off in the fleet's kind (`handoff`, wire.handoff_request_fields):
+    under sampling_params.extra_args.kv_transfer_params.ec_locator, or upstream's top-level
+    ec_transfer_params.
 
     Built as builtins directly: the same dict, key for key and in the same order, as
     `GenerateRequest(...).wire_dict()` (tests/unit/router/test_router_bodies.py compares
@@ -79,8 +91,7 @@ def pd_request_body(
         ).model_dump()
     else:
         features = {"mm_hashes": {}, "mm_placeholders": {}, "kwargs_data": {}}
-    extra = dict(sampling.get("extra_args") or {})
-    extra["kv_transfer_params"] = {"ec_locator": {h: loc.model_dump() for h, loc in locators.items()}}
+    extra, top = handoff_request_fields(handoff, sampling.get("extra_args"), locators)
     params = {}
     for name in _SAMPLING_DECLARED:
         if name == "extra_args":
@@ -89,6 +100,7 @@ def pd_request_body(
             params[name] = value
     params.update((k, v) for k, v in sampling.items() if k not in _SAMPLING_DECLARED and v is not None)
     body: dict = {"request_id": request_id, "token_ids": token_ids, "features": features, "sampling_params": params}
+    body.update(top)
     if stream:  # we always ask for the usage chunk; the client sees it only if it asked (OpenAI rule)
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}

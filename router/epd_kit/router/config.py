@@ -21,6 +21,7 @@ from epd_kit.plan.models import reserved_name
 from epd_kit.plan.variables import ROUTER_PORT
 from epd_kit.preprocess.model_files import ENGINE_DTYPES
 from epd_kit.preprocess.settings import Limits, Media, Section
+from epd_kit.wire import EC_LOCATOR, HandoffKind
 
 
 class ListenTls(Section):
@@ -270,6 +271,12 @@ class RouterConfig(Section):
     # the engines' --dtype: VE pixel_values travel in the dtype it resolves to for the
     # checkpoint ("auto": the checkpoint's own, float32 checkpoints in bfloat16), as vLLM's
     dtype: str = "auto"
+    # how the fleet's VEs hand an item's encoder output to a PD (wire.HandoffKind, docs/contract.md
+    # "Hand-offs"): vllm-neuron's `ec_locator` (Neuron, vLLM < 0.30; the default, so a file
+    # written before the key existed means what it meant) or upstream vLLM >= 0.30's
+    # `ec_transfer_params`. One per fleet: every model's lane runs on the same vLLM. The plan
+    # writes it from the engines' vLLM (plan/neuron_releases.py handoff_of).
+    handoff: HandoffKind = EC_LOCATOR
     listen: Listen = Field(default_factory=Listen)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     limits: Limits = Field(default_factory=Limits)

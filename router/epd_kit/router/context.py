@@ -22,7 +22,7 @@ from epd_kit.router.errors import RouterError
 from epd_kit.router.openai_api import ChatCompletionRequest
 from epd_kit.router.pools import Engine
 from epd_kit.router.rendering import PreparedItemLike
-from epd_kit.wire import EcLocator
+from epd_kit.wire import EcHandoffItem
 
 
 class Releasable(Protocol):
@@ -44,7 +44,7 @@ class RequestContext:
     created: int = field(default_factory=lambda: int(time.time()))
     token_ids: list[int] = field(default_factory=list)
     items: list[PreparedItemLike] = field(default_factory=list)
-    locators: dict[str, EcLocator] = field(default_factory=dict)
+    locators: dict[str, EcHandoffItem] = field(default_factory=dict)
     encoded_by: dict[str, str] = field(default_factory=dict)  # mm_hash -> VE id
     # VEs whose blocks this request's PD call may read: each keeps one count of `inflight`
     # from its encode until the request ends (`release_encoders`), so a drain waits for it

@@ -18,7 +18,7 @@ from epd_kit.router.placement import Item, group_by_ve, place_items
 from epd_kit.router.pools import Engine
 from epd_kit.router.rendering import PreparedItemLike
 from epd_kit.router.state import RouterState
-from epd_kit.wire import EcLocator
+from epd_kit.wire import EcHandoffItem
 
 if TYPE_CHECKING:
     from epd_kit.router.engine_client import EngineClient
@@ -38,7 +38,7 @@ class Encoder:
         ctx: RequestContext,
         only: set[str] | None = None,
         avoid: dict[str, set[str]] | None = None,
-    ) -> dict[str, EcLocator]:
+    ) -> dict[str, EcHandoffItem]:
         """Locators for the request's unique items (or the `only` subset), each on its HRW VE
         (never one in `avoid[mm_hash]`); records which VE encoded each in `ctx.encoded_by`."""
         by_hash: dict[str, PreparedItemLike] = {}
@@ -50,7 +50,7 @@ class Encoder:
                 self._model_metrics.dedupe.inc(len(ctx.items) - len(by_hash))
             self._model_metrics.items.inc(len(by_hash))
         max_attempts = self._state.cfg.retries.max_attempts
-        locators: dict[str, EcLocator] = {}
+        locators: dict[str, EcHandoffItem] = {}
         tried: dict[str, set[str]] = {h: set() for h in by_hash}
         excluded: dict[str, set[str]] = {h: set((avoid or {}).get(h, ())) for h in by_hash}
         last_error: dict[str, UpstreamError] = {}
@@ -106,7 +106,7 @@ class Encoder:
         eligible: dict[str, Engine],
         groups: dict[str, list[str]],
         by_hash: dict[str, PreparedItemLike],
-    ) -> list[dict[str, EcLocator] | BaseException]:
+    ) -> list[dict[str, EcHandoffItem] | BaseException]:
         """One POST per VE, all at once; each result is locators or the exception.
 
         A VE that answered stays counted in `inflight` until the request ends
@@ -117,7 +117,7 @@ class Encoder:
         for ve in groups:  # reserve in the same step as the choice (reload/drain see it)
             eligible[ve].inflight += 1
             eligible[ve].inflight_work += work[ve]
-        results: list[dict[str, EcLocator] | BaseException] = []
+        results: list[dict[str, EcHandoffItem] | BaseException] = []
         try:
             results = await asyncio.gather(
                 *(
@@ -201,18 +201,22 @@ class Encoder:
         async with ctx.time_limit("re-encode"):
             ctx.locators.update(await self.encode(ctx, only=stale, avoid=avoid))
 
-    async def refresh_locators(self, ctx: RequestContext, *, reencode_all: bool) -> bool:
+    async def refresh_locators(self, ctx: RequestContext, *, reencode_all: bool, elsewhere: bool = False) -> bool:
         """Before retrying a failed PD call elsewhere: re-encode the items whose VE is gone
         or quarantined (probed now), or all of them if the PD may not have read the
         embeddings (`reencode_all`: its ECLoadFailure, or its engine core's death, generation.py);
         a failed EC read kills a PD engine core (§3.5), so the retry must not read the same
         locators, nor any block of a VE a PD could not read. Returns True if any locator
-        changed."""
+        changed. `elsewhere`: the items' own VEs may be the cause (an upstream PD's generation
+        error, generation.py), so each item goes to another VE where there is one."""
         if not ctx.items:
             return False
         encoders = {e.id: e for e in self._state.pools.ve if e.id in set(ctx.encoded_by.values())}
         await asyncio.gather(*(self._engines.check(e) for e in encoders.values()))
         gone = {ve for ve in set(ctx.encoded_by.values()) if ve not in encoders or not encoders[ve].eligible}
+        if elsewhere:
+            eligible = {e.id for e in self._state.pools.eligible_ve()}
+            gone |= {ve for ve in set(ctx.encoded_by.values()) if eligible - {ve}}
         stale = {h for h, ve in ctx.encoded_by.items() if ve in gone}
         if reencode_all:
             stale = set(ctx.encoded_by)

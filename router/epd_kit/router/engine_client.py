@@ -41,7 +41,7 @@ from epd_kit.router.pools import Engine
 from epd_kit.router.probes import ServingProbes
 from epd_kit.router.rendering import PreparedItemLike
 from epd_kit.router.state import RouterState
-from epd_kit.wire import GENERATE_PATH, EcLocator, GenerateResponse
+from epd_kit.wire import GENERATE_PATH, EcHandoffItem, GenerateResponse
 
 # the client's own read timeout stays a little behind the call's deadline, so the deadline
 # (whose message says what it was derived from) is what fires
@@ -126,7 +126,9 @@ class EngineClient:
 
     # --- calls -----------------------------------------------------------------------------
 
-    async def encode(self, engine: Engine, items: Sequence[PreparedItemLike], request_id: str) -> dict[str, EcLocator]:
+    async def encode(
+        self, engine: Engine, items: Sequence[PreparedItemLike], request_id: str
+    ) -> dict[str, EcHandoffItem]:
         """One encode POST to a VE: a locator for every item, or an UpstreamError. The caller
         has reserved the items' tokens in `engine.inflight_work`."""
         try:
@@ -179,7 +181,7 @@ class EngineClient:
         request: its outcome goes to the health rules through the prober only."""
         assert self._probes is not None
         if engine.role == "pd":
-            body = self._probes.pd_body()
+            body = self._probes.pd_body(self._state.cfg.handoff)
             await self._generate(engine, body, len(body["token_ids"]), 1)
         elif self._probes.item is not None:
             item = self._probes.item
@@ -231,14 +233,16 @@ class EngineClient:
 
     # --- the calls themselves: no health bookkeeping ----------------------------------------
 
-    async def _encode(self, engine: Engine, items: Sequence[PreparedItemLike], request_id: str) -> dict[str, EcLocator]:
+    async def _encode(
+        self, engine: Engine, items: Sequence[PreparedItemLike], request_id: str
+    ) -> dict[str, EcHandoffItem]:
         deadline = deadlines.encode_s(self._state.cfg.timeouts, engine.inflight_work)
         what = f"{len(items)} item(s), {engine.inflight_work} embedding tokens in flight on it"
         body = ve_body(request_id, engine.id, items)
         answer = await self._post(engine, body, deadline, what)
         if answer.status != 200:
             raise upstream.classify_status(answer, engine)
-        return upstream.parse_ve_response(answer, engine, [i.mm_hash for i in items])
+        return upstream.parse_ve_response(answer, engine, [i.mm_hash for i in items], self._state.cfg.handoff)
 
     async def _generate(
         self, engine: Engine, body: dict, prompt_tokens: int, max_tokens: int | None

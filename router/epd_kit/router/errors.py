@@ -160,3 +160,12 @@ class EngineDied(UpstreamError):
     `engine_text` is what the PD said."""
 
     engine_text: str = ""
+
+
+class GenerationFailed(UpstreamError):
+    """vLLM's per-request generation error (upstream.GENERATION_ERROR_MESSAGE): not the
+    engine's fault, another PD may serve the request. Upstream vLLM >= 0.30 also answers it
+    when its EC consumer could not fetch an item it had an address for (vLLM 0.32.0
+    v1/core/sched/scheduler.py: the connector's take_unavailable_requests end FINISHED_ERROR,
+    "Failing is retryable: re-issuing the request re-runs the encode"), so in an
+    `ec_transfer_params` fleet generation.py re-encodes the request's items before the retry."""

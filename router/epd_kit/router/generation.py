@@ -24,12 +24,13 @@ from epd_kit.router.admission import PdAdmission
 from epd_kit.router.context import RequestContext
 from epd_kit.router.encode import Encoder
 from epd_kit.router.engine_client import EngineClient, PdStream
-from epd_kit.router.errors import EcLoadFailed, EngineDied, RouterError, UpstreamError
+from epd_kit.router.errors import EcLoadFailed, EngineDied, GenerationFailed, RouterError, UpstreamError
 from epd_kit.router.metrics import RequestOutcome, RouterMetrics
 from epd_kit.router.openai_api import ChatCompletionRequest
 from epd_kit.router.pools import Engine
 from epd_kit.router.rendering import Renderer, render_request
 from epd_kit.router.state import RouterState
+from epd_kit.wire import EC_TRANSFER_PARAMS
 
 log = logging.getLogger("epd_router.generation")
 
@@ -153,7 +154,10 @@ class Generation:
                         "generate failed before the client got a byte, retrying on another PD",
                         extra={"request_id": ctx.request_id, "engine": engine.id, "error": err.message},
                     )
-                    await self._encoder.refresh_locators(ctx, reencode_all=read_failed is not None)
+                    upstream_read = self._upstream_read_failed(err)
+                    await self._encoder.refresh_locators(
+                        ctx, reencode_all=read_failed is not None or upstream_read, elsewhere=upstream_read
+                    )
                     if read_failed is not None and (unproven := self._encoder.unproven(ctx)):
                         log.warning(
                             "not retried: no PD has read the blocks of the VEs that re-encoded the items yet",
@@ -168,6 +172,14 @@ class Generation:
                 if not keep_slot:
                     await self._admission.release(engine)
                 return result
+
+    def _upstream_read_failed(self, err: UpstreamError) -> bool:
+        """Whether a PD's failure may be upstream's failed fetch of an item: in an
+        `ec_transfer_params` fleet a generation error, which is how upstream's PD fails a
+        request whose item it could not fetch from the address it had (errors.GenerationFailed).
+        Its items are then encoded again on other VEs before the retry; no VE is charged: any
+        failed generation gives the same answer (docs/router.md "Failure outcomes")."""
+        return isinstance(err, GenerationFailed) and self._state.cfg.handoff == EC_TRANSFER_PARAMS
 
     @staticmethod
     def _failed_read(
@@ -193,10 +205,11 @@ class Generation:
     def _may_retry(self, err: UpstreamError, tried: set[str], ctx: RequestContext) -> bool:
         return err.retry_other and len(tried) < self._state.cfg.retries.max_attempts and time.monotonic() < ctx.deadline
 
-    @staticmethod
-    def _pd_body(ctx: RequestContext, stream: bool) -> dict:
+    def _pd_body(self, ctx: RequestContext, stream: bool) -> dict:
         sampling = ctx.request.sampling_params()
-        return bodies.pd_request_body(ctx.engine_request_id, ctx.token_ids, ctx.items, sampling, ctx.locators, stream)
+        return bodies.pd_request_body(
+            ctx.engine_request_id, ctx.token_ids, ctx.items, sampling, ctx.locators, stream, self._state.cfg.handoff
+        )
 
     async def relay(self, ctx: RequestContext, pd: PdStream, outcome: RequestOutcome) -> AsyncIterator[bytes]:
         """The client's SSE bytes, ending in `[DONE]` only when the answer is complete. A

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from epd_kit.preprocess.errors import PreprocessError
 from epd_kit.router import bodies
 from epd_kit.router.rendering import PreparedItemLike, Renderer
+from epd_kit.wire import EC_LOCATOR, HandoffKind
 
 log = logging.getLogger("epd_router.probes")
 
@@ -48,6 +49,7 @@ class ServingProbes:
     def request_id() -> str:
         return f"probe-{uuid.uuid4().hex}"
 
-    def pd_body(self) -> dict:
+    def pd_body(self, handoff: HandoffKind = EC_LOCATOR) -> dict:
+        """A text-only PD body in the fleet's hand-off (an upstream PD gets no kv_transfer_params)."""
         sampling = {"max_tokens": 1, "output_kind": 2}
-        return bodies.pd_request_body(self.request_id(), self.prompt, [], sampling, {}, stream=False)
+        return bodies.pd_request_body(self.request_id(), self.prompt, [], sampling, {}, False, handoff)

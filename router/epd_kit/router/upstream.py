@@ -19,9 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from epd_kit.router import engine_http
-from epd_kit.router.errors import EcLoadFailed, EngineDied, Failure, UpstreamError
+from epd_kit.router.errors import EcLoadFailed, EngineDied, Failure, GenerationFailed, UpstreamError
 from epd_kit.router.pools import Engine
-from epd_kit.wire import EcLocator, GenerateResponse
+from epd_kit.wire import EC_LOCATOR, EcHandoffItem, GenerateResponse, HandoffKind, unreadable_items
 
 STAGE_NAMES = {"ve": "encode", "pd": "generate"}
 
@@ -94,11 +94,11 @@ def _failure(
     failure: Failure | None,
     retry_other: bool,
     client: str | None = None,
+    error_type: type[UpstreamError] = UpstreamError,
 ) -> UpstreamError:
     """The typed error for a failed engine call; `engine_text` is what the engine said.
     `message` (with `where`) is for the log and /pools; `client` is what the client is told,
     without engine internals (no address, no id), else UpstreamError's default."""
-    error_type: type[UpstreamError] = UpstreamError
     if engine.role == "pd" and any(m in engine_text for m in EC_LOAD_FAILURE_MARKERS):
         error_type = EcLoadFailed
     elif engine.role == "pd" and ENGINE_DEAD_MESSAGE in engine_text:
@@ -175,7 +175,9 @@ def generation_failed(engine: Engine, how: str, *, retry_other: bool = True) -> 
     stage = STAGE_NAMES[engine.role]
     message = f"{where(engine)} failed this request: vLLM generation error ({how}); not counted against the engine"
     client = f"the engine could not complete this request ({stage}: vLLM generation error)"
-    return _failure(engine, 502, message, failure=None, retry_other=retry_other, client=client)
+    return _failure(
+        engine, 502, message, failure=None, retry_other=retry_other, client=client, error_type=GenerationFailed
+    )
 
 
 def _is_generation_error(error: object) -> bool:
@@ -318,17 +320,24 @@ def _check_finished(body: GenerateResponse, engine: Engine) -> None:
         raise generation_failed(engine, 'HTTP 200 with finish_reason "error"')
 
 
-def parse_ve_response(answer: EngineAnswer, engine: Engine, hashes: Sequence[str]) -> dict[str, EcLocator]:
+def parse_ve_response(
+    answer: EngineAnswer, engine: Engine, hashes: Sequence[str], handoff: HandoffKind = EC_LOCATOR
+) -> dict[str, EcHandoffItem]:
+    """The hand-off of every item in `hashes`, read in the fleet's kind (`handoff`). An answer
+    without a readable entry for an item is the VE's failure (bad_body: charged, the items
+    encoded on the next VE, encode.py): sent on, the PD would encode the item itself from the
+    LM-only kwargs and its engine core would die (docs/contract.md "Hand-offs")."""
     try:
         body = GenerateResponse.model_validate_json(answer.body)
         _check_finished(body, engine)  # a failed generation has no locators to read (an UpstreamError)
-        locators = body.ec_locators()
+        items = body.handoff(handoff)
     except ValueError as exc:
-        raise bad_body(engine, f"not a GenerateResponse with valid ec_locator ({exc.__class__.__name__})") from None
-    missing = [h for h in hashes if h not in locators]
+        raise bad_body(engine, f"not a GenerateResponse with valid {handoff} ({exc.__class__.__name__})") from None
+    missing = unreadable_items(items, hashes)
     if missing:
-        raise bad_body(engine, f"no EC locator for {len(missing)} item(s), e.g. {missing[0][:16]}")
-    return {h: locators[h] for h in hashes}
+        what = "EC locator" if handoff == EC_LOCATOR else "ec_transfer_params entry with a producer address"
+        raise bad_body(engine, f"no {what} for {len(missing)} item(s), e.g. {missing[0][:16]}")
+    return {h: items[h] for h in hashes}
 
 
 def parse_pd_response(answer: EngineAnswer, engine: Engine) -> GenerateResponse:

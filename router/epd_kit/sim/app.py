@@ -36,7 +36,7 @@ from .faults import FaultInjector, Faults
 from .metrics import SimMetrics
 from .pd import PrefillDecodeEngine, Sequence, build_sequence
 from .profile import LatencyProfile
-from .release import GENERATION_ERROR, AnswerShape, answer_shape
+from .release import GENERATION_ERROR, SCALE_OUT_DISABLED, AnswerShape, answer_shape
 from .tracing import SimTracer, untraced
 from .ve import VisionEncoderEngine
 
@@ -180,7 +180,7 @@ def create_app(engine: SimEngine, tracer: SimTracer | None = None) -> FastAPI:
                 body = engine.answers.answer(resp, request_id, cfg.served_model_name, len(req.token_ids))
                 return Response(body, media_type="application/json")
             assert engine.pd is not None
-            seq = build_sequence(req, cfg, request_id)
+            seq = build_sequence(req, cfg, request_id, engine.answers.handoff)
             seq.trace = trace
             seq.fail_after = engine.injector.generation_error()
             if seq.fail_after is not None:
@@ -204,6 +204,15 @@ def create_app(engine: SimEngine, tracer: SimTracer | None = None) -> FastAPI:
             )
         return await _complete(engine.pd, seq, request, engine.answers, cfg.served_model_name)
 
+    if engine.answers.scale_out_opt_in and not cfg.enable_scale_out:
+
+        async def scale_out_disabled() -> Response:
+            return error_response(SCALE_OUT_DISABLED, 403, "PermissionDeniedError")
+
+        # vLLM >= 0.30 without --enable-scale-out: the route is there and refuses (release.py)
+        log.info("%s", SCALE_OUT_DISABLED)
+        app.post(GENERATE_PATH)(scale_out_disabled)
+        return app
     app.post(GENERATE_PATH)(untraced(generate) if tracer is None else generate)
     return app
 

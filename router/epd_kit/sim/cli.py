@@ -132,6 +132,12 @@ def _sim(name: str, **kw: Any) -> Any:
 @click.option("--max-logprobs", type=int, default=None, help="Maximum logprobs (accepted).")
 @click.option("--logprobs-mode", default=None, help="Logprobs mode (accepted).")
 @click.option("--otlp-traces-endpoint", default=None, help="Target URL to which OpenTelemetry traces will be sent.")
+@click.option(
+    "--enable-scale-out",
+    is_flag=True,
+    default=False,
+    help="Serve the scale-out endpoints, /inference/v1/generate among them (vLLM >= 0.30; refused by older vLLMs).",
+)
 @click.option("--disable-uvicorn-access-log", is_flag=True, default=False, help="Disable uvicorn access log.")
 @_sim(
     "profile",
@@ -168,6 +174,12 @@ def _sim(name: str, **kw: Any) -> Any:
 @_sim("extra-latency-ms", type=float, default=0.0, help="[sim fault] Added per request.")
 @_sim("jitter-ms", type=float, default=0.0, help="[sim fault] Uniform random extra latency.")
 @_sim(
+    "handoff-unannounced",
+    is_flag=True,
+    default=False,
+    help="[sim fault] VE answers carry no fetchable hand-off (no ec_locator; ec_transfer_params without an address).",
+)
+@_sim(
     "side-channel",
     type=click.Choice(["ok", "refuse", "slow", "hang"]),
     default="ok",
@@ -203,6 +215,7 @@ def serve(model_tag: str | None, **opts: Any) -> None:
         served_model_name=opts["served_model_name"],
         api_key=click.get_current_context().meta.get("api_key"),
         otlp_traces_endpoint=opts["otlp_traces_endpoint"],
+        enable_scale_out=opts["enable_scale_out"],
     )
     try:
         profile = build_profile(
@@ -224,6 +237,7 @@ def serve(model_tag: str | None, **opts: Any) -> None:
             generation_error_after=opts["sim_generation_error_after"],
             extra_latency_ms=opts["sim_extra_latency_ms"],
             jitter_ms=opts["sim_jitter_ms"],
+            handoff_unannounced=opts["sim_handoff_unannounced"],
             side_channel=opts["sim_side_channel"],
             side_channel_delay_ms=opts["sim_side_channel_delay_ms"],
         )

@@ -16,7 +16,19 @@ from blake3 import blake3
 
 from .. import mm_serde
 from ..preprocess.model_files import VisionGeometry, vision_geometry
-from ..wire import EcLocator, Features, GenerateRequest, Placeholder, SamplingParams, encode_request
+from ..wire import (
+    EC_LOCATOR,
+    EcHandoffItem,
+    EcLocator,
+    EcTransferItem,
+    Features,
+    GenerateRequest,
+    HandoffKind,
+    Placeholder,
+    SamplingParams,
+    encode_request,
+    handoff_request_fields,
+)
 
 
 @dataclass(frozen=True)
@@ -69,18 +81,23 @@ def pd_body(
     prompt_ids: Sequence[int],
     images: Sequence[FakeImage],
     placeholders: Sequence[Placeholder],
-    locators: dict[str, EcLocator | dict[str, Any]],
+    locators: dict[str, EcHandoffItem | dict[str, Any]],
     *,
     max_tokens: int | None = 16,
     stream: bool = False,
     include_usage: bool | None = None,
     request_id: str = "req",
     ignore_eos: bool | None = None,
+    handoff: HandoffKind = EC_LOCATOR,
 ) -> dict[str, Any]:
-    """Contract §3.1: real prompt, per-item placeholders (duplicates kept), LM-only kwargs."""
-    locs = {h: EcLocator.model_validate(loc) if isinstance(loc, dict) else loc for h, loc in locators.items()}
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos).with_ec_locators(locs)
+    """Contract §3.1: real prompt, per-item placeholders (duplicates kept), LM-only kwargs, the
+    items' hand-off (`locators`, by mm_hash) where `handoff` puts it."""
+    model = EcLocator if handoff == EC_LOCATOR else EcTransferItem
+    locs = {h: model.model_validate(loc) if isinstance(loc, dict) else loc for h, loc in locators.items()}
+    extra, top = handoff_request_fields(handoff, None, locs)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, extra_args=extra)
     req = GenerateRequest(
+        **top,
         request_id=request_id,
         token_ids=list(prompt_ids),
         features=Features.of_images([im.mm_hash for im in images], list(placeholders), [im.lm_b64 for im in images]),

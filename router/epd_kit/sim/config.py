@@ -74,6 +74,9 @@ class ServeArgs:
     api_key: list[str | None] | None = None
     # --otlp-traces-endpoint: the collector spans go to (tracing.py); None: tracing off
     otlp_traces_endpoint: str | None = None
+    # --enable-scale-out (vLLM >= 0.30, entrypoints/launchers/cli_args.py): serve the scale-out
+    # routes, /inference/v1/generate among them (release.py SCALE_OUT_DISABLED without it)
+    enable_scale_out: bool = False
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class EngineConfig:
     visible_cores: tuple[int, ...] | None
     efa_env_ok: bool
     warnings: tuple[str, ...] = ()
+    enable_scale_out: bool = False  # --enable-scale-out
 
     @property
     def vision(self) -> VisionGeometry:
@@ -298,4 +302,5 @@ def build_engine_config(args: ServeArgs, env: Mapping[str, str]) -> EngineConfig
         visible_cores=visible,
         efa_env_ok=all(env.get(k) == v for k, v in EFA_REQUIRED.items()),
         warnings=tuple(warnings),
+        enable_scale_out=args.enable_scale_out,
     )

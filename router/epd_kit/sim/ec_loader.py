@@ -7,7 +7,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from ..wire import EcLocator
+from ..wire import EcHandoffItem, EcLocator
 from .config import EngineConfig
 from .errors import ECLoadFailure
 from .model import embedding_bytes
@@ -34,6 +34,29 @@ class _ReadFailed(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class _Source:
+    """Where one item is read from, whichever hand-off named it: a locator's VE (its engine_id
+    keys the handshake) and blocks, or upstream's producer address, read by mm_hash (vLLM
+    0.32.0's consumer asks its peer for the mm_hash, ec_connector/cpu/scheduler/__init__.py)."""
+
+    key: str
+    host: str
+    port: int
+    block_ids: tuple[int, ...] | None
+
+    @classmethod
+    def of(cls, item: EcHandoffItem) -> _Source:
+        if isinstance(item, EcLocator):
+            return cls(item.engine_id, item.host, item.port, tuple(item.remote_block_ids))
+        assert item.peer_host is not None and item.peer_port is not None  # pd.py reads readable items only
+        return cls(f"{item.peer_host}:{item.peer_port}", item.peer_host, item.peer_port, None)
+
+    @property
+    def shown(self) -> str:
+        return f"block {list(self.block_ids)} of {self.key}" if self.block_ids else f"the entry at {self.key}"
+
+
 class EcLoader:
     def __init__(self, cfg: EngineConfig, profile: LatencyProfile) -> None:
         self.cfg = cfg
@@ -43,11 +66,12 @@ class EcLoader:
         self._peers: dict[str, Peer] = {}
         self._handshakes: dict[str, asyncio.Task[Peer]] = {}
 
-    async def load(self, locators: dict[str, EcLocator]) -> dict[str, bytes]:
+    async def load(self, items: dict[str, EcHandoffItem]) -> dict[str, bytes]:
         """Embedding bytes per mm_hash. Raises ECLoadFailure or BlockLenMismatch."""
-        hashes = list(locators)
+        hashes = list(items)
         if not hashes:
             return {}
+        locators = {h: _Source.of(item) for h, item in items.items()}
         peers = await self._peers_for(locators)
         timeout = self.cfg.transfer_timeout_s
         if not self.cfg.efa_env_ok:
@@ -72,24 +96,24 @@ class EcLoader:
             raise ECLoadFailure(list(errors), str(first))
         return {h: t.result() for h, t in tasks.items()}
 
-    async def _peers_for(self, locators: dict[str, EcLocator]) -> dict[str, Peer]:
+    async def _peers_for(self, locators: dict[str, _Source]) -> dict[str, Peer]:
         out = {}
         for h, loc in locators.items():
-            task = self._handshakes.get(loc.engine_id)
+            task = self._handshakes.get(loc.key)
             if task is None or (task.done() and task.exception() is not None):
                 task = asyncio.create_task(self._handshake(loc))
-                self._handshakes[loc.engine_id] = task
+                self._handshakes[loc.key] = task
             try:
                 out[h] = await asyncio.shield(task)
             except BlockLenMismatch:
                 raise
             except Exception as exc:
-                msg = f"EC handshake with {loc.engine_id} at {loc.host}:{loc.port} failed: {exc!r}"
+                msg = f"EC handshake with {loc.key} at {loc.host}:{loc.port} failed: {exc!r}"
                 log.error("%s", msg)
                 raise ECLoadFailure([h], msg) from exc
         return out
 
-    async def _handshake(self, loc: EcLocator) -> Peer:
+    async def _handshake(self, loc: _Source) -> Peer:
         meta = await asyncio.wait_for(request(loc.host, loc.port, {"op": "get_ec_meta"}), HANDSHAKE_TIMEOUT_S)
         remote_len = int(meta.get("block_len", -1))
         if remote_len != self.cfg.block_len:
@@ -103,18 +127,20 @@ class EcLoader:
         log.info("EC handshake with %s at %s:%d ok", peer.engine_id, peer.host, peer.port)
         return peer
 
-    async def _read(self, mm_hash: str, loc: EcLocator, peer: Peer) -> bytes:
-        resp = await request(peer.host, peer.port, {"op": "read", "block_ids": loc.remote_block_ids, "tag": mm_hash})
+    async def _read(self, mm_hash: str, loc: _Source, peer: Peer) -> bytes:
+        msg: dict = {"op": "read", "tag": mm_hash}
+        if loc.block_ids is not None:
+            msg["block_ids"] = list(loc.block_ids)
+        resp = await request(peer.host, peer.port, msg)
         if resp.get("status") != "DONE":
             raise _ReadFailed(f"transfer state {resp.get('status')}: {resp.get('reason')}")
         blocks = resp.get("blocks") or []
         data = blocks[0] if blocks else b""
         if data != embedding_bytes(mm_hash):
             raise _ReadFailed(
-                f"block {loc.remote_block_ids} of {loc.engine_id} does not hold {mm_hash} "
-                f"(evicted or reused before the read, or another engine answered)"
+                f"{loc.shown} does not hold {mm_hash} (evicted or reused before the read, or another engine answered)"
             )
-        delay = self.profile.transfer_s(peer.block_len * len(loc.remote_block_ids))
+        delay = self.profile.transfer_s(peer.block_len * len(blocks))
         if delay:
             await asyncio.sleep(delay)
         return data

@@ -54,6 +54,25 @@ class ECLoadFailure(Exception):
         super().__init__(f"Encoder-cache load failed for mm_hashes: {mm_hashes}")
 
 
+class LocalEncodeFailure(Exception):
+    """vLLM >= 0.30's PD given an image item with no `ec_transfer_params` entry to fetch it by
+    (no entry, or one without the producer's address): its EC connector lets the engine encode
+    the item itself (vLLM 0.32.0 ec_connector/cpu/scheduler/__init__.py _admit_item, "Without a
+    producer address there is nothing to fetch ... the encoder runs locally"), from the router's
+    LM-only kwargs, which hold no pixels. The engine core dies (issue 54: "An LM-only PD request
+    without it kills the PD's engine core"). The message is the sim's reading of where: the
+    model's encoder returns no embedding and v1/worker/utils.py sanity_check_mm_encoder_outputs
+    asserts; no source read pins the exact traceback (docs/sim.md "Hand-offs")."""
+
+    def __init__(self, mm_hashes: list[str]) -> None:
+        self.mm_hashes = mm_hashes
+        super().__init__(
+            f"Expected number of multimodal embeddings to match number of input items: {len(mm_hashes)}, "
+            f"but got len(mm_embeddings)=0 instead (no ec_transfer_params for mm_hashes {mm_hashes}: "
+            "encoded locally from kwargs without pixel_values)"
+        )
+
+
 # What vLLM's API server answers to every request once its engine core died, whatever the
 # cause (vllm/v1/engine/exceptions.py EngineDeadError, 0.24.0 and 0.29.0; a 500
 # InternalServerError, or a stream's error event then [DONE]): the engine core is another

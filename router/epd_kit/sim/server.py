@@ -16,7 +16,7 @@ from .compile_cache import CacheSettings, CompileFailure, cache_key, key_inputs,
 from .config import VLLM_VERSION, EngineConfig, ServeArgs, StartupFailure, build_engine_config
 from .faults import Faults
 from .profile import LatencyProfile
-from .release import answer_shape
+from .release import SCALE_OUT_FLAG, answer_shape
 
 if TYPE_CHECKING:
     from .tracing import SimTracer
@@ -72,6 +72,9 @@ def run(args: ServeArgs, sim: SimOptions, env: Mapping[str, str]) -> int:
     except ValueError as exc:
         return _fail("ValueError", str(exc))
     log.info("answering as vLLM %s (EPD_SIM_VLLM)", answers.vllm)
+    if args.enable_scale_out and not answers.scale_out_opt_in:
+        # the argparser of a vLLM before 0.30 has no such flag (it came with 0.30.0, SERVE_FLAGS)
+        return _fail("ValueError", f"unrecognized arguments: {SCALE_OUT_FLAG} (vLLM {answers.vllm} has no such flag)")
     tracer = None
     if args.otlp_traces_endpoint is not None:
         from .tracing import SimTracer

@@ -3,6 +3,8 @@
 Framing: 4-byte big-endian length, then one msgpack map. Requests:
   {"op": "get_ec_meta"}                        -> handshake: engine_id, num_blocks, block_len, ...
   {"op": "read", "block_ids": [..], "tag": h}  -> {"status": "DONE", "blocks": [bytes, ...]}
+  {"op": "read", "tag": h}                     -> the same, for the block that holds item h
+                                                  (upstream's ec_transfer_params names no blocks)
 A read that the transport cannot complete (EFA env missing, `hang` fault) never answers; a
 refused read answers {"status": "ERR", ...}. The PD's transfer timeout does the rest.
 """
@@ -118,8 +120,15 @@ class SideChannelServer:
             return
         if faults.side_channel == "slow" and faults.side_channel_delay_ms:
             await asyncio.sleep(faults.side_channel_delay_ms / 1000)
+        block_ids = msg.get("block_ids")
+        if block_ids is None:  # upstream's hand-off names the item, not its blocks: its mm_hash
+            found = self.cache.lookup(str(msg.get("tag")))
+            if found is None:
+                await send_msg(writer, {"status": "ERR", "reason": f"no item {msg.get('tag')}"})
+                return
+            block_ids = [found]
         blocks = []
-        for block_id in msg.get("block_ids") or []:
+        for block_id in block_ids:
             data = self.cache.read(int(block_id))
             if data is None:
                 await send_msg(writer, {"status": "ERR", "reason": f"no block {block_id}"})

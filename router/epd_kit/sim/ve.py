@@ -10,11 +10,15 @@ from typing import TYPE_CHECKING
 
 from .. import mm_serde
 from ..wire import (
+    EC_LOCATOR,
+    EcHandoffItem,
     EcLocator,
+    EcTransferItem,
     GenerateChoice,
     GenerateRequest,
     GenerateResponse,
     Placeholder,
+    handoff_answer_fields,
     server_request_id,
 )
 from .config import EngineConfig
@@ -107,6 +111,11 @@ def _check_encodable(item: EncodeItem, cfg: EngineConfig) -> None:
         )
 
 
+def _indices(mm_hash: str, items: list[EncodeItem]) -> list[int]:
+    """Every index of `mm_hash` among the request's items (upstream's `item_indices`)."""
+    return [i for i, other in enumerate(items) if other.mm_hash == mm_hash]
+
+
 def spread_over_replicas(patches: list[int], replicas: int) -> list[int]:
     """Greedy longest-first assignment of items to vision DP replicas; load per replica."""
     load = [0] * max(1, replicas)
@@ -192,20 +201,43 @@ class VisionEncoderEngine:
         if trace is not None:
             trace.output(len(tokens))
             trace.finish(finish)
-        locators = {
-            h: EcLocator(
-                engine_id=self.cfg.engine_id,
-                host=self.cfg.side_channel_host,
-                port=self.side_channel_port,
-                remote_block_ids=[blocks[h]],
-                num_tokens=it.placeholder.length,
-            ).model_dump()
-            for h, it in unique.items()
-        }
+        handoff = {h: self._handoff_item(h, it, blocks[h], items) for h, it in unique.items()}
+        if self.faults.handoff_unannounced:
+            handoff = {h: self._unannounced(h, items) for h in unique} if self.answers.handoff != EC_LOCATOR else {}
         return GenerateResponse(
             request_id=server_request_id(),
             choices=[GenerateChoice(index=0, finish_reason=finish, token_ids=list(tokens))],
-            kv_transfer_params={"ec_locator": locators},
+            **handoff_answer_fields(self.answers.handoff, handoff),
+        )
+
+    @staticmethod
+    def _unannounced(mm_hash: str, items: list[EncodeItem]) -> EcHandoffItem:
+        """Fault `handoff_unannounced`: upstream's entry for an item its producer no longer holds."""
+        return EcTransferItem(item_indices=_indices(mm_hash, items), metadata={})
+
+    def _handoff_item(self, mm_hash: str, item: EncodeItem, block_id: int, items: list[EncodeItem]) -> EcHandoffItem:
+        """Where the PD fetches `mm_hash`, in the hand-off of the vLLM the sim answers as."""
+        if self.answers.handoff == EC_LOCATOR:
+            return EcLocator(
+                engine_id=self.cfg.engine_id,
+                host=self.cfg.side_channel_host,
+                port=self.side_channel_port,
+                remote_block_ids=[block_id],
+                num_tokens=item.placeholder.length,
+            )
+        # upstream's producer (vLLM 0.32.0 ec_connector/cpu/scheduler/__init__.py request_finished):
+        # every index of the item in this request, the model's placeholder metadata (Qwen3-VL's
+        # image_grid_thw, model_executor/models/qwen2_vl.py Qwen2VLMultiModalDataParser
+        # embedding_fields, as utils.py collect_ec_item_metadata lists it), its side channel's
+        # address, the bytes of its blocks and the tensor's shape (rows x the encoder's output
+        # width); the PD fetches it by mm_hash
+        return EcTransferItem(
+            item_indices=_indices(mm_hash, items),
+            metadata={"image_grid_thw": list(item.grid)},
+            peer_host=self.cfg.side_channel_host,
+            peer_port=self.side_channel_port,
+            size_bytes=self.cfg.block_len,
+            shape=[item.placeholder.length, self.cfg.vision.fat_dim],
         )
 
     async def _encode(self, items: list[EncodeItem]) -> dict[str, int]:

@@ -39,6 +39,7 @@ def test_router_config_takes_model_limits_and_endpoints_from_the_plan():
         "quantization",
         "listen",
         "dtype",
+        "handoff",
         "timeouts",
         "limits",
         "media",
@@ -58,6 +59,7 @@ def test_router_config_takes_model_limits_and_endpoints_from_the_plan():
     assert config["limits"] == {"oversized_image": "reject", "images_per_prompt": 4, "max_image_patches": 1024}
     assert config["placement"] == {"pd_max_inflight": 32, "queue_size": 8}
     assert config["dtype"] == "bfloat16"  # the engines' --dtype
+    assert config["handoff"] == "ec_locator"  # Neuron 2.32's vLLM 0.24.0 (Settings.handoff)
     assert config["auth"] == {"enabled": False, "protect_pools": False}  # no keys: off, said outright
     assert config["engine_auth"] == {"key_file": None}  # the role passes epd_engine_key_file
     # loopback and the router's own address: the kit's drain and rollout calls come from the host

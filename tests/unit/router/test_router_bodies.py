@@ -6,7 +6,7 @@ import json
 
 from epd_kit.router import bodies
 from epd_kit.router.bodies import ve_body
-from epd_kit.wire import EcLocator, GenerateRequest
+from epd_kit.wire import EcLocator, EcTransferItem, GenerateRequest
 
 
 def test_ve_body_is_contract_exact(make_item):
@@ -94,4 +94,51 @@ def test_pd_body_equals_the_models_byte_for_byte(make_item):
             for stream in (False, True):
                 got = bodies.pd_request_body("rid", [1, 2, 3], its, sampling, locs, stream)
                 want = _pd_body_through_the_models("rid", [1, 2, 3], its, sampling, locs, stream)
+                assert bodies.encode_body(got) == bodies.encode_body(want), (extra, stream)
+
+
+UPSTREAM_ITEM = EcTransferItem(
+    item_indices=[0], metadata={}, peer_host="127.0.0.1", peer_port=5600, size_bytes=4096, shape=[4, 8]
+)
+
+
+def test_pd_body_in_upstreams_handoff_carries_the_entries_top_level(make_item):
+    """vLLM >= 0.30 (docs/contract.md "Hand-offs"): the VE's ec_transfer_params, unchanged, as the
+    body's top-level ec_transfer_params; no kv_transfer_params anywhere; none for text only."""
+    items = [make_item("h1", 2, 4, "K1", "P1"), make_item("h1", 12, 4, "K1", "P1")]
+    sampling = {"max_tokens": 5, "extra_args": {"mine": 1, "kv_transfer_params": {"x": 1}}}
+    body = bodies.pd_request_body(
+        "rid", list(range(20)), items, sampling, {"h1": UPSTREAM_ITEM}, False, "ec_transfer_params"
+    )
+    assert body["ec_transfer_params"] == {"h1": UPSTREAM_ITEM.model_dump(exclude_unset=True)}
+    assert body["sampling_params"]["extra_args"] == {"mine": 1}
+    assert body["features"]["mm_hashes"] == {"image": ["h1", "h1"]}
+    text_only = bodies.pd_request_body("r", [1, 2], [], {"output_kind": 2}, {}, False, "ec_transfer_params")
+    assert "ec_transfer_params" not in text_only and text_only["sampling_params"]["extra_args"] == {}
+
+
+def test_pd_body_in_upstreams_handoff_equals_the_models_byte_for_byte(make_item):
+    from epd_kit.router.openai_api import parse_request
+    from epd_kit.wire import Features, Placeholder, SamplingParams, StreamOptions, handoff_request_fields
+
+    items = [make_item("h1", 2, 4, "K1", "P1")]
+    for extra in ({}, {"extra_args": {"a": 1, "ec_transfer_params": {"h1": {}}}, "max_tokens": 3}):
+        sampling = parse_request({"messages": [{"role": "user", "content": "hi"}], **extra}).sampling_params()
+        for its, locs in (([], {}), (items, {"h1": UPSTREAM_ITEM})):
+            for stream in (False, True):
+                got = bodies.pd_request_body("rid", [1, 2, 3], its, sampling, locs, stream, "ec_transfer_params")
+                extra_args, top = handoff_request_fields("ec_transfer_params", sampling.get("extra_args"), locs)
+                want = GenerateRequest(
+                    request_id="rid",
+                    token_ids=[1, 2, 3],
+                    features=Features.of_images(
+                        [i.mm_hash for i in its],
+                        [Placeholder(offset=i.offset, length=i.length) for i in its],
+                        [i.pd_kwargs_b64 for i in its],
+                    ),
+                    sampling_params=SamplingParams.model_validate({**sampling, "extra_args": extra_args}),
+                    stream=stream,
+                    stream_options=StreamOptions(include_usage=True) if stream else None,
+                    **top,
+                ).wire_dict()
                 assert bodies.encode_body(got) == bodies.encode_body(want), (extra, stream)

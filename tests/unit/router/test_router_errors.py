@@ -78,6 +78,51 @@ def test_missing_locator_is_a_failure():
     assert info.value.status == 502 and "no EC locator for 1 item" in info.value.message
 
 
+UPSTREAM = {
+    "item_indices": [0],
+    "metadata": {},
+    "peer_host": "10.0.0.1",
+    "peer_port": 5600,
+    "size_bytes": 8,
+    "shape": [1, 2],
+}
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [
+        {},  # no entry for the item
+        {"abcdef0123456789ff": {"item_indices": [0], "metadata": {}}},  # the producer no longer held it
+        {"abcdef0123456789ff": {k: v for k, v in UPSTREAM.items() if k != "peer_host"}},
+    ],
+)
+def test_an_upstream_answer_without_a_fetchable_entry_is_the_ves_failure(entries):
+    """Sent on, the PD would encode the item itself from LM-only kwargs and its engine core would
+    die: the VE is charged (Failure.error) and the item moves to another VE (retry_other)."""
+    doc = {"request_id": "x", "choices": [{"index": 0, "token_ids": []}], "kv_transfer_params": None}
+    body = json.dumps({**doc, "ec_transfer_params": entries}).encode()
+    with pytest.raises(UpstreamError) as info:
+        upstream.parse_ve_response(response(200, body), VE, ["abcdef0123456789ff"], "ec_transfer_params")
+    err = info.value
+    assert (err.status, err.failure, err.retry_other, err.engine_id) == (502, Failure.error, True, "epd-ve-1")
+    assert "no ec_transfer_params entry with a producer address for 1 item" in err.message
+
+
+def test_each_handoff_reads_only_its_own_place():
+    """A fleet's VE answer is read in the fleet's hand-off: an ec_locator answer to a router set for
+    ec_transfer_params (or the reverse) has nothing to read, a VE failure, not a PD's death."""
+    entry = {"h": UPSTREAM}
+    upstream_body = json.dumps({"request_id": "x", "choices": [], "ec_transfer_params": entry}).encode()
+    got = upstream.parse_ve_response(response(200, upstream_body), VE, ["h"], "ec_transfer_params")
+    assert got["h"].model_dump(exclude_unset=True) == UPSTREAM
+    with pytest.raises(UpstreamError, match="no EC locator"):
+        upstream.parse_ve_response(response(200, upstream_body), VE, ["h"], "ec_locator")
+    loc = {"engine_id": "e", "host": "h", "port": 1, "remote_block_ids": [1], "num_tokens": 1}
+    neuron_body = json.dumps({"request_id": "x", "choices": [], "kv_transfer_params": {"ec_locator": {"h": loc}}})
+    with pytest.raises(UpstreamError, match="no ec_transfer_params entry"):
+        upstream.parse_ve_response(response(200, neuron_body.encode()), VE, ["h"], "ec_transfer_params")
+
+
 def test_envelope_shape_and_headers():
     err = RouterError(503, "not ready: no healthy active PD", retry_after=2.2)
     env = err.envelope("rid-1")

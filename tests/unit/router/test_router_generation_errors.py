@@ -8,7 +8,7 @@ import pytest
 from multidict import CIMultiDict
 
 from epd_kit.router import upstream
-from epd_kit.router.errors import UpstreamError
+from epd_kit.router.errors import GenerationFailed, UpstreamError
 from epd_kit.router.pools import Engine
 
 VE = Engine(id="epd-ve-1", url="http://127.0.0.1:18301", role="ve")
@@ -42,7 +42,7 @@ def _is_generation_error(err: UpstreamError) -> None:
 def test_0_29s_500_is_a_generation_error_retried_elsewhere(engine):
     err = upstream.classify_status(answer(500, GENERATION_ERROR), engine)
     _is_generation_error(err)
-    assert err.retry_other and type(err) is UpstreamError
+    assert err.retry_other and type(err) is GenerationFailed  # not a failed read (EcLoadFailed, EngineDied)
 
 
 @pytest.mark.parametrize("body", [ENGINE_DEAD, ENGINE_GENERATE, SERVER_ERROR], ids=["dead", "generate", "starlette"])
