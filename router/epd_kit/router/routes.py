@@ -92,7 +92,7 @@ async def chat_completions(request: Request) -> Response:
             raise RouterError(400, "x-request-id must be 1-128 characters of [A-Za-z0-9._:+=@-]")
         tenant = _check_key(request)
         if tenant is not None:  # before the body: a refused tenant costs no upload or work
-            ticket = service.tenants.admit(tenant)
+            ticket = await service.tenants.admit(tenant)
         limits = service.state.cfg.limits
         # admitted once the body is in: a slow or stalled upload costs its own connection
         # (bounded by listen.body_timeout_s and listen.max_connections), never others' slots
@@ -105,7 +105,7 @@ async def chat_completions(request: Request) -> Response:
         lane = service.lane_for(chat.model)  # several models: by the body's `model` (404 if unknown)
         outcome.model = lane.name  # counted under a served name from here on, never the client's string
         if ticket is not None:
-            ticket.images(count_images(chat.messages))
+            await ticket.images(count_images(chat.messages))
         del body  # `inline` keeps the image payloads' bytes until they are rendered
         ctx = RequestContext.start(chat, rid, lane.state.cfg, intake=slot, inline=inline)
         if chat.stream:

@@ -78,6 +78,7 @@ class RouterService:
         )
         self.auth, tenant_keys = load_client_keys(cfg.auth.api_keys_file, cfg.auth.tenants_file)
         self.tenants = Tenants(TenantMetrics(self.metrics.registry), self.metrics.shared_dir, worker)
+        self.metrics.family_filters.append(self.tenants.metrics.cap)
         self.tenants.apply(tenant_keys)
         self.intake = IntakeGate()
         self.decode_pool = ThreadPoolExecutor(cfg.limits.text_workers, thread_name_prefix="epd-decode")

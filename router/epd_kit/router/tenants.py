@@ -21,23 +21,40 @@ process that dies leaves no slots behind: its successor (the same worker name) c
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import errno
 import fcntl
+import logging
 import math
-import mmap
 import os
+import stat
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.metrics_core import Metric
 
 from epd_kit.router.auth import ApiKeyChecker, KeyFileError, load_api_keys, read_secret_file
 from epd_kit.router.errors import RouterError
-from epd_kit.router.tenants_file import LIMITS, MAX_TENANTS, TenantKeys, TenantLimits, parse_tenants
+from epd_kit.router.tenants_file import (
+    BOUNDS,
+    LIMITS,
+    MAX_TENANTS,
+    RETRY_AFTER_MAX_S,
+    TenantKeys,
+    TenantLimits,
+    parse_tenants,
+)
+
+log = logging.getLogger("epd_router.tenants")
+
+T = TypeVar("T")
 
 
 def load_tenants_file(path: Path) -> TenantKeys:
@@ -48,116 +65,400 @@ def load_tenants_file(path: Path) -> TenantKeys:
 # --- the shared table -------------------------------------------------------------------------
 
 MAX_WORKERS = 64  # concurrency counters per slot (epd_router_workers is far below)
+LOCK_WAIT_S = 0.05  # the longest a request waits for the table's lock (then: this process's own)
+_LOCK_POLL_S = 0.002
+_FOLLOW_EVERY_S = 1.0  # how often a process looks whether the file at the path is still its own
 
-# a slot: the tenant's name, then (level, time) of the three buckets, then one concurrency
-# count per worker
+# The file: a header (magic with the layout's version, the layout's sizes, each worker's PID
+# and process start time), then the slots: the tenant's name, (level, time) of the three
+# buckets, one concurrency count per worker. Read and written with pread/pwrite under the
+# lock, never memory-mapped: a file truncated under a mapping kills its process with SIGBUS
+# on the next access (issue 58); a short read is a fault the router repairs.
+MAGIC = b"epdtnt02"
+_HEAD = struct.Struct("8s3I")  # magic, slots, slot bytes, workers
+_HEAD_BYTES = 32
+_WORKER = struct.Struct("qq")  # pid, start time (clock ticks after boot, /proc/PID/stat field 22)
 _NAME = struct.Struct("64s")
 _BUCKETS = struct.Struct("6d")
 _COUNTS = struct.Struct(f"{MAX_WORKERS}i")
 SLOT = _NAME.size + _BUCKETS.size + _COUNTS.size
-MAGIC = b"epdtnt01"
-TABLE_BYTES = len(MAGIC) + MAX_TENANTS * SLOT
+SLOTS_AT = _HEAD_BYTES + MAX_WORKERS * _WORKER.size
+TABLE_BYTES = SLOTS_AT + MAX_TENANTS * SLOT
+# the layout's version is in the file's name too: a rolling upgrade to another layout never
+# opens (or repairs) the old processes' file
+TABLE_FILE = f"tenant-buckets-{MAGIC.decode()}.bin"
 RPS, TPM, IPM = 0, 2, 4  # offsets of (level, time) in the buckets
+_HEADER = _HEAD.pack(MAGIC, MAX_TENANTS, SLOT, MAX_WORKERS).ljust(_HEAD_BYTES, b"\0")
+
+
+class TableFault(Exception):
+    """The shared table cannot be used for this change (`reason`: the metric's `fault`); the
+    process uses its own table meanwhile."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass
+class Slot:
+    """One tenant's slot as read (validated by `BucketTable.read`)."""
+
+    offset: int
+    name: str
+    buckets: list[float]
+    counts: list[int]
+
+
+class _Memory:
+    """A process's own table."""
+
+    path = None
+    generation = 0
+
+    def __init__(self) -> None:
+        self.buf = bytearray(TABLE_BYTES)
+        self.buf[:_HEAD_BYTES] = _HEADER
+
+    def lock(self) -> bool:
+        return True
+
+    def unlock(self) -> None:
+        pass
+
+    def check(self, now: float) -> None:
+        pass
+
+    def read(self, at: int, size: int) -> bytes:
+        return bytes(self.buf[at : at + size])
+
+    def write(self, at: int, data: bytes) -> None:
+        self.buf[at : at + len(data)] = data
+
+    def close(self) -> None:
+        pass
+
+
+class _File:
+    """The host's table file, opened without following a link. `check` (under the lock, each
+    change) repairs what it finds: a file of another size is rewritten whole; every
+    `_FOLLOW_EVERY_S` it also reads the header (another magic or layout: the file is replaced
+    by a new one, never rewritten in place) and follows the path when the file there is not
+    the one it holds (deleted, or replaced by another process): so the processes of a host
+    keep sharing one table whatever happens to the file."""
+
+    def __init__(self, path: Path, faults: Callable[..., None]) -> None:
+        self.path = path
+        self._faults = faults
+        self._checked = -math.inf
+        self._laid_out = False  # by this process, or found so: a size of 0 later is a truncation
+        self.generation = 0  # changes when the file is started over or replaced: register again
+        self.fd = self._open()
+
+    def _open(self) -> int:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.ELOOP, errno.EROFS):
+                raise TableFault("unusable", f"{self.path}: {exc.strerror}") from None
+            # not ours to write (made read-only, a link): put a new file in its place
+            self._faults("replaced")
+            fd = self._replace()
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise TableFault("unusable", f"{self.path} is not a regular file")
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _replace(self) -> int:
+        """A new, empty table renamed over the path (the old file's holders follow)."""
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, TABLE_BYTES)
+                os.pwrite(fd, _HEADER, 0)
+                os.rename(tmp, self.path)
+            except BaseException:
+                os.close(fd)
+                raise
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise TableFault("unusable", f"cannot write {self.path.parent}: {exc.strerror}") from None
+        return fd
+
+    def lock(self) -> bool:
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            raise TableFault("unusable", f"{self.path}: lock: {exc.strerror}") from None
+        return True
+
+    def unlock(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def check(self, now: float) -> None:
+        try:
+            size = os.fstat(self.fd).st_size
+            if size != TABLE_BYTES:  # new, or truncated or grown by someone else: start it over
+                if size or self._laid_out:
+                    self._faults("truncated")
+                os.ftruncate(self.fd, 0)
+                os.ftruncate(self.fd, TABLE_BYTES)
+                os.pwrite(self.fd, _HEADER, 0)
+                self.generation += 1
+            self._laid_out = True
+            if now - self._checked < _FOLLOW_EVERY_S:
+                return
+            self._checked = now
+            try:
+                there = os.stat(self.path, follow_symlinks=False)
+            except FileNotFoundError:
+                there = None
+            mine = os.fstat(self.fd)
+            if there is None or (there.st_ino, there.st_dev) != (mine.st_ino, mine.st_dev):
+                self._faults("replaced")
+                self._swap(self._open())
+            elif os.pread(self.fd, _HEAD_BYTES, 0) != _HEADER:  # another version's, or garbage
+                self._faults("foreign")
+                self._swap(self._replace())
+        except OSError as exc:
+            raise TableFault("unusable", f"{self.path}: {exc.strerror}") from None
+
+    def _swap(self, fd: int) -> None:
+        """Hold the file at the path from now on (locked, like the one it replaces). A new
+        file starts with this table's slots: the levels survive a deleted file."""
+        if not self.lock_other(fd):
+            os.close(fd)
+            self._checked = -math.inf  # look again on the next change
+            raise TableFault("busy")
+        if os.fstat(fd).st_size != TABLE_BYTES or os.pread(fd, _HEAD_BYTES, 0) != _HEADER:
+            os.ftruncate(fd, TABLE_BYTES)
+            os.pwrite(fd, _HEADER, 0)
+            old = os.pread(self.fd, TABLE_BYTES - _HEAD_BYTES, _HEAD_BYTES)
+            if len(old) == TABLE_BYTES - _HEAD_BYTES:
+                os.pwrite(fd, old, _HEAD_BYTES)
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = fd
+        self.generation += 1
+
+    @staticmethod
+    def lock_other(fd: int) -> bool:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def read(self, at: int, size: int) -> bytes:
+        try:
+            data = os.pread(self.fd, size, at)
+        except OSError as exc:
+            raise TableFault("unusable", f"{self.path}: read: {exc.strerror}") from None
+        if len(data) != size:  # truncated since `check`
+            raise TableFault("truncated")
+        return data
+
+    def write(self, at: int, data: bytes) -> None:
+        try:
+            written = os.pwrite(self.fd, data, at)
+        except OSError as exc:
+            raise TableFault("unusable", f"{self.path}: write: {exc.strerror}") from None
+        if written != len(data):
+            raise TableFault("unusable", f"{self.path}: short write")
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 class BucketTable:
     """The tenants' buckets: in-process (`path` None) or a file every process of the host
-    maps, changed under an exclusive flock of it."""
+    opens, changed under an exclusive flock of it. A fault of the file (unusable at start,
+    busy, truncated, replaced) is a `TableFault` that the caller answers with its own
+    process's table; `faults` counts each by kind."""
 
-    def __init__(self, path: Path | None = None) -> None:
-        self._fd: int | None = None
+    def __init__(self, path: Path | None = None, faults: Callable[..., None] | None = None) -> None:
         self._slots: dict[str, int] = {}
-        if path is None:
-            self._buf: mmap.mmap | bytearray = bytearray(TABLE_BYTES)
-            self._buf[: len(MAGIC)] = MAGIC
-            return
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        with _flock(fd):
-            if os.fstat(fd).st_size != TABLE_BYTES:  # new, or of another layout: start empty
-                os.ftruncate(fd, 0)
-                os.ftruncate(fd, TABLE_BYTES)
-                os.pwrite(fd, MAGIC, 0)
-        self._fd = fd
-        self._buf = mmap.mmap(fd, TABLE_BYTES)
+        self.faults: Callable[..., None] = faults or (lambda reason, detail="": None)
+        self._store: _Memory | _File = _Memory() if path is None else _File(path, self.faults)
+        self._alive: dict[int, tuple[float, bool]] = {}  # worker -> (checked at, alive)
+
+    @property
+    def shared(self) -> bool:
+        return isinstance(self._store, _File)
+
+    @property
+    def generation(self) -> int:
+        return self._store.generation
 
     def close(self) -> None:
-        if self._fd is not None:
-            self._buf.close()  # type: ignore[union-attr]
-            os.close(self._fd)
-            self._fd = None
+        self._store.close()
 
     @contextmanager
     def locked(self) -> Iterator[None]:
-        if self._fd is None:
+        """The table, locked for this process (never waiting: `TableFault("busy")` when
+        another holds it; callers wait off the event loop, `TenantQuotas.run`)."""
+        if not self._store.lock():
+            raise TableFault("busy")
+        try:
+            self._store.check(time.monotonic())
             yield
-            return
-        with _flock(self._fd):
-            yield
+        finally:
+            self._store.unlock()
 
-    def slot(self, tenant: str) -> int:
-        """The offset of `tenant`'s slot, claimed (full buckets) if it has none. Under the lock."""
+    # -- workers
+
+    def register(self, worker: int, first: bool = True) -> None:
+        """A (re)started worker (`first`): its PID in the header, nothing in flight (what a
+        previous run of it left is dropped); after a repair, its PID again. Under the lock."""
+        pid = os.getpid()
+        self._store.write(_HEAD_BYTES + worker * _WORKER.size, _WORKER.pack(pid, _started(pid) or 0))
+        self._slots.clear()
+        if not first:
+            return
+        zero = struct.pack("i", 0)
+        for i in range(MAX_TENANTS):
+            self._store.write(SLOTS_AT + i * SLOT + _NAME.size + _BUCKETS.size + 4 * worker, zero)
+
+    def alive(self, worker: int, now: float) -> bool:
+        """Whether the process registered as `worker` still runs (looked up at most once a second)."""
+        checked = self._alive.get(worker)
+        if checked is not None and now - checked[0] < _FOLLOW_EVERY_S:
+            return checked[1]
+        pid, started = _WORKER.unpack(self._store.read(_HEAD_BYTES + worker * _WORKER.size, _WORKER.size))
+        alive = pid == os.getpid() or _runs(pid, started)
+        self._alive[worker] = (now, alive)
+        return alive
+
+    # -- slots
+
+    def slot(self, tenant: str, configured: Collection[str] = ()) -> int:
+        """The offset of `tenant`'s slot, claimed (full buckets) if it has none: an empty slot,
+        else one of a tenant not in `configured` (a reload freed it). Under the lock."""
         name = tenant.encode()
         offset = self._slots.get(tenant)
-        # checked each time: another process may have started the table over (renamed tenants)
-        if offset is not None and bytes(self._buf[offset : offset + _NAME.size]).rstrip(b"\0") == name:
+        # checked each time: another process may have freed or taken it (a reload, a repair)
+        if offset is not None and self._store.read(offset, _NAME.size).rstrip(b"\0") == name:
             return offset
-        for i in range(MAX_TENANTS):
-            offset = len(MAGIC) + i * SLOT
-            held = bytes(self._buf[offset : offset + _NAME.size]).rstrip(b"\0")
-            if held == name:
-                break
-            if not held:
-                _NAME.pack_into(self._buf, offset, name)
-                _BUCKETS.pack_into(self._buf, offset + _NAME.size, math.nan, 0, math.nan, 0, math.nan, 0)
-                break
-        else:  # more names than slots over the file's life (renamed tenants): start over
-            self._buf[len(MAGIC) :] = bytes(TABLE_BYTES - len(MAGIC))
-            self._slots.clear()
-            return self.slot(tenant)
+        names = self._names()
+        found = next((i for i, held in enumerate(names) if held == name), None)
+        if found is None:
+            found = next((i for i, held in enumerate(names) if not held), None)
+        if found is None:
+            found = next((i for i, held in enumerate(names) if held.decode(errors="replace") not in configured), None)
+        if found is None:
+            raise TableFault("full")
+        offset = SLOTS_AT + found * SLOT
+        if names[found] != name:
+            self._store.write(offset, _NAME.pack(name) + _BUCKETS.pack(*_NEW) + _COUNTS.pack(*[0] * MAX_WORKERS))
         self._slots[tenant] = offset
         return offset
 
-    def buckets(self, offset: int) -> list[float]:
-        return list(_BUCKETS.unpack_from(self._buf, offset + _NAME.size))
+    def _names(self) -> list[bytes]:
+        data = self._store.read(SLOTS_AT, MAX_TENANTS * SLOT)
+        return [data[i * SLOT : i * SLOT + _NAME.size].rstrip(b"\0") for i in range(MAX_TENANTS)]
 
-    def set_buckets(self, offset: int, values: list[float]) -> None:
-        _BUCKETS.pack_into(self._buf, offset + _NAME.size, *values)
+    def free_others(self, configured: Collection[str]) -> None:
+        """Empty the slots of tenants not in `configured` (a reload removed them). Under the lock."""
+        wanted = {n.encode() for n in configured}
+        for i, held in enumerate(self._names()):
+            if held and held not in wanted:
+                self._store.write(SLOTS_AT + i * SLOT, bytes(SLOT))
+        self._slots = {t: o for t, o in self._slots.items() if t in configured}
+
+    def read(self, offset: int, worker: int, now: float) -> Slot:
+        """A slot as it may be trusted: a bucket that is not a number, infinite or from the
+        future starts over (full); a count below 0, above any limit, or of a worker no longer
+        running is dropped (a worker's own count is its process's to keep)."""
+        data = self._store.read(offset, SLOT)
+        buckets = list(_BUCKETS.unpack_from(data, _NAME.size))
+        counts = list(_COUNTS.unpack_from(data, _NAME.size + _BUCKETS.size))
+        for at in (RPS, TPM, IPM):
+            level, then = buckets[at], buckets[at + 1]
+            if math.isnan(level):
+                continue
+            if not (math.isfinite(level) and math.isfinite(then) and 0 <= then <= now + 1):
+                self.faults("slot")
+                buckets[at], buckets[at + 1] = math.nan, 0.0
+        for w, count in enumerate(counts):
+            if count and w != worker:
+                if not 0 < count <= COUNT_MAX:
+                    self.faults("slot")
+                    counts[w] = 0
+                elif not self.alive(w, now):
+                    self.faults("dead_worker")
+                    counts[w] = 0
+        name = data[: _NAME.size].rstrip(b"\0").decode(errors="replace")
+        return Slot(offset, name, buckets, counts)
+
+    def write(self, slot: Slot) -> None:
+        packed = _BUCKETS.pack(*slot.buckets) + _COUNTS.pack(*slot.counts)
+        self._store.write(slot.offset + _NAME.size, packed)
+
+    # what tests look at
+    def buckets(self, offset: int) -> list[float]:
+        return list(_BUCKETS.unpack(self._store.read(offset + _NAME.size, _BUCKETS.size)))
 
     def concurrent(self, offset: int) -> int:
-        return sum(_COUNTS.unpack_from(self._buf, offset + _NAME.size + _BUCKETS.size))
-
-    def add_concurrent(self, offset: int, worker: int, delta: int) -> None:
-        at = offset + _NAME.size + _BUCKETS.size + 4 * worker
-        (value,) = struct.unpack_from("i", self._buf, at)
-        struct.pack_into("i", self._buf, at, max(0, value + delta))
-
-    def clear_worker(self, worker: int) -> None:
-        """A (re)started worker has nothing in flight: drop what a previous run of it left."""
-        with self.locked():
-            for i in range(MAX_TENANTS):
-                struct.pack_into("i", self._buf, len(MAGIC) + i * SLOT + _NAME.size + _BUCKETS.size + 4 * worker, 0)
+        return sum(_COUNTS.unpack(self._store.read(offset + _NAME.size + _BUCKETS.size, _COUNTS.size)))
 
 
-@contextmanager
-def _flock(fd: int) -> Iterator[None]:
-    fcntl.flock(fd, fcntl.LOCK_EX)
+_NEW = (math.nan, 0.0) * 3  # a new slot's buckets: full
+COUNT_MAX = int(BOUNDS["concurrent_requests"][1])  # no worker holds more of one tenant
+
+
+def _started(pid: int) -> int | None:
+    """When process `pid` started (clock ticks after boot, proc(5) /proc/PID/stat field 22),
+    None if it does not run: with the PID, it names one process (PIDs are reused)."""
     try:
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        return None
+    try:  # the command name (field 2) may hold spaces and parentheses: fields follow the last ')'
+        return int(stat_line[stat_line.rindex(b")") + 2 :].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def _runs(pid: int, started: int) -> bool:
+    if pid <= 0:
+        return False
+    if started:
+        return _started(pid) == started
+    try:  # its start time was not known: any process of that PID
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _refill(values: list[float], at: int, capacity: float, per_s: float, now: float) -> float:
-    """The bucket's level now (a new bucket starts full), stored back into `values`."""
+    """The bucket's level now (a new bucket starts full), stored back into `values`. A debt is
+    kept above what the longest Retry-After refills."""
     level, then = values[at], values[at + 1]
     level = capacity if math.isnan(level) else min(capacity, level + max(0.0, now - then) * per_s)
+    level = max(level, _floor(per_s))
     values[at], values[at + 1] = level, now
     return level
 
 
+def _floor(per_s: float) -> float:
+    """The lowest a bucket goes (a token debt): the longest Retry-After lifts it above zero."""
+    return 1 - per_s * RETRY_AFTER_MAX_S
+
+
 def _wait_s(deficit: float, per_s: float) -> int:
-    """Whole seconds until a refill of `per_s` covers `deficit` (Retry-After: at least 1)."""
-    return max(1, math.ceil(deficit / per_s))
+    """Whole seconds until a refill of `per_s` covers `deficit` (Retry-After: 1 to RETRY_AFTER_MAX_S)."""
+    return max(1, min(RETRY_AFTER_MAX_S, math.ceil(deficit / per_s)))
 
 
 def too_many(tenant: str, what: str, retry_after: int) -> RouterError:
@@ -173,12 +474,13 @@ class Ticket:
     quotas: TenantQuotas
     tenant: str
     limits: TenantLimits
+    counted: bool = False  # holds one of the tenant's concurrent places
     done: bool = field(default=False)
 
-    def images(self, count: int) -> None:
+    async def images(self, count: int) -> None:
         """Take `count` images from the tenant's per-minute bucket, or raise the 429."""
         if count and self.limits.images_per_min is not None:
-            self.quotas.take_images(self, count)
+            await self.quotas.run(lambda fallback: self.quotas.take_images(self, count, fallback=fallback))
 
     def finish(self, tokens: int, now: float | None = None) -> None:
         if not self.done:
@@ -187,53 +489,104 @@ class Ticket:
 
 
 class TenantQuotas:
-    """Admission of each tenant's requests against its limits (one per router process)."""
+    """Admission of each tenant's requests against its limits (one per router process).
 
-    def __init__(self, table: BucketTable, worker: int, metrics: TenantMetricsLike | None = None) -> None:
+    Every change goes to the shared table under its lock; while the table has a fault (busy
+    past LOCK_WAIT_S, truncated, unusable) it goes to this process's own table instead, so a
+    broken table costs the quota's accuracy (at most this process's share: its own full
+    buckets), never a request. What a finished request gives back while the table has a fault
+    (its concurrent place, its tokens) is kept here and written at the next change that gets
+    the lock. This worker's in-flight counts are this process's to keep (`_mine`): it writes
+    them whole, so a count it lost in a repaired table comes back."""
+
+    def __init__(
+        self,
+        table: BucketTable,
+        worker: int,
+        metrics: TenantMetricsLike | None = None,
+        configured: Collection[str] = (),
+    ) -> None:
         if not 0 <= worker < MAX_WORKERS:
             raise ValueError(f"worker index {worker} outside 0..{MAX_WORKERS - 1}")
         self.table = table
+        self.own = BucketTable()  # while the shared table has a fault
         self.worker = worker
         self.metrics = metrics
-        table.clear_worker(worker)
+        self.configured: frozenset[str] = frozenset(configured)
+        self._registered: int | None = None  # the table generation this worker is registered in
+        self._mine: dict[str, int] = {}  # this worker's requests in flight, per tenant
+        self._owed: dict[str, tuple[TenantLimits, int]] = {}  # not yet written: limits, tokens
+        self._retry: asyncio.TimerHandle | None = None
+        try:
+            self._shared(lambda table: None, time.monotonic())
+        except TableFault as fault:  # registered at the first change that gets the lock
+            if fault.reason != "busy":
+                self._fault(fault)
 
-    def admit(self, tenant: str, limits: TenantLimits, now: float | None = None) -> Ticket:
-        """One request of `tenant`: a Ticket, or the 429 (nothing taken) naming the limit hit."""
+    def configure(self, tenants: Collection[str]) -> None:
+        """The configured tenants (a reload): the others' slots are freed."""
+        self.configured = frozenset(tenants)
+        try:
+            self._shared(lambda table: table.free_others(self.configured), time.monotonic())
+        except TableFault as fault:  # freed by the next reload or claimed when needed (`slot`)
+            self._fault(fault)
+        self.own.free_others(self.configured)
+
+    async def run(self, call: Callable[[bool], T]) -> T:
+        """`call(fallback)` with the bounded wait for the shared table's lock: polled off the
+        event loop for up to LOCK_WAIT_S (the lock is held for microseconds of arithmetic),
+        then with `fallback` this process's own table answers."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + LOCK_WAIT_S
+        while True:
+            try:
+                return call(loop.time() >= give_up)
+            except TableFault:  # busy: another holds the lock
+                await asyncio.sleep(_LOCK_POLL_S)
+
+    def admit(self, tenant: str, limits: TenantLimits, now: float | None = None, fallback: bool = True) -> Ticket:
+        """One request of `tenant`: a Ticket, or the 429 (nothing taken) naming the limit hit.
+        `fallback` False: a busy table raises TableFault (the caller waits and asks again)."""
         ticket = Ticket(self, tenant, limits)
         if limits.unlimited:
             self._count(tenant, "admitted")
             return ticket
         now = time.monotonic() if now is None else now
-        table = self.table
-        with table.locked():
-            offset = table.slot(tenant)
-            values = table.buckets(offset)
-            refused: RouterError | None = None
-            if limits.concurrent_requests is not None and table.concurrent(offset) >= limits.concurrent_requests:
-                refused = too_many(tenant, f"{limits.concurrent_requests} concurrent requests", 1)
-            if refused is None and limits.tokens_per_min is not None:
-                per_s = limits.tokens_per_min / 60
-                level = _refill(values, TPM, limits.tokens_per_min, per_s, now)
-                if level <= 0:
-                    refused = too_many(tenant, f"{limits.tokens_per_min} tokens per minute", _wait_s(-level + 1, per_s))
-            if refused is None and limits.requests_per_s is not None:
-                rate = limits.requests_per_s
-                level = _refill(values, RPS, max(1.0, rate), rate, now)
-                if level < 1:
-                    refused = too_many(tenant, f"{rate:g} requests per second", _wait_s(1 - level, rate))
-                else:
-                    values[RPS] = level - 1
-            if refused is None:
-                table.set_buckets(offset, values)
-                if limits.concurrent_requests is not None:
-                    table.add_concurrent(offset, self.worker, 1)
+        refused = self._apply(lambda table, shared: self._admit(table, shared, ticket, now), now, fallback)
         if refused is not None:
             self._count(tenant, "refused")
             raise refused
         self._count(tenant, "admitted")
         return ticket
 
-    def take_images(self, ticket: Ticket, count: int, now: float | None = None) -> None:
+    def _admit(self, table: BucketTable, shared: bool, ticket: Ticket, now: float) -> RouterError | None:
+        tenant, limits = ticket.tenant, ticket.limits
+        slot = table.read(table.slot(tenant, self.configured), self.worker, now)
+        values = slot.buckets
+        mine = self._mine.get(tenant, 0)
+        if limits.concurrent_requests is not None:
+            held = mine + (sum(slot.counts) - slot.counts[self.worker] if shared else 0)
+            if held >= limits.concurrent_requests:
+                return too_many(tenant, f"{limits.concurrent_requests} concurrent requests", 1)
+        if limits.tokens_per_min is not None:
+            per_s = limits.tokens_per_min / 60
+            level = _refill(values, TPM, limits.tokens_per_min, per_s, now)
+            if level <= 0:
+                return too_many(tenant, f"{limits.tokens_per_min} tokens per minute", _wait_s(-level + 1, per_s))
+        if limits.requests_per_s is not None:
+            rate = limits.requests_per_s
+            level = _refill(values, RPS, max(1.0, rate), rate, now)
+            if level < 1:
+                return too_many(tenant, f"{rate:g} requests per second", _wait_s(1 - level, rate))
+            values[RPS] = level - 1
+        if limits.concurrent_requests is not None:
+            ticket.counted = True
+            self._mine[tenant] = mine + 1
+        slot.counts[self.worker] = self._mine.get(tenant, 0)
+        table.write(slot)
+        return None
+
+    def take_images(self, ticket: Ticket, count: int, now: float | None = None, fallback: bool = True) -> None:
         limit = ticket.limits.images_per_min
         assert limit is not None
         if count > limit:
@@ -243,33 +596,105 @@ class TenantQuotas:
             )
         now = time.monotonic() if now is None else now
         per_s = limit / 60
-        with self.table.locked():
-            offset = self.table.slot(ticket.tenant)
-            values = self.table.buckets(offset)
-            level = _refill(values, IPM, limit, per_s, now)
-            if level >= count:
-                values[IPM] = level - count
-                self.table.set_buckets(offset, values)
-                return
-        self._count(ticket.tenant, "refused")
-        raise too_many(ticket.tenant, f"{limit} images per minute", _wait_s(count - level, per_s))
+
+        def take(table: BucketTable, shared: bool) -> float | None:
+            slot = table.read(table.slot(ticket.tenant, self.configured), self.worker, now)
+            level = _refill(slot.buckets, IPM, limit, per_s, now)
+            if level < count:
+                return level
+            slot.buckets[IPM] = level - count
+            slot.counts[self.worker] = self._mine.get(ticket.tenant, 0)
+            table.write(slot)
+            return None
+
+        short = self._apply(take, now, fallback)
+        if short is not None:
+            self._count(ticket.tenant, "refused")
+            raise too_many(ticket.tenant, f"{limit} images per minute", _wait_s(count - short, per_s))
 
     def finish(self, ticket: Ticket, tokens: int, now: float | None = None) -> None:
-        limits = ticket.limits
+        """Give the ticket's place back and charge its tokens: now, or (the table busy) at the
+        next change that gets the lock, retried off the event loop meanwhile."""
+        limits, tenant = ticket.limits, ticket.tenant
         if self.metrics is not None and tokens:
-            self.metrics.tokens(ticket.tenant, tokens)
-        if limits.concurrent_requests is None and (limits.tokens_per_min is None or not tokens):
+            self.metrics.tokens(tenant, tokens)
+        if ticket.counted:
+            self._mine[tenant] = max(0, self._mine.get(tenant, 0) - 1)
+        charge = tokens if limits.tokens_per_min is not None else 0
+        if not ticket.counted and not charge:
             return
+        owed = self._owed.get(tenant)
+        self._owed[tenant] = (limits, charge + (owed[1] if owed else 0))
         now = time.monotonic() if now is None else now
-        with self.table.locked():
-            offset = self.table.slot(ticket.tenant)
-            if limits.concurrent_requests is not None:
-                self.table.add_concurrent(offset, self.worker, -1)
-            if limits.tokens_per_min is not None and tokens:
-                values = self.table.buckets(offset)
-                level = _refill(values, TPM, limits.tokens_per_min, limits.tokens_per_min / 60, now)
-                values[TPM] = level - tokens
-                self.table.set_buckets(offset, values)
+        try:
+            self._shared(lambda table: None, now)  # writes what is owed
+        except TableFault as fault:
+            self._fault(fault)
+            self._write_owed(self.own, tenant, False, now)  # this process's table knows it now
+            self._retry_later()
+
+    def _retry_later(self, tries: int = 5000) -> None:
+        """Write what is owed as soon as the lock is free (polled; bounded: ~10 s, then the
+        next change of any request writes it)."""
+        if self._retry is not None or tries <= 0:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+
+        def again() -> None:
+            self._retry = None
+            if not self._owed:
+                return
+            try:
+                self._shared(lambda table: None, time.monotonic())
+            except TableFault:
+                self._retry_later(tries - 1)
+
+        self._retry = loop.call_later(_LOCK_POLL_S, again)
+
+    def _apply(self, op: Callable[[BucketTable, bool], T], now: float, fallback: bool) -> T:
+        """`op(table, shared)` on the shared table, or (a fault; busy only with `fallback`) on
+        this process's own."""
+        try:
+            return self._shared(lambda table: op(table, table.shared), now)
+        except TableFault as fault:
+            if fault.reason == "busy" and not fallback:
+                raise
+            self._fault(fault)
+        with self.own.locked():
+            return op(self.own, False)
+
+    def _shared(self, op: Callable[[BucketTable], T], now: float) -> T:
+        table = self.table
+        with table.locked():
+            if self._registered != table.generation:  # new to it, or it was started over
+                table.register(self.worker, first=self._registered is None)
+                if self._registered is not None:
+                    for tenant, mine in self._mine.items():
+                        if mine:
+                            self._owed.setdefault(tenant, (TenantLimits(), 0))
+                self._registered = table.generation
+            for tenant in list(self._owed):
+                self._write_owed(table, tenant, True, now)
+            return op(table)
+
+    def _write_owed(self, table: BucketTable, tenant: str, settle: bool, now: float) -> None:
+        """What `tenant` is owed, into `table` (`settle`: the table of record; else this
+        process's own, and it stays owed)."""
+        limits, tokens = self._owed.pop(tenant) if settle else self._owed[tenant]
+        if tenant not in self.configured and self.configured:
+            return  # gone with a reload
+        slot = table.read(table.slot(tenant, self.configured), self.worker, now)
+        if limits.tokens_per_min is not None and tokens:
+            level = _refill(slot.buckets, TPM, limits.tokens_per_min, limits.tokens_per_min / 60, now)
+            slot.buckets[TPM] = max(level - tokens, _floor(limits.tokens_per_min / 60))
+        slot.counts[self.worker] = self._mine.get(tenant, 0)
+        table.write(slot)
+
+    def _fault(self, fault: TableFault) -> None:
+        self.table.faults(fault.reason, str(fault))
 
     def _count(self, tenant: str, result: str) -> None:
         if self.metrics is not None:
@@ -284,9 +709,13 @@ class TenantMetricsLike(Protocol):
     def tokens(self, tenant: str, count: int) -> None: ...
 
 
+OTHER_TENANTS = "_other"  # no tenant name starts with "_" (tenants_file.TENANT_NAME)
+
+
 class TenantMetrics:
-    """Per-tenant series (`tenant` label: at most MAX_TENANTS values): requests admitted and
-    refused, tokens charged, and each configured limit."""
+    """Per-tenant series (`tenant` label: the configured tenants, at most MAX_TENANTS, and
+    OTHER_TENANTS): requests admitted and refused, tokens charged, each configured limit; and
+    the shared table's faults by kind."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._requests = Counter(
@@ -308,6 +737,14 @@ class TenantMetrics:
             multiprocess_mode="max",
             registry=registry,
         )
+        self._faults = Counter(
+            "epd_router_tenant_table_faults",
+            "Faults of the tenants' shared table, by kind; each was repaired or answered from the process's own table",
+            ["fault"],
+            registry=registry,
+        )
+        self.configured: frozenset[str] = frozenset()
+        self._logged: dict[str, float] = {}
 
     def request(self, tenant: str, result: str) -> None:
         self._requests.labels(tenant, result).inc()
@@ -315,13 +752,47 @@ class TenantMetrics:
     def tokens(self, tenant: str, count: int) -> None:
         self._tokens.labels(tenant).inc(count)
 
+    def fault(self, reason: str, detail: str = "") -> None:
+        """Counted each time; logged at most once a minute per kind."""
+        self._faults.labels(reason).inc()
+        now = time.monotonic()
+        if now - self._logged.get(reason, -math.inf) >= 60:
+            self._logged[reason] = now
+            log.warning(
+                "tenant table fault: repaired, or this process answers from its own buckets meanwhile",
+                extra={"fault": reason, "error": detail or reason},
+            )
+
     def limits(self, tenants: dict[str, TenantLimits]) -> None:
+        self.configured = frozenset(tenants)
         self._limits.clear()  # a tenant gone from the file leaves the series (in this process)
         for tenant, limits in tenants.items():
             for name in LIMITS:
                 value = getattr(limits, name)
                 if value is not None:
                     self._limits.labels(tenant, name).set(value)
+
+    def cap(self, families: Iterable[Metric]) -> Iterator[Metric]:
+        """The families as /metrics shows them: a `tenant` value that is not a configured
+        tenant (one a reload removed, one another process or an earlier run named) is summed
+        into OTHER_TENANTS, and its limits are left out: the label has at most MAX_TENANTS + 1
+        values whatever was ever counted (the files of a host's processes keep every series)."""
+        for family in families:
+            if not family.name.startswith("epd_router_tenant_") or family.name == "epd_router_tenant_table_faults":
+                yield family
+                continue
+            capped = Metric(family.name, family.documentation, family.type, family.unit)
+            folded: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+            for sample in family.samples:
+                tenant = sample.labels.get("tenant")
+                if tenant is None or tenant in self.configured:
+                    capped.samples.append(sample)
+                elif family.type != "gauge":
+                    labels = tuple(sorted({**sample.labels, "tenant": OTHER_TENANTS}.items()))
+                    folded[sample.name, labels] = folded.get((sample.name, labels), 0.0) + sample.value
+            for (name, labels), value in folded.items():
+                capped.add_sample(name, dict(labels), value)
+            yield capped
 
 
 def count_images(messages: list) -> int:
@@ -337,8 +808,9 @@ def count_images(messages: list) -> int:
 
 class Tenants:
     """A router process's tenants: the limits of the file last applied (replaced by a reload)
-    and the buckets (kept across reloads: a tenant keeps its levels while its name stays).
-    The table is made on the first file applied: a router without tenants has none."""
+    and the buckets (kept across reloads: a tenant keeps its levels while its name stays; a
+    tenant removed frees its slot). The table is made on the first file applied: a router
+    without tenants has none."""
 
     def __init__(self, metrics: TenantMetrics, shared_dir: Path | None, worker: str | None = None) -> None:
         self.metrics = metrics
@@ -351,21 +823,34 @@ class Tenants:
     def apply(self, keys: TenantKeys | None) -> None:
         self.limits = dict(keys.tenants) if keys is not None else {}
         if keys is not None and self._quotas is None:
-            self._quotas = TenantQuotas(*self._table(), self.metrics)
+            self._quotas = TenantQuotas(*self._table(), self.metrics, configured=self.limits)
+        elif self._quotas is not None:
+            self._quotas.configure(self.limits)
         self.metrics.limits(self.limits)
 
-    def admit(self, tenant: str) -> Ticket:
-        assert self._quotas is not None, "a key with a tenant without a tenants file"
+    async def admit(self, tenant: str) -> Ticket:
+        quotas = self._quotas
+        assert quotas is not None, "a key with a tenant without a tenants file"
         # a tenant removed by a reload between the key check and here: no limits
-        return self._quotas.admit(tenant, self.limits.get(tenant) or TenantLimits())
+        limits = self.limits.get(tenant) or TenantLimits()
+        return await quotas.run(lambda fallback: quotas.admit(tenant, limits, fallback=fallback))
 
     def _table(self) -> tuple[BucketTable, int]:
         """The host's shared table when this process is one of its numbered workers and
-        metrics are shared, else this process's own."""
+        metrics are shared, else this process's own. A shared table that cannot be opened or
+        made (the directory not writable) is the kit's error, logged and counted: this process
+        then keeps its own table (its share of each limit) rather than not starting."""
         worker = self._worker
         if self._shared_dir is not None and worker is not None and worker.isdigit() and int(worker) < MAX_WORKERS:
-            return BucketTable(self._shared_dir / "tenant-buckets.bin"), int(worker)
-        return BucketTable(), 0
+            try:
+                return BucketTable(self._shared_dir / TABLE_FILE, self.metrics.fault), int(worker)
+            except TableFault as fault:
+                self.metrics.fault(fault.reason, str(fault))
+                log.error(
+                    "tenant table unusable: this process enforces each tenant's limits on its own",
+                    extra={"error": str(fault)},
+                )
+        return BucketTable(faults=self.metrics.fault), 0
 
 
 def load_client_keys(api_keys_file: Path | None, tenants_file: Path | None) -> tuple[ApiKeyChecker, TenantKeys | None]:
