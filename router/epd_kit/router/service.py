@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from epd_kit.router.admin import AdminGate, load_admin_tokens
 from epd_kit.router.admission import PdAdmission
@@ -38,6 +38,8 @@ from epd_kit.router.rendering import Renderer
 from epd_kit.router.state import RouterState
 from epd_kit.router.tenants import TenantMetrics, Tenants, load_client_keys
 from epd_kit.router.tracing import Tracing
+
+T = TypeVar("T")
 
 log = logging.getLogger("epd_router.service")
 
@@ -202,6 +204,12 @@ class RouterService:
             self._background.add(task)  # the loop keeps only weak references
             task.add_done_callback(self._background.discard)
         return True
+
+    def keep(self, task: asyncio.Task[T]) -> asyncio.Task[T]:
+        """Hold a reference to `task` until it ends (the loop keeps only weak ones)."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     # --- drain -----------------------------------------------------------------------------
 
