@@ -7,16 +7,21 @@ The file and its format: tenants_file.py.
 Buckets: `requests_per_s` refills that many a second (burst: one second's worth, at least 1),
 one taken per request; `images_per_min` refills per minute, as many taken as the request has
 images; `tokens_per_min` refills per minute and is charged from the answer's usage (prompt +
-completion) as the answer ends, so it may go below zero: a tenant is refused while its level
-is not above zero, and Retry-After is the time the refill takes to lift it there.
-`concurrent_requests` counts requests in flight. A refused request is a 429 in OpenAI's shape
-with that Retry-After; it costs the tenant nothing.
+completion) as the answer ends, so it may go below zero (at most what RETRY_AFTER_MAX_S of
+refill lifts): a tenant is refused while its level is not above zero, and Retry-After is the
+time the refill takes to lift it there (1 to RETRY_AFTER_MAX_S). `concurrent_requests` counts
+requests in flight. A refused request is a 429 in OpenAI's shape with that Retry-After; it
+costs the tenant nothing.
 
-Sharing: the buckets live in one table of fixed-size slots, in memory for a single process or
-in a memory-mapped file under the metrics directory (`PROMETHEUS_MULTIPROC_DIR`, /run/epd-router)
-for the processes of a host, each change under an exclusive `flock` of that file (two per
-request, only when tenants are configured). Concurrency counts are kept per worker, so a
-process that dies leaves no slots behind: its successor (the same worker name) clears them.
+Sharing: the buckets live in one table of fixed-size slots (the configured tenants' only), in
+memory for a single process or in a file under the metrics directory (`PROMETHEUS_MULTIPROC_DIR`,
+/run/epd-router) for the processes of a host, each change read and written under an exclusive
+`flock` of that file (two per request, only when tenants are configured). Concurrency counts
+are kept per worker, so a process that dies leaves no slots behind: its successor (the same
+worker name) clears them, and another worker drops them once the process no longer runs.
+The file fails safe (docs/router.md "Tenants"): each slot validated on read, a damaged,
+foreign, deleted or replaced file repaired or followed, a busy lock waited for at most
+LOCK_WAIT_S off the event loop; meanwhile a process answers from its own table.
 """
 
 from __future__ import annotations
@@ -326,6 +331,12 @@ class BucketTable:
         for i in range(MAX_TENANTS):
             self._store.write(SLOTS_AT + i * SLOT + _NAME.size + _BUCKETS.size + 4 * worker, zero)
 
+    def registered(self, worker: int) -> bool:
+        """Whether the header still names this process as `worker` (a repair by another
+        process lays it out empty)."""
+        pid, started = _WORKER.unpack(self._store.read(_HEAD_BYTES + worker * _WORKER.size, _WORKER.size))
+        return pid == os.getpid() and started == (_started(pid) or 0)
+
     def alive(self, worker: int, now: float) -> bool:
         """Whether the process registered as `worker` still runs (looked up at most once a second)."""
         checked = self._alive.get(worker)
@@ -517,6 +528,7 @@ class TenantQuotas:
         self._mine: dict[str, int] = {}  # this worker's requests in flight, per tenant
         self._owed: dict[str, tuple[TenantLimits, int]] = {}  # not yet written: limits, tokens
         self._retry: asyncio.TimerHandle | None = None
+        self._checked = -math.inf  # when the header was last seen to name this worker
         try:
             self._shared(lambda table: None, time.monotonic())
         except TableFault as fault:  # registered at the first change that gets the lock
@@ -669,6 +681,11 @@ class TenantQuotas:
     def _shared(self, op: Callable[[BucketTable], T], now: float) -> T:
         table = self.table
         with table.locked():
+            check = time.monotonic()
+            if check - self._checked >= _FOLLOW_EVERY_S:  # another process may have repaired it
+                self._checked = check
+                if self._registered is not None and not table.registered(self.worker):
+                    self._registered = -1
             if self._registered != table.generation:  # new to it, or it was started over
                 table.register(self.worker, first=self._registered is None)
                 if self._registered is not None:
@@ -787,7 +804,7 @@ class TenantMetrics:
                 tenant = sample.labels.get("tenant")
                 if tenant is None or tenant in self.configured:
                     capped.samples.append(sample)
-                elif family.type != "gauge":
+                elif family.type != "gauge" and not sample.name.endswith("_created"):
                     labels = tuple(sorted({**sample.labels, "tenant": OTHER_TENANTS}.items()))
                     folded[sample.name, labels] = folded.get((sample.name, labels), 0.0) + sample.value
             for (name, labels), value in folded.items():

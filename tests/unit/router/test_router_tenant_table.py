@@ -276,3 +276,15 @@ async def test_the_tenant_label_holds_the_configured_tenants_whatever_was_counte
     assert 'epd_router_tenant_tokens_total{tenant="_other"} 2000.0' in text  # rounds 0 and 1 summed
     assert 'epd_router_tenant_limit{limit="tokens_per_min",tenant="t0-1"}' not in text
     await svc.stop()
+
+
+def test_a_worker_whose_registration_a_repair_wiped_registers_again(tmp_path, follow_at_once):
+    """Another process laid the truncated file out again: this one's PID and places come back."""
+    path = tmp_path / TABLE_FILE
+    one, two = quotas(path, 0), quotas(path, 1)
+    limits = TenantLimits(concurrent_requests=2)
+    one.admit("a", limits)
+    os.truncate(path, 0)
+    two.admit("a", limits)  # two repairs the file: one's registration and count are gone from it
+    one.admit("b", TenantLimits(requests_per_s=5))  # any change of one's: it registers again
+    refused(lambda: two.admit("a", limits))  # one's place is back, and counted as a live worker's
