@@ -572,12 +572,21 @@ class TenantQuotas:
         return ticket
 
     def _admit(self, table: BucketTable, shared: bool, ticket: Ticket, now: float) -> RouterError | None:
-        tenant, limits = ticket.tenant, ticket.limits
+        tenant = ticket.tenant
         slot = table.read(table.slot(tenant, self.configured), self.worker, now)
-        values = slot.buckets
-        mine = self._mine.get(tenant, 0)
+        refused = self._check(slot, shared, ticket, now)
+        if refused is None and ticket.limits.concurrent_requests is not None:
+            ticket.counted = True
+            self._mine[tenant] = self._mine.get(tenant, 0) + 1
+        slot.counts[self.worker] = self._mine.get(tenant, 0)
+        table.write(slot)  # a refusal too: the levels refilled to now are the same, a repair is kept
+        return refused
+
+    def _check(self, slot: Slot, shared: bool, ticket: Ticket, now: float) -> RouterError | None:
+        """The 429 of the first limit `ticket` is over, else None with its request taken."""
+        tenant, limits, values = ticket.tenant, ticket.limits, slot.buckets
         if limits.concurrent_requests is not None:
-            held = mine + (sum(slot.counts) - slot.counts[self.worker] if shared else 0)
+            held = self._mine.get(tenant, 0) + (sum(slot.counts) - slot.counts[self.worker] if shared else 0)
             if held >= limits.concurrent_requests:
                 return too_many(tenant, f"{limits.concurrent_requests} concurrent requests", 1)
         if limits.tokens_per_min is not None:
@@ -591,11 +600,6 @@ class TenantQuotas:
             if level < 1:
                 return too_many(tenant, f"{rate:g} requests per second", _wait_s(1 - level, rate))
             values[RPS] = level - 1
-        if limits.concurrent_requests is not None:
-            ticket.counted = True
-            self._mine[tenant] = mine + 1
-        slot.counts[self.worker] = self._mine.get(tenant, 0)
-        table.write(slot)
         return None
 
     def take_images(self, ticket: Ticket, count: int, now: float | None = None, fallback: bool = True) -> None:
