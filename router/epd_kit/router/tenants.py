@@ -167,8 +167,8 @@ class _File:
             if exc.errno not in (errno.EACCES, errno.EPERM, errno.ELOOP, errno.EROFS):
                 raise TableFault("unusable", f"{self.path}: {exc.strerror}") from None
             # not ours to write (made read-only, a link): put a new file in its place
-            self._faults("replaced")
             fd = self._replace()
+            self._faults("replaced")
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise TableFault("unusable", f"{self.path} is not a regular file")

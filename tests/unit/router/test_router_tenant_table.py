@@ -10,11 +10,14 @@ import asyncio
 import fcntl
 import math
 import os
+import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -288,3 +291,57 @@ def test_a_worker_whose_registration_a_repair_wiped_registers_again(tmp_path, fo
     two.admit("a", limits)  # two repairs the file: one's registration and count are gone from it
     one.admit("b", TenantLimits(requests_per_s=5))  # any change of one's: it registers again
     refused(lambda: two.admit("a", limits))  # one's place is back, and counted as a live worker's
+
+
+@pytest.fixture
+def shared_tmp():
+    """A directory another user can reach (pytest's own is root's, 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="epd-quota-"))
+    yield path
+    for sub in path.rglob("*"):
+        if sub.is_dir():
+            sub.chmod(0o755)
+    shutil.rmtree(path)
+
+
+def test_an_unwritable_file_is_replaced_and_an_unwritable_directory_leaves_the_process_its_own(shared_tmp):
+    """As a user that may not write the file (root may write anything: the child drops to
+    nobody): a worker used to exit with a traceback, a crash loop under Restart=always."""
+    script = textwrap.dedent(
+        """
+        import os, sys
+        from pathlib import Path
+        from prometheus_client import CollectorRegistry
+        from epd_kit.router.tenants import TABLE_FILE, TenantLimits, TenantMetrics, Tenants
+        from epd_kit.router.tenants_file import parse_tenants
+        keys = parse_tenants("tenant a requests_per_s=1\\nkey a sk-a\\n", "f")
+        for name in ("open", "closed"):
+            directory = Path(sys.argv[1]) / name
+            table = directory / TABLE_FILE
+            table.write_text("")
+            table.chmod(0o400)  # not writable, even by its owner
+            if name == "closed":
+                directory.chmod(0o555)  # and no new file can be made beside it
+            metrics = TenantMetrics(CollectorRegistry())
+            tenants = Tenants(metrics, directory, worker="0")
+            tenants.apply(keys)
+            shared = tenants._quotas.table.shared
+            tenants._quotas.admit("a", TenantLimits(requests_per_s=1))
+            faults = sorted(s.labels["fault"] for m in metrics._faults.collect() for s in m.samples
+                            if s.name.endswith("_total") and s.value)
+            print(name, shared, oct(table.stat().st_mode & 0o777), ",".join(faults))
+        """
+    )
+    tmp_path = shared_tmp
+    for name in ("open", "closed"):
+        (tmp_path / name).mkdir()
+    tmp_path.chmod(0o777)
+    drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+    if drop:
+        for path in (tmp_path, tmp_path / "open", tmp_path / "closed"):
+            os.chown(path, 65534, 65534)
+    argv = [*drop, sys.executable, "-c", script, str(tmp_path)]
+    run = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == ["open True 0o600 replaced", "closed False 0o400 unusable"], run.stdout
+    assert "tenant table unusable: this process enforces each tenant's limits on its own" in run.stderr
