@@ -100,9 +100,10 @@ class TableFault(Exception):
     """The shared table cannot be used for this change (`reason`: the metric's `fault`); the
     process uses its own table meanwhile."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
+    def __init__(self, reason: str, detail: str = "", counted: bool = False) -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+        self.counted = counted  # already reported (by the repair that raised it)
 
 
 @dataclass
@@ -208,18 +209,15 @@ class _File:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def check(self, now: float) -> None:
+        """Under the lock, before a change: at most once a second (a truncation in between
+        shows as a short read, `read`)."""
+        if self._laid_out and now - self._checked < _FOLLOW_EVERY_S:
+            return
         try:
             size = os.fstat(self.fd).st_size
             if size != TABLE_BYTES:  # new, or truncated or grown by someone else: start it over
-                if size or self._laid_out:
-                    self._faults("truncated")
-                os.ftruncate(self.fd, 0)
-                os.ftruncate(self.fd, TABLE_BYTES)
-                os.pwrite(self.fd, _HEADER, 0)
-                self.generation += 1
+                self._lay_out(counted=bool(size) or self._laid_out)
             self._laid_out = True
-            if now - self._checked < _FOLLOW_EVERY_S:
-                return
             self._checked = now
             try:
                 there = os.stat(self.path, follow_symlinks=False)
@@ -261,13 +259,23 @@ class _File:
             return False
         return True
 
+    def _lay_out(self, counted: bool) -> None:
+        """Start the file over, empty (it is ours: a layout change has another file name)."""
+        if counted:
+            self._faults("truncated")
+        os.ftruncate(self.fd, 0)
+        os.ftruncate(self.fd, TABLE_BYTES)
+        os.pwrite(self.fd, _HEADER, 0)
+        self.generation += 1
+
     def read(self, at: int, size: int) -> bytes:
         try:
             data = os.pread(self.fd, size, at)
+            if len(data) != size:  # truncated since the last look: repaired now, for the next change
+                self._lay_out(counted=True)
+                raise TableFault("truncated", counted=True)
         except OSError as exc:
             raise TableFault("unusable", f"{self.path}: read: {exc.strerror}") from None
-        if len(data) != size:  # truncated since `check`
-            raise TableFault("truncated")
         return data
 
     def write(self, at: int, data: bytes) -> None:
@@ -309,13 +317,24 @@ class BucketTable:
     def locked(self) -> Iterator[None]:
         """The table, locked for this process (never waiting: `TableFault("busy")` when
         another holds it; callers wait off the event loop, `TenantQuotas.run`)."""
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def acquire(self) -> None:
+        """`locked` without a generator: what each request runs twice."""
         if not self._store.lock():
             raise TableFault("busy")
         try:
             self._store.check(time.monotonic())
-            yield
-        finally:
+        except BaseException:
             self._store.unlock()
+            raise
+
+    def release(self) -> None:
+        self._store.unlock()
 
     # -- workers
 
@@ -371,6 +390,15 @@ class BucketTable:
         self._slots[tenant] = offset
         return offset
 
+    def find(self, tenant: str, worker: int, now: float, configured: Collection[str]) -> Slot:
+        """`tenant`'s slot, read (`read`) and claimed if it has none (`slot`). Under the lock."""
+        offset = self._slots.get(tenant)
+        if offset is not None:
+            found = self.read(offset, worker, now)
+            if found.name == tenant:  # still its: another process may have freed or taken it
+                return found
+        return self.read(self.slot(tenant, configured), worker, now)
+
     def _names(self) -> list[bytes]:
         data = self._store.read(SLOTS_AT, MAX_TENANTS * SLOT)
         return [data[i * SLOT : i * SLOT + _NAME.size].rstrip(b"\0") for i in range(MAX_TENANTS)]
@@ -392,19 +420,20 @@ class BucketTable:
         counts = list(_COUNTS.unpack_from(data, _NAME.size + _BUCKETS.size))
         for at in (RPS, TPM, IPM):
             level, then = buckets[at], buckets[at + 1]
-            if math.isnan(level):
+            # a NaN level is a new bucket; comparisons with NaN or an infinity fail
+            if level != level or (-math.inf < level < math.inf and 0 <= then <= now + 1):
                 continue
-            if not (math.isfinite(level) and math.isfinite(then) and 0 <= then <= now + 1):
-                self.faults("slot")
-                buckets[at], buckets[at + 1] = math.nan, 0.0
-        for w, count in enumerate(counts):
-            if count and w != worker:
-                if not 0 < count <= COUNT_MAX:
-                    self.faults("slot")
-                    counts[w] = 0
-                elif not self.alive(w, now):
-                    self.faults("dead_worker")
-                    counts[w] = 0
+            self.faults("slot")
+            buckets[at], buckets[at + 1] = math.nan, 0.0
+        if MAX_WORKERS - counts.count(0) > (counts[worker] != 0):  # another worker holds some
+            for w, count in enumerate(counts):
+                if count and w != worker:
+                    if not 0 < count <= COUNT_MAX:
+                        self.faults("slot")
+                        counts[w] = 0
+                    elif not self.alive(w, now):
+                        self.faults("dead_worker")
+                        counts[w] = 0
         name = data[: _NAME.size].rstrip(b"\0").decode(errors="replace")
         return Slot(offset, name, buckets, counts)
 
@@ -573,7 +602,7 @@ class TenantQuotas:
 
     def _admit(self, table: BucketTable, shared: bool, ticket: Ticket, now: float) -> RouterError | None:
         tenant = ticket.tenant
-        slot = table.read(table.slot(tenant, self.configured), self.worker, now)
+        slot = table.find(tenant, self.worker, now, self.configured)
         refused = self._check(slot, shared, ticket, now)
         if refused is None and ticket.limits.concurrent_requests is not None:
             ticket.counted = True
@@ -614,7 +643,7 @@ class TenantQuotas:
         per_s = limit / 60
 
         def take(table: BucketTable, shared: bool) -> float | None:
-            slot = table.read(table.slot(ticket.tenant, self.configured), self.worker, now)
+            slot = table.find(ticket.tenant, self.worker, now, self.configured)
             level = _refill(slot.buckets, IPM, limit, per_s, now)
             if level < count:
                 return level
@@ -684,7 +713,8 @@ class TenantQuotas:
 
     def _shared(self, op: Callable[[BucketTable], T], now: float) -> T:
         table = self.table
-        with table.locked():
+        table.acquire()
+        try:
             check = time.monotonic()
             if check - self._checked >= _FOLLOW_EVERY_S:  # another process may have repaired it
                 self._checked = check
@@ -700,22 +730,26 @@ class TenantQuotas:
             for tenant in list(self._owed):
                 self._write_owed(table, tenant, True, now)
             return op(table)
+        finally:
+            table.release()
 
     def _write_owed(self, table: BucketTable, tenant: str, settle: bool, now: float) -> None:
         """What `tenant` is owed, into `table` (`settle`: the table of record; else this
         process's own, and it stays owed)."""
-        limits, tokens = self._owed.pop(tenant) if settle else self._owed[tenant]
-        if tenant not in self.configured and self.configured:
-            return  # gone with a reload
-        slot = table.read(table.slot(tenant, self.configured), self.worker, now)
-        if limits.tokens_per_min is not None and tokens:
-            level = _refill(slot.buckets, TPM, limits.tokens_per_min, limits.tokens_per_min / 60, now)
-            slot.buckets[TPM] = max(level - tokens, _floor(limits.tokens_per_min / 60))
-        slot.counts[self.worker] = self._mine.get(tenant, 0)
-        table.write(slot)
+        limits, tokens = self._owed[tenant]
+        if not self.configured or tenant in self.configured:  # else: gone with a reload
+            slot = table.find(tenant, self.worker, now, self.configured)
+            if limits.tokens_per_min is not None and tokens:
+                level = _refill(slot.buckets, TPM, limits.tokens_per_min, limits.tokens_per_min / 60, now)
+                slot.buckets[TPM] = max(level - tokens, _floor(limits.tokens_per_min / 60))
+            slot.counts[self.worker] = self._mine.get(tenant, 0)
+            table.write(slot)
+        if settle:  # written: owed no more
+            del self._owed[tenant]
 
     def _fault(self, fault: TableFault) -> None:
-        self.table.faults(fault.reason, str(fault))
+        if not fault.counted:
+            self.table.faults(fault.reason, str(fault))
 
     def _count(self, tenant: str, result: str) -> None:
         if self.metrics is not None:
