@@ -345,3 +345,14 @@ def test_an_unwritable_file_is_replaced_and_an_unwritable_directory_leaves_the_p
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.splitlines() == ["open True 0o600 replaced", "closed False 0o400 unusable"], run.stdout
     assert "tenant table unusable: this process enforces each tenant's limits on its own" in run.stderr
+
+
+def test_a_deleted_file_is_made_again_with_the_levels_a_running_process_holds(tmp_path, follow_at_once):
+    path = tmp_path / TABLE_FILE
+    one, two = quotas(path, 0), quotas(path, 1)
+    limits = TenantLimits(tokens_per_min=60)
+    one.admit("a", limits, now=0.0).finish(600, now=0.0)  # ten minutes owed
+    path.unlink()
+    assert refused(lambda: one.admit("a", limits, now=1.0)).retry_after > 500  # one made it again
+    assert path.is_file()
+    assert refused(lambda: two.admit("a", limits, now=1.0)).retry_after > 500  # two follows: the debt holds
