@@ -356,3 +356,22 @@ def test_a_deleted_file_is_made_again_with_the_levels_a_running_process_holds(tm
     assert refused(lambda: one.admit("a", limits, now=1.0)).retry_after > 500  # one made it again
     assert path.is_file()
     assert refused(lambda: two.admit("a", limits, now=1.0)).retry_after > 500  # two follows: the debt holds
+
+
+async def test_what_a_request_gives_back_while_the_lock_is_busy_is_written_once_it_is_free(tmp_path):
+    path = tmp_path / TABLE_FILE
+    q = quotas(path)
+    limits = TenantLimits(concurrent_requests=1, tokens_per_min=600)
+    ticket = q.admit("a", limits, now=time.monotonic())
+    holder = os.open(path, os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        ticket.finish(1000)  # the place and the tokens: owed, not lost
+    finally:
+        os.close(holder)
+    for _ in range(500):  # up to ~5 s: the retry runs on the loop, polling the lock
+        if not q.table.concurrent(slot_at(path, "a")):
+            break
+        await asyncio.sleep(0.01)
+    assert q.table.concurrent(slot_at(path, "a")) == 0
+    assert q.table.buckets(slot_at(path, "a"))[TPM] < 0  # the 1000 tokens were charged
