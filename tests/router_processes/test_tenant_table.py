@@ -21,7 +21,7 @@ import yaml
 
 from bench.router_processes import router_group
 from bench.stack import engine_proc
-from epd_kit.router.tenants import TABLE_FILE
+from epd_kit.router.tenant_table import TABLE_FILE
 
 CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
 CALM, SLOW = "sk-calm-tenant-0001", "sk-slow-tenant-0001"

@@ -23,11 +23,11 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from epd_kit.router import tenants
+from epd_kit.router import tenant_table
 from epd_kit.router.config import parse_config
 from epd_kit.router.errors import RouterError
 from epd_kit.router.service import RouterService
-from epd_kit.router.tenants import (
+from epd_kit.router.tenant_table import (
     _BUCKETS,
     _HEAD_BYTES,
     _NAME,
@@ -40,10 +40,8 @@ from epd_kit.router.tenants import (
     TABLE_FILE,
     TPM,
     BucketTable,
-    TenantLimits,
-    TenantMetrics,
-    TenantQuotas,
 )
+from epd_kit.router.tenants import TenantLimits, TenantMetrics, TenantQuotas
 from epd_kit.router.tenants_file import MAX_TENANTS
 
 
@@ -162,7 +160,7 @@ def test_a_file_truncated_under_running_workers_is_repaired_without_sigbus(tmp_p
 @pytest.fixture
 def follow_at_once(monkeypatch):
     """Each change looks at the file's header and path (the router: once a second)."""
-    monkeypatch.setattr(tenants, "_FOLLOW_EVERY_S", 0.0)
+    monkeypatch.setattr(tenant_table, "FOLLOW_EVERY_S", 0.0)
 
 
 def test_a_foreign_or_replaced_file_is_replaced_not_rewritten_and_every_holder_follows(tmp_path, follow_at_once):
@@ -312,7 +310,8 @@ def test_an_unwritable_file_is_replaced_and_an_unwritable_directory_leaves_the_p
         import os, sys
         from pathlib import Path
         from prometheus_client import CollectorRegistry
-        from epd_kit.router.tenants import TABLE_FILE, TenantLimits, TenantMetrics, Tenants
+        from epd_kit.router.tenant_table import TABLE_FILE
+        from epd_kit.router.tenants import TenantLimits, TenantMetrics, Tenants
         from epd_kit.router.tenants_file import parse_tenants
         keys = parse_tenants("tenant a requests_per_s=1\\nkey a sk-a\\n", "f")
         for name in ("open", "closed"):

@@ -17,9 +17,8 @@ from epd_kit.router.cli import main
 from epd_kit.router.config import parse_config
 from epd_kit.router.errors import RouterError
 from epd_kit.router.service import RouterService
+from epd_kit.router.tenant_table import BucketTable, TableFault
 from epd_kit.router.tenants import (
-    BucketTable,
-    TableFault,
     TenantLimits,
     TenantMetrics,
     TenantQuotas,
@@ -276,7 +275,7 @@ def test_check_config_names_the_line_of_a_tenant_typo(tmp_path, config):
 
 
 def test_a_table_of_configured_tenants_keeps_their_slots_and_no_process_keeps_a_stale_slot(tmp_path):
-    from epd_kit.router.tenants import TABLE_FILE
+    from epd_kit.router.tenant_table import TABLE_FILE
     from epd_kit.router.tenants_file import MAX_TENANTS
 
     path = tmp_path / TABLE_FILE
