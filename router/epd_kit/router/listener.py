@@ -24,6 +24,9 @@ short body holds a connection forever), a fresh connection that never sends stay
 - transfer coding: anything but `chunked` -> 501 and close (RFC 9112 §6.1: a server that does
   not understand a transfer coding should answer 501);
 - a malformed request gets uvicorn's 400 as the router's JSON error envelope;
+- a body that still arrives after its request was answered (a 401 or a tenant's 429 is sent
+  before the body is read) is dropped up to `MAX_DISCARD_BYTES`, then the connection is
+  closed (`unread_body`): a refused request costs no more reading than that;
 - shutdown (uvicorn's at exit, or a process of a group that stops accepting): a connection
   whose first request head is not complete yet is not reset, since that request may already
   be on the wire; it is served and closed after its response (or at its header timeout). The
@@ -71,6 +74,11 @@ CLIENT_GONE = "epd.client_gone"
 
 # the request head cap uvicorn's h11 protocol applied (h11_max_incomplete_event_size)
 MAX_HEAD_BYTES = 16 * 1024
+
+# The most of a request's body read after its answer was sent without it (a 401 or a tenant's
+# 429 comes before the body): uvicorn reads and drops the rest to keep the connection, which
+# cost 58 MiB of reading after one 429 (issue 58). Past this the connection is closed.
+MAX_DISCARD_BYTES = 256 * 1024
 
 
 def _unread_bytes(transport: asyncio.BaseTransport) -> int:
@@ -165,6 +173,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._refusal: RouterError | None = None  # why a parser callback stopped the parse
         self._upgrade_body: int | None = None  # body bytes still due after an Upgrade head
         self._shutting_down = False  # close after the response to the request now arriving
+        self._discarded = 0  # body bytes dropped after the request's answer
 
     # --- asyncio.Protocol ------------------------------------------------------------------
 
@@ -264,8 +273,20 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._arm("header", self._listen.header_timeout_s)
         self._head_parsed = self._padding  # the padding counts towards the head
         self._padding = 0
+        self._discarded = 0
         self._in_message = True
         super().on_message_begin()
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if cycle is None or not cycle.response_complete or self.parser.should_upgrade():
+            super().on_body(body)
+            return
+        self._discarded += len(body)  # answered already: what uvicorn would drop
+        if self._discarded > MAX_DISCARD_BYTES and not self.transport.is_closing():
+            self._disarm()
+            self._closed("unread_body")
+            self.transport.close()
 
     def on_url(self, url: bytes) -> None:
         self._count_head(len(url))

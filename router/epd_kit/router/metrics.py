@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from epd_kit.plan.models import NO_MODEL  # the one spelling: the planner and the config refuse it as a name
@@ -209,12 +210,31 @@ def _group_state(active_somewhere: bool, draining_somewhere: bool) -> str:
     return "draining" if draining_somewhere else "active"
 
 
+FamilyFilter = Callable[[Iterable[Metric]], Iterable[Metric]]
+
+
+class _Filtered:
+    """A registry's families through `filters`, as generate_latest reads them."""
+
+    def __init__(self, source: CollectorRegistry, filters: list[FamilyFilter]) -> None:
+        self._source = source
+        self._filters = filters
+
+    def collect(self) -> Iterable[Metric]:
+        families: Iterable[Metric] = self._source.collect()
+        for keep in self._filters:
+            families = keep(families)
+        return families
+
+
 class RouterMetrics:
     def __init__(self, pools: Callable[[], Pools], preprocess_stats: PreprocessStatsByModel = dict) -> None:
         """`preprocess_stats`: each model's renderer's cache counters, by served name (the
         `model` label of the epd_router_preprocess_* counters)."""
         self.registry = CollectorRegistry()
         self.shared_dir = shared_metrics_dir()
+        # what /metrics passes its families through (the tenants' label cap, tenants.py)
+        self.family_filters: list[FamilyFilter] = []
         r = self.registry
         self.requests = Counter(
             "epd_router_requests", "Chat requests by final HTTP status", ["status", "model"], registry=r
@@ -325,11 +345,11 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         if self.shared_dir is None:
-            return generate_latest(self.registry)
+            return generate_latest(_Filtered(self.registry, self.family_filters))
         self.publish()
         fleet = CollectorRegistry()
         multiprocess.MultiProcessCollector(fleet, str(self.shared_dir))
-        return generate_latest(fleet)
+        return generate_latest(_Filtered(fleet, self.family_filters))
 
     def for_model(self, model: str) -> ModelMetrics:
         """One model's children of the per-model series (`model`: a served name from the config

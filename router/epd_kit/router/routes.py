@@ -4,6 +4,7 @@ the app's one `RouterService` (`app.state.service`)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
@@ -92,7 +93,7 @@ async def chat_completions(request: Request) -> Response:
             raise RouterError(400, "x-request-id must be 1-128 characters of [A-Za-z0-9._:+=@-]")
         tenant = _check_key(request)
         if tenant is not None:  # before the body: a refused tenant costs no upload or work
-            ticket = service.tenants.admit(tenant)
+            ticket = await service.tenants.admit(tenant)
         limits = service.state.cfg.limits
         # admitted once the body is in: a slow or stalled upload costs its own connection
         # (bounded by listen.body_timeout_s and listen.max_connections), never others' slots
@@ -105,21 +106,36 @@ async def chat_completions(request: Request) -> Response:
         lane = service.lane_for(chat.model)  # several models: by the body's `model` (404 if unknown)
         outcome.model = lane.name  # counted under a served name from here on, never the client's string
         if ticket is not None:
-            ticket.images(count_images(chat.messages))
+            await ticket.images(count_images(chat.messages))
         del body  # `inline` keeps the image payloads' bytes until they are rendered
         ctx = RequestContext.start(chat, rid, lane.state.cfg, intake=slot, inline=inline)
         if chat.stream:
             response = await _stream(request, service, lane.generation, ctx, outcome, ticket)
             if isinstance(response, _CleanupStreamingResponse):
                 ticket = None  # the stream gives it back as it ends
+            else:  # the client left before the first token: the engines had its prompt
+                tokens = len(ctx.token_ids)
             return response
         service.begin_request()
+        work = lane.generation.complete(ctx)
+        if ticket is not None and ticket.limits.tokens_per_min is not None:
+            # a client that leaves is charged what the PD generates: the call runs on (bounded
+            # by max_tokens and the deadline) instead of being aborted, its usage unknown
+            work = service.keep(asyncio.ensure_future(work))
         try:
-            result = await _race_disconnect(request, lane.generation.complete(ctx))
+            result = await _race_disconnect(request, asyncio.shield(work) if isinstance(work, asyncio.Task) else work)
         finally:
-            service.end_request()
+            if isinstance(work, asyncio.Task) and not work.done():
+                work.add_done_callback(functools.partial(_charge_when_done, service, ticket, ctx))
+                ticket = None
+            else:
+                service.end_request()
         if result is not None:
             tokens = result["usage"]["total_tokens"]
+        elif isinstance(work, asyncio.Task):  # the client left as the PD answered
+            tokens = _used(work, ctx)
+        else:  # the client left: the engines had its prompt
+            tokens = len(ctx.token_ids)
     except ClientGone:
         return _client_left(outcome, rid, "during upload")
     except RouterError as err:
@@ -146,6 +162,26 @@ async def chat_completions(request: Request) -> Response:
 
 # what JSONResponse renders (the same bytes and headers), without an encoder built per answer
 _answer_json = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
+
+
+def _charge_when_done(service: RouterService, ticket: Ticket | None, ctx: RequestContext, work: asyncio.Task) -> None:
+    """A non-streaming request whose client left: its tenant is charged the PD's answer (or
+    the prompt, if the call failed) once the call ends."""
+    service.end_request()
+    tokens = _used(work, ctx)
+    if ticket is not None:
+        ticket.finish(tokens)
+    log.info(
+        "the PD's answer to a client that left, charged to its tenant",
+        extra={"request_id": ctx.request_id, "tenant": ticket.tenant if ticket else None, "tokens": tokens},
+    )
+
+
+def _used(work: asyncio.Task, ctx: RequestContext) -> int:
+    """The tokens of an ended PD call: its usage, or the prompt alone if it failed."""
+    if work.cancelled() or work.exception() is not None:
+        return len(ctx.token_ids)
+    return work.result()["usage"]["total_tokens"]
 
 
 def _client_of(request: Request, keys_checked: bool) -> str:

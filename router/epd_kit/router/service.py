@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from epd_kit.router.admin import AdminGate, load_admin_tokens
 from epd_kit.router.admission import PdAdmission
@@ -38,6 +38,8 @@ from epd_kit.router.rendering import Renderer
 from epd_kit.router.state import RouterState
 from epd_kit.router.tenants import TenantMetrics, Tenants, load_client_keys
 from epd_kit.router.tracing import Tracing
+
+T = TypeVar("T")
 
 log = logging.getLogger("epd_router.service")
 
@@ -78,6 +80,7 @@ class RouterService:
         )
         self.auth, tenant_keys = load_client_keys(cfg.auth.api_keys_file, cfg.auth.tenants_file)
         self.tenants = Tenants(TenantMetrics(self.metrics.registry), self.metrics.shared_dir, worker)
+        self.metrics.family_filters.append(self.tenants.metrics.cap)
         self.tenants.apply(tenant_keys)
         self.intake = IntakeGate()
         self.decode_pool = ThreadPoolExecutor(cfg.limits.text_workers, thread_name_prefix="epd-decode")
@@ -201,6 +204,12 @@ class RouterService:
             self._background.add(task)  # the loop keeps only weak references
             task.add_done_callback(self._background.discard)
         return True
+
+    def keep(self, task: asyncio.Task[T]) -> asyncio.Task[T]:
+        """Hold a reference to `task` until it ends (the loop keeps only weak ones)."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     # --- drain -----------------------------------------------------------------------------
 

@@ -31,6 +31,18 @@ LIMITS = {
     "tokens_per_min": int,
     "images_per_min": int,
 }
+# The longest Retry-After a 429 carries (a longer wait is cut to it: a client that honours it
+# may be refused once more). The smallest rate keeps an ordinary refusal's wait below it.
+RETRY_AFTER_MAX_S = 3600
+# Each limit's range: what the buckets' arithmetic (floats, an i32 count per worker) and the
+# Retry-After header hold. requests_per_s=1e-320 used to pass and make every request a 500
+# (a division overflowing), 1e-300 a Retry-After of 40 digits.
+BOUNDS: dict[str, tuple[float, float]] = {
+    "requests_per_s": (0.001, 1_000_000),  # one request per 1000 s .. a million a second
+    "concurrent_requests": (1, 1_000_000),
+    "tokens_per_min": (1, 10**12),
+    "images_per_min": (1, 10**9),
+}
 
 
 @dataclass(frozen=True)
@@ -75,7 +87,7 @@ def parse_tenants(text: str, where: str) -> TenantKeys:
             _check_name(name, at)
             if name in tenants:
                 raise KeyFileError(f"{at}: tenant {name!r} is defined twice")
-            tenants[name] = _limits(settings, at)
+            tenants[name] = _limits(name, settings, at)
         elif kind == "key":
             if len(fields) != 2:
                 raise KeyFileError(f"{at}: expected 'key TENANT KEY' (a key has no spaces)")
@@ -107,7 +119,7 @@ def _check_name(name: str, at: str) -> None:
         raise KeyFileError(f"{at}: tenant name {name[:64]!r} must be 1-63 characters of [A-Za-z0-9_.-]")
 
 
-def _limits(settings: list[str], at: str) -> TenantLimits:
+def _limits(tenant: str, settings: list[str], at: str) -> TenantLimits:
     values: dict[str, float | int] = {}
     for setting in settings:
         key, sep, value = setting.partition("=")
@@ -125,5 +137,11 @@ def _limits(settings: list[str], at: str) -> TenantLimits:
             ) from None
         if not (math.isfinite(number) and number > 0):
             raise KeyFileError(f"{at}: {key} must be above 0 (leave it out for no limit)")
+        low, high = BOUNDS[key]
+        if not low <= number <= high:
+            raise KeyFileError(
+                f"{at}: tenant {tenant!r}: {key}={value[:40]} is outside the range the router serves, "
+                f"{low:g} to {high:g} (leave it out for no limit)"
+            )
         values[key] = number
     return TenantLimits(**values)

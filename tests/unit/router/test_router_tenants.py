@@ -17,8 +17,8 @@ from epd_kit.router.cli import main
 from epd_kit.router.config import parse_config
 from epd_kit.router.errors import RouterError
 from epd_kit.router.service import RouterService
+from epd_kit.router.tenant_table import BucketTable, TableFault
 from epd_kit.router.tenants import (
-    BucketTable,
     TenantLimits,
     TenantMetrics,
     TenantQuotas,
@@ -60,6 +60,17 @@ def test_a_tenants_file_gives_each_key_its_tenant_and_each_tenant_its_limits():
         ("tenant a/b\nkey a/b k\n", "line 1: tenant name 'a/b' must be"),
         ("tenant a\n", "f: contains no keys"),
         ("sk-plain-key\n", "line 1: unknown entry 'sk-plain-key'"),
+        # values the router could not serve (issue 58): 1e-320 made every request a 500, 1e-300
+        # a Retry-After of 40 digits
+        (
+            "tenant acme requests_per_s=1e-320\nkey acme k\n",
+            "line 1: tenant 'acme': requests_per_s=1e-320 is outside the range the router serves, 0.001 to 1e+06",
+        ),
+        ("tenant a requests_per_s=1e-300\nkey a k\n", "tenant 'a': requests_per_s=1e-300 is outside"),
+        ("tenant a requests_per_s=2000000\nkey a k\n", "tenant 'a': requests_per_s=2000000 is outside"),
+        ("tenant a concurrent_requests=2000000\nkey a k\n", "concurrent_requests=2000000 is outside the range"),
+        ("tenant a tokens_per_min=10000000000000\nkey a k\n", "tokens_per_min=10000000000000 is outside"),
+        ("tenant a images_per_min=10000000000\nkey a k\n", "images_per_min=10000000000 is outside the range"),
     ],
 )
 def test_a_bad_tenants_file_is_refused_naming_its_line_and_never_a_key(text, error):
@@ -109,6 +120,13 @@ def refused(call) -> RouterError:
     return info.value
 
 
+async def arefused(call) -> RouterError:
+    with pytest.raises(RouterError) as info:
+        await call
+    assert info.value.status == 429 and info.value.type == "rate_limit_error"
+    return info.value
+
+
 def test_requests_per_second_refill_and_retry_after():
     q, limits = quotas(), TenantLimits(requests_per_s=2)
     q.admit("a", limits, now=100.0)
@@ -116,6 +134,44 @@ def test_requests_per_second_refill_and_retry_after():
     err = refused(lambda: q.admit("a", limits, now=100.0))
     assert err.retry_after == 1 and "2 requests per second" in err.message
     q.admit("a", limits, now=100.5)  # half a second refills one
+
+
+def test_the_bounds_are_one_definition_for_check_config_and_the_planner(tmp_path, config):
+    from epd_kit.plan.tenants import tenant_problems
+    from epd_kit.router.tenants_file import BOUNDS
+
+    inventory = {
+        "epd_router_tenants": {"acme": {"requests_per_s": 1e-320}, "beta": {"tokens_per_min": 10}},
+        "epd_router_tenant_keys": [{"tenant": "acme", "key": "sk-1"}],
+    }
+    low, high = BOUNDS["requests_per_s"]
+    expected = f"tenant 'acme': requests_per_s=1e-320 is outside the range the router serves, {low:g} to {high:g}"
+    assert tenant_problems(inventory) == [f"epd_router_tenants.acme: {expected} (leave it out for no limit)"]
+    tenants = tmp_path / "tenants"
+    tenants.write_text("tenant acme requests_per_s=1e-320\nkey acme sk-1\n")
+    tenants.chmod(0o640)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(config(auth={"tenants_file": str(tenants)})))
+    res = CliRunner().invoke(main, ["check-config", str(path)])
+    assert res.exit_code == 1 and f"tenants_file {tenants}: line 1: {expected}" in res.output
+    # the ends of each range are served
+    for name, (low, high) in BOUNDS.items():
+        for value in (low, high):
+            text = f"tenant a {name}={value if name == 'requests_per_s' else int(value)}\nkey a k\n"
+            assert getattr(parse_tenants(text, "f").tenants["a"], name) == value
+
+
+def test_retry_after_never_passes_its_documented_ceiling():
+    from epd_kit.router.tenants_file import RETRY_AFTER_MAX_S
+
+    q = quotas()
+    slowest = TenantLimits(requests_per_s=0.001)  # the smallest rate: one request per 1000 s
+    q.admit("a", slowest, now=0.0)
+    assert refused(lambda: q.admit("a", slowest, now=0.0)).retry_after == 1000
+    tiny = TenantLimits(tokens_per_min=1)
+    q.admit("b", tiny, now=0.0).finish(10**9, now=0.0)  # a debt of 10^9 minutes
+    assert refused(lambda: q.admit("b", tiny, now=0.0)).retry_after == RETRY_AFTER_MAX_S == 3600
+    q.admit("b", tiny, now=3600.0)  # honoured, it is admitted: the debt was kept within the ceiling
 
 
 def test_tokens_are_charged_after_the_answer_and_retry_after_lifts_the_debt():
@@ -184,12 +240,12 @@ async def test_a_reload_keeps_the_buckets_and_applies_new_limits(tmp_path, confi
     path.write_text(yaml.safe_dump(cfg))
     svc = RouterService(parse_config(cfg), char_renderer(), config_path=path)
     assert svc.auth.check("Bearer sk-a") == "a"
-    svc.tenants.admit("a")
-    refused(lambda: svc.tenants.admit("a"))
+    await svc.tenants.admit("a")
+    await arefused(svc.tenants.admit("a"))
     tenants.write_text("tenant a requests_per_s=1 images_per_min=5\ntenant b\nkey a sk-a\nkey b sk-b2\n")
     assert svc.reload()  # a rotation: new key, new limit, no restart
     assert svc.auth.check("Bearer sk-b2") == "b"
-    refused(lambda: svc.tenants.admit("a"))  # the level survived the reload
+    await arefused(svc.tenants.admit("a"))  # the level survived the reload
     samples = {
         (s.labels["tenant"], s.labels["limit"]): s.value
         for s in svc.metrics.registry.collect()
@@ -218,18 +274,25 @@ def test_check_config_names_the_line_of_a_tenant_typo(tmp_path, config):
     assert "sk-2" not in res.output
 
 
-def test_a_full_table_starts_over_and_no_process_keeps_a_stale_slot(tmp_path):
+def test_a_table_of_configured_tenants_keeps_their_slots_and_no_process_keeps_a_stale_slot(tmp_path):
+    from epd_kit.router.tenant_table import TABLE_FILE
     from epd_kit.router.tenants_file import MAX_TENANTS
 
-    path = tmp_path / "tenant-buckets.bin"
+    path = tmp_path / TABLE_FILE
     one, two = BucketTable(path), BucketTable(path)
+    configured = [f"t{i}" for i in range(MAX_TENANTS)]
     with one.locked():
-        for i in range(MAX_TENANTS):
-            one.slot(f"t{i}")
+        for name in configured:
+            one.slot(name, configured)
     with two.locked():
-        cached = two.slot("t0")
+        cached = two.slot("t0", configured)
+    reloaded = ["renamed", *configured[1:]]  # a reload renamed t0
     with one.locked():
-        fresh = one.slot("renamed")  # a 257th name: the table starts over, "renamed" takes the first slot
+        one.free_others(reloaded)  # t0's slot is free
+        fresh = one.slot("renamed", reloaded)  # a 257th name takes t0's slot, and only it
+        assert one.slot("t1", reloaded) != fresh
     assert fresh == cached
-    with two.locked():
-        assert two.slot("t0") != fresh  # the other process looks its tenant up again
+    with two.locked():  # the other process, reloaded too, looks its tenants up again
+        with pytest.raises(TableFault, match="full"):
+            two.slot("t0", reloaded)  # no longer configured: no slot (its cached one is taken)
+        assert two.slot("t1", reloaded) == one.slot("t1", reloaded)
