@@ -131,3 +131,13 @@ def test_one_clients_attacks_do_not_deny_service_to_the_others(stack):
         assert got["/health"]["p99_ms"] < 300 and got["probe_failures"] == 0, (name, got)
     log = stack.router.log()
     assert "Traceback" not in log and "internal error" not in log
+
+
+@pytest.mark.parametrize("token", ["<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>"])
+def test_a_special_token_in_message_text_is_a_400_naming_it(stack, token):
+    """Issue 58: only `<|image_pad|>` was refused; the others reached the PD."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": f"see {token} here"}], "max_tokens": 2}
+    answer = httpx.post(stack.router.url + "/v1/chat/completions", json=body, timeout=30)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert token in error["message"] and error["param"] == "messages[0].content"

@@ -214,6 +214,7 @@ class Preprocessor:
         """`inline`: base64 payloads of data: URLs kept apart from `messages` (the router's
         body decoding), by the URL as it stands in `messages`."""
         parsed = parse_messages(messages)
+        self.text.check_message_text(parsed.template_messages)
         refs = parsed.images
         if refs and self.vision is None:
             raise ModelHasNoVision(
