@@ -79,6 +79,10 @@ class TextCodec:
         self.special_tokens: frozenset[str] = frozenset(specials)
         alternatives = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
         self._special_re = re.compile(alternatives) if specials else None
+        # the longest token's text, as vLLM's tokenizer wrapper counts it (max over get_vocab(),
+        # added tokens included: vllm/tokenizers/hf.py, 0.24.0 and 0.29.0), for its chat route's
+        # prompt-characters check (router/context_window.py)
+        self.max_chars_per_token = max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)))
 
     def render_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
         try:
