@@ -107,7 +107,11 @@ class TextCodec:
         other string the template may write: a name, a tool call) holds a special token."""
         if self._special_re is None:
             return
+        search = self._special_re.search
         for i, message in enumerate(template_messages):
+            content = message.get("content")
+            if len(message) == 2 and type(content) is str and search(content) is None:
+                continue  # the common text message, clean: one search
             for where, text in _strings(message, f"messages[{i}]"):
                 token = self.special_token_in(text)
                 if token is not None:
