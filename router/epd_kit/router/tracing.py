@@ -62,19 +62,22 @@ REQUEST_SPAN = "POST /v1/chat/completions"
 _TRACEPARENT = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
 # tracestate (§3.3): several headers are combined into one list as RFC 7230 §3.2.2 says (joined
 # with commas, in order); empty members are skipped; at most 32 members, each `key=value` of the
-# spec's grammar, keys unique (§3.3.1). A list that breaks a rule is dropped whole (the spec lets a
-# vendor discard a tracestate it cannot parse), and so is one over the 512 characters the spec
-# asks vendors to propagate at least (§3.3.1.5): more is the client's payload, not ours to relay.
+# spec's grammar, keys unique (as OpenTelemetry's TraceState also requires). A list that breaks a
+# rule is dropped whole (the spec lets a vendor discard a tracestate it cannot parse), and so is
+# one over the 512 characters the spec asks vendors to propagate at least ("tracestate Limits"):
+# more is the client's payload, not ours to relay.
 _TRACESTATE_KEY = re.compile(r"[a-z][_0-9a-z*/-]{0,255}|[a-z0-9][_0-9a-z*/-]{0,240}@[a-z][_0-9a-z*/-]{0,13}")
 _TRACESTATE_VALUE = re.compile(r"[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]")
 _TRACESTATE_MEMBERS = 32
 _TRACESTATE_CHARS = 512
 
-# the export queue (the SDK drops the newest span beyond it: memory bounded by spans, each
-# bounded by the SDK's default span limits) and the batch the export thread sends at once
+# the export queue (beyond it the SDK drops the oldest span: a bounded deque, opentelemetry-sdk
+# 1.45 _shared_internal BatchProcessor.emit; memory bounded by spans, each by the SDK's default
+# span limits) and the batch the export thread sends at once
 QUEUE_SPANS = 2048
 BATCH_SPANS = 512
-# an export call's own deadline (the SDK retries within it), and how long a process's exit waits
+# an export call's own deadline (the exporter retries within it: opentelemetry exporter/otlp/
+# common/http.py `export`, 0.66b2; its default is 10 s), and how long a process's exit waits
 # for the queue's last export before it drops the rest: a collector that accepts and never
 # answers must not hold a restart (the unit's stop timeout) hostage
 EXPORT_TIMEOUT_S = 5.0
