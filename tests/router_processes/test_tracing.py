@@ -1,6 +1,7 @@
 """Traces (docs/router.md "Tracing"): the router's span tree of a request under the client's
 traceparent, and the traceparent each engine call carries, seen through the engines' own spans
-(the sim's `--otlp-traces-endpoint`, as vLLM's) in an OTLP/HTTP receiver on loopback."""
+(the sim's `--otlp-traces-endpoint`, as vLLM's) in an OTLP/HTTP receiver on loopback; and a
+collector that accepts and never answers, against the router's exit time and its JSON log."""
 
 from __future__ import annotations
 
