@@ -10,8 +10,9 @@ the same C stub engines behind every proxy, in one run.
 Pinning: wrk and the stubs on CPU 0, the proxy under test alone on CPU 1 (the others are
 stopped while it is measured). Per proxy and round: a warm-up, c=1 for the added p50 (the
 proxy's p50 minus the stubs' own p50 measured directly in the same round), then c=16 and
-c=64; CPU per request = the proxy's utime+stime delta (/proc, every thread of every
-process of the proxy) over the requests wrk completed. epd-router logs at `--log-level`
+c=64; CPU per request = the proxy's CPU time delta in nanoseconds (each thread's
+/proc/<pid>/task/<tid>/schedstat, every process of the proxy) over the requests wrk
+completed. epd-router logs at `--log-level`
 (default INFO, the level the kit deploys: one line per request); the peers at warning, their
 quietest level that still reports problems (neither logs a line per request at info either
 way: vllm-router's per-request lines are at debug). Rounds interleave the proxies; the
@@ -37,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import REPO, RunRecord
-from bench.procs import CLK_TCK, Proc, free_port
+from bench.procs import Proc, free_port
 from bench.stack import router_proc
 
 PEERS = {"vllm-router": "0.1.17", "sglang-router": "0.3.2"}
@@ -140,10 +141,13 @@ def wait_serving(proc: Proc, timeout_s: float = 60.0) -> None:
     proc.process.wait_until(serves, timeout_s, "serving", interval=0.2)
 
 
-def cpu_ticks(pid: int) -> int:
-    """utime+stime of `pid` and every descendant still alive (a launcher may fork the server)."""
+def cpu_ns(pid: int) -> int:
+    """CPU time in nanoseconds of `pid` and every descendant still alive (a launcher may fork
+    the server), every thread: the first field of each task's /proc/<pid>/task/<tid>/schedstat
+    (time on a CPU, ns; the kernel's sched_info). utime+stime count in clock ticks (10 ms), too
+    coarse for a fraction of a millisecond per request over a few thousand requests. The
+    proxies' threads live as long as they do, so no exited thread's time is missed."""
     children: dict[int, list[int]] = {}
-    ticks: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -152,11 +156,14 @@ def cpu_ticks(pid: int) -> int:
         except OSError:
             continue
         children.setdefault(int(fields[1]), []).append(int(entry.name))
-        ticks[int(entry.name)] = int(fields[11]) + int(fields[12])
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
-        total += ticks.get(p, 0)
+        for task in Path(f"/proc/{p}/task").glob("*/schedstat"):
+            try:
+                total += int(task.read_text().split()[0])
+            except (OSError, IndexError, ValueError):
+                continue  # the thread ended between the listing and the read
         todo += children.get(p, [])
     return total
 
@@ -177,7 +184,7 @@ class WrkResult:
 def run_wrk(wrk: str, url: str, body_file: Path, conc: int, seconds: float, pid: int | None = None) -> WrkResult:
     argv = ["taskset", "-c", LOAD_CPU, wrk, "-t1", f"-c{conc}", f"-d{max(1, round(seconds))}s", "--timeout", "10s"]
     argv += ["-s", str(WRK_SCRIPT), url + "/v1/chat/completions"]
-    before = cpu_ticks(pid) if pid else 0
+    before = cpu_ns(pid) if pid else 0
     out = subprocess.run(
         argv,
         capture_output=True,
@@ -186,7 +193,7 @@ def run_wrk(wrk: str, url: str, body_file: Path, conc: int, seconds: float, pid:
         timeout=seconds + 30,
         check=True,
     ).stdout
-    after = cpu_ticks(pid) if pid else 0
+    after = cpu_ns(pid) if pid else 0
     line = next(x for x in out.splitlines() if x.startswith("wrk-summary "))
     doc = json.loads(line.removeprefix("wrk-summary "))
     n = doc["requests"]
@@ -196,7 +203,7 @@ def run_wrk(wrk: str, url: str, body_file: Path, conc: int, seconds: float, pid:
         p50_ms=doc["p50_us"] / 1000,
         p99_ms=doc["p99_us"] / 1000,
         rps=n / (doc["duration_us"] / 1e6),
-        cpu_ms_per_req=(after - before) * 1000 / CLK_TCK / n if pid and n else None,
+        cpu_ms_per_req=(after - before) / 1e6 / n if pid and n else None,
     )
 
 

@@ -182,16 +182,18 @@ def test_a_stopped_ve_leaves_text_served_and_images_refused_until_it_starts(stac
 
 
 def test_a_body_the_engine_refuses_is_a_4xx_that_says_why(stack: Stack):
-    """A prompt past the PD's --max-model-len (the kit's 8192): the client gets vLLM's own reason
-    as a 400, and the engines serve on."""
+    """A prompt past the PD's --max-model-len (the kit's 8192): the client gets a 400 saying why,
+    and the engines serve on."""
     with stack.http(60) as http:
         reply = http.post(
             "/v1/chat/completions",
             json={"model": stack.model_id(), "messages": [{"role": "user", "content": "word " * 6000}]},
         )
     assert reply.status_code == 400, reply.text
-    # the generate route's own check (the chat route's words differ: tests/real_engines/test_serving.py)
-    assert "exceeds model's maximum context length (8192)" in reply.json()["error"]["message"], reply.text
+    # vLLM's chat route's check, made by the router with the PD's max_model_len before any engine
+    # call (router/context_window.py; the generate route's words were "exceeds model's maximum
+    # context length (8192)")
+    assert "This model's maximum context length is 8192 tokens." in reply.json()["error"]["message"], reply.text
     assert chat_text(stack, "Still here?").choices[0].message.content
 
 

@@ -106,24 +106,40 @@ def test_the_generate_route_does_not_count_images_against_the_limit(stack, clien
     assert finish == "length" and text
 
 
-def test_max_tokens_past_the_pds_max_model_len_stop_at_it(stack, client):
-    """vLLM's generate route does not refuse prompt + max_tokens > --max-model-len (its
-    chat route does): the engine stops the request at max_model_len, finish_reason "length"."""
-    text, finish, usage = client.chat(image(41), "Long answer.", max_tokens=PD_MAX_MODEL_LEN)
-    assert finish == "length" and text
-    assert usage.prompt_tokens + usage.completion_tokens == PD_MAX_MODEL_LEN
+def pd_requests(stack) -> int:
+    return stack.pds[0].log().count('"POST /inference/v1/generate HTTP/1.1"')
+
+
+def test_max_tokens_past_the_pds_max_model_len_are_refused_as_vllm_chat_route_does(stack, client):
+    """vLLM's generate route does not refuse prompt + max_tokens > --max-model-len (the engine
+    stops the request there, finish_reason "length"); its chat route does, with a 400 (issue 58).
+    The router makes the chat route's check (router/context_window.py) with the PD's own
+    max_model_len (its /v1/models): refused before any engine call."""
+    before = pd_requests(stack)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat(image(41), "Long answer.", max_tokens=PD_MAX_MODEL_LEN)
+    error = refused.value.body
+    assert refused.value.status_code == 400 and error["type"] == "BadRequestError", error
+    assert error["message"].startswith(f"This model's maximum context length is {PD_MAX_MODEL_LEN} tokens."), error
+    assert f"you requested {PD_MAX_MODEL_LEN} output tokens" in error["message"], error
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat(image(41), "Long answer.", max_tokens=PD_MAX_MODEL_LEN + 1)
+    assert refused.value.body["param"] == "max_tokens", refused.value.body
+    assert pd_requests(stack) == before
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
-def test_a_body_the_pd_refuses_is_a_4xx_that_says_why(stack, client, stream):
-    """A prompt longer than the PD's --max-model-len: vLLM's input processor refuses it
+def test_a_prompt_past_the_pds_max_model_len_is_a_4xx_that_says_why(stack, client, stream):
+    """A prompt longer than the PD's --max-model-len: vLLM's input processor would refuse it
     ("The decoder prompt (length N) is longer than the maximum model length of M",
-    vllm/v1/engine/input_processor.py) and the client gets the 400 with that reason; both
-    engines stay in service."""
+    vllm/v1/engine/input_processor.py); the router now refuses it first, as vLLM's chat route
+    does (its message), and neither engine sees it; both stay in service."""
+    before = pd_requests(stack)
     long_text = " ".join(f"word{i}" for i in range(PD_MAX_MODEL_LEN))
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat(image(40), long_text, stream=stream)
     assert refused.value.status_code == 400
     message = json.dumps(refused.value.body)
-    assert f"longer than the maximum model length of {PD_MAX_MODEL_LEN}" in message, message
+    assert f"maximum context length is {PD_MAX_MODEL_LEN} tokens" in message, message
+    assert pd_requests(stack) == before
     assert {name: e["healthy"] for name, e in stack.pools().items()} == {"epd-ve-0": True, "epd-pd-0": True}

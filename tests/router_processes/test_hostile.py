@@ -131,3 +131,43 @@ def test_one_clients_attacks_do_not_deny_service_to_the_others(stack):
         assert got["/health"]["p99_ms"] < 300 and got["probe_failures"] == 0, (name, got)
     log = stack.router.log()
     assert "Traceback" not in log and "internal error" not in log
+
+
+@pytest.mark.parametrize("token", ["<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>"])
+def test_a_special_token_in_message_text_is_a_400_naming_it(stack, token):
+    """Issue 58: only `<|image_pad|>` was refused; the others reached the PD."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": f"see {token} here"}], "max_tokens": 2}
+    answer = httpx.post(stack.router.url + "/v1/chat/completions", json=body, timeout=30)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert token in error["message"] and error["param"] == "messages[0].content"
+
+
+def test_output_tokens_over_the_context_are_refused_as_vllm_refuses_them(stack):
+    """Issue 58: `max_tokens` 100000 on an 8192-token model was a 200 cut at the context; vLLM's
+    chat route answers 400 (router/context_window.py). The context is the PD's own /v1/models."""
+    context = httpx.get(stack.pds[0].url + "/v1/models", timeout=5).json()["data"][0]["max_model_len"]
+
+    def ask(**fields) -> httpx.Response:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], **fields}
+        return httpx.post(stack.router.url + "/v1/chat/completions", json=body, timeout=30)
+
+    answer = ask(max_tokens=100000)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "max_tokens" and error["type"] == "BadRequestError"
+    assert error["message"] == (
+        f"max_tokens=100000 cannot be greater than max_model_len=max_total_tokens={context}. "
+        "Please request fewer output tokens. (parameter=max_tokens, value=100000)"
+    )
+    # the prompt and the output together: the count vLLM's tokenizer stops at, "at least"
+    answer = ask(max_completion_tokens=context - 2)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "input_tokens"
+    assert error["message"].startswith(
+        f"This model's maximum context length is {context} tokens. However, you requested {context - 2} "
+        "output tokens and your prompt contains at least 3 input tokens, for a total of at least "
+        f"{context + 1} tokens."
+    )
+    assert ask(max_tokens=2).status_code == 200  # within the context: served

@@ -1,17 +1,23 @@
 """Traces (docs/router.md "Tracing"): the router's span tree of a request under the client's
 traceparent, and the traceparent each engine call carries, seen through the engines' own spans
-(the sim's `--otlp-traces-endpoint`, as vLLM's) in an OTLP/HTTP receiver on loopback."""
+(the sim's `--otlp-traces-endpoint`, as vLLM's) in an OTLP/HTTP receiver on loopback; and a
+collector that accepts and never answers, against the router's exit time and its JSON log."""
 
 from __future__ import annotations
 
 import contextlib
 import secrets
+import signal
+import socket
+import threading
+import time
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 
-from epd_kit.router.tracing import REQUEST_SPAN
+from epd_kit.router.tracing import REQUEST_SPAN, SHUTDOWN_S
 from epd_kit.testing.images import image_part, png_data_url, user_message
 from epd_kit.testing.otlp import CLIENT, SERVER, OtlpReceiver, client_traceparent
 
@@ -114,3 +120,67 @@ def test_tracing_off_passes_the_client_traceparent_on(ckpt, tmp_path, fast_expor
         spans = receiver.wait_for(trace_id, ["llm_request", "llm_request"])
         assert {s.parent_id for s in spans} == {client_span}
         assert not [s for s in receiver.spans if s.service == "epd-router"]
+
+
+class BlackHole:
+    """A collector that accepts connections and never answers (nor reads): the worst a trace
+    export can meet. Loopback only; its connections are held until `close`."""
+
+    def __init__(self) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._server.settimeout(0.2)
+        self._held: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.getsockname()[1]}/v1/traces"
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                self._held.append(self._server.accept()[0])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for conn in [*self._held, self._server]:
+            conn.close()
+
+
+def test_a_collector_that_never_answers_costs_no_shutdown_and_client_headers_no_log(ckpt, tmp_path, fast_export):
+    """Issue 58: SIGTERM took 19.7-30.2 s with such a collector, and a tracestate of 33 members
+    logged a plain-text line per request. Now the exit waits at most tracing.SHUTDOWN_S for the
+    last export, and the bad header is a count on /metrics."""
+    hole = BlackHole()
+    stack = Stack.start(ckpt, tmp_path, n_ve=1, n_pd=1, tracing={"otlp_traces_endpoint": hole.url})
+    try:
+        trace_id, _, header = client_traceparent()
+        state = ",".join(f"k{i}=v{i}" for i in range(33))
+        with httpx.Client(base_url=stack.router.url, timeout=30, trust_env=False) as client:
+            for _ in range(20):  # bounded: 20 traced requests, each 4 spans, for the queue
+                answer = client.post(
+                    "/v1/chat/completions",
+                    json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                    headers={"traceparent": header, "tracestate": state},
+                )
+                assert answer.status_code == 200, answer.text
+            # the export thread has a batch out to the collector (its 100 ms delay passed)
+            wait_until(lambda: hole._held, 10, "an export connection to the collector")
+            metrics = client.get("/metrics").text
+        assert 'epd_router_trace_context_errors_total{header="tracestate"} 20.0' in metrics
+        started = time.monotonic()
+        stack.router.process.signal(signal.SIGTERM)
+        assert stack.router.process.wait_exit(30) == 0
+        took = time.monotonic() - started
+        print(f"SIGTERM to exit with a collector that never answers: {took:.2f} s")  # shown with -s
+        assert took < SHUTDOWN_S + 3, f"SIGTERM to exit took {took:.1f} s"
+        log = stack.router.log()
+        plain = [line for line in log.splitlines() if line.strip() and not line.startswith("{")]
+        assert not plain, plain[:5]
+        assert trace_id not in log
+    finally:
+        stack.stop()
+        hole.close()

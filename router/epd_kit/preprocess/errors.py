@@ -77,5 +77,11 @@ class PromptMismatch(PreprocessError):
     (e.g. the text itself contains ``<|image_pad|>``)."""
 
 
+class SpecialTokenInText(PromptMismatch):
+    """Message text that holds one of the tokenizer's special tokens (`<|video_pad|>`,
+    `<|vision_start|>`, `<|im_end|>`, ...): tokenized from text they would be those tokens, the
+    placeholders and markers only the chat template may write (text.py `special_token_in`)."""
+
+
 class ModelHasNoVision(PreprocessError):
     """Images sent to a text-only checkpoint."""

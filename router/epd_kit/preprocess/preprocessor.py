@@ -97,6 +97,9 @@ class PreparedItem:
 class RenderedPrompt:
     token_ids: list[int]
     items: list[PreparedItem]  # prompt order, duplicates kept
+    # characters of the chat template's text (an image one placeholder): vLLM's chat route
+    # checks them before tokenizing (router/context_window.py)
+    prompt_chars: int = 0
 
     def unique_items(self) -> dict[str, PreparedItem]:
         """First occurrence of each mm_hash, prompt order: what gets encoded."""
@@ -214,6 +217,7 @@ class Preprocessor:
         """`inline`: base64 payloads of data: URLs kept apart from `messages` (the router's
         body decoding), by the URL as it stands in `messages`."""
         parsed = parse_messages(messages)
+        self.text.check_message_text(parsed.template_messages)
         refs = parsed.images
         if refs and self.vision is None:
             raise ModelHasNoVision(
@@ -231,10 +235,10 @@ class Preprocessor:
                 _with_param(ref, self._fetcher.check_allowed, ref.url)
 
         if _text_chars(parsed.template_messages) <= INLINE_TEXT_CHARS:
-            token_ids = self._tokenize(parsed.template_messages, add_generation_prompt)
+            text = self._tokenize(parsed.template_messages, add_generation_prompt)
             if not refs:  # text only: nothing to wait for (no tasks for a gather)
-                return self._expand(token_ids, [], refs)
-            text_job = _done(token_ids)
+                return self._expand(text, [], refs)
+            text_job = _done(text)
         else:
             text_job = self._run(self._text_pool, self._tokenize, parsed.template_messages, add_generation_prompt)
         images_job = self._prepare_all(refs, inline or {})
@@ -242,16 +246,22 @@ class Preprocessor:
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        token_ids, images = results  # type: ignore[misc]
-        return self._expand(token_ids, images, refs)
+        text, images = results  # type: ignore[misc]
+        return self._expand(text, images, refs)
 
-    def _tokenize(self, template_messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    @property
+    def max_chars_per_token(self) -> int:
+        return self.text.max_chars_per_token
+
+    def _tokenize(self, template_messages: list[dict[str, Any]], add_generation_prompt: bool) -> tuple[list[int], int]:
+        """The prompt's token ids and its text's characters."""
         text = self.text.render_template(template_messages, add_generation_prompt=add_generation_prompt)
-        return self.text.encode(text)
+        return self.text.encode(text), len(text)
 
-    def _expand(self, token_ids: list[int], images: list[PreparedImage], refs: list[ImageRef]) -> RenderedPrompt:
+    def _expand(self, text: tuple[list[int], int], images: list[PreparedImage], refs: list[ImageRef]) -> RenderedPrompt:
+        token_ids, chars = text
         if self.vision is None:
-            return RenderedPrompt(token_ids=token_ids, items=[])
+            return RenderedPrompt(token_ids=token_ids, items=[], prompt_chars=chars)
         pad = self.vision.image_token_id
         found = token_ids.count(pad)
         if found != len(images):
@@ -262,7 +272,7 @@ class Preprocessor:
                 param="messages",
             )
         if not images:
-            return RenderedPrompt(token_ids=token_ids, items=[])
+            return RenderedPrompt(token_ids=token_ids, items=[], prompt_chars=chars)
         out: list[int] = []
         items: list[PreparedItem] = []
         it = iter(images)
@@ -284,7 +294,7 @@ class Preprocessor:
                 )
             )
             out.extend([pad] * image.num_tokens)
-        return RenderedPrompt(token_ids=out, items=items)
+        return RenderedPrompt(token_ids=out, items=items, prompt_chars=chars)
 
     # --- images -------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ request path.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -18,7 +19,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from .errors import InvalidMessages
+from .errors import InvalidMessages, SpecialTokenInText
 from .model_files import CheckpointError, CheckpointFiles
 
 
@@ -69,6 +70,19 @@ class TextCodec:
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         # ids the model can emit: its output rows, at least the tokenizer's vocabulary
         self.id_limit = max(self.vocab_size, files.model_vocab_size)
+        # the tokens only the chat template may write: every added token tokenizer.json marks
+        # special (the media placeholders <|image_pad|> <|video_pad|> <|vision_start|>
+        # <|vision_end|>, the turn markers, end of text). `tokenizers` reads them out of any text
+        # (as vLLM's HF tokenizer does), so one in a message would be that token: a forged
+        # placeholder or turn. The tokenizer's own list, longest first (one match at a place).
+        specials = {t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special}
+        self.special_tokens: frozenset[str] = frozenset(specials)
+        alternatives = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
+        self._special_re = re.compile(alternatives) if specials else None
+        # the longest token's text, as vLLM's tokenizer wrapper counts it (max over get_vocab(),
+        # added tokens included: vllm/tokenizers/hf.py, 0.24.0 and 0.29.0), for its chat route's
+        # prompt-characters check (router/context_window.py)
+        self.max_chars_per_token = max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)))
 
     def render_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
         try:
@@ -82,6 +96,30 @@ class TextCodec:
         except jinja2.TemplateError as exc:
             # templates use raise_exception() to reject message sequences (roles, order)
             raise InvalidMessages(f"the model's chat template rejected the messages: {exc}", param="messages") from exc
+
+    def special_token_in(self, text: str) -> str | None:
+        """The first special token `text` holds, or None."""
+        found = self._special_re.search(text) if self._special_re is not None else None
+        return found.group() if found else None
+
+    def check_message_text(self, template_messages: list[dict[str, Any]]) -> None:
+        """Raise SpecialTokenInText for a message whose text (its content, a text part, or any
+        other string the template may write: a name, a tool call) holds a special token."""
+        if self._special_re is None:
+            return
+        search = self._special_re.search
+        for i, message in enumerate(template_messages):
+            content = message.get("content")
+            if len(message) == 2 and type(content) is str and search(content) is None:
+                continue  # the common text message, clean: one search
+            for where, text in _strings(message, f"messages[{i}]"):
+                token = self.special_token_in(text)
+                if token is not None:
+                    raise SpecialTokenInText(
+                        f"the text contains {token}, one of the model's special tokens (the placeholder "
+                        "tokens and markers only its chat template writes); remove it from the message",
+                        param=where,
+                    )
 
     def encode(self, text: str) -> list[int]:
         # encode_batch(_fast), not encode: it releases the GIL while it works (a megabyte of
@@ -109,6 +147,20 @@ class TextCodec:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def _strings(value: Any, where: str) -> list[tuple[str, str]]:
+    """Every string in a template message, with where it is; an image part's URL excepted (the
+    template never writes it, and it may be megabytes)."""
+    if isinstance(value, str):
+        return [(where, value)]
+    if isinstance(value, dict):
+        if value.get("type") == "image_url":
+            return []
+        return [s for key, item in value.items() if key != "role" for s in _strings(item, f"{where}.{key}")]
+    if isinstance(value, list):
+        return [s for j, item in enumerate(value) for s in _strings(item, f"{where}[{j}]")]
+    return []
 
 
 class IncrementalDetokenizer:

@@ -156,7 +156,7 @@ class Admin(Section):
 class Tracing(Section):
     """OpenTelemetry traces of the chat requests (tracing.py, docs/router.md "Tracing"): off
     (None) unless a collector's OTLP/HTTP traces URL is named (restart only). `sample_ratio`:
-    the share of requests without a sampled parent (the client's traceparent) that are traced."""
+    the share of requests traced, drawn by the router whatever a client's traceparent says."""
 
     otlp_traces_endpoint: str | None = None
     sample_ratio: float = Field(default=1.0, ge=0, le=1)

@@ -24,6 +24,7 @@ charged to the engine.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -221,7 +222,24 @@ class EngineClient:
             raise ProbeFailed(type(exc).__name__) from None
         except TimeoutError:  # engine_http.DeadlineExceeded
             raise ProbeFailed(f"no answer within {health.timeout_s:g}s (health.timeout_s)") from None
+        if resp.status == 200 and engine.role == "pd" and (engine.max_model_len is None or not engine.healthy):
+            # before the probe admits it, and again on each return (a restart may change it)
+            await self._learn_context_length(engine, limits)
         return resp.status
+
+    async def _learn_context_length(self, engine: Engine, limits: dict[str, float]) -> None:
+        """A PD's `max_model_len` from its `GET /v1/models` (vLLM's ModelCard carries it:
+        vllm/entrypoints/openai/models/serving.py `show_available_models`, v0.24.0 and v0.29.0;
+        the sim's too), for the OpenAI front's context check (generation.py). Any failure leaves
+        it unknown until the next probe: the check is skipped, never the engine."""
+        try:
+            resp, body = await self.http.get(engine.url, "/v1/models", max_body=MAX_HEALTH_BYTES, **limits)
+            cards = json.loads(body)["data"] if resp.status == 200 else []
+            lengths = [c["max_model_len"] for c in cards if isinstance(c, dict)]
+        except (engine_http.EngineCallError, TimeoutError, ValueError, KeyError, TypeError):
+            return
+        if lengths and all(type(n) is int and n > 0 for n in lengths):
+            engine.max_model_len = min(lengths)
 
     def failed(self, err: UpstreamError, engine: Engine) -> UpstreamError:
         """Charge `err` to `engine` when it is the engine's fault (passive health); returns it."""

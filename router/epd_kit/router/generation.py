@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from epd_kit.router import bodies, engine_http, tracing, translate, upstream
+from epd_kit.router import bodies, context_window, engine_http, tracing, translate, upstream
 from epd_kit.router.admission import PdAdmission
 from epd_kit.router.context import RequestContext
 from epd_kit.router.encode import Encoder
@@ -61,6 +61,8 @@ class Generation:
         if not self._state.pools.eligible_pd():
             self._metrics.rejected("not_ready")
             raise self._state.not_ready_error()
+        context = self._state.pools.max_model_len()
+        context_window.check_output(ctx.request, context)  # vLLM's chat route: before rendering
         t = time.monotonic()
         try:
             async with ctx.time_limit("preprocessing"):
@@ -69,6 +71,13 @@ class Generation:
         finally:
             ctx.preprocessed()
         self._metrics.preprocess.observe(time.monotonic() - t)
+        context_window.check_prompt(
+            ctx.request,
+            len(rendered.token_ids),
+            context,
+            getattr(rendered, "prompt_chars", None),  # the production renderer's; a test's may lack it
+            getattr(self._renderer, "max_chars_per_token", None),
+        )
         ctx.token_ids = list(rendered.token_ids)
         ctx.items = list(rendered.items)
         if ctx.items:

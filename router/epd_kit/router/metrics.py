@@ -300,6 +300,18 @@ class RouterMetrics:
         self.items = Counter("epd_router_encode_items", "Unique media items sent to VEs", ["model"], registry=r)
         self._models: dict[str, ModelMetrics] = {}
         self.reloads = Counter("epd_router_config_reloads", "Config reloads by result", ["result"], registry=r)
+        # tracing.py: counted, never logged per request (a client controls these headers)
+        self.trace_context_errors = Counter(
+            "epd_router_trace_context_errors",
+            "Client traceparent/tracestate headers ignored as invalid, by header",
+            ["header"],
+            registry=r,
+        )
+        self.trace_spans_dropped = Counter(
+            "epd_router_trace_spans_dropped",
+            "Spans dropped because the export queue was full (the collector is slow or gone)",
+            registry=r,
+        )
         self.connections_closed = Counter(
             "epd_router_client_connections_closed",
             "Client connections the listener closed: header_timeout, body_timeout, over_capacity, malformed,"

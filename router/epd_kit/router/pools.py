@@ -65,6 +65,9 @@ class Engine:
     # answer) since it last served or came back into service; a call made after it met an
     # engine core already dead (generation.py `_failed_read`)
     core_died_at: float = 0.0
+    # PD only: its context length (vLLM's max_model_len), read from its `GET /v1/models` once
+    # its /health answers (engine_client.py); None until then
+    max_model_len: int | None = None
 
     @property
     def eligible(self) -> bool:
@@ -136,6 +139,11 @@ class Pools:
 
     def eligible_pd(self) -> list[Engine]:
         return [e for e in self.pd if e.eligible]
+
+    def max_model_len(self) -> int | None:
+        """The context every eligible PD takes (the least of those known), None: none known."""
+        known = [e.max_model_len for e in self.pd if e.eligible and e.max_model_len is not None]
+        return min(known) if known else None
 
     def by_id(self) -> dict[str, Engine]:
         return {e.id: e for e in self.all()}

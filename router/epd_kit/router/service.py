@@ -97,7 +97,11 @@ class RouterService:
             lane_renderer_ = lane_renderer(lane_cfg) if lane_renderer is not None else renderer
             self.lanes[entry.name] = Lane.build(entry.name, lane_cfg, lane_renderer_, self.metrics)
             self.lanes[entry.name].engines.set_keys(load_engine_keys(cfg.engine_auth.key_file))
-        self.tracing = Tracing(cfg.tracing)
+        self.tracing = Tracing(
+            cfg.tracing,
+            lambda header: self.metrics.trace_context_errors.labels(header).inc(),
+            self.metrics.trace_spans_dropped.inc,
+        )
         self.active_requests = 0
         self._idle = asyncio.Event()
         self._idle.set()

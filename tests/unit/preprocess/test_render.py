@@ -336,3 +336,26 @@ async def test_cpu_work_runs_in_the_worker_pool_not_on_the_event_loop(pre, monke
     long_text = "word " * (INLINE_TEXT_CHARS // 5 + 1)
     await pre.render([{"role": "user", "content": long_text}])
     assert len(seen) == 1 and seen[0].startswith("epd-preprocess-text")
+
+
+async def test_every_special_token_of_the_tokenizer_is_refused_in_message_text(pre) -> None:
+    """Issue 58: `<|image_pad|>` was refused, `<|video_pad|>`, `<|vision_start|>` and
+    `<|vision_end|>` reached the PD. The set is the tokenizer's own (tokenizer.json's special
+    added tokens), wherever the template could write the text: content, a text part, a name."""
+    from epd_kit.preprocess.errors import SpecialTokenInText
+
+    tokens = pre.text.special_tokens
+    assert {"<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|im_end|>"} <= tokens
+    for token in sorted(tokens):
+        for message, where in (
+            ({"role": "user", "content": f"a {token} b"}, "messages[0].content"),
+            (user_message("fine", f"x{token}"), "messages[0].content[1].text"),
+            ({"role": "user", "content": "fine", "name": token}, "messages[0].name"),
+        ):
+            with pytest.raises(SpecialTokenInText) as err:
+                await pre.render([message])
+            assert err.value.status == 400 and err.value.param == where
+            assert token in err.value.message
+    # text that only looks like one, and an image beside plain text, render
+    await pre.render([{"role": "user", "content": "<|video pad|> <vision_start> |im_end|"}])
+    await pre.render([user_message("describe", image_part(png_data_url(32, 32)))])

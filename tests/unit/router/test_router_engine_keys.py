@@ -41,7 +41,8 @@ class Engines:
         return httpx.Response(200, json={"request_id": body["request_id"], "choices": [{"token_ids": [72]}]})
 
     def generate_keys(self) -> list[str | None]:
-        return [auth for path, auth in self.seen if path != "/health"]
+        # the generate calls' keys (not the probes': /health, and a PD's /v1/models for its context)
+        return [auth for path, auth in self.seen if path.startswith("/inference")]
 
 
 def failures_of(service) -> float | None:

@@ -262,7 +262,7 @@ class GatedEngines(Engines):
     pd_waiting: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def handler(self, request: httpx.Request) -> httpx.Response:  # type: ignore[override]
-        if request.url.port in PD_PORTS and request.url.path != "/health":
+        if request.url.port in PD_PORTS and request.url.path.startswith("/inference"):  # not the probes
             self.pd_waiting.set()
             await self.gate.wait()
         return super().handler(request)

@@ -75,3 +75,130 @@ def test_the_sim_refuses_a_protocol_it_cannot_export(env, message):
         pass
     with pytest.raises(ValueError, match=re.escape(message)):
         SimTracer.for_endpoint("http://127.0.0.1:4318/v1/traces", env)
+
+
+# --- on: who decides sampling, and what a client's bad headers cost ------------------------
+
+
+def traced(invalid=None, **settings) -> tracing.Tracing:
+    """Tracing on, exporting to a port nothing listens on (these tests read no export)."""
+    cfg = TracingSettings(otlp_traces_endpoint="http://127.0.0.1:9/v1/traces", **settings)
+    return tracing.Tracing(cfg, invalid or (lambda header: None))
+
+
+def begun(on: tracing.Tracing, headers) -> tuple[object, bytes]:
+    """`begin`'s handle and the trace headers an engine call of that request carries."""
+    handle = on.begin(headers)
+    try:
+        if isinstance(handle, tracing.RequestTrace):
+            with tracing.engine_call(_Engine(), "pd generate"):
+                return handle, tracing.engine_headers()
+        return handle, tracing.engine_headers()
+    finally:
+        on.finish(handle, None)
+
+
+class _Engine:
+    id, role, url = "pd-0", "pd", "http://127.0.0.1:1"
+
+
+SAMPLED = VALID  # flags 01
+TRACE_ID = VALID.split("-")[1]
+
+
+@pytest.fixture
+def closing():
+    made: list[tracing.Tracing] = []
+    yield made
+    import asyncio
+
+    for on in made:
+        asyncio.run(on.aclose())
+
+
+def test_a_client_sampled_flag_cannot_override_sample_ratio_zero(closing):
+    """Issue 58: `sample_ratio: 0` and a client's sampled traceparent traced every request."""
+    on = traced(sample_ratio=0.0)
+    closing.append(on)
+    for _ in range(20):
+        handle, sent = begun(on, {"traceparent": SAMPLED})
+        assert not isinstance(handle, tracing.RequestTrace)
+        # the client's trace goes on to the engines, its sampled flag cleared: not steered either
+        assert sent == f"traceparent: {SAMPLED[:-2]}00\r\n".encode()
+
+
+def test_the_router_samples_by_its_own_draw_not_the_client_trace_id(closing):
+    """A TraceIdRatioBased sampler keeps low trace ids: a client could pick one. The router draws."""
+    on = traced(sample_ratio=0.5)
+    closing.append(on)
+    low = "00-00000000000000000000000000000001-00f067aa0ba902b7-01"
+    kept = sum(isinstance(begun(on, {"traceparent": low})[0], tracing.RequestTrace) for _ in range(400))
+    assert 120 < kept < 280  # binomial(400, 0.5): outside is a 1e-20 event
+
+
+def test_a_sampled_request_joins_the_client_trace(closing):
+    on = traced(sample_ratio=1.0)
+    closing.append(on)
+    handle, sent = begun(on, {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"})
+    assert isinstance(handle, tracing.RequestTrace)
+    assert sent.startswith(f"traceparent: 00-{TRACE_ID}-".encode()) and sent.endswith(b"-01\r\n")
+
+
+def test_trace_context_errors_are_counted_not_logged(closing, capfd, caplog):
+    """Issue 58: a tracestate of 33 members logged a plain-text line per request."""
+    counted: list[str] = []
+    on = traced(invalid=counted.append, sample_ratio=1.0)
+    closing.append(on)
+    state = ",".join(f"k{i}=v{i}" for i in range(33))
+    handle, sent = begun(on, {"traceparent": VALID, "tracestate": state})
+    assert isinstance(handle, tracing.RequestTrace)  # the traceparent stands without it
+    assert b"tracestate" not in sent
+    begun(on, {"traceparent": VALID.upper()})
+    assert counted == ["tracestate", "traceparent"]
+    assert not caplog.records
+    assert capfd.readouterr().err == ""
+
+
+def headers_of(*pairs: tuple[str, str]):
+    from starlette.datastructures import Headers
+
+    return Headers(raw=[(k.encode(), v.encode()) for k, v in pairs])
+
+
+def test_several_tracestate_headers_are_combined_in_order():
+    """W3C §3.3: several tracestate fields are one list, combined as RFC 7230 §3.2.2 says."""
+    headers = headers_of(("traceparent", VALID), ("tracestate", "a=1,b=2"), ("tracestate", " c=3"))
+    assert passed_on(headers) == f"traceparent: {VALID}\r\ntracestate: a=1,b=2,c=3\r\n".encode()
+    # empty members are allowed and skipped; a repeated key breaks the list (dropped whole)
+    assert passed_on(headers_of(("traceparent", VALID), ("tracestate", "a=1,,b=2"))).endswith(b"a=1,b=2\r\n")
+    assert passed_on(headers_of(("traceparent", VALID), ("tracestate", "a=1"), ("tracestate", "a=2"))) == (
+        f"traceparent: {VALID}\r\n".encode()
+    )
+
+
+def test_two_traceparent_headers_are_invalid():
+    counted: list[str] = []
+    off = tracing.Tracing(TracingSettings(), counted.append)
+    headers = headers_of(("traceparent", VALID), ("traceparent", VALID))
+    assert off.begin(headers) is None
+    assert counted == ["traceparent"]
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        ",".join(f"k{i}=v" for i in range(33)),  # 33 members: the spec's limit is 32
+        "A=1",  # keys are lower case
+        "a=b=c",  # '=' is not a value character
+        "a=1,b",  # a member without '='
+        "t@" + "x" * 15 + "=1",  # a vendor part over 14 characters
+        "a=" + "v" * 257,  # a value over 256 characters
+    ],
+)
+def test_tracestate_that_breaks_the_grammar_is_dropped_whole(state):
+    assert tracing.parse_tracestate([state]) is None
+
+
+def test_tracestate_within_the_grammar_is_kept():
+    assert tracing.parse_tracestate([",".join(f"k{i}=v" for i in range(32))]) is not None
+    assert tracing.parse_tracestate([" a=1 \t", "t@" + "x" * 14 + "=1"]) == [("a", "1"), ("t@" + "x" * 14, "1")]
