@@ -85,7 +85,7 @@ def test_a_model_that_does_not_fit_is_refused_naming_it_and_the_host():
         ({**TEXT, "text_only": False}, "epd_models[0] (text): no VE engine (num_ve 0)"),
         ({**TEXT, "pd_tp": 3}, "epd_models[0] (text): epd_pd_tp must be a power of two"),
         ({**TEXT, "hosts": ["n9"]}, "epd_models[0] (text).hosts names n9, which is not an engine host"),
-        ({**TEXT, "colour": 1}, "epd_models[0] (text): unknown key(s) colour"),
+        ({**TEXT, "colour": 1}, "epd_models[0]: unknown key(s) colour: remove it"),
         ({**TEXT, "model": "models/x"}, "epd_models[0] (text): epd_model 'models/x' looks like a relative path"),
         ({**TEXT, "pd_port_base": 18100}, "port 18100 is used by both epd-pd-0 (HTTP) and epd-text-pd-0 (HTTP)"),
     ],
