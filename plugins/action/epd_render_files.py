@@ -8,7 +8,9 @@ Options:
     says what to write for that host, {root, files, directories}:
       root: the directory every dest is under (created as needed).
       files: a list of {dest, template, vars} (a template rendered exactly as the template module
-        renders it: the host's variables plus vars) or {dest, json} (written as to_nice_json(indent=2)).
+        renders it: the host's variables plus vars), {dest, json} (written as to_nice_json(indent=2))
+        or {dest, content} (the text itself); each may give mode (an octal string, default 0644:
+        a placeholder secret file is 0600 or 0640, as the router's check requires).
       directories: dests of directories to create even when no file lands in them.
 Files are written with mode 0644 and directories 0755; only files whose content differs are
 rewritten. Returns changed and written ({host: the dests rewritten}). Deploy writes the hosts'
@@ -78,9 +80,12 @@ class ActionModule(ActionBase):
                 content = template.run([file["template"]], variables=shallow, template_vars=file.get("vars", {}))[0]
             elif "json" in file:
                 content = to_nice_json(file["json"], indent=2)
+            elif "content" in file:
+                content = file["content"]
             else:
-                raise AnsibleActionFail(f"{file.get('dest')}: give either template or json")
-            if _write(_directory(root, str(Path(file["dest"]).parent)) / Path(file["dest"]).name, str(content)):
+                raise AnsibleActionFail(f"{file.get('dest')}: give template, json or content")
+            mode = int(str(file.get("mode", "0644")), 8)
+            if _write(_directory(root, str(Path(file["dest"]).parent)) / Path(file["dest"]).name, str(content), mode):
                 written.append(file["dest"])
         return written
 
@@ -148,9 +153,9 @@ def _directory(root: Path, dest: str) -> Path:
     return path
 
 
-def _write(path: Path, content: str) -> bool:
-    if path.is_file() and path.read_text() == content:
+def _write(path: Path, content: str, mode: int = 0o644) -> bool:
+    if path.is_file() and path.read_text() == content and (path.stat().st_mode & 0o777) == mode:
         return False
     path.write_text(content)
-    path.chmod(0o644)
+    path.chmod(mode)
     return True

@@ -16,6 +16,8 @@ fleet-wide settings. `epd_models` lists the models served beside it, one mapping
     ve_port_base, pd_port_base, side_channel_port_base
                     its own port bases (default: the fleet's + 64 x its position, 1-based, so
                     no two models' engines share a port on a host)
+    rollout_batch_ve, rollout_batch_pd, rollout_min_available_ve, rollout_min_available_pd
+                    its pools' own rollout batch and floor (default: the fleet's; rollout.py)
 
 Every value is checked by the fleet settings' own rules (settings.read_settings), each problem
 naming the model. docs/planner.md "Several models".

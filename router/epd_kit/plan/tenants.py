@@ -51,6 +51,32 @@ def tenants_file_text(tenants: Any, keys: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
+# render.yml's stand-in for each secret: the file is checkable (epd-router check-config reads it)
+# but holds no key of the inventory; deploy writes the real file (tenants) or the operator does (API keys)
+PLACEHOLDER = "RENDER-PLACEHOLDER-NOT-A-KEY"
+PLACEHOLDER_NOTE = (
+    "# PLACEHOLDER written by render.yml: the keys below are stand-ins, not the inventory's; "
+    "{what} writes the real file on the router host"
+)
+
+
+def placeholder_tenants_text(tenants: Any, keys: Any) -> str:
+    """The tenants file as the role renders it, each key replaced by a numbered placeholder."""
+    stand_ins = [
+        {"tenant": entry.get("tenant"), "key": f"{PLACEHOLDER}-tenant-{index}"} if isinstance(entry, Mapping) else entry
+        for index, entry in enumerate(keys or [])
+    ]
+    text = tenants_file_text(tenants, stand_ins)
+    return PLACEHOLDER_NOTE.format(what="deploy.yml (from epd_router_tenant_keys)") + "\n" + text
+
+
+def placeholder_api_keys_text(path: str) -> str:
+    """An API keys file with one placeholder key: the kit never writes the real one at `path`
+    (epd_router_api_keys_file: the operator puts it there, 0600)."""
+    note = PLACEHOLDER_NOTE.format(what=f"the operator (the kit never writes epd_router_api_keys_file {path})")
+    return f"{note}\n{PLACEHOLDER}-api-0\n"
+
+
 def tenant_problems(values: Mapping[str, Any]) -> list[str]:
     """What the router would refuse in the file rendered from one router host's `values` (its
     explicitly set variables); [] without tenant keys."""
