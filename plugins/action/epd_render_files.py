@@ -4,6 +4,8 @@ the controller in one task (render.yml).
 Options:
   hosts: the inventory hosts to render, each with its own variables: those this task would run
     with on that host (inventory, play, role defaults, the plan's facts).
+  shared_vars: variables templated once, in this task's own context, and given to every host's
+    templating (what is the same for the hosts of the task: computed once, not once per host).
   each_host: the name of a variable (the task's own vars) that, templated with a host's variables,
     says what to write for that host, {root, files, directories}:
       root: the directory every dest is under (created as needed).
@@ -47,7 +49,7 @@ class ActionModule(ActionBase):
         with _compiled_once():
             for host in self._task.args["hosts"]:
                 try:
-                    variables = self._host_variables(host, task_vars)
+                    variables = {**self._host_variables(host, task_vars), **self._task.args.get("shared_vars", {})}
                     templar = self._templar.copy_with_new_env(available_variables=variables)
                     dests = self._render(templar.template(variables[self._task.args["each_host"]]), variables, templar)
                 except AnsibleError as error:
