@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
+from . import alike, backend_rules  # noqa: F401  (their rules register into rules.RULES on import)
 from .defaults import CHECK_DEFAULTS
 from .errors import EpdPlanError
 from .firewall import firewall_problems

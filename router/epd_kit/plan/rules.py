@@ -663,7 +663,3 @@ def run(fleet: Fleet) -> tuple[list[str], list[str]]:
         for line in dict.fromkeys(item.check(fleet)):
             (warnings if item.warning else problems).append(f"{line} [{item.name}: {item.reason}]")
     return problems, warnings
-
-
-# the rules of later rounds, each topic its own module; they register into RULES on import
-from . import alike, backend_rules  # noqa: E402,F401
