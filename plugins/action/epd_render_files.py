@@ -4,11 +4,15 @@ the controller in one task (render.yml).
 Options:
   hosts: the inventory hosts to render, each with its own variables: those this task would run
     with on that host (inventory, play, role defaults, the plan's facts).
+  shared_vars: variables templated once, in this task's own context, and given to every host's
+    templating (what is the same for the hosts of the task: computed once, not once per host).
   each_host: the name of a variable (the task's own vars) that, templated with a host's variables,
     says what to write for that host, {root, files, directories}:
       root: the directory every dest is under (created as needed).
       files: a list of {dest, template, vars} (a template rendered exactly as the template module
-        renders it: the host's variables plus vars) or {dest, json} (written as to_nice_json(indent=2)).
+        renders it: the host's variables plus vars), {dest, json} (written as to_nice_json(indent=2))
+        or {dest, content} (the text itself); each may give mode (an octal string, default 0644:
+        a placeholder secret file is 0600 or 0640, as the router's check requires).
       directories: dests of directories to create even when no file lands in them.
 Files are written with mode 0644 and directories 0755; only files whose content differs are
 rewritten. Returns changed and written ({host: the dests rewritten}). Deploy writes the hosts'
@@ -45,7 +49,7 @@ class ActionModule(ActionBase):
         with _compiled_once():
             for host in self._task.args["hosts"]:
                 try:
-                    variables = self._host_variables(host, task_vars)
+                    variables = {**self._host_variables(host, task_vars), **self._task.args.get("shared_vars", {})}
                     templar = self._templar.copy_with_new_env(available_variables=variables)
                     dests = self._render(templar.template(variables[self._task.args["each_host"]]), variables, templar)
                 except AnsibleError as error:
@@ -78,9 +82,12 @@ class ActionModule(ActionBase):
                 content = template.run([file["template"]], variables=shallow, template_vars=file.get("vars", {}))[0]
             elif "json" in file:
                 content = to_nice_json(file["json"], indent=2)
+            elif "content" in file:
+                content = file["content"]
             else:
-                raise AnsibleActionFail(f"{file.get('dest')}: give either template or json")
-            if _write(_directory(root, str(Path(file["dest"]).parent)) / Path(file["dest"]).name, str(content)):
+                raise AnsibleActionFail(f"{file.get('dest')}: give template, json or content")
+            mode = int(str(file.get("mode", "0644")), 8)
+            if _write(_directory(root, str(Path(file["dest"]).parent)) / Path(file["dest"]).name, str(content), mode):
                 written.append(file["dest"])
         return written
 
@@ -148,9 +155,9 @@ def _directory(root: Path, dest: str) -> Path:
     return path
 
 
-def _write(path: Path, content: str) -> bool:
-    if path.is_file() and path.read_text() == content:
+def _write(path: Path, content: str, mode: int = 0o644) -> bool:
+    if path.is_file() and path.read_text() == content and (path.stat().st_mode & 0o777) == mode:
         return False
     path.write_text(content)
-    path.chmod(0o644)
+    path.chmod(mode)
     return True

@@ -162,6 +162,8 @@ class FilterModule:
                 "epd_engine_exec_start": plan.exec_start,
                 "epd_router_config": router_config,
                 "epd_router_tenants_text": plan.tenants_file_text,
+                "epd_router_tenants_placeholder": plan.placeholder_tenants_text,
+                "epd_router_api_keys_placeholder": plan.placeholder_api_keys_text,
                 "epd_probe_url": plan.probe_url,
                 "epd_engine_selection": plan.engine_selection,
                 "epd_deployed_engines": plan.deployed_engines,

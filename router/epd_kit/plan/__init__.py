@@ -54,7 +54,7 @@ from .placement import largest_fits, place, placement_order
 from .rollout import rollout_batches, rollout_plan
 from .router_config import router_config
 from .settings import BACKEND_EXECUTABLES, Settings, read_settings
-from .tenants import tenants_file_text
+from .tenants import placeholder_api_keys_text, placeholder_tenants_text, tenants_file_text
 from .timeouts import START_MARGIN_S, start_timeout_s
 from .unit import engine_unit, exec_start, read_env_file
 from .values import format_cores, plain
@@ -92,6 +92,8 @@ __all__ = [
     "largest_fits",
     "neuron_release",
     "place",
+    "placeholder_api_keys_text",
+    "placeholder_tenants_text",
     "placement_order",
     "plain",
     "plan_fleet",

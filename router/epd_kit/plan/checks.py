@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
+from . import alike, backend_rules  # noqa: F401  (their rules register into rules.RULES on import)
 from .defaults import CHECK_DEFAULTS
 from .errors import EpdPlanError
 from .firewall import firewall_problems
@@ -22,9 +23,10 @@ from .hints import did_you_mean
 from .inventory import fleet_settings, plan_from_hostvars
 from .models import first_name_problems
 from .router_check import available as router_models_available
+from .router_check import planned_value_problems
 from .rules import Fleet
 from .rules import run as run_rules
-from .tenants import tenant_problems
+from .tenants import key_strength_problems, tenant_problems
 from .tls import tls_problems
 from .validate import (
     BOOL_STRINGS,
@@ -133,19 +135,24 @@ def unresolved_problems(hostvars: Mapping[str, Any], groups: Mapping[str, Any]) 
 
 def pool_problems(plan: Mapping[str, Mapping[str, Any]], is_text_only: bool) -> list[str]:
     count = {"ve": 0, "pd": 0}
-    for host_plan in plan.values():
+    ves: dict[str, int] = {}  # host -> its VEs of the first model
+    for host, host_plan in plan.items():
         for engine in host_plan["engines"]:
             if "model" not in engine:  # the first model's (a further model's pools: models.py)
                 count[engine["role"]] += 1
+                if engine["role"] == "ve":
+                    ves[host] = ves.get(host, 0) + 1
     problems = []
     if not count["pd"]:
         problems.append(
             "no PD engine in the fleet: set epd_num_pd on at least one engine host (PDs answer every request)"
         )
     if is_text_only and count["ve"]:
+        where = ", ".join(f"{host}: epd_num_ve {n}" for host, n in list(ves.items())[:4])
         problems.append(
-            f"epd_text_only is true but {count['ve']} VE engine(s) are planned: "
-            "set epd_num_ve to 0 or drop epd_text_only"
+            f"epd_text_only is true but {count['ve']} VE engine(s) are planned ({where}): set epd_num_ve to 0 "
+            f"where it is set for {hosts_text(list(ves))} (a host's own entry overrides group_vars), or drop "
+            "epd_text_only"
         )
     if not is_text_only and not count["ve"]:
         problems.append(
@@ -188,6 +195,9 @@ def check_inventory(
         problems += tls_problems(values, groups)  # the front door's certificate files (plan/tls.py)
         # the tenants file the router role renders, by the router's own rules (plan/tenants.py)
         problems += list(dict.fromkeys(p for host in routers for p in tenant_problems(values.get(host, {}))))
+        problems += list(dict.fromkeys(p for host in everyone for p in key_strength_problems(values.get(host, {}))))
+        # router.yaml values the kit writes from one variable each (the traces URL, ...), by the router's models
+        problems += list(dict.fromkeys(p for host in routers for p in planned_value_problems(values.get(host, {}))))
         if not router_models_available():
             warnings.append(
                 "the router's settings (epd_router_<section>, epd_router_extra_config) were checked by kind only: "
@@ -218,7 +228,8 @@ def check_inventory(
     problems += first_name_problems(served, settings.models)
     problems += port_problems(plan, settings.router_port, hostvars, groups)
     problems += firewall_problems(plan, hostvars, groups)
-    problems += rollout_problems(plan, values[routers[0]] if routers else {})
+    models = [spec.as_dict() for spec in settings.models]
+    problems += rollout_problems(plan, values[routers[0]] if routers else {}, models)
     if known_variables is not None:
         rule_problems, rule_warnings = run_rules(Fleet(fleet.values, groups, fleet.machines, plan))
         problems += rule_problems

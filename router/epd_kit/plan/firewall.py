@@ -335,7 +335,10 @@ def firewall_for(
     sources, problems = fleet_sources(plan, hostvars, groups)
     if problems:
         raise EpdPlanError("; ".join(problems))
-    firewall = host_firewall(plan, router_port, hostvars, groups, host, sources, read_sources(previous_file))
+    return _described(host_firewall(plan, router_port, hostvars, groups, host, sources, read_sources(previous_file)))
+
+
+def _described(firewall: HostFirewall) -> dict[str, Any]:
     return {
         "enabled": True,
         "nft": firewall.nft(),
@@ -343,6 +346,27 @@ def firewall_for(
             {"what": r.what, "ports": list(r.ports), "sources": list(firewall.sources[r.source])}
             for r in firewall.rules
         ],
+    }
+
+
+def firewall_for_hosts(
+    plan: Mapping[str, Mapping[str, Any]],
+    router_port: int,
+    hostvars: Mapping[str, Any],
+    groups: Mapping[str, Any],
+    hosts: Sequence[str],
+) -> dict[str, dict[str, Any]]:
+    """firewall_for of each of `hosts` as a first deploy writes it (no table loaded yet), the fleet's
+    sources computed once: render.yml's share of the fleet in one call, not one per host."""
+    engines = [str(h) for h in groups.get(ENGINE) or []]
+    if not enabled(hostvars, engines):
+        return {str(host): {"enabled": False, "nft": "", "rules": []} for host in hosts}
+    sources, problems = fleet_sources(plan, hostvars, groups)
+    if problems:
+        raise EpdPlanError("; ".join(problems))
+    return {
+        str(host): _described(host_firewall(plan, router_port, hostvars, groups, str(host), sources, {}))
+        for host in hosts
     }
 
 

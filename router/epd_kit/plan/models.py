@@ -16,6 +16,8 @@ fleet-wide settings. `epd_models` lists the models served beside it, one mapping
     ve_port_base, pd_port_base, side_channel_port_base
                     its own port bases (default: the fleet's + 64 x its position, 1-based, so
                     no two models' engines share a port on a host)
+    rollout_batch_ve, rollout_batch_pd, rollout_min_available_ve, rollout_min_available_pd
+                    its pools' own rollout batch and floor (default: the fleet's; rollout.py)
 
 Every value is checked by the fleet settings' own rules (settings.read_settings), each problem
 naming the model. docs/planner.md "Several models".
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import EpdPlanError
+from .hints import did_you_mean
 from .values import ID_PART, as_int, as_str, describe, plain
 
 # a further model's default port bases: the fleet's + this per position (a host's 64 cores
@@ -54,7 +57,10 @@ SETTING_KEYS = (
     "extra_args",
 )
 PORT_KEYS = ("ve_port_base", "pd_port_base", "side_channel_port_base")
-ENTRY_KEYS = ("name", "model", "text_only", "num_ve", "num_pd", "hosts", *SETTING_KEYS, *PORT_KEYS)
+# the model's own rollout batch and floor per pool (rollout.py _pool_settings; default: the fleet's
+# epd_rollout_batch_<pool> / epd_rollout_min_available_<pool>): each model's pools roll on their own
+ROLLOUT_KEYS = ("rollout_batch_ve", "rollout_batch_pd", "rollout_min_available_ve", "rollout_min_available_pd")
+ENTRY_KEYS = ("name", "model", "text_only", "num_ve", "num_pd", "hosts", *SETTING_KEYS, *PORT_KEYS, *ROLLOUT_KEYS)
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,7 @@ class ModelSpec:
     num_ve: int = 0
     num_pd: int = 1
     hosts: tuple[str, ...] | None = None  # None: every engine host
+    rollout: tuple[tuple[str, Any], ...] = ()  # (ROLLOUT_KEYS key, value) the entry sets
 
     def runs_on(self, host: str) -> bool:
         return self.hosts is None or host in self.hosts
@@ -88,6 +95,7 @@ class ModelSpec:
         for key in (*SETTING_KEYS, *PORT_KEYS):
             value = getattr(s, key)
             out[key] = list(value) if isinstance(value, tuple) else value
+        out.update(self.rollout)
         return out
 
 
@@ -135,6 +143,14 @@ def read_models(variables: Mapping[str, Any], fleet: Any, read_settings: Any) ->
         where = f"epd_models[{index}]"
         if not isinstance(entry, Mapping):
             raise EpdPlanError(f"{where} must be a mapping with name, model, num_ve/num_pd, got {describe(entry)}")
+        # the keys first: a misspelt `name` is that, not an empty name
+        unknown = sorted(set(map(str, entry)) - set(ENTRY_KEYS))
+        if unknown:
+            hints = "; ".join(did_you_mean(key, ENTRY_KEYS, "remove it") for key in unknown)
+            known = ", ".join(ENTRY_KEYS)
+            raise EpdPlanError(f"{where}: unknown key(s) {', '.join(unknown)}: {hints} (known: {known})")
+        if "name" not in entry:
+            raise EpdPlanError(f"{where} has no name: give each model its served name (name: text)")
         name = as_str(f"{where}.name", entry.get("name", "")).strip()
         why = reserved_name(name)
         if why:
@@ -145,9 +161,6 @@ def read_models(variables: Mapping[str, Any], fleet: Any, read_settings: Any) ->
                 "and part of its engines' ids and unit names)"
             )
         where = f"epd_models[{index}] ({name})"
-        unknown = sorted(set(map(str, entry)) - set(ENTRY_KEYS))
-        if unknown:
-            raise EpdPlanError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(ENTRY_KEYS)}")
         if name in names:
             raise EpdPlanError(f"{where}: the name {name!r} is also epd_models[{names[name]}]'s; names must differ")
         if name == fleet.model:
@@ -180,7 +193,8 @@ def read_models(variables: Mapping[str, Any], fleet: Any, read_settings: Any) ->
             if not isinstance(hosts, (list, tuple)) or not hosts or not all(isinstance(h, str) for h in hosts):
                 raise EpdPlanError(f"{where}.hosts must be a list of engine host names, got {describe(hosts)}")
             hosts = tuple(hosts)
-        models.append(ModelSpec(name, settings, text_only, num_ve, num_pd, hosts))
+        rollout = tuple((key, plain(entry[key])) for key in ROLLOUT_KEYS if entry.get(key) not in (None, ""))
+        models.append(ModelSpec(name, settings, text_only, num_ve, num_pd, hosts, rollout))
     return tuple(models)
 
 

@@ -69,9 +69,11 @@ class PoolRule:
     model: str | None = None  # a further model's pool (epd_models); None: the first model's
 
     @classmethod
-    def resolve(cls, pool: str, size: int, batch: Any, min_available: Any) -> PoolRule:
-        batch_variable = f"epd_rollout_batch_{pool}"
-        floor_variable = f"epd_rollout_min_available_{pool}"
+    def resolve(
+        cls, pool: str, size: int, batch: Any, min_available: Any, names: tuple[str, str] | None = None
+    ) -> PoolRule:
+        """names: the (batch, floor) settings as the inventory wrote them (default: the fleet's variables)."""
+        batch_variable, floor_variable = names or (f"epd_rollout_batch_{pool}", f"epd_rollout_min_available_{pool}")
         count = amount(batch, size, batch_variable, round_up=False)
         if count == 0 and not _PERCENT.match(str(batch)):
             raise EpdPlanError(f"{batch_variable}: a batch holds at least 1 engine")
@@ -253,6 +255,7 @@ def rollout_batches(
     batch: Mapping[str, Any] | None = None,
     min_available: Mapping[str, Any] | None = None,
     compiles: bool = False,
+    models: Sequence[Mapping[str, Any]] = (),
 ) -> tuple[list[Batch], dict[str, PoolRule]]:
     """The batches restarting the selected engines (all when none is named), PD pool first, and the
     resolved rule of each pool that has a selected engine. batch / min_available: per pool ("ve",
@@ -260,17 +263,19 @@ def rollout_batches(
     engines: a selection by name (comma-separated instances or ids) or a {host: [instance]} mapping.
     compiles: the rollout may change the compiled graphs, so one canary per distinct configuration
     restarts first, before any other batch; the pools' canaries restart together, up to each
-    pool's batch size per canary batch."""
+    pool's batch size per canary batch. models: the further models' entries (epd_models, as
+    epd_fleet_settings holds them): an entry's rollout_batch_<pool> / rollout_min_available_<pool>
+    replace the fleet's for that model's pools."""
     by_key = {(host, e["instance"]): e for host, host_plan in plan.items() for e in host_plan["engines"]}
     # each model's pools are their own (epd_models): its own size, batches and floor; the first
     # model's keep their keys ("pd", "ve"), a further model's are "pd:<name>", "ve:<name>"
-    models = list(dict.fromkeys(e.get("model") for e in by_key.values()))
+    model_names = list(dict.fromkeys(e.get("model") for e in by_key.values()))
     selected = _selected(plan, engines)
     canaries: dict[str, list[Mapping[str, str]]] = {}  # per pool, its canaries in order
     batches: list[Batch] = []
     rules: dict[str, PoolRule] = {}
     for pool in POOLS:
-        for model in models:
+        for model in model_names:
             key = pool if model is None else f"{pool}:{model}"
             size_of = sum(1 for e in by_key.values() if e["role"] == pool and e.get("model") == model)
             members = [
@@ -281,12 +286,7 @@ def rollout_batches(
             ]
             if not members:
                 continue
-            size = (batch or {}).get(pool, VARIABLES[f"epd_rollout_batch_{pool}"].default)
-            try:
-                rule = PoolRule.resolve(pool, size_of, size, (min_available or {}).get(pool))
-            except EpdPlanError as error:
-                raise EpdPlanError(f"model {model}: {error}" if model else str(error)) from None
-            rules[key] = rule if model is None else replace(rule, model=model)
+            rules[key] = rule = resolve_pool(pool, model, size_of, batch, min_available, models)
             ordered = _round_robin(members)
             if compiles:
                 first: dict[str, Mapping[str, str]] = {}
@@ -296,6 +296,76 @@ def rollout_batches(
                 ordered = [e for e in ordered if e not in first.values()]
             batches += [Batch(pool, chunk) for chunk in _chunks(ordered, rule.batch)]
     return _canary_batches(canaries, rules) + batches, rules
+
+
+def pool_sizes(plan: Mapping[str, Mapping[str, Any]]) -> dict[tuple[str, str | None], int]:
+    """{(pool, model): its engines in the plan} (model None: the first), pools in POOLS order."""
+    sizes: dict[tuple[str, str | None], int] = {}
+    models = list(dict.fromkeys(e.get("model") for host_plan in plan.values() for e in host_plan["engines"]))
+    for pool in POOLS:
+        for model in models:
+            engines = (e for host_plan in plan.values() for e in host_plan["engines"])
+            count = sum(1 for e in engines if (e["role"], e.get("model")) == (pool, model))
+            if count:
+                sizes[(pool, model)] = count
+    return sizes
+
+
+def resolve_pool(
+    pool: str,
+    model: str | None,
+    size: int,
+    batch: Mapping[str, Any] | None,
+    min_available: Mapping[str, Any] | None,
+    models: Sequence[Mapping[str, Any]] = (),
+) -> PoolRule:
+    """One model's pool's rule, as every rollout and the inventory check (validate.rollout_problems) resolve it."""
+    count, floor, names = _pool_settings(pool, model, batch, min_available, models)
+    try:
+        rule = PoolRule.resolve(pool, size, count, floor, names)
+    except EpdPlanError as error:
+        raise EpdPlanError(_model_error(model, str(error), names, pool, models)) from None
+    return rule if model is None else replace(rule, model=model)
+
+
+def _pool_settings(
+    pool: str,
+    model: str | None,
+    batch: Mapping[str, Any] | None,
+    min_available: Mapping[str, Any] | None,
+    models: Sequence[Mapping[str, Any]],
+) -> tuple[Any, Any, tuple[str, str]]:
+    """(batch, floor, their names as written) of one model's pool: the fleet's variables, or the
+    model entry's own keys where it sets them (epd_models[i].rollout_batch_pd, ...)."""
+    size = (batch or {}).get(pool, VARIABLES[f"epd_rollout_batch_{pool}"].default)
+    floor = (min_available or {}).get(pool)
+    names = (f"epd_rollout_batch_{pool}", f"epd_rollout_min_available_{pool}")
+    for index, entry in enumerate(models if model is not None else ()):
+        if entry.get("name") != model:
+            continue
+        where = f"epd_models[{index}] ({model})"
+        if entry.get(f"rollout_batch_{pool}") not in (None, ""):
+            size, names = entry[f"rollout_batch_{pool}"], (f"{where}.rollout_batch_{pool}", names[1])
+        if entry.get(f"rollout_min_available_{pool}") not in (None, ""):
+            floor, names = entry[f"rollout_min_available_{pool}"], (names[0], f"{where}.rollout_min_available_{pool}")
+    return size, floor, names
+
+
+def _model_error(
+    model: str | None, error: str, names: tuple[str, str], pool: str, models: Sequence[Mapping[str, Any]]
+) -> str:
+    """A further model's pool refused under the fleet's value: say so, and which key sets its own."""
+    if model is None:
+        return error
+    index = next((i for i, entry in enumerate(models) if entry.get("name") == model), None)
+    fleet_names = {f"epd_rollout_batch_{pool}": "batch", f"epd_rollout_min_available_{pool}": "min_available"}
+    own = [f"rollout_{fleet_names[n]}_{pool}" for n in names if n in fleet_names and error.startswith(n)]
+    if index is None or not own:
+        return f"model {model}: {error}"
+    return (
+        f"model {model}: {error} (the fleet's value, which every model's {pool.upper()} pool takes; or give this "
+        f"model its own: epd_models[{index}] ({model}).{own[0]})"
+    )
 
 
 def _chunks(engines: Sequence[Mapping[str, str]], size: int) -> list[tuple[Mapping[str, str], ...]]:
@@ -410,14 +480,15 @@ def rollout_plan(
     strict: bool = False,
     expected: Mapping[str, Any] | None = None,
     systemd_shows: Mapping[str, str] | None = None,
+    models: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """The rollout's input: {batches, lines}, lines being the plan it prints before starting.
     compiles / shared / strict: the rollout may change the graphs, the shared tier is set, the
     engines are cache-hit-only; expected: StartTimes overrides (compile_s, fetch_s, warm_s);
     systemd_shows: per engine host, `systemctl show` of its engine units (recorded_starts): this
     fleet's last start per configuration replaces the expected time of a local hit of that
-    configuration (a restart takes about what the last one took)."""
-    batches, rules = rollout_batches(plan, engines, batch, min_available, compiles=compiles)
+    configuration (a restart takes about what the last one took). models: as rollout_batches."""
+    batches, rules = rollout_batches(plan, engines, batch, min_available, compiles=compiles, models=models)
     times = StartTimes(**{k: int(v) for k, v in (expected or {}).items() if v not in (None, "")})
     outcomes = engine_outcomes(batches, plan, compiles=compiles, shared=shared, strict=strict)
     count = sum(len(b.engines) for b in batches)

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from functools import cache
 from typing import Any
 
+from .variables import PLANNED_KEYS, VARIABLES
+
 
 @cache
 def _models() -> dict[str, Any] | None:
@@ -60,3 +62,22 @@ def router_section_problems(where: str, section: str, values: Mapping[str, Any])
             )
         return problems
     return []
+
+
+# written from a variable but not its value (auth.enabled: true when a keys file is named)
+DERIVED = frozenset({"auth.enabled"})
+
+
+def planned_value_problems(values: Mapping[str, Any]) -> list[str]:
+    """What the router's own models refuse in the router.yaml values the kit writes from one
+    variable each (variables.PLANNED_KEYS: `tracing.otlp_traces_endpoint` from
+    epd_otlp_traces_endpoint, ...), named by that variable: the router would refuse them only
+    on its host, after deploy.yml changed the engines."""
+    problems = []
+    for path, variable in PLANNED_KEYS.items():
+        section, _, key = path.partition(".")
+        if not key or path in DERIVED or variable not in VARIABLES or values.get(variable) in (None, ""):
+            continue
+        for line in router_section_problems(variable, section, {key: values[variable]}):
+            problems.append(line.replace(f"{variable}.{key} is ", f"{variable} is ", 1))
+    return problems

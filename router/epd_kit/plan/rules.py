@@ -156,8 +156,8 @@ def _above(fleet: Fleet, section: str, inner: str, outer: str, strict: bool) -> 
 
 @rule(
     "stage-within-total",
-    "a stage's cap above the whole request's bound never applies: timeouts.total_s ends the request first",
-    warning=True,
+    "a stage's cap above the whole request's bound never applies: timeouts.total_s ends the request first, so "
+    "the value was meant otherwise (often in another unit)",
 )
 def _stage_within_total(fleet: Fleet) -> Iterator[str]:
     for key in ("ve_s", "pd_s"):
@@ -487,7 +487,8 @@ def _strict_needs_shared(fleet: Fleet) -> Iterator[str]:
         strict = fleet.get(host, "epd_compile_cache_strict")
         if not isinstance(strict, bool):
             strict = str(strict).strip().lower() in TRUE_STRINGS
-        if strict and not fleet.get(host, "epd_compile_cache_shared_dir"):
+        cpu = str(fleet.get(host, "epd_engine_backend")) == "vllm-cpu"  # no Neuron cache: backend_rules warns
+        if strict and not cpu and not fleet.get(host, "epd_compile_cache_shared_dir"):
             yield (
                 f"{host}: epd_compile_cache_strict is true but epd_compile_cache_shared_dir is empty: set the shared "
                 "directory and run playbooks/precompile.yml, or set epd_compile_cache_strict false"

@@ -51,6 +51,32 @@ def tenants_file_text(tenants: Any, keys: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
+# render.yml's stand-in for each secret: the file is checkable (epd-router check-config reads it)
+# but holds no key of the inventory; deploy writes the real file (tenants) or the operator does (API keys)
+PLACEHOLDER = "RENDER-PLACEHOLDER-NOT-A-KEY"
+PLACEHOLDER_NOTE = (
+    "# PLACEHOLDER written by render.yml: the keys below are stand-ins, not the inventory's; "
+    "{what} writes the real file on the router host"
+)
+
+
+def placeholder_tenants_text(tenants: Any, keys: Any) -> str:
+    """The tenants file as the role renders it, each key replaced by a numbered placeholder."""
+    stand_ins = [
+        {"tenant": entry.get("tenant"), "key": f"{PLACEHOLDER}-tenant-{index}"} if isinstance(entry, Mapping) else entry
+        for index, entry in enumerate(keys or [])
+    ]
+    text = tenants_file_text(tenants, stand_ins)
+    return PLACEHOLDER_NOTE.format(what="deploy.yml (from epd_router_tenant_keys)") + "\n" + text
+
+
+def placeholder_api_keys_text(path: str) -> str:
+    """An API keys file with one placeholder key: the kit never writes the real one at `path`
+    (epd_router_api_keys_file: the operator puts it there, 0600)."""
+    note = PLACEHOLDER_NOTE.format(what=f"the operator (the kit never writes epd_router_api_keys_file {path})")
+    return f"{note}\n{PLACEHOLDER}-api-0\n"
+
+
 def tenant_problems(values: Mapping[str, Any]) -> list[str]:
     """What the router would refuse in the file rendered from one router host's `values` (its
     explicitly set variables); [] without tenant keys."""
@@ -63,9 +89,18 @@ def tenant_problems(values: Mapping[str, Any]) -> list[str]:
     if any("\n" in line or "\r" in line for line in lines):
         return [f"{TENANTS}/{KEYS}: a name, limit or key spans lines"]
     try:
-        from epd_kit.router.tenants_file import parse_tenants  # late: the router's rules, when installed
+        from epd_kit.router.tenants_file import TENANT_NAME, parse_tenants  # late: the router's rules, when installed
     except ImportError:  # a controller without the kit's package: the router's check-config checks it
         return []
+    # a name the file would split (a space) is the name's fault, not an unknown limit's
+    names = [
+        f"{TENANTS}.{name}: the tenant name {str(name)[:64]!r} must be 1-63 characters of [A-Za-z0-9_.-] (the "
+        "router's tenants file separates a name from its limits by spaces)"
+        for name in tenants
+        if not TENANT_NAME.match(str(name))
+    ]
+    if names:
+        return names
     try:
         parse_tenants("\n".join(lines), "tenants")
     except ValueError as error:
@@ -73,5 +108,54 @@ def tenant_problems(values: Mapping[str, Any]) -> list[str]:
         found = _LINE.match(text)
         if found is None:
             return [f"{KEYS}: {text}"]
-        return [f"{where[int(found.group(1)) - 1]}: {text[found.end() :]}"]
+        entry, rest = where[int(found.group(1)) - 1], text[found.end() :]
+        same = _SAME.match(rest)
+        if same:  # both entries, each with its tenant: which is stale is the operator's call
+            first = where[int(same.group(1)) - 1]
+            return [
+                f"{first} (tenant {_tenant(keys, first)}) and {entry} (tenant {_tenant(keys, entry)}) hold the same "
+                f"key: a key belongs to one tenant; remove the stale entry"
+            ]
+        return [f"{entry}: {rest}"]
     return []
+
+
+_SAME = re.compile(r"the same key as line (\d+)$")
+
+
+def _tenant(keys: list[Any], entry: str) -> str:
+    index = int(entry.removeprefix(f"{KEYS}[").rstrip("]"))
+    return str(keys[index]["tenant"])
+
+
+# A client key is the only thing between a client network and the fleet. No source sets a minimum
+# for bearer keys; the safe side: 16 characters (at most ~100 bits even when random) and 8
+# different characters, below which a key is guessed or was typed as a placeholder.
+MIN_KEY_LENGTH, MIN_KEY_CHARACTERS = 16, 8
+KEY_FIX = "make one with: openssl rand -hex 24"
+
+
+def key_strength_problems(values: Mapping[str, Any]) -> list[str]:
+    """The client keys the inventory holds (epd_router_tenant_keys, epd_router_api_key) that are too
+    short or too plain, named by their entry, never shown."""
+    named: list[tuple[str, Any]] = []
+    keys = values.get(KEYS)
+    if isinstance(keys, list):
+        named += [(f"{KEYS}[{i}]", e.get("key")) for i, e in enumerate(keys) if isinstance(e, Mapping)]
+    if values.get("epd_router_api_key"):
+        named.append(("epd_router_api_key", values["epd_router_api_key"]))
+    problems = []
+    for where, key in named:
+        if not isinstance(key, str):
+            continue
+        if len(key) < MIN_KEY_LENGTH:
+            problems.append(
+                f"{where}: the key has {len(key)} characters, fewer than {MIN_KEY_LENGTH}: a client key is all that "
+                f"stands between the client networks and the fleet, and a short one is guessed; {KEY_FIX}"
+            )
+        elif len(set(key)) < MIN_KEY_CHARACTERS:
+            problems.append(
+                f"{where}: the key has only {len(set(key))} different characters (fewer than {MIN_KEY_CHARACTERS}): "
+                f"a placeholder or a pattern, not a secret; {KEY_FIX}"
+            )
+    return problems

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from .errors import EpdPlanError
 from .hints import did_you_mean
 from .net import is_loopback
-from .rollout import PoolRule, amount
+from .rollout import POOLS, amount, pool_sizes, resolve_pool
 from .router_check import router_section_problems
 from .values import as_int, describe, plain, unresolved
 from .variables import (
@@ -376,6 +376,10 @@ def scope_problems(values: Mapping[str, Mapping[str, Any]], groups: Mapping[str,
         elif var.scope in GROUP_SCOPES:
             readers = [*(groups.get(var.scope) or []), *(groups.get(PRECOMPILE) or [] if var.scope == ENGINE else [])]
             members = [str(h) for h in readers if str(h) in values]
+            replaced = _replaced_mapping(name, var, values, members)
+            if replaced:
+                problems.append(replaced)
+                continue
             for host in hosts:
                 if host in members or name not in values[host]:
                     continue
@@ -389,6 +393,29 @@ def scope_problems(values: Mapping[str, Mapping[str, Any]], groups: Mapping[str,
                     f"move it to the variables of a host in {var.scope} (or add {host} to {var.scope})"
                 )
     return problems
+
+
+def _replaced_mapping(
+    name: str, var: Var, values: Mapping[str, Mapping[str, Any]], members: Sequence[str]
+) -> str | None:
+    """A mapping or list of group_vars that some hosts of its group replaced in their own entry: the
+    hosts outside the group still hold the group's value (all alike), readers hold another. Said as
+    that, not as a value set on hosts outside the group."""
+    if var.kind not in (DICT, LIST, ANY):
+        return None
+    outside = [h for h in values if h not in members and name in values[h]]
+    if not outside or len({repr(values[h][name]) for h in outside}) > 1:
+        return None
+    group_value = values[outside[0]][name]
+    own = [h for h in members if name in values[h] and repr(values[h][name]) != repr(group_value)]
+    if not own:
+        return None
+    return (
+        f"{hosts_text(own)}: {name} in {'its' if len(own) == 1 else 'their'} own entry replaces the whole {name} "
+        f"of group_vars (which {hosts_text(outside)} still {'has' if len(outside) == 1 else 'have'}): Ansible "
+        "replaces a mapping or list, it does not merge them; write every entry in one place (the host's entry, "
+        f"or group_vars/{var.scope})"
+    )
 
 
 def name_problems(hosts: Iterable[str]) -> list[str]:
@@ -456,20 +483,20 @@ def port_problems(
 # --------------------------------------------------------------------------- rollouts
 
 
-def rollout_problems(plan: Mapping[str, Mapping[str, Any]], variables: Mapping[str, Any]) -> list[str]:
-    """The rollout batch and floor of each planned pool, resolved as a rollout would (rollout.py)."""
-    sizes = {"ve": 0, "pd": 0}
-    for host_plan in plan.values():
-        for engine in host_plan["engines"]:
-            sizes[engine["role"]] += 1
+def rollout_problems(
+    plan: Mapping[str, Mapping[str, Any]], variables: Mapping[str, Any], models: Sequence[Mapping[str, Any]] = ()
+) -> list[str]:
+    """The rollout batch and floor of each model's planned pools, resolved by the rollout's own
+    code (rollout.resolve_pool): each model's pool on its own, with its entry's own values."""
+    batch = {
+        pool: variables.get(f"epd_rollout_batch_{pool}", VARIABLES[f"epd_rollout_batch_{pool}"].default)
+        for pool in POOLS
+    }
+    floor = {pool: variables.get(f"epd_rollout_min_available_{pool}") for pool in POOLS}
     problems = []
-    for pool, size in sizes.items():
-        if not size:
-            continue
-        batch = variables.get(f"epd_rollout_batch_{pool}", VARIABLES[f"epd_rollout_batch_{pool}"].default)
-        floor = variables.get(f"epd_rollout_min_available_{pool}")
+    for (pool, model), size in pool_sizes(plan).items():
         try:
-            PoolRule.resolve(pool, size, batch, floor)
+            resolve_pool(pool, model, size, batch, floor, models)
         except EpdPlanError as error:
             problems.append(str(error))
     return problems

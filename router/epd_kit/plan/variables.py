@@ -69,7 +69,7 @@ ROLE_PLAYS: dict[str, tuple[str, ...]] = {
     ),
     "epd_deps": ("deploy", "precompile"),
     "epd_engines": ("deploy", "precompile", "render", "restart", "start"),
-    "epd_firewall": ("deploy", "teardown"),
+    "epd_firewall": ("deploy", "render", "teardown"),
     "epd_haproxy": ("deploy", "loadbalancer"),
     "epd_observability": ("deploy", "observability"),
     "epd_preflight": ("deploy",),

@@ -85,7 +85,7 @@ def test_a_model_that_does_not_fit_is_refused_naming_it_and_the_host():
         ({**TEXT, "text_only": False}, "epd_models[0] (text): no VE engine (num_ve 0)"),
         ({**TEXT, "pd_tp": 3}, "epd_models[0] (text): epd_pd_tp must be a power of two"),
         ({**TEXT, "hosts": ["n9"]}, "epd_models[0] (text).hosts names n9, which is not an engine host"),
-        ({**TEXT, "colour": 1}, "epd_models[0] (text): unknown key(s) colour"),
+        ({**TEXT, "colour": 1}, "epd_models[0]: unknown key(s) colour: remove it"),
         ({**TEXT, "model": "models/x"}, "epd_models[0] (text): epd_model 'models/x' looks like a relative path"),
         ({**TEXT, "pd_port_base": 18100}, "port 18100 is used by both epd-pd-0 (HTTP) and epd-text-pd-0 (HTTP)"),
     ],
@@ -305,3 +305,24 @@ def test_without_a_running_file_the_draining_write_is_the_whole_render():
     settings = planner.read_settings(result["settings"])
     full = planner.router_config(result["plan"], settings, listen_host="h")
     assert planner.router_config(result["plan"], settings, listen_host="h", running={}) == full
+
+
+def test_a_models_own_rollout_floor_replaces_the_fleets_for_its_pools_alone():
+    """The fleet's floor of 1 PD cannot hold for a one-PD text model: refused by the check with the
+    rollout's own resolution; the model's own floor of 0 passes, and the rollout keeps the first
+    model's floor of 1 (its 2 PDs restart one at a time) and lets the text PD leave rotation."""
+    refused = check([TEXT], epd_num_pd=2, epd_rollout_min_available_pd=1, epd_core_count=32)
+    assert refused["problems"] == [
+        "model text: epd_rollout_min_available_pd: keeping 1 of the 1 PD engines in rotation leaves none to "
+        "restart; lower it to at most 0 (the fleet's value, which every model's PD pool takes; or give this model "
+        "its own: epd_models[0] (text).rollout_min_available_pd)"
+    ]
+    own = {**TEXT, "rollout_min_available_pd": 0}
+    result = check([own], epd_num_pd=2, epd_rollout_min_available_pd=1, epd_core_count=32)
+    assert result["problems"] == [], result["problems"]
+    assert result["settings"]["epd_models"][0]["rollout_min_available_pd"] == 0
+    _, rules = planner.rollout_batches(result["plan"], min_available={"pd": 1}, models=result["settings"]["epd_models"])
+    assert (rules["pd"].size, rules["pd"].floor) == (2, 1)
+    assert (rules["pd:text"].size, rules["pd:text"].floor) == (1, 0)
+    lines = planner.rollout_plan(result["plan"], min_available={"pd": 1}, models=result["settings"]["epd_models"])
+    assert "PD: batches of up to 1, at least 1 of 2 stay in rotation" in lines["lines"]
