@@ -97,6 +97,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--upstream-idle", action="store_true", help="upstream's idle behaviour (the 'before')")
     parser.add_argument("--json", type=Path)
+    # an engine beside a spinning one ("before") on a loaded 2-core machine took over the tier's 300 s
+    parser.add_argument("--start-timeout", type=float, default=900)
     args = parser.parse_args()
     from epd_kit.testing.checkpoint import build_tiny_checkpoint
 
@@ -107,7 +109,11 @@ def main() -> None:
         if args.upstream_idle:
             up.NamespacedEngine.ec_transfer_config = _upstream_idle(up.NamespacedEngine.ec_transfer_config)
         started = time.monotonic()
-        with up.upstream_pair(work, ckpt, site, tag=f"b{os.getpid() % 10000}") as (veth, ve, pd):
+        with up.upstream_pair(work, ckpt, site, tag=f"b{os.getpid() % 10000}", start_timeout=args.start_timeout) as (
+            veth,
+            ve,
+            pd,
+        ):
             report: dict = {"vllm": up.VERSION, "upstream_idle": args.upstream_idle}
             report["start_s"] = time.monotonic() - started
             report["idle_cores"] = idle_share([ve, pd], args.idle_s)

@@ -27,7 +27,7 @@ from epd_kit.testing.images import image_part, png_data_url, user_message
 from epd_kit.testing.process import free_port
 from tests.vllm_dist import installed_vllm
 
-from .engines import RealEngine
+from .engines import START_TIMEOUT_S, RealEngine
 from .netns import End, NamespacePort, VethPair
 from .stack import ENGINE_KEY
 
@@ -142,9 +142,15 @@ class NamespacedEngine(RealEngine):
 
 @contextlib.contextmanager
 def upstream_pair(
-    workdir: Path, ckpt: Path, plugin_site: Path, tag: str, dev_mode: bool = False
+    workdir: Path,
+    ckpt: Path,
+    plugin_site: Path,
+    tag: str,
+    dev_mode: bool = False,
+    start_timeout: float = START_TIMEOUT_S,
 ) -> Iterator[tuple[VethPair, NamespacedEngine, NamespacedEngine]]:
-    """(veth, VE, PD) healthy, in namespaces nxu-ve-`tag` and nxu-pd-`tag`; all removed after."""
+    """(veth, VE, PD) healthy (within `start_timeout` s each), in namespaces nxu-ve-`tag` and
+    nxu-pd-`tag`; all removed after."""
     key_file = workdir / "engine-key"
     key_file.write_text(ENGINE_KEY + "\n")
     key_file.chmod(0o600)
@@ -171,7 +177,7 @@ def upstream_pair(
             stack.callback(engine.stop)
             engine.start()
         for engine in engines:
-            engine.wait_healthy()
+            engine.wait_healthy(start_timeout)
         yield veth, engines[0], engines[1]
 
 
