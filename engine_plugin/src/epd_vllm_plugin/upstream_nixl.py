@@ -23,7 +23,7 @@ override with its reason and the upstream line it replaces:
   NOT_READY forever. The copy being synchronous, an item is saved once the request that encoded
   it finishes: `request_finished` marks it ready;
 - the idle spin: upstream's `has_pending_push_work` is `self._nixl_enabled or ...`
-  (scheduler/__init__.py:617), so with NIXL on the engine core never waits for input and steps
+  (scheduler/__init__.py:599), so with NIXL on the engine core never waits for input and steps
   with a 1 ms sleep (vllm/v1/engine/core.py `_process_engine_step`), ~a core per engine. Here the
   connector owns its progress: a VE's side channel is served by its own thread blocked in
   `ZmqServerTransport.poll(timeout_ms)`, and the engine is kept stepping only while an entry is
@@ -88,9 +88,10 @@ NIXL_DRAM = "DRAM"  # as upstream's data/nixl.py (_NIXL_DRAM)
 # How long the VE's side-channel thread blocks in one poll: it wakes at once for an XferReq, and at
 # this period to drain NIXL's completion notices and expire leases (no ZMQ message wakes it for those)
 SERVE_POLL_MS = 50
-# ... and while a grant is out: the VE's UCX worker must progress for a READ over TCP to be served
-# (UCX emulates the remote get over active messages), and without NIXL's progress thread
-# (agent_config below) this thread's calls (get_new_notifs) are what progresses it
+# ... and while a grant is out. Without NIXL's progress thread (no_progress_thread) this thread's
+# calls (get_new_notifs) are what progresses the VE's UCX worker; whether a READ over UCX's tcp
+# transport needs the target to progress is not settled by any source read here, so the safe side:
+# progress every millisecond until the PD's completion notice unpins the grant
 SERVE_BUSY_POLL_MS = 1
 # ec_connector_extra_config key: true keeps upstream's idle behaviour (NIXL's progress thread, the
 # engine stepping while NIXL is on), to measure what the fix saves (bench/nixl_upstream.py); never
