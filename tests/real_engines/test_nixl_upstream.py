@@ -123,7 +123,7 @@ def test_the_pd_fails_when_the_transfer_is_withheld(pair, ckpt):
 def test_an_idle_pair_stays_idle(pair):
     """The connector owns its progress: no engine loop and no NIXL progress thread spins. An
     idle window comes once the last request's tail is over (its steps, the grant's lease or
-    notice); with upstream's idle behaviour none comes (docs/benchmarks.md §14: 2 cores)."""
+    notice); with upstream's idle behaviour none comes (docs/benchmarks.md §14)."""
     _, ve, pd = pair
     pids = ve.pids() + pd.pids()
     shares: list[float] = []
