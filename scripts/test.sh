@@ -29,7 +29,7 @@ case "${1:-}" in
   --no-compat) COMPAT=no; shift ;;
 esac
 [ "$COMPAT" = auto ] && [ $# -gt 0 ] && COMPAT=no     # a subset run: the compat tier only on request
-COMPAT_MIN_FREE_GB=14   # both envs missing: ~5.2 GB each, plus pip's unpacking
+COMPAT_MIN_FREE_GB=20   # all three envs missing (0.24.0, 0.29.0, 0.32.0): ~5.2 GB each, plus pip's unpacking
 
 HOSTS=tests/hosts/hosts.sh
 OUR_HOSTS=(n1 n2 n3 n4 n5 n6 n7 n8 n9)       # reserved for tests and the demo (docs/sandbox.md)

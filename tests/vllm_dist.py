@@ -16,6 +16,12 @@ VLLM_VERSIONS = sorted(
     path.name.removeprefix("requirements-vllm-").removesuffix(".txt")
     for path in (Path(__file__).parent / "compat").glob("requirements-vllm-*.txt")
 )
+# The environments no Neuron release names, each with why it is here: the tiers run in them all,
+# test_releases holds the rest to the release table
+NO_RELEASE = {
+    "0.32.0": "vLLM >= 0.30's own NIXL encoder-cache hand-off (ECCPUConnector, top-level "
+    "ec_transfer_params; issue 54), which a Neuron release on vLLM >= 0.30 will speak",
+}
 
 
 def installed_vllm() -> tuple[str, str] | None:

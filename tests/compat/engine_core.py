@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.config import VllmConfig
-from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.engine import (
@@ -32,6 +31,8 @@ from vllm.v1.engine import (
 from vllm.v1.engine.core_client import EngineCoreClient
 from vllm.v1.request import Request
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+from tests.compat.vllm_api import engine_receiver_cache_from_config
 
 OUTPUT_TOKENS = (40, 41, 42, 43, 44, 45, 46, 47)  # plain BPE ids of the tiny checkpoint
 VE_PLACEHOLDER_TOKEN = 0
@@ -60,7 +61,7 @@ class StandInEngineCore(EngineCoreClient):
             hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
             init_none_hash(hash_fn)
             self._block_hasher = get_request_block_hasher(cache.block_size, hash_fn)
-        self._receiver_cache = MULTIMODAL_REGISTRY.engine_receiver_cache_from_config(self.vllm_config)
+        self._receiver_cache = engine_receiver_cache_from_config(self.vllm_config)
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineCoreRequest)
         self._outputs: asyncio.Queue[EngineCoreOutputs] = asyncio.Queue()

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import httpx
 
 from epd_kit.testing.process import LOOPBACK, ManagedProcess, free_port
+from tests.compat.vllm_api import VLLM_SERIES
 from tests.compat.vllm_server import VllmServer, vllm_server
 from tests.golden.tutorial import tutorial_command
 
@@ -30,6 +31,13 @@ T = TypeVar("T")
 # version) with the 2 cores at load 20-28 (other test runs), well under 90 s at load ~10
 READY_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 60.0
+
+
+# From vLLM 0.30 the generate and render routes answer 403 "Scale-out endpoints are disabled.
+# Restart vllm serve with --enable-scale-out" unless the server runs with that flag
+# (0.32.0 entrypoints/scale_out/factories.py register_scale_out_api_routers); 0.24 and 0.29 have no
+# such flag. The kit's release profiles add it for a release on such a vLLM (branch s8-nixl-kit).
+SCALE_OUT_FLAGS = ("--enable-scale-out",) if tuple(int(p) for p in VLLM_SERIES.split(".")) >= (0, 30) else ()
 
 
 def tutorial_argv(instance: str, model: Path, port: int, side_channel_port: int | None = None) -> list[str]:
@@ -91,10 +99,10 @@ class CompatStack:
         servers = contextlib.AsyncExitStack()
         router: ManagedProcess | None = None
         try:
-            ve = loop.run(
-                servers.enter_async_context(vllm_server(tutorial_argv("ve-0", model, free_port(), free_port())))
-            )
-            pd = loop.run(servers.enter_async_context(vllm_server(tutorial_argv("pd-0", model, free_port()))))
+            ve_argv = [*tutorial_argv("ve-0", model, free_port(), free_port()), *SCALE_OUT_FLAGS]
+            ve = loop.run(servers.enter_async_context(vllm_server(ve_argv)))
+            pd_argv = [*tutorial_argv("pd-0", model, free_port()), *SCALE_OUT_FLAGS]
+            pd = loop.run(servers.enter_async_context(vllm_server(pd_argv)))
             port = free_port()
             router = ManagedProcess(
                 [

