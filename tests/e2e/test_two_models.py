@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.budget import scaled
 from tests.e2e.conftest import DEPLOY, deploy_stack, sandbox_inventory
 from tests.e2e.stack import Stack, image_message, under_load
 from tests.hosts.harness import HostPool, ansible_playbook
@@ -211,7 +212,7 @@ def test_removing_the_text_model_stops_its_engine_and_the_router_drops_it(stack:
     assert "epd-text-pd-0" in removed
     (stack.inventory.directory / "group_vars/all/models.yml").unlink()
     start = time.monotonic()
-    with PoolsWatch(stack, max_seconds=400) as watch:
+    with PoolsWatch(stack, max_seconds=scaled(400)) as watch:  # as long as the deploy's budget
         result = ansible_playbook(stack.inventory.directory, DEPLOY, timeout=400)
     record_timing("two models: deploy removing the further models", time.monotonic() - start)
     assert result.returncode == 0, result.describe()
