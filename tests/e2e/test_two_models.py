@@ -7,8 +7,8 @@ touched (every engine keeps its process, no file changes), a rolling restart of 
 engine drains it in its own pool, a deploy that adds a model while it rolls the text model's
 engine serves the new model without a failed request, and a deploy without the further models
 drains their engines in their own pools, stops them and drops the models from the router;
-`vllm bench serve` runs against each deployed model. Lane b (tests/e2e/conftest.py LANE_B);
-133 s in a run here (docs/sandbox.md)."""
+`vllm bench serve` runs against each deployed model. Lane a (not in tests/e2e/conftest.py
+LANE_B); 133 s in a run here (docs/sandbox.md)."""
 
 from __future__ import annotations
 
