@@ -252,7 +252,7 @@ def test_a_traced_request_exports_the_routers_and_each_engines_spans(one_host_st
     )
     assert reply.choices[0].message.content is not None
     wanted = [REQUEST_SPAN, "receive", "render", "ve encode", "pd generate", "llm_request", "llm_request"]
-    spans = otlp.wait_for(trace_id, wanted, timeout=20)
+    spans = otlp.wait_for(trace_id, wanted, timeout=scaled(20))
     assert sorted(s.name for s in spans) == sorted(wanted), spans
     by_name = {s.name: s for s in spans}
     root = by_name[REQUEST_SPAN]
