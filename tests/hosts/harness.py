@@ -9,6 +9,7 @@ for tests and the demo: n1-n9 = 10.213.0.11-19 (docs/sandbox.md).
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import re
 import shlex
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.budget import describe, scaled
+from tests.budget import describe, factor, scaled
 
 HOSTS_DIR = Path(__file__).resolve().parent
 HOSTS_SH = HOSTS_DIR / "hosts.sh"
@@ -235,7 +236,8 @@ class HostPool:
             raise AssertionError(f"the test hosts have no sandbox model: {self.seed_problem}")
 
     def _script(self, *args: str, timeout: float = 180, extra_env: dict[str, str] | None = None) -> str:
-        env = dict(os.environ, **(extra_env or {}))
+        # hosts.sh's own boot and sshd polls scale with the machine too (a whole factor)
+        env = dict(os.environ, EPD_WAIT_FACTOR=str(math.ceil(factor())), **(extra_env or {}))
         return run([str(HOSTS_SH), *args], timeout=timeout, env=env).stdout
 
     def host(self, index: int) -> TestHost:
