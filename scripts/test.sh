@@ -49,6 +49,8 @@ speed_probe() {
   python3 -c 'import time; t = time.perf_counter(); sum(range(30_000_000)); print(f"{time.perf_counter() - t:.2f}s")'
 }
 SPEED_START=$(speed_probe)
+# the harnesses' waits scale with it (tests/budget.py: the slower of this and their own reading)
+export EPD_SPEED_PROBE_S=$SPEED_START
 summary() {
   slowest
   echo "== timings"; printf '   %s\n' "${TIMES[@]}"; printf '   %-22s %4ss\n' total $((SECONDS - T0))

@@ -12,9 +12,12 @@ import httpx
 import pytest
 
 from epd_kit.testing.process import ManagedProcess, free_port
+from tests.budget import scaled
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
-LIFETIME_S = 900  # the server never outlives this, whatever happens to the test process
+# the server never outlives this (a base budget, scaled to the machine), whatever happens to the
+# test process
+LIFETIME_S = 900
 
 
 class PrometheusServer:
@@ -28,12 +31,12 @@ class PrometheusServer:
             )
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        argv = ["timeout", str(LIFETIME_S), PROMETHEUS, f"--config.file={config}"]
+        argv = ["timeout", f"{scaled(LIFETIME_S):.0f}", PROMETHEUS, f"--config.file={config}"]
         argv += [f"--storage.tsdb.path={directory / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"]
         argv += ["--storage.tsdb.retention.time=1h"]
         self.process = ManagedProcess(argv, directory / "prometheus.log", name="prometheus")
         try:
-            self.process.wait_until(lambda: self.answers("vector(1)"), 30, "answering queries", interval=0.25)
+            self.process.wait_until(lambda: self.answers("vector(1)"), scaled(30), "answering queries", interval=0.25)
         except BaseException:
             self.stop()
             raise

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from tests.budget import describe, scaled
 from tests.hosts.harness import REPO, PlaybookResult, TestHost, ansible_playbook, host_address, write_inventory
 from tests.hosts.sandbox import SandboxInventory
 
@@ -23,8 +24,9 @@ from tests.hosts.sandbox import SandboxInventory
 def wait_for(
     predicate: Callable[[], object], *, timeout: float, interval: float = 0.3, what: str = "condition"
 ) -> object:
-    """Poll until predicate() is truthy; bounded in time. Returns its value."""
-    deadline = time.monotonic() + timeout
+    """Poll until predicate() is truthy; bounded in time: `timeout` is the quiet machine's
+    budget, scaled to this one (tests/budget.py). Returns its value."""
+    deadline = time.monotonic() + scaled(timeout)
     last_error: Exception | None = None
     while time.monotonic() < deadline:
         try:
@@ -35,7 +37,8 @@ def wait_for(
             last_error = exc
         time.sleep(interval)
     raise AssertionError(
-        f"timed out after {timeout:.0f}s waiting for {what}" + (f" (last error: {last_error!r})" if last_error else "")
+        f"timed out after {describe(timeout)} waiting for {what}"
+        + (f" (last error: {last_error!r})" if last_error else "")
     )
 
 
@@ -159,7 +162,8 @@ class LoadResult:
 
 class LoadGenerator:
     """Sends chat requests (image + text) at a fixed rate from a background thread,
-    bounded by count and time, and records every failure with its reason."""
+    bounded by count and time, and records every failure with its reason. Both bounds scale with
+    the machine (tests/budget.py) as the playbook timeouts they are paired with do."""
 
     def __init__(
         self,
@@ -176,8 +180,8 @@ class LoadGenerator:
         self.verify = verify
         self.model = model
         self.interval = 1.0 / rate_per_s
-        self.max_requests = max_requests
-        self.max_seconds = max_seconds
+        self.max_requests = round(max_requests * scaled(1))
+        self.max_seconds = scaled(max_seconds)
         self.result = LoadResult()
         self._stop = threading.Event()
         self._lock = threading.Lock()

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from tests.budget import scaled
 from tests.e2e.conftest import DEPLOY, deploy_stack, sandbox_inventory
 from tests.e2e.stack import Stack, image_data_url, image_message, wait_for
 from tests.hosts.harness import REPO, HostPool, ansible_playbook
@@ -43,7 +44,7 @@ def stack(host_pool: HostPool, record_timing, tmp_path_factory) -> Stack:
         [str(REPO / "scripts/compat-env.sh"), "--vllm", default_vllm(), "--wheelhouse"],
         capture_output=True,
         text=True,
-        timeout=1800,
+        timeout=scaled(1800),
         check=False,
     )
     if built.returncode != 0:

@@ -9,6 +9,7 @@ for tests and the demo: n1-n9 = 10.213.0.11-19 (docs/sandbox.md).
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import re
 import shlex
@@ -21,6 +22,8 @@ from functools import cache
 from pathlib import Path
 
 import yaml
+
+from tests.budget import describe, factor, scaled
 
 HOSTS_DIR = Path(__file__).resolve().parent
 HOSTS_SH = HOSTS_DIR / "hosts.sh"
@@ -125,8 +128,9 @@ def run(
     input: str | None = None,
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """subprocess.run with text output; on failure the error carries stdout and stderr."""
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, input=input, env=env, check=False)
+    """subprocess.run with text output; on failure the error carries stdout and stderr.
+    `timeout` is a base budget, scaled to the machine (tests/budget.py)."""
+    proc = _bounded(argv, timeout, input=input, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"command failed (rc={proc.returncode}): {shlex.join(argv)}\n"
@@ -232,7 +236,8 @@ class HostPool:
             raise AssertionError(f"the test hosts have no sandbox model: {self.seed_problem}")
 
     def _script(self, *args: str, timeout: float = 180, extra_env: dict[str, str] | None = None) -> str:
-        env = dict(os.environ, **(extra_env or {}))
+        # hosts.sh's own boot and sshd polls scale with the machine too (a whole factor)
+        env = dict(os.environ, EPD_WAIT_FACTOR=str(math.ceil(factor())), **(extra_env or {}))
         return run([str(HOSTS_SH), *args], timeout=timeout, env=env).stdout
 
     def host(self, index: int) -> TestHost:
@@ -395,12 +400,26 @@ def playbook_command(
     return argv, full_env
 
 
+def _bounded(argv: list[str], base_s: float, **kwargs) -> subprocess.CompletedProcess[str]:
+    """subprocess.run within `base_s` scaled to the machine; past it, an error that names the
+    command, the budget and the output so far (subprocess kills the child)."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=scaled(base_s), check=False, **kwargs)
+    except subprocess.TimeoutExpired as exc:
+        out = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (exc.stdout, exc.stderr)]
+        raise AssertionError(
+            f"still running after {describe(base_s)}, stopped: {shlex.join(argv)}\n"
+            f"--- stdout (last 4000)\n{out[0][-4000:]}\n--- stderr\n{out[1][-4000:]}"
+        ) from None
+
+
 def ansible_playbook(
     inventory: Path | str, playbook: str, *args: str, timeout: float = 600, env: dict[str, str] | None = None
 ) -> PlaybookResult:
-    """Run ansible-playbook from the repo root (its ansible.cfg) and parse the recap."""
+    """Run ansible-playbook from the repo root (its ansible.cfg) and parse the recap. `timeout`:
+    the base budget (a quiet machine's), scaled to the machine (tests/budget.py)."""
     argv, full_env = playbook_command(inventory, playbook, *args, env=env)
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env, check=False)
+    proc = _bounded(argv, timeout, cwd=REPO, env=full_env)
     recap: dict[str, dict[str, int]] = {}
     in_recap = False
     for line in proc.stdout.splitlines():

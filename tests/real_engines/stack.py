@@ -18,6 +18,7 @@ import yaml
 
 from epd_kit.testing.images import user_message
 from epd_kit.testing.process import ManagedProcess, free_port
+from tests.budget import scaled
 from tests.router_processes.harness import router_config
 
 from .conftest import PLUGIN, ROUTER
@@ -181,7 +182,7 @@ class RealStack:
             env={**os.environ, "HF_HUB_OFFLINE": "1"},
             name="router",
         )
-        self.router.wait_http(self.url + "/ready", 60)
+        self.router.wait_http(self.url + "/ready", scaled(60))
 
     @contextlib.contextmanager
     def client(self, max_tokens: int) -> Iterator[Client]:

@@ -15,6 +15,7 @@ import pytest
 from epd_kit.router.tracing import REQUEST_SPAN
 from epd_kit.testing.images import image_part, png_data_url
 from epd_kit.testing.otlp import CLIENT, SERVER, OtlpReceiver, Span, client_traceparent
+from tests.budget import scaled
 from tests.router_processes.harness import wait_until
 from tests.vllm_dist import installed_vllm
 
@@ -72,9 +73,8 @@ def test_an_image_request_is_one_trace_through_router_ve_and_pd(traced, client):
     usage = client.chat(
         "Describe this image.", image_part(png_data_url(64, 48, seed=11)), headers={"traceparent": header}
     )[2]
-    spans = receiver.wait_for(
-        trace_id, [REQUEST_SPAN, "receive", "render", "ve encode", "pd generate", "llm_request", "llm_request"], 60
-    )
+    wanted = [REQUEST_SPAN, "receive", "render", "ve encode", "pd generate", "llm_request", "llm_request"]
+    spans = receiver.wait_for(trace_id, wanted, scaled(60))
     root = one(spans, REQUEST_SPAN)
     assert root.parent_id == client_span and root.service == "epd-router"
     ve_call, pd_call = one(spans, "ve encode"), one(spans, "pd generate")
@@ -100,7 +100,7 @@ def test_a_streamed_text_request_has_no_ve_span_and_its_stream_span(traced, clie
     _, receiver = traced
     trace_id, client_span, header = client_traceparent()
     usage = client.chat("Say something.", headers={"traceparent": header}, stream=True)[2]
-    spans = receiver.wait_for(trace_id, [REQUEST_SPAN, "pd generate", "stream", "llm_request"], 60)
+    spans = receiver.wait_for(trace_id, [REQUEST_SPAN, "pd generate", "stream", "llm_request"], scaled(60))
     root = one(spans, REQUEST_SPAN)
     assert root.parent_id == client_span
     assert one(spans, "stream").parent_id == root.span_id
@@ -121,7 +121,7 @@ def test_a_request_without_traceparent_starts_a_trace_the_engines_join(traced, c
     wait_until(new_roots, 60, "the router's span of the request")
     [root] = new_roots()
     assert root.parent_id == ""
-    spans = receiver.wait_for(root.trace_id, ["ve encode", "pd generate", "llm_request", "llm_request"], 60)
+    spans = receiver.wait_for(root.trace_id, ["ve encode", "pd generate", "llm_request", "llm_request"], scaled(60))
     engine_span_under(spans, one(spans, "ve encode"))
     engine_span_under(spans, one(spans, "pd generate"))
 
@@ -136,7 +136,7 @@ def test_a_request_past_the_pds_context_has_the_routers_spans_and_no_engines(tra
     long_text = " ".join(f"word{i}" for i in range(PD_MAX_MODEL_LEN))
     with pytest.raises(openai.BadRequestError):
         client.chat(image_part(png_data_url(64, 48, seed=15)), long_text, headers={"traceparent": header})
-    spans = receiver.wait_for(trace_id, [REQUEST_SPAN, "receive", "render"], 60)
+    spans = receiver.wait_for(trace_id, [REQUEST_SPAN, "receive", "render"], scaled(60))
     assert one(spans, REQUEST_SPAN).attributes["http.response.status_code"] == 400
     time.sleep(1)  # ten of the engines' export intervals (OTEL_BSP_SCHEDULE_DELAY): an engine span would be in
     names = {s.name for s in receiver.trace(trace_id)}

@@ -1,6 +1,7 @@
 """Router + simulated engines as real subprocesses on 127.0.0.1 (ephemeral ports).
 
-Every wait here is bounded; every process is killed on teardown.
+Every wait here is bounded (a base budget scaled to the machine, tests/budget.py); every
+process is killed on teardown.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import yaml
 
 from epd_kit.sim import launch
 from epd_kit.testing.process import ManagedProcess, free_port, http_ok, stop_all
+from tests.budget import describe, scaled
 
 __all__ = ["ROUTER", "SIM", "RouterProc", "SimEngine", "Stack", "free_port", "http_ok", "router_config", "wait_until"]
 
@@ -29,12 +31,13 @@ HOST = "127.0.0.1"
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
+    """Poll until predicate() is true; `timeout` is the quiet machine's budget, scaled."""
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {describe(timeout)} waiting for {what}")
 
 
 def engine_argv(
@@ -92,7 +95,7 @@ class SimEngine:
 
     def wait_healthy(self, timeout: float = 30) -> None:
         assert self.process is not None, f"{self.engine_id} was never started"
-        self.process.wait_http(self.url + "/health", timeout)
+        self.process.wait_http(self.url + "/health", scaled(timeout))
 
     def kill(self) -> None:
         if self.process is not None:
@@ -151,7 +154,7 @@ class RouterProc:
             append_log=True,
         )
         ca = str(self.ca) if self.ca else None
-        self.process.wait_http(self.url + ("/ready" if wait_ready else "/health"), timeout, ca=ca)
+        self.process.wait_http(self.url + ("/ready" if wait_ready else "/health"), scaled(timeout), ca=ca)
         return self
 
     def log(self) -> str:

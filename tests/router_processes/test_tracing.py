@@ -20,6 +20,7 @@ import pytest
 from epd_kit.router.tracing import REQUEST_SPAN, SHUTDOWN_S
 from epd_kit.testing.images import image_part, png_data_url, user_message
 from epd_kit.testing.otlp import CLIENT, SERVER, OtlpReceiver, client_traceparent
+from tests.budget import scaled
 
 from .harness import Stack, wait_until
 
@@ -71,7 +72,7 @@ def test_router_spans_continue_the_client_trace_and_reach_the_engines(ckpt, tmp_
         trace_id, client_span, header = client_traceparent()
         ask(stack, header)
         names = [REQUEST_SPAN, "receive", "render", "ve encode", "pd generate", "llm_request", "llm_request"]
-        spans = receiver.wait_for(trace_id, names)
+        spans = receiver.wait_for(trace_id, names, scaled(20))
         by_name = {s.name: s for s in spans}
         root = by_name[REQUEST_SPAN]
         # the client's trace goes on: the request span is the child of the client's span
@@ -98,10 +99,15 @@ def test_router_spans_continue_the_client_trace_and_reach_the_engines(ckpt, tmp_
         # a stream: its relay is a span of its own; a request without a traceparent starts a trace
         receiver.clear()
         ask(stack, None, stream=True)
-        wait_until(lambda: any(s.name == "stream" for s in receiver.spans), 20, "the stream's span")
+        # the root ends (and is exported) after its stream span: wait for both
+        wait_until(
+            lambda: {"stream", REQUEST_SPAN} <= {s.name for s in receiver.spans}, 20, "the stream's and its root span"
+        )
         roots = [s for s in receiver.spans if s.name == REQUEST_SPAN]
         assert len(roots) == 1 and roots[0].parent_id == ""
-        streamed = receiver.wait_for(roots[0].trace_id, ["stream", "pd generate", "llm_request", "llm_request"])
+        streamed = receiver.wait_for(
+            roots[0].trace_id, ["stream", "pd generate", "llm_request", "llm_request"], scaled(20)
+        )
         assert {s.parent_id for s in streamed if s.name in ("stream", "pd generate")} == {roots[0].span_id}
 
         # a malformed traceparent is ignored (W3C: a new trace starts), never passed on
@@ -117,7 +123,7 @@ def test_tracing_off_passes_the_client_traceparent_on(ckpt, tmp_path, fast_expor
     with traced_stack(ckpt, tmp_path, router_traced=False) as (stack, receiver):
         trace_id, client_span, header = client_traceparent()
         ask(stack, header)
-        spans = receiver.wait_for(trace_id, ["llm_request", "llm_request"])
+        spans = receiver.wait_for(trace_id, ["llm_request", "llm_request"], scaled(20))
         assert {s.parent_id for s in spans} == {client_span}
         assert not [s for s in receiver.spans if s.service == "epd-router"]
 

@@ -17,6 +17,11 @@ BUSY_THRESHOLD = 0.5
 DEFAULT_MIN_REQUESTS = 100
 # The busy fraction a recommendation brings the busiest pool to or under (--target-busy).
 DEFAULT_TARGET_BUSY = 0.70
+# The latency target beside it (--target-queueing): the share of a pool's time in stage that its
+# requests may spend queueing in front of it. 0.5 = queueing no longer than service: a pool whose
+# requests wait longer than they are served is acted on whatever its busy fraction (one VE 68 %
+# busy queues 2.1x its service time under M/M/1, issue 55).
+DEFAULT_TARGET_QUEUEING = 0.5
 # A pool whose own estimate rests on fewer arrivals than this is reported but not acted on.
 MIN_POOL_ARRIVALS = 30
 
@@ -44,6 +49,16 @@ class PoolFigures:
     @property
     def queueing_s(self) -> float:
         return max(0.0, (self.time_in_stage_s or 0.0) - self.model.service_s)
+
+    @property
+    def queueing_share(self) -> float:
+        """The share of the measured time in stage spent queueing (0 when nothing was measured)."""
+        return self.queueing_s / self.time_in_stage_s if self.time_in_stage_s else 0.0
+
+    @property
+    def usable(self) -> bool:
+        """Figures the advisor acts on: engines to act on and enough arrivals to trust."""
+        return self.arrivals >= MIN_POOL_ARRIVALS and self.engines > 0
 
 
 @dataclass(frozen=True)
@@ -108,11 +123,22 @@ class Analysis:
     @property
     def bottleneck(self) -> str | None:
         """The busiest pool, if it is busy enough to bound latency and throughput."""
-        usable = [p for p in self.pools.values() if p.arrivals >= MIN_POOL_ARRIVALS and p.engines > 0]
+        usable = [p for p in self.pools.values() if p.usable]
         if not self.enough_traffic or not usable:
             return None
         busiest = max(usable, key=lambda p: p.busy)
         return busiest.role if busiest.busy >= BUSY_THRESHOLD else None
+
+    def waiting(self, target_queueing: float = DEFAULT_TARGET_QUEUEING) -> list[PoolFigures]:
+        """The pools whose requests spend more than `target_queueing` of their time in stage
+        queueing (measured time in stage minus fitted service), busiest first; none without a
+        verdict. At the default target (queueing above service) such a pool is over 50 % busy
+        under M/M/c (M/M/1: queueing share = busy fraction), so never below the verdict's
+        threshold."""
+        if not self.enough_traffic:
+            return []
+        over = [p for p in self.pools.values() if p.usable and p.queueing_share > target_queueing]
+        return sorted(over, key=lambda p: -p.busy)
 
     def confidence(self) -> str:
         if not self.enough_traffic:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from .analysis import DEFAULT_MIN_REQUESTS, DEFAULT_TARGET_BUSY
+from .analysis import DEFAULT_MIN_REQUESTS, DEFAULT_TARGET_BUSY, DEFAULT_TARGET_QUEUEING
 
 # The rest is imported when the command runs: `epd-router serve` loads this module too.
 
@@ -87,11 +87,19 @@ def _live(urls: list[str], window: float, save: Path | None):
     show_default=True,
     help="recommend the fewest engine changes that bring the busiest pool to or under this busy fraction",
 )
+@click.option(
+    "--target-queueing",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=DEFAULT_TARGET_QUEUEING,
+    show_default=True,
+    help="... and every pool's requests to or under this share of their time in it spent queueing (0.5: no "
+    "longer than service)",
+)
 @click.option("--save", type=click.Path(file_okay=False, path_type=Path), help="live: keep the scrapes here")
 @click.option("--json", "as_json", is_flag=True, help="the figures and the recommendation as JSON")
 def advise(
     urls, engine_urls, prometheus, before_files, after_files, window, end, inventory, faulted, pd_max_inflight,
-    min_requests, target_busy, save, as_json,
+    min_requests, target_busy, target_queueing, save, as_json,
 ) -> None:  # fmt: skip
     """Which stage bounds latency, and which VE:PD split of the same hosts fixes it (reads only)."""
     sources = sum(bool(x) for x in (urls, prometheus, before_files or after_files))
@@ -120,7 +128,7 @@ def advise(
             before, after, seconds = read_files(before_files), read_files(after_files), window
         span = Window(before, after, seconds)
         results = [
-            (advisor, *_advise(advisor, advisors, span, pd_max_inflight, min_requests, target_busy))
+            (advisor, *_advise(advisor, advisors, span, pd_max_inflight, min_requests, (target_busy, target_queueing)))
             for advisor in advisors
         ]
     except (ScrapeError, InventoryError, EpdPlanError) as exc:
@@ -150,14 +158,14 @@ def advise(
     click.echo("\n".join(lines))
 
 
-def _advise(advisor, advisors, window, pd_max_inflight: int, min_requests: int, target_busy: float):
+def _advise(advisor, advisors, window, pd_max_inflight: int, min_requests: int, targets: tuple[float, float]):
     """One model's analysis and recommendation (several models: its own series and engines)."""
     from .analysis import analyse
     from .scrape import ScrapeError
 
     if len(advisors) == 1:
         analysis = analyse(window, advisor.pd_slots, pd_max_inflight, min_requests)
-        return analysis, advisor.recommend(analysis, target_busy)
+        return analysis, advisor.recommend(analysis, *targets)
     if not window.label_values("epd_router_requests_total", "model") and window.after.total(
         "epd_router_requests_total"
     ):
@@ -174,7 +182,7 @@ def _advise(advisor, advisors, window, pd_max_inflight: int, min_requests: int, 
         model=advisor.name,
         engine_match=None if checkpoints.count(advisor.checkpoint) > 1 else {"model_name": advisor.checkpoint},
     )
-    return analysis, advisor.recommend(analysis, target_busy)
+    return analysis, advisor.recommend(analysis, *targets)
 
 
 def _as_dict(analysis, rec) -> dict:
@@ -187,6 +195,7 @@ def _as_dict(analysis, rec) -> dict:
             "time_in_stage_s": p.time_in_stage_s,
             "service_s": p.model.service_s,
             "queueing_s": p.queueing_s,
+            "queueing_share": p.queueing_share,
             "inflight_mean": p.inflight_mean,
         }
         for role, p in analysis.pools.items()
@@ -213,13 +222,18 @@ def _as_dict(analysis, rec) -> dict:
     if rec is not None:
         out["recommendation"] = {
             "changed": rec.changed,
+            "action": rec.action,
             "current": rec.current.counts,
             "proposed": rec.proposed.counts,
             "inventory_change": rec.inventory_change(),
             "predicted_busy": {"ve": rec.after.ve.utilisation, "pd": rec.after.pd.utilisation},
             "predicted_mean_s": rec.after.mean_s,
+            "predicted_queueing_s": {"ve": rec.after.ve.queueing_s, "pd": rec.after.pd.queueing_s},
+            "ttft_mean_s": rec.measured_ttft_s,
+            "predicted_ttft_mean_s": rec.predicted_ttft_s,
             "reason": rec.reason,
             "target_busy": rec.target,
+            "target_queueing": rec.target_queueing,
             "engine_changes": rec.proposed.changes_from(rec.current),
             "headroom": None if math.isinf(rec.headroom) else rec.headroom,
             "next_step": None,

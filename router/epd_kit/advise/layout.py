@@ -1,9 +1,10 @@
 """The recommendation: VE and PD counts per host on the same hosts and cores, chosen under the
 queueing model and accepted only if the planner plans it and the rollout floors hold.
 
-Search: the smallest change, counted in engines added or removed, that brings the busiest pool
-to or under the target busy fraction (--target-busy, 70 % by default) without making the
-modelled mean latency worse; among changes of that size, the one that leaves the busiest pool
+Search: the smallest change, counted in engines added or removed, that brings every pool to or
+under both targets, the busy fraction (--target-busy, 70 % by default) and the share of its time
+in stage spent queueing (--target-queueing, 50 %: queueing no longer than service), without
+making the modelled mean latency worse; among changes of that size, the one that leaves the busiest pool
 least busy. The model sees only the pools' sizes, so for every pair of pool sizes one dynamic
 program over the hosts finds the fewest engine changes reaching it (each host taking any VE/PD
 counts the planner's placement fits on it). When no layout of these hosts reaches the target,
@@ -38,7 +39,7 @@ from epd_kit.plan.models import ModelSpec
 from epd_kit.plan.rollout import PoolRule
 from epd_kit.plan.values import format_cores
 
-from .analysis import DEFAULT_TARGET_BUSY, Analysis
+from .analysis import DEFAULT_TARGET_BUSY, DEFAULT_TARGET_QUEUEING, Analysis
 from .queueing import PoolModel
 
 # A change that cannot reach the target must lower the busiest pool's utilisation by this share,
@@ -144,6 +145,29 @@ class Prediction:
     def busiest_role(self) -> str:
         return "ve" if self.ve.rate > 0 and self.ve.utilisation >= self.pd.utilisation else "pd"
 
+    def pool(self, role: str) -> PoolModel:
+        return self.ve if role == "ve" else self.pd
+
+    def queueing_share(self, role: str) -> float:
+        """The share of `role`'s modelled time in stage spent queueing (1 past capacity)."""
+        pool = self.pool(role)
+        if pool.rate <= 0:
+            return 0.0
+        time = pool.time_in_stage_s
+        return 1.0 if math.isinf(time) else (pool.queueing_s / time if time > 0 else 0.0)
+
+    @property
+    def most_queueing(self) -> float:
+        return max(self.queueing_share(role) for role in ("ve", "pd"))
+
+    def meets(self, target: float, target_queueing: float) -> bool:
+        """Every pool at or under the busy target and the queueing target."""
+        return self.busiest <= target and self.most_queueing <= target_queueing
+
+    def scaled(self, load: float) -> Prediction:
+        """This layout at `load` times this prediction's load."""
+        return Prediction(self.ve.scaled(load), self.pd.scaled(load), self.image_share, self.load * load)
+
     @property
     def mean_s(self) -> float:
         """Mean modelled time in VE (image requests) plus PD per request."""
@@ -158,10 +182,19 @@ class Prediction:
             return math.inf
         return min(p.capacity_per_s * total / p.rate for p in (self.ve, self.pd) if p.rate > 0)
 
-    def headroom(self, target: float) -> float:
-        """How many times this load the layout takes before its busiest pool passes `target`
-        (busy fractions grow in proportion to the load); below 1 when it is past it already."""
-        return math.inf if self.busiest <= 0 else target / self.busiest
+    def headroom(self, target: float, target_queueing: float = DEFAULT_TARGET_QUEUEING) -> float:
+        """How many times this load the layout takes before a pool passes `target` busy (busy
+        fractions grow in proportion to the load) or `target_queueing` (queueing shares grow
+        with it too: bisection); below 1 when it is past one already."""
+        if self.busiest <= 0:
+            return math.inf
+        low, high = 0.0, target / self.busiest
+        if self.scaled(high).most_queueing <= target_queueing:
+            return high
+        for _ in range(60):
+            mid = (low + high) / 2
+            low, high = (mid, high) if self.scaled(mid).most_queueing <= target_queueing else (low, mid)
+        return low
 
 
 @dataclass(frozen=True)
@@ -188,14 +221,30 @@ class Recommendation:
     # a better-ranked layout refused because it would move another model's engine (why, and
     # what it would have changed); None: none was
     refused: str | None = None
+    target_queueing: float = DEFAULT_TARGET_QUEUEING
+    # the targets are missed and no layout of these hosts helps enough: the fleet needs a host
+    needs_hosts: bool = False
+    measured_ttft_s: float = 0.0  # the window's mean TTFT
+
+    @property
+    def predicted_ttft_s(self) -> float:
+        """The mean TTFT under the proposal: today's less the modelled time in VE and PD it saves
+        (service is unchanged, so what changes is queueing, which comes before the first token)."""
+        return max(0.0, self.measured_ttft_s + self.after.mean_s - self.before.mean_s)
 
     @property
     def changed(self) -> bool:
         return self.proposed != self.current
 
     @property
+    def action(self) -> str:
+        """ "change" (the proposed layout), "add a host" (none of these hosts' layouts helps
+        enough), or "none" (every pool within both targets, or no pool busy)."""
+        return "change" if self.changed else "add a host" if self.needs_hosts else "none"
+
+    @property
     def headroom(self) -> float:
-        return self.after.headroom(self.target)
+        return self.after.headroom(self.target, self.target_queueing)
 
     def inventory_change(self) -> list[str]:
         return self.proposed.inventory_change(self.current)
@@ -376,40 +425,71 @@ class Advisor:
             load,
         )
 
-    def recommend(self, analysis: Analysis, target: float = DEFAULT_TARGET_BUSY) -> Recommendation | None:
-        """None when the window cannot support a recommendation (too little traffic)."""
+    def recommend(
+        self,
+        analysis: Analysis,
+        target: float = DEFAULT_TARGET_BUSY,
+        target_queueing: float = DEFAULT_TARGET_QUEUEING,
+    ) -> Recommendation | None:
+        """None when the window cannot support a recommendation (too little traffic). A verdict
+        that names a bottleneck is acted on when a pool is over the busy target or its requests
+        queue over the queueing target (measured); "no change" only when neither holds."""
         if not analysis.enough_traffic:
             return None
         self._refused = []
+        targets = (target, target_queueing)
         before = self.predict(analysis, self.current)
         options = {host: self.host_options(host) for host in self.engine_hosts}
-        if analysis.bottleneck is None or before.busiest <= target:
-            reason = analysis.verdict() if analysis.bottleneck is None else self._under(before, target)
-            return self._recommendation(analysis, self.current, before, before, reason, target, options)
-        found = self._smallest_change(analysis, self.current, before, target, options)
+        why = self._why(analysis, before, *targets)
+        if analysis.bottleneck is None or why is None:
+            reason = analysis.verdict() if analysis.bottleneck is None else self._within(analysis, *targets)
+            return self._recommendation(analysis, self.current, before, before, reason, targets, options)
+        found = self._smallest_change(analysis, self.current, before, targets, options)
         if found is not None:
             layout, after = found
             reason = (
-                f"the fewest engine changes ({layout.changes_from(self.current)}) that bring the busiest pool to or "
-                f"under {target:.0%} busy"
+                f"{why}: the fewest engine changes ({layout.changes_from(self.current)}) that bring every pool to or "
+                f"under {target:.0%} busy and {target_queueing:.0%} of its time queueing"
             )
-            return self._recommendation(analysis, layout, before, after, reason, target, options)
+            return self._recommendation(analysis, layout, before, after, reason, targets, options)
         found = self._least_busy(analysis, before, options)
         if found is None:
-            reason = "no layout the planner accepts lowers the busiest pool's load enough (more hosts do)"
-            return self._recommendation(analysis, self.current, before, before, reason, target, options)
+            reason = f"{why}, and no layout the planner accepts lowers the busiest pool's load enough: add a host"
+            return self._recommendation(analysis, self.current, before, before, reason, targets, options, True)
         layout, after = found
         reason = (
-            f"no layout of these hosts brings the busiest pool under {target:.0%}: this one is the least busy "
-            "(every engine it moves is needed); more hosts reach the target"
+            f"{why}, and no layout of these hosts brings every pool within the targets: this one is the least "
+            "busy (every engine it moves is needed); more hosts reach the target"
         )
-        return self._recommendation(analysis, layout, before, after, reason, target, options)
+        return self._recommendation(analysis, layout, before, after, reason, targets, options, True)
 
     @staticmethod
-    def _under(before: Prediction, target: float) -> str:
+    def _why(analysis: Analysis, before: Prediction, target: float, target_queueing: float) -> str | None:
+        """Why the layout must change: the pools over a target, measured (None: none is)."""
+        parts = []
+        for p in analysis.waiting(target_queueing):
+            times = p.queueing_s / p.model.service_s if p.model.service_s > 0 else math.inf
+            parts.append(
+                f"requests wait {p.queueing_s:.3f} s in front of the {p.role.upper()} pool, {times:.1f}x its "
+                f"{p.model.service_s:.3f} s service ({p.queueing_share:.0%} of their time there, over the "
+                f"{target_queueing:.0%} queueing target)"
+            )
+        if before.busiest > target:
+            parts.insert(
+                0, f"the {before.busiest_role.upper()} pool is {before.busiest:.0%} busy, over the {target:.0%} target"
+            )
+        return "; ".join(parts) or None
+
+    @staticmethod
+    def _within(analysis: Analysis, target: float, target_queueing: float) -> str:
+        """No change for a named bottleneck: in words that agree with the verdict."""
+        role = analysis.bottleneck or "ve"
+        pool = analysis.pools[role]
         return (
-            f"the busiest pool, {before.busiest_role.upper()}, is {before.busiest:.0%} busy, at or under the "
-            f"{target:.0%} target"
+            f"the {role.upper()} pool bounds throughput, but it is {pool.busy:.0%} busy and its requests queue "
+            f"{pool.queueing_s:.3f} s, {pool.queueing_share:.0%} of their time there: within the {target:.0%} busy "
+            f"and {target_queueing:.0%} queueing targets, so more engines would shorten a request by at most that "
+            "queueing"
         )
 
     def _recommendation(
@@ -419,18 +499,32 @@ class Advisor:
         before: Prediction,
         after: Prediction,
         reason: str,
-        target: float,
+        targets: tuple[float, float],
         options: Mapping[str, list[tuple[int, int]]],
+        needs_hosts: bool = False,
     ) -> Recommendation:
         refused = self._refused[0] if self._refused else None
         next_step = None
-        load = after.headroom(target)
+        load = after.headroom(*targets)
         if 1 <= load < math.inf:
             at_load = self.predict(analysis, layout, load)
-            found = self._smallest_change(analysis, layout, at_load, target, options)
+            found = self._smallest_change(analysis, layout, at_load, targets, options)
             next_step = NextStep(*(found or (None, None)), load)
+        plan = self.plan_lines(layout)
+        target, target_queueing = targets
         return Recommendation(
-            self.current, layout, before, after, self.plan_lines(layout), reason, target, next_step, refused
+            self.current,
+            layout,
+            before,
+            after,
+            plan,
+            reason,
+            target,
+            next_step,
+            refused,
+            target_queueing=target_queueing,
+            needs_hosts=needs_hosts,
+            measured_ttft_s=analysis.stages.ttft_s,
         )
 
     def _smallest_change(
@@ -438,15 +532,15 @@ class Advisor:
         analysis: Analysis,
         base: Layout,
         now: Prediction,
-        target: float,
+        targets: tuple[float, float],
         options: Mapping[str, list[tuple[int, int]]],
     ) -> tuple[Layout, Prediction] | None:
-        """The fewest engine changes from `base` (at `now`'s load) whose busiest pool is at or
-        under `target` and whose mean time is not worse; of those, the least busy."""
+        """The fewest engine changes from `base` (at `now`'s load) whose every pool meets
+        `targets` (busy, queueing share) and whose mean time is not worse; of those, the least busy."""
         candidates = []
         for layout in self._cheapest_layouts(base, options):
             predicted = self.predict(analysis, layout, now.load)
-            if layout == base or predicted.busiest > target or predicted.mean_s > now.mean_s * (1 + LATENCY_SLACK):
+            if layout == base or not predicted.meets(*targets) or predicted.mean_s > now.mean_s * (1 + LATENCY_SLACK):
                 continue
             candidates.append((layout.changes_from(base), predicted.busiest, predicted.mean_s, layout, predicted))
         return self._first_accepted(candidates)

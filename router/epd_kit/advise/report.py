@@ -99,13 +99,15 @@ def recommendation_lines(rec: Recommendation | None) -> list[str]:
     b, f = rec.before, rec.after
     model = (
         f"VE busy {_pct(b.ve.utilisation)} -> {_pct(f.ve.utilisation)}, PD busy {_pct(b.pd.utilisation)} -> "
-        f"{_pct(f.pd.utilisation)}; VE+PD mean time per request {_s(b.mean_s)} -> {_s(f.mean_s)} s; "
+        f"{_pct(f.pd.utilisation)}; queueing in front of VE {_s(b.ve.queueing_s)} -> {_s(f.ve.queueing_s)} s, "
+        f"PD {_s(b.pd.queueing_s)} -> {_s(f.pd.queueing_s)} s; TTFT mean {_s(rec.measured_ttft_s)} -> "
+        f"{_s(rec.predicted_ttft_s)} s; VE+PD mean time per request {_s(b.mean_s)} -> {_s(f.mean_s)} s; "
         f"most requests/s at this mix {b.max_rate:.1f} -> {f.max_rate:.1f}"
     )
     refused = [] if rec.refused is None else [f"not proposed: {rec.refused}"]
     if not rec.changed:
         return [
-            f"recommendation: no change ({rec.reason})",
+            f"recommendation: {'add a host' if rec.needs_hosts else 'no change'} ({rec.reason})",
             *refused,
             f"model (M/M/c per pool, docs/advisor.md): VE busy {_pct(b.ve.utilisation)}, PD busy "
             f"{_pct(b.pd.utilisation)}; most requests/s at this mix {b.max_rate:.1f}",
@@ -129,18 +131,20 @@ def recommendation_lines(rec: Recommendation | None) -> list[str]:
 
 def headroom_lines(rec: Recommendation) -> list[str]:
     """How far the load can grow on the layout, and what to change past that."""
-    f, target = rec.after, rec.target
+    f = rec.after
+    targets = f"{rec.target:.0%} busy or {rec.target_queueing:.0%} of its time queueing"
     layout = "the proposed layout" if rec.changed else "this layout"
     if math.isinf(rec.headroom):
         return [f"headroom: {layout} has no busy pool at this load"]
     if rec.headroom < 1:
         return [
-            f"headroom: none; {layout}'s busiest pool, {f.busiest_role.upper()}, stays {_pct(f.busiest)} busy, "
-            f"past the {target:.0%} target: the load needs more hosts"
+            f"headroom: none; {layout}'s busiest pool, {f.busiest_role.upper()}, stays {_pct(f.busiest)} busy "
+            f"({_pct(f.most_queueing)} of a pool's time queueing), past the targets ({targets}): the load needs "
+            "more hosts"
         ]
     lines = [
         f"headroom: {layout}'s busiest pool, {f.busiest_role.upper()}, is {_pct(f.busiest)} busy: the load can "
-        f"grow {rec.headroom:.2f}x (to {f.pd.rate * rec.headroom:.1f} requests/s) before it passes {target:.0%}"
+        f"grow {rec.headroom:.2f}x (to {f.pd.rate * rec.headroom:.1f} requests/s) before a pool passes {targets}"
     ]
     step = rec.next_step
     if step is None:
