@@ -95,6 +95,7 @@ class NixlECConfig:
     max_region_bytes: int = 256 << 20
     transfer_timeout_s: float = 5.0
     backends: tuple[str, ...] = ("UCX",)
+    ucx_address: str | None = None  # the engine's address: UCX_NET_DEVICES is its interface
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> NixlECConfig:
@@ -120,6 +121,7 @@ class NixlECConfig:
             max_region_bytes=extra("ec_max_region_bytes", cls.max_region_bytes, int),
             transfer_timeout_s=extra("transfer_timeout_sec", cls.transfer_timeout_s, float),
             backends=tuple(extra("backends", list(cls.backends), list)),
+            ucx_address=config.get_from_extra_config("ucx_address", None),
         )
         if min(made.num_blocks, made.block_tokens, made.max_region_bytes) < 1 or made.transfer_timeout_s <= 0:
             raise ValueError(f"{CONNECTOR_NAME}: block counts, sizes and timeouts must be positive: {made}")
@@ -131,6 +133,24 @@ class NixlECConfig:
                 f"ec_connector_extra_config (got {made.side_channel_host!r}, {made.side_channel_port!r})"
             )
         return made
+
+
+def interface_of(address: str) -> str:
+    """The network interface holding `address` (psutil, a vLLM requirement)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addresses):
+            return name
+    raise ValueError(f"{CONNECTOR_NAME}: no interface of this host has ucx_address {address}")
+
+
+def set_ucx_device(address: str | None) -> None:
+    """UCX_NET_DEVICES := the interface of the engine's address, unless the environment names one:
+    UCX's TCP transport otherwise uses every interface, the first of which may not reach the peer.
+    Read by UCX when NIXL creates its backend (the agent), so set before."""
+    if address and "UCX_NET_DEVICES" not in os.environ:
+        os.environ["UCX_NET_DEVICES"] = interface_of(address)
 
 
 def nixl_agent(name: str, backends: Iterable[str]):  # type: ignore[no-untyped-def]
@@ -215,6 +235,7 @@ class ProducerRegion:
 
     def __init__(self, config: NixlECConfig) -> None:
         self.config = config
+        set_ucx_device(config.ucx_address)
         self.agent = nixl_agent(f"{config.engine_id}-ve-{os.getpid()}", config.backends)
         self.region: torch.Tensor | None = None
         self.row_bytes = 0
@@ -389,6 +410,7 @@ class ConsumerReader:
 
     def __init__(self, config: NixlECConfig) -> None:
         self.config = config
+        set_ucx_device(config.ucx_address)
         self.agent = nixl_agent(f"{config.engine_id}-pd-{os.getpid()}", config.backends)
         self.remotes: dict[str, Remote] = {}
         self.context = zmq.Context.instance()
