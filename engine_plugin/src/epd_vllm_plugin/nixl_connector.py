@@ -543,6 +543,17 @@ class ConsumerReader:
         self.agent.deregister_memory(read.registered)
 
 
+def tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank (vllm/distributed/parallel_state.py
+    get_tensor_model_parallel_rank, 0.24.0 and 0.29.0), 0 before the groups exist."""
+    from vllm.distributed import parallel_state
+
+    try:
+        return parallel_state.get_tensor_model_parallel_rank()
+    except AssertionError:  # "tensor model parallel group is not initialized"
+        return 0
+
+
 # ---------------------------------------------------------------------------------------------
 # the connector
 
@@ -564,7 +575,9 @@ class EPDNixlECConnector(ECConnectorBase):
         # worker side
         self._region: ProducerRegion | None = None
         self._pending_saves: dict[str, list[int]] = {}
-        if role == ECConnectorRole.WORKER and self.is_producer:
+        if role == ECConnectorRole.WORKER and self.is_producer and tensor_parallel_rank() == 0:
+            # rank 0 serves the base port, the one the locator names (docs/contract.md §2.4); the
+            # other ranks' encoder outputs are the same
             self._region = ProducerRegion(self.config)
         if role == ECConnectorRole.SCHEDULER and self.is_consumer:
             self._reader = ConsumerReader(self.config)

@@ -177,3 +177,25 @@ def test_a_bad_ucx_port_range_is_refused(bad):
 def test_an_unknown_transport_is_refused():
     with pytest.raises(EpdPlanError, match="epd_vllm_cpu_ec_transport must be shared-dir or nixl"):
         planner.read_settings({"epd_model": "/m", "epd_vllm_cpu_ec_transport": "rdma"})
+
+
+def test_the_three_host_real_engine_sandbox_plans_nixl_across_hosts():
+    """inventory/sandbox/vllm-cpu-three-host: VE on n1, PD on n2, the router on n3; the PD reads
+    the VE's blocks over NIXL, so n1 opens its side channel and UCX ports to n2 only."""
+    from epd_kit.plan import firewall
+    from epd_kit.plan.variables import VARIABLES
+
+    hostvars, groups = inventory_hostvars(REPO / "inventory/sandbox/vllm-cpu-three-host")
+    result = planner.check_inventory(hostvars, groups, None, set(VARIABLES))
+    assert result["problems"] == []
+    fleet = result["plan"]
+    (ve,) = fleet["n1"]["engines"]
+    (pd,) = fleet["n2"]["engines"]
+    assert (ve["role"], pd["role"]) == ("ve", "pd")
+    assert not fleet.get("n3", {}).get("engines")  # the router host runs no engine
+    for engine in (ve, pd):
+        ec = json.loads(engine["argv"][engine["argv"].index("--ec-transfer-config") + 1])
+        assert ec["ec_connector"] == "EPDNixlECConnector"
+    n1 = firewall.firewall_for(fleet, result["settings"]["epd_router_port"], hostvars, groups, "n1", None)
+    ucx = [r for r in n1["rules"] if r["what"].startswith("UCX")]
+    assert len(ucx) == 1 and ucx[0]["sources"] == ["10.213.0.12"] and ucx[0]["ports"] == [*range(14700, 14764)]
