@@ -48,11 +48,6 @@ MAX_TOKENS = 6
 BENCH_CHATS = 12  # the bounded loop of each path's hand-off figures
 IDLE_WINDOW_S = 10
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None,
-    reason="network namespaces need root and iproute2 (`ip netns`)",
-)
-
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
@@ -61,6 +56,8 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def veth():
     """nxk-ve with nxk0 (10.232.0.1) joined to nxk1 (10.232.0.2) on the host; deleted afterwards."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2 (`ip netns`)")
     ip("netns", "del", NETNS, check=False)  # a leftover of this test's own earlier run
     ip("link", "del", PD_LINK, check=False)
     ip("netns", "add", NETNS)
@@ -379,3 +376,49 @@ def test_a_shared_dir_pair_gives_the_same_greedy_answers(nixl, ckpt, plugin_site
             assert nixl_idle - FIGURES["shared-dir"]["idle_cpu_cores"] < 0.05, FIGURES
     finally:
         shared.stop()
+
+
+def test_the_region_and_reader_move_an_item_byte_identical_and_refuse_reused_blocks(plugin_site, monkeypatch):
+    """The connector's two halves in one process on 127.0.0.1 (no engine): a bfloat16 item of 10
+    rows in 3 blocks of 4 read exactly; the VE's ring reusing a block between the read and its
+    check makes the read stale (refused), and an item the VE no longer holds is refused before
+    any read."""
+    import importlib
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(plugin_site))
+    connector = importlib.import_module("epd_vllm_plugin.nixl_connector")
+    monkeypatch.setenv("UCX_TLS", "tcp")  # as the plan sets it (command.py NIXL_ENVIRONMENT)
+    port = free_port()
+    config = connector.NixlECConfig("ve-t", "127.0.0.1", port, num_blocks=4, block_tokens=4, ucx_address="127.0.0.1")
+    region = connector.ProducerRegion(config)
+    try:
+        reader = connector.ConsumerReader(replace(config, engine_id="pd-t"))
+
+        def finish(started: object) -> object:
+            deadline = time.monotonic() + 10
+            while (loaded := reader.poll(started)) is None:
+                assert time.monotonic() < deadline, "the read did not end within 10 s"
+                time.sleep(0.001)
+            return loaded
+
+        item = torch.arange(60, dtype=torch.float32).view(10, 6).to(torch.bfloat16)
+        region.save("a", item, [0, 1, 2])
+        locator = {"engine_id": "ve-t", "host": "127.0.0.1", "port": port, "remote_block_ids": [0, 1, 2]}
+        locator["num_tokens"] = 10
+        loaded = finish(reader.start("a", locator))
+        assert torch.equal(torch.frombuffer(bytearray(loaded.data), dtype=torch.bfloat16).view(10, 6), item)
+        assert (loaded.dtype, loaded.shape, reader.stats["bytes"]) == ("bfloat16", (10, 6), 120)
+        # a read in flight whose block is reused before the check: stale
+        started = reader.start("a", locator)
+        region.save("b", item[:4], [2])
+        with pytest.raises(connector.ECLoadFailure, match="reused the item's blocks"):
+            finish(started)
+        with pytest.raises(connector.ECLoadFailure, match="holds no encoder output for item a"):
+            reader.start("a", locator)
+        with pytest.raises(connector.ECLoadFailure, match="the locator says 9 rows"):
+            reader.start("b", {**locator, "remote_block_ids": [2], "num_tokens": 9})
+        assert region.answer({"op": "stats"})["refused"] == 1
+    finally:
+        region.close()
