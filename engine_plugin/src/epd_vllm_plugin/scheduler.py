@@ -28,6 +28,11 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
+
+# ending a request with an error, as vLLM's own failed-KV-load path does at 0.24.0 and 0.29.0:
+# EngineCoreOutput(request_id, new_token_ids, finish_reason, events, kv_transfer_params,
+# trace_headers) and EngineCoreOutputs(outputs) (v1/engine/__init__.py), RequestStatus.FINISHED_ERROR,
+# whose finish reason is FinishReason.ERROR (v1/request.py), Scheduler.finish_requests
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
