@@ -35,6 +35,7 @@ import psutil
 import pytest
 
 from epd_kit import plan
+from epd_kit.plan.settings import port_range
 from epd_kit.testing.images import image_part, png_data_url, user_message
 from epd_kit.testing.process import free_port
 from tests.vllm_dist import vllm_cli
@@ -280,6 +281,24 @@ def test_an_image_chat_reads_the_encoder_output_over_nixl_across_the_veth(nixl, 
     assert f"handshake with {ve.engine_id} at tcp://{VE_ADDRESS}:{ve.side_port}" in pd.log()
     assert "EPD NIXL EC producer epd-ve-0" in ve.log()
     assert not (stack.workdir / "unused").exists()  # no shared store was written
+    if not stream:
+        ucx_connections_go_from_the_pd_to_the_ve(ve.settings())
+
+
+def ucx_connections_go_from_the_pd_to_the_ve(settings: plan.Settings) -> None:
+    """The TCP connections of the VE's namespace after a read: the PD connected to the VE's UCX
+    port (in the plan's range), and the VE connected to no UCX port of the PD: the direction the
+    access rules open (firewall.py, PD hosts -> VE hosts; UCX's sources do not settle whether its
+    TCP transport connects back, this does for the sandbox)."""
+    ucx = port_range(settings.vllm_cpu_ucx_port_range)
+    out = ip("netns", "exec", NETNS, "ss", "-Htn", "state", "established").stdout
+    pairs = []
+    for line in out.splitlines():
+        local, peer = line.split()[-2:]
+        pairs.append((local.rsplit(":", 1), peer.rsplit(":", 1)))
+    inbound = [(lo, pe) for lo, pe in pairs if int(lo[1]) in ucx and pe[0] == PD_ADDRESS]
+    outbound = [(lo, pe) for lo, pe in pairs if int(pe[1]) in ucx]
+    assert inbound and not outbound, out
 
 
 def test_a_repeated_image_is_read_once_per_request_and_two_images_twice(nixl):
