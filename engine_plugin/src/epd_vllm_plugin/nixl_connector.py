@@ -24,12 +24,10 @@ request before it is scheduled; a worker has no per-request failure path for EC 
 or 0.29 (its exception kills the engine core). The cost is one copy of the item's bytes from
 the scheduler to the worker (pickled with the scheduler output).
 
-Progress: NIXL's UCX progress thread polls with the Python API's delay of 0
-(nixl `_api.py` sets `pthrDelay = 0`; `ucx_backend.cpp` nixlUcxSharedThread::run polls with that
-timeout), a spinning core on an idle engine. It is off here; the PD progresses its reads when
-its scheduler checks them, the VE's side-channel thread progresses UCX (`get_new_notifs`,
-which runs `progressLoop` in `ucx_backend.cpp` getNotifs) only between a PD's item request and
-its check (a read window bounded by `transfer_timeout_sec`) and otherwise sleeps in a ZMQ poll.
+Progress: NIXL's UCX progress thread would spin a core on an idle engine (nixl_agent.py); it
+is off here. The PD progresses its reads when its scheduler checks them, the VE's side-channel
+thread progresses UCX (`get_new_notifs`) only between a PD's item request and its check (a read
+window bounded by `transfer_timeout_sec`) and otherwise sleeps in a ZMQ poll.
 """
 
 from __future__ import annotations
@@ -38,7 +36,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +57,8 @@ except ImportError as exc:  # pragma: no cover - only on a vLLM without the EC c
         f"(vllm/distributed/ec_transfer/ec_connector/base.py, vLLM 0.24.0 and 0.29.0); "
         f"vLLM {getattr(vllm, '__version__', '?')} has none: {exc}"
     ) from exc
+
+from .nixl_agent import nixl_agent, set_ucx_device
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -133,45 +132,6 @@ class NixlECConfig:
                 f"ec_connector_extra_config (got {made.side_channel_host!r}, {made.side_channel_port!r})"
             )
         return made
-
-
-def interface_of(address: str) -> str:
-    """The network interface holding `address` (psutil, a vLLM requirement)."""
-    import psutil
-
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.address.split("%")[0] == address for a in addresses):
-            return name
-    raise ValueError(f"{CONNECTOR_NAME}: no interface of this host has ucx_address {address}")
-
-
-def set_ucx_device(address: str | None) -> None:
-    """UCX_NET_DEVICES := the interface of the engine's address, unless the environment names one:
-    UCX's TCP transport otherwise uses every interface, the first of which may not reach the peer.
-    Read by UCX when NIXL creates its backend (the agent), so set before."""
-    if address and "UCX_NET_DEVICES" not in os.environ:
-        os.environ["UCX_NET_DEVICES"] = interface_of(address)
-
-
-def nixl_agent(name: str, backends: Iterable[str]):  # type: ignore[no-untyped-def]
-    """A NIXL agent without its progress thread (see the module's docstring), thread-safe."""
-    try:
-        from nixl._api import nixl_agent as agent_class
-        from nixl._api import nixl_agent_config, nixl_thread_sync_t
-    except ImportError as exc:
-        raise ImportError(
-            f"{CONNECTOR_NAME} needs the nixl package (pip install nixl-cu13==1.5.1 and nixl==1.5.1 --no-deps): {exc}"
-        ) from exc
-    config = nixl_agent_config(
-        enable_prog_thread=False,
-        backends=list(backends),
-        sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,  # the VE's side-channel thread progresses it
-    )
-    agent = agent_class(name, config)
-    missing = [b for b in backends if b not in agent.backends]
-    if missing:
-        raise RuntimeError(f"{CONNECTOR_NAME}: NIXL has no {missing} backend here (plugins: {agent.get_plugin_list()})")
-    return agent
 
 
 # ---------------------------------------------------------------------------------------------
