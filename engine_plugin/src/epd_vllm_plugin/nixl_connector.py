@@ -629,7 +629,10 @@ class EPDNixlECConnector(ECConnectorBase):
         if self.is_producer:
             rows = request.get_num_encoder_embeds(index)
             count = max(1, -(-rows // self.config.block_tokens))
-            self._saves[mm_hash] = self._ring.allocate(mm_hash, count)
+            try:
+                self._saves[mm_hash] = self._ring.allocate(mm_hash, count)
+            except ValueError as exc:  # an item larger than the region: its locator names no block
+                log.error("EPD NIXL EC: item %s (%d rows) not kept: %s", mm_hash, rows, exc)
         elif mm_hash in self._ready:
             self._loads[mm_hash] = self._ready.pop(mm_hash)
 
