@@ -363,6 +363,7 @@ class Read:
     handle: Any
     started: float
     deadline: float
+    asked: float = 0.0  # when the PD asked the VE for the item (the hand-off's start)
 
 
 class ConsumerReader:
@@ -427,6 +428,7 @@ class ConsumerReader:
             locator
         ):
             raise ECLoadFailure(f"no valid ec_locator for the item (got {locator!r})")
+        asked = time.monotonic()
         remote = self.remote(locator)
         try:
             reply = self.ask(remote.endpoint, {"op": "item", "mm_hash": mm_hash, "blocks": locator["remote_block_ids"]})
@@ -460,7 +462,7 @@ class ConsumerReader:
             self.forget(remote)
             raise
         deadline = started + self.config.transfer_timeout_s
-        return Read(mm_hash, remote, reply, buffer, registered, handle, started, deadline)
+        return Read(mm_hash, remote, reply, buffer, registered, handle, started, deadline, asked)
 
     def poll(self, read: Read) -> LoadedItem | None:
         """The read's bytes once done and checked; None while in flight; ECLoadFailure else."""
@@ -479,18 +481,20 @@ class ConsumerReader:
             self.forget(read.remote)
             self.release(read)
             raise
-        elapsed_ms = (time.monotonic() - read.started) * 1000
+        now = time.monotonic()
+        elapsed_ms, hand_off_ms = (now - read.started) * 1000, (now - read.asked) * 1000
         data = read.buffer.numpy().tobytes()
         self.release(read)
         self.stats["items"] += 1
         self.stats["bytes"] += len(data)
         log.info(
-            "EPD NIXL EC: read item %s (%d bytes, %d blocks) from %s over NIXL in %.2f ms",
+            "EPD NIXL EC: read item %s (%d bytes, %d blocks) from %s over NIXL in %.2f ms (hand-off %.2f ms)",
             read.mm_hash,
             len(data),
             len(read.reply["descs"]),
             read.remote.engine_id,
             elapsed_ms,
+            hand_off_ms,
         )
         shape = (int(read.reply["rows"]), *(int(v) for v in read.reply["row_shape"]))
         return LoadedItem(data, str(read.reply["dtype"]), shape)
