@@ -75,7 +75,7 @@ def trace_store() -> None:
     role_vars = yaml.safe_load((REPO / "roles/epd_observability/vars/main.yml").read_text())
     builder = REPO / "roles/epd_provision/files/build_engine_wheelhouse.py"
     argv = [sys.executable, str(builder), "--cache", str(REPO / ".cache/engine-wheelhouse")]
-    argv += ["--requirement", role_vars["epd_trace_store_requirement"], "--no-configured-find-links"]
+    argv += ["--requirement", role_vars["epd_observability_trace_store_requirement"], "--no-configured-find-links"]
     if subprocess.run(argv, check=False).returncode:
         print("wheelhouse: WARNING: no trace store wheelhouse; a deploy with epd_trace_store: phoenix will fail")
 

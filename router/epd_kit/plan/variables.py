@@ -71,7 +71,7 @@ ROLE_PLAYS: dict[str, tuple[str, ...]] = {
     "epd_engines": ("deploy", "precompile", "render", "restart", "start"),
     "epd_firewall": ("deploy", "teardown"),
     "epd_haproxy": ("deploy", "loadbalancer"),
-    "epd_observability": ("deploy", "observability"),
+    "epd_observability": ("deploy", "observability", "teardown"),
     "epd_preflight": ("deploy",),
     "epd_provision": ("provision", "status"),
     "epd_router": ("deploy", "render", "rolling_restart"),
