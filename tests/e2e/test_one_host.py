@@ -84,7 +84,7 @@ RED, BLUE = (200, 30, 30), (30, 30, 200)
 # engines' service name (vLLM leaves it unknown_service)
 EXPORT_DELAY_MS = "100"
 ENGINE_SERVICE = "epd-sandbox-engine"
-TRACES_FILE = "group_vars/all/traces.yml"  # epd_otlp_traces_endpoint alone: removing it turns traces off
+TRACES_FILE = "group_vars/all/traces.yml"  # epd_otlp_traces_endpoint alone: removing it leaves the store's
 # everything the kit writes on a host (teardown must remove all of it; --check must touch none)
 KIT_FILES = (
     "/etc/epd /etc/systemd/system/epd-engine@.service /etc/systemd/system/epd-router.service "
@@ -483,8 +483,9 @@ def test_the_host_redeployed_text_only_answers_text_and_refuses_an_image(one_hos
     would change the inventory: epd_text_only and no VE. The VEs retire, the router reloads with
     `endpoints.text_only` (router.yaml says it, so it accepts no VE), is ready with PDs alone,
     answers a text request and refuses an image with a 400 in OpenAI's error shape. The same
-    deploy turns traces off (epd_otlp_traces_endpoint removed): the PDs roll and the router's
-    processes restart for it (test_traces_off_after_the_redeploy_export_nothing)."""
+    deploy removes the operator's collector (epd_otlp_traces_endpoint): the fleet's traces go to its
+    store, the PDs roll and the router's processes restart for it
+    (test_without_the_operators_collector_the_fleet_exports_to_its_store)."""
     from openai import BadRequestError
 
     fleet_dir = one_host_stack.inventory.directory
@@ -496,7 +497,8 @@ def test_the_host_redeployed_text_only_answers_text_and_refuses_an_image(one_hos
     start = time.monotonic()
     result = ansible_playbook(fleet_dir, "playbooks/deploy.yml", timeout=STEP_LIMIT_S)
     record_timing(
-        "1 host: re-deploy as a text-only fleet, traces off (the VEs retire, the PDs roll)", time.monotonic() - start
+        "1 host: re-deploy as a text-only fleet, traces to the store (the VEs retire, the PDs roll)",
+        time.monotonic() - start,
     )
     assert result.returncode == 0, result.describe()
     assert sorted(e["id"] for e in one_host_stack.pools()) == ["epd-pd-0", "epd-pd-1"]
