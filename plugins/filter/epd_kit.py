@@ -7,6 +7,7 @@ on any controller. A planner error fails the task with the planner's message.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import re
@@ -102,6 +103,15 @@ def unresolved_addresses(hostvars, groups):
     return plan.unresolved_problems(hostvars, groups)
 
 
+def trace_store(hostvars, groups):
+    """The fleet's trace store (plan/trace_store.py): {host, address, port, grpc_port, url,
+    traces_endpoint}, or {} without one (epd_observability)."""
+    store = plan.trace_store.trace_store(hostvars, groups)  # the submodule (checks.py imports it)
+    if store is None:
+        return {}
+    return dataclasses.asdict(store) | {"url": store.url, "traces_endpoint": store.traces_endpoint}
+
+
 def settings(hostvars, hosts):
     return plan.fleet_settings(hostvars, hosts).as_dict()
 
@@ -152,6 +162,7 @@ class FilterModule:
             name: _filter(function)
             for name, function in {
                 "epd_checked_plan": checked_plan,
+                "epd_trace_store": trace_store,
                 "epd_unresolved_addresses": unresolved_addresses,
                 "epd_plan": plan.plan_from_hostvars,
                 "epd_settings": settings,

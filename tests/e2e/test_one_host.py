@@ -15,8 +15,12 @@ restart after the cache is cleared prints each engine's progress), and the epd_m
 Traces (docs/observability.md "Traces") ride on it too: the first deploy names a collector,
 `epd_otlp_traces_endpoint`, that is the kit's OTLP/HTTP test receiver (epd_kit.testing.otlp) in
 this process on the controller's hub address; a traced image request's spans, the router's and
-each engine's, arrive there under the client's trace. The text-only re-deploy near the end also
-removes the setting: the re-rendered engines and the restarted router export nothing after it.
+each engine's, arrive there under the client's trace. n1 is also a monitoring host with
+`epd_trace_store: phoenix`: the same deploy installs the trace store there (Arize Phoenix,
+docs/observability.md "Trace store"), which the operator's collector overrides. The text-only
+re-deploy near the end removes the setting: the fleet then exports to its store, the default, and
+a traced request is found in Phoenix by its trace id through Phoenix's REST API, from the
+controller (a monitoring host, which the store's access rule lets in); the receiver gets nothing.
 
 The layout advisor (docs/advisor.md) comes last before the check, the text-only redeploy and
 the teardown: a slow
@@ -50,7 +54,15 @@ from epd_kit.testing.otlp import CLIENT, SERVER, OtlpReceiver, client_traceparen
 from tests.budget import scaled
 from tests.e2e.conftest import deploy_stack
 from tests.e2e.stack import LoadGenerator, Stack, image_data_url, image_message, is_healthy, wait_for
-from tests.hosts.harness import HUB_ADDRESS, REPO, HostPool, ansible_playbook, copy_inventory, in_hub_netns
+from tests.hosts.harness import (
+    HUB_ADDRESS,
+    REPO,
+    HostPool,
+    ansible_playbook,
+    copy_inventory,
+    in_hub_netns,
+    machine_address,
+)
 from tests.prometheus import PrometheusServer
 
 # a first deploy that installs the kit, then a dozen steps on it: more than the default 300 s budget
@@ -83,7 +95,7 @@ RED, BLUE = (200, 30, 30), (30, 30, 200)
 # engines' service name (vLLM leaves it unknown_service)
 EXPORT_DELAY_MS = "100"
 ENGINE_SERVICE = "epd-sandbox-engine"
-TRACES_FILE = "group_vars/all/traces.yml"  # epd_otlp_traces_endpoint alone: removing it turns traces off
+TRACES_FILE = "group_vars/all/traces.yml"  # epd_otlp_traces_endpoint alone: removing it leaves the store's
 # everything the kit writes on a host (teardown must remove all of it; --check must touch none)
 KIT_FILES = (
     "/etc/epd /etc/systemd/system/epd-engine@.service /etc/systemd/system/epd-router.service "
@@ -107,6 +119,8 @@ def monitored_one_host(dest: Path, prometheus_dir: Path, traces_url: str) -> Pat
     hosts = yaml.safe_load((dest / "hosts.yml").read_text())
     n1 = hosts["all"]["children"]["epd_engines"]["hosts"]["n1"]
     n1["epd_bind_address"] = n1["ansible_host"]
+    # the trace store on n1 (the controller, the other monitoring host, runs none)
+    hosts["all"]["children"]["epd_monitoring"] = {"hosts": {"n1": {"epd_trace_store": "phoenix"}}}
     (dest / "hosts.yml").write_text(yaml.safe_dump(hosts))
     settings_file = dest / "group_vars/all/epd.yml"
     settings = yaml.safe_load(settings_file.read_text())
@@ -530,8 +544,9 @@ def test_the_host_redeployed_text_only_answers_text_and_refuses_an_image(one_hos
     would change the inventory: epd_text_only and no VE. The VEs retire, the router reloads with
     `endpoints.text_only` (router.yaml says it, so it accepts no VE), is ready with PDs alone,
     answers a text request and refuses an image with a 400 in OpenAI's error shape. The same
-    deploy turns traces off (epd_otlp_traces_endpoint removed): the PDs roll and the router's
-    processes restart for it (test_traces_off_after_the_redeploy_export_nothing)."""
+    deploy removes the operator's collector (epd_otlp_traces_endpoint): the fleet's traces go to its
+    store, the PDs roll and the router's processes restart for it
+    (test_without_the_operators_collector_the_fleet_exports_to_its_store)."""
     from openai import BadRequestError
 
     fleet_dir = one_host_stack.inventory.directory
@@ -543,7 +558,8 @@ def test_the_host_redeployed_text_only_answers_text_and_refuses_an_image(one_hos
     start = time.monotonic()
     result = ansible_playbook(fleet_dir, "playbooks/deploy.yml", timeout=STEP_LIMIT_S)
     record_timing(
-        "1 host: re-deploy as a text-only fleet, traces off (the VEs retire, the PDs roll)", time.monotonic() - start
+        "1 host: re-deploy as a text-only fleet, traces to the store (the VEs retire, the PDs roll)",
+        time.monotonic() - start,
     )
     assert result.returncode == 0, result.describe()
     assert sorted(e["id"] for e in one_host_stack.pools()) == ["epd-pd-0", "epd-pd-1"]
@@ -564,28 +580,49 @@ def test_the_host_redeployed_text_only_answers_text_and_refuses_an_image(one_hos
     }
 
 
-def test_traces_off_after_the_redeploy_export_nothing(one_host_stack, otlp):
-    """The re-deploy before removed epd_otlp_traces_endpoint (the default: unset): the PDs run
-    without vLLM's flag and its protocol, and a client's traced request, which the router still
-    passes on to the PD (as vLLM, the sim warns that it is not tracing), reaches the collector,
-    still listening, from no process: the router, restarted for it, has no exporter left."""
+def test_without_the_operators_collector_the_fleet_exports_to_its_store(one_host_stack, otlp):
+    """The re-deploy before removed epd_otlp_traces_endpoint: the fleet's default is then its trace
+    store, Phoenix on n1 (plan/trace_store.py). The PDs run with vLLM's flag naming the store's
+    OTLP/HTTP ingest; a client's traced request is found in the store by its trace id through
+    Phoenix's REST API (GET /v1/projects/{project}/spans?trace_id=..., the `default` project of
+    spans without one: phoenix/server/api/routers/v1/spans.py), the router's request span under the
+    client's span and the PD's `llm_request` under the router's call; the receiver, the collector
+    before, gets nothing from any process (the router, restarted for it, exports to the store)."""
     n1 = one_host_stack.hosts["n1"]
+    store = f"http://{machine_address(1)}:6006"
+    assert n1.is_active("epd-trace-store.service") == "active"
+    # its storage: the store's user only (0750); the unit binds the host's address, not 0.0.0.0
+    assert n1.run("stat -c '%U %a' /var/lib/epd-phoenix").stdout.split() == ["epd-phoenix", "750"]
+    assert n1.run("getent passwd epd-phoenix | cut -d: -f7").stdout.strip() == "/usr/sbin/nologin"
     for unit in ("epd-engine@pd-0.service", "epd-engine@pd-1.service"):
         _pid, argv, environ = n1.main_process(unit)
-        assert "--otlp-traces-endpoint" not in argv, argv
-        assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" not in environ, environ
+        assert argv[argv.index("--otlp-traces-endpoint") + 1] == f"{store}/v1/traces", argv
+        assert environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") == "http/protobuf", environ
     posts = otlp.posts
-    trace_id, _client_span, header = client_traceparent()
+    trace_id, client_span, header = client_traceparent()
     reply = one_host_stack.chat(
-        [{"role": "user", "content": "Say hello, untraced."}], max_tokens=4, extra_headers={"traceparent": header}
+        [{"role": "user", "content": "Say hello, traced to the store."}],
+        max_tokens=4,
+        extra_headers={"traceparent": header},
     )
     assert reply.choices[0].message.content
-    untraced = "Received a request with trace context but tracing is disabled"
-    wait_for(
-        lambda: untraced in n1.run("journalctl -q --no-pager -o cat -u 'epd-engine@pd-*'").stdout,
-        timeout=10,
-        what="the PD's warning that it got a trace context and is not tracing",
-    )
+    wanted = sorted([REQUEST_SPAN, "receive", "render", "pd generate", "llm_request"])
+
+    def stored() -> list[dict] | None:
+        answer = httpx.get(
+            f"{store}/v1/projects/default/spans", params={"trace_id": trace_id}, timeout=5, trust_env=False
+        )
+        spans = answer.json()["data"] if answer.status_code == 200 else []
+        return spans if sorted(s["name"] for s in spans) == wanted else None
+
+    spans = wait_for(stored, timeout=30, what=f"trace {trace_id} in the trace store with the spans {wanted}")
+    assert {s["context"]["trace_id"] for s in spans} == {trace_id}
+    by_name = {s["name"]: s for s in spans}
+    root = by_name[REQUEST_SPAN]
+    assert root["parent_id"] == client_span, root
+    assert by_name["pd generate"]["parent_id"] == root["context"]["span_id"]
+    assert by_name["llm_request"]["parent_id"] == by_name["pd generate"]["context"]["span_id"]
+    # the receiver, still listening, got nothing more: one collector per fleet
     time.sleep(3)  # 30 times the export delay the traced requests arrived within
     assert otlp.posts == posts and otlp.trace(trace_id) == [], otlp.trace(trace_id)
 

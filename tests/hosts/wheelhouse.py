@@ -16,7 +16,7 @@ It also builds the provisioning stand-ins (tests/hosts/standins/build.py: a loca
 repository, EFA installer tarballs, vllm/vllm-neuron stand-in wheels; they need the Debian
 mirror once) and the engine wheelhouse of each stand-in release (NIXL from PyPI), for
 tests/e2e/test_provision_hosts.py; tests/ansible/test_transfer_probe.py takes its NIXL wheels from
-the same stand-in directory.
+the same stand-in directory. And the trace store's wheelhouse (Phoenix, roles/epd_observability).
 """
 
 from __future__ import annotations
@@ -64,7 +64,20 @@ def main() -> int:
         kit_rc = subprocess.run(argv + [f"--pin={pin}" for pin in pins], check=False).returncode
         if kit_rc:
             return kit_rc
+    trace_store()
     return provisioning_standins()
+
+
+def trace_store() -> None:
+    """The trace store's wheelhouse (roles/epd_observability tasks/trace_store.yml: the same builder,
+    requirement and cache), for tests/e2e/test_one_host.py's Phoenix on n1. A failure only warns:
+    only a deploy with epd_trace_store: phoenix needs it, and that deploy then fails saying so."""
+    role_vars = yaml.safe_load((REPO / "roles/epd_observability/vars/main.yml").read_text())
+    builder = REPO / "roles/epd_provision/files/build_engine_wheelhouse.py"
+    argv = [sys.executable, str(builder), "--cache", str(REPO / ".cache/engine-wheelhouse")]
+    argv += ["--requirement", role_vars["epd_observability_trace_store_requirement"], "--no-configured-find-links"]
+    if subprocess.run(argv, check=False).returncode:
+        print("wheelhouse: WARNING: no trace store wheelhouse; a deploy with epd_trace_store: phoenix will fail")
 
 
 def provisioning_standins() -> int:

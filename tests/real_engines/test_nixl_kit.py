@@ -32,7 +32,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 import yaml
 
@@ -248,6 +247,8 @@ def percentile(values: list[float], q: float) -> float:
 def idle_cpu(engines: list[RealEngine], window_s: float = IDLE_WINDOW_S) -> dict[str, float]:
     """CPU cores each engine's process tree (API server, engine core, worker) used while nothing
     was asked of it, over one window."""
+    import psutil  # vLLM's own dependency: in the vLLM envs this module runs in, not in the kit's .venv
+
     trees = {}
     for engine in engines:
         assert engine.process is not None

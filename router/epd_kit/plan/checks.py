@@ -28,6 +28,7 @@ from .rules import Fleet
 from .rules import run as run_rules
 from .tenants import key_strength_problems, tenant_problems
 from .tls import tls_problems
+from .trace_store import store_problems, with_default_endpoint
 from .validate import (
     BOOL_STRINGS,
     PRECOMPILE,
@@ -211,8 +212,9 @@ def check_inventory(
         rule_problems, rule_warnings = run_rules(fleet) if known_variables is not None else ([], [])
         return {"problems": rule_problems, "warnings": warnings + rule_warnings, "plan": None, "settings": None}
     try:
-        settings = fleet_settings(hostvars, engines)
-        plan = plan_from_hostvars(hostvars, engines, faulted)
+        traced = with_default_endpoint(hostvars, groups, engines)  # the trace store's URL when none is set
+        settings = fleet_settings(traced, engines)
+        plan = plan_from_hostvars(traced, engines, faulted)
         is_text_only = text_only(hostvars, engines)
         problems = pool_problems(plan, is_text_only)
     except EpdPlanError as error:
@@ -228,6 +230,7 @@ def check_inventory(
     problems += first_name_problems(served, settings.models)
     problems += port_problems(plan, settings.router_port, hostvars, groups)
     problems += firewall_problems(plan, hostvars, groups)
+    problems += store_problems(hostvars, groups)
     models = [spec.as_dict() for spec in settings.models]
     problems += rollout_problems(plan, values[routers[0]] if routers else {}, models)
     if known_variables is not None:

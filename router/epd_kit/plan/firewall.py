@@ -14,6 +14,8 @@ connections already open) passes on to the operator's own tables, which stay unt
                                     (and epd_admin_networks, which read its operator endpoints)
     HAProxy's port                  epd_client_networks
     HAProxy's statistics page       the monitoring hosts
+    the trace store (HTTP + gRPC)   the engine and router hosts (OTLP ingest), the monitoring hosts and
+                                    epd_admin_networks (its UI and API); on its monitoring host
 
 A host is allowed by its address: epd_bind_address (its private address), else an IP address in
 ansible_host. `epd_client_networks` unset means any client in a one-machine fleet and is refused
@@ -32,6 +34,9 @@ from typing import Any
 
 from .errors import EpdPlanError
 from .settings import port_range
+
+# host_address: the address peers see a host at, one rule for every peer and the trace store
+from .trace_store import TraceStore, host_address, trace_store
 from .validate import explicit, machine_of
 from .values import describe, plain
 from .variables import VARIABLES
@@ -75,6 +80,8 @@ class FleetSources:
     monitoring: tuple[str, ...]
     clients: tuple[str, ...] | None  # None: any client
     admin: tuple[str, ...] = ()  # epd_admin_networks: they read the router's operator endpoints
+    engines: tuple[str, ...] = ()  # the engine hosts: they export their spans to the trace store
+    store: TraceStore | None = None  # the fleet's trace store (plan/trace_store.py)
 
 
 def enabled(hostvars: Mapping[str, Any], engines: Sequence[str]) -> bool:
@@ -100,20 +107,6 @@ def _fleet_value(hostvars: Mapping[str, Any], engines: Sequence[str], name: str)
     variables = hostvars[engines[0]] if engines else {}
     value = plain(variables[name]) if name in variables else None
     return VARIABLES[name].default if value is None else value
-
-
-def host_address(host: str, variables: Mapping[str, Any]) -> str | None:
-    """The address peers see `host` at: epd_bind_address, else ansible_host, when it is an IP address
-    that is neither loopback nor a wildcard."""
-    for key in ("epd_bind_address", "ansible_host"):
-        value = plain(variables[key]) if key in variables else None
-        try:
-            address = ipaddress.ip_address(str(value).strip().strip("[]"))
-        except ValueError:
-            continue
-        if not address.is_loopback and not address.is_unspecified:
-            return str(address)
-    return None
 
 
 def client_networks(value: Any) -> tuple[tuple[str, ...] | None, list[str]]:
@@ -152,7 +145,8 @@ def machines(hostvars: Mapping[str, Any], hosts: Iterable[str]) -> set[tuple[str
 
 
 def fleet_hosts(groups: Mapping[str, Any]) -> list[str]:
-    """The hosts the firewall play runs on: engines, routers, load balancers (inventory order, once)."""
+    """The hosts the firewall play runs on: engines, routers, load balancers (inventory order, once).
+    A trace store's rule is in its host's table when that host is one of them."""
     return list(dict.fromkeys(str(h) for group in (ENGINE, ROUTER, LOADBALANCER) for h in groups.get(group) or []))
 
 
@@ -192,6 +186,8 @@ def fleet_sources(
         for name, host_plan in plan.items()
         for e in host_plan["engines"]
     )
+    store = trace_store(hostvars, groups)
+    store_machine = machine_of(store.host, hostvars[store.host]) if store and store.host in hostvars else None
     sources = FleetSources(
         routers=addresses([str(h) for h in groups.get(ROUTER) or []], "the router hosts", several),
         pd_hosts=addresses(pd_hosts, "the PD hosts", any(ve_elsewhere(h) for h in pd_hosts)),
@@ -200,6 +196,13 @@ def fleet_sources(
         monitoring=addresses([str(h) for h in groups.get(MONITORING) or []], "the monitoring hosts", True),
         clients=clients,
         admin=admin_networks(hostvars, engines),
+        # an engine host exports to a store on another machine by its address (the same machine: loopback)
+        engines=addresses(
+            engines,
+            "the engine hosts (to the trace store)",
+            store is not None and any(machine_of(h, hostvars[h]) != store_machine for h in engines if h in hostvars),
+        ),
+        store=store,
     )
     return sources, problems
 
@@ -266,6 +269,15 @@ def host_firewall(
         candidates.append(("haproxy", "HAProxy: the client networks", _ports(variables, port), sources.clients))
         candidates.append(
             ("haproxy_stats", "HAProxy's statistics: monitoring", _ports(variables, stats), sources.monitoring)
+        )
+    if sources.store is not None and sources.store.host == host:
+        candidates.append(
+            (
+                "trace_store",
+                "the trace store: engine and router hosts, monitoring, admin networks",
+                _ports(variables, sources.store.port, sources.store.grpc_port),
+                sources.engines + sources.routers + sources.monitoring + sources.admin,
+            )
         )
     rules, sets = [], {}
     for name, what, ports, allowed in candidates:

@@ -71,7 +71,7 @@ ROLE_PLAYS: dict[str, tuple[str, ...]] = {
     "epd_engines": ("deploy", "precompile", "render", "restart", "start"),
     "epd_firewall": ("deploy", "render", "teardown"),
     "epd_haproxy": ("deploy", "loadbalancer"),
-    "epd_observability": ("deploy", "observability"),
+    "epd_observability": ("deploy", "observability", "teardown"),
     "epd_preflight": ("deploy",),
     "epd_provision": ("provision", "status"),
     "epd_router": ("deploy", "render", "rolling_restart"),
@@ -288,6 +288,12 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_observability_promtool", "", STR, MONITORING, OB, form=ABSOLUTE),
     _v("epd_observability_grafana_dir", "", STR, MONITORING, OB, form=ABSOLUTE),
     _v("epd_observability_runbook_base", "docs/observability.md", STR, MONITORING, OB),
+    # the trace store on a monitoring host (Phoenix, docs/observability.md "Trace store"); the first
+    # monitoring host that runs one is epd_otlp_traces_endpoint's default (plan/trace_store.py)
+    _v("epd_trace_store", "none", STR, MONITORING, OB, choices=("phoenix", "none")),
+    _v("epd_trace_store_port", 6006, PORT, MONITORING, OB, minimum=1, maximum=MAX_PORT),
+    _v("epd_trace_store_grpc_port", 4317, PORT, MONITORING, OB, minimum=1, maximum=MAX_PORT),
+    _v("epd_trace_store_retention_days", 7, INT, MONITORING, OB, minimum=0),
     _v("epd_observability_pool_floor_ratio", 0.5, FLOAT, MONITORING, OB, minimum=0, maximum=1),
     _v("epd_observability_ejected_for_m", 10, MINUTES, MONITORING, OB, minimum=1),
     _v("epd_observability_error_ratio", 0.05, FLOAT, MONITORING, OB, minimum=0, maximum=1),

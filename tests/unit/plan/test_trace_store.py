@@ -1,0 +1,97 @@
+"""The fleet's trace store (epd_kit.plan.trace_store): the first monitoring host with
+`epd_trace_store: phoenix` is epd_otlp_traces_endpoint's default for the router and every engine,
+an operator's collector wins, a store without an address is refused, and only the store's host
+opens its ports, to the engine and router hosts, the monitoring hosts and epd_admin_networks."""
+
+from __future__ import annotations
+
+from epd_kit.plan import firewall, trace_store
+from tests.unit.plan.test_firewall import CLIENTS, checked, rules, three_hosts
+
+STORE_URL = "http://10.213.0.13:6006/v1/traces"
+
+
+def with_store(**fleet):
+    """three_hosts + two monitoring hosts: the controller (no store) and n3 (the store)."""
+    hostvars, groups = three_hosts(epd_client_networks=CLIENTS, **fleet)
+    hostvars["prom"] = {"ansible_connection": "local", "epd_bind_address": "10.213.0.1"}
+    hostvars["n3"]["epd_trace_store"] = "phoenix"
+    groups["epd_monitoring"] = ["prom", "n3"]
+    return hostvars, groups
+
+
+def engine_endpoints(result) -> set[str]:
+    """Each engine's --otlp-traces-endpoint (its argv as the plan renders it)."""
+    out = set()
+    for host_plan in result["plan"].values():
+        for engine in host_plan["engines"]:
+            argv = engine["argv"]
+            out.add(argv[argv.index("--otlp-traces-endpoint") + 1] if "--otlp-traces-endpoint" in argv else "")
+    return out
+
+
+def test_no_store_changes_nothing():
+    hostvars, groups = three_hosts(epd_client_networks=CLIENTS)
+    groups["epd_monitoring"] = ["n3"]
+    assert trace_store.trace_store(hostvars, groups) is None
+    result = checked(hostvars, groups)
+    assert result["problems"] == []
+    assert result["settings"]["epd_otlp_traces_endpoint"] == ""
+    assert engine_endpoints(result) == {""}
+
+
+def test_the_first_store_is_the_fleet_s_default_collector():
+    hostvars, groups = with_store()
+    store = trace_store.trace_store(hostvars, groups)
+    assert (store.host, store.url, store.traces_endpoint) == ("n3", "http://10.213.0.13:6006", STORE_URL)
+    result = checked(hostvars, groups)
+    assert result["problems"] == []
+    assert result["settings"]["epd_otlp_traces_endpoint"] == STORE_URL  # the router's tracing section
+    assert engine_endpoints(result) == {STORE_URL}
+    # the hostvars themselves are untouched: the default lives in the plan only
+    assert "epd_otlp_traces_endpoint" not in hostvars["n1"]
+
+
+def test_the_operator_s_collector_wins():
+    hostvars, groups = with_store(epd_otlp_traces_endpoint="http://10.213.0.1:4318/v1/traces")
+    result = checked(hostvars, groups)
+    assert result["settings"]["epd_otlp_traces_endpoint"] == "http://10.213.0.1:4318/v1/traces"
+    assert engine_endpoints(result) == {"http://10.213.0.1:4318/v1/traces"}
+
+
+def test_ports_and_ipv6_address_of_the_store():
+    hostvars, groups = with_store()
+    hostvars["n3"] |= {"epd_bind_address": "fd00::13", "epd_trace_store_port": 16006}
+    assert trace_store.trace_store(hostvars, groups).traces_endpoint == "http://[fd00::13]:16006/v1/traces"
+
+
+def test_a_store_without_an_address_the_fleet_sees_is_refused():
+    hostvars, groups = three_hosts(epd_client_networks=CLIENTS)
+    hostvars["prom"] = {"ansible_connection": "local", "epd_bind_address": "10.213.0.1"}
+    hostvars["store"] = {"ansible_host": "127.0.0.1", "epd_trace_store": "phoenix"}
+    groups["epd_monitoring"] = ["prom", "store"]
+    problems = checked(hostvars, groups)["problems"]
+    assert any(
+        p.startswith("store: epd_trace_store is phoenix") and "set epd_bind_address of store" in p for p in problems
+    )
+
+
+def test_a_bad_store_name_is_refused():
+    hostvars, groups = with_store()
+    hostvars["n3"]["epd_trace_store"] = "jaeger"
+    problems = checked(hostvars, groups)["problems"]
+    assert any("epd_trace_store" in p and "phoenix" in p for p in problems), problems
+
+
+def test_only_the_store_host_opens_its_ports_to_the_fleet_monitoring_and_admins():
+    hostvars, groups = with_store(epd_admin_networks=["10.99.0.0/24"])
+    n3 = rules(hostvars, groups, "n3")
+    # the engine hosts n1, n2 and the router host n3 (itself: its local exporters also come in on lo),
+    # the monitoring hosts (prom, n3) and the operators' networks
+    # (merged for nft: 10.213.0.12 and .13 are one /31)
+    assert n3["the trace store"] == ([4317, 6006], ["10.99.0.0/24", "10.213.0.1", "10.213.0.11", "10.213.0.12/31"])
+    assert "the trace store" not in rules(hostvars, groups, "n1")
+    assert "the trace store" not in rules(hostvars, groups, "n2")
+    nft = firewall.firewall_for(checked(hostvars, groups)["plan"], 18800, hostvars, groups, "n3")["nft"]
+    assert "tcp dport { 4317, 6006 } ip saddr @trace_store_v4 accept" in nft
+    assert "tcp dport { 4317, 6006 } reject with tcp reset" in nft
