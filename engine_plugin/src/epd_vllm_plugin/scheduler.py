@@ -13,7 +13,14 @@ A locator names the VE as the Neuron connector does: `engine_id` and the side ch
 (`side_channel_host`, `side_channel_port`) from `--ec-transfer-config`, the item's embedding
 rows as `num_tokens`. Where the embeddings live is the connector's business: vLLM's
 `ECExampleConnector` (CPU) keeps one file per item hash in a directory both engines share and
-has no blocks, so `remote_block_ids` is `[0]`, the one "block" (file) of the item.
+has no blocks, so `remote_block_ids` is `[0]`, the one "block" (file) of the item; the kit's
+NIXL connector (nixl_connector.py) names the blocks of its region that hold the item.
+
+On a PD with the kit's NIXL connector, this scheduler also ends the requests whose encoder
+outputs could not be read (the connector's `take_load_failures`): finish_reason "error" and
+ECLoadFailure's message in the answer's `kv_transfer_params`, as vLLM ends a request whose KV
+load failed (`v1/core/sched/scheduler.py` update_from_output, `failed_kv_load_req_ids`, 0.24.0
+and 0.29.0), so the engine core serves on.
 """
 
 from __future__ import annotations
@@ -21,6 +28,13 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
+
+# ending a request with an error, as vLLM's own failed-KV-load path does at 0.24.0 and 0.29.0:
+# EngineCoreOutput(request_id, new_token_ids, finish_reason, events, kv_transfer_params,
+# trace_headers) and EngineCoreOutputs(outputs) (v1/engine/__init__.py), RequestStatus.FINISHED_ERROR,
+# whose finish reason is FinishReason.ERROR (v1/request.py), Scheduler.finish_requests
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.request import RequestStatus
 
 # ECExampleConnector stores an item as one file: its single "block"
 FILE_STORE_BLOCK = 0
@@ -43,21 +57,52 @@ class ECLocatorScheduler(Scheduler):
                 )
             self._locator_base = {"engine_id": config.engine_id, "host": host, "port": port}
 
+    def _blocks(self, mm_hash: str) -> list[int]:
+        item_blocks = getattr(self.ec_connector, "item_blocks", None)  # the kit's NIXL connector
+        return item_blocks(mm_hash) if item_blocks is not None else [FILE_STORE_BLOCK]
+
     def _locators(self, request_id: str) -> dict[str, dict[str, Any]]:
         request = self.requests[request_id]
         assert self._locator_base is not None
         return {
             feature.identifier: {
                 **self._locator_base,
-                "remote_block_ids": [FILE_STORE_BLOCK],
+                "remote_block_ids": self._blocks(feature.identifier),
                 "num_tokens": request.get_num_encoder_embeds(index),
             }
             for index, feature in enumerate(request.mm_features)
         }
 
+    def _end_failed_loads(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """The requests the EC connector could not load end with an error, as a failed KV load
+        ends (`failed_kv_load_req_ids` in vLLM's update_from_output): the outputs built the
+        same way, plus the connector's message under kv_transfer_params."""
+        take = getattr(self.ec_connector, "take_load_failures", None)
+        failures = take() if take is not None else {}
+        requests = [self.requests[rid] for rid in failures if rid in self.requests]
+        if not requests:
+            return
+        # finish_requests returns (id, client) pairs at 0.24.0 and requests at 0.29.0: not used
+        self.finish_requests([r.request_id for r in requests], RequestStatus.FINISHED_ERROR)
+        for request in requests:
+            output = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=request.get_finished_reason(),
+                events=request.take_events(),
+                kv_transfer_params={"ec_load_failure": failures[request.request_id]},
+                trace_headers=request.trace_headers,
+            )
+            if request.client_index in outputs:
+                outputs[request.client_index].outputs.append(output)
+            else:
+                outputs[request.client_index] = EngineCoreOutputs(outputs=[output])
+
     def update_from_output(self, scheduler_output, model_runner_output):  # type: ignore[no-untyped-def]
         if self._locator_base is None:
-            return super().update_from_output(scheduler_output, model_runner_output)
+            outputs = super().update_from_output(scheduler_output, model_runner_output)
+            self._end_failed_loads(outputs)
+            return outputs
         # read before the base class frees the requests that finish in this step
         locators = {
             request_id: self._locators(request_id)

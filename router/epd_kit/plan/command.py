@@ -105,6 +105,19 @@ CPU_BACKEND = "vllm-cpu"
 # (vllm/distributed/ec_transfer/ec_connector/example_connector.py); the only EC connector vLLM 0.24.0
 # ships and the only one of 0.29.0 that works across instances. It replaces NeuronNixlECConnector.
 CPU_EC_CONNECTOR = "ECExampleConnector"
+# epd_vllm_cpu_ec_transport nixl: the kit's NIXL EC connector (engine_plugin's nixl_connector.py),
+# loaded by vLLM from its module (ECTransferConfig.ec_connector_module_path, read by
+# ec_connector/factory.py get_connector_class at 0.24.0 and 0.29.0); VEs and PDs on any hosts
+NIXL_TRANSPORT = "nixl"
+NIXL_EC_CONNECTOR = "EPDNixlECConnector"
+NIXL_EC_MODULE = "epd_vllm_plugin.nixl_connector"
+# ... over UCX's TCP transport: UCX otherwise takes `cma` (cross-memory attach) between processes of
+# one kernel, network namespaces or not (issue 54), and with the ports of its TCP listener from the
+# fleet's range rather than the OS's (UCX_TCP_PORT_RANGE: "Generate a random TCP port number from
+# that range", openucx src/uct/tcp/tcp_iface.c PORT_RANGE), so the access rules can open them.
+# UCX_NET_DEVICES (the interface of the engine's address) is set by the connector on the host
+# (ec_connector_extra_config ucx_address): the plan knows addresses, not interface names.
+NIXL_ENVIRONMENT = {"UCX_TLS": "tcp"}
 # the kit's vLLM plugin (engine_plugin/): the VE scheduler that answers with locators as
 # vllm-neuron's does (upstream's VE returns none and the router refuses the answer)
 LOCATOR_SCHEDULER = "epd_vllm_plugin.scheduler.ECLocatorScheduler"
@@ -201,16 +214,28 @@ def additional_config(settings: Settings, role: str) -> dict[str, Any]:
 
 
 def ec_transfer_config(
-    role: str, engine_id: str, bind_address: str, side_channel_port: int | None, cpu_store: str | None = None
+    role: str,
+    engine_id: str,
+    bind_address: str,
+    side_channel_port: int | None,
+    cpu_store: str | None = None,
+    cpu_transport: str = "shared-dir",
 ) -> dict[str, Any]:
-    """The EC connector: Neuron's NIXL one, or (cpu_store: its directory) vLLM's shared-storage one.
-    The side channel stays on a CPU VE: the locator scheduler names the VE by it as Neuron's does."""
-    extra: dict[str, Any] = {"backends": ["LIBFABRIC"]} if cpu_store is None else {"shared_storage_path": cpu_store}
+    """The EC connector: Neuron's NIXL one, or (cpu_store: its directory) vLLM's shared-storage one,
+    or (cpu_transport nixl) the kit's NIXL one over UCX. The side channel stays on a CPU VE: the
+    locator scheduler names the VE by it as Neuron's does (and the kit's NIXL connector serves it)."""
+    config: dict[str, Any] = {"ec_connector": "NeuronNixlECConnector"}
+    extra: dict[str, Any] = {"backends": ["LIBFABRIC"]}
+    if cpu_store is not None and cpu_transport == NIXL_TRANSPORT:
+        config = {"ec_connector": NIXL_EC_CONNECTOR, "ec_connector_module_path": NIXL_EC_MODULE}
+        extra = {"backends": ["UCX"], "ucx_address": bind_address}
+    elif cpu_store is not None:
+        config, extra = {"ec_connector": CPU_EC_CONNECTOR}, {"shared_storage_path": cpu_store}
     if role == "ve":
         extra["side_channel_host"] = bind_address
         extra["side_channel_port"] = side_channel_port
     return {
-        "ec_connector": "NeuronNixlECConnector" if cpu_store is None else CPU_EC_CONNECTOR,
+        **config,
         "ec_role": "ec_producer" if role == "ve" else "ec_consumer",
         "engine_id": engine_id,
         "ec_connector_extra_config": extra,
@@ -221,7 +246,10 @@ def cpu_flags(settings: Settings, role: str) -> tuple[str, ...]:
     """What a vllm-cpu engine runs beyond the Neuron command (CPU_ROLE_FLAGS, CPU_FLAGS); () otherwise."""
     if settings.engine_backend != CPU_BACKEND:
         return ()
-    return CPU_ROLE_FLAGS[role] + tuple(flag for flags, _reason in CPU_FLAGS for flag in flags)
+    role_flags = CPU_ROLE_FLAGS[role]
+    if settings.vllm_cpu_ec_transport == NIXL_TRANSPORT:  # a PD's scheduler ends the requests it could not load
+        role_flags = CPU_ROLE_FLAGS["ve"]
+    return role_flags + tuple(flag for flags, _reason in CPU_FLAGS for flag in flags)
 
 
 def tracing_flags(settings: Settings) -> tuple[str, ...]:
@@ -260,7 +288,14 @@ def engine_command(
             + tracing_flags(settings),
             ADDITIONAL_CONFIG: json.dumps(additional_config(settings, role)),
             EC_TRANSFER_CONFIG: json.dumps(
-                ec_transfer_config(role, engine_id, bind_address, side_channel_port, cpu_store(settings))
+                ec_transfer_config(
+                    role,
+                    engine_id,
+                    bind_address,
+                    side_channel_port,
+                    cpu_store(settings),
+                    settings.vllm_cpu_ec_transport,
+                )
             ),
             EXTRA_ARGS: settings.extra_args,
         }
@@ -280,6 +315,14 @@ def tracing_env(settings: Settings) -> dict[str, str]:
     return dict(TRACING_ENVIRONMENT) if settings.otlp_traces_endpoint else {}
 
 
+def nixl_env(settings: Settings) -> dict[str, str]:
+    """UCX's settings for the kit's NIXL connector (NIXL_ENVIRONMENT, the fleet's UCX port range);
+    nothing with the shared directory."""
+    if settings.vllm_cpu_ec_transport != NIXL_TRANSPORT:
+        return {}
+    return {**NIXL_ENVIRONMENT, "UCX_TCP_PORT_RANGE": settings.vllm_cpu_ucx_port_range}
+
+
 def engine_env(settings: Settings, cores: Sequence[int], engine_id: str | None = None) -> dict[str, str]:
     """The engine's process environment: its core slice, the EFA settings, the cold-start timeouts,
     what the fleet's Neuron release sets (its compile route), and for the sim the vLLM it answers as.
@@ -297,6 +340,7 @@ def engine_env(settings: Settings, cores: Sequence[int], engine_id: str | None =
             **vllm_timeouts(settings.compilation_timeout_s),
             **CPU_ENVIRONMENT,
             **tracing_env(settings),
+            **nixl_env(settings),
         }
         if settings.model_is_local:
             env["HF_HUB_OFFLINE"] = "1"

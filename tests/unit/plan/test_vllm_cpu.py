@@ -9,6 +9,7 @@ import json
 import pytest
 
 from epd_kit import plan as planner
+from epd_kit.plan.command import LOCATOR_SCHEDULER
 from epd_kit.plan.errors import EpdPlanError
 from tests.ansible.helpers import REPO, inventory_hostvars
 
@@ -110,6 +111,9 @@ def test_a_vllm_cpu_fleet_on_two_engine_hosts_is_refused_naming_the_store():
     # the same fleet on vllm plans
     neuron = {h: {**v, "epd_engine_backend": "vllm"} for h, v in hostvars.items()}
     assert planner.plan_from_hostvars(neuron, ["a", "b"])
+    # ... and on vllm-cpu with the kit's NIXL connector
+    nixl = {h: {**v, "epd_vllm_cpu_ec_transport": "nixl"} for h, v in hostvars.items()}
+    assert planner.plan_from_hostvars(nixl, ["a", "b"])
 
 
 def test_neuron_stays_the_default_and_its_command_is_unchanged():
@@ -119,3 +123,79 @@ def test_neuron_stays_the_default_and_its_command_is_unchanged():
     assert "--scheduler-cls" not in argv and "--enforce-eager" not in argv
     assert json.loads(argv[-1])["ec_connector"] == "NeuronNixlECConnector"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in planner.engine_env(settings, [0, 1, 2, 3])
+
+
+def nixl_fleet(**extra):
+    common = {
+        "epd_model": "/m",
+        "epd_engine_backend": "vllm-cpu",
+        "epd_vllm_cpu_ec_transport": "nixl",
+        "epd_ve_tp": 1,
+        "epd_ve_dp": 1,
+        "epd_pd_tp": 1,
+        **extra,
+    }
+    hostvars = {
+        "a": {**common, "epd_num_ve": 1, "epd_bind_address": "10.0.0.1"},
+        "b": {**common, "epd_num_pd": 1, "epd_bind_address": "10.0.0.2"},
+    }
+    fleet = planner.plan_from_hostvars(hostvars, ["a", "b"])
+    return fleet["a"]["engines"][0], fleet["b"]["engines"][0]
+
+
+def test_the_nixl_transport_names_the_kits_connector_and_ucx_over_tcp():
+    ve, pd = nixl_fleet()
+    for engine, role in ((ve, "ve"), (pd, "pd")):
+        ec = json.loads(engine["argv"][engine["argv"].index("--ec-transfer-config") + 1])
+        assert ec["ec_connector"] == "EPDNixlECConnector"
+        assert ec["ec_connector_module_path"] == "epd_vllm_plugin.nixl_connector"
+        assert ec["ec_role"] == ("ec_producer" if role == "ve" else "ec_consumer")
+        extra = ec["ec_connector_extra_config"]
+        assert extra["backends"] == ["UCX"] and extra["ucx_address"] == engine["url"].split("//")[1].split(":")[0]
+        assert "shared_storage_path" not in extra
+        # both pools run the kit's scheduler: the VE's locators, the PD's failed loads
+        assert engine["argv"][engine["argv"].index("--scheduler-cls") + 1] == LOCATOR_SCHEDULER
+        assert engine["env"]["UCX_TLS"] == "tcp" and engine["env"]["UCX_TCP_PORT_RANGE"] == "14700-14763"
+    ve_extra = json.loads(ve["argv"][ve["argv"].index("--ec-transfer-config") + 1])["ec_connector_extra_config"]
+    assert (ve_extra["side_channel_host"], ve_extra["side_channel_port"]) == ("10.0.0.1", 14600)
+
+
+def test_the_shared_dir_transport_keeps_its_command():
+    settings = planner.read_settings({"epd_model": "/m", "epd_engine_backend": "vllm-cpu"})
+    assert settings.vllm_cpu_ec_transport == "shared-dir"
+    argv = planner.serve_argv(settings, "pd", "epd-pd-0", "127.0.0.1", 18100, None)
+    assert "--scheduler-cls" not in argv and json.loads(argv[-1])["ec_connector"] == "ECExampleConnector"
+    assert not any(k.startswith("UCX_") for k in planner.engine_env(settings, [0], "epd-pd-0"))
+
+
+@pytest.mark.parametrize("bad", ["14700", "80-90", "14763-14700", "a-b"])
+def test_a_bad_ucx_port_range_is_refused(bad):
+    with pytest.raises(EpdPlanError, match="epd_vllm_cpu_ucx_port_range must be a port range"):
+        planner.read_settings({"epd_model": "/m", "epd_vllm_cpu_ucx_port_range": bad})
+
+
+def test_an_unknown_transport_is_refused():
+    with pytest.raises(EpdPlanError, match="epd_vllm_cpu_ec_transport must be shared-dir or nixl"):
+        planner.read_settings({"epd_model": "/m", "epd_vllm_cpu_ec_transport": "rdma"})
+
+
+def test_the_three_host_real_engine_sandbox_plans_nixl_across_hosts():
+    """inventory/sandbox/vllm-cpu-three-host: VE on n1, PD on n2, the router on n3; the PD reads
+    the VE's blocks over NIXL, so n1 opens its side channel and UCX ports to n2 only."""
+    from epd_kit.plan import firewall
+    from epd_kit.plan.variables import VARIABLES
+
+    hostvars, groups = inventory_hostvars(REPO / "inventory/sandbox/vllm-cpu-three-host")
+    result = planner.check_inventory(hostvars, groups, None, set(VARIABLES))
+    assert result["problems"] == []
+    fleet = result["plan"]
+    (ve,) = fleet["n1"]["engines"]
+    (pd,) = fleet["n2"]["engines"]
+    assert (ve["role"], pd["role"]) == ("ve", "pd")
+    assert not fleet.get("n3", {}).get("engines")  # the router host runs no engine
+    for engine in (ve, pd):
+        ec = json.loads(engine["argv"][engine["argv"].index("--ec-transfer-config") + 1])
+        assert ec["ec_connector"] == "EPDNixlECConnector"
+    n1 = firewall.firewall_for(fleet, result["settings"]["epd_router_port"], hostvars, groups, "n1", None)
+    ucx = [r for r in n1["rules"] if r["what"].startswith("UCX")]
+    assert len(ucx) == 1 and ucx[0]["sources"] == ["10.213.0.12"] and ucx[0]["ports"] == [*range(14700, 14764)]

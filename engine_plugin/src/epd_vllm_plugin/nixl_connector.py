@@ -1,0 +1,675 @@
+"""The kit's EC connector: encoder outputs from a VE to a PD over NIXL (vLLM 0.24.0 and 0.29.0, CPU).
+
+What vllm-neuron's NeuronNixlECConnector does on trn2 (docs/contract.md §3.5), on a CPU host:
+
+- **VE (ec_producer).** The scheduler gives every item it schedules for encoding blocks of a
+  bounded region (`ec_num_blocks` blocks of `ec_block_tokens` embedding rows, a ring); the
+  worker copies the item's encoder output into those blocks of a NIXL-registered CPU region and
+  serves a side channel (`side_channel_host`:`side_channel_port`, ZMQ REQ/REP, msgpack) that
+  hands out its NIXL agent metadata and, per item, the descriptors of that item's blocks only.
+  The locator (scheduler.py, ECLocatorScheduler) names those blocks and the item's rows.
+- **PD (ec_consumer).** Before a request is scheduled (`ensure_cache_available`), the
+  scheduler reads each item's locator from the request's `kv_transfer_params.ec_locator`
+  (sampling_params.extra_args, the router's carrier, §3.1), handshakes once per `engine_id`,
+  asks the VE for the item's blocks, NIXL READs them (UCX over TCP) and asks again whether the
+  blocks still hold that item (a ring block may be reused: a stale read is refused, never
+  used). The bytes reach the worker's encoder cache through the connector metadata. A missing,
+  stale or mismatched item fails that request with ECLoadFailure's message (finish_reason
+  "error", the message in the PD's log and in the answer's `kv_transfer_params`); the engine
+  core lives on (Neuron's PD dies instead, §3.5 item 3).
+
+Why the PD reads in the scheduler process rather than the worker (vLLM's CPU worker is another
+process, `platforms/cpu.py` sets the "mp" executor): a failed read there can only fail the
+request before it is scheduled; a worker has no per-request failure path for EC loads in 0.24
+or 0.29 (its exception kills the engine core). The cost is one copy of the item's bytes from
+the scheduler to the worker (pickled with the scheduler output).
+
+Progress: NIXL's UCX progress thread would spin a core on an idle engine (nixl_agent.py); it
+is off here. The PD progresses its reads when its scheduler checks them, the VE's side-channel
+thread progresses UCX (`get_new_notifs`) only between a PD's item request and its check (a read
+window bounded by `transfer_timeout_sec`) and otherwise sleeps in a ZMQ poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import torch
+import zmq
+
+try:  # vLLM internals this module builds on, the same at 0.24.0 and 0.29.0
+    from vllm.distributed.ec_transfer.ec_connector.base import (  # base.py: ECConnectorBase, its roles
+        ECConnectorBase,
+        ECConnectorMetadata,
+        ECConnectorRole,
+    )
+except ImportError as exc:  # pragma: no cover - only on a vLLM without the EC connector API
+    import vllm
+
+    raise ImportError(
+        f"epd_vllm_plugin.nixl_connector needs vLLM's EC connector API "
+        f"(vllm/distributed/ec_transfer/ec_connector/base.py, vLLM 0.24.0 and 0.29.0); "
+        f"vLLM {getattr(vllm, '__version__', '?')} has none: {exc}"
+    ) from exc
+
+from .nixl_agent import nixl_agent, set_ucx_device
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+# a child of vLLM's "vllm" logger, whose handler (vllm/logger.py) prints to the engine's log
+log = logging.getLogger("vllm.epd_nixl_ec")
+
+CONNECTOR_NAME = "EPDNixlECConnector"
+MODULE_PATH = __name__
+# ECLoadFailure's message (docs/contract.md §3.5 item 3; router/upstream.py EC_LOAD_FAILURE_MARKERS)
+LOAD_FAILURE = "ECLoadFailure: Encoder-cache load failed for mm_hashes: {hashes}: {reason}"
+# where a failed request's message travels in its answer (the request's kv_transfer_params)
+FAILURE_KEY = "ec_load_failure"
+IDLE_POLL_MS = 1000  # the side channel's wake-up to see a shutdown; no UCX progress then
+WINDOW_POLL_MS = 1  # its UCX progress period while a read is open
+
+
+class ECLoadFailure(RuntimeError):
+    """A PD could not read an item's encoder output (message: LOAD_FAILURE)."""
+
+
+@dataclass(frozen=True)
+class NixlECConfig:
+    """ec_connector_extra_config of `--ec-transfer-config`, checked."""
+
+    engine_id: str
+    side_channel_host: str | None
+    side_channel_port: int | None
+    num_blocks: int = 64
+    block_tokens: int = 64
+    max_region_bytes: int = 256 << 20
+    transfer_timeout_s: float = 5.0
+    backends: tuple[str, ...] = ("UCX",)
+    ucx_address: str | None = None  # the engine's address: UCX_NET_DEVICES is its interface
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig) -> NixlECConfig:
+        config = vllm_config.ec_transfer_config
+        assert config is not None  # ECConnectorBase.__init__ refuses a missing one
+
+        def extra(key: str, default: Any, kind: type) -> Any:
+            value = config.get_from_extra_config(key, default)
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(
+                    f"{CONNECTOR_NAME}: ec_connector_extra_config.{key} must be a {kind.__name__} (got {value!r})"
+                )
+            return value
+
+        made = cls(
+            engine_id=str(config.engine_id),
+            side_channel_host=config.get_from_extra_config("side_channel_host", None),
+            side_channel_port=config.get_from_extra_config("side_channel_port", None),
+            num_blocks=extra("ec_num_blocks", cls.num_blocks, int),
+            block_tokens=extra("ec_block_tokens", cls.block_tokens, int),
+            max_region_bytes=extra("ec_max_region_bytes", cls.max_region_bytes, int),
+            transfer_timeout_s=extra("transfer_timeout_sec", cls.transfer_timeout_s, float),
+            backends=tuple(extra("backends", list(cls.backends), list)),
+            ucx_address=config.get_from_extra_config("ucx_address", None),
+        )
+        if min(made.num_blocks, made.block_tokens, made.max_region_bytes) < 1 or made.transfer_timeout_s <= 0:
+            raise ValueError(f"{CONNECTOR_NAME}: block counts, sizes and timeouts must be positive: {made}")
+        if config.is_ec_producer and (
+            not made.side_channel_host or not isinstance(made.side_channel_port, int) or made.side_channel_port < 1
+        ):
+            raise ValueError(
+                f"{CONNECTOR_NAME}: a producer needs side_channel_host and an integer side_channel_port in "
+                f"ec_connector_extra_config (got {made.side_channel_host!r}, {made.side_channel_port!r})"
+            )
+        return made
+
+
+# ---------------------------------------------------------------------------------------------
+# what the scheduler hands the worker each step
+
+
+@dataclass(frozen=True)
+class LoadedItem:
+    """An item's encoder output as the PD's scheduler read it: raw bytes, dtype and shape."""
+
+    data: bytes
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class NixlECMetadata(ECConnectorMetadata):
+    saves: dict[str, list[int]] = field(default_factory=dict)  # VE: item -> its blocks
+    loads: dict[str, LoadedItem] = field(default_factory=dict)  # PD: item -> its bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# VE
+
+
+@dataclass
+class SavedItem:
+    blocks: list[int]
+    rows: int
+    row_shape: tuple[int, ...]
+    dtype: str
+    generation: int
+
+
+class BlockRing:
+    """The producer scheduler's block allocator: blocks handed out in turn, the oldest item's
+    reused first (a locator can go stale, docs/contract.md §3.5 item 5; the PD's check sees it)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.next = 0
+        self.owner: dict[int, str] = {}
+        self.items: dict[str, list[int]] = {}
+
+    def allocate(self, mm_hash: str, count: int) -> list[int]:
+        if count > self.num_blocks:
+            raise ValueError(f"an item of {count} blocks does not fit a region of {self.num_blocks} (ec_num_blocks)")
+        blocks = [(self.next + i) % self.num_blocks for i in range(count)]
+        self.next = (self.next + count) % self.num_blocks
+        for block in blocks:
+            previous = self.owner.get(block)
+            if previous is not None and previous != mm_hash:
+                self.items.pop(previous, None)  # its block is another item's now
+            self.owner[block] = mm_hash
+        self.items[mm_hash] = blocks
+        return blocks
+
+
+class ProducerRegion:
+    """The VE worker's NIXL-registered region and the side channel that describes it."""
+
+    def __init__(self, config: NixlECConfig) -> None:
+        self.config = config
+        set_ucx_device(config.ucx_address)
+        self.agent = nixl_agent(f"{config.engine_id}-ve-{os.getpid()}", config.backends)
+        self.region: torch.Tensor | None = None
+        self.row_bytes = 0
+        self.items: dict[str, SavedItem] = {}
+        self.block_item: dict[int, tuple[str, int]] = {}  # block -> (item, generation)
+        self.generation = 0
+        self.lock = threading.Lock()
+        self.window_until = 0.0
+        self.served = {"items": 0, "bytes": 0, "refused": 0}
+        self.stop = threading.Event()
+        context = zmq.Context.instance()
+        self.socket = context.socket(zmq.REP)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(f"tcp://{config.side_channel_host}:{config.side_channel_port}")
+        self.thread = threading.Thread(target=self.serve, name="epd-nixl-ec-side-channel", daemon=True)
+        self.thread.start()
+        log.info(
+            "EPD NIXL EC producer %s: side channel tcp://%s:%s, region %d blocks x %d rows",
+            config.engine_id,
+            config.side_channel_host,
+            config.side_channel_port,
+            config.num_blocks,
+            config.block_tokens,
+        )
+
+    @property
+    def block_len(self) -> int:
+        return self.config.block_tokens * self.row_bytes
+
+    def _ensure_region(self, row_bytes: int) -> None:
+        if self.region is not None:
+            if row_bytes != self.row_bytes:
+                raise ValueError(f"an encoder output of {row_bytes} bytes a row in a region of {self.row_bytes}")
+            return
+        size = self.config.num_blocks * self.config.block_tokens * row_bytes
+        if size > self.config.max_region_bytes:
+            raise ValueError(
+                f"{CONNECTOR_NAME}: {self.config.num_blocks} blocks x {self.config.block_tokens} rows x {row_bytes} "
+                f"bytes = {size} bytes exceeds ec_max_region_bytes {self.config.max_region_bytes}"
+            )
+        region = torch.zeros(size, dtype=torch.uint8)
+        self.agent.register_memory(region)
+        self.region, self.row_bytes = region, row_bytes
+
+    def save(self, mm_hash: str, tensor: torch.Tensor, blocks: list[int]) -> None:
+        tensor = tensor.detach().to("cpu").contiguous()
+        rows = tensor.shape[0]
+        raw = tensor.view(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
+        row_bytes = raw.numel() // max(rows, 1)
+        with self.lock:
+            self._ensure_region(row_bytes)
+            assert self.region is not None
+            needed = -(-rows // self.config.block_tokens)
+            if needed != len(blocks):
+                raise ValueError(f"item {mm_hash}: {rows} rows need {needed} blocks, the scheduler gave {blocks}")
+            for block in blocks:  # whatever item held these blocks is gone
+                old = self.block_item.pop(block, None)
+                if old is not None:
+                    self.items.pop(old[0], None)
+            self.generation += 1
+            for index, block in enumerate(blocks):
+                part = raw[index * self.block_len : (index + 1) * self.block_len]
+                start = block * self.block_len
+                self.region[start : start + part.numel()].copy_(part)
+                self.block_item[block] = (mm_hash, self.generation)
+            self.items[mm_hash] = SavedItem(
+                blocks, rows, tuple(tensor.shape[1:]), str(tensor.dtype).removeprefix("torch."), self.generation
+            )
+
+    def describe(self, mm_hash: str, blocks: list[int]) -> dict[str, Any]:
+        """The item's blocks as NIXL descriptors, only if they still hold it."""
+        with self.lock:
+            item = self.items.get(mm_hash)
+            if item is None:
+                return {"error": f"VE {self.config.engine_id} holds no encoder output for item {mm_hash}"}
+            if item.blocks != list(blocks):
+                where = f"blocks {item.blocks} of VE {self.config.engine_id}"
+                return {"error": f"item {mm_hash} is in {where}, not {blocks}"}
+            assert self.region is not None
+            total = item.rows * self.row_bytes
+            base = self.region.data_ptr()
+            descs = []
+            for index, block in enumerate(item.blocks):
+                length = min(self.block_len, total - index * self.block_len)
+                descs.append([base + block * self.block_len, length, 0])
+            self.window_until = time.monotonic() + self.config.transfer_timeout_s
+            self.served["items"] += 1
+            self.served["bytes"] += total
+            return {
+                "agent": self.agent.name,
+                "descs": descs,
+                "rows": item.rows,
+                "row_shape": list(item.row_shape),
+                "dtype": item.dtype,
+                "generation": item.generation,
+            }
+
+    def check(self, mm_hash: str, generation: int) -> dict[str, Any]:
+        with self.lock:
+            item = self.items.get(mm_hash)
+            ok = item is not None and item.generation == generation
+            if not ok:
+                self.served["refused"] += 1
+            self.window_until = 0.0
+            return {"ok": ok}
+
+    def answer(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        if op == "meta":
+            metadata = self.agent.get_agent_metadata()
+            return {"engine_id": self.config.engine_id, "agent": self.agent.name, "metadata": metadata}
+        if op == "item":
+            return self.describe(str(request["mm_hash"]), [int(b) for b in request["blocks"]])
+        if op == "check":
+            return self.check(str(request["mm_hash"]), int(request["generation"]))
+        if op == "stats":
+            return dict(self.served)
+        return {"error": f"unknown side-channel request {op!r}"}
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        while not self.stop.is_set():
+            reading = time.monotonic() < self.window_until
+            if reading:  # a PD's read is open: UCX over TCP needs this side's progress
+                self.agent.get_new_notifs()
+            events = dict(poller.poll(WINDOW_POLL_MS if reading else IDLE_POLL_MS))
+            if self.socket not in events:
+                continue
+            try:
+                request = msgpack.unpackb(self.socket.recv(), raw=False)
+                reply = self.answer(request) if isinstance(request, dict) else {"error": "not a map"}
+            except Exception as exc:  # a bad request must not end the side channel
+                reply = {"error": f"{exc.__class__.__name__}: {exc}"}
+            self.socket.send(msgpack.packb(reply, use_bin_type=True))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(IDLE_POLL_MS / 1000 * 2)
+        self.socket.close(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# PD
+
+
+@dataclass
+class Remote:
+    """A VE the PD has handshaken with."""
+
+    engine_id: str
+    endpoint: str
+    agent: str
+
+
+@dataclass
+class Read:
+    """One item's NIXL READ in flight."""
+
+    mm_hash: str
+    remote: Remote
+    reply: dict[str, Any]
+    buffer: torch.Tensor
+    registered: Any
+    handle: Any
+    started: float
+    deadline: float
+
+
+class ConsumerReader:
+    """The PD scheduler's side: handshakes, reads and their checks."""
+
+    def __init__(self, config: NixlECConfig) -> None:
+        self.config = config
+        set_ucx_device(config.ucx_address)
+        self.agent = nixl_agent(f"{config.engine_id}-pd-{os.getpid()}", config.backends)
+        self.remotes: dict[str, Remote] = {}
+        self.context = zmq.Context.instance()
+        self.stats = {"items": 0, "bytes": 0, "failures": 0, "handshakes": 0}
+
+    def ask(self, endpoint: str, request: dict[str, Any]) -> dict[str, Any]:
+        """One side-channel round trip, bounded by transfer_timeout_sec (a new socket each time:
+        a REQ socket that timed out cannot be used again)."""
+        socket = self.context.socket(zmq.REQ)
+        socket.setsockopt(zmq.LINGER, 0)
+        timeout_ms = int(self.config.transfer_timeout_s * 1000)
+        socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
+        try:
+            socket.connect(endpoint)
+            socket.send(msgpack.packb(request, use_bin_type=True))
+            reply = msgpack.unpackb(socket.recv(), raw=False)
+        except zmq.Again:
+            raise ECLoadFailure(f"the side channel {endpoint} did not answer within {timeout_ms} ms") from None
+        finally:
+            socket.close(0)
+        if not isinstance(reply, dict):
+            raise ECLoadFailure(f"the side channel {endpoint} answered {reply!r}")
+        if "error" in reply:
+            raise ECLoadFailure(str(reply["error"]))
+        return reply
+
+    def remote(self, locator: dict[str, Any]) -> Remote:
+        engine_id, endpoint = str(locator["engine_id"]), f"tcp://{locator['host']}:{int(locator['port'])}"
+        known = self.remotes.get(engine_id)
+        if known is not None and known.endpoint == endpoint:
+            return known
+        meta = self.ask(endpoint, {"op": "meta"})
+        if meta.get("engine_id") != engine_id:
+            raise ECLoadFailure(f"the side channel {endpoint} is engine {meta.get('engine_id')!r}, not {engine_id!r}")
+        name = self.agent.add_remote_agent(meta["metadata"])
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self.remotes[engine_id] = made = Remote(engine_id, endpoint, name)
+        self.stats["handshakes"] += 1
+        log.info("EPD NIXL EC: handshake with %s at %s (agent %s)", engine_id, endpoint, name)
+        return made
+
+    def forget(self, remote: Remote) -> None:
+        """A VE whose read failed is handshaken with again next time (it may have restarted)."""
+        if self.remotes.get(remote.engine_id) is remote:
+            del self.remotes[remote.engine_id]
+            try:
+                self.agent.remove_remote_agent(remote.agent)
+            except Exception as exc:  # nixl raises its own status errors
+                log.warning("EPD NIXL EC: removing agent %s: %s", remote.agent, exc)
+
+    def start(self, mm_hash: str, locator: Any) -> Read:
+        if not isinstance(locator, dict) or not {"engine_id", "host", "port", "remote_block_ids", "num_tokens"} <= set(
+            locator
+        ):
+            raise ECLoadFailure(f"no valid ec_locator for the item (got {locator!r})")
+        remote = self.remote(locator)
+        try:
+            reply = self.ask(remote.endpoint, {"op": "item", "mm_hash": mm_hash, "blocks": locator["remote_block_ids"]})
+            if reply["agent"] != remote.agent:  # the VE restarted under the same engine id
+                self.forget(remote)
+                remote = self.remote(locator)
+                reply = self.ask(
+                    remote.endpoint, {"op": "item", "mm_hash": mm_hash, "blocks": locator["remote_block_ids"]}
+                )
+            if int(reply["rows"]) != int(locator["num_tokens"]):
+                raise ECLoadFailure(
+                    f"the locator says {locator['num_tokens']} rows, VE {remote.engine_id} holds {reply['rows']}"
+                )
+            total = sum(int(d[1]) for d in reply["descs"])
+            buffer = torch.empty(total, dtype=torch.uint8)
+            registered = self.agent.register_memory(buffer)
+            local, offset = [], 0
+            for _addr, length, _dev in reply["descs"]:
+                local.append((buffer.data_ptr() + offset, int(length), 0))
+                offset += int(length)
+            handle = self.agent.initialize_xfer(
+                "READ",
+                self.agent.get_xfer_descs(local, "DRAM"),
+                self.agent.get_xfer_descs([tuple(int(v) for v in d) for d in reply["descs"]], "DRAM"),
+                remote.agent,
+            )
+            started = time.monotonic()
+            if self.agent.transfer(handle) == "ERR":
+                raise ECLoadFailure(f"NIXL could not post the read from {remote.engine_id}")
+        except ECLoadFailure:
+            self.forget(remote)
+            raise
+        deadline = started + self.config.transfer_timeout_s
+        return Read(mm_hash, remote, reply, buffer, registered, handle, started, deadline)
+
+    def poll(self, read: Read) -> LoadedItem | None:
+        """The read's bytes once done and checked; None while in flight; ECLoadFailure else."""
+        state = self.agent.check_xfer_state(read.handle)
+        if state == "PROC" and time.monotonic() < read.deadline:
+            return None
+        try:
+            if state != "DONE":
+                why = "failed" if state == "ERR" else f"timed out after {self.config.transfer_timeout_s} s"
+                raise ECLoadFailure(f"the NIXL read from {read.remote.engine_id} {why}")
+            check = {"op": "check", "mm_hash": read.mm_hash, "generation": read.reply["generation"]}
+            checked = self.ask(read.remote.endpoint, check)
+            if not checked.get("ok"):
+                raise ECLoadFailure(f"VE {read.remote.engine_id} reused the item's blocks during the read (stale)")
+        except ECLoadFailure:
+            self.forget(read.remote)
+            self.release(read)
+            raise
+        elapsed_ms = (time.monotonic() - read.started) * 1000
+        data = read.buffer.numpy().tobytes()
+        self.release(read)
+        self.stats["items"] += 1
+        self.stats["bytes"] += len(data)
+        log.info(
+            "EPD NIXL EC: read item %s (%d bytes, %d blocks) from %s over NIXL in %.2f ms",
+            read.mm_hash,
+            len(data),
+            len(read.reply["descs"]),
+            read.remote.engine_id,
+            elapsed_ms,
+        )
+        shape = (int(read.reply["rows"]), *(int(v) for v in read.reply["row_shape"]))
+        return LoadedItem(data, str(read.reply["dtype"]), shape)
+
+    def release(self, read: Read) -> None:
+        try:
+            self.agent.release_xfer_handle(read.handle)
+        except Exception as exc:  # a handle still in flight after a timeout: NIXL refuses
+            log.warning("EPD NIXL EC: releasing the read of %s: %s", read.mm_hash, exc)
+        self.agent.deregister_memory(read.registered)
+
+
+def tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank (vllm/distributed/parallel_state.py
+    get_tensor_model_parallel_rank, 0.24.0 and 0.29.0), 0 before the groups exist."""
+    from vllm.distributed import parallel_state
+
+    try:
+        return parallel_state.get_tensor_model_parallel_rank()
+    except AssertionError:  # "tensor model parallel group is not initialized"
+        return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the connector
+
+
+# The vLLM internals the connector relies on beyond ECConnectorBase's abstract methods, read at
+# 0.24.0 and 0.29.0: the scheduler asks `ensure_cache_available(request, num_computed_tokens)` of
+# every waiting request with items before scheduling it and defers it on False
+# (v1/core/sched/scheduler.py:753 at 0.24.0, :917 at 0.29.0); a Request carries
+# `kv_transfer_params` from sampling_params.extra_args (v1/request.py:115 / :118), `mm_features`
+# (identifier, mm_position) and `get_num_encoder_embeds(index)`.
+REQUIRED = (
+    ("vllm.distributed.ec_transfer.ec_connector.base", "ECConnectorBase", "ensure_cache_available"),
+    ("vllm.v1.request", "Request", "get_num_encoder_embeds"),
+)
+
+
+def require_vllm_internals() -> None:
+    import importlib
+
+    import vllm
+
+    for module, owner, attribute in REQUIRED:
+        if not hasattr(getattr(importlib.import_module(module), owner, None), attribute):
+            raise RuntimeError(
+                f"{CONNECTOR_NAME} needs {module}.{owner}.{attribute} (vLLM 0.24.0 and 0.29.0 have it); "
+                f"vLLM {vllm.__version__} has none: use epd_vllm_cpu_ec_transport shared-dir with it"
+            )
+
+
+class EPDNixlECConnector(ECConnectorBase):
+    """See the module's docstring. One instance per role: SCHEDULER (the engine core) and WORKER."""
+
+    def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
+        require_vllm_internals()
+        super().__init__(vllm_config=vllm_config, role=role)
+        self.config = NixlECConfig.from_vllm(vllm_config)
+        # scheduler side
+        self._ring = BlockRing(self.config.num_blocks)
+        self._saves: dict[str, list[int]] = {}
+        self._reader: ConsumerReader | None = None
+        self._reads: dict[str, Read] = {}
+        self._ready: dict[str, LoadedItem] = {}
+        self._loads: dict[str, LoadedItem] = {}
+        self._failures: dict[str, str] = {}
+        # worker side
+        self._region: ProducerRegion | None = None
+        self._pending_saves: dict[str, list[int]] = {}
+        if role == ECConnectorRole.WORKER and self.is_producer and tensor_parallel_rank() == 0:
+            # rank 0 serves the base port, the one the locator names (docs/contract.md §2.4); the
+            # other ranks' encoder outputs are the same
+            self._region = ProducerRegion(self.config)
+        if role == ECConnectorRole.SCHEDULER and self.is_consumer:
+            self._reader = ConsumerReader(self.config)
+
+    # ---- scheduler side ----------------------------------------------------------------------
+
+    def has_cache_item(self, identifier: str) -> bool:
+        # a producer encodes every item; a consumer loads only what it has read
+        return self.is_consumer and identifier in self._ready
+
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        """Start or finish the reads of the request's items; False defers the request (the
+        scheduler asks again next step), a failure is kept for take_load_failures."""
+        if self._reader is None:  # a producer encodes
+            return True
+        if request.request_id in self._failures:  # ended at the next update_from_output
+            return False
+        params = request.kv_transfer_params or {}
+        locators = params.get("ec_locator") if isinstance(params, dict) else None
+        waiting, failed = False, []
+        for feature in request.mm_features:
+            mm_hash = feature.identifier
+            position = feature.mm_position
+            if position.offset + position.length <= num_computed_tokens or mm_hash in self._ready:
+                continue  # its KV is cached already, or its bytes are here
+            try:
+                read = self._reads.get(mm_hash)
+                if read is None:
+                    locator = (locators or {}).get(mm_hash)
+                    if locator is None:
+                        raise ECLoadFailure("the request carries no ec_locator for it")
+                    read = self._reads[mm_hash] = self._reader.start(mm_hash, locator)
+                loaded = self._reader.poll(read)
+            except ECLoadFailure as exc:
+                self._reads.pop(mm_hash, None)
+                failed.append((mm_hash, str(exc)))
+                continue
+            except Exception as exc:  # NIXL's own errors: the request fails, the engine lives
+                self._reads.pop(mm_hash, None)
+                failed.append((mm_hash, f"{exc.__class__.__name__}: {exc}"))
+                continue
+            if loaded is None:
+                waiting = True
+            else:
+                del self._reads[mm_hash]
+                self._ready[mm_hash] = loaded
+        if failed:
+            assert self._reader is not None
+            self._reader.stats["failures"] += 1
+            message = LOAD_FAILURE.format(hashes=[h for h, _ in failed], reason="; ".join(r for _, r in failed))
+            log.error("EPD NIXL EC: request %s: %s", request.request_id, message)
+            self._failures[request.request_id] = message
+            return False
+        return not waiting
+
+    def take_load_failures(self) -> dict[str, str]:
+        """Requests whose reads failed, with ECLoadFailure's message (ECLocatorScheduler ends them)."""
+        failures, self._failures = self._failures, {}
+        return failures
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        mm_hash = request.mm_features[index].identifier
+        if self.is_producer:
+            rows = request.get_num_encoder_embeds(index)
+            count = max(1, -(-rows // self.config.block_tokens))
+            self._saves[mm_hash] = self._ring.allocate(mm_hash, count)
+        elif mm_hash in self._ready:
+            self._loads[mm_hash] = self._ready.pop(mm_hash)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        meta = NixlECMetadata(saves=self._saves, loads=self._loads)
+        self._saves, self._loads = {}, {}
+        return meta
+
+    def item_blocks(self, mm_hash: str) -> list[int]:
+        """The producer's blocks of an item, for its locator ([] once the ring reused them)."""
+        return list(self._ring.items.get(mm_hash, []))
+
+    # ---- worker side -------------------------------------------------------------------------
+
+    def bind_connector_metadata(self, connector_metadata: ECConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, NixlECMetadata):
+            self._pending_saves.update(connector_metadata.saves)
+
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
+        if self._region is None:
+            return
+        blocks = self._pending_saves.pop(mm_hash, None)
+        if blocks is None:
+            log.warning("EPD NIXL EC: no blocks for item %s: not saved (a PD asking for it fails)", mm_hash)
+            return
+        try:
+            self._region.save(mm_hash, encoder_cache[mm_hash], blocks)
+        except ValueError as exc:  # the PD's read of this item fails; the VE serves on
+            log.error("EPD NIXL EC: item %s not saved: %s", mm_hash, exc)
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, NixlECMetadata)
+        for mm_hash, item in metadata.loads.items():
+            if mm_hash in encoder_cache:
+                continue
+            dtype = getattr(torch, item.dtype)
+            encoder_cache[mm_hash] = torch.frombuffer(bytearray(item.data), dtype=dtype).view(item.shape)
+
+    def shutdown(self) -> None:
+        if self._region is not None:
+            self._region.close()
