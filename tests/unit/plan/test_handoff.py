@@ -52,7 +52,8 @@ def test_a_vllm_cpu_fleet_runs_the_release_vllm_unless_epd_vllm_cpu_vllm_names_a
     assert (read_settings(cpu).engine_vllm, read_settings(cpu).handoff) == ("0.24.0", "ec_locator")
     on_029 = read_settings({**cpu, "epd_neuron_release": "2.33.1"})
     assert on_029.engine_vllm == "0.29.0"
-    upstream = read_settings({**cpu, "epd_vllm_cpu_vllm": "0.32.0"})
+    # upstream's hand-off is its NIXL connector's: the shared directory is refused there (test_upstream_nixl_plan.py)
+    upstream = read_settings({**cpu, "epd_vllm_cpu_vllm": "0.32.0", "epd_vllm_cpu_ec_transport": "nixl"})
     assert (upstream.engine_vllm, upstream.handoff, upstream.vllm_cpu_vllm) == (
         "0.32.0",
         "ec_transfer_params",
@@ -84,6 +85,8 @@ def test_router_yaml_names_the_fleets_handoff_and_the_router_loads_it(vllm, hand
     variables = {**MODEL, "epd_engine_backend": "vllm-cpu", "epd_num_ve": 1, "epd_num_pd": 1}
     if vllm:
         variables["epd_vllm_cpu_vllm"] = vllm
+    if handoff == "ec_transfer_params":  # upstream's hand-off is its NIXL connector's (test_upstream_nixl_plan.py)
+        variables["epd_vllm_cpu_ec_transport"] = "nixl"
     settings = read_settings(variables)
     endpoints = {"pd": [{"id": "pd-0", "url": "http://127.0.0.1:8001", "state": "active"}]}
     config = plan.router_config({}, settings, listen_host="127.0.0.1", extra={"endpoints": endpoints})

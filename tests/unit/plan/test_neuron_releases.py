@@ -106,8 +106,11 @@ def test_a_release_whose_vllm_is_0_30_or_later_serves_the_routers_route_with_ena
     newer = replace(newer, engine_venv=newer.engine_venv | {"vllm": Pin("0.30.0", "a test release")})
     monkeypatch.setitem(RELEASES, "2.33.1", newer)
     argv = _argv("2.33.1", role)
-    assert argv.count("--enable-scale-out") == 1 and newer.profile()["serve_flags"] == ["--enable-scale-out"]
-    assert newer.table()[-1][:2] == ("engine serve flags", "--enable-scale-out")
+    # ... and --no-mm-device-do-normalize: the router's pixels are normalised already (SERVE_FLAGS)
+    flags = ["--enable-scale-out", "--no-mm-device-do-normalize"]
+    assert argv.count("--enable-scale-out") == 1 and newer.profile()["serve_flags"] == flags
+    assert argv.count("--no-mm-device-do-normalize") == 1
+    assert newer.table()[-1][:2] == ("engine serve flags", " ".join(flags))
 
 
 def test_an_unconfirmed_engine_pin_is_refused_until_the_operator_sets_it():
