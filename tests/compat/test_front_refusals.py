@@ -17,6 +17,20 @@ import pytest
 
 from tests.compat.cases import CHATS
 from tests.compat.stack import REQUEST_TIMEOUT_S, CompatStack
+from tests.compat.vllm_api import VLLM_SERIES
+
+# vLLM 0.32's front checks differently (renderers/params.py at 0.32.0): TokenizeParams.max_input_tokens
+# no longer subtracts the output tokens (a prompt plus max_tokens over the context is served, its
+# max_tokens clamped by get_max_tokens), a prompt alone over the context has a message of its own
+# ("... exceeds this limit even without any output tokens"), and the output check's message reads
+# max_model_len=N (0.24/0.29 print max_model_len=max_total_tokens=N). The router's front follows the
+# Neuron releases' vLLMs (0.24, 0.29); a 0.3x fleet's front is open (router/context_window.py)
+FRONT_032 = pytest.mark.xfail(
+    VLLM_SERIES == "0.32",
+    strict=True,
+    reason="vLLM 0.32 changed its front's context checks (renderers/params.py max_input_tokens, the messages); "
+    "the router's front follows 0.24/0.29 (router/context_window.py), a 0.3x profile is open",
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +75,7 @@ def _resolve(value: Any, context: int) -> Any:
     return value
 
 
+@FRONT_032
 @pytest.mark.parametrize("name", BODIES)
 def test_the_router_refuses_as_vllm_chat_route(stack: CompatStack, context: int, name: str) -> None:
     body = _body(stack, name, context)

