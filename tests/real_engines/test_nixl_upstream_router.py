@@ -138,10 +138,10 @@ def body(ckpt, parts, stream=False) -> dict:
 
 
 def text_of(answer: httpx.Response, stream: bool) -> tuple[str, int, int]:
-    """(text, prompt tokens, completion tokens). The text without a trailing U+FFFD: with the
-    dummy weights the tokens end inside a UTF-8 sequence, which vLLM's chat route leaves out of
-    its text and the router's detokenizer shows as U+FFFD (seen here; the router's to settle).
-    Logprobs are compared apart (test_logprobs_match_the_pds_own)."""
+    """(text, prompt tokens, completion tokens), as sent: with the dummy weights the tokens
+    can end inside a UTF-8 sequence, which vLLM's chat route leaves out of its text and so does
+    the router (preprocess/text.py IncrementalDetokenizer). Logprobs are compared apart
+    (test_logprobs_match_the_pds_own)."""
     assert answer.status_code == 200, answer.text
     if not stream:
         doc = answer.json()
@@ -153,7 +153,7 @@ def text_of(answer: httpx.Response, stream: bool) -> tuple[str, int, int]:
         text = "".join(choice["delta"].get("content") or "" for doc in docs for choice in doc["choices"])
         (usage,) = [doc["usage"] for doc in docs if doc.get("usage")]
     assert usage["completion_tokens"] == MAX_TOKENS, usage
-    return text.rstrip("\ufffd"), usage["prompt_tokens"], usage["completion_tokens"]
+    return text, usage["prompt_tokens"], usage["completion_tokens"]
 
 
 def reference(pd: PlannedEngine, request: dict) -> tuple[str, int, int]:

@@ -1,8 +1,9 @@
 """PD answers -> OpenAI bodies: the `chat.completion` of a non-streaming request, and the
 `chat.completion.chunk` SSE frames of a stream (no I/O: the generation module feeds it).
 
-Tokens become text on the router: whole for a completion, incrementally per choice for a
-stream (a multi-byte character is never split across chunks). A token id outside the
+Tokens become text on the router as vLLM's detokenizer makes it, one step per token, for a
+completion and per choice for a stream (a multi-byte character is never split across chunks,
+a tail that never completes is left out: preprocess/text.py IncrementalDetokenizer). A token id outside the
 model's vocabulary is the PD's invalid answer (`upstream.bad_body`): charged to it, and a
 non-streaming request moves to another PD (the completion is built inside the PD call,
 engine_client.generate's `accept`). Usage follows OpenAI: a stream carries it only when the
@@ -186,8 +187,8 @@ def completion(ctx: RequestContext, result: GenerateResponse, renderer: Renderer
     skip = ctx.request.skip_special_tokens
     choices = []
     for c in result.choices:
-        with engine_tokens(engine):
-            content = renderer.detokenize(c.token_ids, skip)
+        with engine_tokens(engine):  # stepped as a stream is: vLLM's text, an open UTF-8 tail left out
+            content = renderer.detokenizer(skip_special_tokens=skip).push(c.token_ids)
         choice: dict[str, Any] = {
             "index": c.index,
             "message": {"role": "assistant", "content": content},
@@ -303,8 +304,6 @@ class StreamTranslator:
             self._finished.add(index)
         with engine_tokens(self._engine):
             text = detokenizer.push(new_ids)
-            if finish is not None:
-                text += detokenizer.flush()
         if text:
             delta["content"] = text
         if not self._logprobs:
