@@ -311,6 +311,14 @@ class Usage(_Open):
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+# A choice's `logprobs` (checked and translated by router/translate.client_logprobs): `content`
+# a list of {token | token_id, logprob, bytes?, rank?, top_logprobs: [same]} or null. vLLM
+# 0.24/0.29's generate route writes OpenAI's token strings (ChatCompletionLogProbs); 0.32's
+# writes integer ids, its default `output_mode: tokens` (vllm 0.32.0
+# entrypoints/scale_out/token_in_token_out/protocol.py GenerateLogProbs, GenerateLogProb:
+# token_id, logprob, rank; serving.py `_create_tokens_logprobs` sends max(n, 1) candidates).
+# Left open here so a bad entry is the PD's invalid answer (a 502 charged to it), not a
+# refused body.
 class GenerateChoice(_Open):
     index: int = 0
     logprobs: Any = None

@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 
 import httpx
 
-from epd_kit.plan.neuron_releases import serve_flags_of
+from epd_kit.plan.neuron_releases import front_checks_of, serve_flags_of
+from epd_kit.router.config import config_from_flags
 from epd_kit.testing.process import LOOPBACK, ManagedProcess, free_port
 from tests.compat.vllm_api import VLLM_SERIES, VLLM_VERSION
 from tests.compat.vllm_server import VllmServer, vllm_server
@@ -109,23 +110,15 @@ class CompatStack:
             pd_argv = [*tutorial_argv("pd-0", model, free_port()), *ENGINE_FLAGS]
             pd = loop.run(servers.enter_async_context(vllm_server(pd_argv)))
             port = free_port()
+            # the reference router's flags (ids ve-0 / pd-0), plus the context checks of this
+            # run's vLLM front, which router.yaml alone names (as the plan writes it)
+            config = config_from_flags(
+                model=str(model), ve_endpoints=[ve.host_port], pd_endpoints=[pd.host_port], host=LOOPBACK, port=port
+            ).model_dump(mode="json", exclude_none=True)
+            config_path = workdir / "router.yaml"
+            config_path.write_text(json.dumps({**config, "front_checks": front_checks_of(VLLM_VERSION)}))
             router = ManagedProcess(
-                [
-                    sys.executable,
-                    "-m",
-                    "epd_kit.router.cli",
-                    "serve",
-                    "--model",
-                    str(model),
-                    "--ve-endpoint",
-                    ve.host_port,
-                    "--pd-endpoint",
-                    pd.host_port,
-                    "--host",
-                    LOOPBACK,
-                    "--port",
-                    str(port),
-                ],
+                [sys.executable, "-m", "epd_kit.router.cli", "serve", "--config", str(config_path)],
                 workdir / "router.log",
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
                 name="the router",

@@ -1,6 +1,6 @@
 """The OpenAI front refuses what vLLM's own front refuses (router/context_window.py): each body
 below goes to the router and to vLLM's own `/v1/chat/completions` on the PD of this run's vLLM
-(0.24 or 0.29, its real request model, renderer and error handlers; only the engine core is a
+(0.24, 0.29 or 0.32, its real request model, renderer and error handlers; only the engine core is a
 stand-in), and both answers must be the same 400: status, message, type, param and code. The
 router's answer must come before any engine call.
 
@@ -23,14 +23,10 @@ from tests.compat.vllm_api import VLLM_SERIES
 # no longer subtracts the output tokens (a prompt plus max_tokens over the context is served, its
 # max_tokens clamped by get_max_tokens), a prompt alone over the context has a message of its own
 # ("... exceeds this limit even without any output tokens"), and the output check's message reads
-# max_model_len=N (0.24/0.29 print max_model_len=max_total_tokens=N). The router's front follows the
-# Neuron releases' vLLMs (0.24, 0.29); a 0.3x fleet's front is open (router/context_window.py)
-FRONT_032 = pytest.mark.xfail(
-    VLLM_SERIES == "0.32",
-    strict=True,
-    reason="vLLM 0.32 changed its front's context checks (renderers/params.py max_input_tokens, the messages); "
-    "the router's front follows 0.24/0.29 (router/context_window.py), a 0.3x profile is open",
-)
+# max_model_len=N (0.24/0.29 print max_model_len=max_total_tokens=N). The router follows the
+# fleet's front (router.yaml front_checks, which the stack writes from this run's vLLM): these
+# bodies both serve on 0.32.
+SERVED_ON_032 = frozenset({"prompt + max_tokens over the context", "max_tokens the whole context"})
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +71,12 @@ def _resolve(value: Any, context: int) -> Any:
     return value
 
 
-@FRONT_032
 @pytest.mark.parametrize("name", BODIES)
 def test_the_router_refuses_as_vllm_chat_route(stack: CompatStack, context: int, name: str) -> None:
     body = _body(stack, name, context)
+    if VLLM_SERIES == "0.32" and name in SERVED_ON_032:
+        _both_serve(stack, body)
+        return
     stack.ve.clear()
     stack.pd.clear()
     with httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False) as client:
@@ -92,6 +90,13 @@ def test_the_router_refuses_as_vllm_chat_route(stack: CompatStack, context: int,
     assert stack.pd.core.requests == [] and stack.ve.core.requests == []
 
 
+def _both_serve(stack: CompatStack, body: dict[str, Any]) -> None:
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False) as client:
+        ours = client.post(stack.router_url + "/v1/chat/completions", json=body)
+        theirs = client.post(stack.pd.url + "/v1/chat/completions", json=body)
+    assert (ours.status_code, theirs.status_code) == (200, 200), (ours.text, theirs.text)
+
+
 def test_within_the_context_both_serve(stack: CompatStack, context: int) -> None:
     """The edge: prompt + max_tokens exactly the context is served by both."""
     tokens = len(stack.render(CHATS["text-only"], max_tokens=1)["token_ids"])
@@ -101,7 +106,4 @@ def test_within_the_context_both_serve(stack: CompatStack, context: int) -> None
         "max_tokens": context - tokens,
         "temperature": 0.0,
     }
-    with httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False) as client:
-        ours = client.post(stack.router_url + "/v1/chat/completions", json=body)
-        theirs = client.post(stack.pd.url + "/v1/chat/completions", json=body)
-    assert (ours.status_code, theirs.status_code) == (200, 200), (ours.text, theirs.text)
+    _both_serve(stack, body)

@@ -138,12 +138,10 @@ def body(ckpt, parts, stream=False) -> dict:
 
 
 def text_of(answer: httpx.Response, stream: bool) -> tuple[str, int, int]:
-    """(text, prompt tokens, completion tokens). The text without a trailing U+FFFD: with the
-    dummy weights the tokens end inside a UTF-8 sequence, which vLLM's chat route leaves out of
-    its text and the router's detokenizer shows as U+FFFD (seen here; the router's to settle).
-    Logprobs are not compared: through the router they are a 502 on 0.32 (its generate answer's
-    logprobs carry token ids, token_in_token_out/protocol.py GenerateLogProbs; the router's
-    translate.client_logprobs reads vLLM 0.24/0.29's token strings)."""
+    """(text, prompt tokens, completion tokens), as sent: with the dummy weights the tokens
+    can end inside a UTF-8 sequence, which vLLM's chat route leaves out of its text and so does
+    the router (preprocess/text.py IncrementalDetokenizer). Logprobs are compared apart
+    (test_logprobs_match_the_pds_own)."""
     assert answer.status_code == 200, answer.text
     if not stream:
         doc = answer.json()
@@ -155,7 +153,7 @@ def text_of(answer: httpx.Response, stream: bool) -> tuple[str, int, int]:
         text = "".join(choice["delta"].get("content") or "" for doc in docs for choice in doc["choices"])
         (usage,) = [doc["usage"] for doc in docs if doc.get("usage")]
     assert usage["completion_tokens"] == MAX_TOKENS, usage
-    return text.rstrip("\ufffd"), usage["prompt_tokens"], usage["completion_tokens"]
+    return text, usage["prompt_tokens"], usage["completion_tokens"]
 
 
 def reference(pd: PlannedEngine, request: dict) -> tuple[str, int, int]:
@@ -212,3 +210,33 @@ def test_a_repeated_image_is_answered_again(stack, ckpt):
     assert first == again == expected
     assert [read.mm_hash for read in pd.reads()].count(item) == 1
     assert [grant[0] for grant in ve.grants()].count(item) == 1
+
+
+def logprobs_of(answer: httpx.Response) -> list[dict]:
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]["logprobs"]["content"]
+
+
+def test_logprobs_match_the_pds_own(stack, ckpt):
+    """0.32's generate route answers logprobs with token ids (token_in_token_out/protocol.py
+    GenerateLogProbs), which the router decodes: each position's token, bytes and candidates
+    equal the PD's chat route's; the logprobs agree to float noise (the encoder ran on another
+    engine)."""
+    real, _, pd = stack
+    request = {**body(ckpt, [image_part(png_data_url(64, 48, seed=36))]), "logprobs": True, "top_logprobs": 2}
+    expected = logprobs_of(pd.post("/v1/chat/completions", request))
+    for route in ("/reset_encoder_cache", "/reset_prefix_cache"):
+        assert pd.post(route).status_code == 200, route
+    ours = logprobs_of(
+        httpx.post(real.url + "/v1/chat/completions", json=request, timeout=REQUEST_TIMEOUT_S, trust_env=False)
+    )
+    assert len(ours) == len(expected) == MAX_TOKENS
+
+    def strip(entry: dict) -> dict:
+        return {"token": entry["token"], "bytes": entry["bytes"]}
+
+    for mine, theirs in zip(ours, expected, strict=True):
+        assert strip(mine) == strip(theirs)
+        assert mine["logprob"] == pytest.approx(theirs["logprob"], abs=1e-3)
+        assert [strip(c) for c in mine["top_logprobs"]] == [strip(c) for c in theirs["top_logprobs"]]
+        assert len(mine["top_logprobs"]) == 2

@@ -42,7 +42,9 @@ class Oracle:
     def expect(self, messages, max_tokens: int):
         rendered = self.render(messages)
         gen = expected_tokens(rendered.token_ids, [i.mm_hash for i in rendered.items], max_tokens, self.vocab)
-        return rendered, list(gen.token_ids), gen.finish_reason, self.pre.detokenize(gen.token_ids)
+        # vLLM's text: stepped per token, an open UTF-8 tail left out (preprocess/text.py)
+        text = self.pre.detokenizer().push(gen.token_ids)
+        return rendered, list(gen.token_ids), gen.finish_reason, text
 
     def close(self) -> None:
         self._loop.run_until_complete(self.pre.aclose())

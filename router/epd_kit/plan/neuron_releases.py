@@ -206,6 +206,21 @@ def handoff_of(vllm: str) -> str:
     return ec_transfer_params if _version(vllm) >= _version(EC_TRANSFER_PARAMS_SINCE) else ec_locator
 
 
+# The chat front whose context checks the router repeats (router.yaml `front_checks`, as
+# epd_kit.router.config.FrontChecks spells them; tests/unit/plan/test_handoff.py keeps the two
+# equal). vllm/renderers/params.py: 0.24.0 and 0.29.0 subtract the output tokens from the
+# prompt's room, 0.32.0 does not (router/context_window.py). No release between 0.29.0 and
+# 0.32.0 was read; the kit plans none (VLLM_CPU_VERSIONS, the Neuron releases' 0.24/0.29).
+FRONT_CHECKS = ("vllm-0.24", "vllm-0.32")
+FRONT_CHECKS_032_SINCE = "0.32.0"
+
+
+def front_checks_of(vllm: str) -> str:
+    """The front checks (router.yaml `front_checks`) of a fleet whose engines run vLLM `vllm`."""
+    front_024, front_032 = FRONT_CHECKS
+    return front_032 if _version(vllm) >= _version(FRONT_CHECKS_032_SINCE) else front_024
+
+
 _M232 = 'manifest 2.32.0: `{{"name":"{}","version":"{}"}}`'
 # vllm-neuron 0.24.0.1.1.0's requirements/core.txt (its pyproject.toml reads its dependencies
 # from it): the copy read is in a fork of vllm-project/vllm-neuron at that version, the upstream

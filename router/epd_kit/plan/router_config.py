@@ -55,6 +55,8 @@ def router_config(
         "dtype": ENGINE_DTYPE,
         # how the VEs hand encoder outputs to the PDs: follows the engines' vLLM (Settings.handoff)
         "handoff": settings.handoff,
+        # the context checks of the engines' vLLM front (Settings.front_checks)
+        "front_checks": settings.front_checks,
     }
     for name in OVERRIDABLE_SECTIONS:
         config[name] = dict(sections.get(name) or {})

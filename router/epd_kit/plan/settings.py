@@ -11,7 +11,7 @@ from .defaults import GLOBAL_DEFAULTS
 from .errors import EpdPlanError
 from .managed import check_engine_environment, check_extra_args
 from .models import ModelSpec, read_models
-from .neuron_releases import DEFAULT_RELEASE, HANDOFFS, VLLM_CPU_VERSIONS, handoff_of, neuron_release
+from .neuron_releases import DEFAULT_RELEASE, HANDOFFS, VLLM_CPU_VERSIONS, front_checks_of, handoff_of, neuron_release
 from .values import ID_PART, as_int, as_str, as_str_list, is_power_of_two
 from .variables import VARIABLES
 
@@ -113,6 +113,11 @@ class Settings:
     def handoff(self) -> str:
         """How the fleet's VEs hand encoder outputs to its PDs (router.yaml `handoff`)."""
         return handoff_of(self.engine_vllm)
+
+    @property
+    def front_checks(self) -> str:
+        """Whose chat front's context checks the router repeats (router.yaml `front_checks`)."""
+        return front_checks_of(self.engine_vllm)
 
     def tp(self, role: str) -> int:
         return self.ve_tp if role == "ve" else self.pd_tp

@@ -14,8 +14,8 @@ API (the router codes against this; see docs/preprocessing.md for the details)::
         rendered.unique_items()   {mm_hash: first PreparedItem}: what to encode
         rendered.pd_features()    wire.Features for the PD request
     pre.detokenize(ids, skip_special_tokens=True) -> str
-    pre.detokenizer(skip_special_tokens=True)     -> IncrementalDetokenizer (.push(ids) -> delta,
-                                                     .flush() -> held-back tail)
+    pre.detokenizer(skip_special_tokens=True)     -> IncrementalDetokenizer (.push(ids) -> delta;
+                                                     an open UTF-8 tail is never emitted)
     pre.eos_token_ids                             -> frozenset[int]
     pre.stats                                     -> PreprocessStats (cache hits/misses, ...)
     await pre.aclose()

@@ -164,12 +164,16 @@ def _strings(value: Any, where: str) -> list[tuple[str, str]]:
 
 
 class IncrementalDetokenizer:
-    """Text deltas for one choice's growing token list (vLLM's prefix/read-offset scheme).
+    """Text deltas for one choice's growing token list, as vLLM's chat route makes its text.
 
-    Each `push` decodes a short window before and after the new tokens and emits the
-    difference; while the window ends in U+FFFD (an incomplete UTF-8 sequence, e.g. half an
-    emoji) the text is held back until the rest arrives. `flush` at the end of the choice
-    releases a tail that never completed. Concatenated deltas equal `decode(all ids)` for
+    Each token is one step of tokenizers' `DecodeStream`, what vLLM's detokenizer uses for a
+    fast tokenizer (vllm 0.24.0 and 0.32.0 v1/engine/detokenizer.py
+    `FastIncrementalDetokenizer.decode_next`: `stream.step(tokenizer, id)`, None as ""): decode a
+    short window before and after the token and emit the difference; while the window ends in
+    U+FFFD (an incomplete UTF-8 sequence, e.g. half an emoji) the text is held back until the rest
+    arrives. A tail that never completes is never emitted: vLLM has no step after the last token
+    (`get_next_output_text` returns the text stepped so far), so its text ends before the open
+    sequence where a whole decode ends in U+FFFD. Concatenated deltas equal `decode(all ids)` for
     every token sequence that decodes to valid UTF-8.
     """
 
@@ -185,10 +189,11 @@ class IncrementalDetokenizer:
         return self._codec.decode(ids, skip_special_tokens=self._skip)
 
     def push(self, new_ids: Sequence[int]) -> str:
-        if not new_ids:
-            return ""
         self._codec.check_ids(new_ids)  # before they join the window: a bad id must not stay
-        self.token_ids.extend(new_ids)
+        return "".join(self._step(t) for t in new_ids)  # one DecodeStream step per token, as vLLM
+
+    def _step(self, token_id: int) -> str:
+        self.token_ids.append(token_id)
         prefix_text = self._decode(self.token_ids[self._prefix : self._read])
         full_text = self._decode(self.token_ids[self._prefix :])
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
@@ -197,13 +202,3 @@ class IncrementalDetokenizer:
             self.text += delta
             return delta
         return ""
-
-    def flush(self) -> str:
-        if self._read >= len(self.token_ids):
-            return ""
-        prefix_text = self._decode(self.token_ids[self._prefix : self._read])
-        full_text = self._decode(self.token_ids[self._prefix :])
-        delta = full_text[len(prefix_text) :] if full_text.startswith(prefix_text) else ""
-        self._prefix = self._read = len(self.token_ids)
-        self.text += delta
-        return delta

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -264,6 +264,12 @@ class ModelEntry(Section):
     limits: dict[str, Any] = Field(default_factory=dict)
 
 
+# the vLLM front whose context checks the router repeats (router/context_window.py)
+FrontChecks = Literal["vllm-0.24", "vllm-0.32"]
+FRONT_CHECKS_024: FrontChecks = "vllm-0.24"
+FRONT_CHECKS_032: FrontChecks = "vllm-0.32"
+
+
 class RouterConfig(Section):
     model: str = Field(min_length=1)
     served_model_name: str | None = None
@@ -277,6 +283,11 @@ class RouterConfig(Section):
     # `ec_transfer_params`. One per fleet: every model's lane runs on the same vLLM. The plan
     # writes it from the engines' vLLM (plan/neuron_releases.py handoff_of).
     handoff: HandoffKind = EC_LOCATOR
+    # whose front's context checks the router makes before an engine (router/context_window.py):
+    # vLLM 0.24/0.29's (the default: a file written before the key existed means what it meant)
+    # or 0.32's, which refuse different requests with other messages. One per fleet, as
+    # `handoff`; the plan writes it from the engines' vLLM (plan/neuron_releases.py front_checks_of).
+    front_checks: FrontChecks = FRONT_CHECKS_024
     listen: Listen = Field(default_factory=Listen)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     limits: Limits = Field(default_factory=Limits)

@@ -62,7 +62,8 @@ class Generation:
             self._metrics.rejected("not_ready")
             raise self._state.not_ready_error()
         context = self._state.pools.max_model_len()
-        context_window.check_output(ctx.request, context)  # vLLM's chat route: before rendering
+        front = self._state.cfg.front_checks
+        context_window.check_output(ctx.request, context, front)  # vLLM's chat route: before rendering
         t = time.monotonic()
         try:
             async with ctx.time_limit("preprocessing"):
@@ -75,6 +76,7 @@ class Generation:
             ctx.request,
             len(rendered.token_ids),
             context,
+            front,
             getattr(rendered, "prompt_chars", None),  # the production renderer's; a test's may lack it
             getattr(self._renderer, "max_chars_per_token", None),
         )

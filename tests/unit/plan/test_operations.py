@@ -40,6 +40,7 @@ def test_router_config_takes_model_limits_and_endpoints_from_the_plan():
         "listen",
         "dtype",
         "handoff",
+        "front_checks",
         "timeouts",
         "limits",
         "media",

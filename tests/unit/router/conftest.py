@@ -65,9 +65,6 @@ class CharDetokenizer:
         self.pushed += new_ids
         return text
 
-    def flush(self) -> str:
-        return ""
-
 
 class CharRenderer:
     """Renders every request to the same prompt; token id N is the character chr(N)."""

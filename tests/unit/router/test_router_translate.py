@@ -13,7 +13,7 @@ from epd_kit.router.context import RequestContext
 from epd_kit.router.errors import Failure, UpstreamError
 from epd_kit.router.openai_api import parse_request
 from epd_kit.router.pools import Engine
-from epd_kit.router.translate import StreamTranslator, client_logprobs, completion
+from epd_kit.router.translate import LogprobTokens, StreamTranslator, client_logprobs, completion
 from epd_kit.wire import GenerateResponse
 
 PD = Engine(id="epd-pd-0", url="http://127.0.0.1:2", role="pd")
@@ -165,7 +165,7 @@ def test_token_ids_outside_the_vocabulary_are_the_pds_invalid_answer(config, cha
         assert e.for_client().message == "the engine sent an invalid answer"
 
 
-def test_logprobs_get_vllms_floor_and_defaults():
+def test_logprobs_get_vllms_floor_and_defaults(char_renderer):
     """max(logprob, -9999.0) as vLLM's answers have it (a raw logit above 0 stays: vLLM's
     --logprobs-mode raw_logits); a missing field takes ChatCompletionLogProb's default; fields
     beyond vLLM's are dropped; `content: null` stays."""
@@ -176,7 +176,7 @@ def test_logprobs_get_vllms_floor_and_defaults():
         ],
         "other": 1,
     }
-    assert client_logprobs(raw, PD) == {
+    assert client_logprobs(raw, PD, LogprobTokens(char_renderer()), 1) == {
         "content": [
             {"token": "token_id:1", "logprob": -9999.0, "bytes": None, "top_logprobs": []},
             {
@@ -187,5 +187,102 @@ def test_logprobs_get_vllms_floor_and_defaults():
             },
         ]
     }
-    assert client_logprobs({"content": None}, PD) == {"content": None}
-    assert client_logprobs(None, PD) is None
+    assert client_logprobs({"content": None}, PD, LogprobTokens(char_renderer()), 1) == {"content": None}
+    assert client_logprobs(None, PD, LogprobTokens(char_renderer()), 1) is None
+
+
+# vLLM 0.32.0's generate answer, written by its own code (the 0.32 env:
+# ServingTokens._create_tokens_logprobs with num_output_top_logprobs=0, as the router asks for
+# `logprobs: true` without top_logprobs, then GenerateTokensChoice(...).model_dump_json()):
+# token ids, a rank, and max(0, 1) = 1 candidate per position.
+CHOICE_032 = (
+    '{"index":0,"finish_reason":"stop","stop_reason":null,"token_ids":[72,105],"routed_experts":null,'
+    '"sampling_mask":null,"weight_versions":null,"logprobs":{"content":[{"token_id":72,"logprob":-0.25,'
+    '"rank":1,"top_logprobs":[{"token_id":72,"logprob":-0.25,"rank":1}]},{"token_id":105,"logprob":-0.5,'
+    '"rank":2,"top_logprobs":[{"token_id":105,"logprob":-0.5,"rank":2}]}]}}'
+)
+# the same with num_output_top_logprobs=2 (`top_logprobs: 2`)
+CHOICE_032_TOP2 = (
+    '{"index":0,"finish_reason":"stop","stop_reason":null,"token_ids":[72,105],"routed_experts":null,'
+    '"sampling_mask":null,"weight_versions":null,"logprobs":{"content":[{"token_id":72,"logprob":-0.25,'
+    '"rank":1,"top_logprobs":[{"token_id":72,"logprob":-0.25,"rank":1},{"token_id":105,"logprob":-1.5,'
+    '"rank":2}]},{"token_id":105,"logprob":-0.5,"rank":2,"top_logprobs":[{"token_id":105,"logprob":-0.5,'
+    '"rank":2},{"token_id":72,"logprob":-0.1,"rank":1}]}]}}'
+)
+
+
+def test_a_032_answer_s_token_id_logprobs_become_vllms_chat_logprobs(config, char_renderer):
+    """0.32's ids are decoded as vLLM's chat route does (decode([id]), its UTF-8 bytes), the
+    rank dropped, and as many candidates kept as the client asked (the chat route's rule):
+    none for `logprobs: true`, two for `top_logprobs: 2`. Through both paths."""
+    plain = {"logprobs": True}
+    result = GenerateResponse.model_validate({"request_id": "rid", "choices": [json.loads(CHOICE_032)]})
+    body = completion(context(config, **plain), result, char_renderer(), PD)
+    assert body["choices"][0]["message"]["content"] == "Hi"
+    assert body["choices"][0]["logprobs"] == {
+        "content": [
+            {"token": "H", "logprob": -0.25, "bytes": [72], "top_logprobs": []},
+            {"token": "i", "logprob": -0.5, "bytes": [105], "top_logprobs": []},
+        ]
+    }
+    tr = StreamTranslator(context(config, stream=True, logprobs=True, top_logprobs=2), char_renderer(), PD)
+    chunk = frame_doc(tr.translate(payload(choices=[json.loads(CHOICE_032_TOP2)])))
+    (choice,) = chunk["choices"]
+    assert choice["delta"] == {"role": "assistant", "content": "Hi"}
+    assert choice["logprobs"]["content"][1] == {
+        "token": "i",
+        "logprob": -0.5,
+        "bytes": [105],
+        "top_logprobs": [
+            {"token": "i", "logprob": -0.5, "bytes": [105]},
+            {"token": "H", "logprob": -0.1, "bytes": [72]},
+        ],
+    }
+
+
+def test_a_token_id_s_bytes_are_its_utf8_and_a_bad_id_is_the_pds_invalid_answer(char_renderer):
+    """A token beyond ASCII: its bytes are its UTF-8 (vLLM: `token.encode("utf-8",
+    errors="replace")`); an id outside the vocabulary, or no integer, is the PD's invalid
+    answer (a 502 charged to it)."""
+    raw = {"content": [{"token_id": 0xE9, "logprob": -1.0, "top_logprobs": []}]}
+    assert client_logprobs(raw, PD, LogprobTokens(char_renderer()), None)["content"][0]["bytes"] == list(
+        "\u00e9".encode()
+    )
+    for bad in (-1, "7", None):
+        with pytest.raises(UpstreamError) as err:
+            client_logprobs({"content": [{"token_id": bad, "logprob": -1.0}]}, PD, LogprobTokens(char_renderer()), None)
+        assert err.value.status == 502 and err.value.engine_id == PD.id and "logprobs" in err.value.message
+
+
+class ByteRenderer:
+    """Token id N < 256 is the byte N, decoded as a byte-fallback vocabulary decodes: an open
+    UTF-8 sequence is U+FFFD."""
+
+    def detokenize(self, ids, skip_special_tokens=True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_a_token_inside_a_utf8_sequence_is_decoded_as_vllms_logprobs_processor_does():
+    """vllm 0.32.0 v1/engine/logprobs.py `_correct_decoded_token`: "" while the sequence is
+    open, the whole character on the token that completes it (the preceding sampled ids as
+    context, kept across a stream's chunks), a candidate at that position the same way."""
+    e_acute = list("\u00e9".encode())  # [0xC3, 0xA9]
+    tokens = LogprobTokens(ByteRenderer())
+    first = {"content": [{"token_id": ord("a"), "logprob": -0.1}, {"token_id": e_acute[0], "logprob": -0.2}]}
+    second = {
+        "content": [
+            {
+                "token_id": e_acute[1],
+                "logprob": -0.3,
+                "top_logprobs": [{"token_id": e_acute[1], "logprob": -0.3}, {"token_id": 0xA8, "logprob": -2.0}],
+            }
+        ]
+    }
+    one = client_logprobs(first, PD, tokens, 2)["content"]
+    two = client_logprobs(second, PD, tokens, 2)["content"]
+    assert [(p["token"], p["bytes"]) for p in one] == [("a", [97]), ("", [])]
+    assert (two[0]["token"], two[0]["bytes"]) == ("\u00e9", e_acute)
+    assert [c["token"] for c in two[0]["top_logprobs"]] == ["\u00e9", "\u00e8"]
+    # no context that completes it: "" (vLLM's last resort)
+    alone = client_logprobs({"content": [{"token_id": 0xA9, "logprob": -1.0}]}, PD, LogprobTokens(ByteRenderer()), 0)
+    assert alone["content"][0]["token"] == ""
