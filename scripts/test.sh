@@ -6,7 +6,9 @@
 #   scripts/test.sh --compat [ARGS] also the vLLM-compat tier, whatever the arguments
 #   scripts/test.sh --no-compat     everything but the vLLM-compat tier
 #   scripts/test.sh --real          only the whole real-engine tier, every vLLM (tests/real_engines:
-#                                   the NIXL hand-offs across network namespaces, the faults; ~20 min)
+#                                   the NIXL hand-offs across network namespaces, the faults; ~20 min),
+#                                   then the three-host sandbox deployed on real engines with NIXL
+#                                   between the hosts (tests/e2e/test_nixl_three_hosts.py, ~10 min)
 # The vLLM-compat tier (docs/compat.md) runs each Neuron release's vLLM (0.24.0, 0.29.0) in a
 # cached venv of its own, one pytest each (scripts/compat-env.sh: ~4 min and ~5 GB per vLLM in
 # /var/tmp the first time, cached after).
@@ -157,6 +159,11 @@ if [ "$REAL" = yes ]; then
   # every real-engine module in every vLLM env (each env's conftest says which modules its vLLM runs)
   phase real-engines in_kithub scripts/compat-env.sh pytest tests/real_engines -ra
   rc=$?
+  # then the kit's deploy of the three-host sandbox on real engines with NIXL between the hosts and
+  # its faults (tests/e2e/test_nixl_three_hosts.py, ~10 min: only here, gated on EPD_REAL_TIER)
+  EPD_REAL_TIER=1 phase real-three-hosts pytest_run tests/e2e/test_nixl_three_hosts.py
+  three_rc=$?
+  [ $rc -ne 0 ] || rc=$three_rc
 elif [ $# -gt 0 ]; then
   phase pytest pytest_run "$@"
   rc=$?
@@ -234,7 +241,7 @@ fi
 set -e
 [ -z "$compat_note" ] || echo "test.sh: $compat_note" >&2
 # issue 54's real-engine lanes do not fit the full run's time: say so, with the command
-[ "$REAL" = yes ] || [ $# -gt 0 ] || echo "test.sh: not in this run: the real-engine tier beyond test_serving/test_tracing (the NIXL hand-offs across network namespaces on every vLLM: test_nixl_kit.py, test_nixl_upstream.py; the faults; ~20 min): scripts/test.sh --real" >&2
+[ "$REAL" = yes ] || [ $# -gt 0 ] || echo "test.sh: not in this run: the real-engine tier beyond test_serving/test_tracing (the NIXL hand-offs across network namespaces on every vLLM: test_nixl_kit.py, test_nixl_upstream.py; the faults; the three-host sandbox with NIXL, test_nixl_three_hosts.py; ~30 min): scripts/test.sh --real" >&2
 if [ $lint_rc -ne 0 ]; then
   echo "test.sh: FAILED: ruff found lint or format problems (see the lint phase; fix with .venv/bin/ruff check --fix . && .venv/bin/ruff format .)" >&2
   [ $rc -ne 0 ] || rc=$lint_rc

