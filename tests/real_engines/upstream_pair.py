@@ -148,16 +148,23 @@ def upstream_pair(
     tag: str,
     dev_mode: bool = False,
     start_timeout: float = START_TIMEOUT_S,
+    engine_class: type[NamespacedEngine] = NamespacedEngine,
+    addresses: tuple[str, str] = ADDRESSES,
+    devices: tuple[str, str] = ("nxu0", "nxu1"),
+    prefix: str = "nxu",
 ) -> Iterator[tuple[VethPair, NamespacedEngine, NamespacedEngine]]:
-    """(veth, VE, PD) healthy (within `start_timeout` s each), in namespaces nxu-ve-`tag` and
-    nxu-pd-`tag`; all removed after."""
+    """(veth, VE, PD) of `engine_class`, healthy (within `start_timeout` s each), in namespaces
+    `prefix`-ve-`tag` and `prefix`-pd-`tag`; all removed after."""
     key_file = workdir / "engine-key"
     key_file.write_text(ENGINE_KEY + "\n")
     key_file.chmod(0o600)
     cores = os.cpu_count() or 1
-    with VethPair(f"nxu-ve-{tag}", f"nxu-pd-{tag}", ADDRESSES) as veth, contextlib.ExitStack() as stack:
+    with (
+        VethPair(f"{prefix}-ve-{tag}", f"{prefix}-pd-{tag}", addresses, devices) as veth,
+        contextlib.ExitStack() as stack,
+    ):
         engines = [
-            NamespacedEngine(
+            engine_class(
                 role,
                 f"epd-{role}-0",
                 ckpt,
