@@ -289,9 +289,10 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_observability_promtool", "", STR, MONITORING, OB, form=ABSOLUTE),
     _v("epd_observability_grafana_dir", "", STR, MONITORING, OB, form=ABSOLUTE),
     _v("epd_observability_runbook_base", "docs/observability.md", STR, MONITORING, OB),
-    # the trace store on a monitoring host (Phoenix, docs/observability.md "Trace store"); the first
-    # monitoring host that runs one is epd_otlp_traces_endpoint's default (plan/trace_store.py)
-    _v("epd_trace_store", "none", STR, MONITORING, OB, choices=("phoenix", "none")),
+    # the trace store on a monitoring host (Phoenix, docs/observability.md "Trace store"): auto runs
+    # it on the first monitoring host reached over SSH with an address the fleet sees; the store is
+    # epd_otlp_traces_endpoint's default (plan/trace_store.py)
+    _v("epd_trace_store", "auto", STR, MONITORING, OB, choices=("auto", "phoenix", "none")),
     _v("epd_trace_store_port", 6006, PORT, MONITORING, OB, minimum=1, maximum=MAX_PORT),
     _v("epd_trace_store_grpc_port", 4317, PORT, MONITORING, OB, minimum=1, maximum=MAX_PORT),
     _v("epd_trace_store_retention_days", 7, INT, MONITORING, OB, minimum=0),
