@@ -148,3 +148,30 @@ def test_only_the_store_host_opens_its_ports_to_the_fleet_monitoring_and_admins(
     assert "tcp dport { 4317, 6006 } ip saddr @trace_store_v4 accept" in nft
     assert "tcp dport { 4317, 6006 } reject with tcp reset" in nft
 
+
+def test_a_dedicated_store_host_gets_the_kit_s_table_with_the_store_s_rule_alone():
+    """A monitoring host that is no engine, router or load-balancer host and runs the store (here by
+    default) gets the kit's table from the observability role: the store's two ports, open to the
+    engine and router hosts, the monitoring hosts and the operators' networks; nothing else."""
+    hostvars, groups = three_hosts(epd_client_networks=CLIENTS, epd_admin_networks=["10.99.0.0/24"])
+    hostvars["prom"] = {"ansible_connection": "local", "epd_bind_address": "10.213.0.1"}
+    hostvars["mon1"] = {"ansible_host": "10.213.0.9"}
+    groups["epd_monitoring"] = ["prom", "mon1"]
+    assert firewall.dedicated_store_host(hostvars, groups) == "mon1"
+    assert rules(hostvars, groups, "mon1") == {
+        "the trace store": ([4317, 6006], ["10.99.0.0/24", "10.213.0.1", "10.213.0.9", "10.213.0.11", "10.213.0.12/31"])
+    }
+    result = checked(hostvars, groups)
+    summary = firewall.firewall_summary(result["plan"], result["settings"]["epd_router_port"], hostvars, groups)
+    assert [line for line in summary if line.startswith("mon1:")] == [
+        "mon1: tcp 4317,6006 (the trace store) from 10.99.0.0/24, 10.213.0.1, 10.213.0.9, 10.213.0.11, 10.213.0.12/31"
+    ]
+
+
+def test_no_table_of_its_own_for_a_store_on_a_fleet_host_or_on_the_controller():
+    hostvars, groups = with_store()  # the store on n3, the router host: the firewall plays cover it
+    assert firewall.dedicated_store_host(hostvars, groups) is None
+    hostvars["n3"]["epd_trace_store"] = "none"
+    hostvars["prom"]["epd_trace_store"] = "phoenix"  # asked for on the controller itself
+    assert trace_store.trace_store(hostvars, groups).host == "prom"
+    assert firewall.dedicated_store_host(hostvars, groups) is None
