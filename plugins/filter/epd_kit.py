@@ -170,6 +170,7 @@ class FilterModule:
             for name, function in {
                 "epd_checked_plan": checked_plan,
                 "epd_trace_store": trace_store,
+                "epd_traces_summary": plan.trace_store.traces_summary,
                 "epd_unresolved_addresses": unresolved_addresses,
                 "epd_plan": plan.plan_from_hostvars,
                 "epd_settings": settings,

@@ -116,6 +116,23 @@ def store_problems(hostvars: Mapping[str, Any], groups: Mapping[str, Any]) -> li
     ]
 
 
+def traces_summary(hostvars: Mapping[str, Any], groups: Mapping[str, Any], endpoint: str) -> str:
+    """plan.yml's line on where the fleet's spans go; `endpoint`: the planned epd_otlp_traces_endpoint
+    (the store's when the operator set none)."""
+    store = trace_store(hostvars, groups)
+    if store is None:
+        if endpoint:
+            return f"TRACES: to {endpoint} (your collector); no trace store"
+        return (
+            "TRACES: off: no collector (epd_otlp_traces_endpoint) and no trace store (no monitoring host the "
+            "kit reaches over SSH at an address the fleet sees, or epd_trace_store: none on each)"
+        )
+    where = f"the trace store on {store.host} (Phoenix, {store.url or 'no address: refused above'})"
+    if endpoint and endpoint == store.traces_endpoint:
+        return f"TRACES: to {where}"
+    return f"TRACES: to {endpoint} (your collector); {where} is deployed and gets nothing from the fleet"
+
+
 class _WithEndpoint(Mapping[str, Any]):
     """One host's variables, plus the store's traces URL as epd_otlp_traces_endpoint."""
 

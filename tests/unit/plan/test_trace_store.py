@@ -175,3 +175,18 @@ def test_no_table_of_its_own_for_a_store_on_a_fleet_host_or_on_the_controller():
     hostvars["prom"]["epd_trace_store"] = "phoenix"  # asked for on the controller itself
     assert trace_store.trace_store(hostvars, groups).host == "prom"
     assert firewall.dedicated_store_host(hostvars, groups) is None
+
+
+def test_plan_says_where_the_traces_go():
+    """plan.yml's TRACES line, from the plan's endpoint: the store, the operator's collector beside a
+    store that gets nothing, a collector alone, or off."""
+    hostvars, groups = with_store()
+    endpoint = checked(hostvars, groups)["settings"]["epd_otlp_traces_endpoint"]
+    assert trace_store.traces_summary(hostvars, groups, endpoint) == (
+        f"TRACES: to the trace store on n3 (Phoenix, {STORE_URL.removesuffix('/v1/traces')})"
+    )
+    mine = "http://10.213.0.1:4318/v1/traces"
+    assert trace_store.traces_summary(hostvars, groups, mine).startswith(f"TRACES: to {mine} (your collector); the")
+    hostvars["n3"]["epd_trace_store"] = "none"
+    assert trace_store.traces_summary(hostvars, groups, mine) == f"TRACES: to {mine} (your collector); no trace store"
+    assert trace_store.traces_summary(hostvars, groups, "").startswith("TRACES: off: no collector")
