@@ -256,6 +256,30 @@ def idle_burst(peer: Peer, wrk: str, body: Path, idle_s: float, seconds: float) 
     }
 
 
+def profile(peer: Peer, wrk: str, body: Path, seconds: float, work: Path) -> dict:
+    """py-spy (every thread, 200 Hz) on the proxy while wrk runs c=16 for `seconds`: the share
+    of its busy samples per stage (bench.router_overhead's buckets) and the top leaf frames."""
+    from bench.router_overhead import summarize_stacks
+
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if spy is None:
+        return {"skipped": "py-spy not installed (the bench extra)"}
+    run_wrk(wrk, peer.proc.url, body, 16, 1)  # warm-up
+    raw = work / "py-spy-c16.txt"
+    argv = [spy, "record", "-p", str(peer.proc.pid), "-r", "200", "-f", "raw", "-o", str(raw)]
+    spy_proc = subprocess.Popen([*argv, "-d", str(round(seconds) + 1)], stdout=subprocess.DEVNULL)
+    try:
+        load = run_wrk(wrk, peer.proc.url, body, 16, seconds, peer.proc.pid)
+        spy_proc.wait(timeout=seconds + 30)
+    finally:
+        if spy_proc.poll() is None:
+            spy_proc.kill()
+    if not raw.exists():
+        return {"skipped": "py-spy wrote no profile"}
+    summary = summarize_stacks(raw.read_text())
+    return {**summary, "raw": str(raw), "requests": load.requests, "cpu_ms_per_req": load.cpu_ms_per_req}
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -313,6 +337,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--baseline", metavar="REV", help="also run epd-router as of git revision REV")
     ap.add_argument("--no-peers", action="store_true", help="epd-router (and --baseline) only")
     ap.add_argument("--log-level", default="INFO", help="epd-router's (INFO: the deployed default)")
+    ap.add_argument(
+        "--profile-s", type=float, default=0.0, help="after the rounds, py-spy epd-router under c=16 this long (0: no)"
+    )
     args = ap.parse_args(argv)
     if os.cpu_count() is None or os.cpu_count() < 2:
         sys.exit("needs 2 CPUs: the load and stubs on CPU 0, the proxy under test on CPU 1")
@@ -363,6 +390,14 @@ def main(argv: list[str] | None = None) -> None:
                 finally:
                     peer.proc.stop()
                 print(f"round {rnd + 1}: {peer.name} done", file=sys.stderr)
+        if args.profile_s:
+            ours = peers[-1]  # this checkout's epd-router
+            ours.proc.start(PROXY_CPU)
+            try:
+                wait_serving(ours.proc)
+                rec.results["profile_c16"] = profile(ours, wrk, body, args.profile_s, work)
+            finally:
+                ours.proc.stop()
     finally:
         for p in [*(x.proc for x in peers), *stubs]:
             p.stop()
@@ -374,6 +409,8 @@ def main(argv: list[str] | None = None) -> None:
     path = rec.save()
     print(rec.results["markdown"])
     print(json.dumps(rec.results.get("idle_burst", {}), indent=1))
+    if "profile_c16" in rec.results:
+        print(json.dumps(rec.results["profile_c16"], indent=1))
     print(f"saved {path}", file=sys.stderr)
 
 

@@ -105,11 +105,18 @@ def unresolved_addresses(hostvars, groups):
 
 def trace_store(hostvars, groups):
     """The fleet's trace store (plan/trace_store.py): {host, address, port, grpc_port, url,
-    traces_endpoint}, or {} without one (epd_observability)."""
+    traces_endpoint, own_table}, or {} without one (epd_observability). own_table: its host is no
+    other kit host, so the observability role loads the kit's table there (plan/firewall.py
+    dedicated_store_host)."""
     store = plan.trace_store.trace_store(hostvars, groups)  # the submodule (checks.py imports it)
     if store is None:
         return {}
-    return dataclasses.asdict(store) | {"url": store.url, "traces_endpoint": store.traces_endpoint}
+    own_table = importlib.import_module(f"{plan.__name__}.firewall").dedicated_store_host(hostvars, groups)
+    return dataclasses.asdict(store) | {
+        "url": store.url,
+        "traces_endpoint": store.traces_endpoint,
+        "own_table": own_table == store.host,
+    }
 
 
 def settings(hostvars, hosts):
@@ -163,6 +170,7 @@ class FilterModule:
             for name, function in {
                 "epd_checked_plan": checked_plan,
                 "epd_trace_store": trace_store,
+                "epd_traces_summary": plan.trace_store.traces_summary,
                 "epd_unresolved_addresses": unresolved_addresses,
                 "epd_plan": plan.plan_from_hostvars,
                 "epd_settings": settings,

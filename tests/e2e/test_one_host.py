@@ -15,12 +15,14 @@ restart after the cache is cleared prints each engine's progress), and the epd_m
 Traces (docs/observability.md "Traces") ride on it too: the first deploy names a collector,
 `epd_otlp_traces_endpoint`, that is the kit's OTLP/HTTP test receiver (epd_kit.testing.otlp) in
 this process on the controller's hub address; a traced image request's spans, the router's and
-each engine's, arrive there under the client's trace. n1 is also a monitoring host with
-`epd_trace_store: phoenix`: the same deploy installs the trace store there (Arize Phoenix,
-docs/observability.md "Trace store"), which the operator's collector overrides. The text-only
-re-deploy near the end removes the setting: the fleet then exports to its store, the default, and
-a traced request is found in Phoenix by its trace id through Phoenix's REST API, from the
-controller (a monitoring host, which the store's access rule lets in); the receiver gets nothing.
+each engine's, arrive there under the client's trace. n1 is also a monitoring host, with no
+setting of its own: the same deploy installs the trace store there by default (Arize Phoenix,
+docs/observability.md "Trace store"; the controller, the other monitoring host, is passed over),
+which the operator's collector overrides. A re-deploy before the text-only one removes the
+setting: the fleet then exports to its store, the default, and a traced image chat is found in
+Phoenix by its trace id through Phoenix's REST API, from the controller (a monitoring host, which
+the store's access rule lets in), with the router's, the VE's and the PD's spans under the one
+trace; the receiver gets nothing.
 
 The layout advisor (docs/advisor.md) comes last before the check, the text-only redeploy and
 the teardown: a slow
@@ -119,8 +121,9 @@ def monitored_one_host(dest: Path, prometheus_dir: Path, traces_url: str) -> Pat
     hosts = yaml.safe_load((dest / "hosts.yml").read_text())
     n1 = hosts["all"]["children"]["epd_engines"]["hosts"]["n1"]
     n1["epd_bind_address"] = n1["ansible_host"]
-    # the trace store on n1 (the controller, the other monitoring host, runs none)
-    hosts["all"]["children"]["epd_monitoring"] = {"hosts": {"n1": {"epd_trace_store": "phoenix"}}}
+    # n1 a monitoring host, no setting: the trace store runs there by default (epd_trace_store auto;
+    # the controller, the other monitoring host, is a local connection the default passes over)
+    hosts["all"]["children"]["epd_monitoring"] = {"hosts": {"n1": {}}}
     (dest / "hosts.yml").write_text(yaml.safe_dump(hosts))
     settings_file = dest / "group_vars/all/epd.yml"
     settings = yaml.safe_load(settings_file.read_text())
@@ -539,14 +542,96 @@ def test_check_mode_changes_nothing(one_host_stack, record_timing):
     assert kit_state(n1) == before
 
 
+def test_without_the_operators_collector_the_fleet_exports_to_its_store(one_host_stack, otlp, record_timing):
+    """A re-deploy without the operator's collector (epd_otlp_traces_endpoint): the fleet's default is
+    then its trace store, Phoenix on n1, installed there by default by the first deploy
+    (plan/trace_store.py: n1 is the monitoring host the kit reaches over SSH). Every engine runs with
+    vLLM's flag naming the store's OTLP/HTTP ingest; a client's traced image chat is found in the
+    store by its trace id through Phoenix's REST API (GET /v1/projects/{project}/spans?trace_id=...,
+    the `default` project of spans without one: phoenix/server/api/routers/v1/spans.py,
+    arize-phoenix 20.26.1), with the router's request span under the client's span, its `ve encode`
+    and `pd generate` under that and the VE's and the PD's `llm_request` each under the call that
+    carried its traceparent; the receiver, the collector before, gets nothing from any process.
+    Phoenix's footprint on n1 (its unit's memory, its venv and database on disk) is recorded."""
+    fleet_dir = one_host_stack.inventory.directory
+    (fleet_dir / TRACES_FILE).unlink()
+    start = time.monotonic()
+    result = ansible_playbook(fleet_dir, "playbooks/deploy.yml", timeout=STEP_LIMIT_S)
+    record_timing("1 host: re-deploy, traces to the store (the engines roll)", time.monotonic() - start)
+    assert result.returncode == 0, result.describe()
+    n1 = one_host_stack.hosts["n1"]
+    store = f"http://{machine_address(1)}:6006"
+    assert n1.is_active("epd-trace-store.service") == "active"
+    # its storage: the store's user only (0750); the unit binds the host's address, not 0.0.0.0
+    assert n1.run("stat -c '%U %a' /var/lib/epd-phoenix").stdout.split() == ["epd-phoenix", "750"]
+    assert n1.run("getent passwd epd-phoenix | cut -d: -f7").stdout.strip() == "/usr/sbin/nologin"
+    engines = {e["id"]: e for e in one_host_stack.pools()}
+    units = [f"epd-engine@{engine_id.removeprefix('epd-')}.service" for engine_id in engines]
+    assert any("ve-" in u for u in units) and any("pd-" in u for u in units), units
+    pids = {}
+    for unit in units:
+        pids[unit], argv, environ = n1.main_process(unit)
+        assert argv[argv.index("--otlp-traces-endpoint") + 1] == f"{store}/v1/traces", (unit, argv)
+        assert environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") == "http/protobuf", environ
+    posts = otlp.posts
+    trace_id, client_span, header = client_traceparent()
+    reply = one_host_stack.chat(
+        image_message("What is in the picture? (traced to the store)", BLUE),
+        max_tokens=4,
+        extra_headers={"traceparent": header},
+    )
+    assert reply.choices[0].message.content is not None
+    wanted = sorted([REQUEST_SPAN, "receive", "render", "ve encode", "pd generate", "llm_request", "llm_request"])
+
+    def stored() -> list[dict] | None:
+        answer = httpx.get(
+            f"{store}/v1/projects/default/spans", params={"trace_id": trace_id}, timeout=5, trust_env=False
+        )
+        spans = answer.json()["data"] if answer.status_code == 200 else []
+        return spans if sorted(s["name"] for s in spans) == wanted else None
+
+    spans = wait_for(stored, timeout=30, what=f"trace {trace_id} in the trace store with the spans {wanted}")
+    assert {s["context"]["trace_id"] for s in spans} == {trace_id}
+    by_name = {s["name"]: s for s in spans if s["name"] != "llm_request"}
+    root = by_name[REQUEST_SPAN]
+    assert root["parent_id"] == client_span, root
+    for name in ("receive", "render", "ve encode", "pd generate"):
+        assert by_name[name]["parent_id"] == root["context"]["span_id"], by_name[name]
+    calls = {by_name[name]["attributes"]["epd.engine.id"]: by_name[name] for name in ("ve encode", "pd generate")}
+    assert {engine_id.split("-")[1] for engine_id in calls} == {"ve", "pd"}, calls
+    assert set(calls) <= set(engines), (calls, engines)
+    engine_spans = {s["parent_id"]: s for s in spans if s["name"] == "llm_request"}
+    for call in calls.values():  # each engine's span: under the call that carried its traceparent
+        mine = engine_spans[call["context"]["span_id"]]
+        assert mine["attributes"]["gen_ai.request.id"].startswith("generate-tokens-"), mine
+    # the receiver, still listening, got nothing more: one collector per fleet
+    time.sleep(3)  # 30 times the export delay the traced requests arrived within
+    assert otlp.posts == posts and otlp.trace(trace_id) == [], otlp.trace(trace_id)
+    # Phoenix's footprint on its host (docs/observability.md "Trace store")
+    # resident memory of every process of its unit (the test hosts keep no memory accounting:
+    # MemoryCurrent reads "[not set]" there)
+    unit = "epd-trace-store.service"
+    rss_kib = n1.run(
+        f"for p in $(cat /sys/fs/cgroup$(systemctl show -P ControlGroup {unit})/cgroup.procs 2>/dev/null"
+        f" || systemctl show -P MainPID {unit}); do awk '/^VmRSS/ {{print $2}}' /proc/$p/status 2>/dev/null"
+        " || true; done"
+    ).stdout.split()
+    assert rss_kib and all(k.isdigit() for k in rss_kib), rss_kib
+    venv_kib, db_kib = (
+        int(n1.run(f"du -sk {path}").stdout.split()[0]) for path in ("/opt/epd/phoenix", "/var/lib/epd-phoenix")
+    )
+    record_timing(
+        f"1 host: the trace store's resident memory ({len(rss_kib)} processes)", sum(map(int, rss_kib)) / 1024, "MiB"
+    )
+    record_timing("1 host: the trace store's venv on disk", venv_kib / 1024, "MiB")
+    record_timing("1 host: the trace store's database directory on disk", db_kib / 1024, "MiB")
+
+
 def test_the_host_redeployed_text_only_answers_text_and_refuses_an_image(one_host_stack, record_timing):
     """A text-only fleet (docs/planner.md "Text-only fleets") deployed over this one, as an operator
     would change the inventory: epd_text_only and no VE. The VEs retire, the router reloads with
     `endpoints.text_only` (router.yaml says it, so it accepts no VE), is ready with PDs alone,
-    answers a text request and refuses an image with a 400 in OpenAI's error shape. The same
-    deploy removes the operator's collector (epd_otlp_traces_endpoint): the fleet's traces go to its
-    store, the PDs roll and the router's processes restart for it
-    (test_without_the_operators_collector_the_fleet_exports_to_its_store)."""
+    answers a text request and refuses an image with a 400 in OpenAI's error shape."""
     from openai import BadRequestError
 
     fleet_dir = one_host_stack.inventory.directory
@@ -554,13 +639,9 @@ def test_the_host_redeployed_text_only_answers_text_and_refuses_an_image(one_hos
     hosts_yml["all"]["children"]["epd_engines"]["hosts"]["n1"]["epd_num_ve"] = 0
     (fleet_dir / "hosts.yml").write_text(yaml.safe_dump(hosts_yml, sort_keys=False))
     (fleet_dir / "group_vars/all/text-only.yml").write_text("epd_text_only: true\n")
-    (fleet_dir / TRACES_FILE).unlink()
     start = time.monotonic()
     result = ansible_playbook(fleet_dir, "playbooks/deploy.yml", timeout=STEP_LIMIT_S)
-    record_timing(
-        "1 host: re-deploy as a text-only fleet, traces to the store (the VEs retire, the PDs roll)",
-        time.monotonic() - start,
-    )
+    record_timing("1 host: re-deploy as a text-only fleet (the VEs retire, the PDs roll)", time.monotonic() - start)
     assert result.returncode == 0, result.describe()
     assert sorted(e["id"] for e in one_host_stack.pools()) == ["epd-pd-0", "epd-pd-1"]
     n1 = one_host_stack.hosts["n1"]
@@ -578,53 +659,6 @@ def test_the_host_redeployed_text_only_answers_text_and_refuses_an_image(one_hos
         "param": "messages[0].content[0]",
         "code": 400,
     }
-
-
-def test_without_the_operators_collector_the_fleet_exports_to_its_store(one_host_stack, otlp):
-    """The re-deploy before removed epd_otlp_traces_endpoint: the fleet's default is then its trace
-    store, Phoenix on n1 (plan/trace_store.py). The PDs run with vLLM's flag naming the store's
-    OTLP/HTTP ingest; a client's traced request is found in the store by its trace id through
-    Phoenix's REST API (GET /v1/projects/{project}/spans?trace_id=..., the `default` project of
-    spans without one: phoenix/server/api/routers/v1/spans.py), the router's request span under the
-    client's span and the PD's `llm_request` under the router's call; the receiver, the collector
-    before, gets nothing from any process (the router, restarted for it, exports to the store)."""
-    n1 = one_host_stack.hosts["n1"]
-    store = f"http://{machine_address(1)}:6006"
-    assert n1.is_active("epd-trace-store.service") == "active"
-    # its storage: the store's user only (0750); the unit binds the host's address, not 0.0.0.0
-    assert n1.run("stat -c '%U %a' /var/lib/epd-phoenix").stdout.split() == ["epd-phoenix", "750"]
-    assert n1.run("getent passwd epd-phoenix | cut -d: -f7").stdout.strip() == "/usr/sbin/nologin"
-    for unit in ("epd-engine@pd-0.service", "epd-engine@pd-1.service"):
-        _pid, argv, environ = n1.main_process(unit)
-        assert argv[argv.index("--otlp-traces-endpoint") + 1] == f"{store}/v1/traces", argv
-        assert environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") == "http/protobuf", environ
-    posts = otlp.posts
-    trace_id, client_span, header = client_traceparent()
-    reply = one_host_stack.chat(
-        [{"role": "user", "content": "Say hello, traced to the store."}],
-        max_tokens=4,
-        extra_headers={"traceparent": header},
-    )
-    assert reply.choices[0].message.content
-    wanted = sorted([REQUEST_SPAN, "receive", "render", "pd generate", "llm_request"])
-
-    def stored() -> list[dict] | None:
-        answer = httpx.get(
-            f"{store}/v1/projects/default/spans", params={"trace_id": trace_id}, timeout=5, trust_env=False
-        )
-        spans = answer.json()["data"] if answer.status_code == 200 else []
-        return spans if sorted(s["name"] for s in spans) == wanted else None
-
-    spans = wait_for(stored, timeout=30, what=f"trace {trace_id} in the trace store with the spans {wanted}")
-    assert {s["context"]["trace_id"] for s in spans} == {trace_id}
-    by_name = {s["name"]: s for s in spans}
-    root = by_name[REQUEST_SPAN]
-    assert root["parent_id"] == client_span, root
-    assert by_name["pd generate"]["parent_id"] == root["context"]["span_id"]
-    assert by_name["llm_request"]["parent_id"] == by_name["pd generate"]["context"]["span_id"]
-    # the receiver, still listening, got nothing more: one collector per fleet
-    time.sleep(3)  # 30 times the export delay the traced requests arrived within
-    assert otlp.posts == posts and otlp.trace(trace_id) == [], otlp.trace(trace_id)
 
 
 def test_teardown_leaves_the_host_clean(one_host_stack):

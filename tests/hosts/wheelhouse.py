@@ -71,13 +71,13 @@ def main() -> int:
 def trace_store() -> None:
     """The trace store's wheelhouse (roles/epd_observability tasks/trace_store.yml: the same builder,
     requirement and cache), for tests/e2e/test_one_host.py's Phoenix on n1. A failure only warns:
-    only a deploy with epd_trace_store: phoenix needs it, and that deploy then fails saying so."""
+    only a deploy that runs the trace store needs it, and that deploy then fails saying so."""
     role_vars = yaml.safe_load((REPO / "roles/epd_observability/vars/main.yml").read_text())
     builder = REPO / "roles/epd_provision/files/build_engine_wheelhouse.py"
     argv = [sys.executable, str(builder), "--cache", str(REPO / ".cache/engine-wheelhouse")]
     argv += ["--requirement", role_vars["epd_observability_trace_store_requirement"], "--no-configured-find-links"]
     if subprocess.run(argv, check=False).returncode:
-        print("wheelhouse: WARNING: no trace store wheelhouse; a deploy with epd_trace_store: phoenix will fail")
+        print("wheelhouse: WARNING: no trace store wheelhouse; a deploy that runs the trace store will fail")
 
 
 def provisioning_standins() -> int:

@@ -15,7 +15,9 @@ connections already open) passes on to the operator's own tables, which stay unt
     HAProxy's port                  epd_client_networks
     HAProxy's statistics page       the monitoring hosts
     the trace store (HTTP + gRPC)   the engine and router hosts (OTLP ingest), the monitoring hosts and
-                                    epd_admin_networks (its UI and API); on its monitoring host
+                                    epd_admin_networks (its UI and API); on its monitoring host, which
+                                    gets the kit's table even when it is no other kit host
+                                    (dedicated_store_host)
 
 A host is allowed by its address: epd_bind_address (its private address), else an IP address in
 ansible_host. `epd_client_networks` unset means any client in a one-machine fleet and is refused
@@ -148,6 +150,19 @@ def fleet_hosts(groups: Mapping[str, Any]) -> list[str]:
     """The hosts the firewall play runs on: engines, routers, load balancers (inventory order, once).
     A trace store's rule is in its host's table when that host is one of them."""
     return list(dict.fromkeys(str(h) for group in (ENGINE, ROUTER, LOADBALANCER) for h in groups.get(group) or []))
+
+
+def dedicated_store_host(hostvars: Mapping[str, Any], groups: Mapping[str, Any]) -> str | None:
+    """The trace store's host when it is none of fleet_hosts and the kit reaches it over SSH (a
+    dedicated monitoring host): the observability role loads the kit's table there, the store's
+    rule alone, before the store listens. None otherwise (a fleet host's table has the rule from
+    the firewall plays; the controller itself, a local connection, gets no table of the kit's)."""
+    store = trace_store(hostvars, groups)
+    if store is None or store.host in fleet_hosts(groups):
+        return None
+    variables = hostvars[store.host] if store.host in hostvars else {}  # noqa: SIM401  (.get templates all)
+    connection = plain(variables["ansible_connection"]) if "ansible_connection" in variables else None
+    return None if str(connection or "ssh") == "local" else store.host
 
 
 def fleet_sources(
@@ -419,7 +434,8 @@ def firewall_summary(
     if problems:
         return [f"FIREWALL: cannot be planned: {p}" for p in problems]
     lines = []
-    for host in fleet_hosts(groups):
+    store_host = dedicated_store_host(hostvars, groups)
+    for host in fleet_hosts(groups) + ([store_host] if store_host else []):
         firewall = host_firewall(plan, router_port, hostvars, groups, host, sources)
         for rule in firewall.rules:
             allowed = ", ".join(firewall.sources[rule.source]) or "nobody but the host itself"

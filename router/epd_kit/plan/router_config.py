@@ -36,6 +36,7 @@ def router_config(
     loadbalancer_addresses: Sequence[str] = (),
     text_only: bool = False,
     running: Mapping[str, Any] | None = None,
+    trust_parent_sampled: bool = False,
 ) -> dict[str, Any]:
     """router.yaml as a mapping; `extra` is merged last, recursively. `text_only`: the fleet's
     epd_text_only as the inventory check read it (its settings' epd_text_only), written into
@@ -76,6 +77,8 @@ def router_config(
     }
     if settings.otlp_traces_endpoint:  # the router's spans go where the engines' go
         config["tracing"] = {"otlp_traces_endpoint": settings.otlp_traces_endpoint}
+        if trust_parent_sampled:  # epd_router_trust_parent_sampled: a gateway in front samples
+            config["tracing"]["trust_parent_sampled"] = True
     endpoints = router_endpoints(plan, draining)
     config["endpoints"] = {"text_only": True, **endpoints} if text_only else endpoints
     if settings.models:

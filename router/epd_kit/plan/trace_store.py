@@ -1,13 +1,21 @@
 """The fleet's trace store: which monitoring host runs one, where it listens, and the traces URL
 the router and the engines export to when the operator names no collector.
 
-`epd_trace_store: phoenix` on a host of epd_monitoring deploys Arize Phoenix there
-(roles/epd_observability, docs/observability.md "Trace store"). The first such host in inventory
-order is the store; with `epd_otlp_traces_endpoint` unset, the fleet exports to its OTLP/HTTP
-ingest, `http://<its address>:<epd_trace_store_port>/v1/traces` (Phoenix serves OTLP/HTTP on its
-HTTP port at /v1/traces: phoenix/server/api/routers/v1/traces.py, `post_traces`, arize-phoenix
-20.26.1). An operator's own collector always wins; `none` (the default) deploys nothing and
-changes no default, so the endpoint never names a store that is not deployed.
+A fleet with a monitoring host keeps its traces by default: `epd_trace_store` (on each host of
+epd_monitoring) is `auto` unless set, and the store, Arize Phoenix (roles/epd_observability,
+docs/observability.md "Trace store"), runs on
+
+- the first monitoring host (inventory order) with `epd_trace_store: phoenix`, else
+- the first with `auto` that the kit reaches over SSH (not `ansible_connection: local`: the
+  operator's own machine gets no service it did not ask for) and that has an address the fleet's
+  hosts see; a monitoring host without one is passed over, not refused (it asked for nothing).
+
+With `epd_otlp_traces_endpoint` unset, the fleet exports to the store's OTLP/HTTP ingest,
+`http://<its address>:<epd_trace_store_port>/v1/traces` (Phoenix serves OTLP/HTTP on its HTTP
+port at /v1/traces: phoenix/server/api/routers/v1/traces.py, `post_traces`, arize-phoenix 20.26.1).
+An operator's own collector always wins; `none` on a monitoring host deploys nothing there, so
+`none` on every one (or no monitoring host) leaves tracing off, and the endpoint never names a
+store that is not deployed.
 
 Stdlib only, like the rest of epd_kit.plan.
 """
@@ -67,18 +75,33 @@ def _value(variables: Mapping[str, Any], name: str) -> Any:
     return VARIABLES[name].default if value is None else value
 
 
+def _store(host: str, variables: Mapping[str, Any]) -> TraceStore:
+    return TraceStore(
+        host,
+        host_address(host, variables),
+        int(_value(variables, "epd_trace_store_port")),
+        int(_value(variables, "epd_trace_store_grpc_port")),
+    )
+
+
+def _by_default(host: str, variables: Mapping[str, Any]) -> bool:
+    """`auto` picks this monitoring host: reached over SSH and seen by the fleet at an address."""
+    connection = plain(variables["ansible_connection"]) if "ansible_connection" in variables else None
+    return str(connection or "ssh") != "local" and host_address(host, variables) is not None
+
+
 def trace_store(hostvars: Mapping[str, Any], groups: Mapping[str, Any]) -> TraceStore | None:
-    """The first monitoring host with `epd_trace_store: phoenix`, or None."""
+    """The first monitoring host with `epd_trace_store: phoenix`, else the first `auto` one the
+    default picks (`_by_default`), or None."""
+    chosen: TraceStore | None = None
     for host in map(str, groups.get(MONITORING) or []):
         variables = hostvars[host] if host in hostvars else {}  # noqa: SIM401  (.get templates all of them)
-        if str(_value(variables, "epd_trace_store")) == "phoenix":
-            return TraceStore(
-                host,
-                host_address(host, variables),
-                int(_value(variables, "epd_trace_store_port")),
-                int(_value(variables, "epd_trace_store_grpc_port")),
-            )
-    return None
+        wanted = str(_value(variables, "epd_trace_store"))
+        if wanted == "phoenix":
+            return _store(host, variables)
+        if wanted == "auto" and chosen is None and _by_default(host, variables):
+            chosen = _store(host, variables)
+    return chosen
 
 
 def store_problems(hostvars: Mapping[str, Any], groups: Mapping[str, Any]) -> list[str]:
@@ -91,6 +114,23 @@ def store_problems(hostvars: Mapping[str, Any], groups: Mapping[str, Any]) -> li
         f"by address, but {store.host} has none they see (epd_bind_address, else ansible_host, as an IP "
         f"address that is not loopback): set epd_bind_address of {store.host} to its private address"
     ]
+
+
+def traces_summary(hostvars: Mapping[str, Any], groups: Mapping[str, Any], endpoint: str) -> str:
+    """plan.yml's line on where the fleet's spans go; `endpoint`: the planned epd_otlp_traces_endpoint
+    (the store's when the operator set none)."""
+    store = trace_store(hostvars, groups)
+    if store is None:
+        if endpoint:
+            return f"TRACES: to {endpoint} (your collector); no trace store"
+        return (
+            "TRACES: off: no collector (epd_otlp_traces_endpoint) and no trace store (no monitoring host the "
+            "kit reaches over SSH at an address the fleet sees, or epd_trace_store: none on each)"
+        )
+    where = f"the trace store on {store.host} (Phoenix, {store.url or 'no address: refused above'})"
+    if endpoint and endpoint == store.traces_endpoint:
+        return f"TRACES: to {where}"
+    return f"TRACES: to {endpoint} (your collector); {where} is deployed and gets nothing from the fleet"
 
 
 class _WithEndpoint(Mapping[str, Any]):

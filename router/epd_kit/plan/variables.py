@@ -289,9 +289,10 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_observability_promtool", "", STR, MONITORING, OB, form=ABSOLUTE),
     _v("epd_observability_grafana_dir", "", STR, MONITORING, OB, form=ABSOLUTE),
     _v("epd_observability_runbook_base", "docs/observability.md", STR, MONITORING, OB),
-    # the trace store on a monitoring host (Phoenix, docs/observability.md "Trace store"); the first
-    # monitoring host that runs one is epd_otlp_traces_endpoint's default (plan/trace_store.py)
-    _v("epd_trace_store", "none", STR, MONITORING, OB, choices=("phoenix", "none")),
+    # the trace store on a monitoring host (Phoenix, docs/observability.md "Trace store"): auto runs
+    # it on the first monitoring host reached over SSH with an address the fleet sees; the store is
+    # epd_otlp_traces_endpoint's default (plan/trace_store.py)
+    _v("epd_trace_store", "auto", STR, MONITORING, OB, choices=("auto", "phoenix", "none")),
     _v("epd_trace_store_port", 6006, PORT, MONITORING, OB, minimum=1, maximum=MAX_PORT),
     _v("epd_trace_store_grpc_port", 4317, PORT, MONITORING, OB, minimum=1, maximum=MAX_PORT),
     _v("epd_trace_store_retention_days", 7, INT, MONITORING, OB, minimum=0),
@@ -445,6 +446,8 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_router_stop_timeout_s", 60, SECONDS, ROUTER, RO, minimum=1),
     _v("epd_router_limit_nofile", 65536, INT, ROUTER, RO, minimum=1024),
     _v("epd_router_validate_config", True, BOOL, ROUTER, RO),
+    # router.yaml tracing.trust_parent_sampled: a client's sampled flag decides (behind a gateway that samples)
+    _v("epd_router_trust_parent_sampled", False, BOOL, ROUTER, RO),
     _v("epd_router_wait_timeout_s", 120, SECONDS, ROUTER, RO, minimum=1),
     # rollouts (playbooks/tasks/rollout.yml; rollout.py resolves counts and percentages per pool)
     _v("epd_rollout_batch_ve", 1, AMOUNT, FLEET, plays=ROLLOUT_PLAYS),
@@ -565,7 +568,7 @@ ROUTER_SECTIONS: dict[str, dict[str, str]] = {
     },
     "engine_auth": {"key_file": PATH},
     "admin": {"networks": LIST, "token_file": PATH},
-    "tracing": {"otlp_traces_endpoint": STR, "sample_ratio": FLOAT},
+    "tracing": {"otlp_traces_endpoint": STR, "sample_ratio": FLOAT, "trust_parent_sampled": BOOL},
 }
 # router.yaml keys the kit writes from other variables: set those instead (a second value
 # would disagree with the socket unit, the engines or the plan)
@@ -590,6 +593,7 @@ PLANNED_KEYS: dict[str, str] = {
     "admin.networks": "epd_admin_networks",
     "admin.token_file": "epd_admin_token_file",
     "tracing.otlp_traces_endpoint": "epd_otlp_traces_endpoint",
+    "tracing.trust_parent_sampled": "epd_router_trust_parent_sampled",
 }
 
 

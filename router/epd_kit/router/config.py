@@ -156,10 +156,13 @@ class Admin(Section):
 class Tracing(Section):
     """OpenTelemetry traces of the chat requests (tracing.py, docs/router.md "Tracing"): off
     (None) unless a collector's OTLP/HTTP traces URL is named (restart only). `sample_ratio`:
-    the share of requests traced, drawn by the router whatever a client's traceparent says."""
+    the share of requests traced, drawn by the router whatever a client's traceparent says, unless
+    `trust_parent_sampled` (for fleets behind a gateway that samples): then a valid client
+    traceparent's sampled flag decides, and the draw is for requests without one."""
 
     otlp_traces_endpoint: str | None = None
     sample_ratio: float = Field(default=1.0, ge=0, le=1)
+    trust_parent_sampled: bool = False
 
     @field_validator("otlp_traces_endpoint")
     @classmethod

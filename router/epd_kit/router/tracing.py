@@ -15,7 +15,11 @@ spans, never a request, and at most SHUTDOWN_S of a process's exit:
 
 A client's W3C `traceparent` (and `tracestate`) makes a sampled request's span its child: the
 client's trace goes on. Its sampled flag decides nothing (any client could force full tracing):
-an unsampled request passes the client's trace on to the engines with that flag cleared.
+an unsampled request passes the client's trace on to the engines with that flag cleared. With
+`trust_parent_sampled` (off by default; a fleet behind a gateway that samples, whose clients
+cannot reach the router directly) the flag decides for a request that carries a valid
+traceparent, as OpenTelemetry's ParentBased sampler does (opentelemetry-sdk trace/sampling.py
+`ParentBased`: the parent's sampled flag, the root sampler only without a parent).
 Invalid headers are counted (epd_router_trace_context_errors), never logged: a client writes
 them. Each engine call carries a `traceparent` naming its own span; vLLM reads
 `traceparent`/`tracestate` on its generate route when it exports spans itself
@@ -186,6 +190,7 @@ class Tracing:
         self._tracer: Any = None
         self._invalid = invalid
         self._ratio = settings.sample_ratio
+        self._trust_parent = settings.trust_parent_sampled
         self._log_filter: _ExportLogs | None = None
         if settings.otlp_traces_endpoint is not None:
             self._provider, self._tracer = _sdk_tracer(settings)
@@ -219,7 +224,7 @@ class Tracing:
         unchanged when off, with its sampled flag cleared when the router chose not to sample."""
         parent, state = self.client_context(headers)
         if self._tracer is not None:
-            if self._ratio >= 1.0 or random.random() < self._ratio:
+            if self._sampled(parent):
                 return RequestTrace(self._tracer, parent, state)
             if parent is not None:
                 parent = _unsampled(parent)
@@ -227,6 +232,13 @@ class Tracing:
             return None
         tracestate = ",".join(f"{k}={v}" for k, v in state)
         return _engine_headers.set(_header_lines(parent, tracestate))
+
+    def _sampled(self, parent: str | None) -> bool:
+        """The router's draw; with trust_parent_sampled, a valid parent's sampled flag instead
+        (bit 0 of trace-flags, W3C Trace Context §3.2.2.5)."""
+        if self._trust_parent and parent is not None:
+            return bool(int(parent[-2:], 16) & 1)
+        return self._ratio >= 1.0 or random.random() < self._ratio
 
     @staticmethod
     def finish(handle: RequestTrace | Token[bytes] | None, response: Response | None) -> None:

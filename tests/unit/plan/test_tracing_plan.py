@@ -78,3 +78,24 @@ def test_the_sample_ratio_goes_through_the_router_extra_config_checked_by_the_ro
     assert any("tracing.sample_ratio is 2: input should be less than or equal to 1" in p for p in result["problems"])
     result = check({"n1": {"epd_router_extra_config": {"tracing": {"otlp_traces_endpoint": URL}}}})
     assert any("set that instead" in p and "epd_otlp_traces_endpoint" in p for p in result["problems"])
+
+
+def test_trust_parent_sampled_is_the_router_variable_s_and_only_with_traces_on():
+    """epd_router_trust_parent_sampled (off by default) writes router.yaml tracing.trust_parent_sampled
+    when traces are on; epd_router_extra_config may not set it a second way; a bad value is refused."""
+    result = check({"all": {"epd_otlp_traces_endpoint": URL}})
+    settings = planner.read_settings(result["settings"])
+    default = planner.router_config(result["plan"], settings, listen_host="127.0.0.1")
+    assert "trust_parent_sampled" not in default["tracing"]
+    assert parse_config(default).tracing.trust_parent_sampled is False
+    trusted = planner.router_config(result["plan"], settings, listen_host="127.0.0.1", trust_parent_sampled=True)
+    assert parse_config(trusted).tracing.trust_parent_sampled is True
+    off = check({})
+    config = planner.router_config(
+        off["plan"], planner.read_settings(off["settings"]), listen_host="127.0.0.1", trust_parent_sampled=True
+    )
+    assert "tracing" not in config  # nothing to sample without a collector
+    result = check({"n1": {"epd_router_extra_config": {"tracing": {"trust_parent_sampled": True}}}})
+    assert any("set that instead" in p and "epd_router_trust_parent_sampled" in p for p in result["problems"])
+    result = check({"n1": {"epd_router_trust_parent_sampled": "sometimes"}})
+    assert any("epd_router_trust_parent_sampled" in p for p in result["problems"]), result["problems"]

@@ -93,3 +93,37 @@ def _shared(path: Path) -> Preprocessor:
     if path not in _PRE:
         _PRE[path] = Preprocessor.from_checkpoint(path, workers=1)
     return _PRE[path]
+
+
+def _stepped(pre: Preprocessor, ids: list[int], skip: bool) -> str:
+    """The per-token steps alone (DecodeStream's windows), without push's byte-level shortcut."""
+    detok = pre.detokenizer(skip_special_tokens=skip)
+    return "".join(detok._step(t) for t in ids)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_the_byte_level_shortcut_gives_the_steps_text_for_any_ids(checkpoint: Path, data: st.DataObject) -> None:
+    """Issue 58 item 6: push decodes a chunk once when the decoder is byte-level and the window
+    ends at a character boundary. Any ids (bytes that never form a character, split and
+    interleaved characters, special tokens), cut into any chunks, skip or keep: the same deltas'
+    text as one step per token, and the text stepped on from there the same too."""
+    pre = _shared(checkpoint)
+    assert pre.text.byte_level  # the tiny checkpoint's decoder, as Qwen's: ByteLevel
+    limit = pre.text.vocab_size
+    ids = data.draw(st.lists(st.integers(0, limit - 1), max_size=24))
+    skip = data.draw(st.booleans())
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=6)))
+    chunks = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=False)]
+    detok = pre.detokenizer(skip_special_tokens=skip)
+    assert "".join(detok.push(c) for c in chunks) == _stepped(pre, ids, skip)
+    assert detok.token_ids == ids
+
+
+def test_the_shortcut_holds_back_an_open_character_and_steps_on(pre: Preprocessor) -> None:
+    ids = pre.text.encode("ab" + CLEF + "c")
+    detok = pre.detokenizer()
+    assert detok.push(ids[:3]) == "ab"  # 'a', 'b', the clef's first byte: U+FFFD, so the steps
+    assert detok.push(ids[3:]) == CLEF + "c"
+    assert detok.push(pre.text.encode(" ok")) == " ok"  # the shortcut again from the boundary
+    assert detok.text == "ab" + CLEF + "c ok"

@@ -202,3 +202,40 @@ def test_tracestate_that_breaks_the_grammar_is_dropped_whole(state):
 def test_tracestate_within_the_grammar_is_kept():
     assert tracing.parse_tracestate([",".join(f"k{i}=v" for i in range(32))]) is not None
     assert tracing.parse_tracestate([" a=1 \t", "t@" + "x" * 14 + "=1"]) == [("a", "1"), ("t@" + "x" * 14, "1")]
+
+
+def test_a_client_sampled_flag_is_ignored_by_default(closing):
+    """tracing.trust_parent_sampled is off unless set: the router's draw decides both ways."""
+    assert TracingSettings().trust_parent_sampled is False
+    on = traced(sample_ratio=1.0)
+    closing.append(on)
+    unsampled = f"{SAMPLED[:-2]}00"
+    handle, sent = begun(on, {"traceparent": unsampled})
+    assert isinstance(handle, tracing.RequestTrace)  # the client said "not sampled"; the router traced
+    assert sent.endswith(b"-01\r\n")
+
+
+def test_trust_parent_sampled_follows_a_valid_client_flag_and_draws_without_one(closing):
+    """Behind a gateway that samples: a valid traceparent's sampled flag decides (sample_ratio 0 and
+    a sampled parent: traced in the client's trace; ratio 1 and an unsampled one: not traced, passed
+    on unchanged); without a valid traceparent the router's own draw decides."""
+    counted: list[str] = []
+    never = traced(invalid=counted.append, sample_ratio=0.0, trust_parent_sampled=True)
+    always = traced(sample_ratio=1.0, trust_parent_sampled=True)
+    closing.extend([never, always])
+    for _ in range(5):
+        handle, sent = begun(never, {"traceparent": SAMPLED})
+        assert isinstance(handle, tracing.RequestTrace)
+        assert sent.startswith(f"traceparent: 00-{TRACE_ID}-".encode()) and sent.endswith(b"-01\r\n")
+    unsampled = f"{SAMPLED[:-2]}00"
+    handle, sent = begun(always, {"traceparent": unsampled})
+    assert not isinstance(handle, tracing.RequestTrace)
+    assert sent == f"traceparent: {unsampled}\r\n".encode()
+    # other flag bits set with bit 0 (W3C §3.2.2.5: only bit 0 is "sampled")
+    assert isinstance(begun(never, {"traceparent": f"{SAMPLED[:-2]}03"})[0], tracing.RequestTrace)
+    assert not isinstance(begun(always, {"traceparent": f"{SAMPLED[:-2]}02"})[0], tracing.RequestTrace)
+    # no traceparent, or an invalid one (counted): the router's draw
+    assert not isinstance(begun(never, {})[0], tracing.RequestTrace)
+    assert isinstance(begun(always, {})[0], tracing.RequestTrace)
+    assert not isinstance(begun(never, {"traceparent": SAMPLED.upper()})[0], tracing.RequestTrace)
+    assert counted == ["traceparent"]
