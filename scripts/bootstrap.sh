@@ -56,6 +56,7 @@ TEMPLATE=${KIT_DIR:-/var/tmp/epd-kit}/venv-$want
 PIP=(--disable-pip-version-check -q)
 if [ "$(cat $STAMP 2>/dev/null)" != "$want compiled" ]; then
   mkdir -p "$(dirname "$WHEELS")"
+  case $TEMPLATE in /*) ;; *) TEMPLATE=$PWD/$TEMPLATE ;; esac   # the paths rewritten below are absolute
   exec 9>"$WHEELS.lock"
   flock 9   # one builder at a time (two checkouts bootstrapping at once)
   if [ ! -f "$WHEELS/.complete" ]; then
@@ -96,6 +97,10 @@ if [ "$(cat $STAMP 2>/dev/null)" != "$want compiled" ]; then
   # the absolute paths: the console scripts' shebangs (text files only: ruff is a binary), activate*
   grep -lZ -m1 "^#!$TEMPLATE/bin/" "$VENV.new"/bin/* 2>/dev/null | xargs -0 -r sed -i "1s|^#!$TEMPLATE/bin/|#!$here/bin/|"
   sed -i "s|$TEMPLATE|$here|g" "$VENV.new"/bin/activate* "$VENV.new/pyvenv.cfg"
+  if stale=$(grep -l --binary-files=without-match "$TEMPLATE" "$VENV.new"/bin/*); then
+    echo "bootstrap: $VENV.new still names $TEMPLATE in: $stale (a shebang this script does not rewrite); remove $TEMPLATE and run again" >&2
+    exit 1
+  fi
   rm -rf $VENV && mv "$VENV.new" $VENV
   # the template's kit is the checkout that built it: this one's, editable (its console scripts too)
   $VENV/bin/pip install "${PIP[@]}" --no-compile --no-index --find-links "$WHEELS" --no-deps -e .
