@@ -75,7 +75,7 @@ in_lane_cgroup() {   # in_lane_cgroup LANE CMD...: CMD in a subshell counted as 
   local lane=$1; shift
   (
     if [ -n "$CPU_CG" ] && mkdir -p "$CPU_CG/$lane" 2>/dev/null; then
-      echo "$BASHPID" >"$CPU_CG/$lane/cgroup.procs" 2>/dev/null || true
+      echo "$BASHPID" >"$CPU_CG/$lane/cgroup.procs" 2>/dev/null || rmdir "$CPU_CG/$lane" 2>/dev/null || true   # "?", not 0
     fi
     "$@"
   )
