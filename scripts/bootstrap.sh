@@ -6,7 +6,9 @@
 #   - the Python venv .venv with the kit, its test extras and the bench extras the bench smoke
 #     tests need (`pip install -e '.[test,bench]'`), from wheels built once per pyproject.toml
 #     into $KIT_DIR (/var/tmp/epd-kit), reinstalled only when pyproject.toml changed (stamp
-#     .venv/.bootstrap-stamp).
+#     .venv/.bootstrap-stamp): a copy of the venv built (and its bytecode written) once per
+#     pyproject.toml on this machine ($KIT_DIR/venv-<hash>), with this checkout's kit installed
+#     editable into the copy.
 # Run as root on Debian 12.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,15 +45,24 @@ want=$( (python3 --version; cat pyproject.toml; echo "$EXTRAS") | sha256sum | cu
 # it, and every pytest, ansible-playbook and router/sim process would compile its imports again
 # (docs/sandbox.md: the host-free lane took 567 CPU-s without the venv's bytecode, 406 with it).
 WHEELS=${KIT_DIR:-/var/tmp/epd-kit}/pip-wheels-$want
+# The venv itself is built once per `want` too ($TEMPLATE: every package installed and its bytecode
+# written) and each checkout copies it: ~4 CPU-s (the copy, its paths and this checkout's kit
+# installed editable) instead of ~42 (pip's install of ~100 wheels, then compileall), on the
+# critical path of every fresh clone's test run (docs/sandbox.md "What a fresh clone ... repeats").
+# A venv is relocatable but for the absolute paths venv and pip write: the console scripts'
+# shebangs and the activate scripts, rewritten below; the bytecode names its source path, which
+# the import system corrects when it loads it (importlib's _fix_co_filename).
+TEMPLATE=${KIT_DIR:-/var/tmp/epd-kit}/venv-$want
 PIP=(--disable-pip-version-check -q)
-[ -x $VENV/bin/python ] || python3 -m venv $VENV
 if [ "$(cat $STAMP 2>/dev/null)" != "$want compiled" ]; then
   mkdir -p "$(dirname "$WHEELS")"
+  case $TEMPLATE in /*) ;; *) TEMPLATE=$PWD/$TEMPLATE ;; esac   # the paths rewritten below are absolute
   exec 9>"$WHEELS.lock"
   flock 9   # one builder at a time (two checkouts bootstrapping at once)
   if [ ! -f "$WHEELS/.complete" ]; then
     echo "bootstrap: pip wheel '.[$EXTRAS]' and the build backend into $WHEELS (once per pyproject.toml)"
     rm -rf "$WHEELS.tmp" && mkdir -p "$WHEELS.tmp"
+    [ -x $VENV/bin/python ] || python3 -m venv $VENV   # pip to build them with (replaced below)
     $VENV/bin/pip wheel "${PIP[@]}" --wheel-dir "$WHEELS.tmp" ".[$EXTRAS]"
     rm -f "$WHEELS.tmp"/epd_kit-*.whl   # the kit itself installs editable from this checkout
     backend=$($VENV/bin/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"])')
@@ -60,15 +71,39 @@ if [ "$(cat $STAMP 2>/dev/null)" != "$want compiled" ]; then
     touch "$WHEELS.tmp/.complete"
     rm -rf "$WHEELS" && mv "$WHEELS.tmp" "$WHEELS"
     find "$(dirname "$WHEELS")" -maxdepth 1 -name 'pip-wheels-*' ! -name "pip-wheels-$want*" -exec rm -rf {} +
+    # the venvs of other pyproject.tomls, unless a bootstrap of theirs holds their lock right now
+    for old in "$(dirname "$WHEELS")"/venv-*; do
+      [ -d "$old" ] && [ "$old" != "$TEMPLATE" ] || continue
+      flock -n "$(dirname "$WHEELS")/pip-wheels-${old##*/venv-}.lock" rm -rf "$old" || true
+    done
   fi
+  if [ ! -f "$TEMPLATE/.complete" ]; then
+    echo "bootstrap: pip install '.[$EXTRAS]' into $TEMPLATE (offline, from $WHEELS; once per pyproject.toml)"
+    rm -rf "$TEMPLATE" && python3 -m venv "$TEMPLATE"
+    "$TEMPLATE/bin/pip" install "${PIP[@]}" --no-compile --no-index --find-links "$WHEELS" -e ".[$EXTRAS]"
+    # a file that is not Python 3 (a package's test data or template) fails to compile and stays
+    # source (the two counts below tell), never a failure
+    site=$("$TEMPLATE/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+    "$TEMPLATE/bin/python" -m compileall -q -j0 "$site" >/dev/null 2>&1 || true
+    echo "bootstrap: bytecode written ($(find "$site" -name '*.py' | wc -l) modules, $(find "$site" -name '*.pyc' | wc -l) compiled)"
+    touch "$TEMPLATE/.complete"
+  fi
+  echo "bootstrap: $VENV copied from $TEMPLATE, this checkout's kit installed editable"
+  rm -rf "$VENV.new"
+  cp -a "$TEMPLATE" "$VENV.new"   # under the lock: a builder never replaces it mid-copy
   exec 9>&-
-  echo "bootstrap: pip install -e '.[$EXTRAS]' into $VENV (offline, from $WHEELS)"
-  $VENV/bin/pip install "${PIP[@]}" --no-compile --no-index --find-links "$WHEELS" -e ".[$EXTRAS]"
-  # a file that is not Python 3 (a package's test data or template) fails to compile and stays
-  # source (the two counts below tell), never a failure
-  site=$($VENV/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-  $VENV/bin/python -m compileall -q -j0 "$site" >/dev/null 2>&1 || true
-  echo "bootstrap: bytecode written ($(find "$site" -name '*.py' | wc -l) modules, $(find "$site" -name '*.pyc' | wc -l) compiled)"
+  rm -f "$VENV.new/.complete"
+  here=$(pwd -P)/$VENV
+  # the absolute paths: the console scripts' shebangs (text files only: ruff is a binary), activate*
+  grep -lZ -m1 "^#!$TEMPLATE/bin/" "$VENV.new"/bin/* 2>/dev/null | xargs -0 -r sed -i "1s|^#!$TEMPLATE/bin/|#!$here/bin/|"
+  sed -i "s|$TEMPLATE|$here|g" "$VENV.new"/bin/activate* "$VENV.new/pyvenv.cfg"
+  if stale=$(grep -l --binary-files=without-match "$TEMPLATE" "$VENV.new"/bin/*); then
+    echo "bootstrap: $VENV.new still names $TEMPLATE in: $stale (a shebang this script does not rewrite); remove $TEMPLATE and run again" >&2
+    exit 1
+  fi
+  rm -rf $VENV && mv "$VENV.new" $VENV
+  # the template's kit is the checkout that built it: this one's, editable (its console scripts too)
+  $VENV/bin/pip install "${PIP[@]}" --no-compile --no-index --find-links "$WHEELS" --no-deps -e .
   echo "$want compiled" > $STAMP
 fi
 echo "bootstrap: ok ($VENV, $(.venv/bin/ansible-playbook --version | sed -n 1p))"

@@ -58,9 +58,47 @@ speed_probe() {
 SPEED_START=$(speed_probe)
 # the harnesses' waits scale with it (tests/budget.py: the slower of this and their own reading)
 export EPD_SPEED_PROBE_S=$SPEED_START
+# Where the run's CPU goes (issue 55: the three lanes of a full run share the 2 cores, so each
+# lane's length is mostly the CPU of all three): each lane runs in a cgroup of its own and the
+# timings give its CPU-s beside its seconds, and the machine's busy CPU-s over the run beside
+# what its cores could give (/proc/stat). What a lane starts is counted in its cgroup, the test
+# hosts it boots too where they inherit it (cgroup v1's cpuacct, as on the 2-core VM:
+# systemd-nspawn's processes stay in the cpuacct group of whoever started it). Best effort: where
+# no cgroup can be made, a lane's CPU-s is "?".
+CPU_CG=""
+if [ -w /sys/fs/cgroup/cpuacct ]; then
+  CPU_CG=/sys/fs/cgroup/cpuacct/epd-test-$$
+elif [ -f /sys/fs/cgroup/cgroup.controllers ] && [ -w /sys/fs/cgroup ]; then
+  CPU_CG=/sys/fs/cgroup/epd-test-$$
+fi
+in_lane_cgroup() {   # in_lane_cgroup LANE CMD...: CMD in a subshell counted as LANE
+  local lane=$1; shift
+  (
+    if [ -n "$CPU_CG" ] && mkdir -p "$CPU_CG/$lane" 2>/dev/null; then
+      echo "$BASHPID" >"$CPU_CG/$lane/cgroup.procs" 2>/dev/null || rmdir "$CPU_CG/$lane" 2>/dev/null || true   # "?", not 0
+    fi
+    "$@"
+  )
+}
+lane_cpu() {   # lane_cpu LANE: its CPU-s so far, or ?
+  local v
+  if v=$(cat "$CPU_CG/$1/cpuacct.usage" 2>/dev/null) && [ -n "$v" ]; then
+    echo $((v / 1000000000))
+  elif v=$(awk '$1 == "usage_usec" {print $2}' "$CPU_CG/$1/cpu.stat" 2>/dev/null) && [ -n "$v" ]; then
+    echo $((v / 1000000))
+  else
+    echo "?"
+  fi
+}
+machine_busy() {   # the machine's busy CPU-s since boot: user, nice, system, irq, softirq (proc(5))
+  awk -v hz="$(getconf CLK_TCK)" '$1 == "cpu" {print int(($2 + $3 + $4 + $7 + $8) / hz)}' /proc/stat
+}
+BUSY0=$(machine_busy)
 summary() {
   slowest
   echo "== timings"; printf '   %s\n' "${TIMES[@]}"; printf '   %-22s %4ss\n' total $((SECONDS - T0))
+  printf '   %-22s %4s CPU-s busy of %s (%s cores x the total)\n' machine $(($(machine_busy) - BUSY0)) \
+    $(($(nproc) * (SECONDS - T0))) "$(nproc)"
   printf '   %-22s %s before the tiers, %s after\n' "speed probe" "$SPEED_START" "$(speed_probe)"
 }
 # Every pytest process of the run writes a JUnit report into DURATIONS (pytest_run); at the end
@@ -93,6 +131,7 @@ teardown() {
   "$HOSTS" down "${OUR_HOSTS[@]}" >/dev/null 2>&1 || true
   "$HOSTS" net-down || true
   summary
+  [ -z "$CPU_CG" ] || rmdir "$CPU_CG"/* "$CPU_CG" 2>/dev/null || true   # empty once the hosts are down
   exit $rc
 }
 
@@ -128,6 +167,8 @@ fi
 "$HOSTS" down "${OUR_HOSTS[@]}" >/dev/null 2>&1 || true
 trap teardown EXIT
 trap 'exit 130' INT TERM
+# the lane cgroups of earlier runs that ended without their teardown (only empty ones go)
+[ -z "$CPU_CG" ] || for old in "${CPU_CG%/*}"/epd-test-*; do rmdir "$old"/* "$old" 2>/dev/null || true; done
 phase net-up "$HOSTS" net-up
 rm -f /var/tmp/epd-kit/e2e-timings.json   # this run's figures only (both e2e lanes add theirs)
 
@@ -165,8 +206,9 @@ if [ "$REAL" = yes ]; then
   three_rc=$?
   [ $rc -ne 0 ] || rc=$three_rc
 elif [ $# -gt 0 ]; then
-  phase pytest pytest_run "$@"
+  phase pytest in_lane_cgroup pytest pytest_run "$@"
   rc=$?
+  TIMES[-1]+="  $(lane_cpu pytest) CPU-s"
   if [ "$COMPAT" != no ]; then
     phase compat compat_run
     compat_rc=$?
@@ -192,31 +234,32 @@ else
       (scripts/compat-env.sh >"$lanes/compat-env.log" 2>&1; echo "$? $((SECONDS - t))" >"$lanes/compat-env") &
       build_pid=$!
     fi
-    EPD_TEST_LANE=host-free pytest_run --ignore=tests/e2e tests
-    echo "$? $((SECONDS - t))" >"$lanes/host-free"
+    EPD_TEST_LANE=host-free in_lane_cgroup host-free pytest_run --ignore=tests/e2e tests
+    echo "$? $((SECONDS - t)) $(lane_cpu host-free)" >"$lanes/host-free"
     if [ -n "$build_pid" ]; then
       wait "$build_pid"
       cat "$lanes/compat-env.log"
       read -r env_rc env_s <"$lanes/compat-env"
       echo "== compat-env: rc $env_rc after ${env_s}s"
       t=$SECONDS
-      if [ "$env_rc" -eq 0 ]; then compat_run; else false; fi
-      echo "$? $((SECONDS - t))" >"$lanes/compat"
+      if [ "$env_rc" -eq 0 ]; then in_lane_cgroup compat compat_run; else false; fi
+      echo "$? $((SECONDS - t)) $(lane_cpu compat)" >"$lanes/compat"
       t=$SECONDS
-      if [ "$env_rc" -eq 0 ]; then real_engines_run; else false; fi
-      echo "$? $((SECONDS - t))" >"$lanes/real-engines"
+      if [ "$env_rc" -eq 0 ]; then in_lane_cgroup real-engines real_engines_run; else false; fi
+      echo "$? $((SECONDS - t)) $(lane_cpu real-engines)" >"$lanes/real-engines"
     fi
   ) >"$lanes/host-free.log" 2>&1 &
   background_pids+=($!)
   (
     t=$SECONDS
-    EPD_E2E_LANE=b pytest_run tests/e2e
-    echo "$? $((SECONDS - t))" >"$lanes/e2e-b"
+    EPD_E2E_LANE=b in_lane_cgroup e2e-b pytest_run tests/e2e
+    echo "$? $((SECONDS - t)) $(lane_cpu e2e-b)" >"$lanes/e2e-b"
   ) >"$lanes/e2e-b.log" 2>&1 &
   background_pids+=($!)
   set +m
-  EPD_E2E_LANE=a phase pytest-e2e-a pytest_run tests/e2e
+  EPD_E2E_LANE=a phase pytest-e2e-a in_lane_cgroup e2e-a pytest_run tests/e2e
   rc=$?
+  TIMES[-1]+="  $(lane_cpu e2e-a) CPU-s"
   t=$SECONDS
   wait "${background_pids[@]}"
   TIMES+=("$(printf '%-22s %4ss' "(background wait)" $((SECONDS - t)))")
@@ -232,8 +275,8 @@ else
       rc=1
       continue
     fi
-    read -r lane_rc lane_s <"$lanes/$lane"
-    TIMES+=("$(printf '%-22s %4ss' "pytest-$lane" "$lane_s")")
+    read -r lane_rc lane_s lane_cpu_s <"$lanes/$lane"
+    TIMES+=("$(printf '%-22s %4ss  %s CPU-s' "pytest-$lane" "$lane_s" "${lane_cpu_s:-?}")")
     [ $rc -ne 0 ] || rc=$lane_rc
   done
   rm -rf "$lanes"
