@@ -466,5 +466,14 @@ def test_the_region_and_reader_move_an_item_byte_identical_and_refuse_reused_blo
         with pytest.raises(connector.ECLoadFailure, match="the locator says 9 rows"):
             reader.start("b", {**locator, "remote_block_ids": [2], "num_tokens": 9})
         assert region.answer({"op": "stats"})["refused"] == 1
+        # two reads open at once: the first one's check leaves the VE progressing the other's
+        region.save("c", item[:4], [3])
+        first = region.answer({"op": "item", "mm_hash": "c", "blocks": [3]})
+        second = region.answer({"op": "item", "mm_hash": "c", "blocks": [3]})
+        assert region.reading()
+        assert region.answer({"op": "check", "mm_hash": "c", "generation": first["generation"]}) == {"ok": True}
+        assert region.reading(), "the second read lost the VE's progress when the first was checked"
+        assert region.answer({"op": "check", "mm_hash": "c", "generation": second["generation"]}) == {"ok": True}
+        assert ("c", second["generation"]) not in region.windows  # (b's read above was never checked)
     finally:
         region.close()
