@@ -79,8 +79,8 @@ class PlannedEngine(NamespacedEngine):
         return {
             **os.environ,
             **plan.engine_env(self.settings(), [self.cpu], self.engine_id, side),
-            # the one departure: the plan knows addresses, not interface names; on a host UCX
-            # takes its interfaces, here only the veth (upstream_pair.py says why)
+            # the one departure: the plan's ucx_address is the bind address, HOST here, whose
+            # interface is not the veth; the environment names the veth (upstream_pair.py says why)
             "UCX_NET_DEVICES": self.end.device,
             "HOME": str(self.log_dir),
             "VLLM_API_KEY": key,
