@@ -149,15 +149,16 @@ def test_images_cross_from_the_ve_host_to_the_pd_host_over_nixl(stack: Stack, re
     assert two.choices[0].message.content
     again = stack.chat(image_message("What is in the picture?", RED), max_tokens=8)
     assert again.choices[0].message.content
-    # the kit's connector reads every image of every request (a repeated one again: test_nixl_kit):
-    # 5; upstream's PD keeps an item it read (test_nixl_upstream_router), so each image once: 3
-    expected = 3 if upstream(stack) else 5
+    # every image crosses at least once (red, blue, green); the kit's connector reads a repeated one
+    # again unless the PD's vLLM encoder cache still holds it (2026-12-06 on n2: the fourth chat's
+    # red was not read, the two-image chat's had just been), upstream's PD keeps an item it read
+    # (test_nixl_upstream_router): 3 to 5 READ lines
     new = wait_for(
-        lambda: reads(stack)[before:] if len(reads(stack)) - before >= expected else None,
+        lambda: reads(stack)[before:] if len({item for item, *_ in reads(stack)[before:]}) >= 3 else None,
         timeout=30,
-        what=f"{expected} READ lines in n2's journal",
+        what="READ lines of the three images in n2's journal",
     )
-    assert len(new) == expected, new
+    assert 3 <= len(new) <= (3 if upstream(stack) else 5), new
     source = machine_address(1) if upstream(stack) else ve
     assert {where for _, _, where, _ in new} == {source}, new
     assert all(nbytes > 0 for _, nbytes, _, _ in new), new
@@ -166,10 +167,8 @@ def test_images_cross_from_the_ve_host_to_the_pd_host_over_nixl(stack: Stack, re
     record_timing(f"{label}: bytes per image read over NIXL", max(n for _, n, *_ in new), "bytes")
     record_timing(f"{label}: bytes read over NIXL n1 -> n2 in all", sum(n for _, n, *_ in new), "bytes")
     record_timing(f"{label}: slowest NIXL read", max(ms for *_, ms in new) / 1000)
-    if upstream(stack):  # red, blue, green: each image once
-        assert len({item for item, *_ in new}) == 3, new
-    else:  # the repeated image is the same item, the blue one another
-        assert new[0][0] == new[-1][0] and new[0][0] != new[1][0]
+    # red (read first) and blue are two items, and green a third
+    assert len({item for item, *_ in new}) == 3 and new[0][0] != new[1][0], new
 
 
 def test_the_ucx_ports_and_side_channel_open_from_the_pd_host_only(stack: Stack):
