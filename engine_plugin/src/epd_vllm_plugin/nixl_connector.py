@@ -203,7 +203,11 @@ class ProducerRegion:
         self.block_item: dict[int, tuple[str, int]] = {}  # block -> (item, generation)
         self.generation = 0
         self.lock = threading.Lock()
-        self.window_until = 0.0
+        # the reads open now, (item, generation) -> their deadlines: each PD's item request opens
+        # one, its check (or transfer_timeout_sec) closes it. One window for all reads closed
+        # on the first check left the others without this side's UCX progress until their PD
+        # gave up (a generation error under load, issue 54's three-host run)
+        self.windows: dict[tuple[str, int], list[float]] = {}
         self.served = {"items": 0, "bytes": 0, "refused": 0}
         self.stop = threading.Event()
         context = zmq.Context.instance()
@@ -281,7 +285,8 @@ class ProducerRegion:
             for index, block in enumerate(item.blocks):
                 length = min(self.block_len, total - index * self.block_len)
                 descs.append([base + block * self.block_len, length, 0])
-            self.window_until = time.monotonic() + self.config.transfer_timeout_s
+            deadline = time.monotonic() + self.config.transfer_timeout_s
+            self.windows.setdefault((mm_hash, item.generation), []).append(deadline)
             self.served["items"] += 1
             self.served["bytes"] += total
             return {
@@ -299,8 +304,20 @@ class ProducerRegion:
             ok = item is not None and item.generation == generation
             if not ok:
                 self.served["refused"] += 1
-            self.window_until = 0.0
+            open_reads = self.windows.get((mm_hash, generation))
+            if open_reads:
+                open_reads.pop(0)
+                if not open_reads:
+                    del self.windows[(mm_hash, generation)]
             return {"ok": ok}
+
+    def reading(self) -> bool:
+        """Whether a PD's read may be in flight (a window open, not past its deadline)."""
+        now = time.monotonic()
+        with self.lock:
+            for key in [k for k, deadlines in self.windows.items() if max(deadlines) <= now]:
+                del self.windows[key]
+            return bool(self.windows)
 
     def answer(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
@@ -319,7 +336,7 @@ class ProducerRegion:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         while not self.stop.is_set():
-            reading = time.monotonic() < self.window_until
+            reading = self.reading()
             if reading:  # a PD's read is open: UCX over TCP needs this side's progress
                 self.agent.get_new_notifs()
             events = dict(poller.poll(WINDOW_POLL_MS if reading else IDLE_POLL_MS))

@@ -52,6 +52,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .nixl_agent import set_ucx_device
+
 try:
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorRole
     from vllm.distributed.ec_transfer.ec_connector.cpu.common import ECCPUWorkerMetadata
@@ -93,6 +95,10 @@ SERVE_POLL_MS = 50
 # transport needs the target to progress is not settled by any source read here, so the safe side:
 # progress every millisecond until the PD's completion notice unpins the grant
 SERVE_BUSY_POLL_MS = 1
+# ec_connector_extra_config key: the engine's address, whose interface UCX_NET_DEVICES names (as
+# the kit's connector does, nixl_agent.set_ucx_device): the plan knows addresses, not interfaces,
+# and UCX otherwise uses every interface of the host
+UCX_ADDRESS_KEY = "ucx_address"
 # ec_connector_extra_config key: true keeps upstream's idle behaviour (NIXL's progress thread, the
 # engine stepping while NIXL is on), to measure what the fix saves (bench/nixl_upstream.py); never
 # for serving
@@ -315,6 +321,8 @@ class ItemScheduler(ECCPUScheduler):
         super().__init__(vllm_config)  # runs _setup_nixl
 
     def _setup_nixl(self, vllm_config: VllmConfig) -> None:
+        config = vllm_config.ec_transfer_config
+        set_ucx_device(config.get_from_extra_config(UCX_ADDRESS_KEY, None) if config is not None else None)
         with contextlib.nullcontext() if self._upstream_idle else no_progress_thread():
             super()._setup_nixl(vllm_config)
         self._region_span = (self._region.blocks.data_ptr(), self._region.block_size_bytes)

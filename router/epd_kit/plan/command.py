@@ -245,14 +245,16 @@ def ec_transfer_config(
     """The EC connector: Neuron's NIXL one, or (cpu_store: its directory) vLLM's shared-storage one,
     or (cpu_transport nixl) the kit's NIXL one over UCX. The side channel stays on a CPU VE: the
     locator scheduler names the VE by it as Neuron's does (and the kit's NIXL connector serves it).
-    `upstream` (upstream_nixl): upstream's NIXL connector, UPSTREAM_EC_EXTRA, no side channel keys."""
+    `upstream` (upstream_nixl): upstream's NIXL connector, UPSTREAM_EC_EXTRA and the engine's address
+    (UCX_NET_DEVICES, engine_plugin upstream_nixl.py UCX_ADDRESS_KEY), no side channel keys."""
     if upstream:
         return {
             "ec_connector": UPSTREAM_EC_CONNECTOR,
             "ec_connector_module_path": UPSTREAM_EC_MODULE,
             "ec_role": "ec_producer" if role == "ve" else "ec_consumer",
             "engine_id": engine_id,
-            "ec_connector_extra_config": dict(UPSTREAM_EC_EXTRA),
+            # the engine's address: the subclass sets UCX_NET_DEVICES to its interface
+            "ec_connector_extra_config": {**UPSTREAM_EC_EXTRA, "ucx_address": bind_address},
         }
     config: dict[str, Any] = {"ec_connector": "NeuronNixlECConnector"}
     extra: dict[str, Any] = {"backends": ["LIBFABRIC"]}

@@ -1,10 +1,15 @@
 """The fleet's access rules, from the plan: who may open a connection to each port the kit listens on.
 
 Every kit host gets one nftables table the kit owns (`table inet epd_kit`), loaded from one file
-in one transaction (docs/security.md "Who can reach what"). Its input chain judges only new TCP
+in one transaction (docs/security.md "Who can reach what"). Its input chain judges new TCP
 connections (a SYN) to the kit's own ports and refuses those from a source the plan does not
-allow with a TCP reset; everything else (SSH, the operator's ports, loopback, packets of
-connections already open) passes on to the operator's own tables, which stay untouched:
+allow with a TCP reset. On an engine host it closes everything else too (policy drop, a new TCP
+connection to any other port reset): an engine opens listeners the plan never named (vLLM's
+torch.distributed store on a random port of every address, vllm/v1/executor/uniproc_executor.py
+`get_distributed_init_method(get_ip(), get_open_port())`; UCX's on every engine of a NIXL fleet),
+so only SSH, loopback, ICMP, replies to the host's own connections and the planned ports pass.
+Router and load-balancer hosts keep policy accept: what is not the kit's passes on to the
+operator's own tables, which stay untouched:
 
     engine HTTP ports (VE and PD)   the router hosts and the monitoring hosts
     VE side-channel ports           the hosts that run PD engines
@@ -67,6 +72,9 @@ class HostFirewall:
     host: str
     rules: tuple[PortRule, ...]
     sources: Mapping[str, tuple[str, ...]]
+    # an engine host: every port not in a rule is closed (policy drop), but for `open_ports`
+    closed: bool = False
+    open_ports: tuple[int, ...] = ()  # accepted from anyone: SSH, the router port of a one-machine fleet
 
     def nft(self) -> str:
         return render_nft(self)
@@ -222,11 +230,15 @@ def fleet_sources(
     return sources, problems
 
 
+def _ssh_ports(variables: Mapping[str, Any]) -> set[int]:
+    """22 and the host's ansible_port: never refused by the kit."""
+    ssh_port = plain(variables["ansible_port"]) if "ansible_port" in variables else SSH_PORT
+    return {SSH_PORT, int(str(ssh_port))}
+
+
 def _ports(variables: Mapping[str, Any], *ports: Any) -> tuple[int, ...]:
     """The ports as integers, without SSH (the host's ansible_port and 22): the kit never touches them."""
-    ssh_port = plain(variables["ansible_port"]) if "ansible_port" in variables else SSH_PORT
-    ssh = {SSH_PORT, int(str(ssh_port))}
-    return tuple(sorted({int(p) for p in ports if p is not None} - ssh))
+    return tuple(sorted({int(p) for p in ports if p is not None} - _ssh_ports(variables)))
 
 
 def host_firewall(
@@ -294,14 +306,18 @@ def host_firewall(
                 sources.engines + sources.routers + sources.monitoring + sources.admin,
             )
         )
-    rules, sets = [], {}
+    closed = host in map(str, groups.get(ENGINE) or [])
+    rules, sets, anyone = [], {}, set(_ssh_ports(variables))
     for name, what, ports, allowed in candidates:
-        if not ports or allowed is None:
+        if not ports:
+            continue
+        if allowed is None:  # open to anyone: no rule on an open host, an accept on a closed one
+            anyone.update(ports)
             continue
         kept = tuple((previous or {}).get(name, ()))
         rules.append(PortRule(name, what, ports))
         sets[name] = collapse((*allowed, *kept))
-    return HostFirewall(host, tuple(rules), sets)
+    return HostFirewall(host, tuple(rules), sets, closed, tuple(sorted(anyone)) if closed else ())
 
 
 def collapse(networks: Iterable[str]) -> tuple[str, ...]:
@@ -332,11 +348,20 @@ def render_nft(firewall: HostFirewall) -> str:
             lines.append("\t}")
     lines += [
         "\tchain input {",
-        "\t\ttype filter hook input priority filter; policy accept;",
+        f"\t\ttype filter hook input priority filter; policy {'drop' if firewall.closed else 'accept'};",
         '\t\tiif "lo" accept',
         "\t\t# only a new connection (a SYN alone) is judged: packets of open connections pass",
         "\t\ttcp flags & (fin | syn | rst | ack) != syn accept",
     ]
+    if firewall.closed:
+        lines += [
+            "\t\t# an engine host: replies to the host's own traffic (DNS, NTP, DHCP), ICMP (neighbour",
+            "\t\t# discovery, path MTU), SSH and the ports open to anyone; every other port is closed below",
+            "\t\tct state established,related accept",
+            # icmpv6, not ipv6-icmp: that name needs /etc/protocols, which a minimal host may lack
+            "\t\tmeta l4proto { icmp, icmpv6 } accept",
+            f"\t\ttcp dport {{ {', '.join(map(str, firewall.open_ports))} }} accept",
+        ]
     for rule in firewall.rules:
         ports = f"{{ {', '.join(map(str, rule.ports))} }}"
         lines += [
@@ -344,6 +369,11 @@ def render_nft(firewall: HostFirewall) -> str:
             f"\t\ttcp dport {ports} ip saddr @{rule.source}_v4 accept",
             f"\t\ttcp dport {ports} ip6 saddr @{rule.source}_v6 accept",
             f"\t\ttcp dport {ports} reject with tcp reset",
+        ]
+    if firewall.closed:
+        lines += [
+            "\t\t# every port the plan did not open (a listener it never named): reset, the rest dropped",
+            "\t\tmeta l4proto tcp reject with tcp reset",
         ]
     lines += ["\t}", "}"]
     return "\n".join(lines) + "\n"
@@ -442,4 +472,7 @@ def firewall_summary(
             lines.append(f"{host}: tcp {','.join(map(str, rule.ports))} ({rule.what.split(':')[0]}) from {allowed}")
         if sources.clients is None and host in map(str, groups.get(ROUTER) or []):
             lines.append(f"{host}: tcp {router_port} (the router) from anyone (one machine: epd_client_networks unset)")
+        if firewall.closed:
+            ssh = ",".join(map(str, sorted(_ssh_ports(hostvars.get(host, {})))))
+            lines.append(f"{host}: every other port closed (an engine host; SSH {ssh} open)")
     return lines or ["FIREWALL: no kit port to guard"]

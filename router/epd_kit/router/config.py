@@ -269,6 +269,14 @@ class ModelEntry(Section):
 
 # the vLLM front whose context checks the router repeats (router/context_window.py)
 FrontChecks = Literal["vllm-0.24", "vllm-0.32"]
+# How a PD's failed read of an item (ECLoadFailure) reaches the router (router.yaml `ec_read_failure`):
+# its engine core dies and every call gets vLLM's EngineDeadError (vllm-neuron's NIXL connector,
+# docs/contract.md §3.5), or the request alone ends as vLLM's generic generation error, the engine
+# living on (the kit's NIXL connector on vLLM 0.24/0.29, engine_plugin nixl_connector.py; upstream's
+# on >= 0.30). The planner writes it (plan/settings.py Settings.ec_read_failure).
+EcReadFailure = Literal["engine_dies", "generation_error"]
+EC_READ_ENGINE_DIES: EcReadFailure = "engine_dies"
+EC_READ_GENERATION_ERROR: EcReadFailure = "generation_error"
 FRONT_CHECKS_024: FrontChecks = "vllm-0.24"
 FRONT_CHECKS_032: FrontChecks = "vllm-0.32"
 
@@ -291,6 +299,9 @@ class RouterConfig(Section):
     # or 0.32's, which refuse different requests with other messages. One per fleet, as
     # `handoff`; the plan writes it from the engines' vLLM (plan/neuron_releases.py front_checks_of).
     front_checks: FrontChecks = FRONT_CHECKS_024
+    # how a PD's failed read reaches the router (EcReadFailure; the default: a file written
+    # before the key existed means what it meant). One per fleet, as `handoff`.
+    ec_read_failure: EcReadFailure = EC_READ_ENGINE_DIES
     listen: Listen = Field(default_factory=Listen)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     limits: Limits = Field(default_factory=Limits)

@@ -198,7 +198,7 @@ class EngineClient:
             status = await self.health_status(engine, self._state.cfg.health)
         except ProbeFailed as exc:
             if exc.refused:
-                self.health.probe_definitive(engine, f"/health: {exc.reason}")
+                self.health.probe_definitive(engine, f"/health: {exc.reason}", refused=True)
             else:
                 self.health.probe_result(engine, False, f"/health: {exc.reason}")
             return

@@ -21,6 +21,7 @@ import anyio
 
 from epd_kit.router import bodies, context_window, engine_http, tracing, translate, upstream
 from epd_kit.router.admission import PdAdmission
+from epd_kit.router.config import EC_READ_GENERATION_ERROR
 from epd_kit.router.context import RequestContext
 from epd_kit.router.encode import Encoder
 from epd_kit.router.engine_client import EngineClient, PdStream
@@ -30,7 +31,7 @@ from epd_kit.router.openai_api import ChatCompletionRequest
 from epd_kit.router.pools import Engine
 from epd_kit.router.rendering import Renderer, render_request
 from epd_kit.router.state import RouterState
-from epd_kit.wire import EC_TRANSFER_PARAMS
+from epd_kit.wire import EC_LOCATOR, EC_TRANSFER_PARAMS
 
 log = logging.getLogger("epd_router.generation")
 
@@ -150,9 +151,13 @@ class Generation:
                     result = await call(engine, self._pd_body(ctx, stream))
                 except UpstreamError as err:
                     await self._admission.release(engine)
-                    tried.add(engine.id)
                     last = err
-                    read_failed = self._failed_read(err, engine, started, ctx)
+                    # the kit's NIXL connector's failed read: the PD lives, so it may serve the
+                    # retry too (a fleet of one PD), after the re-encode
+                    lived = self._read_failed_pd_lives(err, ctx)
+                    if lived is None:
+                        tried.add(engine.id)
+                    read_failed = lived or self._failed_read(err, engine, started, ctx)
                     if read_failed is not None:
                         self._encoder.charge_unreadable(ctx, read_failed)
                         unreadable += 1
@@ -166,10 +171,13 @@ class Generation:
                         extra={"request_id": ctx.request_id, "engine": engine.id, "error": err.message},
                     )
                     upstream_read = self._upstream_read_failed(err)
+                    elsewhere = upstream_read or lived is not None
                     await self._encoder.refresh_locators(
-                        ctx, reencode_all=read_failed is not None or upstream_read, elsewhere=upstream_read
+                        ctx, reencode_all=read_failed is not None or upstream_read, elsewhere=elsewhere
                     )
-                    if read_failed is not None and (unproven := self._encoder.unproven(ctx)):
+                    # a read that kills its PD's engine core is tried again only on proven VEs;
+                    # one whose PD lives costs nothing more than this retry
+                    if read_failed is not None and lived is None and (unproven := self._encoder.unproven(ctx)):
                         log.warning(
                             "not retried: no PD has read the blocks of the VEs that re-encoded the items yet",
                             extra={"request_id": ctx.request_id, "engines": unproven},
@@ -191,6 +199,29 @@ class Generation:
         Its items are then encoded again on other VEs before the retry; no VE is charged: any
         failed generation gives the same answer (docs/router.md "Failure outcomes")."""
         return isinstance(err, GenerationFailed) and self._state.cfg.handoff == EC_TRANSFER_PARAMS
+
+    def _read_failed_pd_lives(self, err: UpstreamError, ctx: RequestContext) -> EcLoadFailed | None:
+        """As an `EcLoadFailed`, a PD's generation error on a request with items to read in an
+        `ec_locator` fleet whose PDs end a failed read that way (router.yaml `ec_read_failure:
+        generation_error`: the kit's NIXL connector on vLLM 0.24/0.29 ends the request
+        FINISHED_ERROR and vLLM answers its generic "Internal server error", the cause only in
+        the PD's log, engine_plugin scheduler.py). A PD's generation error there has no other
+        cause the router can tell apart (the PD has no KV connector), so it is the VE's failure
+        (docs/contract.md §11.1): the VE is charged, the items encoded again, the PD retried
+        once and never charged. None otherwise."""
+        cfg = self._state.cfg
+        if not (
+            isinstance(err, GenerationFailed)
+            and ctx.encoded_by
+            and cfg.handoff == EC_LOCATOR
+            and cfg.ec_read_failure == EC_READ_GENERATION_ERROR
+        ):
+            return None
+        read = EcLoadFailed(
+            err.status, err.message, engine_id=err.engine_id, stage=err.stage, failure=None, retry_other=err.retry_other
+        )
+        read.client_message = err.client_message
+        return read
 
     @staticmethod
     def _failed_read(

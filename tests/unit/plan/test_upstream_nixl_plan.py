@@ -40,13 +40,13 @@ def value(engine, flag):
 
 def test_both_pools_run_upstreams_nixl_connector_through_the_plugins_cpu_subclass():
     ve, pd = upstream_fleet()
-    for engine, role in ((ve, "ec_producer"), (pd, "ec_consumer")):
+    for engine, role, address in ((ve, "ec_producer", "10.0.0.1"), (pd, "ec_consumer", "10.0.0.2")):
         assert json.loads(value(engine, "--ec-transfer-config")) == {
             "ec_connector": UPSTREAM_EC_CONNECTOR,
             "ec_connector_module_path": UPSTREAM_EC_MODULE,
             "ec_role": role,
             "engine_id": engine["engine_id"],
-            "ec_connector_extra_config": UPSTREAM_EC_EXTRA,
+            "ec_connector_extra_config": {**UPSTREAM_EC_EXTRA, "ucx_address": address},
         }
         assert UPSTREAM_EC_EXTRA == {"ec_enable_nixl": True, "ec_cpu_bytes": 64 << 20}
         # upstream's VE answers ec_transfer_params itself: no locator scheduler on either pool

@@ -116,13 +116,18 @@ async def make_service(char_renderer, make_item):
     stack = contextlib.AsyncExitStack()
 
     async def make(
-        engines: Engines, max_attempts: int = 3, health: dict | None = None, **timeouts: float
+        engines: Engines,
+        max_attempts: int = 3,
+        health: dict | None = None,
+        ec_read_failure: str = "engine_dies",
+        **timeouts: float,
     ) -> RouterService:
         logical = [f"http://127.0.0.1:{port}" for port in [*VE_PORTS, *PD_PORTS]]
         real = await stack.enter_async_context(scripted_engines.serve(engines.handler, logical))
         cfg = parse_config(
             {
                 "model": "/m",
+                "ec_read_failure": ec_read_failure,
                 "health": {"interval_s": 60, **(health or {})},
                 "retries": {"max_attempts": max_attempts},
                 "timeouts": {"pd_s": 30, **timeouts},
@@ -195,6 +200,59 @@ async def test_ec_load_failure_re_encodes_then_retries_on_another_pd(make_servic
         assert first.locators[h]["remote_block_ids"] != second.locators[h]["remote_block_ids"]
     assert retries(service, "generate") == 1
     assert all_slots_free(service)
+
+
+def ve_failures(service: RouterService) -> float:
+    return sum(
+        service.metrics.registry.get_sample_value("epd_router_engine_failures_total", {"engine": ve, "role": "ve"})
+        or 0.0
+        for ve in VE_PORTS.values()
+    )
+
+
+@pytest.mark.parametrize(
+    ("stream", "how"), [(False, "http"), (True, "http"), (True, "frame")], ids=["complete", "stream", "stream-frame"]
+)
+async def test_a_generation_error_is_a_failed_read_of_the_ves_where_the_pds_connector_says_so(
+    make_service, stream, how
+):
+    """router.yaml `ec_read_failure: generation_error` (the kit's NIXL connector: a failed read ends
+    the request alone as vLLM's generic generation error, the PD lives): the VEs of the request are
+    charged, its items encoded again, the PD call retried once; the PD is never charged."""
+    engines = Engines(pd_failures=[(how, 500, upstream.GENERATION_ERROR_MESSAGE)])
+    service = await make_service(engines, ec_read_failure="generation_error")
+    assert await answer(service, stream) == "Hi"
+    first, second = engines.pd_calls
+    assert sorted(h for _, hashes in engines.encodes for h in hashes) == ["h1", "h1", "h2", "h2"]
+    for h in ("h1", "h2"):  # the retry reads fresh blocks
+        assert first.locators[h]["remote_block_ids"] != second.locators[h]["remote_block_ids"]
+    assert ve_failures(service) == 2  # h1's and h2's VEs
+    assert engine_failures(service, "epd-pd-0") == engine_failures(service, "epd-pd-1") == 0
+    assert retries(service, "generate") == 1
+    assert all_slots_free(service)
+
+
+async def test_a_second_failed_read_of_a_living_pd_is_the_clients_502_and_no_third_call(make_service):
+    error = ("http", 500, upstream.GENERATION_ERROR_MESSAGE)
+    engines = Engines(pd_failures=[error, error, error])
+    service = await make_service(engines, ec_read_failure="generation_error")
+    with pytest.raises(RouterError) as info:
+        await answer(service, False)
+    assert info.value.status == 502 and "vLLM generation error" in info.value.message
+    assert len(engines.pd_calls) == 2 and retries(service, "generate") == 1
+    assert engine_failures(service, "epd-pd-0") == engine_failures(service, "epd-pd-1") == 0
+    assert all_slots_free(service)
+
+
+async def test_without_the_key_a_generation_error_is_no_failed_read_in_an_ec_locator_fleet(make_service):
+    """vllm-neuron's PD dies on a failed read (ec_read_failure: engine_dies, the default): its
+    generation error is another failure, retried elsewhere with the same blocks, nobody charged."""
+    engines = Engines(pd_failures=[("http", 500, upstream.GENERATION_ERROR_MESSAGE)])
+    service = await make_service(engines)
+    assert await answer(service, False) == "Hi"
+    first, second = engines.pd_calls
+    assert first.engine != second.engine and first.locators == second.locators
+    assert ve_failures(service) == 0
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])

@@ -48,9 +48,16 @@ def test_a_failure_ratio_ejects_an_engine_that_fails_every_other_call(state, rul
 
 
 def test_a_refused_connection_ejects_at_once(state, rules):
+    """Nothing listened: the process died, and the one that answers next is a restarted, cold
+    engine: back only once a serving probe (a real tiny encode) answered, not at /health's 200."""
     ve = state.pools.ve[0]
     rules.call_failed(ve, Failure.refused, "ConnectError")
-    assert not ve.healthy and not ve.needs_serving_probe  # back when /health answers
+    assert not ve.healthy and ve.needs_serving_probe
+    for _ in range(3):
+        rules.probe_result(ve, True, "/health: HTTP 200")
+    assert not ve.healthy
+    rules.serving_probe_result(ve, True, "serving probe answered")
+    assert ve.healthy and not ve.needs_serving_probe
 
 
 def test_connect_timeouts_never_eject_the_last_eligible_engine_of_a_pool(state, rules):
