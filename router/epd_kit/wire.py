@@ -35,6 +35,10 @@ ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) 
 # entrypoints/openai/engine/serving.py:117-134, 0.29.0 entrypoints/generate/base/serving.py:204-221)
 GENERATION_ERROR_MESSAGE = "Internal server error"
 INTERNAL_SERVER_ERROR = "InternalServerError"  # the error type of both
+# How the Neuron EC connector's handshake refuses a VE whose blocks differ from the PD's
+# (docs/contract.md §3.5, "EC region block_len mismatch: remote engine ... advertises ..."): the
+# sim's PD says it so (sim/ec_loader.py), the router reads it as a failed read (router/upstream.py)
+EC_BLOCK_LEN_MISMATCH = "EC region block_len mismatch"
 
 
 class _Strict(BaseModel):

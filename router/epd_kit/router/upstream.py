@@ -22,6 +22,7 @@ from epd_kit.router import engine_http
 from epd_kit.router.errors import EcLoadFailed, EngineDied, Failure, GenerationFailed, UpstreamError
 from epd_kit.router.pools import Engine
 from epd_kit.wire import (
+    EC_BLOCK_LEN_MISMATCH,
     EC_LOCATOR,
     ENGINE_DEAD_MESSAGE,
     GENERATION_ERROR_MESSAGE,
@@ -38,7 +39,7 @@ STAGE_NAMES = {"ve": "encode", "pd": "generate"}
 # §3.5: VE and PD disagree on the block geometry; the PD's engine core dies as on a failed
 # read, so the same blocks must go to no other PD). Engines report it only as text; this is
 # the one place that text is read.
-EC_LOAD_FAILURE_MARKERS = ("ECLoadFailure", "Encoder-cache load", "ec_locator", "EC region block_len mismatch")
+EC_LOAD_FAILURE_MARKERS = ("ECLoadFailure", "Encoder-cache load", "ec_locator", EC_BLOCK_LEN_MISMATCH)
 
 # What vLLM's API server answers once its engine core has died, whatever killed it
 # (vllm/v1/engine/exceptions.py EngineDeadError, 0.24.0 and 0.29.0): the failed request, every
