@@ -23,6 +23,7 @@ the collection's filters load its bundled copy when the controller has no epd_ki
     hints         "did you mean": the known name most likely meant
     router_config router.yaml from the plan
     tenants       the router's tenants file from the inventory, checked by the router's rules
+    tenants_format the tenants file's format and parser (the router loads the file with it)
     operations    what the ops playbooks compute (engine selection, rolling queue, status)
     rollout       batched rollouts: which engines restart together, the printed plan and estimate
 

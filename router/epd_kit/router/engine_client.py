@@ -6,8 +6,8 @@ Each call either returns the parsed answer or raises an `UpstreamError` (classif
 upstream.py) after charging the failure to the engine when it is the engine's fault.
 
 The engine calls go through the router's own small client (engine_http.py: asyncio.Protocol
-and httptools, a keep-alive pool per engine origin; docs/benchmarks.md "Item 7, second round"
-has what it cost against the clients before it). An engine POST's deadline is the client's own
+and httptools, a keep-alive pool per engine origin; docs/notes/2026-12-01-peers-at-info-issue-23.md
+"Item 7, second round" has what it cost against the clients before it). An engine POST's deadline is the client's own
 timer (`DeadlineExceeded`), not an `asyncio.timeout` around the call. Kept-alive
 connections survive idle pauses (`ENGINE_KEEPALIVE_S`); one the engine closed while idle
 (vLLM's uvicorn after 5 s) is dropped when the pool next looks at it, and a request that

@@ -9,8 +9,8 @@ import pytest
 
 from epd_kit import plan as planner
 from epd_kit.plan.tenants import tenant_problems, tenants_file_text
+from epd_kit.plan.tenants_format import TenantLimits, parse_tenants
 from epd_kit.plan.variables import VARIABLES
-from epd_kit.router.tenants_file import TenantLimits, parse_tenants
 
 TENANTS = {"acme": {"tokens_per_min": 200000, "concurrent_requests": 8}, "beta": None}
 KEYS = [{"tenant": "acme", "key": "sk-acme-secret-0001"}, {"tenant": "beta", "key": "sk-beta-secret-0001"}]
