@@ -491,7 +491,7 @@ VARIABLES: dict[str, Var] = {var.name: var for var in _DECLARED}
 assert len(VARIABLES) == len(_DECLARED), "a variable is declared twice"
 
 # The keys of each dict variable. The router sections are the router's own models
-# (epd_kit/router/config.py, epd_kit/preprocess/settings.py; the drift test compares them):
+# (epd_kit/router_yaml.py, epd_kit/preprocess/settings.py; the drift test compares them):
 # key -> kind. Keys the plan writes itself map to the variable to change instead.
 ROUTER_SECTIONS: dict[str, dict[str, str]] = {
     "listen": {

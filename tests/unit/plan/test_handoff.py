@@ -12,7 +12,7 @@ from epd_kit import plan
 from epd_kit.plan.errors import EpdPlanError
 from epd_kit.plan.neuron_releases import FRONT_CHECKS, RELEASES, VLLM_CPU_VERSIONS, Pin, front_checks_of, handoff_of
 from epd_kit.plan.settings import read_settings
-from epd_kit.router.config import FrontChecks, parse_config
+from epd_kit.router_yaml import FrontChecks, parse_config
 from tests.ansible.helpers import REPO
 
 MODEL = {"epd_model": "/models/m"}

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from epd_kit import plan as planner
-from epd_kit.router.config import parse_config
+from epd_kit.router_yaml import parse_config
 from tests import repo_modules
 
 VISION = "/models/tiny-qwen3-vl"

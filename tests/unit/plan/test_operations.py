@@ -79,7 +79,7 @@ def test_router_config_takes_model_limits_and_endpoints_from_the_plan():
 
 def test_router_defaults_agree_with_the_planner():
     """The router's own defaults for what the plan sets are the planner's (one list of defaults)."""
-    from epd_kit.router.config import RouterConfig
+    from epd_kit.router_yaml import RouterConfig
 
     config = RouterConfig.model_validate(
         {
@@ -168,7 +168,7 @@ def test_read_env_file_reads_what_the_env_template_writes():
 
 
 def test_router_config_auth_follows_the_api_keys_file_and_parses():
-    from epd_kit.router.config import parse_config
+    from epd_kit.router_yaml import parse_config
 
     fleet_plan, settings = fleet(TWO_HOSTS)
     with_keys = plan.router_config(fleet_plan, settings, listen_host="10.0.0.9", api_keys_file="/etc/epd/keys")

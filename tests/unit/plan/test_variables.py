@@ -171,7 +171,7 @@ def _kind(annotation: Any) -> str:
 
 
 def test_router_sections_are_the_router_config_models():
-    from epd_kit.router.config import RouterConfig
+    from epd_kit.router_yaml import RouterConfig
 
     fields = RouterConfig.model_fields
     for section, keys in declaration.ROUTER_SECTIONS.items():
@@ -188,7 +188,7 @@ def test_router_sections_are_the_router_config_models():
 def test_defaults_the_router_repeats_come_from_the_declaration():
     from epd_kit.preprocess.settings import Limits
     from epd_kit.router import cli
-    from epd_kit.router.config import Listen
+    from epd_kit.router_yaml import Listen
 
     assert Listen().port == declaration.default("epd_router_port")
     status_url = next(p for p in cli.status.params if p.name == "url")
