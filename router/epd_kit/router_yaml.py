@@ -28,6 +28,7 @@ import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from epd_kit.plan.models import reserved_name
+from epd_kit.plan.router_shape import Loc, models_as_list, served_twice
 from epd_kit.plan.variables import ROUTER_PORT
 from epd_kit.preprocess.model_files import ENGINE_DTYPES
 from epd_kit.preprocess.settings import Limits, Media, Section
@@ -261,67 +262,6 @@ class ModelEntry(Section):
         if why:
             raise ValueError(f"{why}; choose another name")
         return name
-
-
-# the keys of router.yaml's shape before `models` held every model (the release before issue 57):
-# the served name, checkpoint and quantization of the model a request without `model` gets and,
-# in `endpoints`, its pools, with the pools of each model of `models` under `endpoints.models.<name>`
-OLD_SHAPE_KEYS = ("model", "served_model_name", "quantization", "endpoints")
-# where an old-shape file has what the one list holds: a problem is named by the file's own key
-Loc = tuple[str | int, ...]
-
-
-def models_as_list(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[Loc, Loc]]]:
-    """router.yaml with every model in `models` (each its name, checkpoint, limits, endpoints).
-    A file in the old shape (OLD_SHAPE_KEYS at the top) loads as the model those keys describe,
-    then the entries of its `models`; the file in the new shape is returned as it is. Also
-    returns (location in the list, location in the file) pairs, most specific first, so a
-    problem names the key the file has. Raises ValueError for an old-shape file whose models and
-    pools do not pair up (the plan, rollout.py, and the router read it through here alike)."""
-    if not any(key in data for key in OLD_SHAPE_KEYS):
-        return dict(data), []
-    rest = {k: v for k, v in data.items() if k not in OLD_SHAPE_KEYS}
-    endpoints = data.get("endpoints")
-    pools = dict(endpoints) if isinstance(endpoints, Mapping) else endpoints
-    lanes = (pools.pop("models", None) or {}) if isinstance(pools, dict) else {}
-    first: dict[str, Any] = {"endpoints": pools} if pools is not None else {}
-    served = data.get("served_model_name")
-    name_key = "served_model_name" if served is not None else "model (the served name without served_model_name)"
-    if served is not None or data.get("model") is not None:
-        first["name"] = served if served is not None else data["model"]
-    for key in ("model", "quantization"):
-        if key in data:
-            first[key] = data[key]
-    renames: list[tuple[Loc, Loc]] = [
-        (("models", 0, "endpoints"), ("endpoints",)),
-        (("models", 0, "name"), (name_key,)),
-    ]
-    renames += [(("models", 0, key), (key,)) for key in ("model", "quantization")]
-    models = [first]
-    names = []
-    for index, entry in enumerate(data.get("models") or []):
-        if isinstance(entry, Mapping) and "endpoints" in entry:
-            raise ValueError(
-                f"models[{index}].endpoints beside the top-level `model`/`endpoints`: write every model in "
-                "`models` with its own endpoints (docs/router.md 'Router config file'), or the old shape whole"
-            )
-        name = entry.get("name") if isinstance(entry, Mapping) else None
-        if name is not None and name in (first.get("name"), *names):
-            raise ValueError(served_twice(index, name))
-        names.append(name)
-        if isinstance(entry, Mapping) and name not in lanes:
-            raise ValueError(f"models[{index}] ({name}) has no pools: add endpoints.models.{name}")
-        models.append({**entry, "endpoints": lanes[name]} if isinstance(entry, Mapping) else entry)
-        renames.append((("models", index + 1, "endpoints"), ("endpoints", "models", str(name))))
-        renames.append((("models", index + 1), ("models", index)))
-    extra = sorted(set(lanes) - set(names))
-    if extra:
-        raise ValueError(f"endpoints.models.{extra[0]}: no such model in `models` (its name, checkpoint)")
-    return {**rest, "models": models}, renames
-
-
-def served_twice(index: int, name: str) -> str:
-    return f"models[{index}].name {name!r} is served twice: each model needs its own name"
 
 
 # the vLLM front whose context checks the router repeats (router/context_window.py)

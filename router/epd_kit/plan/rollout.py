@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import EpdPlanError
-from .fleet import router_endpoints
 from .operations import rolling_queue
 from .unit import read_env_file
 from .variables import VARIABLES
@@ -570,38 +569,24 @@ def changed_engines(
 def retiring_endpoints(
     plan: Mapping[str, Mapping[str, Any]],
     pools: Sequence[Mapping[str, Any]],
-    draining: Sequence[str] = (),
     *,
     served: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """A router's endpoints while the engines it serves that the plan no longer has drain.
+    """The engines a router serves that the plan no longer has, to drain before they stop.
 
-    pools: the engines of the router's GET /pools ({id, url, role, state}). Returns {retiring: [id],
-    endpoints: {ve, pd}}: the plan's endpoints plus each retiring engine, state draining, so its
-    requests finish before it stops. served: the further models the host's router.yaml names
-    (its `models`). An engine of one of them that the plan no longer has is retiring but not in
-    `endpoints`: the endpoints-only render (router_config's `running`) keeps that model's pools,
-    every engine draining. An engine of a model neither planned nor in the file is left alone.
+    pools: the engines of the router's GET /pools ({id, url, role, state}; with several models
+    also `model`, the served name, and `model_index`, its position in `models`). served: the
+    names of the models the host's router.yaml lists (its `models`). Returns {retiring: [id],
+    engines: [those engines]}: router_config's `retiring` adds each, draining, to its model's
+    pools, so its requests finish before it stops. An engine of a listed model the plan no longer
+    has is retiring too: the endpoints-only render (router_config's `running`) keeps that model's
+    pools, every engine draining. An engine of a model neither planned nor listed is left alone.
     """
-    endpoints: dict[str, Any] = router_endpoints(plan, draining)
-    lanes: dict[str | None, dict[str, Any]] = {None: endpoints}
-    names = list(dict.fromkeys(e["model"] for p in plan.values() for e in p["engines"] if "model" in e))
-    if names:  # several models (epd_models): each model's lists, a retiring engine in its own
-        endpoints["models"] = {name: router_endpoints(plan, draining, name) for name in names}
-        lanes.update(endpoints["models"])
-    planned = {endpoint["id"] for lane in lanes.values() for role in ("ve", "pd") for endpoint in lane[role]}
-    # /pools of a router with several models: each engine's `model` and `model_index` (0: the first)
+    planned = {e["engine_id"] for p in plan.values() for e in p["engines"]}
+    names = {e["model"] for p in plan.values() for e in p["engines"] if "model" in e}
 
-    def lane_of(engine: Mapping[str, Any]) -> str | None:
-        return None if not engine.get("model_index") else engine.get("model")
+    def listed(engine: Mapping[str, Any]) -> bool:  # model_index 0: the one listed first, always planned
+        return not engine.get("model_index") or engine.get("model") in names or engine.get("model") in served
 
-    retiring = [
-        e
-        for e in pools
-        if e["id"] not in planned and e.get("state") != "removed" and lane_of(e) in (None, *names, *served)
-    ]
-    for engine in retiring:
-        if lane_of(engine) in lanes:  # else a model gone from the plan, drained whole by the render
-            lane = lanes[lane_of(engine)]
-            lane.setdefault(engine["role"], []).append({"id": engine["id"], "url": engine["url"], "state": "draining"})
-    return {"retiring": [e["id"] for e in retiring], "endpoints": endpoints}
+    retiring = [e for e in pools if e["id"] not in planned and e.get("state") != "removed" and listed(e)]
+    return {"retiring": [e["id"] for e in retiring], "engines": [dict(e) for e in retiring]}

@@ -193,10 +193,11 @@ def test_a_text_only_fleet_passes_and_its_router_config_says_so_to_the_router(va
     assert result["problems"] == [] and result["settings"]["epd_text_only"] is True
     settings = planner.read_settings(result["settings"])
     config = planner.router_config(result["plan"], settings, listen_host="127.0.0.1", text_only=True)
-    assert config["endpoints"]["text_only"] is True and config["endpoints"]["ve"] == []
+    endpoints = config["models"][0]["endpoints"]
+    assert endpoints["text_only"] is True and endpoints["ve"] == []
     assert parse_config(config).endpoints.text_only
     with pytest.raises(
-        ConfigError, match=re.escape("endpoints.ve: empty: list at least one VE, or set endpoints.text_only")
+        ConfigError, match=re.escape("models.0.endpoints.ve: empty: list at least one VE, or set endpoints.text_only")
     ):
         parse_config(planner.router_config(result["plan"], settings, listen_host="127.0.0.1"))
     assert check({})["settings"]["epd_text_only"] is False
