@@ -247,8 +247,8 @@ class ModelEntry(Section):
     `model` says), its checkpoint, its own limits over the top-level section, and its pools.
     The name, checkpoint and limits are read at start (restart only); the pools apply on reload."""
 
-    # any name a request may send (the first model's was never held to a pattern: without
-    # served_model_name it is the checkpoint's path); the planner holds epd_models' to ID_PART
+    # any name a request may send (the old shape's top-level model was never held to a pattern:
+    # without served_model_name its name is the checkpoint's path); the planner holds epd_models' to ID_PART
     name: str = Field(min_length=1)
     model: str = Field(min_length=1)
     quantization: str | None = None

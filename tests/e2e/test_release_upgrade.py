@@ -87,7 +87,9 @@ def snapshot(stack: Stack) -> dict[str, object]:
 def answers(stack: Stack) -> None:
     client = stack.openai()
     assert [m.id for m in client.models.list().data] == ["vision", "text"]
-    vision = client.chat.completions.create(model="vision", messages=image_message("What is it?", (9, 9, 200)))
+    vision = client.chat.completions.create(
+        model="vision", messages=image_message("What is it?", (9, 9, 200)), max_tokens=4
+    )
     text = client.chat.completions.create(model="text", messages=[{"role": "user", "content": "Hi."}], max_tokens=4)
     assert vision.choices[0].message.content and text.choices[0].message.content
 

@@ -14,10 +14,10 @@ states its headroom (how far the load can grow before the busiest pool passes th
 the next step (the smallest change that meets the target again at that load).
 
 Several models (epd_models): one Advisor per model, each reading its own model's series and
-moving only its own engines: the first model's per host (epd_num_ve / epd_num_pd), a further
-model's through its epd_models entry (num_ve / num_pd, the same on every host it runs on). A
-layout that would move another model's engine (a slice or port of it changes) is refused,
-naming the engine; the report says which better layout was refused for it.
+moving only its own engines: models[0]'s (epd_model, plan/models.py fleet_models) per host
+(epd_num_ve / epd_num_pd), an epd_models entry's through that entry (num_ve / num_pd, the
+same on every host it runs on). A layout that would move another model's engine (a slice or
+port of it changes) is refused, naming the engine; the report says which better layout was refused for it.
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ def load_inventory(path: Path) -> Inventory:
 @dataclass(frozen=True)
 class Layout:
     counts: dict[str, tuple[int, int]]  # host -> (VE, PD)
-    # a further model's: its epd_models entry ("epd_models[0] (text)"), whose num_ve / num_pd
-    # are the counts on every host it runs on; None: the first model's, per host
+    # an epd_models entry's model: that entry ("epd_models[0] (text)"), whose num_ve / num_pd
+    # are the counts on every host it runs on; None: models[0]'s (epd_model), per host
     entry: str | None = None
 
     def total(self, role: str) -> int:
@@ -251,7 +251,7 @@ class Recommendation:
 
 
 def first_model_name(inventory: Inventory, settings: Any) -> str:
-    """The first model's served name (the router's `model` label): epd_router_served_model_name
+    """models[0]'s served name (the router's `model` label): epd_router_served_model_name
     of the router hosts, else its checkpoint (epd_model), as the router's config says."""
     for host in inventory.groups.get(ROUTER_GROUP, []):
         name = inventory.hostvars.get(host, {}).get("epd_router_served_model_name")
@@ -262,7 +262,7 @@ def first_model_name(inventory: Inventory, settings: Any) -> str:
 
 class Advisor:
     """The planner's view of the inventory and the moves it allows, for one model of the fleet
-    (`model`: a further model's served name, epd_models; None: the first, epd_model)."""
+    (`model`: an epd_models entry's served name; None: models[0], epd_model)."""
 
     def __init__(
         self, inventory: Inventory, faulted: Mapping[str, list[int]] | None = None, model: str | None = None
@@ -304,7 +304,7 @@ class Advisor:
 
     @classmethod
     def per_model(cls, inventory: Inventory, faulted: Mapping[str, list[int]] | None = None) -> list[Advisor]:
-        """One advisor per model of the fleet, the first model's first."""
+        """One advisor per model of the fleet, in the fleet's order (models[0], epd_model, first)."""
         first = cls(inventory, faulted)
         return [first] + [cls(inventory, faulted, spec.name) for spec in first.fleet.models]
 
@@ -573,8 +573,8 @@ class Advisor:
     def _cheapest_layouts(self, base: Layout, options: Mapping[str, list[tuple[int, int]]]) -> list[Layout]:
         """For every pair of pool sizes the hosts can hold within MAX_CHANGES of `base`, the layout
         reaching it with the fewest engine changes (the model sees only the pools' sizes): one
-        pass over the hosts, keeping per (VE total, PD total) the cheapest counts so far. A
-        further model's counts are its epd_models entry's, the same on each of its hosts."""
+        pass over the hosts, keeping per (VE total, PD total) the cheapest counts so far. An
+        epd_models entry's counts are its own, the same on each of its hosts."""
         if self.spec is not None:
             shared = set.intersection(*(set(options[h]) for h in self.engine_hosts))
             layouts = [Layout(dict.fromkeys(self.engine_hosts, counts), base.entry) for counts in sorted(shared)]

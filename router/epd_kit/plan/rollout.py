@@ -65,7 +65,7 @@ class PoolRule:
     size: int  # engines of the pool in the whole plan, selected or not
     batch: int
     floor: int  # engines that stay in rotation during every batch
-    model: str | None = None  # a further model's pool (epd_models); None: the first model's
+    model: str | None = None  # its model's key (models.fleet_models): an epd_models name; None: models[0]
 
     @classmethod
     def resolve(
@@ -262,12 +262,12 @@ def rollout_batches(
     engines: a selection by name (comma-separated instances or ids) or a {host: [instance]} mapping.
     compiles: the rollout may change the compiled graphs, so one canary per distinct configuration
     restarts first, before any other batch; the pools' canaries restart together, up to each
-    pool's batch size per canary batch. models: the further models' entries (epd_models, as
+    pool's batch size per canary batch. models: the epd_models entries (as
     epd_fleet_settings holds them): an entry's rollout_batch_<pool> / rollout_min_available_<pool>
     replace the fleet's for that model's pools."""
     by_key = {(host, e["instance"]): e for host, host_plan in plan.items() for e in host_plan["engines"]}
-    # each model's pools are their own (epd_models): its own size, batches and floor; the first
-    # model's keep their keys ("pd", "ve"), a further model's are "pd:<name>", "ve:<name>"
+    # each model's pools are their own: its own size, batches and floor; models[0]'s keep their
+    # keys ("pd", "ve": the naming rule of models.py), an epd_models entry's are "pd:<name>", "ve:<name>"
     model_names = list(dict.fromkeys(e.get("model") for e in by_key.values()))
     selected = _selected(plan, engines)
     canaries: dict[str, list[Mapping[str, str]]] = {}  # per pool, its canaries in order
@@ -353,7 +353,7 @@ def _pool_settings(
 def _model_error(
     model: str | None, error: str, names: tuple[str, str], pool: str, models: Sequence[Mapping[str, Any]]
 ) -> str:
-    """A further model's pool refused under the fleet's value: say so, and which key sets its own."""
+    """An epd_models entry's pool refused under the fleet's value: say so, and which key sets its own."""
     if model is None:
         return error
     index = next((i for i, entry in enumerate(models) if entry.get("name") == model), None)

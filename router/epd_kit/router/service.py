@@ -40,9 +40,10 @@ log = logging.getLogger("epd_router.service")
 
 # settings baked into the listener or the preprocessor at start; a reload keeps the old values
 # (`models`: a lane per model is built at start from its name, checkpoint and limits; its
-# `endpoints` apply on reload, MODEL_RESTART_ONLY the rest)
+# `endpoints` apply on reload, MODEL_RESTART_ONLY the rest; `limits` is compared as the lane
+# reads it, the model's over the top-level section, whichever file shape wrote them)
 RESTART_ONLY = ("listen", "limits", "media", "tracing")
-MODEL_RESTART_ONLY = ("model", "quantization", "limits")
+MODEL_RESTART_ONLY = ("model", "quantization")
 
 
 def preprocess_stats(lanes: Mapping[str, Lane]) -> dict[str, Any]:
@@ -66,8 +67,9 @@ class RouterService:
         lane_renderer: Callable[[RouterConfig], Renderer] | None = None,
     ) -> None:
         """`worker`: this process's name among the host's router processes (the host's shared
-        tenant buckets keep one concurrency count per worker). `lane_renderer`: a further model's
-        renderer from its lane's config (None: `renderer` serves every model, as in tests)."""
+        tenant buckets keep one concurrency count per worker). `renderer`: the listed first's;
+        `lane_renderer`: each other model's renderer from its lane's config (None: `renderer`
+        serves every model, as in tests)."""
         self.config_path = config_path
         self.lanes: dict[str, Lane] = {}
         self.metrics = RouterMetrics(

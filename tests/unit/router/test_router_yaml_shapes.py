@@ -7,6 +7,7 @@ file has; the roll decision reads both shapes alike (plan/router_shape.py restar
 from __future__ import annotations
 
 import copy
+import logging
 import re
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from click.testing import CliRunner
 
 from epd_kit.plan.router_shape import models_as_list, restart_view
 from epd_kit.router.cli import main
+from epd_kit.router.service import RouterService
 from epd_kit.router_yaml import ConfigError, parse_config
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "router-yaml-f3f3a81"
@@ -113,3 +115,25 @@ def test_the_one_list_refuses_a_mix_an_empty_list_and_a_served_name_twice():
     new["models"][1]["endpoints"]["pd"][0]["id"] = "epd-pd-0"
     with pytest.raises(ConfigError, match=re.escape("duplicate engine id 'epd-pd-0' (in models[0].endpoints.pd")):
         parse_config(new)
+
+
+async def test_a_reload_from_the_old_shape_to_the_list_keeps_every_lane_and_warns_of_no_restart(
+    tmp_path, char_renderer, caplog
+):
+    """What a re-deploy of a fleet of the release before does to its router: the old file is
+    running, the list replaces it, one SIGHUP. Every lane takes its pools from the list and no
+    restart-only setting reads as changed (a model's limits compared as its lane reads them)."""
+    doc = old("two-models")
+    doc["admin"]["token_file"] = doc["engine_auth"]["key_file"] = None  # files of the host, not here
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    service = RouterService(parse_config(doc), char_renderer(), config_path=path)
+    new = one_list(doc)
+    new["models"][1]["endpoints"]["pd"][0]["state"] = "draining"
+    path.write_text(yaml.safe_dump(new))
+    with caplog.at_level(logging.WARNING, logger="epd_router.service"):
+        assert service.reload()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert list(service.lanes) == ["vision", "text"]
+    assert service.lanes["text"].state.pools.pd[0].state.value == "draining"
+    assert service.state is service.lanes["vision"].state  # the service's own lane: the listed first
