@@ -49,9 +49,12 @@ def previous_release(tmp_path_factory) -> Path:
 
 def deploy_with(tree: Path, inventory: Path) -> subprocess.CompletedProcess[str]:
     """deploy.yml of `tree`, from its root (its ansible.cfg: its collection), its planner on the
-    controller (the filter plugin imports epd_kit.plan: PYTHONPATH puts that tree's first)."""
-    argv, env = playbook_command(inventory, DEPLOY)
-    argv[-1] = str(tree / DEPLOY)
+    controller (the filter plugin imports epd_kit.plan: PYTHONPATH puts that tree's first). Its
+    kit's wheelhouse is built in this checkout's cache (the same dependency wheels, keyed by the
+    same pyproject.toml; inside the test namespace no index answers: docs/sandbox.md)."""
+    cache = f"epd_deps_wheelhouse_cache={REPO / '.cache/wheelhouse'}"
+    argv, env = playbook_command(inventory, DEPLOY, "-e", cache)
+    argv[argv.index(str(REPO / DEPLOY))] = str(tree / DEPLOY)
     env["PYTHONPATH"] = str(tree / "router")
     return subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, timeout=scaled(900), check=False)
 
