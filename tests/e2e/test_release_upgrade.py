@@ -1,5 +1,5 @@
 """A fleet deployed by the release before issue 57 (main at PREVIOUS_RELEASE: router.yaml with the
-first model at the top level and `endpoints.models.<name>`), re-deployed by this one (issue 57,
+one model at the top level and `endpoints.models.<name>`), re-deployed by this one (issue 57,
 "Done when"): no engine task changes and no engine restarts (the engines keep their ids and
 units: models[0] keeps no prefix), router.yaml is written once in the one-list shape, and the
 router reloads at most once. The new kit itself rolls the router's processes once (roles/epd_deps
