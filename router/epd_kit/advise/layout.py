@@ -36,7 +36,7 @@ from epd_kit.plan import ROLES, EpdPlanError, check_inventory, fleet_settings, p
 from epd_kit.plan.checks import ENGINE_GROUP, ROUTER_GROUP, text_only
 from epd_kit.plan.defaults import HOST_DEFAULTS
 from epd_kit.plan.models import ModelSpec
-from epd_kit.plan.rollout import PoolRule
+from epd_kit.plan.rollout import PoolRule, resolve_pool
 from epd_kit.plan.values import format_cores
 
 from .analysis import DEFAULT_TARGET_BUSY, DEFAULT_TARGET_QUEUEING, Analysis
@@ -339,14 +339,27 @@ class Advisor:
             if place(replace(spec, num_ve=ve, num_pd=pd, slices=None), self.settings, {"ve": ve, "pd": pd}) is not None
         ]
 
+    def rule(self, role: str, size: int, *, batch: int | None = None, floor: int | None = None) -> PoolRule:
+        """This model's `role` pool of `size` as a rollout resolves it (rollout.resolve_pool: an
+        epd_models entry's own rollout_batch_* / rollout_min_available_* over the fleet's);
+        `batch`, `floor`: a value in place of the configured one."""
+        key = None if self.spec is None else self.spec.name
+        given = {f"rollout_batch_{role}": batch, f"rollout_min_available_{role}": floor}
+        given = {k: v for k, v in given.items() if v is not None}
+        entries = [{**m.as_dict(), **(given if m.name == key else {})} for m in self.fleet.models]
+        sizes = {**self.batch, **({role: batch} if batch is not None else {})}
+        floors = {**self.min_available, **({role: floor} if floor is not None else {})}
+        return resolve_pool(role, key, size, sizes, floors, entries)
+
     def floor(self, role: str) -> int:
-        """Engines of `role` that must stay in rotation: today's rollout floor (at least one
-        engine for a pool that exists: a fleet serving images needs a VE, every fleet a PD)."""
+        """Engines of `role` that must stay in rotation: today's rollout floor of this model's
+        pool (at least one engine for a pool that exists: a model serving images needs a VE,
+        every model a PD)."""
         size = self.current.total(role)
         if size == 0:
             return 0
         try:
-            floor = PoolRule.resolve(role, size, 1, self.min_available[role]).floor
+            floor = self.rule(role, size, batch=1).floor
         except EpdPlanError:
             floor = size - 1  # today's setting cannot roll the pool: keep all but one
         return max(floor, 1)
@@ -361,7 +374,7 @@ class Advisor:
                 return f"a {role.upper()} pool of {size} is below its floor of {floor}"
             if size and self.current.total(role) > 1:
                 try:
-                    PoolRule.resolve(role, size, self.batch[role], floor)
+                    self.rule(role, size, floor=floor)
                 except EpdPlanError as exc:
                     return str(exc)
         checked = self._check(self.hostvars_for(layout))

@@ -85,7 +85,10 @@ def restart_view(config: Mapping[str, Any]) -> dict[str, Any]:
     of the release before is a reload, not a restart."""
     if not config:
         return {}
-    data, _ = models_as_list(config)
+    try:
+        data, _ = models_as_list(config)
+    except ValueError as error:  # not the router's either: whatever replaces it rolls the processes
+        return {"unreadable": str(error)}
     top = data.get("limits") if isinstance(data.get("limits"), Mapping) else {}
     models = []
     for entry in data.get("models") or []:

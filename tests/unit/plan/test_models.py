@@ -231,6 +231,20 @@ def test_the_advisor_sees_each_models_own_engines():
     assert [a.current.counts for a in Advisor.per_model(inventory)] == [{"n1": (1, 1)}]
 
 
+def test_the_advisor_keeps_each_models_own_rollout_floor():
+    """The advisor's floor of a model's pool is the one its rollouts keep (rollout.resolve_pool,
+    one place): an epd_models entry's own rollout_min_available_pd, not the fleet's."""
+    from epd_kit.advise.layout import Advisor, Inventory, Layout
+
+    text = {**TEXT, "num_pd": 3, "pd_tp": 4, "rollout_min_available_pd": 2}
+    n1 = {"epd_model": VISION, "epd_num_ve": 1, "epd_num_pd": 1, "epd_core_count": 24, "epd_models": [text]}
+    inventory = Inventory({"n1": n1}, {"epd_engines": ["n1"], "epd_router": ["n1"]})
+    first, other = Advisor.per_model(inventory)
+    assert (first.floor("pd"), other.floor("pd")) == (1, 2)
+    assert other.rule("pd", 3).floor == 2 and other.rule("pd", 3).model == "text"
+    assert other.refusal(Layout({"n1": (0, 1)}, other.current.entry)) == "a PD pool of 1 is below its floor of 2"
+
+
 def running_file(models):
     """The router.yaml a host has, as the router play wrote it for `models` (parsed back)."""
     result = check(models)

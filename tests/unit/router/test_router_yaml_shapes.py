@@ -137,3 +137,11 @@ async def test_a_reload_from_the_old_shape_to_the_list_keeps_every_lane_and_warn
     assert list(service.lanes) == ["vision", "text"]
     assert service.lanes["text"].state.pools.pd[0].state.value == "draining"
     assert service.state is service.lanes["vision"].state  # the service's own lane: the listed first
+
+
+def test_a_file_that_does_not_read_as_models_rolls_the_processes_without_failing_the_play():
+    broken = old("two-models")
+    del broken["endpoints"]["models"]["text"]  # a model without pools: not the router's file either
+    view = restart_view(broken)
+    assert view == {"unreadable": "models[0] (text) has no pools: add endpoints.models.text"}
+    assert view != restart_view(old("two-models")) and restart_view({}) == {}
