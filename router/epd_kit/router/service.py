@@ -165,11 +165,15 @@ class RouterService:
             log.warning("config reload turns API-key authentication off (auth.enabled: false)")
         removed, changed = [], set()
         served = {m.name for m in new.models}
-        for name, lane in self.lanes.items():
-            if name not in served:
+        for position, (name, lane) in enumerate(self.lanes.items()):
+            named = name if name in served else None
+            if named is None and position == 0:  # the listed first, renamed: still its pools (as the plan's
+                named = new.models[0].name  # endpoints-only write: router_config.endpoints_only)
+                changed.add(f"models.{name}.name")
+            if named is None:
                 log.warning(f"config reload: model {name!r} is gone from `models`; it is served until a restart")
                 continue
-            lane_old, lane_new = lane.state.cfg, new.lane_config(name)
+            lane_old, lane_new = lane.state.cfg, new.lane_config(named)
             old_entry, new_entry = lane_old.models[0], lane_new.models[0]
             changed |= {key for key in RESTART_ONLY if getattr(lane_new, key) != getattr(lane_old, key)}
             changed |= {
@@ -184,7 +188,7 @@ class RouterService:
             removed += lane_removed
         for key in sorted(changed):
             log.warning(f"config reload: '{key}' changed; it takes effect only on restart")
-        for name in set(served) - set(self.lanes):
+        for name in served - set(self.lanes) - {new.models[0].name}:
             log.warning(f"config reload: new model {name!r} in `models`; it is served after a restart")
         pools = self.state.pools
         self.auth = auth

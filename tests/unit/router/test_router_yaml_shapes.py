@@ -145,3 +145,22 @@ def test_a_file_that_does_not_read_as_models_rolls_the_processes_without_failing
     view = restart_view(broken)
     assert view == {"unreadable": "models[0] (text) has no pools: add endpoints.models.text"}
     assert view != restart_view(old("two-models")) and restart_view({}) == {}
+
+
+async def test_a_reload_that_renames_the_listed_first_model_still_applies_its_pools(tmp_path, char_renderer, caplog):
+    """The name is read at start (a restart applies it, and says so); the pools of the model a
+    request without `model` gets still follow the file, as the plan's endpoints-only writes do."""
+    doc = one_list(old("one-host"))
+    doc["admin"]["token_file"] = doc["engine_auth"]["key_file"] = None  # files of the host, not here
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    service = RouterService(parse_config(doc), char_renderer(), config_path=path)
+    doc["models"][0]["name"] = "vision"
+    doc["models"][0]["endpoints"]["pd"][0]["state"] = "draining"
+    path.write_text(yaml.safe_dump(doc))
+    with caplog.at_level(logging.WARNING, logger="epd_router.service"):
+        assert service.reload()
+    assert [e.state.value for e in service.state.pools.pd] == ["draining", "active"]
+    assert list(service.lanes) == ["/models/tiny-qwen3-vl"]  # served under its old name until a restart
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == ["config reload: 'models./models/tiny-qwen3-vl.name' changed; it takes effect only on restart"]
