@@ -180,6 +180,7 @@ class FilterModule:
                 "epd_engine_unit": plan.engine_unit,
                 "epd_engine_exec_start": plan.exec_start,
                 "epd_router_config": router_config,
+                "epd_router_restart_view": plan.router_shape.restart_view,
                 "epd_router_tenants_text": plan.tenants_file_text,
                 "epd_router_tenants_placeholder": plan.placeholder_tenants_text,
                 "epd_router_api_keys_placeholder": plan.placeholder_api_keys_text,

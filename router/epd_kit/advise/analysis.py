@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from epd_kit.plan import ROLES
-from epd_kit.router.config import Placement
+from epd_kit.router_yaml import Placement
 
 from .queueing import PoolModel, fit_service_time
 from .scrape import ScrapeError

@@ -22,6 +22,7 @@ the collection's filters load its bundled copy when the controller has no epd_ki
     validate      its checks of every declared value, dict key, scope, port per machine, rollout setting
     hints         "did you mean": the known name most likely meant
     router_config router.yaml from the plan
+    router_shape  router.yaml's two shapes read as one list of models; what its processes read at start
     tenants       the router's tenants file from the inventory, checked by the router's rules
     tenants_format the tenants file's format and parser (the router loads the file with it)
     operations    what the ops playbooks compute (engine selection, rolling queue, status)

@@ -209,7 +209,7 @@ def _gap_within_total(fleet: Fleet) -> Iterator[str]:
 @rule(
     "lb-keepalive-below-router-idle",
     "the router closes a keep-alive connection idle for listen.idle_timeout_s; a load balancer that keeps "
-    "it longer reuses a closed connection and fails that request (router/config.py Listen)",
+    "it longer reuses a closed connection and fails that request (router_yaml.py Listen)",
 )
 def _keepalive_below_idle(fleet: Fleet) -> Iterator[str]:
     for lb in fleet.members(LOADBALANCER):

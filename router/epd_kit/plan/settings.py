@@ -79,7 +79,7 @@ class Settings:
     vllm_cpu_ec_transport: str = str(VARIABLES["epd_vllm_cpu_ec_transport"].default)
     vllm_cpu_ucx_port_range: str = str(VARIABLES["epd_vllm_cpu_ucx_port_range"].default)
     otlp_traces_endpoint: str = ""
-    # the fleet's further models (epd_models, models.py); the first is this one
+    # the epd_models entries (models.py); with this one as models[0]: models.fleet_models
     models: tuple[ModelSpec, ...] = ()
 
     @property

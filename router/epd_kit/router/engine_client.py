@@ -32,7 +32,6 @@ from typing import TypeVar
 
 from epd_kit.router import bodies, deadlines, engine_http, tracing, upstream
 from epd_kit.router.bodies import VeBody, ve_body
-from epd_kit.router.config import Health
 from epd_kit.router.engine_keys import EngineKeys
 from epd_kit.router.errors import UpstreamError
 from epd_kit.router.health import EngineHealth, HealthProber, ProbeFailed
@@ -42,6 +41,7 @@ from epd_kit.router.pools import Engine
 from epd_kit.router.probes import ServingProbes
 from epd_kit.router.rendering import PreparedItemLike
 from epd_kit.router.state import RouterState
+from epd_kit.router_yaml import Health
 from epd_kit.wire import GENERATE_PATH, EcHandoffItem, GenerateResponse
 
 # the client's own read timeout stays a little behind the call's deadline, so the deadline

@@ -12,7 +12,7 @@ from epd_kit import plan
 from epd_kit.plan.errors import EpdPlanError
 from epd_kit.plan.neuron_releases import FRONT_CHECKS, RELEASES, VLLM_CPU_VERSIONS, Pin, front_checks_of, handoff_of
 from epd_kit.plan.settings import read_settings
-from epd_kit.router.config import FrontChecks, parse_config
+from epd_kit.router_yaml import FrontChecks, parse_config
 from tests.ansible.helpers import REPO
 
 MODEL = {"epd_model": "/models/m"}
@@ -94,9 +94,11 @@ def test_router_yaml_names_the_fleets_handoff_and_the_router_loads_it(vllm, hand
     if handoff == "ec_transfer_params":  # upstream's hand-off is its NIXL connector's (test_upstream_nixl_plan.py)
         variables["epd_vllm_cpu_ec_transport"] = "nixl"
     settings = read_settings(variables)
-    endpoints = {"pd": [{"id": "pd-0", "url": "http://127.0.0.1:8001", "state": "active"}]}
-    config = plan.router_config({}, settings, listen_host="127.0.0.1", extra={"endpoints": endpoints})
-    config["endpoints"]["ve"] = [{"id": "ve-0", "url": "http://127.0.0.1:8000", "state": "active"}]
+    config = plan.router_config({}, settings, listen_host="127.0.0.1")
+    config["models"][0]["endpoints"] = {
+        "pd": [{"id": "pd-0", "url": "http://127.0.0.1:8001", "state": "active"}],
+        "ve": [{"id": "ve-0", "url": "http://127.0.0.1:8000", "state": "active"}],
+    }
     assert config["handoff"] == handoff
     assert parse_config(config).handoff == handoff
     # and its front's context checks (router/context_window.py), from the same vLLM

@@ -85,7 +85,7 @@ def test_check_inventory_refuses_a_tenant_typo_before_any_host():
 
 
 def test_router_config_names_the_tenants_file():
-    from epd_kit.router.config import parse_config
+    from epd_kit.router_yaml import parse_config
     from tests.unit.plan.test_operations import TWO_HOSTS, fleet
 
     fleet_plan, settings = fleet(TWO_HOSTS)

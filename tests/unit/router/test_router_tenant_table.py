@@ -25,7 +25,6 @@ from prometheus_client import CollectorRegistry
 
 from epd_kit.plan.tenants_format import MAX_TENANTS
 from epd_kit.router import tenant_table
-from epd_kit.router.config import parse_config
 from epd_kit.router.errors import RouterError
 from epd_kit.router.service import RouterService
 from epd_kit.router.tenant_table import (
@@ -43,6 +42,7 @@ from epd_kit.router.tenant_table import (
     BucketTable,
 )
 from epd_kit.router.tenants import TenantLimits, TenantMetrics, TenantQuotas
+from epd_kit.router_yaml import parse_config
 
 
 class Faults:

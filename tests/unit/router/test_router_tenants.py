@@ -14,7 +14,6 @@ from prometheus_client import CollectorRegistry
 
 from epd_kit.router.auth import KeyFileError
 from epd_kit.router.cli import main
-from epd_kit.router.config import parse_config
 from epd_kit.router.errors import RouterError
 from epd_kit.router.service import RouterService
 from epd_kit.router.tenant_table import BucketTable, TableFault
@@ -25,6 +24,7 @@ from epd_kit.router.tenants import (
     load_client_keys,
     parse_tenants,
 )
+from epd_kit.router_yaml import parse_config
 
 GOOD = """\
 # tenants of the fleet
