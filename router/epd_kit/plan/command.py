@@ -26,7 +26,7 @@ from .managed import (
     cold_start_timeouts,
     vllm_timeouts,
 )
-from .neuron_releases import HANDOFFS, neuron_release, serve_flags_of
+from .neuron_releases import neuron_release, serve_flags_of
 
 if TYPE_CHECKING:
     from .settings import Settings
@@ -273,21 +273,24 @@ def ec_transfer_config(
 
 
 def cpu_flags(settings: Settings, role: str) -> tuple[str, ...]:
-    """What a vllm-cpu engine runs beyond the Neuron command (CPU_ROLE_FLAGS, CPU_FLAGS); () otherwise."""
-    if settings.engine_backend != CPU_BACKEND:
-        return ()
-    role_flags = CPU_ROLE_FLAGS[role]
-    if upstream_nixl(settings):  # upstream's VE answers ec_transfer_params itself: no locator scheduler
-        return tuple(flag for flags, _reason in CPU_FLAGS for flag in flags)
-    if settings.vllm_cpu_ec_transport == NIXL_TRANSPORT:  # a PD's scheduler ends the requests it could not load
-        role_flags = CPU_ROLE_FLAGS["ve"]
-    return role_flags + tuple(flag for flags, _reason in CPU_FLAGS for flag in flags)
+    """What the backend's engines run beyond the Neuron command (its profile's role flags and flags:
+    CPU_ROLE_FLAGS, CPU_FLAGS on vllm-cpu); () on the others."""
+    profile = settings.profile
+    flags = tuple(flag for group, _reason in profile.backend.flags for flag in group)
+    if not profile.backend.role_flags:
+        return flags
+    if profile.upstream_nixl:  # upstream's VE answers ec_transfer_params itself: no locator scheduler
+        return flags
+    role_flags = profile.backend.role_flags[role]
+    if profile.ec_transport == NIXL_TRANSPORT:  # a PD's scheduler ends the requests it could not load
+        role_flags = profile.backend.role_flags["ve"]
+    return role_flags + flags
 
 
 def upstream_nixl(settings: Settings) -> bool:
     """Whether the engines run upstream's NIXL connector: vllm-cpu on a vLLM whose hand-off is
-    `ec_transfer_params` (Settings.handoff). read_settings allows only transport nixl there."""
-    return settings.engine_backend == CPU_BACKEND and settings.handoff == HANDOFFS[1]
+    `ec_transfer_params` (EngineProfile.upstream_nixl). read_settings allows only transport nixl there."""
+    return settings.profile.upstream_nixl
 
 
 def limit_mm_per_prompt(settings: Settings) -> dict[str, Any]:
@@ -307,8 +310,8 @@ def tracing_flags(settings: Settings) -> tuple[str, ...]:
 
 
 def cpu_store(settings: Settings) -> str | None:
-    """The shared-storage connector's directory on vllm-cpu; None (the NIXL connector) otherwise."""
-    return settings.vllm_cpu_ec_dir if settings.engine_backend == CPU_BACKEND else None
+    """The shared-storage connector's directory on a CPU backend (vllm-cpu); None (the NIXL connector) otherwise."""
+    return settings.vllm_cpu_ec_dir if settings.profile.cpu else None
 
 
 def engine_command(
@@ -381,18 +384,19 @@ def engine_env(
     CPU_ENVIRONMENT; nothing of Neuron's or EFA's. With upstream's connector a VE's `side_channel`
     (its address, side channel port) is what it announces (UPSTREAM_SIDE_CHANNEL)."""
     release = neuron_release(settings.neuron_release)
-    if settings.engine_backend == CPU_BACKEND:
+    profile = settings.profile
+    if profile.cpu:
         if engine_id is None:
             raise EpdPlanError("a vllm-cpu engine's environment needs its engine id (its own VLLM_CACHE_ROOT)")
         env = {
             CPU_BIND_VARIABLE: "|".join(str(c) for c in cores),
             "VLLM_CACHE_ROOT": CPU_CACHE_ROOT.format(engine_id=engine_id),
             **vllm_timeouts(settings.compilation_timeout_s),
-            **CPU_ENVIRONMENT,
+            **profile.backend.environment,
             **tracing_env(settings),
             **nixl_env(settings),
         }
-        if upstream_nixl(settings) and side_channel is not None:
+        if profile.upstream_nixl and side_channel is not None:
             env.update(zip(UPSTREAM_SIDE_CHANNEL, (side_channel[0], str(side_channel[1])), strict=True))
         if settings.model_is_local:
             env["HF_HUB_OFFLINE"] = "1"
@@ -405,7 +409,7 @@ def engine_env(
         **release.profile()["engine_environment"],
         **tracing_env(settings),
     }
-    if settings.engine_backend == "sim":
+    if profile.backend.answers_as_vllm:
         env[SIM_VLLM_VARIABLE] = ".".join(release.vllm.split(".")[:2])  # "0.29": the series the wire follows
     if settings.model_is_local:
         env["HF_HUB_OFFLINE"] = "1"
