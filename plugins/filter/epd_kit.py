@@ -118,7 +118,7 @@ def settings(hostvars, hosts):
 
 def engine_profile(backend):
     """The engine backend profile of an epd_engine_backend value (plan/backends.py): epd_common's
-    epd_engine_profile, whose fields the roles read instead of the backend's name."""
+    epd_common_engine_profile, whose fields the roles read instead of the backend's name."""
     return plan.backend_profile(backend).as_dict()
 
 

@@ -4,7 +4,7 @@ A BackendProfile says everything that differs between the backends: the executab
 what goes on PATH and the loader path, the flags and environment the engine command adds (their
 reasons stay beside the values, in command.py), the host probes, whether engines may span hosts,
 what the backend refuses and which install route puts it on a host. The planner reads its fields
-(command.py, settings.py, the rules), and so do the roles: epd_common's `epd_engine_profile` is
+(command.py, settings.py, the rules), and so do the roles: epd_common's `epd_common_engine_profile` is
 the one selection (`epd_engine_backend | epd.kit.epd_engine_profile`, BackendProfile.as_dict), and
 no role or playbook tests the backend's name. An EngineProfile is the fleet's profile with its
 backend-specific knobs (epd_vllm_cpu_*) and what follows from the engines' vLLM (the router's
@@ -72,7 +72,7 @@ class BackendProfile:
     lock_lists: str = ""  # the folder of its vLLM lock lists (requirements-vllm-<version>.txt), repo-relative
 
     def as_dict(self) -> dict[str, Any]:
-        """The fields as Ansible reads them (epd_engine_profile)."""
+        """The fields as Ansible reads them (epd_common_engine_profile)."""
         return {
             "name": self.name,
             "backend": self.backend,

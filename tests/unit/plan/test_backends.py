@@ -66,7 +66,7 @@ def test_every_field_is_one_of_the_declared_values():
         assert profile.device in DEVICES and profile.install_route in INSTALL_ROUTES, profile.name
         assert set(profile.probes) <= set(PROBES), profile.name
         assert planner.BACKEND_EXECUTABLES[profile.backend] == profile.executable
-        assert profile.as_dict()["backend"] == profile.backend  # what epd_engine_profile carries
+        assert profile.as_dict()["backend"] == profile.backend  # what epd_common_engine_profile carries
 
 
 def test_each_install_route_is_one_task_file_of_epd_deps():
@@ -74,10 +74,10 @@ def test_each_install_route_is_one_task_file_of_epd_deps():
     routes = {path.name.removeprefix("install_").removesuffix(".yml") for path in tasks.glob("install_*.yml")}
     assert routes == set(INSTALL_ROUTES) == {p.install_route for p in PROFILES.values()}
     main = (tasks / "main.yml").read_text()
-    assert main.count('include_tasks: "install_{{ epd_engine_profile.install_route }}.yml"') == 1
+    assert main.count('include_tasks: "install_{{ epd_common_engine_profile.install_route }}.yml"') == 1
 
 
-# the lines that may name epd_engine_backend: the one selection (epd_common's epd_engine_profile,
+# the lines that may name epd_engine_backend: the one selection (epd_common's epd_common_engine_profile,
 # its comment) and the argument spec's declaration
 SELECTION = REPO / "roles/epd_common/vars/main.yml"
 DECLARATION = REPO / "roles/epd_common/meta/argument_specs.yml"
@@ -93,7 +93,7 @@ def test_roles_and_playbooks_read_the_profile_never_the_backends_name():
                 if "epd_engine_backend" in line and not line.lstrip().startswith("#"):
                     found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
                 # a test of a profile's own name is a backend name test by another spelling
-                if re.search(r"epd_engine_profile\.(name|backend)\b", line):
+                if re.search(r"epd_common_engine_profile\.(name|backend)\b", line):
                     found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert found == []
     selection = [line for line in SELECTION.read_text().splitlines() if "epd_engine_backend" in line]
