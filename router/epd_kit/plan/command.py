@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from .backends import NIXL_TRANSPORT
 from .errors import EpdPlanError
 from .managed import (
     CPU_BIND_VARIABLE,
@@ -108,7 +109,6 @@ CPU_EC_CONNECTOR = "ECExampleConnector"
 # epd_vllm_cpu_ec_transport nixl: the kit's NIXL EC connector (engine_plugin's nixl_connector.py),
 # loaded by vLLM from its module (ECTransferConfig.ec_connector_module_path, read by
 # ec_connector/factory.py get_connector_class at 0.24.0 and 0.29.0); VEs and PDs on any hosts
-NIXL_TRANSPORT = "nixl"
 NIXL_EC_CONNECTOR = "EPDNixlECConnector"
 NIXL_EC_MODULE = "epd_vllm_plugin.nixl_connector"
 # ... over UCX's TCP transport: UCX otherwise takes `cma` (cross-memory attach) between processes of
@@ -138,27 +138,6 @@ UPSTREAM_SIDE_CHANNEL = ("VLLM_EC_SIDE_CHANNEL_HOST", "VLLM_EC_SIDE_CHANNEL_PORT
 # `count` the per-prompt limit, width/height only the profiling item's size) bound the image, and
 # video, which the kit does not serve, is 0. The width measured does not depend on the size.
 UPSTREAM_DUMMY_IMAGE = {"width": 64, "height": 64}
-# the kit's vLLM plugin (engine_plugin/): the VE scheduler that answers with locators as
-# vllm-neuron's does (upstream's VE returns none and the router refuses the answer)
-LOCATOR_SCHEDULER = "epd_vllm_plugin.scheduler.ECLocatorScheduler"
-CPU_ROLE_FLAGS: dict[str, tuple[str, ...]] = {"ve": ("--scheduler-cls", LOCATOR_SCHEDULER), "pd": ()}
-CPU_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("--enforce-eager",), "no torch.compile on a small CPU host: an engine starts in about a minute, not several"),
-    (
-        ("--skip-mm-profiling",),
-        "the start-up profile run's dummy image prompt is refused by transformers 5.24's Qwen3-VL "
-        "processor ('Found 1 <|image_pad|> tokens in the text but no images were passed')",
-    ),
-)
-# ... and its environment: the KV cache in GiB (vLLM CPU's default is 4 GiB per engine; an operator
-# may set another through epd_engine_environment), no usage report (the engines reach no address
-# outside the fleet), and no torch.compile anywhere: --enforce-eager leaves the model eager, but
-# the CPU sampler is still `@torch.compile` (vllm/v1/sample/ops/topk_topp_sampler.py
-# compiled_random_sample, 0.24.0 and 0.29.0), and inductor needs a C++ compiler on the host at the
-# first request; a host without g++ (the sandbox's DLAMI stand-in) failed the PD's start-up
-# profile run with `InvalidCxxCompiler`. TORCH_COMPILE_DISABLE is torch's own switch
-# (torch/_dynamo/config.py `disable`, torch 2.11 and 2.13): the function runs eagerly.
-CPU_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "TORCH_COMPILE_DISABLE": "1"}
 # each engine's own cache directory, under the unit's HOME (epd_cache_dir; vLLM expands "~" in
 # VLLM_CACHE_ROOT, vllm/envs.py): two engines writing one cache race
 CPU_CACHE_ROOT = "~/vllm-cpu/{engine_id}"
