@@ -31,6 +31,7 @@ the collection's filters load its bundled copy when the controller has no epd_ki
 docs/planner.md explains the rules; docs/architecture.md fixes the plan's schema.
 """
 
+from .backends import PROFILES, BackendProfile, EngineProfile, backend_profile
 from .checks import check_inventory, unresolved_problems
 from .command import (
     ROLE_FLAGS,
@@ -70,16 +71,20 @@ __all__ = [
     "MANAGED_ENV",
     "MANAGED_FLAGS",
     "PREFIX_CACHING_OFF",
+    "PROFILES",
     "RELEASES",
     "ROLES",
     "ROLE_FLAGS",
     "SERVE_LINE",
     "START_MARGIN_S",
+    "BackendProfile",
     "EngineCommand",
+    "EngineProfile",
     "EpdPlanError",
     "HostSpec",
     "Settings",
     "additional_config",
+    "backend_profile",
     "check_inventory",
     "deployed_engines",
     "ec_transfer_config",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .command import CPU_BACKEND, NIXL_TRANSPORT, ROLES, engine_command, engine_env
+from .command import ROLES, engine_command, engine_env
 from .errors import EpdPlanError
 from .hosts import HostSpec
 from .models import check_model_hosts, fleet_models
@@ -155,9 +155,9 @@ def validate_plan(plan: Mapping[str, Mapping[str, Any]], settings: Settings) -> 
                     "own epd_bind_address (its private address)"
                 )
             urls[engine["url"]] = host
-    # the shared directory is one host's; the kit's NIXL connector reads across hosts
-    shared_dir = settings.vllm_cpu_ec_transport != NIXL_TRANSPORT
-    if settings.engine_backend == CPU_BACKEND and shared_dir and len(hosts_with_engines) > 1:
+    # the backend's profile says whether its engines may span hosts (vllm-cpu: the shared directory
+    # is one host's; the kit's NIXL connector reads across hosts)
+    if not settings.profile.spans_hosts and len(hosts_with_engines) > 1:
         raise EpdPlanError(
             f"epd_engine_backend vllm-cpu runs engines on one host with epd_vllm_cpu_ec_transport shared-dir, "
             f"and this fleet has them on {', '.join(hosts_with_engines)}: its encoder cache is vLLM's "

