@@ -34,7 +34,7 @@ from bench.procs import Proc, pin_self
 from bench.router_overhead import _wait_ready
 from bench.stack import engine_proc, router_proc
 from epd_kit import wire
-from epd_kit.router.config import Placement
+from epd_kit.router_yaml import Placement
 
 FIRST_TOKEN = b'"token_ids":['
 

@@ -28,7 +28,7 @@ import numpy as np
 from bench.common import IMG_DIR, RunRecord, percentile
 from epd_kit import hrw
 from epd_kit.router import placement
-from epd_kit.router.config import Placement
+from epd_kit.router_yaml import Placement
 
 SHIPPED = Placement()  # the router's default placement settings: "ours" is what ships
 

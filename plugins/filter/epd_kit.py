@@ -123,6 +123,12 @@ def settings(hostvars, hosts):
     return plan.fleet_settings(hostvars, hosts).as_dict()
 
 
+def engine_profile(backend):
+    """The engine backend profile of an epd_engine_backend value (plan/backends.py): epd_common's
+    epd_common_engine_profile, whose fields the roles read instead of the backend's name."""
+    return plan.backend_profile(backend).as_dict()
+
+
 def router_config(fleet_plan, fleet_settings, **options):
     options = {key: plan.plain(value) for key, value in options.items()}
     return plan.router_config(fleet_plan, plan.read_settings(fleet_settings), **options)
@@ -174,12 +180,14 @@ class FilterModule:
                 "epd_unresolved_addresses": unresolved_addresses,
                 "epd_plan": plan.plan_from_hostvars,
                 "epd_settings": settings,
+                "epd_engine_profile": engine_profile,
                 "epd_plan_table": plan.plan_table,
                 "epd_router_endpoints": plan.router_endpoints,
                 "epd_unreachable_engines": plan.unreachable_engines,
                 "epd_engine_unit": plan.engine_unit,
                 "epd_engine_exec_start": plan.exec_start,
                 "epd_router_config": router_config,
+                "epd_router_restart_view": plan.router_shape.restart_view,
                 "epd_router_tenants_text": plan.tenants_file_text,
                 "epd_router_tenants_placeholder": plan.placeholder_tenants_text,
                 "epd_router_api_keys_placeholder": plan.placeholder_api_keys_text,

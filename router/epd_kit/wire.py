@@ -24,6 +24,22 @@ KEY_GUARDED_PATHS_0_29 = (*KEY_GUARDED_PATHS, "/cohere")
 MODALITY_IMAGE = "image"  # the reference labels every item "image" (docs/contract.md §2.2)
 SSE_DONE = b"data: [DONE]\n\n"
 
+# vLLM's error answers, as the simulated engine sends them (sim/errors.py, sim/release.py) and the
+# router reads them (router/upstream.py, which says how each is told apart).
+# Once its engine core died, whatever killed it, vLLM's API server answers every request with this
+# (vllm/v1/engine/exceptions.py EngineDeadError, 0.24.0 and 0.29.0): a 500 {"error": {"message":
+# this, "type": "InternalServerError", "code": 500}}, or in a stream that error event and [DONE].
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+# One request's failed generation (a choice finished with reason "error"): GenerationError("Internal
+# server error") through create_error_response, the same in both releases (0.24.0
+# entrypoints/openai/engine/serving.py:117-134, 0.29.0 entrypoints/generate/base/serving.py:204-221)
+GENERATION_ERROR_MESSAGE = "Internal server error"
+INTERNAL_SERVER_ERROR = "InternalServerError"  # the error type of both
+# How the Neuron EC connector's handshake refuses a VE whose blocks differ from the PD's
+# (docs/contract.md §3.5, "EC region block_len mismatch: remote engine ... advertises ..."): the
+# sim's PD says it so (sim/ec_loader.py), the router reads it as a failed read (router/upstream.py)
+EC_BLOCK_LEN_MISMATCH = "EC region block_len mismatch"
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.ansible
 
 versions_module = repo_modules.module("epd_host_versions")
 CHECK_APT = REPO / "roles/epd_provision/files/check_apt_repository.sh"
-ENGINE_WHEELHOUSE = REPO / "roles/epd_provision/files/build_engine_wheelhouse.py"
+ENGINE_WHEELHOUSE = REPO / "roles/epd_common/files/build_engine_wheelhouse.py"
 
 DPKG_STATUS = """\
 Package: aws-neuronx-dkms

@@ -115,26 +115,28 @@ def test_readiness_gate_and_stagger_match_the_plan(inventory, rendered):
 def test_router_config_lists_every_engine_of_every_host(inventory, rendered):
     out = rendered(inventory)
     plan, groups = planned(inventory)
-    expected = planner.router_endpoints(plan)
     hostvars = resolved(inventory)[0]
-    if text_only(hostvars, groups["epd_engines"]):  # said outright, from the plan
-        expected = {"text_only": True, **expected}
-    models = planner.fleet_settings(hostvars, groups["epd_engines"]).models
-    if models:  # each further model's pools beside the first's (inventory/sandbox/two-models)
-        expected["models"] = {
-            m.name: {**({"text_only": True} if m.text_only else {}), **planner.router_endpoints(plan, (), m.name)}
-            for m in models
-        }
-        assert all(expected["models"][m.name]["pd"] for m in models)
+    settings = planner.fleet_settings(hostvars, groups["epd_engines"])
+    # every model of the fleet, epd_model's first (its pools text-only when the fleet is, said
+    # outright from the plan), each epd_models entry's after it (inventory/sandbox/two-models)
+    fleet = planner.models.fleet_models(settings, text_only(hostvars, groups["epd_engines"]))
+    expected = [
+        {**({"text_only": True} if m.text_only else {}), **planner.router_endpoints(plan, (), m.key)} for m in fleet
+    ]
+    assert all(endpoints["pd"] for endpoints in expected)
     for router in groups["epd_router"]:
         config_path = out / router / "etc/epd/router.yaml"
         config = yaml.safe_load(config_path.read_text())
-        assert config["endpoints"] == expected
-        assert all(e["state"] == "active" for role in ("ve", "pd") for e in config["endpoints"][role])
-        settings = planner.fleet_settings(resolved(inventory)[0], groups["epd_engines"])
-        assert config["model"] == settings.model
-        assert config["limits"]["max_image_patches"] == settings.vision_attention_block_size
-        assert config["limits"]["images_per_prompt"] == settings.images_per_prompt
+        assert [m["endpoints"] for m in config["models"]] == expected
+        assert all(
+            e["state"] == "active" for m in config["models"] for role in ("ve", "pd") for e in m["endpoints"][role]
+        )
+        assert [m["model"] for m in config["models"]] == [m.settings.model for m in fleet]
+        served = hostvars[router].get("epd_router_served_model_name") or settings.model
+        assert [m["name"] for m in config["models"]] == [served, *(m.name for m in fleet[1:])]
+        for entry, spec in zip(config["models"], fleet, strict=True):
+            assert entry["limits"]["max_image_patches"] == spec.settings.vision_attention_block_size
+            assert entry["limits"]["images_per_prompt"] == spec.settings.images_per_prompt
         assert config["listen"]["port"] == settings.router_port
         check = subprocess.run(
             [str(BIN / "epd-router"), "check-config", str(config_path)],
@@ -279,12 +281,27 @@ def test_a_rollouts_draining_write_changes_only_the_endpoints_of_the_file_the_ho
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     written = yaml.safe_load((out / "n1/etc/epd/router.yaml").read_text())
     before = yaml.safe_load(running)
-    assert [m["name"] for m in written["models"]] == ["text"]
-    assert {k: v for k, v in written.items() if k != "endpoints"} == {
-        k: v for k, v in before.items() if k != "endpoints"
-    }
-    assert written["endpoints"] == before["endpoints"]  # no engine draining: the plan's lists, as running
+    assert [m["name"] for m in written["models"]] == ["vision", "text"]
+    assert written == before  # no engine draining: the plan's lists, as running, and nothing else
     full = playbook("-i", str(inventory), "playbooks/render.yml", "-e", f"render_dir={tmp_path / 'full'}")
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-2000:]
     rendered_full = yaml.safe_load((tmp_path / "full/n1/etc/epd/router.yaml").read_text())
-    assert [m["name"] for m in rendered_full["models"]] == ["text", "two"]  # what the router play writes
+    assert [m["name"] for m in rendered_full["models"]] == ["vision", "text", "two"]  # what the router play writes
+
+
+@pytest.mark.parametrize("name", ["one-host", "text-only", "two-models"])
+def test_a_router_yaml_of_the_release_before_is_rewritten_as_the_list_with_a_reload_alone(name, rendered):
+    """The router.yaml main rendered at f3f3a81 (tests/golden/router-yaml-f3f3a81, the old shape)
+    and this release's render of the same sandbox inventory: the same models with the same pools,
+    and the same view of what the processes read at start (restart_view: the router play rolls
+    them only when it differs, roles/epd_router/tasks/configure.yml), so re-deploying a fleet of
+    the release before reloads its router (the file changed) and rolls nothing."""
+    from epd_kit.plan.router_shape import models_as_list, restart_view
+
+    old = yaml.safe_load((REPO / "tests/golden/router-yaml-f3f3a81" / f"{name}.yaml").read_text())
+    new = yaml.safe_load((rendered(REPO / "inventory/sandbox" / name) / "n1/etc/epd/router.yaml").read_text())
+    assert "model" in old and "model" not in new and new != old
+    assert restart_view(new) == restart_view(old)
+    assert [(m["name"], m["endpoints"]) for m in new["models"]] == [
+        (m["name"], m["endpoints"]) for m in models_as_list(old)[0]["models"]
+    ]

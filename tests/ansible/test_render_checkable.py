@@ -97,6 +97,6 @@ def test_a_fleet_with_tenants_and_api_keys_renders_checkable_placeholders_never_
 
 
 def planner_tenants(text: str):
-    from epd_kit.router.tenants_file import parse_tenants
+    from epd_kit.plan.tenants_format import parse_tenants
 
     return parse_tenants(text, "rendered tenants")

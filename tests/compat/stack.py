@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import httpx
 
 from epd_kit.plan.neuron_releases import front_checks_of, serve_flags_of
-from epd_kit.router.config import config_from_flags
+from epd_kit.router_yaml import config_from_flags
 from epd_kit.testing.process import LOOPBACK, ManagedProcess, free_port
 from tests.compat.vllm_api import VLLM_SERIES, VLLM_VERSION
 from tests.compat.vllm_server import VllmServer, vllm_server

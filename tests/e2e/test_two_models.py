@@ -113,7 +113,7 @@ def test_models_that_do_not_fit_are_refused_before_any_host_is_touched(stack: St
 
 
 def test_a_rolling_restart_of_the_text_models_engine_drains_it_in_its_own_pool(stack: Stack, record_timing):
-    """rolling_restart.yml -e engines=text-pd-0: the router drains it in `endpoints.models.text`
+    """rolling_restart.yml -e engines=text-pd-0: the router drains it in the `text` entry's endpoints
     (a reload: the router process keeps its PID), the unit restarts, the vision model's engines
     keep theirs, and both models answer after."""
     pids = main_pids(stack)

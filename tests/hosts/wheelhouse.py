@@ -73,7 +73,7 @@ def trace_store() -> None:
     requirement and cache), for tests/e2e/test_one_host.py's Phoenix on n1. A failure only warns:
     only a deploy that runs the trace store needs it, and that deploy then fails saying so."""
     role_vars = yaml.safe_load((REPO / "roles/epd_observability/vars/main.yml").read_text())
-    builder = REPO / "roles/epd_provision/files/build_engine_wheelhouse.py"
+    builder = REPO / "roles/epd_common/files/build_engine_wheelhouse.py"
     argv = [sys.executable, str(builder), "--cache", str(REPO / ".cache/engine-wheelhouse")]
     argv += ["--requirement", role_vars["epd_observability_trace_store_requirement"], "--no-configured-find-links"]
     if subprocess.run(argv, check=False).returncode:
@@ -96,7 +96,7 @@ def provisioning_standins() -> int:
             "tests/ansible/test_transfer_probe.py will skip"
         )
         return 0
-    builder = REPO / "roles/epd_provision/files/build_engine_wheelhouse.py"
+    builder = REPO / "roles/epd_common/files/build_engine_wheelhouse.py"
     cache = REPO / ".cache/engine-wheelhouse"  # the role's default epd_provision_engine_wheelhouse_cache
     for release in standins.RELEASES:
         argv = [sys.executable, str(builder), "--cache", str(cache)]

@@ -3,7 +3,7 @@
 The argv and environment are the plan's for `epd_engine_backend: vllm-cpu` (epd_kit.plan,
 settings through epd_kit.sim.launch.local_settings as the sim harness has them): the Neuron
 command less what only Neuron reads plus what a CPU engine needs, each difference once with its
-reason in epd_kit/plan/command.py (CPU_FLAGS, CPU_ENVIRONMENT). The key reaches the engine
+reason in epd_kit/plan/backends.py (CPU_FLAGS, CPU_ENVIRONMENT). The key reaches the engine
 as the kit passes it: VLLM_API_KEY in the environment, read from a key file (docs/security.md
 "Engine keys"), never argv.
 """

@@ -1,6 +1,10 @@
-"""No import circles in epd_kit: the graph of every import in router/epd_kit, read with ast (so
-an import inside a function, which hides a circle at run time, and an `if TYPE_CHECKING:` import
-count as much as one at the top), has no cycle. A circle is named module by module."""
+"""No import circles in epd_kit and no arrow up: the graph of every import in router/epd_kit, read
+with ast (so an import inside a function, which hides a circle at run time, and an `if
+TYPE_CHECKING:` import count as much as one at the top), has no cycle, the planner never
+imports the router (the router.yaml schema it checks is the bottom module epd_kit.router_yaml,
+the tenants file's format plan/tenants_format.py), and the router does not import the advisor
+(the advisor reads the router's metrics; epd_kit/cli.py joins the two CLIs). A circle or an arrow
+up is named module by module."""
 
 from __future__ import annotations
 
@@ -114,6 +118,61 @@ def test_epd_kit_has_no_import_circle():
     assert not found, "import circles (late and TYPE_CHECKING imports included):\n" + "\n".join(
         " -> ".join(circle) for circle in found
     )
+
+
+# (importer, imported): no module under the first imports one under the second (a package and
+# its modules: "epd_kit.plan" is epd_kit/plan/ whole). The planner runs on the controller
+# without the router's runtime; the router.yaml schema both read sits below both.
+FORBIDDEN = (
+    ("epd_kit.plan", "epd_kit.router"),
+    ("epd_kit.router_yaml", "epd_kit.router"),
+    ("epd_kit.router_yaml", "epd_kit.advise"),
+    ("epd_kit.router", "epd_kit.advise"),
+)
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def arrows_up(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{importer} -> {imported} ({low} may not import {high})"
+        for importer, imports in graph.items()
+        for imported in imports
+        for low, high in FORBIDDEN
+        if _under(importer, low) and _under(imported, high)
+    )
+
+
+def test_the_planner_never_imports_the_router():
+    graph = import_graph(module_files())
+    assert "epd_kit.router_yaml" in graph and "epd_kit.router_yaml" in graph["epd_kit.plan.router_check"]
+    found = arrows_up(graph)
+    assert not found, "imports against the layers (late and TYPE_CHECKING imports included):\n" + "\n".join(found)
+
+
+def test_the_advisor_command_joins_the_router_s_from_above():
+    graph = import_graph(module_files())
+    # the one place the two CLIs meet imports both (the `epd-router` script)
+    assert {f"{PACKAGE}.router.cli", f"{PACKAGE}.advise.cli"} <= graph[f"{PACKAGE}.cli"]
+
+
+def test_an_arrow_up_is_named(tmp_path):
+    """A late import from the planner into the router is found, named by both modules; a module
+    whose name only starts like the router's (router_yaml) is no arrow up."""
+    package = tmp_path / PACKAGE
+    for sub in ("plan", "router"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "router_yaml.py").write_text("")
+    (package / "router" / "config.py").write_text("")
+    (package / "plan" / "check.py").write_text("def f():\n    from epd_kit.router.config import x\n")
+    (package / "plan" / "ok.py").write_text("from epd_kit import router_yaml\n")
+    assert arrows_up(import_graph(module_files(tmp_path))) == [
+        "epd_kit.plan.check -> epd_kit.router.config (epd_kit.plan may not import epd_kit.router)"
+    ]
 
 
 def test_a_late_import_and_a_type_checking_import_make_a_circle(tmp_path):

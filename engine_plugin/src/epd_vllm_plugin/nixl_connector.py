@@ -58,6 +58,7 @@ except ImportError as exc:  # pragma: no cover - only on a vLLM without the EC c
         f"vLLM {getattr(vllm, '__version__', '?')} has none: {exc}"
     ) from exc
 
+from .compat import CONNECTOR_INTERNALS, require
 from .nixl_agent import nixl_agent, set_ucx_device
 
 if TYPE_CHECKING:
@@ -539,36 +540,12 @@ def tensor_parallel_rank() -> int:
 # the connector
 
 
-# The vLLM internals the connector relies on beyond ECConnectorBase's abstract methods, read at
-# 0.24.0 and 0.29.0: the scheduler asks `ensure_cache_available(request, num_computed_tokens)` of
-# every waiting request with items before scheduling it and defers it on False
-# (v1/core/sched/scheduler.py:753 at 0.24.0, :917 at 0.29.0); a Request carries
-# `kv_transfer_params` from sampling_params.extra_args (v1/request.py:115 / :118), `mm_features`
-# (identifier, mm_position) and `get_num_encoder_embeds(index)`.
-REQUIRED = (
-    ("vllm.distributed.ec_transfer.ec_connector.base", "ECConnectorBase", "ensure_cache_available"),
-    ("vllm.v1.request", "Request", "get_num_encoder_embeds"),
-)
-
-
-def require_vllm_internals() -> None:
-    import importlib
-
-    import vllm
-
-    for module, owner, attribute in REQUIRED:
-        if not hasattr(getattr(importlib.import_module(module), owner, None), attribute):
-            raise RuntimeError(
-                f"{CONNECTOR_NAME} needs {module}.{owner}.{attribute} (vLLM 0.24.0 and 0.29.0 have it); "
-                f"vLLM {vllm.__version__} has none: use epd_vllm_cpu_ec_transport shared-dir with it"
-            )
-
-
 class EPDNixlECConnector(ECConnectorBase):
     """See the module's docstring. One instance per role: SCHEDULER (the engine core) and WORKER."""
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
-        require_vllm_internals()
+        # the vLLM internals it relies on beyond ECConnectorBase's abstract methods: compat.py
+        require(CONNECTOR_NAME, CONNECTOR_INTERNALS)
         super().__init__(vllm_config=vllm_config, role=role)
         self.config = NixlECConfig.from_vllm(vllm_config)
         # scheduler side

@@ -21,6 +21,9 @@ outputs could not be read (the connector's `take_load_failures`): finish_reason 
 ECLoadFailure's message in the answer's `kv_transfer_params`, as vLLM ends a request whose KV
 load failed (`v1/core/sched/scheduler.py` update_from_output, `failed_kv_load_req_ids`, 0.24.0
 and 0.29.0), so the engine core serves on.
+
+The vLLM internals it reads are listed in compat.py (SCHEDULER_INTERNALS); a vLLM without one
+refuses to start, naming its version (compat.require, called when vLLM builds the scheduler).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
+from .compat import ENGINE_CORE_OUTPUT_FIELDS, SCHEDULER_INTERNALS, SCHEDULER_STATE, require
+
 # ECExampleConnector stores an item as one file: its single "block"
 FILE_STORE_BLOCK = 0
 
@@ -44,7 +49,9 @@ class ECLocatorScheduler(Scheduler):
     """vLLM's scheduler; on an EC producer each finished request carries its items' locators."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        require("ECLocatorScheduler", SCHEDULER_INTERNALS, fields=(EngineCoreOutput, ENGINE_CORE_OUTPUT_FIELDS))
         super().__init__(*args, **kwargs)
+        require("ECLocatorScheduler", (), instance=self, state=SCHEDULER_STATE)
         config = self.vllm_config.ec_transfer_config
         self._locator_base: dict[str, Any] | None = None
         if config is not None and config.is_ec_producer:

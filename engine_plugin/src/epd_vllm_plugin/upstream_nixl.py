@@ -80,6 +80,8 @@ except ModuleNotFoundError as error:  # vLLM < 0.30 has no ECCPUConnector
         f"{vllm.__version__}: use the kit's connector for it ({error})"
     ) from error
 
+from .compat import UPSTREAM_NIXL_INTERNALS, require
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
@@ -417,6 +419,9 @@ class CPUNixlECConnector(ECCPUConnector):
     """`ECCPUConnector` for a CPU engine: the delegates above."""
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
+        # the upstream methods the delegates override and call (compat.py): a vLLM >= 0.30 that
+        # renamed one refuses to start, naming its version
+        require("CPUNixlECConnector", UPSTREAM_NIXL_INTERNALS)
         # upstream's constructor less its V2-model-runner check (connector.py:41-45)
         ECConnectorBase.__init__(self, vllm_config=vllm_config, role=role)
         self.connector_worker = None

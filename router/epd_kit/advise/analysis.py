@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from epd_kit.plan import ROLES
+from epd_kit.router_yaml import Placement
 
 from .queueing import PoolModel, fit_service_time
 from .scrape import ScrapeError
@@ -15,6 +16,8 @@ R = "epd_router_"
 # Below this a pool is not a bottleneck, whatever the ranking says.
 BUSY_THRESHOLD = 0.5
 DEFAULT_MIN_REQUESTS = 100
+# the router's own default (router.yaml placement.pd_max_inflight), for a fleet that keeps it
+DEFAULT_PD_MAX_INFLIGHT: int = Placement.model_fields["pd_max_inflight"].default
 # The busy fraction a recommendation brings the busiest pool to or under (--target-busy).
 DEFAULT_TARGET_BUSY = 0.70
 # The latency target beside it (--target-queueing): the share of a pool's time in stage that its
@@ -234,7 +237,7 @@ def _ratio(part: float, whole: float) -> float | None:
 def analyse(
     window: Window,
     pd_slots: int,
-    pd_max_inflight: int = 64,
+    pd_max_inflight: int = DEFAULT_PD_MAX_INFLIGHT,
     min_requests: int = DEFAULT_MIN_REQUESTS,
     engines: dict[str, int] | None = None,
     *,

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import click
 
-from .analysis import DEFAULT_MIN_REQUESTS, DEFAULT_TARGET_BUSY, DEFAULT_TARGET_QUEUEING
+from .analysis import DEFAULT_MIN_REQUESTS, DEFAULT_PD_MAX_INFLIGHT, DEFAULT_TARGET_BUSY, DEFAULT_TARGET_QUEUEING
 
-# The rest is imported when the command runs: `epd-router serve` loads this module too.
+# The rest is imported when the command runs: `epd-router serve` loads this module too (epd_kit/cli.py).
 
 MAX_WINDOW_S = 3600  # a live window sleeps this long at most
 
@@ -77,7 +77,11 @@ def _live(urls: list[str], window: float, save: Path | None):
 )
 @click.option("--faulted", multiple=True, metavar="HOST=CORES", help="faulted NeuronCores of a host (e.g. n1=3,7)")
 @click.option(
-    "--pd-max-inflight", type=int, default=64, show_default=True, help="the router's placement.pd_max_inflight"
+    "--pd-max-inflight",
+    type=int,
+    default=DEFAULT_PD_MAX_INFLIGHT,
+    show_default=True,
+    help="the router's placement.pd_max_inflight",
 )
 @click.option("--min-requests", type=int, default=DEFAULT_MIN_REQUESTS, show_default=True)
 @click.option(

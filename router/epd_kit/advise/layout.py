@@ -14,10 +14,10 @@ states its headroom (how far the load can grow before the busiest pool passes th
 the next step (the smallest change that meets the target again at that load).
 
 Several models (epd_models): one Advisor per model, each reading its own model's series and
-moving only its own engines: the first model's per host (epd_num_ve / epd_num_pd), a further
-model's through its epd_models entry (num_ve / num_pd, the same on every host it runs on). A
-layout that would move another model's engine (a slice or port of it changes) is refused,
-naming the engine; the report says which better layout was refused for it.
+moving only its own engines: models[0]'s (epd_model, plan/models.py fleet_models) per host
+(epd_num_ve / epd_num_pd), an epd_models entry's through that entry (num_ve / num_pd, the
+same on every host it runs on). A layout that would move another model's engine (a slice or
+port of it changes) is refused, naming the engine; the report says which better layout was refused for it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from epd_kit.plan import ROLES, EpdPlanError, check_inventory, fleet_settings, p
 from epd_kit.plan.checks import ENGINE_GROUP, ROUTER_GROUP, text_only
 from epd_kit.plan.defaults import HOST_DEFAULTS
 from epd_kit.plan.models import ModelSpec
-from epd_kit.plan.rollout import PoolRule
+from epd_kit.plan.rollout import PoolRule, resolve_pool
 from epd_kit.plan.values import format_cores
 
 from .analysis import DEFAULT_TARGET_BUSY, DEFAULT_TARGET_QUEUEING, Analysis
@@ -102,8 +102,8 @@ def load_inventory(path: Path) -> Inventory:
 @dataclass(frozen=True)
 class Layout:
     counts: dict[str, tuple[int, int]]  # host -> (VE, PD)
-    # a further model's: its epd_models entry ("epd_models[0] (text)"), whose num_ve / num_pd
-    # are the counts on every host it runs on; None: the first model's, per host
+    # an epd_models entry's model: that entry ("epd_models[0] (text)"), whose num_ve / num_pd
+    # are the counts on every host it runs on; None: models[0]'s (epd_model), per host
     entry: str | None = None
 
     def total(self, role: str) -> int:
@@ -251,7 +251,7 @@ class Recommendation:
 
 
 def first_model_name(inventory: Inventory, settings: Any) -> str:
-    """The first model's served name (the router's `model` label): epd_router_served_model_name
+    """models[0]'s served name (the router's `model` label): epd_router_served_model_name
     of the router hosts, else its checkpoint (epd_model), as the router's config says."""
     for host in inventory.groups.get(ROUTER_GROUP, []):
         name = inventory.hostvars.get(host, {}).get("epd_router_served_model_name")
@@ -262,7 +262,7 @@ def first_model_name(inventory: Inventory, settings: Any) -> str:
 
 class Advisor:
     """The planner's view of the inventory and the moves it allows, for one model of the fleet
-    (`model`: a further model's served name, epd_models; None: the first, epd_model)."""
+    (`model`: an epd_models entry's served name; None: models[0], epd_model)."""
 
     def __init__(
         self, inventory: Inventory, faulted: Mapping[str, list[int]] | None = None, model: str | None = None
@@ -304,7 +304,7 @@ class Advisor:
 
     @classmethod
     def per_model(cls, inventory: Inventory, faulted: Mapping[str, list[int]] | None = None) -> list[Advisor]:
-        """One advisor per model of the fleet, the first model's first."""
+        """One advisor per model of the fleet, in the fleet's order (models[0], epd_model, first)."""
         first = cls(inventory, faulted)
         return [first] + [cls(inventory, faulted, spec.name) for spec in first.fleet.models]
 
@@ -339,14 +339,27 @@ class Advisor:
             if place(replace(spec, num_ve=ve, num_pd=pd, slices=None), self.settings, {"ve": ve, "pd": pd}) is not None
         ]
 
+    def rule(self, role: str, size: int, *, batch: int | None = None, floor: int | None = None) -> PoolRule:
+        """This model's `role` pool of `size` as a rollout resolves it (rollout.resolve_pool: an
+        epd_models entry's own rollout_batch_* / rollout_min_available_* over the fleet's);
+        `batch`, `floor`: a value in place of the configured one."""
+        key = None if self.spec is None else self.spec.name
+        given = {f"rollout_batch_{role}": batch, f"rollout_min_available_{role}": floor}
+        given = {k: v for k, v in given.items() if v is not None}
+        entries = [{**m.as_dict(), **(given if m.name == key else {})} for m in self.fleet.models]
+        sizes = {**self.batch, **({role: batch} if batch is not None else {})}
+        floors = {**self.min_available, **({role: floor} if floor is not None else {})}
+        return resolve_pool(role, key, size, sizes, floors, entries)
+
     def floor(self, role: str) -> int:
-        """Engines of `role` that must stay in rotation: today's rollout floor (at least one
-        engine for a pool that exists: a fleet serving images needs a VE, every fleet a PD)."""
+        """Engines of `role` that must stay in rotation: today's rollout floor of this model's
+        pool (at least one engine for a pool that exists: a model serving images needs a VE,
+        every model a PD)."""
         size = self.current.total(role)
         if size == 0:
             return 0
         try:
-            floor = PoolRule.resolve(role, size, 1, self.min_available[role]).floor
+            floor = self.rule(role, size, batch=1).floor
         except EpdPlanError:
             floor = size - 1  # today's setting cannot roll the pool: keep all but one
         return max(floor, 1)
@@ -361,7 +374,7 @@ class Advisor:
                 return f"a {role.upper()} pool of {size} is below its floor of {floor}"
             if size and self.current.total(role) > 1:
                 try:
-                    PoolRule.resolve(role, size, self.batch[role], floor)
+                    self.rule(role, size, floor=floor)
                 except EpdPlanError as exc:
                     return str(exc)
         checked = self._check(self.hostvars_for(layout))
@@ -573,8 +586,8 @@ class Advisor:
     def _cheapest_layouts(self, base: Layout, options: Mapping[str, list[tuple[int, int]]]) -> list[Layout]:
         """For every pair of pool sizes the hosts can hold within MAX_CHANGES of `base`, the layout
         reaching it with the fewest engine changes (the model sees only the pools' sizes): one
-        pass over the hosts, keeping per (VE total, PD total) the cheapest counts so far. A
-        further model's counts are its epd_models entry's, the same on each of its hosts."""
+        pass over the hosts, keeping per (VE total, PD total) the cheapest counts so far. An
+        epd_models entry's counts are its own, the same on each of its hosts."""
         if self.spec is not None:
             shared = set.intersection(*(set(options[h]) for h in self.engine_hosts))
             layouts = [Layout(dict.fromkeys(self.engine_hosts, counts), base.entry) for counts in sorted(shared)]

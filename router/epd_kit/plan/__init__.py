@@ -22,13 +22,16 @@ the collection's filters load its bundled copy when the controller has no epd_ki
     validate      its checks of every declared value, dict key, scope, port per machine, rollout setting
     hints         "did you mean": the known name most likely meant
     router_config router.yaml from the plan
+    router_shape  router.yaml's two shapes read as one list of models; what its processes read at start
     tenants       the router's tenants file from the inventory, checked by the router's rules
+    tenants_format the tenants file's format and parser (the router loads the file with it)
     operations    what the ops playbooks compute (engine selection, rolling queue, status)
     rollout       batched rollouts: which engines restart together, the printed plan and estimate
 
 docs/planner.md explains the rules; docs/architecture.md fixes the plan's schema.
 """
 
+from .backends import PROFILES, BackendProfile, EngineProfile, backend_profile
 from .checks import check_inventory, unresolved_problems
 from .command import (
     ROLE_FLAGS,
@@ -68,16 +71,20 @@ __all__ = [
     "MANAGED_ENV",
     "MANAGED_FLAGS",
     "PREFIX_CACHING_OFF",
+    "PROFILES",
     "RELEASES",
     "ROLES",
     "ROLE_FLAGS",
     "SERVE_LINE",
     "START_MARGIN_S",
+    "BackendProfile",
     "EngineCommand",
+    "EngineProfile",
     "EpdPlanError",
     "HostSpec",
     "Settings",
     "additional_config",
+    "backend_profile",
     "check_inventory",
     "deployed_engines",
     "ec_transfer_config",

@@ -7,11 +7,11 @@ http://collector:4318/v1/traces" (opentelemetry-exporter-otlp-proto-http 1.45.2,
 trace_exporter/__init__.py; its default is http://localhost:4318/ + v1/traces), and 4317 is the
 gRPC exporter's port (opentelemetry-sdk 1.45.2 environment_variables: OTEL_EXPORTER_OTLP_ENDPOINT
 "Default: http://localhost:4317"). The router's own check refuses a URL without a path
-(router/config.py Tracing), and runs in the inventory check (router_check.planned_value_problems).
+(router_yaml.py Tracing), and runs in the inventory check (router_check.planned_value_problems).
 
 The vllm-cpu backend: its engine units have PrivateTmp=true (templates/epd-engine@.service.j2),
 so a directory under /tmp or /var/tmp is each engine's own (systemd.exec(5)); vLLM's CPU build
-runs eager with torch.compile off (command.py CPU_FLAGS, CPU_ENVIRONMENT) and never reads the
+runs eager with torch.compile off (backends.py CPU_FLAGS, CPU_ENVIRONMENT) and never reads the
 Neuron plugin's compile cache (NEURON_LIBTORCH_REMOTE_CACHE, its strict switches: the plugin's
 compilation_cache.md), and the roles promote no cache there (the promotion runs the plugin's
 save_cache, which only the Neuron venv has).
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
-from .command import CPU_BACKEND
+from .backends import PROFILES, BackendProfile
 from .net import is_loopback
 from .rules import PRIVATE_TMP, Fleet, rule
 from .variables import ROUTER
@@ -109,12 +109,17 @@ def _traces_loopback(fleet: Fleet) -> Iterator[str]:
         )
 
 
-def _cpu(fleet: Fleet) -> str | None:
-    """An engine host of a vllm-cpu fleet (epd_engine_backend is fleet-wide), else None."""
+def _profile(fleet: Fleet) -> tuple[str, BackendProfile] | None:
+    """An engine host and the fleet's backend profile (epd_engine_backend is fleet-wide), else None."""
     engines = fleet.members(ENGINE)
-    if engines and str(fleet.get(engines[0], "epd_engine_backend")) == CPU_BACKEND:
-        return engines[0]
-    return None
+    profile = PROFILES.get(str(fleet.get(engines[0], "epd_engine_backend"))) if engines else None
+    return None if profile is None else (engines[0], profile)
+
+
+def _cpu(fleet: Fleet) -> str | None:
+    """An engine host of a fleet whose engines run on CPUs (vllm-cpu: the shared directory's store), else None."""
+    found = _profile(fleet)
+    return found[0] if found and found[1].device == "cpu" else None
 
 
 @rule(
@@ -144,13 +149,14 @@ NEURON_CACHE = ("epd_compile_cache_shared_dir", "epd_compile_cache_strict")
     warning=True,
 )
 def _cpu_neuron_cache(fleet: Fleet) -> Iterator[str]:
-    host = _cpu(fleet)
-    if host is None:
+    found = _profile(fleet)
+    if found is None or found[1].compile_cache:
         return
     names = [n for n in NEURON_CACHE if any(n in fleet.values[h] and fleet.values[h][n] for h in fleet.values)]
     if names:
+        verb = "is" if len(names) == 1 else "are"
         yield (
-            f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} set but epd_engine_backend is vllm-cpu, which "
+            f"{', '.join(names)} {verb} set but epd_engine_backend is {found[1].backend}, which "
             "compiles nothing and has no Neuron compile cache (nothing is promoted to the shared tier): remove "
             f"{'it' if len(names) == 1 else 'them'}"
         )

@@ -136,10 +136,10 @@ def unresolved_problems(hostvars: Mapping[str, Any], groups: Mapping[str, Any]) 
 
 def pool_problems(plan: Mapping[str, Mapping[str, Any]], is_text_only: bool) -> list[str]:
     count = {"ve": 0, "pd": 0}
-    ves: dict[str, int] = {}  # host -> its VEs of the first model
+    ves: dict[str, int] = {}  # host -> its VEs of models[0] (epd_model)
     for host, host_plan in plan.items():
         for engine in host_plan["engines"]:
-            if "model" not in engine:  # the first model's (a further model's pools: models.py)
+            if "model" not in engine:  # models[0]'s (an epd_models entry's pools: models.py)
                 count[engine["role"]] += 1
                 if engine["role"] == "ve":
                     ves[host] = ves.get(host, 0) + 1
@@ -225,7 +225,7 @@ def check_inventory(
         f"{problem}: set epd_bind_address of that engine host to its private address, or put the router on it"
         for problem in unreachable_engines(plan, routers)
     ]
-    # the first model's served name (a further model's: models.py read_models)
+    # models[0]'s served name (an epd_models entry's: models.py read_models)
     served = {host: values.get(host, {}).get("epd_router_served_model_name") for host in routers}
     problems += first_name_problems(served, settings.models)
     problems += port_problems(plan, settings.router_port, hostvars, groups)

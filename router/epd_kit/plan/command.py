@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from .backends import NIXL_TRANSPORT
 from .errors import EpdPlanError
 from .managed import (
     CPU_BIND_VARIABLE,
@@ -26,7 +27,7 @@ from .managed import (
     cold_start_timeouts,
     vllm_timeouts,
 )
-from .neuron_releases import HANDOFFS, neuron_release, serve_flags_of
+from .neuron_releases import neuron_release, serve_flags_of
 
 if TYPE_CHECKING:
     from .settings import Settings
@@ -108,7 +109,6 @@ CPU_EC_CONNECTOR = "ECExampleConnector"
 # epd_vllm_cpu_ec_transport nixl: the kit's NIXL EC connector (engine_plugin's nixl_connector.py),
 # loaded by vLLM from its module (ECTransferConfig.ec_connector_module_path, read by
 # ec_connector/factory.py get_connector_class at 0.24.0 and 0.29.0); VEs and PDs on any hosts
-NIXL_TRANSPORT = "nixl"
 NIXL_EC_CONNECTOR = "EPDNixlECConnector"
 NIXL_EC_MODULE = "epd_vllm_plugin.nixl_connector"
 # ... over UCX's TCP transport: UCX otherwise takes `cma` (cross-memory attach) between processes of
@@ -138,27 +138,6 @@ UPSTREAM_SIDE_CHANNEL = ("VLLM_EC_SIDE_CHANNEL_HOST", "VLLM_EC_SIDE_CHANNEL_PORT
 # `count` the per-prompt limit, width/height only the profiling item's size) bound the image, and
 # video, which the kit does not serve, is 0. The width measured does not depend on the size.
 UPSTREAM_DUMMY_IMAGE = {"width": 64, "height": 64}
-# the kit's vLLM plugin (engine_plugin/): the VE scheduler that answers with locators as
-# vllm-neuron's does (upstream's VE returns none and the router refuses the answer)
-LOCATOR_SCHEDULER = "epd_vllm_plugin.scheduler.ECLocatorScheduler"
-CPU_ROLE_FLAGS: dict[str, tuple[str, ...]] = {"ve": ("--scheduler-cls", LOCATOR_SCHEDULER), "pd": ()}
-CPU_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("--enforce-eager",), "no torch.compile on a small CPU host: an engine starts in about a minute, not several"),
-    (
-        ("--skip-mm-profiling",),
-        "the start-up profile run's dummy image prompt is refused by transformers 5.24's Qwen3-VL "
-        "processor ('Found 1 <|image_pad|> tokens in the text but no images were passed')",
-    ),
-)
-# ... and its environment: the KV cache in GiB (vLLM CPU's default is 4 GiB per engine; an operator
-# may set another through epd_engine_environment), no usage report (the engines reach no address
-# outside the fleet), and no torch.compile anywhere: --enforce-eager leaves the model eager, but
-# the CPU sampler is still `@torch.compile` (vllm/v1/sample/ops/topk_topp_sampler.py
-# compiled_random_sample, 0.24.0 and 0.29.0), and inductor needs a C++ compiler on the host at the
-# first request; a host without g++ (the sandbox's DLAMI stand-in) failed the PD's start-up
-# profile run with `InvalidCxxCompiler`. TORCH_COMPILE_DISABLE is torch's own switch
-# (torch/_dynamo/config.py `disable`, torch 2.11 and 2.13): the function runs eagerly.
-CPU_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "TORCH_COMPILE_DISABLE": "1"}
 # each engine's own cache directory, under the unit's HOME (epd_cache_dir; vLLM expands "~" in
 # VLLM_CACHE_ROOT, vllm/envs.py): two engines writing one cache race
 CPU_CACHE_ROOT = "~/vllm-cpu/{engine_id}"
@@ -275,21 +254,24 @@ def ec_transfer_config(
 
 
 def cpu_flags(settings: Settings, role: str) -> tuple[str, ...]:
-    """What a vllm-cpu engine runs beyond the Neuron command (CPU_ROLE_FLAGS, CPU_FLAGS); () otherwise."""
-    if settings.engine_backend != CPU_BACKEND:
-        return ()
-    role_flags = CPU_ROLE_FLAGS[role]
-    if upstream_nixl(settings):  # upstream's VE answers ec_transfer_params itself: no locator scheduler
-        return tuple(flag for flags, _reason in CPU_FLAGS for flag in flags)
-    if settings.vllm_cpu_ec_transport == NIXL_TRANSPORT:  # a PD's scheduler ends the requests it could not load
-        role_flags = CPU_ROLE_FLAGS["ve"]
-    return role_flags + tuple(flag for flags, _reason in CPU_FLAGS for flag in flags)
+    """What the backend's engines run beyond the Neuron command (its profile's role flags and flags:
+    CPU_ROLE_FLAGS, CPU_FLAGS on vllm-cpu); () on the others."""
+    profile = settings.profile
+    flags = tuple(flag for group, _reason in profile.backend.flags for flag in group)
+    if not profile.backend.role_flags:
+        return flags
+    if profile.upstream_nixl:  # upstream's VE answers ec_transfer_params itself: no locator scheduler
+        return flags
+    role_flags = profile.backend.role_flags[role]
+    if profile.ec_transport == NIXL_TRANSPORT:  # a PD's scheduler ends the requests it could not load
+        role_flags = profile.backend.role_flags["ve"]
+    return role_flags + flags
 
 
 def upstream_nixl(settings: Settings) -> bool:
     """Whether the engines run upstream's NIXL connector: vllm-cpu on a vLLM whose hand-off is
-    `ec_transfer_params` (Settings.handoff). read_settings allows only transport nixl there."""
-    return settings.engine_backend == CPU_BACKEND and settings.handoff == HANDOFFS[1]
+    `ec_transfer_params` (EngineProfile.upstream_nixl). read_settings allows only transport nixl there."""
+    return settings.profile.upstream_nixl
 
 
 def limit_mm_per_prompt(settings: Settings) -> dict[str, Any]:
@@ -309,8 +291,8 @@ def tracing_flags(settings: Settings) -> tuple[str, ...]:
 
 
 def cpu_store(settings: Settings) -> str | None:
-    """The shared-storage connector's directory on vllm-cpu; None (the NIXL connector) otherwise."""
-    return settings.vllm_cpu_ec_dir if settings.engine_backend == CPU_BACKEND else None
+    """The shared-storage connector's directory on a CPU backend (vllm-cpu); None (the NIXL connector) otherwise."""
+    return settings.vllm_cpu_ec_dir if settings.profile.cpu else None
 
 
 def engine_command(
@@ -383,18 +365,19 @@ def engine_env(
     CPU_ENVIRONMENT; nothing of Neuron's or EFA's. With upstream's connector a VE's `side_channel`
     (its address, side channel port) is what it announces (UPSTREAM_SIDE_CHANNEL)."""
     release = neuron_release(settings.neuron_release)
-    if settings.engine_backend == CPU_BACKEND:
+    profile = settings.profile
+    if profile.cpu:
         if engine_id is None:
             raise EpdPlanError("a vllm-cpu engine's environment needs its engine id (its own VLLM_CACHE_ROOT)")
         env = {
             CPU_BIND_VARIABLE: "|".join(str(c) for c in cores),
             "VLLM_CACHE_ROOT": CPU_CACHE_ROOT.format(engine_id=engine_id),
             **vllm_timeouts(settings.compilation_timeout_s),
-            **CPU_ENVIRONMENT,
+            **profile.backend.environment,
             **tracing_env(settings),
             **nixl_env(settings),
         }
-        if upstream_nixl(settings) and side_channel is not None:
+        if profile.upstream_nixl and side_channel is not None:
             env.update(zip(UPSTREAM_SIDE_CHANNEL, (side_channel[0], str(side_channel[1])), strict=True))
         if settings.model_is_local:
             env["HF_HUB_OFFLINE"] = "1"
@@ -407,7 +390,7 @@ def engine_env(
         **release.profile()["engine_environment"],
         **tracing_env(settings),
     }
-    if settings.engine_backend == "sim":
+    if profile.backend.answers_as_vllm:
         env[SIM_VLLM_VARIABLE] = ".".join(release.vllm.split(".")[:2])  # "0.29": the series the wire follows
     if settings.model_is_local:
         env["HF_HUB_OFFLINE"] = "1"

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .backends import NIXL_TRANSPORT, backend_profile
 from .errors import EpdPlanError
 from .settings import port_range
 
@@ -106,9 +107,10 @@ def _engine_hosts(groups: Mapping[str, Any]) -> list[str]:
 def nixl_transport(hostvars: Mapping[str, Any], groups: Mapping[str, Any]) -> bool:
     """Real CPU engines whose encoder outputs travel over the kit's NIXL connector (UCX ports open)."""
     engines = _engine_hosts(groups)
+    backend = backend_profile(_fleet_value(hostvars, engines, "epd_engine_backend"))
     return (
-        _fleet_value(hostvars, engines, "epd_engine_backend") == "vllm-cpu"
-        and _fleet_value(hostvars, engines, "epd_vllm_cpu_ec_transport") == "nixl"
+        backend.upstream_transport == NIXL_TRANSPORT
+        and _fleet_value(hostvars, engines, "epd_vllm_cpu_ec_transport") == NIXL_TRANSPORT
     )
 
 

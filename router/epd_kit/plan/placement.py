@@ -120,32 +120,32 @@ def no_fit_message(host: HostSpec, settings: Settings) -> str:
     )
 
 
-def place_models(host: HostSpec, settings: Settings) -> tuple[dict[str, list[int]], dict[str, dict[str, list[int]]]]:
-    """Every model's slices on one host. The first model's are where it is placed alone (today's
-    `place`, hand-pinned slices kept); each further model (settings.models, in order) then takes
-    free aligned blocks of the cores left, widest TP first. So adding a model, or removing the
-    last one, moves no engine already placed (a moved engine restarts). Only when that does not
-    fit are all models placed together, widest TP first across models (a wide engine of one model
-    then goes before a narrow one of another, which may move the first model's engines).
-    Returns (the first model's starts per role, {further model: starts per role}); a model that
-    does not fit either way is refused naming it and the host."""
-    further = [m for m in settings.models if m.runs_on(host.name) and (m.num_ve or m.num_pd)]
-    first = place(host, settings)  # alone first: a first model that does not fit is today's message
-    if first is None:
+def place_models(host: HostSpec, settings: Settings) -> dict[str | None, dict[str, list[int]]]:
+    """Every model's slices on one host, by model key (models.fleet_models: None for models[0],
+    epd_model with the host's counts). models[0]'s are where it is placed alone (`place`,
+    hand-pinned slices kept); each epd_models entry (in order) then takes free aligned blocks of
+    the cores left, widest TP first. So adding a model, or removing the last one, moves no engine
+    already placed (a moved engine restarts). Only when that does not fit are all models placed
+    together, widest TP first across models (a wide engine of one model then goes before a narrow
+    one of another, which may move models[0]'s engines). A model that does not fit either way is
+    refused naming it and the host; a host without a model's engines has no key for it."""
+    others = [m for m in settings.models if m.runs_on(host.name) and (m.num_ve or m.num_pd)]
+    alone = place(host, settings)  # models[0] alone first: not fitting is the one-model message
+    if alone is None:
         raise EpdPlanError(no_fit_message(host, settings))
-    if not further:
-        return first, {}
-    stable = _place_after(host, settings, first, further)
+    if not others:
+        return {None: alone}
+    stable = _place_after(host, settings, alone, others)
     if stable is not None:
-        return first, stable
-    for upto in range(1, len(further) + 1):
-        placed = _place_together(host, settings, further[:upto])
+        return {None: alone, **stable}
+    for upto in range(1, len(others) + 1):
+        placed = _place_together(host, settings, others[:upto])
         if placed is None:
-            model = further[upto - 1]
-            others = [settings.model, *(m.name for m in further[: upto - 1])]
-            raise EpdPlanError(model_no_fit_message(host, settings, model, others))
+            model = others[upto - 1]
+            before = [settings.model, *(m.name for m in others[: upto - 1])]
+            raise EpdPlanError(model_no_fit_message(host, settings, model, before))
     assert placed is not None
-    return placed[None], {name: starts for name, starts in placed.items() if name is not None}
+    return placed
 
 
 def _take(host: HostSpec, used: set[int], tp: int, count: int) -> list[int] | None:
@@ -162,15 +162,15 @@ def _take(host: HostSpec, used: set[int], tp: int, count: int) -> list[int] | No
 
 
 def _place_after(
-    host: HostSpec, settings: Settings, first: Mapping[str, list[int]], further
-) -> dict[str, dict[str, list[int]]] | None:
-    """The further models, one after the other, on the cores the first model leaves."""
+    host: HostSpec, settings: Settings, placed: Mapping[str, list[int]], others
+) -> dict[str | None, dict[str, list[int]]] | None:
+    """The epd_models entries `others`, one after the other, on the cores models[0] (`placed`) leaves."""
     used = set(host.blocked)
-    for role, starts in first.items():
+    for role, starts in placed.items():
         for start in starts:
             used.update(range(start, start + settings.tp(role)))
-    out: dict[str, dict[str, list[int]]] = {}
-    for model in further:
+    out: dict[str | None, dict[str, list[int]]] = {}
+    for model in others:
         out[model.name] = {role: [] for role in ROLES}
         for role in sorted(ROLES, key=lambda r: (-model.settings.tp(r), r != "pd")):
             taken = _take(host, used, model.settings.tp(role), model.count(role))
@@ -181,9 +181,9 @@ def _place_after(
 
 
 def _place_together(
-    host: HostSpec, settings: Settings, further, counts: Mapping[str, int] | None = None
+    host: HostSpec, settings: Settings, others, counts: Mapping[str, int] | None = None
 ) -> dict[str | None, dict[str, list[int]]] | None:
-    """Slice starts per model (None: the first, with `counts` or the host's) and role, or None
+    """Slice starts per model key (None: models[0], with `counts` or the host's) and role, or None
     when they do not fit; placement_order's rule (widest TP first, PD on a tie) across models."""
     counts = counts or {role: host.count(role) for role in ROLES}
     pinned = check_pinned(host, settings)
@@ -191,11 +191,9 @@ def _place_together(
     for role, starts in pinned.items():
         for start in starts:
             used.update(range(start, start + settings.tp(role)))
-    # (model position, model name, role, tp, count): the first model is position 0 (name None)
+    # (model position, model key, role, tp, count): models[0] is position 0 (key None)
     pools = [(0, None, role, settings.tp(role), counts[role]) for role in ROLES]
-    pools += [
-        (i + 1, m.name, role, m.settings.tp(role), m.count(role)) for i, m in enumerate(further) for role in ROLES
-    ]
+    pools += [(i + 1, m.name, role, m.settings.tp(role), m.count(role)) for i, m in enumerate(others) for role in ROLES]
     result: dict[str | None, dict[str, list[int]]] = {None: {role: list(pinned.get(role, [])) for role in ROLES}}
     for _, name, _, _, _ in pools:
         result.setdefault(name, {role: [] for role in ROLES})
@@ -213,8 +211,8 @@ def model_no_fit_message(host: HostSpec, settings: Settings, model, before: list
     first = host.num_ve * settings.ve_tp + host.num_pd * settings.pd_tp
     return (
         f"{host.name}: model {model.name} does not fit: it asks for {model.num_ve} VE (tp {s.ve_tp}) + "
-        f"{model.num_pd} PD (tp {s.pd_tp}) = {need} cores beside {', '.join(before)} ({first} cores for the "
-        f"first model's {host.num_ve} VE + {host.num_pd} PD), on {host.usable_cores} usable cores. Lower its "
+        f"{model.num_pd} PD (tp {s.pd_tp}) = {need} cores beside {', '.join(before)} ({first} cores for "
+        f"epd_model's {host.num_ve} VE + {host.num_pd} PD), on {host.usable_cores} usable cores. Lower its "
         "num_ve/num_pd in epd_models, run it on other hosts (its hosts list), or give the host more cores. "
         "Each slice needs tp free cores starting at a multiple of tp."
     )

@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import EpdPlanError
-from .fleet import router_endpoints
 from .operations import rolling_queue
 from .unit import read_env_file
 from .variables import VARIABLES
@@ -66,7 +65,7 @@ class PoolRule:
     size: int  # engines of the pool in the whole plan, selected or not
     batch: int
     floor: int  # engines that stay in rotation during every batch
-    model: str | None = None  # a further model's pool (epd_models); None: the first model's
+    model: str | None = None  # its model's key (models.fleet_models): an epd_models name; None: models[0]
 
     @classmethod
     def resolve(
@@ -263,12 +262,12 @@ def rollout_batches(
     engines: a selection by name (comma-separated instances or ids) or a {host: [instance]} mapping.
     compiles: the rollout may change the compiled graphs, so one canary per distinct configuration
     restarts first, before any other batch; the pools' canaries restart together, up to each
-    pool's batch size per canary batch. models: the further models' entries (epd_models, as
+    pool's batch size per canary batch. models: the epd_models entries (as
     epd_fleet_settings holds them): an entry's rollout_batch_<pool> / rollout_min_available_<pool>
     replace the fleet's for that model's pools."""
     by_key = {(host, e["instance"]): e for host, host_plan in plan.items() for e in host_plan["engines"]}
-    # each model's pools are their own (epd_models): its own size, batches and floor; the first
-    # model's keep their keys ("pd", "ve"), a further model's are "pd:<name>", "ve:<name>"
+    # each model's pools are their own: its own size, batches and floor; models[0]'s keep their
+    # keys ("pd", "ve": the naming rule of models.py), an epd_models entry's are "pd:<name>", "ve:<name>"
     model_names = list(dict.fromkeys(e.get("model") for e in by_key.values()))
     selected = _selected(plan, engines)
     canaries: dict[str, list[Mapping[str, str]]] = {}  # per pool, its canaries in order
@@ -354,7 +353,7 @@ def _pool_settings(
 def _model_error(
     model: str | None, error: str, names: tuple[str, str], pool: str, models: Sequence[Mapping[str, Any]]
 ) -> str:
-    """A further model's pool refused under the fleet's value: say so, and which key sets its own."""
+    """An epd_models entry's pool refused under the fleet's value: say so, and which key sets its own."""
     if model is None:
         return error
     index = next((i for i, entry in enumerate(models) if entry.get("name") == model), None)
@@ -570,38 +569,24 @@ def changed_engines(
 def retiring_endpoints(
     plan: Mapping[str, Mapping[str, Any]],
     pools: Sequence[Mapping[str, Any]],
-    draining: Sequence[str] = (),
     *,
     served: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """A router's endpoints while the engines it serves that the plan no longer has drain.
+    """The engines a router serves that the plan no longer has, to drain before they stop.
 
-    pools: the engines of the router's GET /pools ({id, url, role, state}). Returns {retiring: [id],
-    endpoints: {ve, pd}}: the plan's endpoints plus each retiring engine, state draining, so its
-    requests finish before it stops. served: the further models the host's router.yaml names
-    (its `models`). An engine of one of them that the plan no longer has is retiring but not in
-    `endpoints`: the endpoints-only render (router_config's `running`) keeps that model's pools,
-    every engine draining. An engine of a model neither planned nor in the file is left alone.
+    pools: the engines of the router's GET /pools ({id, url, role, state}; with several models
+    also `model`, the served name, and `model_index`, its position in `models`). served: the
+    names of the models the host's router.yaml lists (its `models`). Returns {retiring: [id],
+    engines: [those engines]}: router_config's `retiring` adds each, draining, to its model's
+    pools, so its requests finish before it stops. An engine of a listed model the plan no longer
+    has is retiring too: the endpoints-only render (router_config's `running`) keeps that model's
+    pools, every engine draining. An engine of a model neither planned nor listed is left alone.
     """
-    endpoints: dict[str, Any] = router_endpoints(plan, draining)
-    lanes: dict[str | None, dict[str, Any]] = {None: endpoints}
-    names = list(dict.fromkeys(e["model"] for p in plan.values() for e in p["engines"] if "model" in e))
-    if names:  # several models (epd_models): each model's lists, a retiring engine in its own
-        endpoints["models"] = {name: router_endpoints(plan, draining, name) for name in names}
-        lanes.update(endpoints["models"])
-    planned = {endpoint["id"] for lane in lanes.values() for role in ("ve", "pd") for endpoint in lane[role]}
-    # /pools of a router with several models: each engine's `model` and `model_index` (0: the first)
+    planned = {e["engine_id"] for p in plan.values() for e in p["engines"]}
+    names = {e["model"] for p in plan.values() for e in p["engines"] if "model" in e}
 
-    def lane_of(engine: Mapping[str, Any]) -> str | None:
-        return None if not engine.get("model_index") else engine.get("model")
+    def listed(engine: Mapping[str, Any]) -> bool:  # model_index 0: the one listed first, always planned
+        return not engine.get("model_index") or engine.get("model") in names or engine.get("model") in served
 
-    retiring = [
-        e
-        for e in pools
-        if e["id"] not in planned and e.get("state") != "removed" and lane_of(e) in (None, *names, *served)
-    ]
-    for engine in retiring:
-        if lane_of(engine) in lanes:  # else a model gone from the plan, drained whole by the render
-            lane = lanes[lane_of(engine)]
-            lane.setdefault(engine["role"], []).append({"id": engine["id"], "url": engine["url"], "state": "draining"})
-    return {"retiring": [e["id"] for e in retiring], "endpoints": endpoints}
+    retiring = [e for e in pools if e["id"] not in planned and e.get("state") != "removed" and listed(e)]
+    return {"retiring": [e["id"] for e in retiring], "engines": [dict(e) for e in retiring]}

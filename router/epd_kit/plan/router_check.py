@@ -1,12 +1,13 @@
 """The router's settings checked on the controller by the router's own models.
 
 `epd-router check-config` validates router.yaml on the router host with the pydantic models of
-epd_kit/router/config.py (and preprocess/settings.py); the inventory check validates each
+epd_kit/router_yaml.py (and preprocess/settings.py); the inventory check validates each
 `epd_router_<section>` and `epd_router_extra_config` section with the same models, so one set of
 rules (bounds, enumerations, cross-field validators) refuses a value before any host is contacted,
-named by its inventory variable. The models live in the router package, which needs pydantic: a
-controller whose Python lacks the kit's package (an installed collection without it) checks the
-keys' kinds only and says so once (`available`).
+named by its inventory variable. The models live in epd_kit/router_yaml.py, a bottom module the
+router imports too (never the router itself: tests/unit/test_import_graph.py), which needs
+pydantic: a controller whose Python lacks it (an installed collection without the kit's package)
+checks the keys' kinds only and says so once (`available`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from .variables import PLANNED_KEYS, VARIABLES
 @cache
 def _models() -> dict[str, Any] | None:
     """{section: its pydantic model} of router.yaml, or None when the router package cannot load."""
-    try:
-        from epd_kit.router.config import RouterConfig  # late: the router's config imports the plan's variables
+    try:  # the bottom module of router.yaml's schema (no router runtime): pydantic is all it needs
+        from epd_kit.router_yaml import RouterConfig
     except ImportError:
         return None
     return {name: field.annotation for name, field in RouterConfig.model_fields.items()}

@@ -1,8 +1,8 @@
 """The router's configuration file (/etc/epd/router.yaml) from the fleet plan and the router role's overrides.
 
-Model, quantization, engine dtype, listen port, image limits, auth and endpoints come from the plan; every other
-section is the role's overrides of the router's own defaults (the router is the one place they
-live, docs/router.md).
+The models (each its name, checkpoint, quantization, image limits and endpoints: one list,
+router_shape.py), engine dtype, listen port, auth come from the plan; every other section is the
+role's overrides of the router's own defaults (the router is the one place they live, docs/router.md).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from typing import Any
 
 from .command import ENGINE_DTYPE, merge
 from .fleet import router_endpoints
+from .models import fleet_models
+from .router_shape import models_as_list
 from .settings import Settings
 
 OVERRIDABLE_SECTIONS = ("timeouts", "limits", "media", "health", "placement", "retries")
@@ -37,20 +39,23 @@ def router_config(
     text_only: bool = False,
     running: Mapping[str, Any] | None = None,
     trust_parent_sampled: bool = False,
+    retiring: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """router.yaml as a mapping; `extra` is merged last, recursively. `text_only`: the fleet's
     epd_text_only as the inventory check read it (its settings' epd_text_only), written into
-    `endpoints` so the router accepts the empty VE list of the plan and refuses images.
+    epd_model's `endpoints` so the router accepts the empty VE list of the plan and refuses images.
+    `served_model_name`: epd_model's served name (None: its checkpoint).
 
-    `running`: the router.yaml the host has (parsed; empty or None: none yet). Given, only its
-    `endpoints` change (`endpoints_only`): the draining writes of a rollout (rolling_batch.yml,
-    drain_retiring.yml) leave every other section, `models` included, to the router play, which
-    rolls the processes for what a reload does not apply (docs/operations.md "Several models")."""
+    `retiring`: engines the router serves that the plan no longer has (rollout.retiring_endpoints'
+    `engines`, from its GET /pools), each added draining to its model's pools.
+
+    `running`: the router.yaml the host has (parsed, either shape; empty or None: none yet).
+    Given, only its models' `endpoints` change (`endpoints_only`): the draining writes of a rollout
+    (rolling_batch.yml, drain_retiring.yml) leave every other section, the models' names and
+    checkpoints included, to the router play, which rolls the processes for what a reload does not
+    apply (docs/operations.md "Several models")."""
     sections = sections or {}
     config: dict[str, Any] = {
-        "model": settings.model,
-        "served_model_name": served_model_name,
-        "quantization": None if settings.quantization == "bf16" else settings.quantization,
         "listen": {"host": listen_host, "port": settings.router_port},
         # the engines' --dtype: the router sends VE pixel values in it
         "dtype": ENGINE_DTYPE,
@@ -61,14 +66,9 @@ def router_config(
         # how a PD's failed read of an item reaches the router (Settings.ec_read_failure)
         "ec_read_failure": settings.ec_read_failure,
     }
+    # `limits`: the fleet's; each model's image limits are its entry's (model_entry)
     for name in OVERRIDABLE_SECTIONS:
         config[name] = dict(sections.get(name) or {})
-    config["limits"].update(
-        {
-            "images_per_prompt": settings.images_per_prompt,
-            "max_image_patches": settings.vision_attention_block_size,
-        }
-    )
     # without keys, say "off" outright: a reload only drops the keys of a running router when told so
     auth = {"api_keys_file": api_keys_file, "tenants_file": tenants_file}
     config["auth"] = {k: v for k, v in auth.items() if v} or {"enabled": False}
@@ -81,53 +81,61 @@ def router_config(
         config["tracing"] = {"otlp_traces_endpoint": settings.otlp_traces_endpoint}
         if trust_parent_sampled:  # epd_router_trust_parent_sampled: a gateway in front samples
             config["tracing"]["trust_parent_sampled"] = True
-    endpoints = router_endpoints(plan, draining)
-    config["endpoints"] = {"text_only": True, **endpoints} if text_only else endpoints
-    if settings.models:
-        # the further models (epd_models): what each lane is read at start (`models`), and its
-        # endpoints beside the first model's, so a changed endpoint list reloads as always
-        config["models"] = [model_entry(spec) for spec in settings.models]
-        config["endpoints"]["models"] = {}
-        for spec in settings.models:
-            lists = router_endpoints(plan, draining, spec.name)
-            config["endpoints"]["models"][spec.name] = {"text_only": True, **lists} if spec.text_only else lists
+    config["models"] = []
+    for spec in fleet_models(settings, text_only):
+        lists = router_endpoints(plan, draining, spec.key)
+        name = served_model_name if served_model_name and not spec.prefixed else spec.name
+        endpoints = {"text_only": True, **lists} if spec.text_only else lists
+        config["models"].append(model_entry(name, spec.settings, endpoints))
+    for engine in retiring:
+        entry = _entry_of(config["models"], engine)
+        if entry is not None:
+            endpoint = {"id": engine["id"], "url": engine["url"], "state": "draining"}
+            entry["endpoints"].setdefault(engine["role"], []).append(endpoint)
     config = merge(config, extra or {})
     return endpoints_only(config, running) if running else config
 
 
+def _entry_of(models: Sequence[dict[str, Any]], engine: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The entry of the model whose pools an engine of GET /pools is in: by its `model` (the
+    served name, given when the router serves several), else the one listed first."""
+    if not engine.get("model_index"):
+        return models[0]
+    return next((m for m in models if m["name"] == engine.get("model")), None)
+
+
 def endpoints_only(config: Mapping[str, Any], running: Mapping[str, Any]) -> dict[str, Any]:
-    """`running` with the endpoints of `config`, for the models `running` serves (its `models`, read
-    at start): a model `config` adds gets its pools when the router play rolls the processes;
-    one `config` no longer has keeps its running pools, every engine draining, so its requests
-    finish in its own pools before its engines stop."""
-    endpoints = {k: v for k, v in config["endpoints"].items() if k != "models"}
-    new, old = config["endpoints"].get("models") or {}, (running.get("endpoints") or {}).get("models") or {}
-    planned = {entry["name"] for entry in config.get("models") or []}
-    lanes = {}
-    for entry in running.get("models") or []:
-        name = entry["name"]
-        if name in planned:
-            lanes[name] = new[name]
+    """`running` (in the one-list shape) with the endpoints of `config`, for the models `running`
+    serves (its `models`, read at start; the one listed first also when its name changed): a
+    model `config` adds gets its pools when the router play rolls the processes; one `config` no
+    longer has keeps its running pools, every engine draining, so its requests finish in its own
+    pools before its engines stop."""
+    running, _ = models_as_list(running)
+    planned = {entry["name"]: entry for entry in config["models"]}
+    models = []
+    for position, entry in enumerate(running.get("models") or []):
+        new = planned.get(entry["name"]) or (config["models"][0] if position == 0 else None)
+        if new is not None:
+            endpoints = new["endpoints"]
         else:
-            lane = old.get(name) or {}
-            lanes[name] = {
-                **lane,
-                **{role: [{**e, "state": "draining"} for e in lane.get(role) or []] for role in ("ve", "pd")},
-            }
-    if lanes:
-        endpoints["models"] = lanes
-    return {**running, "endpoints": endpoints}
+            lane = entry.get("endpoints") or {}
+            endpoints = {**lane, **{r: [{**e, "state": "draining"} for e in lane.get(r) or []] for r in ("ve", "pd")}}
+        models.append({**entry, "endpoints": endpoints})
+    return {**running, "models": models}
 
 
-def model_entry(spec: Any) -> dict[str, Any]:
-    """One further model in router.yaml's `models`: its served name, checkpoint and the limits its
-    settings fix (the other limits are the top-level section's)."""
-    s = spec.settings
+def model_entry(name: str, settings: Settings, endpoints: Mapping[str, Any]) -> dict[str, Any]:
+    """One model in router.yaml's `models`: its served name, checkpoint, the limits its settings
+    fix (the other limits are the top-level section's) and its pools."""
     return {
-        "name": spec.name,
-        "model": s.model,
-        "quantization": None if s.quantization == "bf16" else s.quantization,
-        "limits": {"images_per_prompt": s.images_per_prompt, "max_image_patches": s.vision_attention_block_size},
+        "name": name,
+        "model": settings.model,
+        "quantization": None if settings.quantization == "bf16" else settings.quantization,
+        "limits": {
+            "images_per_prompt": settings.images_per_prompt,
+            "max_image_patches": settings.vision_attention_block_size,
+        },
+        "endpoints": dict(endpoints),
     }
 
 

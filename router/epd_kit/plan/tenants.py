@@ -1,8 +1,9 @@
 """The router's tenants file from the inventory (docs/router.md "Tenants"): `epd_router_tenants`
 (each tenant's limits) and `epd_router_tenant_keys` (each key and its tenant; keep the keys in a
 vault). The role renders the text (`tenants_file_text`) into `epd_router_tenants_file`, root:epd
-0640; the inventory check refuses what the router would (`tenant_problems`, with the router's own
-parser, epd_kit.router.tenants_file), naming the inventory entry instead of a line, never a key.
+0640; the inventory check refuses what the router would (`tenant_problems`, with the parser the
+router reads the file with, tenants_format.py), naming the inventory entry instead of a line,
+never a key.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from typing import Any
+
+from .tenants_format import TENANT_NAME, parse_tenants
 
 TENANTS, KEYS = "epd_router_tenants", "epd_router_tenant_keys"
 _LINE = re.compile(r"line (\d+): ")
@@ -88,10 +91,6 @@ def tenant_problems(values: Mapping[str, Any]) -> list[str]:
         return problems
     if any("\n" in line or "\r" in line for line in lines):
         return [f"{TENANTS}/{KEYS}: a name, limit or key spans lines"]
-    try:
-        from epd_kit.router.tenants_file import TENANT_NAME, parse_tenants  # late: the router's rules, when installed
-    except ImportError:  # a controller without the kit's package: the router's check-config checks it
-        return []
     # a name the file would split (a space) is the name's fault, not an unknown limit's
     names = [
         f"{TENANTS}.{name}: the tenant name {str(name)[:64]!r} must be 1-63 characters of [A-Za-z0-9_.-] (the "

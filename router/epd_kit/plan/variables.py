@@ -123,7 +123,7 @@ C, P, CH, EN, RO, HA, OB, PF, PV = (
 )
 DEPS = "epd_deps.main"
 VLLM_CPU_REQUIREMENTS = (
-    "{{ epd_deps_repo_dir }}/tests/compat/requirements-vllm-"
+    "{{ epd_deps_repo_dir }}/roles/epd_deps/files/vllm-cpu/requirements-vllm-"
     "{{ epd_vllm_cpu_vllm | default((epd_neuron_release | epd.kit.epd_neuron_release).vllm, true) }}.txt"
 )
 FW = "epd_firewall.main"
@@ -440,6 +440,7 @@ _DECLARED: tuple[Var, ...] = (
     _v("epd_router_extra_config", {}, DICT, ROUTER, RO, keys="router.yaml"),
     _v("epd_router_draining", [], LIST, ROUTER, RO),
     _v("epd_router_endpoints_only", False, BOOL, INTERNAL, RO),
+    _v("epd_router_retiring", [], LIST, INTERNAL, RO),
     _v("epd_router_environment", {}, DICT, ROUTER, RO, keys="environment"),
     _v("epd_router_workers", 1, INT, ROUTER, RO, minimum=1, maximum=256),
     _v("epd_router_restart_sec", 2, SECONDS, ROUTER, RO, minimum=0),
@@ -494,7 +495,7 @@ VARIABLES: dict[str, Var] = {var.name: var for var in _DECLARED}
 assert len(VARIABLES) == len(_DECLARED), "a variable is declared twice"
 
 # The keys of each dict variable. The router sections are the router's own models
-# (epd_kit/router/config.py, epd_kit/preprocess/settings.py; the drift test compares them):
+# (epd_kit/router_yaml.py, epd_kit/preprocess/settings.py; the drift test compares them):
 # key -> kind. Keys the plan writes itself map to the variable to change instead.
 ROUTER_SECTIONS: dict[str, dict[str, str]] = {
     "listen": {
@@ -571,10 +572,13 @@ ROUTER_SECTIONS: dict[str, dict[str, str]] = {
     "tracing": {"otlp_traces_endpoint": STR, "sample_ratio": FLOAT, "trust_parent_sampled": BOOL},
 }
 # router.yaml keys the kit writes from other variables: set those instead (a second value
-# would disagree with the socket unit, the engines or the plan)
+# would disagree with the socket unit, the engines or the plan). `model`, `served_model_name`,
+# `quantization` and `endpoints` are the shape of the release before (router_shape.py
+# OLD_SHAPE_KEYS): the kit writes them as `models`, and one of them in epd_router_extra_config
+# would mix the shapes
 PLANNED_KEYS: dict[str, str] = {
     "model": "epd_model",
-    "models": "epd_models",
+    "models": "epd_model and epd_models (each model's endpoints from its engine counts)",
     "served_model_name": "epd_router_served_model_name",
     "quantization": "epd_quantization",
     "dtype": "nothing: the kit sets the engines' dtype",

@@ -19,10 +19,10 @@ from starlette.datastructures import State
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from epd_kit.router.config import RouterConfig
 from epd_kit.router.rendering import Renderer
 from epd_kit.router.routes import CHAT_PATH, EXCEPTION_HANDLERS, chat_completions, routes
 from epd_kit.router.service import RouterService
+from epd_kit.router_yaml import RouterConfig
 
 log = logging.getLogger("epd_router.app")
 
@@ -106,7 +106,7 @@ def create_app(
     )
     app.state.service = RouterService(
         cfg,
-        renderer or build_renderer(cfg),
+        renderer or build_renderer(cfg.lane_config(cfg.model_name)),
         config_path=config_path,
         worker=worker,
         lane_renderer=None if renderer is not None else build_renderer,

@@ -7,8 +7,8 @@ import hmac
 import stat
 from pathlib import Path
 
+from epd_kit.plan.tenants_format import KeyFileError
 from epd_kit.router.errors import RouterError
-from epd_kit.router.tenants_file import KeyFileError
 
 
 def load_api_keys(path: Path) -> tuple[bytes, ...]:

@@ -6,7 +6,9 @@ show pool status.
     epd-router --model M --ve-endpoint 127.0.0.1:18300 --pd-endpoint 127.0.0.1:18100   (drop-in)
     epd-router check-config /etc/epd/router.yaml
     epd-router status --url http://127.0.0.1:18800
-    epd-router advise --url http://127.0.0.1:18800 --window 120 --inventory INV   (docs/advisor.md)
+
+`epd-router advise` (docs/advisor.md) joins these in epd_kit/cli.py, the `epd-router` script:
+the router does not import the advisor.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 import click
 
 from epd_kit.plan.variables import ROUTER_PORT
-from epd_kit.router.config import ConfigError, RouterConfig, config_from_flags, load_config
+from epd_kit.router_yaml import ConfigError, RouterConfig, config_from_flags, load_config
 
 
 def _reference_flags(func):
@@ -144,14 +146,13 @@ def check_config(path: Path) -> None:
     except ValueError as exc:
         click.echo(f"INVALID {exc}", err=True)
         sys.exit(1)
-    ve = ", ".join(f"{e.id}({e.state.value})" for e in cfg.endpoints.ve) or "none: text only"
-    pd = ", ".join(f"{e.id}({e.state.value})" for e in cfg.endpoints.pd)
-    line = f"OK {path}: model {cfg.model}; VE [{ve}]; PD [{pd}]"
-    for entry in cfg.models:  # the further models, each with its own pools
-        lane = cfg.endpoints.models[entry.name]
-        lane_ve = ", ".join(f"{e.id}({e.state.value})" for e in lane.ve) or "none: text only"
-        lane_pd = ", ".join(f"{e.id}({e.state.value})" for e in lane.pd)
-        line += f"; model {entry.name} ({entry.model}): VE [{lane_ve}]; PD [{lane_pd}]"
+    lines = []
+    for entry in cfg.models:  # each model with its own pools
+        ve = ", ".join(f"{e.id}({e.state.value})" for e in entry.endpoints.ve) or "none: text only"
+        pd = ", ".join(f"{e.id}({e.state.value})" for e in entry.endpoints.pd)
+        named = entry.model if entry.name == entry.model else f"{entry.name} ({entry.model})"
+        lines.append(f"model {named}: VE [{ve}]; PD [{pd}]")
+    line = f"OK {path}: " + "; ".join(lines)
     click.echo(line)
 
 
@@ -177,14 +178,6 @@ def status(url: str, api_key: str | None, as_json: bool) -> None:
     doc = resp.json()
     click.echo(json.dumps(doc, indent=2) if as_json else pools_table(doc))
 
-
-def _register_advise() -> None:
-    from epd_kit.advise.cli import advise
-
-    main.add_command(advise)
-
-
-_register_advise()
 
 if __name__ == "__main__":
     main()

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Protocol
 
-from epd_kit.router.config import RouterConfig
 from epd_kit.router.errors import RouterError
 from epd_kit.router.openai_api import ChatCompletionRequest
 from epd_kit.router.pools import Engine
 from epd_kit.router.rendering import PreparedItemLike
+from epd_kit.router_yaml import RouterConfig
 from epd_kit.wire import EcHandoffItem
 
 

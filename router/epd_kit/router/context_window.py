@@ -39,9 +39,9 @@ no release was read; the plan only runs those (plan/neuron_releases.py front_che
 
 from __future__ import annotations
 
-from epd_kit.router.config import FRONT_CHECKS_032, FrontChecks
 from epd_kit.router.errors import RouterError
 from epd_kit.router.openai_api import ChatCompletionRequest
+from epd_kit.router_yaml import FRONT_CHECKS_032, FrontChecks
 
 ERROR_TYPE = "BadRequestError"  # vLLM's type for a VLLMValidationError
 

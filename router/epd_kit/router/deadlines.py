@@ -6,7 +6,7 @@ misses it fails as a timeout of the engine (health.py). Pure arithmetic, no cloc
 
 from __future__ import annotations
 
-from epd_kit.router.config import Timeouts
+from epd_kit.router_yaml import Timeouts
 
 
 def encode_s(t: Timeouts, tokens_in_flight: int) -> float:

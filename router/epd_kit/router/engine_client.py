@@ -6,8 +6,8 @@ Each call either returns the parsed answer or raises an `UpstreamError` (classif
 upstream.py) after charging the failure to the engine when it is the engine's fault.
 
 The engine calls go through the router's own small client (engine_http.py: asyncio.Protocol
-and httptools, a keep-alive pool per engine origin; docs/benchmarks.md "Item 7, second round"
-has what it cost against the clients before it). An engine POST's deadline is the client's own
+and httptools, a keep-alive pool per engine origin; docs/notes/2026-12-01-peers-at-info-issue-23.md
+"Item 7, second round" has what it cost against the clients before it). An engine POST's deadline is the client's own
 timer (`DeadlineExceeded`), not an `asyncio.timeout` around the call. Kept-alive
 connections survive idle pauses (`ENGINE_KEEPALIVE_S`); one the engine closed while idle
 (vLLM's uvicorn after 5 s) is dropped when the pool next looks at it, and a request that
@@ -32,7 +32,6 @@ from typing import TypeVar
 
 from epd_kit.router import bodies, deadlines, engine_http, tracing, upstream
 from epd_kit.router.bodies import VeBody, ve_body
-from epd_kit.router.config import Health
 from epd_kit.router.engine_keys import EngineKeys
 from epd_kit.router.errors import UpstreamError
 from epd_kit.router.health import EngineHealth, HealthProber, ProbeFailed
@@ -42,6 +41,7 @@ from epd_kit.router.pools import Engine
 from epd_kit.router.probes import ServingProbes
 from epd_kit.router.rendering import PreparedItemLike
 from epd_kit.router.state import RouterState
+from epd_kit.router_yaml import Health
 from epd_kit.wire import GENERATE_PATH, EcHandoffItem, GenerateResponse
 
 # the client's own read timeout stays a little behind the call's deadline, so the deadline

@@ -2,7 +2,8 @@
 read whole (`EngineHTTP.post`) or as it arrives (`EngineHTTP.open`, for SSE streams), on
 kept-alive connections pooled per engine origin. Built on `asyncio.Protocol` and httptools
 (llhttp, C: the parser the router's listener already uses): 58 k instructions per POST with
-its answer (docs/benchmarks.md, "Item 7, second round" has the clients it replaced and why).
+its answer (docs/notes/2026-12-01-peers-at-info-issue-23.md, "Item 7, second round" has the
+clients it replaced and why).
 Only what the engine calls need: no
 redirects, cookies, proxies, TLS or compression (nothing asks for it: no `Accept-Encoding`
 is sent, and a body an engine encodes anyway is handed on as received).

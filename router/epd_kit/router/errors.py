@@ -163,7 +163,7 @@ class EngineDied(UpstreamError):
 
 
 class GenerationFailed(UpstreamError):
-    """vLLM's per-request generation error (upstream.GENERATION_ERROR_MESSAGE): not the
+    """vLLM's per-request generation error (wire.GENERATION_ERROR_MESSAGE): not the
     engine's fault, another PD may serve the request. Upstream vLLM >= 0.30 also answers it
     when its EC consumer could not fetch an item it had an address for (vLLM 0.32.0
     v1/core/sched/scheduler.py: the connector's take_unavailable_requests end FINISHED_ERROR,

@@ -21,7 +21,6 @@ import anyio
 
 from epd_kit.router import bodies, context_window, engine_http, tracing, translate, upstream
 from epd_kit.router.admission import PdAdmission
-from epd_kit.router.config import EC_READ_GENERATION_ERROR
 from epd_kit.router.context import RequestContext
 from epd_kit.router.encode import Encoder
 from epd_kit.router.engine_client import EngineClient, PdStream
@@ -31,6 +30,7 @@ from epd_kit.router.openai_api import ChatCompletionRequest
 from epd_kit.router.pools import Engine
 from epd_kit.router.rendering import Renderer, render_request
 from epd_kit.router.state import RouterState
+from epd_kit.router_yaml import EC_READ_GENERATION_ERROR
 from epd_kit.wire import EC_LOCATOR, EC_TRANSFER_PARAMS
 
 log = logging.getLogger("epd_router.generation")

@@ -29,9 +29,9 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from epd_kit.router.config import Health
 from epd_kit.router.errors import Failure, UpstreamError
 from epd_kit.router.pools import Engine, Pools
+from epd_kit.router_yaml import Health
 
 log = logging.getLogger("epd_router.health")
 

@@ -3,9 +3,9 @@
 A lane is a model's own request path: its config (the model's name, checkpoint, limits and
 pools), its pool snapshot, its renderer (the model's tokenizer and image processor), and the
 parts that read them: the engine client (calls, health, probes), PD admission, the encoder
-and generation. The first model's lane is the service's own (service.state, service.engines,
-...), exactly the one-model router; a further model's (config `models`) is built the same way
-from `RouterConfig.lane_config`. What is the client's, not a model's, stays the service's:
+and generation. Each model of the config's `models` gets one, built from
+`RouterConfig.lane_config`; the one listed first is also the service's own (service.state,
+service.engines, ...: a request without `model` gets it). What is the client's, not a model's, stays the service's:
 keys and tenants, the intake gate, metrics, tracing, the admin gate.
 """
 
@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from epd_kit.router.admission import PdAdmission
-from epd_kit.router.config import RouterConfig
 from epd_kit.router.encode import Encoder
 from epd_kit.router.engine_client import EngineClient
 from epd_kit.router.errors import RouterError
@@ -25,6 +24,7 @@ from epd_kit.router.pools import Pools, build_pools
 from epd_kit.router.probes import ServingProbes
 from epd_kit.router.rendering import Renderer
 from epd_kit.router.state import RouterState
+from epd_kit.router_yaml import RouterConfig
 
 
 @dataclass

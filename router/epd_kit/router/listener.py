@@ -62,8 +62,8 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from epd_kit.router.config import Listen
 from epd_kit.router.errors import RouterError
+from epd_kit.router_yaml import Listen
 
 log = logging.getLogger("epd_router.listener")
 

@@ -31,8 +31,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from epd_kit.plan.models import NO_MODEL  # the one spelling: the planner and the config refuse it as a name
-from epd_kit.router.config import EngineState
 from epd_kit.router.pools import Engine, Pools
+from epd_kit.router_yaml import EngineState
 
 _LATENCY_BUCKETS = (
     0.001,

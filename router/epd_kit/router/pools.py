@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 
 from epd_kit.plan.command import Role
-from epd_kit.router.config import Endpoint, EngineState, RouterConfig
 from epd_kit.router.errors import Failure
+from epd_kit.router_yaml import Endpoint, EngineState, RouterConfig
 
 log = logging.getLogger("epd_router.pools")
 

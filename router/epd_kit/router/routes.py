@@ -316,7 +316,7 @@ async def pools_view(request: Request) -> JSONResponse:
     for index, lane in enumerate(service.lanes.values()):
         for engine in lane.state.pools.all():
             snapshot = engine.snapshot()
-            if service.several:  # whose pools it is in (0: the first model's; rollout.py reads it)
+            if service.several:  # whose pools it is in (its position in `models`; rollout.py reads it)
                 snapshot.update(model=lane.name, model_index=index)
             engines.append(snapshot)
     if group is not None:

@@ -28,13 +28,13 @@ from pathlib import Path
 import uvicorn
 
 from epd_kit.router.app import create_app
-from epd_kit.router.config import RouterConfig
 from epd_kit.router.listener import protocol_factory
 from epd_kit.router.metrics import forget_worker
 from epd_kit.router.rendering import Renderer
 from epd_kit.router.service import RouterService
 from epd_kit.router.signals import EarlySignals
 from epd_kit.router.tls import ServerTls, load_error
+from epd_kit.router_yaml import RouterConfig
 
 log = logging.getLogger("epd_router.server")
 

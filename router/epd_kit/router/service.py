@@ -8,9 +8,9 @@
     generation  generation.Generation        render → encode → PD (one retry loop) → answer
     tracing     tracing.Tracing              the requests' spans (off unless configured)
 
-All of them read the same `RouterState`; `reload` swaps its config and pool snapshot. They are
-the first model's lane; each further model (config `models`) has a lane of its own (lanes.py),
-and `lanes` holds them all, by served name.
+All of them read the same `RouterState`; `reload` swaps its config and pool snapshot. Each model
+of the config's `models` has a lane of its own (lanes.py), and `lanes` holds them all, by served
+name; the parts above are the lane of the model listed first (a request without `model` gets it).
 """
 
 from __future__ import annotations
@@ -23,29 +23,27 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from epd_kit.router.admin import AdminGate, load_admin_tokens
-from epd_kit.router.admission import PdAdmission
-from epd_kit.router.config import RouterConfig, load_config
-from epd_kit.router.encode import Encoder
-from epd_kit.router.engine_client import EngineClient
 from epd_kit.router.engine_keys import load_engine_keys
-from epd_kit.router.generation import Generation
 from epd_kit.router.intake import IntakeGate
 from epd_kit.router.lanes import Lane, combined_pools, unknown_model
 from epd_kit.router.metrics import RouterMetrics
 from epd_kit.router.pools import build_pools
 from epd_kit.router.probes import ServingProbes
 from epd_kit.router.rendering import Renderer
-from epd_kit.router.state import RouterState
 from epd_kit.router.tenants import TenantMetrics, Tenants, load_client_keys
 from epd_kit.router.tracing import Tracing
+from epd_kit.router_yaml import RouterConfig, load_config
 
 T = TypeVar("T")
 
 log = logging.getLogger("epd_router.service")
 
 # settings baked into the listener or the preprocessor at start; a reload keeps the old values
-# (`models`: a lane per model is built at start; the further models' pools, endpoints.models, reload)
-RESTART_ONLY = ("model", "served_model_name", "quantization", "listen", "limits", "media", "tracing", "models")
+# (`models`: a lane per model is built at start from its name, checkpoint and limits; its
+# `endpoints` apply on reload, MODEL_RESTART_ONLY the rest; `limits` is compared as the lane
+# reads it, the model's over the top-level section, whichever file shape wrote them)
+RESTART_ONLY = ("listen", "limits", "media", "tracing")
+MODEL_RESTART_ONLY = ("model", "quantization")
 
 
 def preprocess_stats(lanes: Mapping[str, Lane]) -> dict[str, Any]:
@@ -69,11 +67,10 @@ class RouterService:
         lane_renderer: Callable[[RouterConfig], Renderer] | None = None,
     ) -> None:
         """`worker`: this process's name among the host's router processes (the host's shared
-        tenant buckets keep one concurrency count per worker). `lane_renderer`: a further model's
-        renderer from its lane's config (None: `renderer` serves every model, as in tests)."""
+        tenant buckets keep one concurrency count per worker). `renderer`: the listed first's;
+        `lane_renderer`: each other model's renderer from its lane's config (None: `renderer`
+        serves every model, as in tests)."""
         self.config_path = config_path
-        self.renderer = renderer
-        self.state = RouterState(cfg, build_pools(cfg)[0])
         self.lanes: dict[str, Lane] = {}
         self.metrics = RouterMetrics(
             lambda: combined_pools(lambda: list(self.lanes.values())), lambda: preprocess_stats(self.lanes)
@@ -84,19 +81,18 @@ class RouterService:
         self.tenants.apply(tenant_keys)
         self.intake = IntakeGate()
         self.decode_pool = ThreadPoolExecutor(cfg.limits.text_workers, thread_name_prefix="epd-decode")
-        self.engines = EngineClient(self.state, self.metrics)
-        self.engines.set_keys(load_engine_keys(cfg.engine_auth.key_file))
         self.admin = AdminGate(cfg.admin.networks, load_admin_tokens(cfg.admin.token_file))
-        self.admission = PdAdmission(self.state, self.metrics)
-        self.encoder = Encoder(self.state, self.engines, self.metrics)
-        self.generation = Generation(self.state, renderer, self.engines, self.encoder, self.admission, self.metrics)
-        first = Lane(cfg.model_name, self.state, renderer, self.engines, self.admission, self.encoder, self.generation)
-        self.lanes[first.name] = first
-        for entry in cfg.models:
+        engine_keys = load_engine_keys(cfg.engine_auth.key_file)
+        for position, entry in enumerate(cfg.models):
             lane_cfg = cfg.lane_config(entry.name)
-            lane_renderer_ = lane_renderer(lane_cfg) if lane_renderer is not None else renderer
-            self.lanes[entry.name] = Lane.build(entry.name, lane_cfg, lane_renderer_, self.metrics)
-            self.lanes[entry.name].engines.set_keys(load_engine_keys(cfg.engine_auth.key_file))
+            own = position == 0 or lane_renderer is None  # `renderer` is the listed first's
+            lane = Lane.build(entry.name, lane_cfg, renderer if own else lane_renderer(lane_cfg), self.metrics)
+            lane.engines.set_keys(engine_keys)
+            self.lanes[entry.name] = lane
+        # the listed first's lane is the service's own: the routes without a `model` use these
+        first = next(iter(self.lanes.values()))
+        self.renderer, self.state, self.engines = first.renderer, first.state, first.engines
+        self.admission, self.encoder, self.generation = first.admission, first.encoder, first.generation
         self.tracing = Tracing(
             cfg.tracing,
             lambda header: self.metrics.trace_context_errors.labels(header).inc(),
@@ -167,27 +163,34 @@ class RouterService:
             return False
         if self.auth.enabled and not auth.enabled:
             log.warning("config reload turns API-key authentication off (auth.enabled: false)")
-        old = self.state.cfg
-        for key in RESTART_ONLY:
-            if getattr(new, key) != getattr(old, key):
-                log.warning(f"config reload: '{key}' changed; it takes effect only on restart")
-        pools, removed = build_pools(new, self.state.pools)
-        # one assignment each: a request sees either the old or the new snapshot
-        self.state.cfg = new.model_copy(update={k: getattr(old, k) for k in RESTART_ONLY})
-        self.state.pools = pools
+        removed, changed = [], set()
         served = {m.name for m in new.models}
-        for name, lane in list(self.lanes.items())[1:]:
-            if name not in served:
+        for position, (name, lane) in enumerate(self.lanes.items()):
+            named = name if name in served else None
+            if named is None and position == 0:  # the listed first, renamed: still its pools (as the plan's
+                named = new.models[0].name  # endpoints-only write: router_config.endpoints_only)
+                changed.add(f"models.{name}.name")
+            if named is None:
                 log.warning(f"config reload: model {name!r} is gone from `models`; it is served until a restart")
                 continue
-            lane_old = lane.state.cfg
-            lane_new = new.lane_config(name).model_copy(update={k: getattr(lane_old, k) for k in RESTART_ONLY})
+            lane_old, lane_new = lane.state.cfg, new.lane_config(named)
+            old_entry, new_entry = lane_old.models[0], lane_new.models[0]
+            changed |= {key for key in RESTART_ONLY if getattr(lane_new, key) != getattr(lane_old, key)}
+            changed |= {
+                f"models.{name}.{k}" for k in MODEL_RESTART_ONLY if getattr(new_entry, k) != getattr(old_entry, k)
+            }
+            kept = old_entry.model_copy(update={"endpoints": new_entry.endpoints})
+            lane_new = lane_new.model_copy(update={**{k: getattr(lane_old, k) for k in RESTART_ONLY}, "models": [kept]})
             lane_pools, lane_removed = build_pools(lane_new, lane.state.pools)
+            # one assignment each: a request sees either the old or the new snapshot
             lane.state.cfg = lane_new
             lane.state.pools = lane_pools
             removed += lane_removed
-        for name in served - set(self.lanes):
+        for key in sorted(changed):
+            log.warning(f"config reload: '{key}' changed; it takes effect only on restart")
+        for name in served - set(self.lanes) - {new.models[0].name}:
             log.warning(f"config reload: new model {name!r} in `models`; it is served after a restart")
+        pools = self.state.pools
         self.auth = auth
         self.tenants.apply(tenant_keys)  # new limits; the buckets keep their levels
         for lane in self.lanes.values():

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epd_kit.router.config import RouterConfig
 from epd_kit.router.errors import RouterError
 from epd_kit.router.pools import Pools
+from epd_kit.router_yaml import RouterConfig
 
 
 @dataclass

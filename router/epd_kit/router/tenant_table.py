@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from epd_kit.router.tenants_file import BOUNDS, MAX_TENANTS
+from epd_kit.plan.tenants_format import BOUNDS, MAX_TENANTS
 
 MAX_WORKERS = 64  # concurrency counters per slot (epd_router_workers is far below)
 LOCK_WAIT_S = 0.05  # the longest a request waits for the table's lock (then: this process's own)

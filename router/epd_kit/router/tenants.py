@@ -2,7 +2,8 @@
 concurrent requests, tokens per minute, images per minute), enforced with token buckets that
 the router processes of one host share (docs/router.md "Tenants").
 
-The file and its format: tenants_file.py. The table the buckets live in: tenant_table.py.
+The file and its format: epd_kit/plan/tenants_format.py (the planner writes it). The table the
+buckets live in: tenant_table.py.
 
 Buckets: `requests_per_s` refills that many a second (burst: one second's worth, at least 1),
 one taken per request; `images_per_min` refills per minute, as many taken as the request has
@@ -38,6 +39,13 @@ from typing import Protocol, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.metrics_core import Metric
 
+from epd_kit.plan.tenants_format import (
+    LIMITS,
+    RETRY_AFTER_MAX_S,
+    TenantKeys,
+    TenantLimits,
+    parse_tenants,
+)
 from epd_kit.router import tenant_table
 from epd_kit.router.auth import ApiKeyChecker, KeyFileError, load_api_keys, read_secret_file
 from epd_kit.router.errors import RouterError
@@ -52,13 +60,6 @@ from epd_kit.router.tenant_table import (
     BucketTable,
     Slot,
     TableFault,
-)
-from epd_kit.router.tenants_file import (
-    LIMITS,
-    RETRY_AFTER_MAX_S,
-    TenantKeys,
-    TenantLimits,
-    parse_tenants,
 )
 
 log = logging.getLogger("epd_router.tenants")
@@ -354,7 +355,7 @@ class TenantMetricsLike(Protocol):
     def tokens(self, tenant: str, count: int) -> None: ...
 
 
-OTHER_TENANTS = "_other"  # no tenant name starts with "_" (tenants_file.TENANT_NAME)
+OTHER_TENANTS = "_other"  # no tenant name starts with "_" (tenants_format.TENANT_NAME)
 
 
 class TenantMetrics:

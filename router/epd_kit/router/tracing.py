@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from starlette.responses import Response
 
-    from epd_kit.router.config import Tracing as TracingSettings
     from epd_kit.router.pools import Engine
+    from epd_kit.router_yaml import Tracing as TracingSettings
 
 SERVICE_NAME = "epd-router"
 REQUEST_SPAN = "POST /v1/chat/completions"

@@ -21,7 +21,16 @@ from dataclasses import dataclass
 from epd_kit.router import engine_http
 from epd_kit.router.errors import EcLoadFailed, EngineDied, Failure, GenerationFailed, UpstreamError
 from epd_kit.router.pools import Engine
-from epd_kit.wire import EC_LOCATOR, EcHandoffItem, GenerateResponse, HandoffKind, unreadable_items
+from epd_kit.wire import (
+    EC_BLOCK_LEN_MISMATCH,
+    EC_LOCATOR,
+    ENGINE_DEAD_MESSAGE,
+    GENERATION_ERROR_MESSAGE,
+    EcHandoffItem,
+    GenerateResponse,
+    HandoffKind,
+    unreadable_items,
+)
 
 STAGE_NAMES = {"ve": "encode", "pd": "generate"}
 
@@ -30,7 +39,7 @@ STAGE_NAMES = {"ve": "encode", "pd": "generate"}
 # §3.5: VE and PD disagree on the block geometry; the PD's engine core dies as on a failed
 # read, so the same blocks must go to no other PD). Engines report it only as text; this is
 # the one place that text is read.
-EC_LOAD_FAILURE_MARKERS = ("ECLoadFailure", "Encoder-cache load", "ec_locator", "EC region block_len mismatch")
+EC_LOAD_FAILURE_MARKERS = ("ECLoadFailure", "Encoder-cache load", "ec_locator", EC_BLOCK_LEN_MISMATCH)
 
 # What vLLM's API server answers once its engine core has died, whatever killed it
 # (vllm/v1/engine/exceptions.py EngineDeadError, 0.24.0 and 0.29.0): the failed request, every
@@ -39,9 +48,8 @@ EC_LOAD_FAILURE_MARKERS = ("ECLoadFailure", "Encoder-cache load", "ec_locator", 
 # "InternalServerError", "code": 500}} or, in a stream, as that error event and [DONE]. The
 # cause (an ECLoadFailure, a missing embedding, anything else) stays in the engine's log: the
 # engine core is another process, and the API server only learns that it died. So a real PD
-# never sends EC_LOAD_FAILURE_MARKERS; this message is how its failed read reaches the router
-# (docs/contract.md §3.5, docs/router.md "Failure outcomes").
-ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+# never sends EC_LOAD_FAILURE_MARKERS; this message (wire.ENGINE_DEAD_MESSAGE) is how its failed
+# read reaches the router (docs/contract.md §3.5, docs/router.md "Failure outcomes").
 
 # How vLLM says generation failed for one request: a choice finished with reason "error", a
 # "retryable request-level internal error (e.g., KV load failure)" (vllm/v1/engine/__init__.py
@@ -53,8 +61,8 @@ ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) 
 # check it). An engine-wide failure (EngineDeadError, EngineGenerateError, any other
 # exception) has the same type and code with another message, so the message tells them
 # apart. The router reads every shape whatever the fleet's release: during a release change
-# PDs of both serve side by side. docs/compat.md "Generation errors" has the file:lines.
-GENERATION_ERROR_MESSAGE = "Internal server error"
+# PDs of both serve side by side. docs/compat.md "Generation errors" has the file:lines; the
+# message is wire.GENERATION_ERROR_MESSAGE.
 GENERATION_ERROR_FINISH = "error"
 
 

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from ..wire import (
+    ENGINE_DEAD_MESSAGE,
     GENERATE_PATH,
     SSE_DONE,
     ErrorInfo,
@@ -31,7 +32,7 @@ from ..wire import (
     stream_request_id,
 )
 from .config import VLLM_VERSION, EngineConfig
-from .errors import ENGINE_DEAD_MESSAGE, EngineDeadError, InputRejected, RequestRejected
+from .errors import EngineDeadError, InputRejected, RequestRejected
 from .faults import FaultInjector, Faults
 from .metrics import SimMetrics
 from .pd import PrefillDecodeEngine, Sequence, build_sequence

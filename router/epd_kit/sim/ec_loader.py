@@ -7,7 +7,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from ..wire import EcHandoffItem, EcLocator
+from ..wire import EC_BLOCK_LEN_MISMATCH, EcHandoffItem, EcLocator
 from .config import EngineConfig
 from .errors import ECLoadFailure
 from .model import embedding_bytes
@@ -118,7 +118,7 @@ class EcLoader:
         remote_len = int(meta.get("block_len", -1))
         if remote_len != self.cfg.block_len:
             raise BlockLenMismatch(
-                f"EC region block_len mismatch: remote engine {meta.get('engine_id')} advertises "
+                f"{EC_BLOCK_LEN_MISMATCH}: remote engine {meta.get('engine_id')} advertises "
                 f"{remote_len} bytes/block, local region has {self.cfg.block_len} bytes/block "
                 f"(check vision_attention_block_size, dtype and buckets are identical on VE "
                 f"and PD)"

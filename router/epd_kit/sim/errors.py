@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..wire import ENGINE_DEAD_MESSAGE
+
 
 class RequestRejected(Exception):
     """A request the engine refuses; the engine itself stays healthy."""
@@ -74,10 +76,8 @@ class LocalEncodeFailure(Exception):
 
 
 # What vLLM's API server answers to every request once its engine core died, whatever the
-# cause (vllm/v1/engine/exceptions.py EngineDeadError, 0.24.0 and 0.29.0; a 500
-# InternalServerError, or a stream's error event then [DONE]): the engine core is another
-# process, and the API server learns only that it died. The cause goes to the log.
-ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+# cause: wire.ENGINE_DEAD_MESSAGE (the engine core is another process, and the API server
+# learns only that it died). The cause goes to the log.
 
 
 class EngineDeadError(Exception):

@@ -34,7 +34,15 @@ from epd_kit.plan.neuron_releases import (
     vllm_version,
 )
 
-from ..wire import EC_LOCATOR, EC_TRANSFER_PARAMS, GenerateResponse, HandoffKind, stream_request_id
+from ..wire import (
+    EC_LOCATOR,
+    EC_TRANSFER_PARAMS,
+    GENERATION_ERROR_MESSAGE,
+    INTERNAL_SERVER_ERROR,
+    GenerateResponse,
+    HandoffKind,
+    stream_request_id,
+)
 
 SCALE_OUT_FLAG = "--enable-scale-out"
 # vLLM 0.32.0 entrypoints/scale_out/factories.py register_scale_out_api_routers: without
@@ -42,13 +50,11 @@ SCALE_OUT_FLAG = "--enable-scale-out"
 SCALE_OUT_DISABLED = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
 
 # vLLM's answer to a request whose generation failed (a choice finished with reason "error"):
-# GenerationError("Internal server error") through create_error_response, the same in both
-# releases (0.24.0 entrypoints/openai/engine/serving.py:117-134, 0.29.0
-# entrypoints/generate/base/serving.py:204-221). A stream carries it as its last event before
-# [DONE]; a non-streaming answer is this 500 in 0.29 and a 200 with the "error" choice in 0.24.
+# wire.GENERATION_ERROR_MESSAGE. A stream carries it as its last event before [DONE]; a
+# non-streaming answer is this 500 in 0.29 and a 200 with the "error" choice in 0.24.
 GENERATION_ERROR: dict[str, Any] = {
-    "message": "Internal server error",
-    "type": "InternalServerError",
+    "message": GENERATION_ERROR_MESSAGE,
+    "type": INTERNAL_SERVER_ERROR,
     "param": None,
     "code": 500,
 }

@@ -164,7 +164,7 @@ def run_advise(before: Path, after: Path, seconds: float, inventory: Path, *extr
     """`epd-router advise` on saved scrapes: its --json document and its printed report."""
     from click.testing import CliRunner
 
-    from epd_kit.router.cli import main
+    from epd_kit.cli import main
 
     args = ["advise", "--before", str(before), "--after", str(after), "--window", str(seconds)]
     args += ["--inventory", str(inventory), *extra]

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from epd_kit.advise.queueing import erlang_c, fit_service_time, mean_time_in_system
 from epd_kit.advise.scrape import ScrapeError, parse_text
 from epd_kit.advise.window import Window
-from epd_kit.router.cli import main
+from epd_kit.cli import main
 from tests.unit.advise.advise_scrapes import Load, run_advise, write_inventory, write_scrapes
 
 WINDOW = 120.0

@@ -10,7 +10,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from epd_kit.router.cli import main
+from epd_kit.cli import main
 from tests.unit.advise.advise_scrapes import Load, run_advise, write_inventory, write_scrapes
 
 TEXT = {"name": "text", "model": "/models/tiny-text", "text_only": True, "num_pd": 1}

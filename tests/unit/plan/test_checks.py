@@ -187,16 +187,17 @@ def test_the_base_inventory_passes_and_plans():
 def test_a_text_only_fleet_passes_and_its_router_config_says_so_to_the_router(value):
     """The check's settings carry epd_text_only as it read it (INI text included); the render writes
     it into endpoints, and only then does the router's own schema take the empty VE list."""
-    from epd_kit.router.config import ConfigError, parse_config
+    from epd_kit.router_yaml import ConfigError, parse_config
 
     result = check({"all": {"epd_text_only": value}, "n1": {"epd_num_ve": 0}})
     assert result["problems"] == [] and result["settings"]["epd_text_only"] is True
     settings = planner.read_settings(result["settings"])
     config = planner.router_config(result["plan"], settings, listen_host="127.0.0.1", text_only=True)
-    assert config["endpoints"]["text_only"] is True and config["endpoints"]["ve"] == []
+    endpoints = config["models"][0]["endpoints"]
+    assert endpoints["text_only"] is True and endpoints["ve"] == []
     assert parse_config(config).endpoints.text_only
     with pytest.raises(
-        ConfigError, match=re.escape("endpoints.ve: empty: list at least one VE, or set endpoints.text_only")
+        ConfigError, match=re.escape("models.0.endpoints.ve: empty: list at least one VE, or set endpoints.text_only")
     ):
         parse_config(planner.router_config(result["plan"], settings, listen_host="127.0.0.1"))
     assert check({})["settings"]["epd_text_only"] is False

@@ -12,7 +12,7 @@ from epd_kit import plan
 from epd_kit.plan.errors import EpdPlanError
 from epd_kit.plan.neuron_releases import FRONT_CHECKS, RELEASES, VLLM_CPU_VERSIONS, Pin, front_checks_of, handoff_of
 from epd_kit.plan.settings import read_settings
-from epd_kit.router.config import EcReadFailure, FrontChecks, parse_config
+from epd_kit.router_yaml import EcReadFailure, FrontChecks, parse_config
 from tests.ansible.helpers import REPO
 
 MODEL = {"epd_model": "/models/m"}
@@ -71,8 +71,8 @@ def test_a_vllm_cpu_fleet_runs_the_release_vllm_unless_epd_vllm_cpu_vllm_names_a
 
 def test_a_vllm_without_a_lock_list_is_refused_with_the_choices():
     assert VLLM_CPU_VERSIONS == ("0.24.0", "0.29.0", "0.32.0")
-    for version in VLLM_CPU_VERSIONS[:2]:  # the lock lists tests/compat has on this branch
-        assert (REPO / f"tests/compat/requirements-vllm-{version}.txt").is_file()
+    for version in VLLM_CPU_VERSIONS[:2]:  # the lock lists the deploy has on this branch
+        assert (REPO / f"roles/epd_deps/files/vllm-cpu/requirements-vllm-{version}.txt").is_file()
     with pytest.raises(
         EpdPlanError, match=r"epd_vllm_cpu_vllm must be one of 0\.24\.0, 0\.29\.0, 0\.32\.0.*'0\.31\.0'"
     ):
@@ -94,9 +94,11 @@ def test_router_yaml_names_the_fleets_handoff_and_the_router_loads_it(vllm, hand
     if handoff == "ec_transfer_params":  # upstream's hand-off is its NIXL connector's (test_upstream_nixl_plan.py)
         variables["epd_vllm_cpu_ec_transport"] = "nixl"
     settings = read_settings(variables)
-    endpoints = {"pd": [{"id": "pd-0", "url": "http://127.0.0.1:8001", "state": "active"}]}
-    config = plan.router_config({}, settings, listen_host="127.0.0.1", extra={"endpoints": endpoints})
-    config["endpoints"]["ve"] = [{"id": "ve-0", "url": "http://127.0.0.1:8000", "state": "active"}]
+    config = plan.router_config({}, settings, listen_host="127.0.0.1")
+    config["models"][0]["endpoints"] = {
+        "pd": [{"id": "pd-0", "url": "http://127.0.0.1:8001", "state": "active"}],
+        "ve": [{"id": "ve-0", "url": "http://127.0.0.1:8000", "state": "active"}],
+    }
     assert config["handoff"] == handoff
     assert parse_config(config).handoff == handoff
     # and its front's context checks (router/context_window.py), from the same vLLM

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from epd_kit import plan as planner
-from epd_kit.router.config import parse_config
+from epd_kit.router_yaml import parse_config
 from tests import repo_modules
 
 VISION = "/models/tiny-qwen3-vl"
@@ -71,7 +71,7 @@ def test_a_model_that_does_not_fit_is_refused_naming_it_and_the_host():
     assert result["plan"] is None
     assert result["problems"] == [
         "n1: model text does not fit: it asks for 0 VE (tp 4) + 2 PD (tp 8) = 16 cores beside "
-        "/models/tiny-qwen3-vl (12 cores for the first model's 1 VE + 1 PD), on 24 usable cores. Lower its "
+        "/models/tiny-qwen3-vl (12 cores for epd_model's 1 VE + 1 PD), on 24 usable cores. Lower its "
         "num_ve/num_pd in epd_models, run it on other hosts (its hosts list), or give the host more cores. "
         "Each slice needs tp free cores starting at a multiple of tp."
     ]
@@ -112,21 +112,19 @@ def test_router_yaml_names_each_model_and_its_pools():
     result = check([TEXT])
     settings = planner.read_settings(result["settings"])
     config = planner.router_config(result["plan"], settings, listen_host="127.0.0.1", draining=["epd-text-pd-0"])
-    assert config["models"] == [
-        {
-            "name": "text",
-            "model": "/models/tiny-text",
-            "quantization": None,
-            "limits": {"images_per_prompt": 30, "max_image_patches": 1024},
-        }
-    ]
-    assert config["endpoints"]["models"] == {
-        "text": {
+    assert [m["name"] for m in config["models"]] == [VISION, "text"]  # epd_model's is models[0]
+    assert config["models"][1] == {
+        "name": "text",
+        "model": "/models/tiny-text",
+        "quantization": None,
+        "limits": {"images_per_prompt": 30, "max_image_patches": 1024},
+        "endpoints": {
             "text_only": True,
             "ve": [],
             "pd": [{"id": "epd-text-pd-0", "url": "http://127.0.0.1:18164", "state": "draining"}],
-        }
+        },
     }
+    assert [e["id"] for e in config["models"][0]["endpoints"]["pd"]] == ["epd-pd-0"]
     parsed = parse_config(config)  # the router's own schema takes it
     assert parsed.lane_config("text").endpoints.text_only
 
@@ -142,9 +140,10 @@ def test_one_model_fleets_plan_and_render_exactly_as_before():
     without = check()
     empty = check([])
     assert without["plan"] == empty["plan"]
-    assert "models" not in planner.router_config(
-        without["plan"], planner.read_settings(without["settings"]), listen_host="h"
-    )
+    [model] = planner.router_config(without["plan"], planner.read_settings(without["settings"]), listen_host="h")[
+        "models"
+    ]
+    assert (model["name"], [e["id"] for e in model["endpoints"]["pd"]]) == (VISION, ["epd-pd-0"])
     assert all("model" not in e for e in without["plan"]["n1"]["engines"])
 
 
@@ -207,8 +206,11 @@ def test_retiring_engines_drain_in_their_own_models_pools():
     ]
     out = planner.rollout.retiring_endpoints(result["plan"], copy.deepcopy(pools))
     assert out["retiring"] == ["epd-pd-1", "epd-text-pd-1"]
-    assert [e["id"] for e in out["endpoints"]["pd"]] == ["epd-pd-0", "epd-pd-1"]
-    assert [(e["id"], e["state"]) for e in out["endpoints"]["models"]["text"]["pd"]] == [
+    settings = planner.read_settings(result["settings"])
+    config = planner.router_config(result["plan"], settings, listen_host="h", retiring=out["engines"])
+    first, text = config["models"]
+    assert [e["id"] for e in first["endpoints"]["pd"]] == ["epd-pd-0", "epd-pd-1"]
+    assert [(e["id"], e["state"]) for e in text["endpoints"]["pd"]] == [
         ("epd-text-pd-0", "active"),
         ("epd-text-pd-1", "draining"),
     ]
@@ -227,6 +229,20 @@ def test_the_advisor_sees_each_models_own_engines():
     assert text.text_only and text.checkpoint == "/models/tiny-text"
     del n1["epd_models"]
     assert [a.current.counts for a in Advisor.per_model(inventory)] == [{"n1": (1, 1)}]
+
+
+def test_the_advisor_keeps_each_models_own_rollout_floor():
+    """The advisor's floor of a model's pool is the one its rollouts keep (rollout.resolve_pool,
+    one place): an epd_models entry's own rollout_min_available_pd, not the fleet's."""
+    from epd_kit.advise.layout import Advisor, Inventory, Layout
+
+    text = {**TEXT, "num_pd": 3, "pd_tp": 4, "rollout_min_available_pd": 2}
+    n1 = {"epd_model": VISION, "epd_num_ve": 1, "epd_num_pd": 1, "epd_core_count": 24, "epd_models": [text]}
+    inventory = Inventory({"n1": n1}, {"epd_engines": ["n1"], "epd_router": ["n1"]})
+    first, other = Advisor.per_model(inventory)
+    assert (first.floor("pd"), other.floor("pd")) == (1, 2)
+    assert other.rule("pd", 3).floor == 2 and other.rule("pd", 3).model == "text"
+    assert other.refusal(Layout({"n1": (0, 1)}, other.current.entry)) == "a PD pool of 1 is below its floor of 2"
 
 
 def running_file(models):
@@ -254,20 +270,22 @@ def test_a_draining_write_changes_the_endpoints_alone_a_new_model_waits_for_the_
         "sections": {"limits": {"max_requests_preprocessing": 32}},
     }
     full = planner.router_config(result["plan"], settings, **kwargs)
-    assert [m["name"] for m in full["models"]] == ["text", "two"] and full["limits"]["max_requests_preprocessing"] == 32
+    assert [m["name"] for m in full["models"]] == [VISION, "text", "two"]
+    assert full["limits"]["max_requests_preprocessing"] == 32
     config = planner.router_config(result["plan"], settings, running=running, **kwargs)
-    assert {k: v for k, v in config.items() if k != "endpoints"} == {
-        k: v for k, v in running.items() if k != "endpoints"
-    }
+
+    def without_endpoints(c):
+        return {**c, "models": [{k: v for k, v in m.items() if k != "endpoints"} for m in c["models"]]}
+
+    assert without_endpoints(config) == without_endpoints(running)
     assert list(config) == list(running)  # the file's order: a write that changes nothing changes no byte
-    assert config["endpoints"]["models"] == {
-        "text": {
-            "text_only": True,
-            "ve": [],
-            "pd": [{"id": "epd-text-pd-0", "url": "http://127.0.0.1:18164", "state": "draining"}],
-        }
+    assert [m["name"] for m in config["models"]] == [VISION, "text"]
+    assert config["models"][1]["endpoints"] == {
+        "text_only": True,
+        "ve": [],
+        "pd": [{"id": "epd-text-pd-0", "url": "http://127.0.0.1:18164", "state": "draining"}],
     }
-    assert config["endpoints"]["pd"] == full["endpoints"]["pd"]
+    assert config["models"][0]["endpoints"] == full["models"][0]["endpoints"]
     parse_config(config)  # the router's own schema (check-config) takes it
 
 
@@ -279,13 +297,11 @@ def test_a_draining_write_keeps_a_removed_models_pools_every_engine_draining():
     result = check()
     settings = planner.read_settings(result["settings"])
     config = planner.router_config(result["plan"], settings, listen_host="127.0.0.1", running=running)
-    assert config["models"] == running["models"]
-    assert config["endpoints"]["models"] == {
-        "text": {
-            "text_only": True,
-            "ve": [],
-            "pd": [{"id": "epd-text-pd-0", "url": "http://127.0.0.1:18164", "state": "draining"}],
-        }
+    assert [m["name"] for m in config["models"]] == [m["name"] for m in running["models"]] == [VISION, "text"]
+    assert config["models"][1]["endpoints"] == {
+        "text_only": True,
+        "ve": [],
+        "pd": [{"id": "epd-text-pd-0", "url": "http://127.0.0.1:18164", "state": "draining"}],
     }
     assert parse_config(config).lane_config("text").endpoints.pd[0].state.value == "draining"
     pools = [
@@ -296,7 +312,11 @@ def test_a_draining_write_keeps_a_removed_models_pools_every_engine_draining():
     served = [m["name"] for m in running["models"]]
     out = planner.rollout.retiring_endpoints(result["plan"], pools, served=served)
     assert out["retiring"] == ["epd-text-pd-0"]
-    assert "models" not in out["endpoints"]  # the render drains the removed model's pools whole
+    # the render drains the removed model's pools whole; the planned model's pools keep theirs
+    drained = planner.router_config(
+        result["plan"], settings, listen_host="127.0.0.1", running=running, retiring=out["engines"]
+    )
+    assert drained == config
     assert planner.rollout.retiring_endpoints(result["plan"], pools)["retiring"] == []  # not in the file: left
 
 

@@ -34,9 +34,6 @@ def test_router_config_takes_model_limits_and_endpoints_from_the_plan():
         extra={"placement": {"queue_size": 8}, "auth": {"protect_pools": False}},
     )
     assert list(config) == [
-        "model",
-        "served_model_name",
-        "quantization",
         "listen",
         "dtype",
         "handoff",
@@ -51,14 +48,19 @@ def test_router_config_takes_model_limits_and_endpoints_from_the_plan():
         "auth",
         "engine_auth",
         "admin",
-        "endpoints",
+        "models",
     ]
-    assert (config["model"], config["quantization"], config["listen"]) == (
+    [model] = config["models"]
+    assert (model["name"], model["model"], model["quantization"], config["listen"]) == (
+        MODEL,
         MODEL,
         "mxfp8",
         {"host": "10.0.0.9", "port": 18800},
     )
-    assert config["limits"] == {"oversized_image": "reject", "images_per_prompt": 4, "max_image_patches": 1024}
+    # the fleet's limits; the model's image limits are its entry's, over the fleet's (one place each)
+    assert config["limits"] == {"oversized_image": "reject", "images_per_prompt": 99}
+    assert model["limits"] == {"images_per_prompt": 4, "max_image_patches": 1024}
+    assert model["endpoints"] is not None
     assert config["placement"] == {"pd_max_inflight": 32, "queue_size": 8}
     assert config["dtype"] == "bfloat16"  # the engines' --dtype
     assert config["handoff"] == "ec_locator"  # Neuron 2.32's vLLM 0.24.0 (Settings.handoff)
@@ -66,21 +68,20 @@ def test_router_config_takes_model_limits_and_endpoints_from_the_plan():
     assert config["engine_auth"] == {"key_file": None}  # the role passes epd_engine_key_file
     # loopback and the router's own address: the kit's drain and rollout calls come from the host
     assert config["admin"] == {"networks": ["127.0.0.0/8", "::1/128", "10.0.0.9/32"], "token_file": None}
-    assert [(e["id"], e["state"]) for e in config["endpoints"]["pd"]] == [
+    assert [(e["id"], e["state"]) for e in model["endpoints"]["pd"]] == [
         ("epd-a-pd-0", "active"),
         ("epd-a-pd-1", "draining"),
         ("epd-b-pd-0", "active"),
     ]
-    assert config["endpoints"]["ve"] == [{"id": "epd-a-ve-0", "url": "http://10.0.0.1:18300", "state": "active"}]
-    assert (
-        plan.router_config(fleet_plan, plan.read_settings({"epd_model": MODEL}), listen_host="h")["quantization"]
-        is None
-    )
+    assert model["endpoints"]["ve"] == [{"id": "epd-a-ve-0", "url": "http://10.0.0.1:18300", "state": "active"}]
+    config = plan.router_config(fleet_plan, plan.read_settings({"epd_model": MODEL}), listen_host="h")
+    assert config["models"][0]["quantization"] is None
+    assert plan.router_config(fleet_plan, settings, listen_host="h", served_model_name="v")["models"][0]["name"] == "v"
 
 
 def test_router_defaults_agree_with_the_planner():
     """The router's own defaults for what the plan sets are the planner's (one list of defaults)."""
-    from epd_kit.router.config import RouterConfig
+    from epd_kit.router_yaml import RouterConfig
 
     config = RouterConfig.model_validate(
         {
@@ -92,8 +93,9 @@ def test_router_defaults_agree_with_the_planner():
         }
     )
     settings = plan.read_settings({"epd_model": MODEL})
-    assert config.limits.images_per_prompt == settings.images_per_prompt
-    assert config.limits.max_image_patches == settings.vision_attention_block_size
+    lane = config.lane_config(MODEL)
+    assert lane.limits.images_per_prompt == config.limits.images_per_prompt == settings.images_per_prompt
+    assert lane.limits.max_image_patches == config.limits.max_image_patches == settings.vision_attention_block_size
     assert config.listen.port == settings.router_port
 
 
@@ -169,7 +171,7 @@ def test_read_env_file_reads_what_the_env_template_writes():
 
 
 def test_router_config_auth_follows_the_api_keys_file_and_parses():
-    from epd_kit.router.config import parse_config
+    from epd_kit.router_yaml import parse_config
 
     fleet_plan, settings = fleet(TWO_HOSTS)
     with_keys = plan.router_config(fleet_plan, settings, listen_host="10.0.0.9", api_keys_file="/etc/epd/keys")

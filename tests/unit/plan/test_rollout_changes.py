@@ -87,9 +87,13 @@ def test_engines_the_router_serves_but_the_plan_dropped_drain_in_their_pool():
     ]
     retire = plan.rollout.retiring_endpoints(now, pools)
     assert retire["retiring"] == ["epd-a-pd-2"]
-    assert retire["endpoints"]["pd"][-1] == {"id": "epd-a-pd-2", "url": "http://10.0.0.1:18102", "state": "draining"}
-    assert retire["endpoints"]["pd"][:-1] == plan.router_endpoints(now)["pd"]
-    assert retire["endpoints"]["ve"] == plan.router_endpoints(now)["ve"]
+    config = plan.router_config(
+        now, plan.read_settings({"epd_model": MODEL, "epd_pd_tp": 4}), listen_host="h", retiring=retire["engines"]
+    )
+    endpoints = config["models"][0]["endpoints"]
+    assert endpoints["pd"][-1] == {"id": "epd-a-pd-2", "url": "http://10.0.0.1:18102", "state": "draining"}
+    assert endpoints["pd"][:-1] == plan.router_endpoints(now)["pd"]
+    assert endpoints["ve"] == plan.router_endpoints(now)["ve"]
 
 
 def test_a_host_mapping_rolls_exactly_its_instances_and_an_empty_one_rolls_nothing():

@@ -9,8 +9,8 @@ import pytest
 
 from epd_kit import plan as planner
 from epd_kit.plan.tenants import tenant_problems, tenants_file_text
+from epd_kit.plan.tenants_format import TenantLimits, parse_tenants
 from epd_kit.plan.variables import VARIABLES
-from epd_kit.router.tenants_file import TenantLimits, parse_tenants
 
 TENANTS = {"acme": {"tokens_per_min": 200000, "concurrent_requests": 8}, "beta": None}
 KEYS = [{"tenant": "acme", "key": "sk-acme-secret-0001"}, {"tenant": "beta", "key": "sk-beta-secret-0001"}]
@@ -85,7 +85,7 @@ def test_check_inventory_refuses_a_tenant_typo_before_any_host():
 
 
 def test_router_config_names_the_tenants_file():
-    from epd_kit.router.config import parse_config
+    from epd_kit.router_yaml import parse_config
     from tests.unit.plan.test_operations import TWO_HOSTS, fleet
 
     fleet_plan, settings = fleet(TWO_HOSTS)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from epd_kit import plan as planner
-from epd_kit.router.config import parse_config
+from epd_kit.router_yaml import parse_config
 from epd_kit.sim.cli import serve
 from tests.unit.plan.test_checks import check
 

@@ -1,5 +1,5 @@
 """epd_engine_backend vllm-cpu: the plan renders the Neuron command less what only Neuron reads plus
-what a CPU engine needs (epd_kit/plan/command.py CPU_FLAGS, CPU_ENVIRONMENT), from the shipped
+what a CPU engine needs (epd_kit/plan/backends.py CPU_FLAGS, CPU_ENVIRONMENT), from the shipped
 sandbox inventory, and refuses what cannot work on CPU."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from epd_kit import plan as planner
-from epd_kit.plan.command import LOCATOR_SCHEDULER
+from epd_kit.plan.backends import LOCATOR_SCHEDULER
 from epd_kit.plan.errors import EpdPlanError
 from tests.ansible.helpers import REPO, inventory_hostvars
 

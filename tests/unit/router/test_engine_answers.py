@@ -12,10 +12,10 @@ import time
 import pytest
 
 from epd_kit.router import engine_http, upstream
-from epd_kit.router.config import Health
 from epd_kit.router.engine_client import MAX_HEALTH_BYTES, EngineClient
 from epd_kit.router.health import ProbeFailed
 from epd_kit.router.pools import Engine
+from epd_kit.router_yaml import Health
 from tests.unit.router.test_engine_http import PATH, Server, answer
 
 PD = Engine(id="epd-pd-0", url="http://127.0.0.1:1", role="pd")

@@ -9,11 +9,11 @@ import time
 import pytest
 
 from epd_kit.router.admission import RECHECK_S, PdAdmission
-from epd_kit.router.config import parse_config
 from epd_kit.router.errors import Failure, RouterError, UpstreamError
 from epd_kit.router.metrics import RouterMetrics
 from epd_kit.router.pools import build_pools
 from epd_kit.router.state import RouterState
+from epd_kit.router_yaml import parse_config
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from epd_kit.preprocess import ImageDimensionsRejected, Limits, Media
 from epd_kit.router.app import build_renderer
 from epd_kit.router.cli import main
-from epd_kit.router.config import ConfigError, config_from_flags, load_config, parse_config
+from epd_kit.router_yaml import ConfigError, config_from_flags, load_config, parse_config
 from epd_kit.testing.checkpoint import build_tiny_checkpoint
 from epd_kit.testing.images import image_part, png_data_url, user_message
 

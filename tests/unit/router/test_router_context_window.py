@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from epd_kit.router import context_window
-from epd_kit.router.config import FRONT_CHECKS_024 as F24
-from epd_kit.router.config import FRONT_CHECKS_032 as F32
-from epd_kit.router.config import parse_config
 from epd_kit.router.errors import RouterError
 from epd_kit.router.openai_api import parse_request
+from epd_kit.router_yaml import FRONT_CHECKS_024 as F24
+from epd_kit.router_yaml import FRONT_CHECKS_032 as F32
+from epd_kit.router_yaml import parse_config
 
 
 def request(**fields):

@@ -15,10 +15,10 @@ import struct
 
 import pytest
 
-from epd_kit.router.config import parse_config
 from epd_kit.router.context import RequestContext
 from epd_kit.router.openai_api import parse_request
 from epd_kit.router.service import RouterService
+from epd_kit.router_yaml import parse_config
 from tests.unit.router.raw_http import RawServer, read_message
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from epd_kit.router.app import create_app
 from epd_kit.router.auth import KeyFileError
-from epd_kit.router.config import parse_config
 from epd_kit.router.engine_keys import load_engine_keys
+from epd_kit.router_yaml import parse_config
 from tests.unit.router import scripted_engines
 
 NEW, OLD = "k-new-7f3a9c", "k-old-2b8c1d"

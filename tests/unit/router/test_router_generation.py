@@ -15,11 +15,11 @@ import httpx
 import pytest
 
 from epd_kit.router import upstream
-from epd_kit.router.config import parse_config
 from epd_kit.router.context import RequestContext
 from epd_kit.router.errors import RouterError
 from epd_kit.router.openai_api import parse_request
 from epd_kit.router.service import RouterService
+from epd_kit.router_yaml import parse_config
 from tests.unit.router import scripted_engines
 
 VE_PORTS = {11: "epd-ve-0", 12: "epd-ve-1"}

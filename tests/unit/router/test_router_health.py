@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from epd_kit.router.config import parse_config
 from epd_kit.router.errors import Failure
 from epd_kit.router.health import EngineHealth
 from epd_kit.router.pools import build_pools
 from epd_kit.router.state import RouterState
+from epd_kit.router_yaml import parse_config
 
 
 @pytest.fixture

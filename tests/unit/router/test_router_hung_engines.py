@@ -14,11 +14,11 @@ import httpx
 import pytest
 
 from epd_kit.router import deadlines
-from epd_kit.router.config import Timeouts, parse_config
 from epd_kit.router.context import RequestContext
 from epd_kit.router.errors import RouterError
 from epd_kit.router.openai_api import parse_request
 from epd_kit.router.service import RouterService
+from epd_kit.router_yaml import Timeouts, parse_config
 from tests.unit.router import scripted_engines
 
 VE_URL, PD_URL = "http://127.0.0.1:11", "http://127.0.0.1:21"

@@ -18,8 +18,8 @@ import pytest
 import uvicorn
 from packaging.requirements import Requirement
 
-from epd_kit.router.config import Listen
 from epd_kit.router.listener import MAX_HEAD_BYTES, protocol_factory
+from epd_kit.router_yaml import Listen
 from tests.unit.router.raw_http import read_message
 
 PYPROJECT = Path(__file__).resolve().parents[3] / "pyproject.toml"

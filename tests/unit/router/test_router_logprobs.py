@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from epd_kit.router.app import create_app
-from epd_kit.router.config import parse_config
+from epd_kit.router_yaml import parse_config
 from tests.unit.router import scripted_engines
 
 INF = float("inf")

@@ -15,9 +15,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd_kit.router.app import create_app
-from epd_kit.router.config import ConfigError, parse_config
 from epd_kit.router.metrics import NO_MODEL, _SharedLiveValues
 from epd_kit.router.service import RouterService
+from epd_kit.router_yaml import ConfigError, parse_config
 from tests.unit.router import scripted_engines
 
 engine_calls: list[str] = []  # the logical URL of each engine that got a generate call

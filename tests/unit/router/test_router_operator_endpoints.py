@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from epd_kit.router.app import create_app
-from epd_kit.router.config import ConfigError, parse_config
+from epd_kit.router_yaml import ConfigError, parse_config
 
 TOKEN = "adm-3c9f1e77"
 OPERATOR = ("/metrics", "/pools")

@@ -7,8 +7,8 @@ import asyncio
 
 import yaml
 
-from epd_kit.router.config import parse_config
 from epd_kit.router.service import RouterService
+from epd_kit.router_yaml import parse_config
 
 
 async def test_reload_drains_adds_and_keeps_engine_state(tmp_path, config, char_renderer):

@@ -23,8 +23,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from epd_kit.plan.tenants_format import MAX_TENANTS
 from epd_kit.router import tenant_table
-from epd_kit.router.config import parse_config
 from epd_kit.router.errors import RouterError
 from epd_kit.router.service import RouterService
 from epd_kit.router.tenant_table import (
@@ -42,7 +42,7 @@ from epd_kit.router.tenant_table import (
     BucketTable,
 )
 from epd_kit.router.tenants import TenantLimits, TenantMetrics, TenantQuotas
-from epd_kit.router.tenants_file import MAX_TENANTS
+from epd_kit.router_yaml import parse_config
 
 
 class Faults:
@@ -312,7 +312,7 @@ def test_an_unwritable_file_is_replaced_and_an_unwritable_directory_leaves_the_p
         from prometheus_client import CollectorRegistry
         from epd_kit.router.tenant_table import TABLE_FILE
         from epd_kit.router.tenants import TenantLimits, TenantMetrics, Tenants
-        from epd_kit.router.tenants_file import parse_tenants
+        from epd_kit.plan.tenants_format import parse_tenants
         keys = parse_tenants("tenant a requests_per_s=1\\nkey a sk-a\\n", "f")
         for name in ("open", "closed"):
             directory = Path(sys.argv[1]) / name

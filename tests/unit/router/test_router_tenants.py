@@ -14,7 +14,6 @@ from prometheus_client import CollectorRegistry
 
 from epd_kit.router.auth import KeyFileError
 from epd_kit.router.cli import main
-from epd_kit.router.config import parse_config
 from epd_kit.router.errors import RouterError
 from epd_kit.router.service import RouterService
 from epd_kit.router.tenant_table import BucketTable, TableFault
@@ -25,6 +24,7 @@ from epd_kit.router.tenants import (
     load_client_keys,
     parse_tenants,
 )
+from epd_kit.router_yaml import parse_config
 
 GOOD = """\
 # tenants of the fleet
@@ -138,7 +138,7 @@ def test_requests_per_second_refill_and_retry_after():
 
 def test_the_bounds_are_one_definition_for_check_config_and_the_planner(tmp_path, config):
     from epd_kit.plan.tenants import tenant_problems
-    from epd_kit.router.tenants_file import BOUNDS
+    from epd_kit.plan.tenants_format import BOUNDS
 
     inventory = {
         "epd_router_tenants": {"acme": {"requests_per_s": 1e-320}, "beta": {"tokens_per_min": 10}},
@@ -162,7 +162,7 @@ def test_the_bounds_are_one_definition_for_check_config_and_the_planner(tmp_path
 
 
 def test_retry_after_never_passes_its_documented_ceiling():
-    from epd_kit.router.tenants_file import RETRY_AFTER_MAX_S
+    from epd_kit.plan.tenants_format import RETRY_AFTER_MAX_S
 
     q = quotas()
     slowest = TenantLimits(requests_per_s=0.001)  # the smallest rate: one request per 1000 s
@@ -275,8 +275,8 @@ def test_check_config_names_the_line_of_a_tenant_typo(tmp_path, config):
 
 
 def test_a_table_of_configured_tenants_keeps_their_slots_and_no_process_keeps_a_stale_slot(tmp_path):
+    from epd_kit.plan.tenants_format import MAX_TENANTS
     from epd_kit.router.tenant_table import TABLE_FILE
-    from epd_kit.router.tenants_file import MAX_TENANTS
 
     path = tmp_path / TABLE_FILE
     one, two = BucketTable(path), BucketTable(path)

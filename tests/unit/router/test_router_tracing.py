@@ -8,7 +8,7 @@ import re
 import pytest
 
 from epd_kit.router import tracing
-from epd_kit.router.config import Tracing as TracingSettings
+from epd_kit.router_yaml import Tracing as TracingSettings
 from epd_kit.sim.tracing import SimTracer
 
 VALID = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from epd_kit.router.config import parse_config
 from epd_kit.router.context import RequestContext
 from epd_kit.router.errors import Failure, UpstreamError
 from epd_kit.router.openai_api import parse_request
 from epd_kit.router.pools import Engine
 from epd_kit.router.translate import LogprobTokens, StreamTranslator, client_logprobs, completion
+from epd_kit.router_yaml import parse_config
 from epd_kit.wire import GenerateResponse
 
 PD = Engine(id="epd-pd-0", url="http://127.0.0.1:2", role="pd")

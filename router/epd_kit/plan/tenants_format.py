@@ -9,6 +9,11 @@ inventory check (epd_kit.plan.tenants) applies the same rules before the kit ren
 A tenant line names each limit at most once (any may be left out: no limit of that kind); a
 key line names a tenant defined in the file (a typo is refused naming its line). Keys follow
 `auth.api_keys_file`'s rule (printable ASCII) and may not contain spaces.
+
+Here, in the planner's package (stdlib only), because both sides read it: the planner renders
+the file and checks the inventory with this parser (tenants.py; the collection's bundled planner
+too, so a controller without the kit's package runs the same check), the router loads it
+(router/tenants.py). The router imports the planner, never the other way round.
 """
 
 from __future__ import annotations

@@ -1,14 +1,24 @@
 """The router's configuration: the YAML file Ansible renders (docs/architecture.md "Router
-config file") and the reference router's flags (docs/contract.md §1.1), both into one typed model.
+config file", docs/router.md "Several models") and the reference router's flags (docs/contract.md
+§1.1), both into one typed model.
 
-Unknown keys are errors (a typo must not silently fall back to a default). Every validation
-error names the offending key path so `epd-router check-config` output is actionable. The
+A bottom module: the router (router/) and the planner's inventory check (plan/router_check.py)
+both import it, and it imports neither the router's runtime nor the planner's logic (only the
+plan's constants in plan/models.py and plan/variables.py), so the planner checks the router's
+settings by the router's own rules without importing the router (tests/unit/test_import_graph.py).
+
+Every model is one entry of `models` (its name, checkpoint, limits, endpoints); a file in the
+shape of the release before (one model at the top level, the others' pools under
+`endpoints.models`) loads the same (models_as_list). Unknown keys are errors (a typo must not
+silently fall back to a default). Every validation error names the offending key path (as the
+file spells it) so `epd-router check-config` output is actionable. The
 `limits` and `media` sections are the preprocessor's own settings model (one schema for both).
 """
 
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
@@ -18,6 +28,7 @@ import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from epd_kit.plan.models import reserved_name
+from epd_kit.plan.router_shape import Loc, models_as_list, served_twice
 from epd_kit.plan.variables import ROUTER_PORT
 from epd_kit.preprocess.model_files import ENGINE_DTYPES
 from epd_kit.preprocess.settings import Limits, Media, Section
@@ -205,15 +216,14 @@ class Endpoint(Section):
 
 
 class Endpoints(Section):
-    # A text-only fleet (the inventory's epd_text_only; the render writes it from the plan) has
-    # no VE in service: it says so here, and only then may `ve` be empty (or hold draining VEs).
-    # Image requests then get a 400 (generation.py) and readiness needs a PD only (state.py).
+    """One model's pools. A text-only model (the inventory's epd_text_only, or an epd_models
+    entry's text_only; the render writes it from the plan) has no VE in service: it says so here,
+    and only then may `ve` be empty (or hold draining VEs). Image requests then get a 400
+    (generation.py) and readiness needs a PD only (state.py)."""
+
     text_only: bool = False
     ve: list[Endpoint] = Field(default_factory=list)
     pd: list[Endpoint] = Field(min_length=1)
-    # the further models' pools (`models` below names them), by name: here beside the first
-    # model's, so that a changed endpoint list of any model applies on reload (service.py)
-    models: dict[str, Endpoints] = Field(default_factory=dict)
 
     @field_validator("ve")
     @classmethod
@@ -234,37 +244,27 @@ class Endpoints(Section):
             )
         return ve
 
-    @model_validator(mode="after")
-    def _unique(self) -> Endpoints:
-        seen: dict[str, str] = {}
-        lanes = [("", self)] + [(f"models.{name}.", e) for name, e in self.models.items()]
-        for prefix, lane in lanes:
-            if prefix and lane.models:
-                raise ValueError(f"{prefix}models: a model's endpoints have no models of their own")
-        for role, entries in ((f"{p}{r}", getattr(lane, r)) for p, lane in lanes for r in ("ve", "pd")):
-            urls: set[str] = set()
-            for ep in entries:
-                if ep.id in seen:
-                    raise ValueError(
-                        f"duplicate engine id {ep.id!r} (in {seen[ep.id]} and {role}): ids key "
-                        "placement and NIXL handshakes and must be unique across both pools"
-                    )
-                seen[ep.id] = role
-                if ep.url in urls:
-                    raise ValueError(f"duplicate {role} URL {ep.url!r}")
-                urls.add(ep.url)
-        return self
-
 
 class ModelEntry(Section):
-    """A further model (docs/router.md "Several models"): its served name (what a request's
-    `model` says), its checkpoint, and its own limits over the top-level section; its pools
-    are `endpoints.models.<name>`. Read at start (restart only)."""
+    """One served model (docs/router.md "Several models"): its served name (what a request's
+    `model` says), its checkpoint, its own limits over the top-level section, and its pools.
+    The name, checkpoint and limits are read at start (restart only); the pools apply on reload."""
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$")
+    # any name a request may send (the old shape's top-level model was never held to a pattern:
+    # without served_model_name its name is the checkpoint's path); the planner holds epd_models' to ID_PART
+    name: str = Field(min_length=1)
     model: str = Field(min_length=1)
     quantization: str | None = None
     limits: dict[str, Any] = Field(default_factory=dict)
+    endpoints: Endpoints
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, name: str) -> str:
+        why = reserved_name(name)
+        if why:
+            raise ValueError(f"{why}; choose another name")
+        return name
 
 
 # the vLLM front whose context checks the router repeats (router/context_window.py)
@@ -282,9 +282,6 @@ FRONT_CHECKS_032: FrontChecks = "vllm-0.32"
 
 
 class RouterConfig(Section):
-    model: str = Field(min_length=1)
-    served_model_name: str | None = None
-    quantization: str | None = None
     # the engines' --dtype: VE pixel_values travel in the dtype it resolves to for the
     # checkpoint ("auto": the checkpoint's own, float32 checkpoints in bfloat16), as vLLM's
     dtype: str = "auto"
@@ -313,45 +310,47 @@ class RouterConfig(Section):
     engine_auth: EngineAuth = Field(default_factory=EngineAuth)
     admin: Admin = Field(default_factory=Admin)
     tracing: Tracing = Field(default_factory=Tracing)
-    # the models served beside `model` (the first), each a lane of its own (lanes.py)
-    models: list[ModelEntry] = Field(default_factory=list)
-    endpoints: Endpoints
+    # every model served, each a lane of its own (lanes.py); a request without `model` goes to
+    # the one listed first. A lane's config (lane_config) holds its one model.
+    models: list[ModelEntry] = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_list(cls, data: Any) -> Any:
+        return models_as_list(data)[0] if isinstance(data, Mapping) else data
 
     @model_validator(mode="after")
     def _models(self) -> RouterConfig:
-        why = reserved_name(self.model_name)
-        if why:
-            key = "served_model_name" if self.served_model_name else "model (the served name without served_model_name)"
-            raise ValueError(f"{key}: {why}; choose another name")
-        names = [self.model_name]
+        names: dict[str, int] = {}
+        ids: dict[str, str] = {}
         for index, entry in enumerate(self.models):
             if entry.name in names:
-                raise ValueError(f"models[{index}].name {entry.name!r} is served twice: each model needs its own name")
-            names.append(entry.name)
-            if entry.name not in self.endpoints.models:
-                raise ValueError(f"models[{index}] ({entry.name}) has no pools: add endpoints.models.{entry.name}")
+                raise ValueError(served_twice(index, entry.name))
+            names[entry.name] = index
             try:
                 Limits.model_validate({**self.limits.model_dump(), **entry.limits})
             except ValidationError as exc:
                 raise ValueError(f"models[{index}] ({entry.name}).limits: {exc.errors()[0]['msg']}") from None
-        extra = sorted(set(self.endpoints.models) - set(names[1:]))
-        if extra:
-            raise ValueError(f"endpoints.models.{extra[0]}: no such model in `models` (its name, checkpoint)")
+            for role in ("ve", "pd"):
+                where, urls = f"models[{index}].endpoints.{role}", set()
+                for ep in getattr(entry.endpoints, role):
+                    if ep.id in ids:
+                        raise ValueError(
+                            f"duplicate engine id {ep.id!r} (in {ids[ep.id]} and {where}): ids key "
+                            "placement and NIXL handshakes and must be unique across both pools"
+                        )
+                    ids[ep.id] = where
+                    if ep.url in urls:
+                        raise ValueError(f"duplicate {where} URL {ep.url!r}")
+                    urls.add(ep.url)
         return self
 
     def lane_config(self, name: str) -> RouterConfig:
-        """The config one further model's lane runs with: this one, with that model's name,
-        checkpoint, limits and pools (and no further models)."""
+        """The config the lane of the model served as `name` runs with: this one with that model
+        alone in `models` and its limits over the top-level section."""
         entry = next(m for m in self.models if m.name == name)
         return self.model_copy(
-            update={
-                "model": entry.model,
-                "served_model_name": entry.name,
-                "quantization": entry.quantization,
-                "limits": Limits.model_validate({**self.limits.model_dump(), **entry.limits}),
-                "endpoints": self.endpoints.models[name],
-                "models": [],
-            }
+            update={"limits": Limits.model_validate({**self.limits.model_dump(), **entry.limits}), "models": [entry]}
         )
 
     @field_validator("dtype")
@@ -361,25 +360,48 @@ class RouterConfig(Section):
             raise ValueError(f"{dtype!r} is not one of auto, {', '.join(ENGINE_DTYPES)} (vLLM's --dtype)")
         return dtype
 
+    # A lane's model (lane_config: the one in its `models`); on the whole file's config, the
+    # model listed first, which serves a request that names none.
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        return self.models[0].name
+
+    @property
+    def model(self) -> str:
+        return self.models[0].model
+
+    @property
+    def quantization(self) -> str | None:
+        return self.models[0].quantization
+
+    @property
+    def endpoints(self) -> Endpoints:
+        return self.models[0].endpoints
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; `str()` is the readable list of problems."""
 
 
-def _format_validation(exc: ValidationError, source: str) -> str:
+def _file_loc(loc: Loc, renames: list[tuple[Loc, Loc]]) -> Loc:
+    for listed, written in renames:
+        if loc[: len(listed)] == listed:
+            return written + loc[len(listed) :]
+    return loc
+
+
+def _format_validation(exc: ValidationError, source: str, renames: list[tuple[Loc, Loc]]) -> str:
     lines = [f"{source}: {exc.error_count()} problem(s)"]
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc = ".".join(str(p) for p in _file_loc(tuple(err["loc"]), renames)) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key (typo? see docs/architecture.md 'Router config file')"
         elif err["type"] == "missing":
             msg = "required key is missing"
-        lines.append(f"  {loc}: {msg}")
+        line = f"  {loc}: {msg}"
+        if line not in lines:  # an old-shape file's `model` stands for two keys of the list
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -387,9 +409,13 @@ def parse_config(data: object, source: str = "config") -> RouterConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: top level must be a mapping, got {type(data).__name__}")
     try:
+        _, renames = models_as_list(data)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: 1 problem(s)\n  (top level): {exc}") from None
+    try:
         return RouterConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_validation(exc, source)) from None
+        raise ConfigError(_format_validation(exc, source, renames)) from None
 
 
 def load_config(path: str | Path) -> RouterConfig:
@@ -427,18 +453,17 @@ def config_from_flags(
     quantization: str | None = None,
 ) -> RouterConfig:
     """The reference router's CLI (docs/contract.md §1.1): ids ve-0.. / pd-0.. by position."""
+    endpoints = {
+        "ve": [{"id": f"ve-{i}", "url": parse_host_port(e)} for i, e in enumerate(ve_endpoints)],
+        "pd": [{"id": f"pd-{i}", "url": parse_host_port(e)} for i, e in enumerate(pd_endpoints)],
+    }
     data = {
-        "model": model,
-        "quantization": quantization,
+        "models": [{"name": model, "model": model, "quantization": quantization, "endpoints": endpoints}],
         "listen": {"host": host, "port": port},
         "timeouts": {
             "ve_s": ve_timeout_s,
             "pd_s": pd_timeout_s,
             "total_s": max(900.0, ve_timeout_s + pd_timeout_s),
-        },
-        "endpoints": {
-            "ve": [{"id": f"ve-{i}", "url": parse_host_port(e)} for i, e in enumerate(ve_endpoints)],
-            "pd": [{"id": f"pd-{i}", "url": parse_host_port(e)} for i, e in enumerate(pd_endpoints)],
         },
     }
     return parse_config(data, "command line")
