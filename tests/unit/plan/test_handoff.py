@@ -131,7 +131,7 @@ def test_router_yaml_says_how_a_pds_failed_read_reaches_the_router(backend, tran
         variables["epd_vllm_cpu_vllm"] = vllm
     settings = read_settings(variables)
     config = plan.router_config({}, settings, listen_host="127.0.0.1")
-    config["endpoints"] = {
+    config["models"][0]["endpoints"] = {
         "ve": [{"id": "ve-0", "url": "http://127.0.0.1:8000"}],
         "pd": [{"id": "pd-0", "url": "http://127.0.0.1:8001"}],
     }
