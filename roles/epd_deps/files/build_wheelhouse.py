@@ -184,6 +184,8 @@ def main() -> int:
         if not archive.exists():
             build(repo, archive, args.cache, args.pin)
             changed = True
+        else:
+            os.utime(archive)  # used now: the pruning below keeps the most recently used, not built
         # keep the cache bounded: the newest few archives (other checkouts may still use them)
         archives = sorted(args.cache.glob("epd-wheelhouse-*.tar"), key=lambda p: p.stat().st_mtime, reverse=True)
         for old in [p for p in archives if p != archive][max(args.keep - 1, 0) :]:

@@ -63,9 +63,12 @@ def router_config(
         "handoff": settings.handoff,
         # the context checks of the engines' vLLM front (Settings.front_checks)
         "front_checks": settings.front_checks,
-        # how a PD's failed read of an item reaches the router (Settings.ec_read_failure)
-        "ec_read_failure": settings.ec_read_failure,
     }
+    # how a PD's failed read of an item reaches the router (Settings.ec_read_failure): written only
+    # where it is not the router's default (engine_dies), so a file of a release that did not know
+    # the key reads the same to the processes (router_shape.restart_view) and rolls none of them
+    if settings.ec_read_failure != "engine_dies":
+        config["ec_read_failure"] = settings.ec_read_failure
     # `limits`: the fleet's; each model's image limits are its entry's (model_entry)
     for name in OVERRIDABLE_SECTIONS:
         config[name] = dict(sections.get(name) or {})

@@ -38,7 +38,6 @@ def test_router_config_takes_model_limits_and_endpoints_from_the_plan():
         "dtype",
         "handoff",
         "front_checks",
-        "ec_read_failure",
         "timeouts",
         "limits",
         "media",
