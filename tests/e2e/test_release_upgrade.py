@@ -22,7 +22,7 @@ from tests.e2e.conftest import DEPLOY, sandbox_inventory
 from tests.e2e.stack import Stack, image_message, wait_for
 from tests.hosts.harness import REPO, HostPool, ansible_playbook, playbook_command
 from tests.hosts.sandbox import SandboxInventory
-from tests.hosts.wheelhouse import PREVIOUS_RELEASE  # its kit wheelhouse is built before kithub
+from tests.hosts.wheelhouse import extract_previous_release
 
 pytestmark = [pytest.mark.systemd, pytest.mark.timeout(1500)]
 
@@ -34,15 +34,12 @@ CONFIG = "/etc/epd/router.yaml"
 
 @pytest.fixture(scope="module")
 def previous_release(tmp_path_factory) -> Path:
-    """The tree of PREVIOUS_RELEASE, from this clone's history (git archive: no worktree added)."""
+    """The tree of PREVIOUS_RELEASE (tests/hosts/wheelhouse.py built its wheelhouse before kithub)."""
     tree = tmp_path_factory.mktemp("previous-release") / "epd-kit"
     tree.mkdir()
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", PREVIOUS_RELEASE], capture_output=True, timeout=120, check=False
-    )
-    if archive.returncode != 0:
-        pytest.skip(f"{PREVIOUS_RELEASE} is not in this clone's history ({archive.stderr.decode()[-300:]})")
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True, timeout=120)
+    missing = extract_previous_release(tree)
+    if missing:
+        pytest.skip(missing)
     return tree
 
 

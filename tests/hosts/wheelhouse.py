@@ -76,6 +76,18 @@ def main() -> int:
     return provisioning_standins()
 
 
+def extract_previous_release(tree: Path) -> str | None:
+    """PREVIOUS_RELEASE's tree into the directory `tree`, from this clone's history (git archive: no
+    worktree added); None when done, else why not (a clone without that commit)."""
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", PREVIOUS_RELEASE], capture_output=True, timeout=120, check=False
+    )
+    if archive.returncode != 0:
+        return f"{PREVIOUS_RELEASE} is not in this clone's history ({archive.stderr.decode()[-300:]})"
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True, timeout=120)
+    return None
+
+
 def previous_release() -> None:
     """The kit wheelhouse of PREVIOUS_RELEASE's tree (its own builder, its sim pins: the sandbox
     inventory that test deploys is the sim's) in this checkout's cache, which that test's deploy
@@ -83,13 +95,10 @@ def previous_release() -> None:
     without that commit only warns (the test then skips, saying so)."""
     with tempfile.TemporaryDirectory(prefix="epd-previous-release-") as tmp:
         tree = Path(tmp)
-        archive = subprocess.run(
-            ["git", "-C", str(REPO), "archive", PREVIOUS_RELEASE], capture_output=True, check=False
-        )
-        if archive.returncode != 0:
-            print(f"wheelhouse: WARNING: {PREVIOUS_RELEASE} is not in this clone's history; no wheelhouse for it")
+        missing = extract_previous_release(tree)
+        if missing:
+            print(f"wheelhouse: WARNING: {missing}; no wheelhouse for it")
             return
-        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
         role = tree / "roles/epd_deps"
         argv = [sys.executable, str(role / "files/build_wheelhouse.py"), "--repo", str(tree), "--cache", str(CACHE)]
         if subprocess.run(argv + [f"--pin={pin}" for pin in sim_pins(role)], check=False).returncode:

