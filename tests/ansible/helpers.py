@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from tests.budget import scaled
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 INVENTORIES = sorted(
@@ -37,8 +39,9 @@ def ansible_env(**extra: str) -> dict[str, str]:
 
 
 def run(argv: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess[str]:
+    """`argv` from the repository root; `timeout` is a quiet machine's budget, scaled (tests/budget.py)."""
     return subprocess.run(
-        argv, cwd=REPO, env=ansible_env(**env), capture_output=True, text=True, timeout=timeout, check=False
+        argv, cwd=REPO, env=ansible_env(**env), capture_output=True, text=True, timeout=scaled(timeout), check=False
     )
 
 

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from tests.ansible.helpers import BIN, REPO
+from tests.budget import scaled
 
 pytestmark = pytest.mark.ansible
 
@@ -62,7 +63,7 @@ def installed(tmp_path_factory):
     env.pop("HF_TOKEN", None)
 
     def run(*argv: str, cwd: Path = elsewhere) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False)
+        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=scaled(600), check=False)
 
     built = run(str(BIN / "ansible-galaxy"), "collection", "build", "--output-path", str(root / "dist"), str(REPO))
     assert built.returncode == 0, built.stdout + built.stderr
@@ -127,7 +128,7 @@ def test_the_documented_sequence_installs_and_runs_when_typed_in_the_repository(
 
     def typed(line: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(
-            ["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False
+            ["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=scaled(600), check=False
         )
         assert done.returncode == 0, f"{line}\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
         return done

@@ -19,6 +19,7 @@ import pytest
 from ansible.plugins.filter.core import to_bool
 
 from epd_kit.testing.process import free_port
+from tests.budget import scaled
 from tests.hosts.certs import SandboxCa, trust
 from tests.hosts.harness import REPO, hosts_env
 
@@ -58,7 +59,7 @@ def front_door_pems(directory: Path, forms: dict[str, dict[str, str]]) -> dict[s
     done = subprocess.run(
         [str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local", str(playbook),
          "-e", json.dumps({"ansible_python_interpreter": sys.executable})],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True, text=True, timeout=scaled(120), check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     return pems

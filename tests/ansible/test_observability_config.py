@@ -22,6 +22,7 @@ from epd_kit import plan as planner
 from epd_kit.testing.checkpoint import build_tiny_checkpoint
 from epd_kit.testing.images import image_part, png_data_url, user_message
 from tests.ansible.helpers import REPO, inventory_hostvars, playbook
+from tests.budget import scaled
 from tests.prometheus import PrometheusServer
 from tests.router_processes.harness import Stack, wait_until
 
@@ -83,7 +84,7 @@ def observe(inventory: Path, out: Path) -> Path:
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=scaled(60), check=False)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import yaml
 
 from tests import repo_modules
 from tests.ansible.helpers import REPO, local_play, playbook
+from tests.budget import scaled
 from tests.hosts.standins import build as standins
 
 pytestmark = pytest.mark.ansible
@@ -222,7 +223,7 @@ def check_apt(tmp_path: Path, apt: Path, key: Path, *pins: str) -> subprocess.Co
     sources = tmp_path / "sources.list"
     sources.write_text(f"deb [signed-by={key}] file://{apt} {standins.SUITE} main\n")
     argv = ["bash", str(CHECK_APT), str(tmp_path / "scratch"), str(sources), *pins]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=scaled(60), check=False)
 
 
 def test_the_repository_check_resolves_each_pin_to_its_exact_version(tmp_path, standin_apt):
@@ -262,7 +263,7 @@ def test_the_cuda_repository_is_read_with_the_key_its_keyring_package_carries(
         f"deb [signed-by={unpacked / standins.CUDA_KEYRING.lstrip('/')}] file://{standin_apt.parent}/cuda/ /\n"
     )
     argv = ["bash", str(CHECK_APT), str(tmp_path / "work"), str(sources), "cuda-cudart-dev-12-6"]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=scaled(60), check=False)
     if found:
         assert result.returncode == 0, result.stdout + result.stderr
         assert result.stdout.split() == [f"cuda-cudart-dev-12-6={standins.CUDA_VERSION}-1"]

@@ -17,6 +17,7 @@ from epd_kit import plan as planner
 from epd_kit.plan.checks import text_only
 from tests.ansible.helpers import BIN, INVENTORIES, INVENTORY_IDS, REPO, inventory_hostvars, playbook
 from tests.ansible.systemd_expand import expand_specifiers, parse_unit, service_command
+from tests.budget import scaled
 
 pytestmark = pytest.mark.ansible
 
@@ -142,7 +143,7 @@ def test_router_config_lists_every_engine_of_every_host(inventory, rendered):
             [str(BIN / "epd-router"), "check-config", str(config_path)],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=scaled(120),
             check=False,
         )
         assert check.returncode == 0, f"epd-router check-config rejected {config_path}: {check.stdout}{check.stderr}"
@@ -179,7 +180,7 @@ def verify_rendered_host(rendered_host: Path, instances: list[str], root: Path) 
         [SYSTEMD_ANALYZE, "verify", "--man=no", f"--root={root}", *names],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
         check=False,
     )
 

@@ -14,6 +14,7 @@ import yaml
 from epd_kit import plan as planner
 from epd_kit.plan.tenants import PLACEHOLDER
 from tests.ansible.helpers import BIN, INVENTORIES, INVENTORY_IDS, REPO, inventory_hostvars, playbook
+from tests.budget import scaled
 
 pytestmark = pytest.mark.ansible
 
@@ -38,7 +39,11 @@ def check_config(out: Path, router: str, tmp_path: Path) -> subprocess.Completed
     moved = tmp_path / f"{router}-router.yaml"
     moved.write_text(yaml.safe_dump(config, sort_keys=False))
     return subprocess.run(
-        [str(BIN / "epd-router"), "check-config", str(moved)], capture_output=True, text=True, timeout=120, check=False
+        [str(BIN / "epd-router"), "check-config", str(moved)],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+        check=False,
     )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from tests.budget import scaled
 from tests.hosts.certs import SandboxCa
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,13 +44,13 @@ def test_router_yaml_serves_tls_when_no_haproxy_is_in_front(tmp_path):
     done = subprocess.run(
         [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory), "playbooks/render.yml",
          "-e", f"render_dir={out}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+        cwd=REPO, capture_output=True, text=True, timeout=scaled(300), check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     config = out / "n1/etc/epd/router.yaml"
     assert yaml.safe_load(config.read_text())["listen"]["tls"] == {"certificate": "/etc/epd/tls/front-door.pem"}
     check = subprocess.run(
         [str(Path(sys.executable).parent / "epd-router"), "check-config", str(config)],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True, text=True, timeout=scaled(60), check=False,
     )  # fmt: skip
     assert check.returncode == 0, check.stderr

@@ -32,6 +32,7 @@ import pytest
 
 from epd_kit.plan.neuron_releases import DEFAULT_RELEASE, neuron_release
 from tests.ansible.helpers import REPO
+from tests.budget import scaled
 from tests.hosts.standins import build as standins
 
 STANDINS = standins.standin_dir()
@@ -193,7 +194,9 @@ def probe(python: Path, stubs: Path, libraries=HOST_LIBRARIES, agent: bool = Fal
     hide_cache = 'mount --bind /dev/null /etc/ld.so.cache && exec "$@"'
     argv = ["unshare", "--mount", "--map-root-user", "sh", "-c", hide_cache, "sh", sys.executable, str(MODULE)]
     env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "NIXL_PLUGIN_DIR")}
-    result = subprocess.run([*argv, str(args_file)], capture_output=True, text=True, timeout=120, env=env, check=False)
+    result = subprocess.run(
+        [*argv, str(args_file)], capture_output=True, text=True, timeout=scaled(120), env=env, check=False
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return json.loads(result.stdout)
 

@@ -20,6 +20,7 @@ from epd_kit.sim.errors import ENGINE_DEAD_MESSAGE
 from epd_kit.sim.model import expected_tokens
 from epd_kit.sim.release import SCALE_OUT_DISABLED
 from epd_kit.wire import EC_TRANSFER_PARAMS, GenerateResponse
+from tests.budget import scaled
 
 UPSTREAM = "0.32"
 SCALE_OUT = (plan.PREFIX_CACHING_OFF, "--enable-scale-out")
@@ -120,7 +121,7 @@ def test_a_sim_answering_as_an_older_vllm_refuses_enable_scale_out(checkpoint, v
         *pd_argv(str(checkpoint.path), free_port(), extra_flags=SCALE_OUT)[1:],
     ]
     result = subprocess.run(
-        argv, env=engine_env(PD_CORES, vllm=vllm), capture_output=True, text=True, timeout=60, check=False
+        argv, env=engine_env(PD_CORES, vllm=vllm), capture_output=True, text=True, timeout=scaled(60), check=False
     )
     assert result.returncode != 0
     assert "unrecognized arguments: --enable-scale-out" in result.stderr + result.stdout

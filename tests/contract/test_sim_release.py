@@ -15,6 +15,7 @@ from sim_harness import PD_CORES, VE_CORES, Launcher, Pair, engine_env, free_por
 
 from epd_kit.sim.client import build_prompt, fake_image, pd_body, ve_body
 from epd_kit.wire import GenerateResponse, split_sse, sse_data
+from tests.budget import scaled
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,7 @@ def test_a_0_24_engine_keeps_0_24s_answer(pair: Pair, checkpoint) -> None:
 def test_an_unknown_vllm_stops_the_engine_at_start(checkpoint) -> None:
     env = engine_env(PD_CORES, vllm="0.31")
     argv = [sys.executable, "-m", "epd_kit.sim.cli", *pd_argv(str(checkpoint.path), free_port())[1:]]
-    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=scaled(60), check=False)
     assert result.returncode != 0
     said = result.stderr + result.stdout
     assert "EPD_SIM_VLLM='0.31': the simulated engine answers as vLLM 0.24, 0.29 or 0.32" in said

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from epd_kit.testing.images import image_part, png_data_url, user_message
+from tests.budget import scaled
 from tests.metric_names import RECORDED, kit_reads, parse_families, read_recorded, render_recorded
 from tests.unit.advise.advise_scrapes import write_inventory
 
@@ -115,7 +116,7 @@ def test_advise_reports_the_real_engines_figures(stack, traffic, tmp_path):
             args += [f"--{name}", str(path)]
     inventory = write_inventory(tmp_path / "inventory.json", {"n1": (1, 1)})  # parsed only
     args += ["--inventory", str(inventory)]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(args, capture_output=True, text=True, timeout=scaled(120), check=False)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["requests"] == CHATS

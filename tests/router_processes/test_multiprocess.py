@@ -27,6 +27,7 @@ from bench.procs import VENV_BIN
 from bench.router_processes import SOCKET_ACTIVATE, router_group
 from bench.stack import engine_proc
 from epd_kit.testing.process import ManagedProcess
+from tests.budget import scaled
 
 CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
 
@@ -49,7 +50,7 @@ def test_placement_is_identical_in_every_process():
             capture_output=True,
             text=True,
             check=True,
-            timeout=60,
+            timeout=scaled(60),
         ).stdout
         for seed in ("1", "2", "random")
     }

@@ -10,6 +10,8 @@ import httpx
 import openai
 import pytest
 
+from tests.budget import scaled
+
 from .harness import HOST, ROUTER, RouterProc, SimEngine, free_port, http_ok, router_config, wait_until
 
 KEY = "sk-test-0123456789abcdef"
@@ -69,7 +71,7 @@ def test_world_readable_key_file_refused(engines, ckpt):
     cfg_path = d / "open.yaml"
     cfg_path.write_text(json.dumps(router_config(ckpt, [ve], [pd], free_port(), auth={"api_keys_file": str(keys)})))
     proc = subprocess.run(
-        [ROUTER, "serve", "--config", str(cfg_path)], check=False, capture_output=True, text=True, timeout=60
+        [ROUTER, "serve", "--config", str(cfg_path)], check=False, capture_output=True, text=True, timeout=scaled(60)
     )
     assert proc.returncode == 2
     assert "chmod 600" in proc.stderr and KEY not in proc.stderr + proc.stdout

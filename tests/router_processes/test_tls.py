@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from tests.budget import scaled
 from tests.hosts.certs import SandboxCa, served_serial, trust
 from tests.vllm_dist import vllm_cli
 
@@ -149,7 +150,7 @@ def test_a_bad_pair_at_start_is_refused_naming_the_files(ckpt, tmp_path, ca):
         }
     )
     done = subprocess.run(
-        [ROUTER, "serve", "--config", str(config)], check=False, capture_output=True, text=True, timeout=60
+        [ROUTER, "serve", "--config", str(config)], check=False, capture_output=True, text=True, timeout=scaled(60)
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"listen.tls.certificate {good.certificate}" in done.stderr and str(other.key) in done.stderr, done.stderr
@@ -212,7 +213,9 @@ def test_vllms_own_benchmark_client_over_tls(stack, ca, ckpt):
         "--disable-tqdm",
     ]  # fmt: skip
     env = {**os.environ, "SSL_CERT_FILE": str(ca.path), "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=env, check=False, cwd=stack.workdir)
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=scaled(240), env=env, check=False, cwd=stack.workdir
+    )
     summary = done.stdout[done.stdout.find("=====") :] if "=====" in done.stdout else done.stdout[-3000:]
     print(f"vllm bench serve over TLS (exit {done.returncode}):\n{summary}")
     assert done.returncode == 0, done.stderr[-3000:]

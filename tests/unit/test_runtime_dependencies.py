@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+from tests.budget import scaled
+
 # in the test/bench extras, deliberately not in the runtime dependencies (docs/dependencies.md)
 NOT_AT_RUNTIME = ("transformers", "aiohttp")
 
@@ -36,7 +38,7 @@ PROBE = textwrap.dedent(
 
 def test_every_kit_module_imports_without_the_test_only_packages():
     done = subprocess.run(
-        [sys.executable, "-c", PROBE, *NOT_AT_RUNTIME], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", PROBE, *NOT_AT_RUNTIME], capture_output=True, text=True, timeout=scaled(120), check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.strip()) > 50  # the walk found the kit's modules

@@ -9,6 +9,7 @@ import pytest
 from epd_kit import plan
 from tests import repo_modules
 from tests.ansible import helpers
+from tests.budget import scaled
 
 REPO = Path(__file__).resolve().parents[3]
 scan = repo_modules.module("epd_neuron_facts").scan_neuron_devices
@@ -103,7 +104,7 @@ def test_module_runs_under_ansible_in_check_mode(tmp_path):
             "-a",
             f"root={root}",
         ],
-        timeout=120,
+        timeout=scaled(120),
         ANSIBLE_STDOUT_CALLBACK="minimal",
         ANSIBLE_CALLBACK_RESULT_FORMAT="json",
     )

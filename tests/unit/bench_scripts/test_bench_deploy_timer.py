@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from bench import deploy_timer
+from tests.budget import scaled
 from tests.hosts.harness import REPO
 
 
@@ -44,7 +45,7 @@ def test_the_timer_records_each_task_its_hosts_and_those_that_changed(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
         check=False,
     )
     assert done.returncode == 0, done.stdout[-2000:]

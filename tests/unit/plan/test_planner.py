@@ -10,6 +10,7 @@ import yaml
 
 from epd_kit import plan as planner
 from tests.ansible import helpers
+from tests.budget import scaled
 from tests.golden.tutorial import KIT_EXPORTS, TUTORIAL_EXPORTS, tutorial_command
 
 REPO = Path(__file__).resolve().parents[3]
@@ -492,7 +493,9 @@ def test_filter_shims_load_the_bundled_planner_without_the_kit(tmp_path):
         "m = u.module_from_spec(spec); spec.loader.exec_module(m)\n"
         "print(m.plan.__name__, m.plan.serve_argv.__module__)\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=scaled(60), check=True
+    )
     assert result.stdout.split() == ["epd_kit_bundled_plan", "epd_kit_bundled_plan.command"]
 
 
@@ -505,7 +508,7 @@ def run_plan(inventory, *extra):
         str(inventory),
         str(REPO / "playbooks" / "plan.yml"),
         *extra,
-        timeout=120,
+        timeout=scaled(120),
         ANSIBLE_STDOUT_CALLBACK="default",
         ANSIBLE_CALLBACK_RESULT_FORMAT="yaml",
     )

@@ -14,6 +14,7 @@ import pytest
 
 from epd_kit import plan as planner
 from tests import repo_modules
+from tests.budget import scaled
 from tests.hosts.certs import DAY, SandboxCa
 
 REPO = Path(__file__).resolve().parents[3]
@@ -180,7 +181,7 @@ def test_the_deploy_preflight_refuses_before_any_host_is_contacted(ca, tmp_path)
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=scaled(240),
         check=False,
     )
     out = " ".join(done.stdout.split())

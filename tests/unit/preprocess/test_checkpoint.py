@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 
 from epd_kit.preprocess import CheckpointError, CheckpointFiles
 from epd_kit.testing.checkpoint import SPECIAL_TOKENS, build_tiny_checkpoint
+from tests.budget import scaled
 
 REAL_LAYOUT = {  # file names of Qwen/Qwen3-VL-*-Instruct (weights aside)
     "config.json",
@@ -100,7 +101,7 @@ def test_cli_writes_a_checkpoint(tmp_path: Path) -> None:
         [sys.executable, "-m", "epd_kit.testing.checkpoint", str(out)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
@@ -110,7 +111,7 @@ def test_cli_writes_a_checkpoint(tmp_path: Path) -> None:
         [sys.executable, "-m", "epd_kit.testing.checkpoint", str(out), "--vocab-size", "10"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
         check=False,
     )
     assert bad.returncode == 2 and "vocab_size must be at least" in bad.stderr

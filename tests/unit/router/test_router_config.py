@@ -15,6 +15,7 @@ from epd_kit.router.cli import main
 from epd_kit.router_yaml import ConfigError, config_from_flags, load_config, parse_config
 from epd_kit.testing.checkpoint import build_tiny_checkpoint
 from epd_kit.testing.images import image_part, png_data_url, user_message
+from tests.budget import scaled
 
 ARCHITECTURE = Path(__file__).resolve().parents[3] / "docs" / "architecture.md"
 
@@ -165,7 +166,9 @@ def test_console_script_check_config_exit_code(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: /m\nendpoints: {ve: [], pd: []}\n")
     exe = Path(sys.executable).parent / "epd-router"
-    proc = subprocess.run([str(exe), "check-config", str(bad)], check=False, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [str(exe), "check-config", str(bad)], check=False, capture_output=True, text=True, timeout=scaled(60)
+    )
     assert proc.returncode != 0
     assert "endpoints.ve" in proc.stderr
 
@@ -242,7 +245,7 @@ def test_the_cli_and_config_load_without_the_preprocessors_heavy_imports():
     """`epd-router` installs its early signal handlers before the slow imports, and
     check-config stays quick: the shared settings model must not pull the preprocessor in."""
     code = "import sys, epd_kit.router.cli; print([m for m in ('numpy', 'PIL', 'tokenizers') if m in sys.modules])"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60), check=True)
     assert proc.stdout.strip() == "[]"
 
 

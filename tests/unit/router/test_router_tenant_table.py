@@ -43,6 +43,7 @@ from epd_kit.router.tenant_table import (
 )
 from epd_kit.router.tenants import TenantLimits, TenantMetrics, TenantQuotas
 from epd_kit.router_yaml import parse_config
+from tests.budget import scaled
 
 
 class Faults:
@@ -151,7 +152,9 @@ def test_a_file_truncated_under_running_workers_is_repaired_without_sigbus(tmp_p
         print(",".join(faults))
         """
     )
-    run = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=scaled(60)
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["truncated,truncated"]
     assert path.stat().st_size == TABLE_BYTES
@@ -340,7 +343,7 @@ def test_an_unwritable_file_is_replaced_and_an_unwritable_directory_leaves_the_p
         for path in (tmp_path, tmp_path / "open", tmp_path / "closed"):
             os.chown(path, 65534, 65534)
     argv = [*drop, sys.executable, "-c", script, str(tmp_path)]
-    run = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60)
+    run = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=scaled(60))
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.splitlines() == ["open True 0o600 replaced", "closed False 0o400 unusable"], run.stdout
     assert "tenant table unusable: this process enforces each tenant's limits on its own" in run.stderr
