@@ -158,7 +158,7 @@ class Prediction:
 
     @property
     def most_queueing(self) -> float:
-        return max(self.queueing_share(role) for role in ("ve", "pd"))
+        return max(self.queueing_share(role) for role in ROLES)
 
     def meets(self, target: float, target_queueing: float) -> bool:
         """Every pool at or under the busy target and the queueing target."""

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .backends import EC_READ_ENGINE_DIES
-from .command import ENGINE_DTYPE, merge
+from .command import ENGINE_DTYPE, ROLES, merge
 from .fleet import router_endpoints
 from .models import fleet_models
 from .router_shape import models_as_list
@@ -123,7 +123,7 @@ def endpoints_only(config: Mapping[str, Any], running: Mapping[str, Any]) -> dic
             endpoints = new["endpoints"]
         else:
             lane = entry.get("endpoints") or {}
-            endpoints = {**lane, **{r: [{**e, "state": "draining"} for e in lane.get(r) or []] for r in ("ve", "pd")}}
+            endpoints = {**lane, **{r: [{**e, "state": "draining"} for e in lane.get(r) or []] for r in ROLES}}
         models.append({**entry, "endpoints": endpoints})
     return {**running, "models": models}
 
