@@ -4,7 +4,7 @@ ansible-playbook forks a worker per task and host (ansible/utils/multiprocessing
 context), and a worker loads a plugin its parent has not loaded (plugins/loader.py
 `_load_module_source` reuses only what sys.modules already holds). Without this, every worker that
 templates an epd.kit filter imported epd_kit.plan again, about 36 modules (0.1-0.2 CPU-s each time,
-many times per deploy: docs/sandbox.md "Where the run's CPU goes"). Imported here, in the parent,
+many times per deploy: docs/sandbox.md "Where the CPU goes"). Imported here, in the parent,
 before the first fork, the workers inherit them. The callback prints nothing and changes nothing.
 """
 
