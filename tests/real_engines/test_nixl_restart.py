@@ -126,7 +126,7 @@ def test_a_pd_reads_from_a_restarted_ve_with_the_same_engine_id_and_port(veth, p
     monkeypatch.syspath_prepend(str(plugin_site))
     monkeypatch.setenv("UCX_TLS", "tcp")
     monkeypatch.setenv("UCX_TCP_PORT_RANGE", UCX_PORTS)
-    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)  # the reader sets it from its address: undone below
+    monkeypatch.setenv("UCX_NET_DEVICES", PD_LINK)  # what the reader would set from its address, undone after
     connector = importlib.import_module("epd_vllm_plugin.nixl_connector")
     log = tmp_path / "producer.log"
     first = Producer(plugin_site, log, seed=1)

@@ -509,6 +509,9 @@ class ConsumerReader:
                 if not read.pending.done():
                     return None
                 reply, read.pending = read.pending.result(), None
+                if self.remotes.get(read.engine_id) is not read.remote:  # another read dropped it meanwhile
+                    read.remote, read.phase = None, "handshake"  # (NIXL: no such agent, nixlNotFoundError)
+                    continue
                 if reply["agent"] != read.remote.agent:  # the VE restarted under the same engine id
                     if read.renewed:
                         raise ECLoadFailure(
