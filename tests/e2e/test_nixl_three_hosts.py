@@ -21,6 +21,7 @@ run's 20."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -55,6 +56,9 @@ INVENTORY = "vllm-cpu-three-host"
 VE_UNIT, PD_UNIT = "epd-engine@ve-0.service", "epd-engine@pd-0.service"
 # the plan's epd_vllm_cpu_ucx_port_range (the inventory keeps the default)
 UCX_PORTS = port_range(str(VARIABLES["epd_vllm_cpu_ucx_port_range"].default))
+# a table of this test's own on n1 and n2: it counts the new connections one engine host opens to
+# the other (to UCX's range, to any other port) before the kit's chain judges them
+WATCH = "epd_test_syns"
 
 
 # the vLLMs deployed, in this order (a stack each): EPD_NIXL3_VLLM, a comma list, runs a subset
@@ -73,7 +77,28 @@ def stack(request, host_pool: HostPool, record_timing, tmp_path_factory) -> Stac
     (inventory / "group_vars/all/vllm.yml").write_text(f'---\nepd_vllm_cpu_vllm: "{vllm}"\n')
     deployed = deploy_stack(host_pool, inventory, record_timing, label)
     assert vllm_of(deployed) == vllm, deployed.inventory.group_vars
+    watch_connections(deployed.hosts["n2"], machine_address(1))
+    watch_connections(deployed.hosts["n1"], machine_address(2))
     return deployed
+
+
+def watch_connections(host: TestHost, source: str) -> None:
+    """Count the SYNs `source` sends to `host`: to UCX's range and to any other port (no verdict:
+    the kit's table still judges each)."""
+    first, last = UCX_PORTS[0], UCX_PORTS[-1]
+    syn = f"ip saddr {source} tcp flags & (fin | syn | rst | ack) == syn"
+    host.run(
+        f"nft -f - <<'EOF'\ntable inet {WATCH} {{\n counter ucx {{}}\n counter other {{}}\n chain input {{\n"
+        "  type filter hook input priority filter - 10; policy accept;\n"
+        f"  {syn} tcp dport {first}-{last} counter name ucx\n"
+        f"  {syn} tcp dport != {first}-{last} counter name other\n }}\n}}\nEOF"
+    )
+
+
+def connections(host: TestHost) -> dict[str, int]:
+    """{"ucx": n, "other": n}: the SYNs watch_connections counted on `host` so far."""
+    out = json.loads(host.run(f"nft -j list table inet {WATCH}").stdout)
+    return {item["counter"]["name"]: int(item["counter"]["packets"]) for item in out["nftables"] if "counter" in item}
 
 
 def vllm_of(stack: Stack) -> str:
@@ -104,7 +129,7 @@ def reads(stack: Stack) -> list[tuple[str, int, str, float]]:
 
 def diagnostics(stack: Stack) -> str:
     """What the engines and the router logged about reads, failures and health (for a failure)."""
-    wanted = ("NIXL", "nixl", "ECLoad", "rror", "ejected", "readmit", "retrying", "quarantin", "probe")
+    wanted = ("NIXL", "nixl", "UCX", "ECLoad", "rror", "ejected", "readmit", "retrying", "quarantin", "probe")
     out = []
     for host, unit in (("n1", VE_UNIT), ("n2", PD_UNIT), ("n3", "epd-router@0.service")):
         lines = [
@@ -167,6 +192,7 @@ def test_images_cross_from_the_ve_host_to_the_pd_host_over_nixl(stack: Stack, re
     record_timing(f"{label}: bytes per image read over NIXL", max(n for _, n, *_ in new), "bytes")
     record_timing(f"{label}: bytes read over NIXL n1 -> n2 in all", sum(n for _, n, *_ in new), "bytes")
     record_timing(f"{label}: slowest NIXL read", max(ms for *_, ms in new) / 1000)
+    print(f"new connections n1 -> n2 {connections(n2)}, n2 -> n1 {connections(stack.hosts['n1'])}")
     # red (read first) and blue are two items, and green a third
     assert len({item for item, *_ in new}) == 3 and new[0][0] != new[1][0], new
 
@@ -177,12 +203,15 @@ def test_the_ucx_ports_and_side_channel_open_from_the_pd_host_only(stack: Stack)
     assert nft_set(hosts["n1"], "side_channel_v4") == [n2]
     assert nft_set(hosts["n1"], "ucx_v4") == [n2]
     assert nft_set(hosts["n2"], "engine_http_v4") == [machine_address(3)]
-    # the VE's UCX listener (the port UCX took from the plan's range, after the reads above)
-    listening = hosts["n1"].run("ss -Hltn").stdout
-    ucx = sorted({int(line.split()[3].rsplit(":", 1)[1]) for line in listening.splitlines()} & set(UCX_PORTS))
-    assert ucx, listening
-    assert connect_from(hosts["n2"], n1, ucx[0]) == "open"
-    assert connect_from(hosts["n3"], n1, ucx[0]) == "refused"
+    # the PD's UCX range opens to the VE host alone (UCX's answer to a READ may connect back)
+    assert nft_set(hosts["n2"], "ucx_v4") == [n1]
+    # each engine's UCX listener (the port UCX took from the plan's range, after the reads above)
+    for name, peer, other in (("n1", "n2", "n3"), ("n2", "n1", "n3")):
+        listening = hosts[name].run("ss -Hltn").stdout
+        ucx = sorted({int(line.split()[3].rsplit(":", 1)[1]) for line in listening.splitlines()} & set(UCX_PORTS))
+        assert ucx, listening
+        assert connect_from(hosts[peer], machine_address(int(name[1:])), ucx[0]) == "open", (name, ucx)
+        assert connect_from(hosts[other], machine_address(int(name[1:])), ucx[0]) == "refused", (name, ucx)
     assert connect_from(hosts["n2"], n1, 14600) == "open"
     assert connect_from(hosts["n3"], n1, 14600) == "refused"
     # nothing else new: from the controller only SSH and the router answer, the UCX port included,
@@ -199,6 +228,7 @@ def kill_under_load(stack: Stack, host: str, unit: str, engine: str, record_timi
     bounded load after it (every request must be answered)."""
     target = stack.hosts[host]
     before = target.show(unit, "MainPID")["MainPID"]
+    opened = {name: connections(stack.hosts[name]) for name in ("n1", "n2")}
     with LoadGenerator(stack.router_url, stack.model_id(), rate_per_s=2, max_requests=600, max_seconds=400) as during:
         during.answered(2, timeout=60)
         killed = time.monotonic()
@@ -221,6 +251,11 @@ def kill_under_load(stack: Stack, host: str, unit: str, engine: str, record_timi
     with LoadGenerator(stack.router_url, stack.model_id(), rate_per_s=2, max_requests=40, max_seconds=60) as after:
         after.answered(10, timeout=120)
         outcome = after.stop()
+    for name, peer in (("n2", "n1"), ("n1", "n2")):  # who opened connections to whom, for the record
+        now = connections(stack.hosts[name])
+        grown = {k: now[k] - opened[name].get(k, 0) for k in now}
+        between = stack.hosts[name].run(f"ss -Htn dst {machine_address(int(peer[1:]))}").stdout
+        print(f"{peer} -> {name}: new connections while {engine} restarted {grown}, in all {now}; open:\n{between}")
     if not (outcome.sent >= 10 and outcome.ok == outcome.sent):
         print(diagnostics(stack))
     assert outcome.sent >= 10 and outcome.ok == outcome.sent, (
