@@ -140,6 +140,23 @@ def diagnostics(stack: Stack) -> str:
     return "\n".join(out)
 
 
+def thread_dump(host: TestHost, unit: str, process: str) -> str:
+    """Where `process` (the engine's process holding the NIXL agent) waits: each of its threads' state
+    and CPU, twice 2 s apart, and its Python stacks (SIGUSR2: faulthandler, nixl_agent.py), from the
+    journal. Only a process that catches SIGUSR2 is signalled (its default would end it)."""
+    threads = f"ps -Lo pid,tid,stat,pcpu,time,wchan:28,comm -p \"$(pgrep -d, -x '{process}')\""
+    out = [host.run(f"{threads}; sleep 2; {threads}", check=False).stdout]
+    out.append(
+        host.run(
+            f"for p in $(pgrep -x '{process}'); do c=$(awk '/SigCgt/{{print $2}}' /proc/$p/status); "
+            f'[ $(( 0x$c & 0x800 )) -ne 0 ] && kill -USR2 $p && echo "SIGUSR2 to $p"; done; sleep 2; '
+            f"journalctl --no-pager -q -o cat --since -5s -u {unit} | grep -E 'Thread 0x|most recent call|  File'",
+            check=False,
+        ).stdout
+    )
+    return "\n".join(out)
+
+
 def rx_bytes(host: TestHost) -> int:
     """Bytes received on every interface of `host` but loopback."""
     out = host.run("for i in /sys/class/net/*; do [ ${i##*/} = lo ] || cat $i/statistics/rx_bytes; done").stdout
@@ -258,6 +275,8 @@ def kill_under_load(stack: Stack, host: str, unit: str, engine: str, record_timi
         print(f"{peer} -> {name}: new connections while {engine} restarted {grown}, in all {now}; open:\n{between}")
     if not (outcome.sent >= 10 and outcome.ok == outcome.sent):
         print(diagnostics(stack))
+        print("--- n1's VE worker\n" + thread_dump(stack.hosts["n1"], VE_UNIT, "VLLM::Worker"))
+        print("--- n2's PD engine core\n" + thread_dump(stack.hosts["n2"], PD_UNIT, "VLLM::EngineCor"))
     assert outcome.sent >= 10 and outcome.ok == outcome.sent, (
         f"{len(outcome.failures)} of {outcome.sent} failed after {engine} was readmitted",
         outcome.failures[:10],

@@ -84,6 +84,16 @@ IDLE_POLL_MS = 1000  # the side channel's wake-up to see a shutdown; no UCX prog
 WINDOW_POLL_MS = 1  # its UCX progress period while a read is open
 
 
+SLOW_S = 1.0  # a side-channel step this long is logged: the side channel answered nobody meanwhile
+
+
+def slow(started: float, what: str) -> None:
+    """Log a step of the side channel's thread that held it SLOW_S or longer."""
+    took = time.monotonic() - started
+    if took >= SLOW_S:
+        log.warning("EPD NIXL EC producer: %s took %.1f s (the side channel answered nobody meanwhile)", what, took)
+
+
 class ECLoadFailure(RuntimeError):
     """A PD could not read an item's encoder output (message: LOAD_FAILURE). `lost`: the VE's
     side channel or NIXL connection failed (it may have died or restarted), so the PD drops its
@@ -232,10 +242,12 @@ class ProducerRegion:
         self.thread = threading.Thread(target=self.serve, name="epd-nixl-ec-side-channel", daemon=True)
         self.thread.start()
         log.info(
-            "EPD NIXL EC producer %s: side channel tcp://%s:%s, region %d blocks x %d rows",
+            "EPD NIXL EC producer %s: side channel tcp://%s:%s (thread %#x, tid %s), region %d blocks x %d rows",
             config.engine_id,
             config.side_channel_host,
             config.side_channel_port,
+            self.thread.ident,  # the thread's name in a faulthandler dump (nixl_agent.py: SIGUSR2)
+            self.thread.native_id,
             config.num_blocks,
             config.block_tokens,
         )
@@ -353,18 +365,22 @@ class ProducerRegion:
         while not self.stop.is_set():
             reading = self.reading()
             if reading:  # a PD's read is open: UCX over TCP needs this side's progress
+                started = time.monotonic()
                 try:
                     self.agent.get_new_notifs()
                 except Exception as exc:  # NIXL's error must not end the side channel (and the VE's reads)
                     log.warning("EPD NIXL EC producer: UCX progress: %s", exc)
+                slow(started, "UCX progress (get_new_notifs)")
             events = dict(poller.poll(WINDOW_POLL_MS if reading else IDLE_POLL_MS))
             if self.socket not in events:
                 continue
+            started, request = time.monotonic(), None
             try:
                 request = msgpack.unpackb(self.socket.recv(), raw=False)
                 reply = self.answer(request) if isinstance(request, dict) else {"error": "not a map"}
             except Exception as exc:  # a bad request must not end the side channel
                 reply = {"error": f"{exc.__class__.__name__}: {exc}"}
+            slow(started, f"side-channel request {request.get('op') if isinstance(request, dict) else '?'}")
             self.socket.send(msgpack.packb(reply, use_bin_type=True))
 
     def close(self) -> None:
