@@ -59,9 +59,10 @@ def nixl_agent(name: str, backends: Iterable[str], who: str = "the kit's NIXL EC
     agent = agent_class(name, config)
     # `kill -USR2 <the engine process>` prints every thread's Python stack to its log (stderr): where
     # a side channel or a read waits when it stops answering (issue 54's restarted VE). vLLM 0.24-0.32
-    # register no SIGUSR2 handler (grep of their wheels); chain=True keeps one that another installs
+    # register no SIGUSR2 handler (grep of their wheels). chain=False: the previous handler is the
+    # default, which ends the process (a chained dump killed a VE worker in the three-host run)
     with contextlib.suppress(RuntimeError, OSError, ValueError):  # no file descriptor 2 (faulthandler's error)
-        faulthandler.register(signal.SIGUSR2, file=2, all_threads=True, chain=True)
+        faulthandler.register(signal.SIGUSR2, file=2, all_threads=True, chain=False)
     missing = [b for b in backends if b not in agent.backends]
     if missing:
         raise RuntimeError(f"{who}: NIXL has no {missing} backend here (plugins: {agent.get_plugin_list()})")
