@@ -220,15 +220,12 @@ def test_the_ucx_ports_and_side_channel_open_from_the_pd_host_only(stack: Stack)
     assert nft_set(hosts["n1"], "side_channel_v4") == [n2]
     assert nft_set(hosts["n1"], "ucx_v4") == [n2]
     assert nft_set(hosts["n2"], "engine_http_v4") == [machine_address(3)]
-    # the PD's UCX range opens to the VE host alone (UCX's answer to a READ may connect back)
-    assert nft_set(hosts["n2"], "ucx_v4") == [n1]
-    # each engine's UCX listener (the port UCX took from the plan's range, after the reads above)
-    for name, peer, other in (("n1", "n2", "n3"), ("n2", "n1", "n3")):
-        listening = hosts[name].run("ss -Hltn").stdout
-        ucx = sorted({int(line.split()[3].rsplit(":", 1)[1]) for line in listening.splitlines()} & set(UCX_PORTS))
-        assert ucx, listening
-        assert connect_from(hosts[peer], machine_address(int(name[1:])), ucx[0]) == "open", (name, ucx)
-        assert connect_from(hosts[other], machine_address(int(name[1:])), ucx[0]) == "refused", (name, ucx)
+    # the VE's UCX listener (the port UCX took from the plan's range, after the reads above)
+    listening = hosts["n1"].run("ss -Hltn").stdout
+    ucx = sorted({int(line.split()[3].rsplit(":", 1)[1]) for line in listening.splitlines()} & set(UCX_PORTS))
+    assert ucx, listening
+    assert connect_from(hosts["n2"], n1, ucx[0]) == "open"
+    assert connect_from(hosts["n3"], n1, ucx[0]) == "refused"
     assert connect_from(hosts["n2"], n1, 14600) == "open"
     assert connect_from(hosts["n3"], n1, 14600) == "refused"
     # nothing else new: from the controller only SSH and the router answer, the UCX port included,
@@ -268,11 +265,15 @@ def kill_under_load(stack: Stack, host: str, unit: str, engine: str, record_timi
     with LoadGenerator(stack.router_url, stack.model_id(), rate_per_s=2, max_requests=40, max_seconds=60) as after:
         after.answered(10, timeout=120)
         outcome = after.stop()
+    grown = {}
     for name, peer in (("n2", "n1"), ("n1", "n2")):  # who opened connections to whom, for the record
         now = connections(stack.hosts[name])
-        grown = {k: now[k] - opened[name].get(k, 0) for k in now}
+        grown[name] = {k: now[k] - opened[name].get(k, 0) for k in now}
         between = stack.hosts[name].run(f"ss -Htn dst {machine_address(int(peer[1:]))}").stdout
-        print(f"{peer} -> {name}: new connections while {engine} restarted {grown}, in all {now}; open:\n{between}")
+        print(f"{peer} -> {name}: new connections while {engine} restarted {grown[name]}, all {now}; open:\n{between}")
+    # the VE host opens nothing to the PD host, UCX's answers to READs included (they ride the PD's
+    # connection: docs/security.md "Who can reach what"); 0 in each of issue 54's three runs
+    assert grown["n2"] == {"ucx": 0, "other": 0}, grown
     if not (outcome.sent >= 10 and outcome.ok == outcome.sent):
         print(diagnostics(stack))
         print("--- n1's VE worker\n" + thread_dump(stack.hosts["n1"], VE_UNIT, "VLLM::Worker"))

@@ -28,10 +28,9 @@ or 0.29 (its exception kills the engine core). The cost is one copy of the item'
 the scheduler to the worker (pickled with the scheduler output).
 
 Progress: NIXL's UCX progress thread would spin a core on an idle engine (nixl_agent.py); it
-is off here. The PD progresses its reads when its scheduler checks them; the VE's progress thread
-progresses UCX (`get_new_notifs`) only between a PD's item request and its check (a read window
-bounded by `transfer_timeout_sec`) and otherwise sleeps; the VE's side channel, a thread of its
-own, answers from the producer's own state and makes no NIXL call.
+is off here. The PD progresses its reads when its scheduler checks them, the VE's side-channel
+thread progresses UCX (`get_new_notifs`) only between a PD's item request and its check (a read
+window bounded by `transfer_timeout_sec`) and otherwise sleeps in a ZMQ poll.
 """
 
 from __future__ import annotations
@@ -81,18 +80,18 @@ LOAD_FAILURE = "ECLoadFailure: Encoder-cache load failed for mm_hashes: {hashes}
 # where a failed request's message travels in its answer (the request's kv_transfer_params)
 FAILURE_KEY = "ec_load_failure"
 ASK_THREADS = 4  # a PD's side-channel round trips in flight at once (each bounded by its timeout)
-IDLE_POLL_MS = 1000  # the producer threads' wake-up to see a shutdown; no UCX progress then
-WINDOW_POLL_MS = 1  # the progress thread's period while a read is open
+IDLE_POLL_MS = 1000  # the side channel's wake-up to see a shutdown; no UCX progress then
+WINDOW_POLL_MS = 1  # its UCX progress period while a read is open
 
 
-SLOW_S = 1.0  # a step of the producer's threads this long is logged
+SLOW_S = 1.0  # a side-channel step this long is logged: the side channel answered nobody meanwhile
 
 
 def slow(started: float, what: str) -> None:
-    """Log a step of the producer's side channel or progress thread that took SLOW_S or longer."""
+    """Log a step of the side channel's thread that held it SLOW_S or longer."""
     took = time.monotonic() - started
     if took >= SLOW_S:
-        log.warning("EPD NIXL EC producer: %s took %.1f s", what, took)
+        log.warning("EPD NIXL EC producer: %s took %.1f s (the side channel answered nobody meanwhile)", what, took)
 
 
 class ECLoadFailure(RuntimeError):
@@ -235,31 +234,20 @@ class ProducerRegion:
         # gave up (a generation error under load, issue 54's three-host run)
         self.windows: dict[tuple[str, int], list[float]] = {}
         self.served = {"items": 0, "bytes": 0, "refused": 0}
-        # the agent's metadata as a handshake hands it out, taken again when the region registers:
-        # the side channel makes no NIXL call, so UCX's progress never holds it (below)
-        self.metadata = self.agent.get_agent_metadata()
         self.stop = threading.Event()
-        self.opened = threading.Event()  # a read window opened: the progress thread starts at once
         context = zmq.Context.instance()
         self.socket = context.socket(zmq.REP)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(f"tcp://{config.side_channel_host}:{config.side_channel_port}")
-        # Two threads: the side channel answers (ZMQ), the other progresses UCX while a read is
-        # open. On one thread, NIXL's get_new_notifs (ucx_backend.cpp progressLoop: ucp_worker_progress
-        # until it reports no work) held the side channel 5.6-7.6 s at a time on the three-host
-        # sandbox (issue 54, this module's "took" warnings), so every PD's item requests and checks
-        # timed out, each such read dropped the VE's agent and handshook again, and reads never recovered
         self.thread = threading.Thread(target=self.serve, name="epd-nixl-ec-side-channel", daemon=True)
-        self.progress_thread = threading.Thread(target=self.progress, name="epd-nixl-ec-progress", daemon=True)
         self.thread.start()
-        self.progress_thread.start()
         log.info(
-            "EPD NIXL EC producer %s: side channel tcp://%s:%s (threads %#x, progress %#x), region %d blocks x %d rows",
+            "EPD NIXL EC producer %s: side channel tcp://%s:%s (thread %#x, tid %s), region %d blocks x %d rows",
             config.engine_id,
             config.side_channel_host,
             config.side_channel_port,
-            self.thread.ident,  # the threads' names in a faulthandler dump (nixl_agent.py: SIGUSR2)
-            self.progress_thread.ident,
+            self.thread.ident,  # the thread's name in a faulthandler dump (nixl_agent.py: SIGUSR2)
+            self.thread.native_id,
             config.num_blocks,
             config.block_tokens,
         )
@@ -282,7 +270,6 @@ class ProducerRegion:
         region = torch.zeros(size, dtype=torch.uint8)
         self.agent.register_memory(region)
         self.region, self.row_bytes = region, row_bytes
-        self.metadata = self.agent.get_agent_metadata()  # now with the region's registration
 
     def save(self, mm_hash: str, tensor: torch.Tensor, blocks: list[int]) -> None:
         tensor = tensor.detach().to("cpu").contiguous()
@@ -329,7 +316,6 @@ class ProducerRegion:
             self.windows.setdefault((mm_hash, item.generation), []).append(deadline)
             self.served["items"] += 1
             self.served["bytes"] += total
-            self.opened.set()
             return {
                 "agent": self.agent.name,
                 "descs": descs,
@@ -363,8 +349,7 @@ class ProducerRegion:
     def answer(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
         if op == "meta":
-            with self.lock:
-                metadata = self.metadata
+            metadata = self.agent.get_agent_metadata()
             return {"engine_id": self.config.engine_id, "agent": self.agent.name, "metadata": metadata}
         if op == "item":
             return self.describe(str(request["mm_hash"]), [int(b) for b in request["blocks"]])
@@ -374,27 +359,19 @@ class ProducerRegion:
             return dict(self.served)
         return {"error": f"unknown side-channel request {op!r}"}
 
-    def progress(self) -> None:
-        """UCX's progress on this side while a PD's read is open (UCX over TCP needs it: a READ is
-        answered by this side's worker); asleep otherwise."""
-        while not self.stop.is_set():
-            if not self.reading():
-                self.opened.wait(IDLE_POLL_MS / 1000)
-                self.opened.clear()
-                continue
-            started = time.monotonic()
-            try:
-                self.agent.get_new_notifs()
-            except Exception as exc:  # NIXL's error must not end this side's progress
-                log.warning("EPD NIXL EC producer: UCX progress: %s", exc)
-            slow(started, "UCX progress (get_new_notifs)")
-            time.sleep(WINDOW_POLL_MS / 1000)
-
     def serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         while not self.stop.is_set():
-            events = dict(poller.poll(IDLE_POLL_MS))
+            reading = self.reading()
+            if reading:  # a PD's read is open: UCX over TCP needs this side's progress
+                started = time.monotonic()
+                try:
+                    self.agent.get_new_notifs()
+                except Exception as exc:  # NIXL's error must not end the side channel (and the VE's reads)
+                    log.warning("EPD NIXL EC producer: UCX progress: %s", exc)
+                slow(started, "UCX progress (get_new_notifs)")
+            events = dict(poller.poll(WINDOW_POLL_MS if reading else IDLE_POLL_MS))
             if self.socket not in events:
                 continue
             started, request = time.monotonic(), None
@@ -408,9 +385,7 @@ class ProducerRegion:
 
     def close(self) -> None:
         self.stop.set()
-        self.opened.set()
         self.thread.join(IDLE_POLL_MS / 1000 * 2)
-        self.progress_thread.join(IDLE_POLL_MS / 1000 * 2)
         self.socket.close(0)
 
 

