@@ -21,6 +21,7 @@ run's 20."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -55,6 +56,9 @@ INVENTORY = "vllm-cpu-three-host"
 VE_UNIT, PD_UNIT = "epd-engine@ve-0.service", "epd-engine@pd-0.service"
 # the plan's epd_vllm_cpu_ucx_port_range (the inventory keeps the default)
 UCX_PORTS = port_range(str(VARIABLES["epd_vllm_cpu_ucx_port_range"].default))
+# a table of this test's own on n1 and n2: it counts the new connections one engine host opens to
+# the other (to UCX's range, to any other port) before the kit's chain judges them
+WATCH = "epd_test_syns"
 
 
 # the vLLMs deployed, in this order (a stack each): EPD_NIXL3_VLLM, a comma list, runs a subset
@@ -73,7 +77,28 @@ def stack(request, host_pool: HostPool, record_timing, tmp_path_factory) -> Stac
     (inventory / "group_vars/all/vllm.yml").write_text(f'---\nepd_vllm_cpu_vllm: "{vllm}"\n')
     deployed = deploy_stack(host_pool, inventory, record_timing, label)
     assert vllm_of(deployed) == vllm, deployed.inventory.group_vars
+    watch_connections(deployed.hosts["n2"], machine_address(1))
+    watch_connections(deployed.hosts["n1"], machine_address(2))
     return deployed
+
+
+def watch_connections(host: TestHost, source: str) -> None:
+    """Count the SYNs `source` sends to `host`: to UCX's range and to any other port (no verdict:
+    the kit's table still judges each)."""
+    first, last = UCX_PORTS[0], UCX_PORTS[-1]
+    syn = f"ip saddr {source} tcp flags & (fin | syn | rst | ack) == syn"
+    host.run(
+        f"nft -f - <<'EOF'\ntable inet {WATCH} {{\n counter ucx {{}}\n counter other {{}}\n chain input {{\n"
+        "  type filter hook input priority filter - 10; policy accept;\n"
+        f"  {syn} tcp dport {first}-{last} counter name ucx\n"
+        f"  {syn} tcp dport != {first}-{last} counter name other\n }}\n}}\nEOF"
+    )
+
+
+def connections(host: TestHost) -> dict[str, int]:
+    """{"ucx": n, "other": n}: the SYNs watch_connections counted on `host` so far."""
+    out = json.loads(host.run(f"nft -j list table inet {WATCH}").stdout)
+    return {item["counter"]["name"]: int(item["counter"]["packets"]) for item in out["nftables"] if "counter" in item}
 
 
 def vllm_of(stack: Stack) -> str:
@@ -104,7 +129,7 @@ def reads(stack: Stack) -> list[tuple[str, int, str, float]]:
 
 def diagnostics(stack: Stack) -> str:
     """What the engines and the router logged about reads, failures and health (for a failure)."""
-    wanted = ("NIXL", "nixl", "ECLoad", "rror", "ejected", "readmit", "retrying", "quarantin", "probe")
+    wanted = ("NIXL", "nixl", "UCX", "ECLoad", "rror", "ejected", "readmit", "retrying", "quarantin", "probe")
     out = []
     for host, unit in (("n1", VE_UNIT), ("n2", PD_UNIT), ("n3", "epd-router@0.service")):
         lines = [
@@ -112,6 +137,23 @@ def diagnostics(stack: Stack) -> str:
         ]
         out.append(f"--- {host} {unit} (last {min(len(lines), 60)} of {len(lines)} matching lines)")
         out += [line[:400] for line in lines[-60:]]
+    return "\n".join(out)
+
+
+def thread_dump(host: TestHost, unit: str, process: str) -> str:
+    """Where `process` (the engine's process holding the NIXL agent) waits: each of its threads' state
+    and CPU, twice 2 s apart, and its Python stacks (SIGUSR2: faulthandler, nixl_agent.py), from the
+    journal. Only a process that catches SIGUSR2 is signalled (its default would end it)."""
+    threads = f"ps -Lo pid,tid,stat,pcpu,time,wchan:28,comm -p \"$(pgrep -d, -x '{process}')\""
+    out = [host.run(f"{threads}; sleep 2; {threads}", check=False).stdout]
+    out.append(
+        host.run(
+            f"for p in $(pgrep -x '{process}'); do c=$(awk '/SigCgt/{{print $2}}' /proc/$p/status); "
+            f'[ $(( 0x$c & 0x800 )) -ne 0 ] && kill -USR2 $p && echo "SIGUSR2 to $p"; done; sleep 2; '
+            f"journalctl --no-pager -q -o cat --since -5s -u {unit} | grep -E 'Thread 0x|most recent call|  File'",
+            check=False,
+        ).stdout
+    )
     return "\n".join(out)
 
 
@@ -167,6 +209,7 @@ def test_images_cross_from_the_ve_host_to_the_pd_host_over_nixl(stack: Stack, re
     record_timing(f"{label}: bytes per image read over NIXL", max(n for _, n, *_ in new), "bytes")
     record_timing(f"{label}: bytes read over NIXL n1 -> n2 in all", sum(n for _, n, *_ in new), "bytes")
     record_timing(f"{label}: slowest NIXL read", max(ms for *_, ms in new) / 1000)
+    print(f"new connections n1 -> n2 {connections(n2)}, n2 -> n1 {connections(stack.hosts['n1'])}")
     # red (read first) and blue are two items, and green a third
     assert len({item for item, *_ in new}) == 3 and new[0][0] != new[1][0], new
 
@@ -199,6 +242,7 @@ def kill_under_load(stack: Stack, host: str, unit: str, engine: str, record_timi
     bounded load after it (every request must be answered)."""
     target = stack.hosts[host]
     before = target.show(unit, "MainPID")["MainPID"]
+    opened = {name: connections(stack.hosts[name]) for name in ("n1", "n2")}
     with LoadGenerator(stack.router_url, stack.model_id(), rate_per_s=2, max_requests=600, max_seconds=400) as during:
         during.answered(2, timeout=60)
         killed = time.monotonic()
@@ -221,8 +265,19 @@ def kill_under_load(stack: Stack, host: str, unit: str, engine: str, record_timi
     with LoadGenerator(stack.router_url, stack.model_id(), rate_per_s=2, max_requests=40, max_seconds=60) as after:
         after.answered(10, timeout=120)
         outcome = after.stop()
+    grown = {}
+    for name, peer in (("n2", "n1"), ("n1", "n2")):  # who opened connections to whom, for the record
+        now = connections(stack.hosts[name])
+        grown[name] = {k: now[k] - opened[name].get(k, 0) for k in now}
+        between = stack.hosts[name].run(f"ss -Htn dst {machine_address(int(peer[1:]))}").stdout
+        print(f"{peer} -> {name}: new connections while {engine} restarted {grown[name]}, all {now}; open:\n{between}")
+    # the VE host opens nothing to the PD host, UCX's answers to READs included (they ride the PD's
+    # connection: docs/security.md "Who can reach what"); 0 in each of issue 54's three runs
+    assert grown["n2"] == {"ucx": 0, "other": 0}, grown
     if not (outcome.sent >= 10 and outcome.ok == outcome.sent):
         print(diagnostics(stack))
+        print("--- n1's VE worker\n" + thread_dump(stack.hosts["n1"], VE_UNIT, "VLLM::Worker"))
+        print("--- n2's PD engine core\n" + thread_dump(stack.hosts["n2"], PD_UNIT, "VLLM::EngineCor"))
     assert outcome.sent >= 10 and outcome.ok == outcome.sent, (
         f"{len(outcome.failures)} of {outcome.sent} failed after {engine} was readmitted",
         outcome.failures[:10],

@@ -1,6 +1,6 @@
 """The kit's NIXL EC connector between two network stacks: a real vLLM VE in a network namespace
-of its own (`nxk-ve`, 10.232.0.1), a real PD on the host's side of the veth joining them
-(10.232.0.2), the kit's router in front (docs/contract.md §11 "Real engines on CPU").
+of its own (`nxk-ve`, or EPD_NETNS_PREFIX's prefix; 10.232.0.1), a real PD on the host's side of
+the veth joining them (10.232.0.2), the kit's router in front (docs/contract.md §11 "Real engines on CPU").
 
 The engines run the plan's argv and environment for `epd_engine_backend: vllm-cpu` with
 `epd_vllm_cpu_ec_transport: nixl` (epd_kit/plan/command.py): the kit's EPDNixlECConnector on
@@ -44,10 +44,13 @@ from tests.vllm_dist import vllm_cli
 from .engines import RealEngine
 from .stack import ENGINE_KEY, RealStack
 
-NETNS, VE_LINK, PD_LINK = "nxk-ve", "nxk0", "nxk1"  # this engineer's prefix (docs: never another's)
+# the namespace and links get a prefix of the engineer's own (EPD_NETNS_PREFIX: never another's)
+NETNS_PREFIX = os.environ.get("EPD_NETNS_PREFIX", "nxk-")
+NETNS, VE_LINK, PD_LINK = f"{NETNS_PREFIX}ve", f"{NETNS_PREFIX}0", f"{NETNS_PREFIX}1"
 VE_ADDRESS, PD_ADDRESS, PREFIX = "10.232.0.1", "10.232.0.2", 24
 MAX_TOKENS = 6
 BENCH_CHATS = 12  # the bounded loop of each path's hand-off figures
+RESTART_CHATS = 4  # image chats read from a restarted VE
 IDLE_WINDOW_S = 10
 
 
@@ -396,6 +399,38 @@ def test_the_pairs_figures_idle_cpu_bytes_and_hand_off_times(nixl):
     print("nixl pair figures:", json.dumps(FIGURES["nixl"]))
 
 
+def test_a_restarted_ve_is_read_from_by_the_pd_that_lived_on(nixl):
+    """SIGKILL of the VE (its API server, engine core and worker: a new NIXL agent after) and a
+    start with the same engine id, HTTP and side-channel ports, as systemd restarts it; the PD
+    lives on. Its image chats then read every item from the new VE over NIXL (issue 54's
+    three-host run: every read from a restarted VE's agent timed out)."""
+    stack, _relay = nixl
+    ve, pd = stack.ves[0], stack.pds[0]
+    assert pd.process is not None
+    pd_pid = pd.process.pid
+    before = len(reads(pd))
+    status, text, _ = greedy_chat(stack, 500)
+    assert status == 200 and text, text
+    assert [r[3] for r in reads(pd)[before:]] == [ve.engine_id]  # the first VE's read
+    handshakes = pd.log().count(f"handshake with {ve.engine_id}")
+    ve.kill()
+    ve.start()  # the same NixlEngine: engine id, ports, namespace
+    ve.wait_healthy()
+    deadline = time.monotonic() + 60
+    while not stack.pools()[ve.engine_id]["healthy"]:
+        assert time.monotonic() < deadline, f"the router did not readmit {ve.engine_id} within 60 s"
+        time.sleep(0.2)
+    before = len(reads(pd))
+    chats = [greedy_chat(stack, 510 + i) for i in range(RESTART_CHATS)]
+    assert all(status == 200 and text for status, text, _ in chats), (chats, pd.log()[-4000:])
+    after = reads(pd)[before:]
+    assert len(after) == RESTART_CHATS and {r[3] for r in after} == {ve.engine_id}, pd.log()[-4000:]
+    assert pd.log().count(f"handshake with {ve.engine_id}") == handshakes + 1  # the new agent, once
+    assert pd.process.returncode is None and pd.process.pid == pd_pid  # the PD lived on
+    ucx_connections_go_from_the_pd_to_the_ve(ve.settings())
+    print("reads from the restarted VE (ms):", [r[4] for r in after], "hand-offs (ms):", [r[5] for r in after])
+
+
 def test_a_shared_dir_pair_gives_the_same_greedy_answers(nixl, ckpt, plugin_site, tmp_path_factory):
     """The NIXL pair's answers (above) against a shared-directory pair's, started after the NIXL
     pair stopped (two engines at a time on the tier's machine)."""
@@ -464,14 +499,21 @@ def test_the_region_and_reader_move_an_item_byte_identical_and_refuse_reused_blo
         assert torch.equal(torch.frombuffer(bytearray(loaded.data), dtype=torch.bfloat16).view(10, 6), item)
         assert (loaded.dtype, loaded.shape, reader.stats["bytes"]) == ("bfloat16", (10, 6), 120)
         # a read in flight whose block is reused before the check: stale
-        started = reader.start("a", locator)
-        region.save("b", item[:4], [2])
+        post = reader.transfer
+
+        def post_then_reuse(read: object) -> None:
+            post(read)
+            region.save("b", item[:4], [2])  # the VE's ring reuses a block of the item mid-read
+
+        reader.transfer = post_then_reuse
         with pytest.raises(connector.ECLoadFailure, match="reused the item's blocks"):
-            finish(started)
+            finish(reader.start("a", locator))
+        reader.transfer = post
         with pytest.raises(connector.ECLoadFailure, match="holds no encoder output for item a"):
-            reader.start("a", locator)
+            finish(reader.start("a", locator))
         with pytest.raises(connector.ECLoadFailure, match="the locator says 9 rows"):
-            reader.start("b", {**locator, "remote_block_ids": [2], "num_tokens": 9})
+            finish(reader.start("b", {**locator, "remote_block_ids": [2], "num_tokens": 9}))
+        assert reader.stats["handshakes"] == 1  # a VE that refused is not handshaken with again
         assert region.answer({"op": "stats"})["refused"] == 1
         # two reads open at once: the first one's check leaves the VE progressing the other's
         region.save("c", item[:4], [3])

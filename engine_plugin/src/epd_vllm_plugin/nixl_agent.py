@@ -17,7 +17,10 @@ Two settings matter on CPU (issue 54; nixl 1.5.1's Python API, `nixl/_api.py`):
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
+import signal
 from collections.abc import Iterable
 from typing import Any
 
@@ -54,6 +57,12 @@ def nixl_agent(name: str, backends: Iterable[str], who: str = "the kit's NIXL EC
         enable_prog_thread=False, backends=backends, sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     )
     agent = agent_class(name, config)
+    # `kill -USR2 <the engine process>` prints every thread's Python stack to its log (stderr): where
+    # a side channel or a read waits when it stops answering (issue 54's restarted VE). vLLM 0.24-0.32
+    # register no SIGUSR2 handler (grep of their wheels). chain=False: the previous handler is the
+    # default, which ends the process (a chained dump killed a VE worker in the three-host run)
+    with contextlib.suppress(RuntimeError, OSError, ValueError):  # no file descriptor 2 (faulthandler's error)
+        faulthandler.register(signal.SIGUSR2, file=2, all_threads=True, chain=False)
     missing = [b for b in backends if b not in agent.backends]
     if missing:
         raise RuntimeError(f"{who}: NIXL has no {missing} backend here (plugins: {agent.get_plugin_list()})")

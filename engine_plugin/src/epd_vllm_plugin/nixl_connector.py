@@ -10,11 +10,14 @@ What vllm-neuron's NeuronNixlECConnector does on trn2 (docs/contract.md §3.5), 
   The locator (scheduler.py, ECLocatorScheduler) names those blocks and the item's rows.
 - **PD (ec_consumer).** Before a request is scheduled (`ensure_cache_available`), the
   scheduler reads each item's locator from the request's `kv_transfer_params.ec_locator`
-  (sampling_params.extra_args, the router's carrier, §3.1), handshakes once per `engine_id`,
+  (sampling_params.extra_args, the router's carrier, §3.1), handshakes once per `engine_id`
+  and VE incarnation (the VE's agent name; a new one replaces the old in the PD's agent),
   asks the VE for the item's blocks, NIXL READs them (UCX over TCP) and asks again whether the
   blocks still hold that item (a ring block may be reused: a stale read is refused, never
-  used). The bytes reach the worker's encoder cache through the connector metadata. A missing,
-  stale or mismatched item fails that request with ECLoadFailure's message (finish_reason
+  used). The side-channel round trips (`side_channel_timeout_sec` each) run on the reader's
+  own threads: the scheduler looks whether they answered and never waits on a VE. The bytes
+  reach the worker's encoder cache through the connector metadata. A missing, stale or
+  mismatched item fails that request with ECLoadFailure's message (finish_reason
   "error", the message in the PD's log and in the answer's `kv_transfer_params`); the engine
   core lives on (Neuron's PD dies instead, §3.5 item 3).
 
@@ -36,6 +39,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -75,12 +79,29 @@ MODULE_PATH = __name__
 LOAD_FAILURE = "ECLoadFailure: Encoder-cache load failed for mm_hashes: {hashes}: {reason}"
 # where a failed request's message travels in its answer (the request's kv_transfer_params)
 FAILURE_KEY = "ec_load_failure"
+ASK_THREADS = 4  # a PD's side-channel round trips in flight at once (each bounded by its timeout)
 IDLE_POLL_MS = 1000  # the side channel's wake-up to see a shutdown; no UCX progress then
 WINDOW_POLL_MS = 1  # its UCX progress period while a read is open
 
 
+SLOW_S = 1.0  # a side-channel step this long is logged: the side channel answered nobody meanwhile
+
+
+def slow(started: float, what: str) -> None:
+    """Log a step of the side channel's thread that held it SLOW_S or longer."""
+    took = time.monotonic() - started
+    if took >= SLOW_S:
+        log.warning("EPD NIXL EC producer: %s took %.1f s (the side channel answered nobody meanwhile)", what, took)
+
+
 class ECLoadFailure(RuntimeError):
-    """A PD could not read an item's encoder output (message: LOAD_FAILURE)."""
+    """A PD could not read an item's encoder output (message: LOAD_FAILURE). `lost`: the VE's
+    side channel or NIXL connection failed (it may have died or restarted), so the PD drops its
+    agent and handshakes again; a refusal from a VE that answered keeps it."""
+
+    def __init__(self, message: str, lost: bool = False) -> None:
+        super().__init__(message)
+        self.lost = lost
 
 
 @dataclass(frozen=True)
@@ -94,6 +115,7 @@ class NixlECConfig:
     block_tokens: int = 64
     max_region_bytes: int = 256 << 20
     transfer_timeout_s: float = 5.0
+    side_channel_timeout_s: float = 2.0  # one round trip with a VE's side channel
     backends: tuple[str, ...] = ("UCX",)
     ucx_address: str | None = None  # the engine's address: UCX_NET_DEVICES is its interface
 
@@ -120,10 +142,12 @@ class NixlECConfig:
             block_tokens=extra("ec_block_tokens", cls.block_tokens, int),
             max_region_bytes=extra("ec_max_region_bytes", cls.max_region_bytes, int),
             transfer_timeout_s=extra("transfer_timeout_sec", cls.transfer_timeout_s, float),
+            side_channel_timeout_s=extra("side_channel_timeout_sec", cls.side_channel_timeout_s, float),
             backends=tuple(extra("backends", list(cls.backends), list)),
             ucx_address=config.get_from_extra_config("ucx_address", None),
         )
-        if min(made.num_blocks, made.block_tokens, made.max_region_bytes) < 1 or made.transfer_timeout_s <= 0:
+        timeouts = (made.transfer_timeout_s, made.side_channel_timeout_s)
+        if min(made.num_blocks, made.block_tokens, made.max_region_bytes) < 1 or min(timeouts) <= 0:
             raise ValueError(f"{CONNECTOR_NAME}: block counts, sizes and timeouts must be positive: {made}")
         if config.is_ec_producer and (
             not made.side_channel_host or not isinstance(made.side_channel_port, int) or made.side_channel_port < 1
@@ -218,10 +242,12 @@ class ProducerRegion:
         self.thread = threading.Thread(target=self.serve, name="epd-nixl-ec-side-channel", daemon=True)
         self.thread.start()
         log.info(
-            "EPD NIXL EC producer %s: side channel tcp://%s:%s, region %d blocks x %d rows",
+            "EPD NIXL EC producer %s: side channel tcp://%s:%s (thread %#x, tid %s), region %d blocks x %d rows",
             config.engine_id,
             config.side_channel_host,
             config.side_channel_port,
+            self.thread.ident,  # the thread's name in a faulthandler dump (nixl_agent.py: SIGUSR2)
+            self.thread.native_id,
             config.num_blocks,
             config.block_tokens,
         )
@@ -339,15 +365,22 @@ class ProducerRegion:
         while not self.stop.is_set():
             reading = self.reading()
             if reading:  # a PD's read is open: UCX over TCP needs this side's progress
-                self.agent.get_new_notifs()
+                started = time.monotonic()
+                try:
+                    self.agent.get_new_notifs()
+                except Exception as exc:  # NIXL's error must not end the side channel (and the VE's reads)
+                    log.warning("EPD NIXL EC producer: UCX progress: %s", exc)
+                slow(started, "UCX progress (get_new_notifs)")
             events = dict(poller.poll(WINDOW_POLL_MS if reading else IDLE_POLL_MS))
             if self.socket not in events:
                 continue
+            started, request = time.monotonic(), None
             try:
                 request = msgpack.unpackb(self.socket.recv(), raw=False)
                 reply = self.answer(request) if isinstance(request, dict) else {"error": "not a map"}
             except Exception as exc:  # a bad request must not end the side channel
                 reply = {"error": f"{exc.__class__.__name__}: {exc}"}
+            slow(started, f"side-channel request {request.get('op') if isinstance(request, dict) else '?'}")
             self.socket.send(msgpack.packb(reply, use_bin_type=True))
 
     def close(self) -> None:
@@ -362,7 +395,7 @@ class ProducerRegion:
 
 @dataclass
 class Remote:
-    """A VE the PD has handshaken with."""
+    """A VE the PD has handshaken with: its NIXL agent, registered with the PD's."""
 
     engine_id: str
     endpoint: str
@@ -371,36 +404,56 @@ class Remote:
 
 @dataclass
 class Read:
-    """One item's NIXL READ in flight."""
+    """One item's hand-off, a step at a time: `handshake` (the VE's agent metadata, once per VE
+    incarnation), `item` (its blocks' descriptors), `transfer` (the NIXL READ), `check` (the
+    blocks still hold it). A side-channel round trip runs on the reader's threads (`pending`);
+    the scheduler only looks whether it is done."""
 
     mm_hash: str
-    remote: Remote
-    reply: dict[str, Any]
-    buffer: torch.Tensor
-    registered: Any
-    handle: Any
-    started: float
-    deadline: float
-    asked: float = 0.0  # when the PD asked the VE for the item (the hand-off's start)
+    engine_id: str
+    endpoint: str
+    blocks: list[int]
+    rows: int
+    asked: float  # when the PD started the hand-off
+    phase: str = "handshake"
+    pending: Future[dict[str, Any]] | None = None
+    remote: Remote | None = None
+    reply: dict[str, Any] = field(default_factory=dict)
+    renewed: bool = False  # the VE answered for another agent once: handshaken again
+    buffer: torch.Tensor | None = None
+    registered: Any = None
+    handle: Any = None
+    started: float = 0.0
+    deadline: float = 0.0
 
 
 class ConsumerReader:
-    """The PD scheduler's side: handshakes, reads and their checks."""
+    """The PD scheduler's side: handshakes, reads and their checks.
+
+    The scheduler's thread never waits on a VE: each side-channel round trip (bounded by
+    `side_channel_timeout_sec`) runs on one of ASK_THREADS threads and `poll` only looks whether
+    it answered, so a VE that died or hangs delays its own requests, not the PD's generation
+    (issue 54: round trips of up to 5 s inside `ensure_cache_available` stopped a PD's
+    scheduler when its VE was SIGKILLed, and the router ejected the PD). Every NIXL call stays on
+    the scheduler's thread, the agent's one user on the PD."""
 
     def __init__(self, config: NixlECConfig) -> None:
         self.config = config
         set_ucx_device(config.ucx_address)
         self.agent = nixl_agent(f"{config.engine_id}-pd-{os.getpid()}", config.backends)
         self.remotes: dict[str, Remote] = {}
+        self.handshakes: dict[str, Future[dict[str, Any]]] = {}  # engine_id -> its meta round trip
         self.context = zmq.Context.instance()
+        self.asks = ThreadPoolExecutor(max_workers=ASK_THREADS, thread_name_prefix="epd-nixl-ec-ask")
         self.stats = {"items": 0, "bytes": 0, "failures": 0, "handshakes": 0}
+        self.unreleased: list[Read] = []  # reads whose handle NIXL would not release (buffers kept)
 
     def ask(self, endpoint: str, request: dict[str, Any]) -> dict[str, Any]:
-        """One side-channel round trip, bounded by transfer_timeout_sec (a new socket each time:
-        a REQ socket that timed out cannot be used again)."""
+        """One side-channel round trip, bounded by side_channel_timeout_sec (a new socket each
+        time: a REQ socket that timed out cannot be used again). Runs on the reader's threads."""
         socket = self.context.socket(zmq.REQ)
         socket.setsockopt(zmq.LINGER, 0)
-        timeout_ms = int(self.config.transfer_timeout_s * 1000)
+        timeout_ms = int(self.config.side_channel_timeout_s * 1000)
         socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
         socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
         try:
@@ -408,7 +461,8 @@ class ConsumerReader:
             socket.send(msgpack.packb(request, use_bin_type=True))
             reply = msgpack.unpackb(socket.recv(), raw=False)
         except zmq.Again:
-            raise ECLoadFailure(f"the side channel {endpoint} did not answer within {timeout_ms} ms") from None
+            silent = f"the side channel {endpoint} did not answer within {timeout_ms} ms"
+            raise ECLoadFailure(silent, lost=True) from None
         finally:
             socket.close(0)
         if not isinstance(reply, dict):
@@ -417,14 +471,106 @@ class ConsumerReader:
             raise ECLoadFailure(str(reply["error"]))
         return reply
 
-    def remote(self, locator: dict[str, Any]) -> Remote:
+    def submit(self, endpoint: str, request: dict[str, Any]) -> Future[dict[str, Any]]:
+        return self.asks.submit(self.ask, endpoint, request)
+
+    def start(self, mm_hash: str, locator: Any) -> Read:
+        """A read of the item the locator names; nothing waits here (`poll` moves it on)."""
+        if not isinstance(locator, dict) or not {"engine_id", "host", "port", "remote_block_ids", "num_tokens"} <= set(
+            locator
+        ):
+            raise ECLoadFailure(f"no valid ec_locator for the item (got {locator!r})")
         engine_id, endpoint = str(locator["engine_id"]), f"tcp://{locator['host']}:{int(locator['port'])}"
-        known = self.remotes.get(engine_id)
-        if known is not None and known.endpoint == endpoint:
-            return known
-        meta = self.ask(endpoint, {"op": "meta"})
+        blocks = [int(b) for b in locator["remote_block_ids"]]
+        return Read(mm_hash, engine_id, endpoint, blocks, int(locator["num_tokens"]), time.monotonic())
+
+    def poll(self, read: Read) -> LoadedItem | None:
+        """The read's bytes once done and checked; None while it waits (on the VE's answer or the
+        transfer); ECLoadFailure else."""
+        try:
+            return self._step(read)
+        except Exception as exc:
+            failure = exc if isinstance(exc, ECLoadFailure) else None
+            if failure is None:  # NIXL's own errors (its status exceptions), a malformed answer
+                failure = ECLoadFailure(f"{exc.__class__.__name__}: {exc}", lost=True)
+            if failure.lost and read.remote is not None:
+                self.forget(read.remote)  # it may have died or restarted: handshake again next time
+            self.release(read)
+            if failure is exc:
+                raise
+            raise failure from exc
+
+    def _step(self, read: Read) -> LoadedItem | None:
+        while True:
+            if read.phase == "handshake":
+                known = self.remotes.get(read.engine_id)
+                if known is not None and known.endpoint == read.endpoint:
+                    read.remote = known
+                else:
+                    if read.pending is None:
+                        read.pending = self.handshakes.get(read.engine_id)
+                        if read.pending is None:  # one meta round trip per VE, shared by its reads
+                            read.pending = self.handshakes[read.engine_id] = self.submit(read.endpoint, {"op": "meta"})
+                    if not read.pending.done():
+                        return None
+                    done, read.pending = read.pending, None
+                    if self.handshakes.get(read.engine_id) is done:
+                        del self.handshakes[read.engine_id]
+                    read.remote = self.register(read.engine_id, read.endpoint, done.result())
+                read.phase = "item"
+                item = {"op": "item", "mm_hash": read.mm_hash, "blocks": read.blocks}
+                read.pending = self.submit(read.endpoint, item)
+            elif read.phase == "item":
+                assert read.pending is not None and read.remote is not None
+                if not read.pending.done():
+                    return None
+                reply, read.pending = read.pending.result(), None
+                if self.remotes.get(read.engine_id) is not read.remote:  # another read dropped it meanwhile
+                    read.remote, read.phase = None, "handshake"  # (NIXL: no such agent, nixlNotFoundError)
+                    continue
+                if reply["agent"] != read.remote.agent:  # the VE restarted under the same engine id
+                    if read.renewed:
+                        raise ECLoadFailure(
+                            f"VE {read.engine_id} answers for agent {reply['agent']}, its handshake said "
+                            f"{read.remote.agent}",
+                            lost=True,
+                        )
+                    self.forget(read.remote)
+                    read.renewed, read.remote, read.phase = True, None, "handshake"
+                    continue
+                if int(reply["rows"]) != read.rows:
+                    raise ECLoadFailure(f"the locator says {read.rows} rows, VE {read.engine_id} holds {reply['rows']}")
+                read.reply = reply
+                self.transfer(read)
+                read.phase = "transfer"
+            elif read.phase == "transfer":
+                state = self.agent.check_xfer_state(read.handle)
+                if state == "PROC" and time.monotonic() < read.deadline:
+                    return None
+                if state != "DONE":
+                    why = "failed" if state == "ERR" else f"timed out after {self.config.transfer_timeout_s} s"
+                    raise ECLoadFailure(f"the NIXL read from {read.engine_id} {why}", lost=True)
+                check = {"op": "check", "mm_hash": read.mm_hash, "generation": read.reply["generation"]}
+                read.pending = self.submit(read.endpoint, check)
+                read.phase = "check"
+            else:  # check
+                assert read.pending is not None
+                if not read.pending.done():
+                    return None
+                if not read.pending.result().get("ok"):
+                    raise ECLoadFailure(f"VE {read.engine_id} reused the item's blocks during the read (stale)")
+                return self.finish(read)
+
+    def register(self, engine_id: str, endpoint: str, meta: dict[str, Any]) -> Remote:
+        """The VE's agent, from its metadata: added to the PD's agent (the one it replaces removed
+        first), or the one already added when another read of the same handshake did it."""
         if meta.get("engine_id") != engine_id:
             raise ECLoadFailure(f"the side channel {endpoint} is engine {meta.get('engine_id')!r}, not {engine_id!r}")
+        known = self.remotes.get(engine_id)
+        if known is not None and known.endpoint == endpoint and known.agent == meta.get("agent"):
+            return known
+        if known is not None:
+            self.forget(known)
         name = self.agent.add_remote_agent(meta["metadata"])
         name = name.decode() if isinstance(name, bytes) else str(name)
         self.remotes[engine_id] = made = Remote(engine_id, endpoint, name)
@@ -433,7 +579,9 @@ class ConsumerReader:
         return made
 
     def forget(self, remote: Remote) -> None:
-        """A VE whose read failed is handshaken with again next time (it may have restarted)."""
+        """A VE whose agent is gone (it died or restarted): its agent removed from the PD's, which
+        drops the PD's connection to it (nixl `_api.py` remove_remote_agent -> invalidateRemoteMD
+        -> the UCX backend's disconnect), and handshaken with again next time."""
         if self.remotes.get(remote.engine_id) is remote:
             del self.remotes[remote.engine_id]
             try:
@@ -441,64 +589,30 @@ class ConsumerReader:
             except Exception as exc:  # nixl raises its own status errors
                 log.warning("EPD NIXL EC: removing agent %s: %s", remote.agent, exc)
 
-    def start(self, mm_hash: str, locator: Any) -> Read:
-        if not isinstance(locator, dict) or not {"engine_id", "host", "port", "remote_block_ids", "num_tokens"} <= set(
-            locator
-        ):
-            raise ECLoadFailure(f"no valid ec_locator for the item (got {locator!r})")
-        asked = time.monotonic()
-        remote = self.remote(locator)
-        try:
-            reply = self.ask(remote.endpoint, {"op": "item", "mm_hash": mm_hash, "blocks": locator["remote_block_ids"]})
-            if reply["agent"] != remote.agent:  # the VE restarted under the same engine id
-                self.forget(remote)
-                remote = self.remote(locator)
-                reply = self.ask(
-                    remote.endpoint, {"op": "item", "mm_hash": mm_hash, "blocks": locator["remote_block_ids"]}
-                )
-            if int(reply["rows"]) != int(locator["num_tokens"]):
-                raise ECLoadFailure(
-                    f"the locator says {locator['num_tokens']} rows, VE {remote.engine_id} holds {reply['rows']}"
-                )
-            total = sum(int(d[1]) for d in reply["descs"])
-            buffer = torch.empty(total, dtype=torch.uint8)
-            registered = self.agent.register_memory(buffer)
-            local, offset = [], 0
-            for _addr, length, _dev in reply["descs"]:
-                local.append((buffer.data_ptr() + offset, int(length), 0))
-                offset += int(length)
-            handle = self.agent.initialize_xfer(
-                "READ",
-                self.agent.get_xfer_descs(local, "DRAM"),
-                self.agent.get_xfer_descs([tuple(int(v) for v in d) for d in reply["descs"]], "DRAM"),
-                remote.agent,
-            )
-            started = time.monotonic()
-            if self.agent.transfer(handle) == "ERR":
-                raise ECLoadFailure(f"NIXL could not post the read from {remote.engine_id}")
-        except ECLoadFailure:
-            self.forget(remote)
-            raise
-        deadline = started + self.config.transfer_timeout_s
-        return Read(mm_hash, remote, reply, buffer, registered, handle, started, deadline, asked)
+    def transfer(self, read: Read) -> None:
+        """Post the NIXL READ of the item's blocks into a buffer of this process."""
+        assert read.remote is not None
+        descs = read.reply["descs"]
+        total = sum(int(d[1]) for d in descs)
+        read.buffer = torch.empty(total, dtype=torch.uint8)
+        read.registered = self.agent.register_memory(read.buffer)
+        local, offset = [], 0
+        for _addr, length, _dev in descs:
+            local.append((read.buffer.data_ptr() + offset, int(length), 0))
+            offset += int(length)
+        read.handle = self.agent.initialize_xfer(
+            "READ",
+            self.agent.get_xfer_descs(local, "DRAM"),
+            self.agent.get_xfer_descs([tuple(int(v) for v in d) for d in descs], "DRAM"),
+            read.remote.agent,
+        )
+        read.started = time.monotonic()
+        read.deadline = read.started + self.config.transfer_timeout_s
+        if self.agent.transfer(read.handle) == "ERR":
+            raise ECLoadFailure(f"NIXL could not post the read from {read.engine_id}", lost=True)
 
-    def poll(self, read: Read) -> LoadedItem | None:
-        """The read's bytes once done and checked; None while in flight; ECLoadFailure else."""
-        state = self.agent.check_xfer_state(read.handle)
-        if state == "PROC" and time.monotonic() < read.deadline:
-            return None
-        try:
-            if state != "DONE":
-                why = "failed" if state == "ERR" else f"timed out after {self.config.transfer_timeout_s} s"
-                raise ECLoadFailure(f"the NIXL read from {read.remote.engine_id} {why}")
-            check = {"op": "check", "mm_hash": read.mm_hash, "generation": read.reply["generation"]}
-            checked = self.ask(read.remote.endpoint, check)
-            if not checked.get("ok"):
-                raise ECLoadFailure(f"VE {read.remote.engine_id} reused the item's blocks during the read (stale)")
-        except ECLoadFailure:
-            self.forget(read.remote)
-            self.release(read)
-            raise
+    def finish(self, read: Read) -> LoadedItem:
+        assert read.buffer is not None
         now = time.monotonic()
         elapsed_ms, hand_off_ms = (now - read.started) * 1000, (now - read.asked) * 1000
         data = read.buffer.numpy().tobytes()
@@ -510,7 +624,7 @@ class ConsumerReader:
             read.mm_hash,
             len(data),
             len(read.reply["descs"]),
-            read.remote.engine_id,
+            read.engine_id,
             elapsed_ms,
             hand_off_ms,
         )
@@ -518,11 +632,21 @@ class ConsumerReader:
         return LoadedItem(data, str(read.reply["dtype"]), shape)
 
     def release(self, read: Read) -> None:
-        try:
-            self.agent.release_xfer_handle(read.handle)
-        except Exception as exc:  # a handle still in flight after a timeout: NIXL refuses
-            log.warning("EPD NIXL EC: releasing the read of %s: %s", read.mm_hash, exc)
-        self.agent.deregister_memory(read.registered)
+        """The read's NIXL handle and buffer, once (a round trip still running is left to end)."""
+        handle, registered = read.handle, read.registered
+        read.handle = read.registered = None
+        if handle is not None:
+            try:  # in flight: NIXL cancels its UCX requests first (nixl_agent.cpp releaseXferReq)
+                self.agent.release_xfer_handle(handle)
+            except Exception as exc:  # refused: UCX may still write into the buffer, so it stays
+                log.warning("EPD NIXL EC: releasing the read of %s: %s", read.mm_hash, exc)
+                self.unreleased.append(read)
+                return
+        if registered is not None:
+            self.agent.deregister_memory(registered)
+
+    def close(self) -> None:
+        self.asks.shutdown(wait=False, cancel_futures=True)
 
 
 def tensor_parallel_rank() -> int:
@@ -674,3 +798,5 @@ class EPDNixlECConnector(ECConnectorBase):
     def shutdown(self) -> None:
         if self._region is not None:
             self._region.close()
+        if self._reader is not None:
+            self._reader.close()

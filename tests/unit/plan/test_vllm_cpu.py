@@ -192,6 +192,10 @@ def test_the_three_host_real_engine_sandbox_plans_nixl_across_hosts():
     (ve,) = fleet["n1"]["engines"]
     (pd,) = fleet["n2"]["engines"]
     assert (ve["role"], pd["role"]) == ("ve", "pd")
+    # the test hosts share the machine's CPUs: the VE and the PD on one core starved UCX's progress
+    # (issue 54), so each has a core of its own, as vLLM's CPU worker binds it
+    assert (ve["cores"], pd["cores"]) == ([0], [1])
+    assert (ve["env"]["VLLM_CPU_OMP_THREADS_BIND"], pd["env"]["VLLM_CPU_OMP_THREADS_BIND"]) == ("0", "1")
     assert not fleet.get("n3", {}).get("engines")  # the router host runs no engine
     for engine in (ve, pd):
         ec = json.loads(engine["argv"][engine["argv"].index("--ec-transfer-config") + 1])
