@@ -141,3 +141,25 @@ class NamespacePort:
                     if not data:
                         return
                     key.data.sendall(data)
+
+
+@contextlib.contextmanager
+def namespace_beside_host(name: str, inside: End, host_device: str, host_address: str):
+    """Namespace `name` joined to this host's network stack by a veth: `inside` (its device and
+    address) in the namespace, `host_device` with `host_address` on the host. A leftover of an
+    earlier run of the same names is removed first; both are removed afterwards."""
+    subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True, timeout=30)
+    subprocess.run(["ip", "link", "del", host_device], check=False, capture_output=True, timeout=30)
+    ip("netns", "add", name)
+    try:
+        ip("link", "add", host_device, "type", "veth", "peer", "name", inside.device)
+        ip("link", "set", inside.device, "netns", name)
+        ip("addr", "add", f"{host_address}/{PREFIX}", "dev", host_device)
+        ip("link", "set", host_device, "up")
+        ip("-n", name, "addr", "add", f"{inside.address}/{PREFIX}", "dev", inside.device)
+        ip("-n", name, "link", "set", inside.device, "up")
+        ip("-n", name, "link", "set", "lo", "up")
+        yield
+    finally:
+        subprocess.run(["ip", "link", "del", host_device], check=False, capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True, timeout=30)

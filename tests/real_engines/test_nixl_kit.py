@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -42,20 +41,17 @@ from epd_kit.testing.process import free_port
 from tests.vllm_dist import vllm_cli
 
 from .engines import RealEngine
+from .netns import End, ip, namespace_beside_host
 from .stack import ENGINE_KEY, RealStack
 
 # the namespace and links get a prefix of the engineer's own (EPD_NETNS_PREFIX: never another's)
 NETNS_PREFIX = os.environ.get("EPD_NETNS_PREFIX", "nxk-")
 NETNS, VE_LINK, PD_LINK = f"{NETNS_PREFIX}ve", f"{NETNS_PREFIX}0", f"{NETNS_PREFIX}1"
-VE_ADDRESS, PD_ADDRESS, PREFIX = "10.232.0.1", "10.232.0.2", 24
+VE_ADDRESS, PD_ADDRESS = "10.232.0.1", "10.232.0.2"
 MAX_TOKENS = 6
 BENCH_CHATS = 12  # the bounded loop of each path's hand-off figures
 RESTART_CHATS = 4  # image chats read from a restarted VE
 IDLE_WINDOW_S = 10
-
-
-def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -63,21 +59,8 @@ def veth():
     """nxk-ve with nxk0 (10.232.0.1) joined to nxk1 (10.232.0.2) on the host; deleted afterwards."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("network namespaces need root and iproute2 (`ip netns`)")
-    ip("netns", "del", NETNS, check=False)  # a leftover of this test's own earlier run
-    ip("link", "del", PD_LINK, check=False)
-    ip("netns", "add", NETNS)
-    try:
-        ip("link", "add", PD_LINK, "type", "veth", "peer", "name", VE_LINK)
-        ip("link", "set", VE_LINK, "netns", NETNS)
-        ip("addr", "add", f"{PD_ADDRESS}/{PREFIX}", "dev", PD_LINK)
-        ip("link", "set", PD_LINK, "up")
-        ip("-n", NETNS, "addr", "add", f"{VE_ADDRESS}/{PREFIX}", "dev", VE_LINK)
-        ip("-n", NETNS, "link", "set", VE_LINK, "up")
-        ip("-n", NETNS, "link", "set", "lo", "up")
+    with namespace_beside_host(NETNS, End(NETNS, VE_LINK, VE_ADDRESS), PD_LINK, PD_ADDRESS):
         yield
-    finally:
-        ip("link", "del", PD_LINK, check=False)
-        ip("netns", "del", NETNS, check=False)
 
 
 def link_rx_bytes() -> int:
@@ -302,7 +285,7 @@ def ucx_connections_go_from_the_pd_to_the_ve(settings: plan.Settings) -> None:
     access rules open (firewall.py, PD hosts -> VE hosts; UCX's sources do not settle whether its
     TCP transport connects back, this does for the sandbox)."""
     ucx = port_range(settings.vllm_cpu_ucx_port_range)
-    out = ip("netns", "exec", NETNS, "ss", "-Htn", "state", "established").stdout
+    out = ip("netns", "exec", NETNS, "ss", "-Htn", "state", "established")
     pairs = []
     for line in out.splitlines():
         local, peer = line.split()[-2:]

@@ -35,18 +35,15 @@ from epd_kit.plan.settings import port_range
 from epd_kit.plan.variables import VARIABLES
 
 from .conftest import REPO
+from .netns import End, ip, namespace_beside_host
 from .nixl_producer import READY, item
 
 NETNS, VE_LINK, PD_LINK = "s9r-rve", "s9r-r0", "s9r-r1"
-VE_ADDRESS, PD_ADDRESS, PREFIX = "10.233.0.1", "10.233.0.2", 24
+VE_ADDRESS, PD_ADDRESS = "10.233.0.1", "10.233.0.2"
 SIDE_PORT = 14690  # the VE's side channel (any port outside the UCX range)
 UCX_PORTS = str(VARIABLES["epd_vllm_cpu_ucx_port_range"].default)  # the plan's default range
 TRANSFER_TIMEOUT_S = 5.0  # the connector's default transfer_timeout_sec
 START_S = 120  # the producer imports the plugin (and so vLLM's connector base): seconds on a busy machine
-
-
-def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
 
 
 @pytest.fixture
@@ -54,21 +51,8 @@ def veth():
     """s9r-rve with s9r-r0 (10.233.0.1) joined to s9r-r1 (10.233.0.2) on the host; deleted afterwards."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("network namespaces need root and iproute2 (`ip netns`)")
-    ip("netns", "del", NETNS, check=False)  # a leftover of this test's own earlier run
-    ip("link", "del", PD_LINK, check=False)
-    ip("netns", "add", NETNS)
-    try:
-        ip("link", "add", PD_LINK, "type", "veth", "peer", "name", VE_LINK)
-        ip("link", "set", VE_LINK, "netns", NETNS)
-        ip("addr", "add", f"{PD_ADDRESS}/{PREFIX}", "dev", PD_LINK)
-        ip("link", "set", PD_LINK, "up")
-        ip("-n", NETNS, "addr", "add", f"{VE_ADDRESS}/{PREFIX}", "dev", VE_LINK)
-        ip("-n", NETNS, "link", "set", VE_LINK, "up")
-        ip("-n", NETNS, "link", "set", "lo", "up")
+    with namespace_beside_host(NETNS, End(NETNS, VE_LINK, VE_ADDRESS), PD_LINK, PD_ADDRESS):
         yield
-    finally:
-        ip("link", "del", PD_LINK, check=False)
-        ip("netns", "del", NETNS, check=False)
 
 
 class Producer:
@@ -113,7 +97,7 @@ class Producer:
 
 def ve_to_pd_connections() -> list[str]:
     """TCP connections the VE's namespace opened to the PD's address (the VE connecting back)."""
-    out = ip("netns", "exec", NETNS, "ss", "-Htn", "state", "established").stdout
+    out = ip("netns", "exec", NETNS, "ss", "-Htn", "state", "established")
     back = []
     for line in out.splitlines():
         local, peer = line.split()[-2:]
