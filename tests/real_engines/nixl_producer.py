@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import signal
 import sys
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch only where it runs: the host-free lane collects this tier without it
+    import torch
 
 ROWS, WIDTH, BLOCK_TOKENS = 10, 6, 4  # an item of 10 rows in 3 blocks of 4
 READY = "EPD NIXL PRODUCER READY "  # its line's prefix (vLLM's log shares stdout)
@@ -22,6 +24,8 @@ READY = "EPD NIXL PRODUCER READY "  # its line's prefix (vLLM's log shares stdou
 
 def item(seed: int) -> torch.Tensor:
     """The item this producer holds: a function of `seed`, so the reader can check its bytes."""
+    import torch
+
     return (torch.arange(ROWS * WIDTH, dtype=torch.float32).view(ROWS, WIDTH) + seed).to(torch.bfloat16)
 
 
