@@ -21,7 +21,7 @@ import yaml
 
 from bench.router_processes import router_group
 from bench.stack import engine_proc
-from epd_kit.router.tenant_table import TABLE_FILE
+from epd_kit.router.tenant_table import FOLLOW_EVERY_S, TABLE_FILE
 
 CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
 CALM, SLOW = "sk-calm-tenant-0001", "sk-slow-tenant-0001"
@@ -111,9 +111,15 @@ def chat_metrics(url: str) -> str:
 def test_a_table_truncated_or_overwritten_under_running_processes_kills_none(group):
     table: Path = group.metrics_dir / TABLE_FILE
     statuses = [chat(group.url, CALM).status_code for _ in range(4)]
+    size = table.stat().st_size
     os.truncate(table, 100)  # every process used to die of SIGBUS on its next tenant request
     statuses += [chat(group.url, CALM).status_code for _ in range(8)]
-    table.write_bytes(os.urandom(table.stat().st_size))  # garbage in every slot and the header
+    # garbage in every slot and the header, at the table's full size: whether a process has made
+    # the truncated file whole again by now is a race, and a 100-byte write would be "truncated"
+    table.write_bytes(os.urandom(size))
+    # a process reads the header at most once per FOLLOW_EVERY_S: on a fast machine the next
+    # requests all came within the last check's second and no process saw the garbage
+    time.sleep(FOLLOW_EVERY_S * 1.2)
     statuses += [chat(group.url, CALM).status_code for _ in range(8)]
     statuses += [chat(group.url, SLOW).status_code for _ in range(4)]
     assert all(member.popen.poll() is None for member in group.members), "a router process died"
