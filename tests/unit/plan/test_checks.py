@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +181,9 @@ def test_without_the_router_package_the_router_settings_are_checked_by_kind_and_
         "(No module named 'pydantic')" in warning and warning.endswith("-m pip install -r " + str(REQUIREMENTS))
         for warning in result["warnings"]
     ), result["warnings"]
+    # an installed wheel has no collection beside it: the command names pydantic itself
+    monkeypatch.setattr(planner.router_check, "CONTROLLER_REQUIREMENTS", REPO / "no-such-requirements.txt")
+    assert planner.router_check.install_command() == f"{sys.executable} -m pip install pydantic"
 
 
 def test_the_base_inventory_passes_and_plans():
