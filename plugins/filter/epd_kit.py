@@ -1,8 +1,11 @@
 """The epd-kit Ansible filters: thin shims over epd_kit.plan (the planner and the engine command model).
 
 epd_kit.plan comes from the controller's Python when the kit is installed there; otherwise the
-copy inside the collection (router/epd_kit/plan, stdlib only) is loaded, so the collection works
-on any controller. A planner error fails the task with the planner's message.
+collection's own copy of the package (router/epd_kit) is loaded under a private name, so the
+collection works on any controller: the planner is stdlib only, and where the controller's Python
+has pydantic (meta/ee-requirements.txt) the inventory check applies the router's own settings
+models from the same copy (plan/router_check.py). A planner error fails the task with the
+planner's message.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ import yaml
 from ansible.errors import AnsibleFilterError
 
 COLLECTION = Path(__file__).resolve().parents[2]
-BUNDLED_PLAN = COLLECTION / "router" / "epd_kit" / "plan"
-BUNDLED_NAME = "epd_kit_bundled_plan"
+BUNDLED_PACKAGE = COLLECTION / "router" / "epd_kit"
+# The collection's copy of epd_kit under a name no installed package has: an installed (or
+# shadowing) epd_kit is never replaced. Its modules import each other relatively, so the planner
+# reaches router_yaml as its parent's module (plan/router_check.py) under either name.
+BUNDLED_NAME = "epd_kit_bundled"
 # An optional variable a playbook, task or template reads: `epd_x | default(...)`, `epd_x is defined`.
 OPTIONAL_READ = re.compile(r"\b(epd_\w+)\s*(?:\|\s*default\(|is (?:not )?defined)")
 
@@ -33,14 +39,14 @@ def _load_plan() -> ModuleType:
         pass
     if BUNDLED_NAME not in sys.modules:
         spec = importlib.util.spec_from_file_location(
-            BUNDLED_NAME, BUNDLED_PLAN / "__init__.py", submodule_search_locations=[str(BUNDLED_PLAN)]
+            BUNDLED_NAME, BUNDLED_PACKAGE / "__init__.py", submodule_search_locations=[str(BUNDLED_PACKAGE)]
         )
         if spec is None or spec.loader is None:
-            raise ImportError(f"epd_kit.plan is neither installed nor bundled at {BUNDLED_PLAN}")
+            raise ImportError(f"epd_kit.plan is neither installed nor bundled at {BUNDLED_PACKAGE / 'plan'}")
         module = importlib.util.module_from_spec(spec)
         sys.modules[BUNDLED_NAME] = module  # registered first: relative imports and dataclasses look it up
-        spec.loader.exec_module(module)
-    return sys.modules[BUNDLED_NAME]
+        spec.loader.exec_module(module)  # an empty __init__: the router's runtime is never imported
+    return importlib.import_module(f"{BUNDLED_NAME}.plan")
 
 
 plan = _load_plan()

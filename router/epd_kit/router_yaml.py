@@ -27,12 +27,14 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from epd_kit.plan.models import reserved_name
-from epd_kit.plan.router_shape import Loc, models_as_list, served_twice
-from epd_kit.plan.variables import ROUTER_PORT
-from epd_kit.preprocess.model_files import ENGINE_DTYPES
-from epd_kit.preprocess.settings import Limits, Media, Section
-from epd_kit.wire import EC_LOCATOR, HandoffKind
+# relative, as along the whole chain below: the collection's filters load this package under a
+# private name on a controller without the kit (plugins/filter/epd_kit.py BUNDLED_NAME)
+from .plan.models import reserved_name
+from .plan.router_shape import Loc, models_as_list, served_twice
+from .plan.variables import ROUTER_PORT
+from .preprocess.model_files import ENGINE_DTYPES
+from .preprocess.settings import Limits, Media, Section
+from .wire import EC_LOCATOR, HandoffKind
 
 
 class ListenTls(Section):

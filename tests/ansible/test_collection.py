@@ -40,6 +40,20 @@ def test_galaxy_version_is_the_packages():
     assert (galaxy()["namespace"], galaxy()["name"]) == ("epd", "kit")
 
 
+def test_the_controller_requirements_are_the_packages_floors():
+    """meta/ee-requirements.txt (named by meta/execution-environment.yml, where ansible-builder
+    looks) lists pydantic and PyYAML with pyproject.toml's floors: floors only, as Ansible's
+    collection requirements ask (no cap, no pin)."""
+    declared = yaml.safe_load((REPO / "meta/execution-environment.yml").read_text())
+    assert declared["dependencies"] == {"python": "meta/ee-requirements.txt"}
+    lines = (REPO / declared["dependencies"]["python"]).read_text().splitlines()
+    wanted = [line for line in lines if line.strip() and not line.startswith("#")]
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = {re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0].lower(): d for d in dependencies}
+    assert wanted == [floors["pydantic"], floors["pyyaml"]]
+    assert all(">=" in line and "<" not in line and "==" not in line for line in wanted), wanted
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     """(collections path, a clean environment, an unrelated working directory) of the installed artifact."""
@@ -73,6 +87,7 @@ def installed(tmp_path_factory):
     assert done.returncode == 0, done.stdout + done.stderr
     home = root / "collections/ansible_collections/epd/kit"
     assert (home / "router/epd_kit/plan/command.py").is_file() and (home / "templates/epd-engine@.service.j2").is_file()
+    assert (home / "meta/execution-environment.yml").is_file() and (home / "meta/ee-requirements.txt").is_file()
     assert not (home / ".collections").exists(), "the in-repo collection link must not be packed"
     return run, root
 

@@ -2,7 +2,7 @@
 
 Stdlib only and relative imports only, so it imports inside any Ansible controller's Python and
 the collection's filters load its bundled copy when the controller has no epd_kit
-(plugins/filter/epd_kit.py, BUNDLED_PLAN). Layout:
+(plugins/filter/epd_kit.py, BUNDLED_NAME). Layout:
 
     variables     the declaration of every variable the kit reads (default, kind, bounds, scope, readers)
     defaults      the planner's defaults, from the declaration

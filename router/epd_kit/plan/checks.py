@@ -23,7 +23,7 @@ from .hints import did_you_mean
 from .inventory import fleet_settings, plan_from_hostvars
 from .models import first_name_problems
 from .router_check import available as router_models_available
-from .router_check import planned_value_problems
+from .router_check import install_command, planned_value_problems, unavailable_reason
 from .rules import Fleet
 from .rules import run as run_rules
 from .tenants import key_strength_problems, tenant_problems
@@ -202,8 +202,8 @@ def check_inventory(
         if not router_models_available():
             warnings.append(
                 "the router's settings (epd_router_<section>, epd_router_extra_config) were checked by kind only: "
-                "the controller's Python cannot import epd_kit.router (install the kit into Ansible's venv for "
-                "epd-router check-config's full rules)"
+                f"the controller's Python cannot load the router's settings models ({unavailable_reason()}); "
+                f"for epd-router check-config's full rules run: {install_command()}"
             )
     if problems:
         return {"problems": problems, "warnings": warnings, "plan": None, "settings": None}

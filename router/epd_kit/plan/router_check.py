@@ -5,32 +5,61 @@ epd_kit/router_yaml.py (and preprocess/settings.py); the inventory check validat
 `epd_router_<section>` and `epd_router_extra_config` section with the same models, so one set of
 rules (bounds, enumerations, cross-field validators) refuses a value before any host is contacted,
 named by its inventory variable. The models live in epd_kit/router_yaml.py, a bottom module the
-router imports too (never the router itself: tests/unit/test_import_graph.py), which needs
-pydantic: a controller whose Python lacks it (an installed collection without the kit's package)
-checks the keys' kinds only and says so once (`available`).
+router imports too (never the router itself: tests/unit/test_import_graph.py), imported as this
+package's sibling: the installed kit's, or the collection's own copy that the filters load on a
+controller without the kit (plugins/filter/epd_kit.py), so both routes apply the same models.
+They need pydantic (and PyYAML, which Ansible has): a controller whose Python lacks it checks the
+keys' kinds only and says so once, naming the command that installs the collection's controller
+requirements (`unavailable_reason`, `install_command`).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from .variables import PLANNED_KEYS, VARIABLES
 
+# The collection's controller-side Python requirements, declared as ansible-builder reads them
+# (meta/execution-environment.yml names this file; docs.ansible.com/projects/builder
+# "Collection-level dependencies"): present when this package is the collection's copy or a checkout.
+CONTROLLER_REQUIREMENTS = Path(__file__).resolve().parents[3] / "meta" / "ee-requirements.txt"
+
 
 @cache
-def _models() -> dict[str, Any] | None:
-    """{section: its pydantic model} of router.yaml, or None when the router package cannot load."""
+def _load() -> tuple[dict[str, Any] | None, str]:
+    """({section: its pydantic model} of router.yaml, "") or (None, why it cannot load)."""
     try:  # the bottom module of router.yaml's schema (no router runtime): pydantic is all it needs
-        from epd_kit.router_yaml import RouterConfig
-    except ImportError:
-        return None
-    return {name: field.annotation for name, field in RouterConfig.model_fields.items()}
+        from ..router_yaml import RouterConfig
+    except ImportError as error:
+        return None, str(error)
+    return {name: field.annotation for name, field in RouterConfig.model_fields.items()}, ""
+
+
+def _models() -> dict[str, Any] | None:
+    return _load()[0]
 
 
 def available() -> bool:
     return _models() is not None
+
+
+def unavailable_reason() -> str:
+    """Why the router's models cannot load here (the ImportError's text), or "" when they can."""
+    return _load()[1]
+
+
+def install_command() -> str:
+    """The command that gives this Python what the router's models need: the collection's
+    requirements file where it is beside this package, else pydantic itself (pip's newest
+    satisfies the kit's floor)."""
+    python = sys.executable or "python3"
+    if CONTROLLER_REQUIREMENTS.is_file():
+        return f"{python} -m pip install -r {CONTROLLER_REQUIREMENTS}"
+    return f"{python} -m pip install pydantic"
 
 
 def section_default(section: str, key: str) -> Any:

@@ -12,7 +12,7 @@ key line names a tenant defined in the file (a typo is refused naming its line).
 
 Here, in the planner's package (stdlib only), because both sides read it: the planner renders
 the file and checks the inventory with this parser (tenants.py; the collection's bundled planner
-too, so a controller without the kit's package runs the same check), the router loads it
+too, as it does router_yaml's settings check), the router loads it
 (router/tenants.py). The router imports the planner, never the other way round.
 """
 

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from epd_kit.plan.variables import IMAGES_PER_PROMPT
+from ..plan.variables import IMAGES_PER_PROMPT  # relative: loaded under the collection's private name too
 
 
 class Section(BaseModel):

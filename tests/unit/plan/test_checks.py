@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from tests import repo_modules
 from tests.ansible import helpers
 
 REPO = Path(__file__).resolve().parents[3]
+REQUIREMENTS = REPO / "meta/ee-requirements.txt"  # the collection's controller requirements
 BASE_GROUP_VARS = {"epd_model": "/models/m"}
 BASE_HOST = {"epd_num_ve": 1, "epd_num_pd": 1}
 GROUPS = ("epd_engines", "epd_router", "epd_loadbalancer", "epd_monitoring", "epd_precompile")
@@ -169,11 +171,19 @@ def test_an_inventory_only_check_needs_no_model_or_router():
 
 
 def test_without_the_router_package_the_router_settings_are_checked_by_kind_and_a_warning_says_so(monkeypatch):
-    """An installed collection whose controller Python lacks epd_kit.router (and pydantic): kinds only."""
-    monkeypatch.setattr(planner.router_check, "_models", lambda: None)
+    """A controller Python that cannot load router_yaml (no pydantic): kinds only, and the warning
+    names the cause and the command (tests/unit/plan/test_planner.py runs it without pydantic)."""
+    monkeypatch.setattr(planner.router_check, "_load", lambda: (None, "No module named 'pydantic'"))
     result = check({"all": {"epd_router_health": {"failure_ratio": 1.5}}})
     assert result["problems"] == []
     assert any("checked by kind only" in warning for warning in result["warnings"]), result["warnings"]
+    assert any(
+        "(No module named 'pydantic')" in warning and warning.endswith("-m pip install -r " + str(REQUIREMENTS))
+        for warning in result["warnings"]
+    ), result["warnings"]
+    # an installed wheel has no collection beside it: the command names pydantic itself
+    monkeypatch.setattr(planner.router_check, "CONTROLLER_REQUIREMENTS", REPO / "no-such-requirements.txt")
+    assert planner.router_check.install_command() == f"{sys.executable} -m pip install pydantic"
 
 
 def test_the_base_inventory_passes_and_plans():

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -496,7 +497,108 @@ def test_filter_shims_load_the_bundled_planner_without_the_kit(tmp_path):
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=scaled(60), check=True
     )
-    assert result.stdout.split() == ["epd_kit_bundled_plan", "epd_kit_bundled_plan.command"]
+    assert result.stdout.split() == ["epd_kit_bundled.plan", "epd_kit_bundled.plan.command"]
+
+
+# The filter plugin in a controller's Python without the kit: the venv's packages on sys.path as
+# a plain directory under `python -S`, so no .pth file runs and the kit's editable install (one)
+# does not exist there. Prints what the inventory check says and which modules it loaded.
+BUNDLED_CHECK = """
+import json, sys
+sys.path.append(sys.argv[1])
+import importlib.util as u
+spec = u.spec_from_file_location("f", sys.argv[2])
+m = u.module_from_spec(spec); spec.loader.exec_module(m)
+result = m.checked_plan(json.loads(sys.argv[3]), {"epd_engines": ["n1"], "epd_router": ["n1"]})
+print(json.dumps({"plan": m.plan.__name__, "problems": result["problems"], "warnings": result["warnings"],
+                  "modules": sorted(sys.modules)}))
+"""
+# what the router's runtime and the preprocessor import; the controller's check needs none of it
+HEAVY = ("transformers", "tokenizers", "PIL", "numpy", "aiohttp", "starlette", "torch")
+# router_yaml and what it imports, the planner aside: no router runtime, no preprocessor
+ROUTER_YAML_CHAIN = ("preprocess", "preprocess.model_files", "preprocess.settings", "router_yaml", "wire")
+
+
+def controller_site(tmp_path, without: tuple[str, ...] = ()) -> str:
+    """A site directory of this venv's packages (links), less the distributions named (import names)."""
+    packages = Path(sysconfig.get_paths()["purelib"])
+    if not without:
+        return str(packages)
+    site = tmp_path / "site"
+    if site.is_dir():
+        return str(site)
+    site.mkdir()
+    for entry in packages.iterdir():
+        if not entry.name.endswith(".pth") and not entry.name.lower().startswith(without):
+            (site / entry.name).symlink_to(entry)
+    return str(site)
+
+
+def bundled_check(tmp_path, hostvars, without: tuple[str, ...] = ()) -> dict:
+    site = controller_site(tmp_path, without)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-S",
+            "-c",
+            BUNDLED_CHECK,
+            site,
+            str(REPO / "plugins/filter/epd_kit.py"),
+            json.dumps(hostvars),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def router_hostvars(**router_vars) -> dict:
+    return {"n1": {"epd_model": MODEL, "epd_num_pd": 1, "epd_num_ve": 1, **router_vars}}
+
+
+def test_the_bundled_planner_refuses_a_router_setting_as_the_installed_one_does(tmp_path):
+    """A controller without the kit's package but with pydantic (meta/ee-requirements.txt): the
+    collection's copy of router_yaml refuses the value with the installed check's very message,
+    and the router's runtime and preprocessor stay unimported."""
+    from tests import repo_modules
+
+    hostvars = router_hostvars(epd_router_health={"failure_ratio": 1.5}, epd_otlp_traces_endpoint="ftp://t:4318")
+    bundled = bundled_check(tmp_path, hostvars)
+    assert bundled["plan"] == "epd_kit_bundled.plan" and "epd_kit" not in bundled["modules"]
+    installed = repo_modules.filters().checked_plan(hostvars, {"epd_engines": ["n1"], "epd_router": ["n1"]})
+    assert bundled["problems"] == installed["problems"] and bundled["warnings"] == installed["warnings"] == []
+    assert any(
+        p.startswith("n1: epd_router_health.failure_ratio is 1.5: input should be less than or equal to 1")
+        for p in bundled["problems"]
+    ), bundled["problems"]
+    assert any("epd_otlp_traces_endpoint is 'ftp://t:4318'" in p for p in bundled["problems"]), bundled["problems"]
+    assert [name for name in bundled["modules"] if name.split(".")[0] in HEAVY] == []
+    beside_the_planner = [
+        name for name in bundled["modules"] if name.startswith("epd_kit_bundled.") and ".plan" not in name
+    ]
+    assert sorted(beside_the_planner) == [f"epd_kit_bundled.{name}" for name in ROUTER_YAML_CHAIN]
+
+    passing = bundled_check(tmp_path, router_hostvars(epd_router_health={"failure_ratio": 0.5}))
+    assert passing["problems"] == passing["warnings"] == []
+
+
+def test_the_bundled_planner_without_pydantic_checks_kinds_and_names_the_fix(tmp_path):
+    """Without pydantic the router's settings are checked by kind only; the one warning names
+    what failed and the command that installs the collection's controller requirements."""
+    bundled = bundled_check(tmp_path, router_hostvars(epd_router_health={"failure_ratio": 1.5}), without=("pydantic",))
+    assert bundled["problems"] == [] and "pydantic" not in bundled["modules"]
+    requirements = REPO / "meta/ee-requirements.txt"
+    assert bundled["warnings"] == [
+        "the router's settings (epd_router_<section>, epd_router_extra_config) were checked by kind only: "
+        "the controller's Python cannot load the router's settings models (No module named 'pydantic'); "
+        f"for epd-router check-config's full rules run: {sys.executable} -m pip install -r {requirements}"
+    ]
+    bad_kind = bundled_check(tmp_path, router_hostvars(epd_router_health=[1]), without=("pydantic",))
+    assert bad_kind["problems"], "a value of the wrong kind is still refused"
 
 
 # --------------------------------------------------------------------------- plan.yml (real ansible-playbook)
