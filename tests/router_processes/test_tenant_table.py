@@ -112,8 +112,12 @@ def test_a_table_truncated_or_overwritten_under_running_processes_kills_none(gro
     table: Path = group.metrics_dir / TABLE_FILE
     statuses = [chat(group.url, CALM).status_code for _ in range(4)]
     size = table.stat().st_size
-    os.truncate(table, 100)  # every process used to die of SIGBUS on its next tenant request
+    # a header cut short: the first slot's page is still in the file (a mapping read it without a
+    # fault), so the repair is tested here, the SIGBUS below
+    os.truncate(table, 100)
     statuses += [chat(group.url, CALM).status_code for _ in range(8)]
+    os.truncate(table, 0)  # every process used to die of SIGBUS on its next tenant request
+    statuses += [chat(group.url, CALM).status_code for _ in range(4)]
     # garbage in every slot and the header, at the table's full size: whether a process has made
     # the truncated file whole again by now is a race, and a 100-byte write would be "truncated"
     table.write_bytes(os.urandom(size))
@@ -123,8 +127,8 @@ def test_a_table_truncated_or_overwritten_under_running_processes_kills_none(gro
     statuses += [chat(group.url, CALM).status_code for _ in range(8)]
     statuses += [chat(group.url, SLOW).status_code for _ in range(4)]
     assert all(member.popen.poll() is None for member in group.members), "a router process died"
-    assert set(statuses[:20]) == {200}, statuses
-    assert set(statuses[20:]) <= {200, 429} and statuses[20:].count(200) <= 2, statuses  # one per process at most
+    assert set(statuses[:24]) == {200}, statuses
+    assert set(statuses[24:]) <= {200, 429} and statuses[24:].count(200) <= 2, statuses  # one per process at most
     faults = chat_metrics(group.url)
     assert re.search(r'epd_router_tenant_table_faults_total\{fault="truncated"\} [1-9]', faults)
     assert re.search(r'epd_router_tenant_table_faults_total\{fault="foreign"\} [1-9]', faults)

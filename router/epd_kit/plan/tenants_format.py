@@ -41,7 +41,7 @@ LIMITS = {
 RETRY_AFTER_MAX_S = 3600
 # Each limit's range: what the buckets' arithmetic (floats, an i32 count per worker) and the
 # Retry-After header hold. requests_per_s=1e-320 used to pass and make every request a 500
-# (a division overflowing), 1e-300 a Retry-After of 40 digits.
+# (a division overflowing), 1e-300 a Retry-After of 300 digits.
 BOUNDS: dict[str, tuple[float, float]] = {
     "requests_per_s": (0.001, 1_000_000),  # one request per 1000 s .. a million a second
     "concurrent_requests": (1, 1_000_000),

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from epd_kit.plan.tenants_format import MAX_TENANTS
+from epd_kit.plan.tenants_format import MAX_TENANTS, parse_tenants
 from epd_kit.router import tenant_table
 from epd_kit.router.errors import RouterError
 from epd_kit.router.service import RouterService
@@ -34,6 +34,7 @@ from epd_kit.router.tenant_table import (
     _WORKER,
     LOCK_WAIT_S,
     MAGIC,
+    MAX_WORKERS,
     SLOT,
     SLOTS_AT,
     TABLE_BYTES,
@@ -41,7 +42,7 @@ from epd_kit.router.tenant_table import (
     TPM,
     BucketTable,
 )
-from epd_kit.router.tenants import TenantLimits, TenantMetrics, TenantQuotas
+from epd_kit.router.tenants import TenantLimits, TenantMetrics, TenantQuotas, Tenants
 from epd_kit.router_yaml import parse_config
 from tests.budget import scaled
 
@@ -181,6 +182,42 @@ def test_a_foreign_or_replaced_file_is_replaced_not_rewritten_and_every_holder_f
     assert faults.seen["replaced"] == 1
 
 
+# each layout the table file had, by its magic (its version, which names the file): a layout
+# change without a new magic would have the old and the new processes of a rolling upgrade
+# rewrite each other's file
+LAYOUTS = {b"epdtnt02": ("8s3I", _HEAD_BYTES, "qq", "64s", "6d", "64i", MAX_TENANTS)}
+
+
+def test_a_table_file_of_another_layout_is_never_opened_so_its_processes_keep_it(tmp_path):
+    """Issue 58: the router truncated a table of another size in place at start (the magic it
+    wrote was never checked), so a rolling upgrade that changes the layout emptied the table the
+    old processes still mapped. The layout's version names the file: the files of other
+    layouts beside it (the release before the versioned names used tenant-buckets.bin) are
+    left whole, byte for byte."""
+    assert LAYOUTS.get(MAGIC) == (
+        tenant_table._HEAD.format,
+        SLOTS_AT - MAX_WORKERS * _WORKER.size,
+        _WORKER.format,
+        _NAME.format,
+        _BUCKETS.format,
+        tenant_table._COUNTS.format,
+        MAX_TENANTS,
+    ), "the table's layout changed: give it a new MAGIC (and so a new file name), then add it here"
+    assert MAGIC.decode() in TABLE_FILE
+    others = {
+        "tenant-buckets.bin": b"epdtnt01" + os.urandom(4096),  # another size and magic than ours
+        "tenant-buckets-epdtnt03.bin": b"epdtnt03" + os.urandom(TABLE_BYTES - 8),
+    }
+    for name, data in others.items():
+        (tmp_path / name).write_bytes(data)
+    tenants = Tenants(TenantMetrics(CollectorRegistry()), tmp_path, worker="0")
+    tenants.apply(parse_tenants("tenant a requests_per_s=1\nkey a sk-a\n", "f"))
+    tenants._quotas.admit("a", TenantLimits(requests_per_s=1))
+    refused(lambda: tenants._quotas.admit("a", TenantLimits(requests_per_s=1)))
+    assert {name: (tmp_path / name).read_bytes() for name in others} == others
+    assert (tmp_path / TABLE_FILE).read_bytes()[: len(MAGIC)] == MAGIC
+
+
 def test_a_deleted_file_and_a_restarted_worker_share_one_table_again(tmp_path, follow_at_once):
     path = tmp_path / TABLE_FILE
     one = quotas(path, 0)
@@ -205,8 +242,6 @@ def test_a_file_that_cannot_be_opened_is_replaced_or_the_process_keeps_its_own(t
     metrics = TenantMetrics(CollectorRegistry())
     blocked = tmp_path / "blocked"
     (blocked / TABLE_FILE).mkdir(parents=True)
-    from epd_kit.router.tenants import Tenants
-
     tenants = Tenants(metrics, blocked, worker="0")
     assert not tenants._table()[0].shared
     assert metrics._faults.labels("unusable")._value.get() == 1

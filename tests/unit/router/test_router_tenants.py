@@ -61,7 +61,7 @@ def test_a_tenants_file_gives_each_key_its_tenant_and_each_tenant_its_limits():
         ("tenant a\n", "f: contains no keys"),
         ("sk-plain-key\n", "line 1: unknown entry 'sk-plain-key'"),
         # values the router could not serve (issue 58): 1e-320 made every request a 500, 1e-300
-        # a Retry-After of 40 digits
+        # a Retry-After of 300 digits (measured on 676bde9)
         (
             "tenant acme requests_per_s=1e-320\nkey acme k\n",
             "line 1: tenant 'acme': requests_per_s=1e-320 is outside the range the router serves, 0.001 to 1e+06",
