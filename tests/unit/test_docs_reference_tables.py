@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tomllib
 from pathlib import Path
+
+import click
 
 from epd_kit.plan.variables import ENGINE, FLEET, HOST, VARIABLES
 from tests import repo_modules
@@ -29,12 +32,18 @@ def section(page: str, heading: str) -> str:
     return text[start : end if end != -1 else len(text)]
 
 
+def rows(text: str) -> list[list[str]]:
+    """The cells of every table row in `text`, header rows included, separator rows left out."""
+    return [
+        [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        for line in text.splitlines()
+        if line.startswith("|") and not set(line) <= set("|-: ")
+    ]
+
+
 def first_cells(text: str) -> list[str]:
     """The first cell of every table row (header and separator rows left out)."""
-    cells = []
-    for line in text.splitlines():
-        if line.startswith("|") and not set(line) <= set("|-: "):
-            cells.append(re.split(r"(?<!\\)\|", line.strip().strip("|"))[0].strip())
+    cells = [row[0] for row in rows(text)]
     return cells[1:] if cells and cells[0] in ("module", "filter", "variable") else cells
 
 
@@ -117,4 +126,157 @@ def test_router_md_maps_every_module_of_the_router():
     actual = modules(PACKAGE / "router")
     assert named == actual, (
         f"docs/router.md 'Code map': missing {sorted(actual - named)}, gone {sorted(named - actual)}"
+    )
+
+
+def test_sim_md_maps_every_module_of_the_sim():
+    cells = first_cells((REPO / "docs" / "sim.md").read_text().split("\n## ", 1)[0])
+    named = {name.removesuffix(".py") for cell in cells for name in TICKED.findall(cell)}
+    actual = modules(PACKAGE / "sim")
+    assert named == actual, (
+        f"docs/sim.md's module table: missing {sorted(actual - named)}, gone {sorted(named - actual)}"
+    )
+
+
+def sim_options() -> dict[str, click.Option]:
+    """epd-sim serve's own options (`--sim-*`), by flag."""
+    from epd_kit.sim.cli import serve
+
+    return {opt.opts[0]: opt for opt in serve.params if opt.opts[0].startswith("--sim-")}
+
+
+def test_sim_md_tables_every_sim_flag_with_its_env_and_default():
+    """docs/sim.md "Command line" and "Fault injection" hold every `--sim-*` flag of `epd-sim
+    serve`, each with its environment variable; "Command line" with its default (the click
+    default, or the default latency profile's value where the flag defaults to the profile)."""
+    from epd_kit.sim.profile import PROFILES
+
+    options = sim_options()
+    named: set[str] = set()
+    for row in rows(section("sim.md", "## Command line"))[1:]:
+        flags = [flag for flag in TICKED.findall(row[0]) if flag.startswith("--sim-")]
+        for flag in flags:
+            assert flag in options, f"docs/sim.md 'Command line' names {flag}, which epd-sim serve lacks"
+            option = options[flag]
+            assert row[1] == f"`{option.envvar}`", (
+                f"docs/sim.md 'Command line' {flag}: env {row[1]}, code {option.envvar}"
+            )
+            default = option.default
+            if default is None:  # the latency profile's value
+                default = getattr(
+                    PROFILES[options["--sim-profile"].default], flag.removeprefix("--sim-").replace("-", "_")
+                )
+            shown = row[2].strip("`")
+            same = shown == default if isinstance(default, str) else float(shown) == default
+            assert same, f"docs/sim.md 'Command line' {flag}: default {row[2]}, code {default!r}"
+        named.update(flags)
+    for row in rows(section("sim.md", "## Fault injection"))[1:]:
+        flags = [flag for flag in TICKED.findall(row[0]) if flag.startswith("--sim-")]
+        envs = [env for env in TICKED.findall(row[0]) if env.startswith("EPD_SIM_")]
+        assert flags, f"docs/sim.md 'Fault injection' row without a flag: {row[0]}"
+        assert not set(flags) - set(options), f"docs/sim.md 'Fault injection' names flags epd-sim lacks: {flags}"
+        assert set(envs) <= {options[flag].envvar for flag in flags}, f"docs/sim.md 'Fault injection': {row[0]}"
+        named.update(flags)
+    assert not set(options) - named, f"docs/sim.md has no row for {sorted(set(options) - named)}"
+
+
+def expand(names: list[str]) -> list[str]:
+    """`epd_a_b_c`, `_d`: a name starting with `_` replaces as many trailing words of the name
+    before it as it has (`epd_router_engine_inflight`, `_healthy` -> `epd_router_engine_healthy`)."""
+    full: list[str] = []
+    for name in names:
+        words = full[-1].split("_") if name.startswith("_") and full else []
+        full.append("_".join(words[: len(words) - name.count("_")]) + name if words else name)
+    return full
+
+
+def router_series() -> dict[str, set[str]]:
+    """Every series the router exports, by its exposed name, with its label names."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from epd_kit.router import metrics
+
+    registry = metrics.RouterMetrics(lambda: None)
+    series = {}
+    for wrapper in vars(registry).values():
+        if isinstance(wrapper, MetricWrapperBase):
+            suffix = "_total" if wrapper._type == "counter" else ""
+            series[wrapper._name + suffix] = set(wrapper._labelnames)
+    series.update({gauge.name: {"engine", "role", "model"} for gauge in metrics._ENGINE_GAUGES})
+    series.update({name + "_total": {"model"} for name, _, _ in metrics._PREPROCESS_COUNTERS})
+    return series
+
+
+def test_observability_md_labels_every_series_by_model_as_the_router_does():
+    series = router_series()
+    documented: dict[str, set[str]] = {}
+    for row in rows(section("observability.md", "## The model label"))[1:]:
+        labels = {label for label in TICKED.findall(row[1]) if re.fullmatch(r"[a-z]+", label)}
+        for name in expand(TICKED.findall(row[0])):
+            documented[name] = labels
+    for name, labels in documented.items():
+        assert name in series, f"docs/observability.md 'The model label' names {name}, which the router lacks"
+        assert labels == series[name], f"{name}: docs/observability.md says {sorted(labels)}, the router {series[name]}"
+    by_model = {name for name, labels in series.items() if "model" in labels}
+    assert by_model - set(documented) == set(), f"'The model label' has no row for {sorted(by_model - set(documented))}"
+
+
+def test_observability_md_tables_every_variable_of_the_observability_role():
+    """A row per variable, and the thresholds' row naming the rest as `epd_observability_x`, `_y`."""
+    named = set()
+    for row in rows(section("observability.md", "## Scrape targets from the plan")):
+        if row[0].startswith("`epd_observability_") or row[0] == "thresholds":
+            cell = row[2] if row[0] == "thresholds" else row[0]
+            named |= {"epd_observability" + n if n.startswith("_") else n for n in TICKED.findall(cell)}
+    declared = {name for name in VARIABLES if name.startswith("epd_observability_")}
+    assert named == declared, (
+        f"docs/observability.md role variables: missing {declared - named}, gone {named - declared}"
+    )
+
+
+def test_advisor_md_targets_are_the_advisors_options_and_defaults():
+    from epd_kit.advise.cli import advise
+
+    options = {opt.opts[0]: opt.default for opt in advise.params}
+    table = rows(section("advisor.md", "## What it reports"))
+    targets = [row for row in table if row[0] in ("busy", "queueing (latency)")]
+    assert len(targets) == 2, targets
+    for row in targets:
+        flag, default = re.fullmatch(r"`(--[a-z-]+)` \(([\d.]+)\)", row[1]).groups()
+        assert flag in options, f"docs/advisor.md 'Targets' names {flag}, which epd-router advise lacks"
+        assert float(default) == options[flag], f"docs/advisor.md {flag}: {default}, the advisor {options[flag]}"
+    assert {"--target-busy", "--target-queueing"} <= {re.match(r"`(--[a-z-]+)`", row[1])[1] for row in targets}, (
+        "a target option without its row in docs/advisor.md"
+    )
+
+
+def test_preprocessing_md_tables_every_preprocess_error_with_its_status():
+    from epd_kit.preprocess import errors
+
+    classes = {
+        name: cls.status
+        for name, cls in vars(errors).items()
+        if isinstance(cls, type) and issubclass(cls, errors.PreprocessError) and cls is not errors.PreprocessError
+    }
+    documented = {}
+    for row in rows(section("preprocessing.md", "## Errors (all `PreprocessError`: `.status`, `.message`, `.param`)"))[
+        1:
+    ]:
+        for name in row[0].split(" / "):
+            assert classes.get(name) == int(row[1]), (
+                f"docs/preprocessing.md 'Errors': {name} {row[1]}, code {classes.get(name)}"
+            )
+            documented[name] = int(row[1])
+    assert set(classes) - set(documented) == set(), (
+        f"docs/preprocessing.md 'Errors' has no row for {set(classes) - set(documented)}"
+    )
+
+
+def test_dependencies_md_gives_a_reason_for_every_runtime_dependency():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    required = {re.match(r"[A-Za-z0-9_.-]+", spec)[0].lower() for spec in project["dependencies"]}
+    runtime = (REPO / "docs" / "dependencies.md").read_text().split("| package | why |", 1)[1].split("\n\n", 1)[0]
+    named = {name.strip().lower() for row in rows(runtime) for name in row[0].split(",")}
+    assert named == required, (
+        f"docs/dependencies.md: no reason for {required - named}, not a dependency {named - required}"
     )
