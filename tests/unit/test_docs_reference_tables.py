@@ -280,3 +280,45 @@ def test_dependencies_md_gives_a_reason_for_every_runtime_dependency():
     assert named == required, (
         f"docs/dependencies.md: no reason for {required - named}, not a dependency {named - required}"
     )
+
+
+UNITS = {"": 1, "s": 1, "Mi": 2**20, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+# a number, squared (8192²) or with its unit; not the "1" of "per 1k tokens"
+AMOUNT = re.compile(r"(\d+(?:\.\d+)?)(²)?(?: ?(KiB|MiB|GiB|Mi|s)\b)?(?![\dk.])")
+
+
+def amounts(cell: str) -> list[float]:
+    """The values of a defaults cell, in order: "20 MiB / 8192² / 1000", "10 s + 5 s per 1k tokens"."""
+    return [float(n) ** (2 if sq else 1) * UNITS[unit or ""] for n, sq, unit in AMOUNT.findall(cell)]
+
+
+def test_router_md_limits_are_the_config_fields_with_their_defaults():
+    """docs/router.md "Limits and timeouts": each setting a field of router.yaml (or the listener's
+    constant), each default the model's. `section.a` / `b`: b is in a's section."""
+    from epd_kit.router import listener
+    from epd_kit.router_yaml import RouterConfig
+
+    # each section of router.yaml as its model's defaults make it
+    sections = {name: f.default_factory() for name, f in RouterConfig.model_fields.items() if f.default_factory}
+    compared = 0
+    for row in rows(section("router.md", "## Limits and timeouts").split("\n### ", 1)[0])[1:]:
+        names, owner = [], None
+        for name in TICKED.findall(row[0]):
+            owner, _, field = name.rpartition(".") if "." in name else (owner, ".", name)
+            names.append((owner, field))
+        assert names, f"docs/router.md 'Limits and timeouts': no setting in {row[0]!r}"
+        values = amounts(row[1])
+        for index, (owner, field) in enumerate(names):
+            source = listener if owner == "listener" else sections.get(owner)
+            assert hasattr(source, field), (
+                f"docs/router.md 'Limits and timeouts' names {owner}.{field}: no such setting"
+            )
+            actual = getattr(source, field)
+            if isinstance(actual, list):  # image_formats: the names, in order
+                assert row[1].split(", ") == [str(getattr(v, "value", v)) for v in actual], (owner, field, row[1])
+            else:
+                assert index < len(values) and values[index] == actual, (
+                    f"docs/router.md 'Limits and timeouts' {owner}.{field}: documented {row[1]!r}, default {actual!r}"
+                )
+            compared += 1
+    assert compared >= 40, compared
