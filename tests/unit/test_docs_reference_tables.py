@@ -322,3 +322,40 @@ def test_router_md_limits_are_the_config_fields_with_their_defaults():
                 )
             compared += 1
     assert compared >= 40, compared
+
+
+def every_firewall_rule() -> list[dict]:
+    """The access rules of a fleet that has every kind: VE, PD, router, HAProxy and monitoring
+    hosts (the trace store on the last), vllm-cpu engines reading over NIXL (UCX's ports)."""
+    from epd_kit import plan as planner
+    from epd_kit.plan import firewall
+
+    fleet = {"epd_model": "/models/m", "epd_client_networks": ["192.168.0.0/24"], "epd_engine_backend": "vllm-cpu"}
+    fleet |= {"epd_ve_tp": 1, "epd_ve_dp": 1, "epd_pd_tp": 1, "epd_vllm_cpu_ec_transport": "nixl"}
+    counts = {"n1": {"epd_num_ve": 1}, "n2": {"epd_num_pd": 1}, "n3": {}, "lb": {}, "prom": {}}
+    hostvars = {
+        host: {**fleet, **own, "ansible_host": f"10.213.0.{11 + i}", "epd_bind_address": f"10.213.0.{11 + i}"}
+        for i, (host, own) in enumerate(counts.items())
+    }
+    groups = {"epd_engines": ["n1", "n2"], "epd_router": ["n3"], "epd_loadbalancer": ["lb"], "epd_monitoring": ["prom"]}
+    checked = planner.check_inventory(hostvars, groups, None, set(VARIABLES))
+    assert checked["problems"] == []
+    port = checked["settings"]["epd_router_port"]
+    hosts = firewall.firewall_for_hosts(checked["plan"], port, hostvars, groups, list(hostvars))
+    return [rule for host in hosts.values() for rule in host["rules"]]
+
+
+def test_security_md_gives_every_port_the_firewall_opens_with_its_default():
+    """docs/security.md "Who can reach what": each port variable with its default, and every rule
+    of the plan's firewall (epd_kit/plan/firewall.py) opens a port the table names."""
+    documented: dict[int, str] = {}
+    for row in rows(section("security.md", "## Who can reach what"))[1:]:
+        for name, value in re.findall(r"`(epd_\w+)`(?:\.\.)? ([\d-]+)", row[1]):
+            default = VARIABLES[name].default
+            assert str(default) == value, f"docs/security.md 'Who can reach what': {name} {value}, declared {default!r}"
+            documented[int(value.split("-")[0])] = name
+    opened = every_firewall_rule()
+    for rule in opened:
+        assert set(rule["ports"]) & set(documented), f"docs/security.md 'Who can reach what' has no row for {rule}"
+    unused = set(documented) - {port for rule in opened for port in rule["ports"]}
+    assert not unused, f"docs/security.md names ports no rule opens: {[documented[p] for p in unused]}"
