@@ -359,3 +359,31 @@ def test_security_md_gives_every_port_the_firewall_opens_with_its_default():
         assert set(rule["ports"]) & set(documented), f"docs/security.md 'Who can reach what' has no row for {rule}"
     unused = set(documented) - {port for rule in opened for port in rule["ports"]}
     assert not unused, f"docs/security.md names ports no rule opens: {[documented[p] for p in unused]}"
+
+
+def test_router_md_lists_every_operations_endpoint_of_the_router():
+    from epd_kit.router.routes import CHAT_PATH, routes
+
+    served = {f"{method} {route.path}" for route in routes.routes for method in route.methods}
+    named = {
+        cell for row in rows(section("router.md", "## Operations endpoints"))[1:] for cell in TICKED.findall(row[0])
+    }
+    expected = served - {f"POST {CHAT_PATH}"}  # the API itself: "Request path"
+    assert named == expected, (
+        f"docs/router.md 'Operations endpoints': missing {expected - named}, gone {named - expected}"
+    )
+
+
+def test_router_md_tenant_limit_ranges_are_the_bounds_the_router_serves():
+    from epd_kit.plan.tenants_format import BOUNDS
+
+    def number(text: str) -> float:
+        base, _, power = text.partition("^")
+        return float(base) ** int(power) if power else float(base)
+
+    documented = {}
+    for row in rows(section("router.md", "## Tenants")):
+        if re.fullmatch(r"`\w+`", row[0]) and " to " in row[1]:
+            low, high = row[1].split(" to ")
+            documented[row[0].strip("`")] = (number(low.split()[0]), number(high.split()[0]))
+    assert documented == {key: (float(low), float(high)) for key, (low, high) in BOUNDS.items()}, documented
