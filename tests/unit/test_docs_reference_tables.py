@@ -19,6 +19,7 @@ from epd_kit.plan.variables import ENGINE, FLEET, HOST, VARIABLES
 from tests import repo_modules
 
 REPO = Path(__file__).resolve().parents[2]
+MODEL = {"epd_model": "/models/m"}
 PACKAGE = REPO / "router" / "epd_kit"
 TICKED = re.compile(r"`([^`]+)`")
 
@@ -387,3 +388,29 @@ def test_router_md_tenant_limit_ranges_are_the_bounds_the_router_serves():
             low, high = row[1].split(" to ")
             documented[row[0].strip("`")] = (number(low.split()[0]), number(high.split()[0]))
     assert documented == {key: (float(low), float(high)) for key, (low, high) in BOUNDS.items()}, documented
+
+
+def test_contract_md_environment_is_the_engine_environment_of_every_release():
+    """docs/contract.md "6.4 Environment": each variable a Neuron engine gets from the plan, under
+    any Neuron release (epd_kit/plan/command.py engine_env), and a plain value as the plan sets it."""
+    from epd_kit.plan.command import engine_env
+    from epd_kit.plan.neuron_releases import RELEASES
+    from epd_kit.plan.settings import read_settings
+
+    envs = [
+        engine_env(read_settings({**MODEL, "epd_engine_backend": "vllm", "epd_neuron_release": r}), [8, 9], "ve-0")
+        for r in RELEASES
+    ]
+    documented = {}
+    for row in rows(section("contract.md", "### 6.4 Environment"))[1:]:
+        for name in TICKED.findall(row[0]):
+            documented[name] = row[1]
+    produced = {name for env in envs for name in env}
+    assert set(documented) == produced, (
+        f"docs/contract.md '6.4 Environment': missing {produced - set(documented)}, gone {set(documented) - produced}"
+    )
+    for name, value in documented.items():
+        if re.fullmatch(r"`\w+`", value):  # a plain value, or a variable's (its default)
+            plain = value.strip("`")
+            expected = str(VARIABLES[plain].default) if plain in VARIABLES else plain
+            assert {env[name] for env in envs if name in env} == {expected}, (name, value)
