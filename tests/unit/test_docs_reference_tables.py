@@ -414,3 +414,25 @@ def test_contract_md_environment_is_the_engine_environment_of_every_release():
             plain = value.strip("`")
             expected = str(VARIABLES[plain].default) if plain in VARIABLES else plain
             assert {env[name] for env in envs if name in env} == {expected}, (name, value)
+
+
+def test_planner_md_tables_every_key_of_an_epd_models_entry():
+    from epd_kit.plan.models import ENTRY_KEYS
+
+    named = {key for cell in first_cells(section("planner.md", "## Several models")) for key in TICKED.findall(cell)}
+    named = {key for key in named if not key.startswith("epd_")}  # "the fleet's `epd_rollout_batch_*`"
+    assert named == set(ENTRY_KEYS), (
+        f"docs/planner.md 'Several models': missing {set(ENTRY_KEYS) - named}, not a key {named - set(ENTRY_KEYS)}"
+    )
+
+
+def test_planner_md_lists_every_setting_the_router_hosts_share():
+    from epd_kit.plan.alike import EXTRA_ALIKE, ROUTER_ALIKE
+
+    named = {
+        name for cell in first_cells(section("planner.md", "## Router hosts alike")) for name in TICKED.findall(cell)
+    }
+    expected = set(ROUTER_ALIKE) | {f"epd_router_extra_config.{key}" for key in EXTRA_ALIKE}
+    assert named == expected, (
+        f"docs/planner.md 'Router hosts alike': missing {expected - named}, gone {named - expected}"
+    )
