@@ -436,3 +436,22 @@ def test_planner_md_lists_every_setting_the_router_hosts_share():
     assert named == expected, (
         f"docs/planner.md 'Router hosts alike': missing {expected - named}, gone {named - expected}"
     )
+
+
+# the pages of measured figures and run logs (not reference)
+NOT_REFERENCE = ("benchmarks.md", "sandbox.md")
+
+
+def test_every_epd_name_a_reference_table_lists_exists():
+    """A variable renamed or dropped leaves no row behind on any reference page: every `epd_*`
+    in a table's first column is a declared variable, one of the collection's filters or a router
+    series (the filters' module path `epd_kit...` aside)."""
+    known = set(VARIABLES) | set(repo_modules.filters().FilterModule().filters()) | set(router_series())
+    unknown = []
+    for page in sorted((REPO / "docs").glob("*.md")):
+        if page.name in NOT_REFERENCE:
+            continue
+        for row in rows(page.read_text()):
+            names = re.findall(r"`(epd_\w+)", row[0])
+            unknown += [f"{page.name}: {name}" for name in names if name not in known and name != "epd_kit"]
+    assert not unknown, f"reference tables name what the kit does not have: {unknown}"
