@@ -455,3 +455,25 @@ def test_every_epd_name_a_reference_table_lists_exists():
             names = re.findall(r"`(epd_\w+)", row[0])
             unknown += [f"{page.name}: {name}" for name in names if name not in known and name != "epd_kit"]
     assert not unknown, f"reference tables name what the kit does not have: {unknown}"
+
+
+TREE_PATH = re.compile(r"(?:tests|router|roles|playbooks|scripts|plugins|inventory|engine_plugin|bench|docs|meta)/\S*")
+
+
+def test_every_path_a_reference_table_names_exists():
+    """A file moved or deleted leaves no row behind: every backticked repository path in a table of
+    a reference page exists (`<v>`: any; `path::test` names a test of that file)."""
+    missing, named = [], 0
+    for page in sorted((REPO / "docs").glob("*.md")):
+        if page.name in NOT_REFERENCE:
+            continue
+        for row in rows(page.read_text()):
+            for token in TICKED.findall(" | ".join(row)):
+                path = token.split("::")[0].rstrip(":,")
+                if not TREE_PATH.fullmatch(path):
+                    continue
+                named += 1
+                if not any(REPO.glob(re.sub(r"<[^>]+>", "*", path))):
+                    missing.append(f"{page.name}: {path}")
+    assert named >= 100, named
+    assert not missing, f"reference tables name paths the tree does not have: {missing}"
