@@ -477,3 +477,35 @@ def test_every_path_a_reference_table_names_exists():
                     missing.append(f"{page.name}: {path}")
     assert named >= 100, named
     assert not missing, f"reference tables name paths the tree does not have: {missing}"
+
+
+def alert_rules() -> dict[str, dict]:
+    """The observability role's alert rules rendered with the declared defaults, by alert name."""
+    import jinja2
+    import yaml
+
+    template = (REPO / "roles/epd_observability/templates/epd-alerts.rules.yml.j2").read_text()
+    header, body = template.split("\n", 1)
+    assert header.startswith("#jinja2: variable_start_string: '[['"), header  # as Ansible reads it
+    env = jinja2.Environment(variable_start_string="[[", variable_end_string="]]", undefined=jinja2.StrictUndefined)
+    defaults = {name: var.default for name, var in VARIABLES.items() if name.startswith("epd_observability_")}
+    rendered = yaml.safe_load(env.from_string(body).render(ansible_managed="", **defaults))
+    return {rule["alert"]: rule for group in rendered["groups"] for rule in group["rules"]}
+
+
+def test_observability_md_alerts_are_the_rendered_rules():
+    """docs/observability.md "Alerts": one row per rule, its `for` and, where the row shows it as
+    code, its expression with the defaults, exactly as the role renders them."""
+    rules = alert_rules()
+    table = rows(section("observability.md", "## Alerts"))[1:]
+    documented = {row[0].strip("`"): row for row in table}
+    assert set(documented) == set(rules), f"docs/observability.md 'Alerts': {set(documented) ^ set(rules)}"
+    expressions = 0
+    for name, row in documented.items():
+        rule = rules[name]
+        assert row[2] == rule.get("for", "–"), f"{name}: docs 'for' {row[2]}, rendered {rule.get('for')}"
+        code = re.fullmatch(r"`([^`]+)`", row[1])
+        if code:
+            expressions += 1
+            assert code[1].replace("\\|", "|") == " ".join(rule["expr"].split()), f"{name}: docs {row[1]}"
+    assert expressions >= 6, expressions
