@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 import click
+import pytest
 
 from epd_kit.plan.variables import ENGINE, FLEET, HOST, VARIABLES
 from tests import repo_modules
@@ -509,3 +510,15 @@ def test_observability_md_alerts_are_the_rendered_rules():
             expressions += 1
             assert code[1].replace("\\|", "|") == " ".join(rule["expr"].split()), f"{name}: docs {row[1]}"
     assert expressions >= 6, expressions
+
+
+@pytest.mark.parametrize(
+    ("page", "prefix"),
+    [("security.md", "epd_tls_"), ("operations.md", "epd_rollout_")],
+)
+def test_a_page_that_tables_a_family_of_variables_tables_all_of_it(page, prefix):
+    """A variable added to a family (the front door's TLS, the rollout's batches, floors, canaries
+    and start estimates) gets its row where the others are."""
+    named = {name for row in rows((REPO / "docs" / page).read_text()) for name in re.findall(r"`(epd_\w+)`", row[0])}
+    family = {name for name in VARIABLES if name.startswith(prefix)}
+    assert family - named == set(), f"docs/{page} tables {prefix}* but not {sorted(family - named)}"
