@@ -522,3 +522,24 @@ def test_a_page_that_tables_a_family_of_variables_tables_all_of_it(page, prefix)
     named = {name for row in rows((REPO / "docs" / page).read_text()) for name in re.findall(r"`(epd_\w+)`", row[0])}
     family = {name for name in VARIABLES if name.startswith(prefix)}
     assert family - named == set(), f"docs/{page} tables {prefix}* but not {sorted(family - named)}"
+
+
+def test_provisioning_md_lists_every_unconfirmed_pin_with_its_releases():
+    """docs/provisioning.md "Choosing the release": each pin no source settles (version None in
+    epd_kit/plan/neuron_releases.py) with the releases it is unconfirmed in; an engine venv
+    package by its name, the EFA installer as such."""
+    from epd_kit.plan.neuron_releases import RELEASES, neuron_release
+
+    unconfirmed: dict[str, set[str]] = {}
+    for name in RELEASES:
+        release = neuron_release(name)
+        pins = {**release.system, **release.engine_venv, "EFA installer version": release.efa_installer}
+        for component, pin in pins.items():
+            if pin.version is None:
+                unconfirmed.setdefault(component, set()).add(name)
+    documented = {}
+    for row in rows(section("provisioning.md", "### Choosing the release"))[1:]:
+        component = row[0].strip("`")
+        if re.fullmatch(r"\d+\.\d+\.\d+(, \d+\.\d+\.\d+)*", row[1]):  # a pin's releases ("2.33.x": a fact of the code)
+            documented[component] = set(row[1].split(", "))
+    assert documented == unconfirmed, f"docs/provisioning.md 'Choosing the release': {documented} != {unconfirmed}"
