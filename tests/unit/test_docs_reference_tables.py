@@ -49,6 +49,11 @@ def first_cells(text: str) -> list[str]:
     return cells[1:] if cells and cells[0] in ("module", "filter", "variable") else cells
 
 
+def table(text: str, header: str) -> list[list[str]]:
+    """The rows of the table in `text` whose header line is `header`, header left out."""
+    return rows(text.split(f"\n{header}\n", 1)[1].split("\n\n", 1)[0])
+
+
 def modules(folder: Path) -> set[str]:
     return {path.stem for path in folder.glob("*.py") if path.stem != "__init__"}
 
@@ -277,8 +282,8 @@ def test_preprocessing_md_tables_every_preprocess_error_with_its_status():
 def test_dependencies_md_gives_a_reason_for_every_runtime_dependency():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     required = {re.match(r"[A-Za-z0-9_.-]+", spec)[0].lower() for spec in project["dependencies"]}
-    runtime = (REPO / "docs" / "dependencies.md").read_text().split("| package | why |", 1)[1].split("\n\n", 1)[0]
-    named = {name.strip().lower() for row in rows(runtime) for name in row[0].split(",")}
+    runtime = table((REPO / "docs" / "dependencies.md").read_text(), "| package | why |")
+    named = {name.strip().lower() for row in runtime for name in row[0].split(",")}
     assert named == required, (
         f"docs/dependencies.md: no reason for {required - named}, not a dependency {named - required}"
     )
@@ -543,3 +548,16 @@ def test_provisioning_md_lists_every_unconfirmed_pin_with_its_releases():
         if re.fullmatch(r"\d+\.\d+\.\d+(, \d+\.\d+\.\d+)*", row[1]):  # a pin's releases ("2.33.x": a fact of the code)
             documented[component] = set(row[1].split(", "))
     assert documented == unconfirmed, f"docs/provisioning.md 'Choosing the release': {documented} != {unconfirmed}"
+
+
+def test_router_md_tables_every_fault_of_the_tenants_shared_table():
+    """docs/router.md "Tenants": the `fault` label of each fault of router/tenant_table.py (every
+    kind it raises as TableFault or counts; no list of them exists apart from these calls)."""
+    source = (PACKAGE / "router" / "tenant_table.py").read_text()
+    kinds = set(re.findall(r'(?:TableFault|faults)\("(\w+)"', source))
+    header = "| fault | what the router does | `fault` |"
+    documented = {row[-1].strip("`") for row in table(section("router.md", "## Tenants"), header)}
+    assert kinds >= {"slot", "busy", "unusable"}, kinds  # the scan finds them
+    assert documented == kinds, (
+        f"docs/router.md 'Tenants' faults: missing {kinds - documented}, gone {documented - kinds}"
+    )
