@@ -368,17 +368,17 @@ def test_security_md_gives_every_port_the_firewall_opens_with_its_default():
     assert not unused, f"docs/security.md names ports no rule opens: {[documented[p] for p in unused]}"
 
 
-def test_router_md_lists_every_operations_endpoint_of_the_router():
+@pytest.mark.parametrize(
+    ("page", "heading"),
+    [("router.md", "## Operations endpoints"), ("contract.md", "### 1.4 Health and operations endpoints")],
+)
+def test_the_docs_list_every_operations_endpoint_of_the_router(page, heading):
     from epd_kit.router.routes import CHAT_PATH, routes
 
     served = {f"{method} {route.path}" for route in routes.routes for method in route.methods}
-    named = {
-        cell for row in rows(section("router.md", "## Operations endpoints"))[1:] for cell in TICKED.findall(row[0])
-    }
+    named = {cell for row in rows(section(page, heading))[1:] for cell in TICKED.findall(row[0])}
     expected = served - {f"POST {CHAT_PATH}"}  # the API itself: "Request path"
-    assert named == expected, (
-        f"docs/router.md 'Operations endpoints': missing {expected - named}, gone {named - expected}"
-    )
+    assert named == expected, f"docs/{page} '{heading}': missing {expected - named}, gone {named - expected}"
 
 
 def test_router_md_tenant_limit_ranges_are_the_bounds_the_router_serves():
@@ -561,3 +561,20 @@ def test_router_md_tables_every_fault_of_the_tenants_shared_table():
     assert documented == kinds, (
         f"docs/router.md 'Tenants' faults: missing {kinds - documented}, gone {documented - kinds}"
     )
+
+
+@pytest.mark.parametrize(
+    ("heading", "header", "model"),
+    [
+        ("### 2.4 Response and the EC locator", "| key | type | meaning |", "EcLocator"),
+        ("### 2.7 Hand-offs: `ec_locator` and `ec_transfer_params`", "| key | meaning |", "EcTransferItem"),
+    ],
+)
+def test_contract_md_tables_the_keys_of_each_hand_off_as_the_wire_models(heading, header, model):
+    """docs/contract.md: a locator's five keys, an `ec_transfer_params` entry's keys: the fields
+    of epd_kit/wire.py's model of each, both ways."""
+    from epd_kit import wire
+
+    fields = set(getattr(wire, model).model_fields)
+    named = {key for row in table(section("contract.md", heading), header) for key in TICKED.findall(row[0])}
+    assert named == fields, f"docs/contract.md '{heading}': missing {fields - named}, not a field {named - fields}"
