@@ -578,3 +578,16 @@ def test_contract_md_tables_the_keys_of_each_hand_off_as_the_wire_models(heading
     fields = set(getattr(wire, model).model_fields)
     named = {key for row in table(section("contract.md", heading), header) for key in TICKED.findall(row[0])}
     assert named == fields, f"docs/contract.md '{heading}': missing {fields - named}, not a field {named - fields}"
+
+
+def test_observability_md_names_every_label_of_a_scrape_target():
+    from epd_kit.plan.observability import ScrapeTarget
+
+    target = ScrapeTarget(address="10.0.0.1:18100", host="n1", role="pd", engine_id="epd-pd-0", instance="pd-0")
+    documented = {
+        row[0].strip("`")
+        for row in table(section("observability.md", "## Scrape targets from the plan"), "| label | value |")
+    }
+    assert documented == set(target.labels()), (
+        f"docs/observability.md target labels: {documented ^ set(target.labels())}"
+    )
