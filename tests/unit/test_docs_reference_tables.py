@@ -1,10 +1,18 @@
-"""The reference tables no other test read, held to the tree: docs/planner.md's module map,
-filters and variables, docs/architecture.md's repository layout and docs/router.md's code map.
-A module, filter, planner variable or folder added without its row fails here, and so does a
-row naming one that is gone. (Tables generated or parsed elsewhere: architecture.md "Every
-variable", tests/unit/plan/test_variables.py; planner.md's bad inventories and rules,
-tests/unit/plan/test_checks.py; router.md "Failure outcomes", tests/unit/router/
-test_failure_outcomes_table.py.)"""
+"""The reference tables no other test read, held to the tree: each row names what the code has,
+and (where the table claims the whole set) the code has nothing without its row. docs/planner.md's
+module map, filters, variables, models' keys and router-host settings; architecture.md's layout;
+router.md's code map, operations endpoints, limits and defaults, tenants' ranges and table faults;
+sim.md's modules and flags; observability.md's model label, role variables, target labels and
+alerts; security.md's ports and TLS variables; contract.md's endpoints, hand-off keys and engine
+environment; advisor.md's targets; preprocessing.md's errors; dependencies.md's packages;
+provisioning.md's unconfirmed pins; and, on every reference page, the `epd_*` names and repository
+paths a table names. (Tables generated or parsed elsewhere: architecture.md "Every variable",
+tests/unit/plan/test_variables.py, which also compares every documented variable default;
+planner.md's bad inventories and rules, tests/unit/plan/test_checks.py; planner.md "Engine
+backends", tests/unit/plan/test_backends.py; provisioning.md's release tables,
+tests/unit/plan/test_neuron_releases.py; router.md "Failure outcomes", tests/unit/router/
+test_failure_outcomes_table.py; observability.md "Engine metrics the kit reads",
+tests/unit/test_engine_metric_names.py, and its dashboard, tests/ansible/test_observability_config.py.)"""
 
 from __future__ import annotations
 
@@ -517,6 +525,10 @@ def test_observability_md_alerts_are_the_rendered_rules():
     assert expressions >= 6, expressions
 
 
+# a row of one variable, or of several sharing the row (`epd_rollout_batch_ve`, `epd_rollout_batch_pd`)
+VARIABLE_ROW = re.compile(r"`epd_\w+`(?:, `epd_\w+`)*")
+
+
 @pytest.mark.parametrize(
     ("page", "prefix"),
     [("security.md", "epd_tls_"), ("operations.md", "epd_rollout_")],
@@ -524,7 +536,8 @@ def test_observability_md_alerts_are_the_rendered_rules():
 def test_a_page_that_tables_a_family_of_variables_tables_all_of_it(page, prefix):
     """A variable added to a family (the front door's TLS, the rollout's batches, floors, canaries
     and start estimates) gets its row where the others are."""
-    named = {name for row in rows((REPO / "docs" / page).read_text()) for name in re.findall(r"`(epd_\w+)`", row[0])}
+    rows_of_variables = [row for row in rows((REPO / "docs" / page).read_text()) if VARIABLE_ROW.fullmatch(row[0])]
+    named = {name for row in rows_of_variables for name in re.findall(r"`(epd_\w+)`", row[0])}
     family = {name for name in VARIABLES if name.startswith(prefix)}
     assert family - named == set(), f"docs/{page} tables {prefix}* but not {sorted(family - named)}"
 
