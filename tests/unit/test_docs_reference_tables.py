@@ -604,3 +604,18 @@ def test_observability_md_names_every_label_of_a_scrape_target():
     assert documented == set(target.labels()), (
         f"docs/observability.md target labels: {documented ^ set(target.labels())}"
     )
+
+
+def test_router_md_tables_every_span_of_a_request():
+    """docs/router.md "Tracing": the request's span and every stage or engine call the router opens
+    under it (`tracing.span("...")`, `tracing.engine_call(engine, "...")` in router/; the tree
+    itself: tests/router_processes/test_tracing.py)."""
+    from epd_kit.router.tracing import REQUEST_SPAN
+
+    source = "\n".join(path.read_text() for path in (PACKAGE / "router").glob("*.py"))
+    opened = set(re.findall(r'tracing\.(?:span\(|engine_call\(\w+, )"([^"]+)"', source)) | {REQUEST_SPAN}
+    assert {"receive", "ve encode"} <= opened, opened  # the scan finds them
+    documented = {row[0].strip("`") for row in table(section("router.md", "## Tracing"), "| span | kind | from – to |")}
+    assert documented == opened, (
+        f"docs/router.md 'Tracing' spans: missing {opened - documented}, gone {documented - opened}"
+    )
