@@ -619,3 +619,28 @@ def test_router_md_tables_every_span_of_a_request():
     assert documented == opened, (
         f"docs/router.md 'Tracing' spans: missing {opened - documented}, gone {documented - opened}"
     )
+
+
+def test_operations_md_timeouts_are_the_ones_the_plan_derives():
+    """docs/operations.md "Timeouts": every timeout the plan derives for an engine's start
+    (plan/managed.py cold_start_timeouts, the unit's start gate) has its row, a "(derived)" row is
+    one of them, and a default written as the compile budget (+ N) is what the plan sets."""
+    from epd_kit.plan.managed import cold_start_timeouts
+    from epd_kit.plan.rollout import START_GATE_VARIABLES
+
+    budget = 6000
+    derived = cold_start_timeouts(budget)
+    timeouts = rows(section("operations.md", "## Timeouts"))[1:]
+    named = {name for row in timeouts for name in TICKED.findall(row[0] + " " + row[2])}
+    assert set(derived) | START_GATE_VARIABLES <= named, (
+        f"docs/operations.md 'Timeouts' has no row for {sorted((set(derived) | START_GATE_VARIABLES) - named)}"
+    )
+    for row in timeouts:
+        if "(derived)" not in row[0]:
+            continue
+        (name,) = TICKED.findall(row[0])
+        assert name in set(derived) | START_GATE_VARIABLES, f"docs/operations.md 'Timeouts': {name} is not derived"
+        formula = re.match(r"compile budget(?: \+ (\d+))?", row[1])
+        if formula:
+            expected = budget + int(formula[1] or 0)
+            assert derived[name] == str(expected), f"{name}: docs {row[1]!r}, the plan {derived[name]} for {budget}"
