@@ -644,3 +644,36 @@ def test_operations_md_timeouts_are_the_ones_the_plan_derives():
         if formula:
             expected = budget + int(formula[1] or 0)
             assert derived[name] == str(expected), f"{name}: docs {row[1]!r}, the plan {derived[name]} for {budget}"
+
+
+UNIT = re.compile(r"(?:^|/|\s)(epd[\w@.-]*?\.(?:service|socket|target))\b")
+
+
+def unit_templates() -> set[str]:
+    """The systemd units the kit writes, by unit name (templates/X.j2, roles/*/templates/X.j2)."""
+    paths = [*REPO.glob("templates/*.j2"), *REPO.glob("roles/*/templates/*.j2")]
+    return {path.name.removesuffix(".j2") for path in paths if UNIT.fullmatch(path.name.removesuffix(".j2"))}
+
+
+def test_every_unit_a_reference_table_names_is_one_the_kit_writes():
+    """`epd-router@0.service`: an instance of the template epd-router@.service."""
+    units = unit_templates()
+    named = {
+        (page.name, re.sub(r"@[^.]*\.", "@.", unit))
+        for page in sorted((REPO / "docs").glob("*.md"))
+        if page.name not in NOT_REFERENCE
+        for row in rows(page.read_text())
+        for token in TICKED.findall(" | ".join(row))
+        for unit in UNIT.findall(token)
+    }
+    assert len(named) >= 8, named
+    unknown = sorted((page, unit) for page, unit in named if unit not in units)
+    assert not unknown, f"reference tables name units the kit does not write: {unknown}"
+    router_units = {unit for unit in units if unit.startswith("epd-router")}
+    scale_out = {
+        re.sub(r"@[^.]*\.", "@.", unit)
+        for row in rows(section("router.md", "## Scale-out: several processes per host"))
+        for token in TICKED.findall(row[0])
+        for unit in UNIT.findall(token)
+    }
+    assert scale_out == router_units, f"docs/router.md 'Scale-out' units: {scale_out ^ router_units}"
