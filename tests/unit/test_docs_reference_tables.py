@@ -210,10 +210,11 @@ def router_series() -> dict[str, set[str]]:
     from prometheus_client.metrics import MetricWrapperBase
 
     from epd_kit.router import metrics
+    from epd_kit.router.tenants import TenantMetrics
 
-    registry = metrics.RouterMetrics(lambda: None)
+    router = metrics.RouterMetrics(lambda: None)
     series = {}
-    for wrapper in vars(registry).values():
+    for wrapper in [*vars(router).values(), *vars(TenantMetrics(router.registry)).values()]:
         if isinstance(wrapper, MetricWrapperBase):
             suffix = "_total" if wrapper._type == "counter" else ""
             series[wrapper._name + suffix] = set(wrapper._labelnames)
@@ -677,3 +678,24 @@ def test_every_unit_a_reference_table_names_is_one_the_kit_writes():
         for unit in UNIT.findall(token)
     }
     assert scale_out == router_units, f"docs/router.md 'Scale-out' units: {scale_out ^ router_units}"
+
+
+# a series by its exposed name: a counter's _total, a histogram's _bucket/_count/_sum, an engine gauge
+SERIES = re.compile(r"\b(epd_router_\w+?(?:_total|_seconds|_bucket|_count|_sum)|epd_router_engine_[a-z]+)\b")
+
+
+def test_every_router_series_a_reference_table_names_exists():
+    """In any cell (a dashboard query, an alert, the advisor's sources): a series renamed or
+    dropped in router/metrics.py or router/tenants.py leaves no row behind."""
+    series = set(router_series())
+    known = series | {name + suffix for name in series for suffix in ("_bucket", "_count", "_sum")}
+    named = [
+        (page.name, name)
+        for page in sorted((REPO / "docs").glob("*.md"))
+        if page.name not in NOT_REFERENCE
+        for row in rows(page.read_text())
+        for name in SERIES.findall(" | ".join(row))
+    ]
+    assert len(named) >= 60, len(named)
+    unknown = sorted({(page, name) for page, name in named if name not in known})
+    assert not unknown, f"reference tables name series the router does not export: {unknown}"
