@@ -699,3 +699,17 @@ def test_every_router_series_a_reference_table_names_exists():
     assert len(named) >= 60, len(named)
     unknown = sorted({(page, name) for page, name in named if name not in known})
     assert not unknown, f"reference tables name series the router does not export: {unknown}"
+
+
+def test_sim_md_hand_offs_are_the_series_the_sim_answers_as():
+    """docs/sim.md "Hand-offs": every vLLM series the sim answers as (sim/release.py SERIES), with
+    the hand-off its VE answers with (`ec_locator` or `ec_transfer_params`, AnswerShape.handoff)."""
+    from epd_kit.sim.release import SERIES, AnswerShape
+
+    documented = {}
+    for row in table(
+        section("sim.md", "## Hand-offs"), "| `EPD_SIM_VLLM` | the VE answers | the PD reads | the PD reads the bytes |"
+    ):
+        kind = next(kind for kind in ("ec_transfer_params", "ec_locator") if kind in row[1])
+        documented |= dict.fromkeys(TICKED.findall(row[0]), kind)
+    assert documented == {version: str(AnswerShape(version).handoff) for version in SERIES}, documented
