@@ -1,12 +1,14 @@
 """The reference tables no other test read, held to the tree: each row names what the code has,
 and (where the table claims the whole set) the code has nothing without its row. docs/planner.md's
 module map, filters, variables, models' keys and router-host settings; architecture.md's layout;
-router.md's code map, operations endpoints, limits and defaults, tenants' ranges and table faults;
-sim.md's modules and flags; observability.md's model label, role variables, target labels and
-alerts; security.md's ports and TLS variables; contract.md's endpoints, hand-off keys and engine
-environment; advisor.md's targets; preprocessing.md's errors; dependencies.md's packages;
-provisioning.md's unconfirmed pins; and, on every reference page, the `epd_*` names and repository
-paths a table names. (Tables generated or parsed elsewhere: architecture.md "Every variable",
+router.md's code map, operations endpoints, limits and defaults, tenants' ranges and table faults,
+spans, scale-out units; sim.md's modules, flags and hand-offs; observability.md's model label, role
+variables, target labels and alerts; security.md's ports and TLS variables; contract.md's
+endpoints, hand-off keys and engine environment; operations.md's derived timeouts and rollout
+variables; advisor.md's targets; preprocessing.md's errors; dependencies.md's packages;
+provisioning.md's unconfirmed pins; and, on every reference page, the `epd_*` names, router
+series, systemd units and repository paths a table names. (Tables generated or parsed elsewhere:
+architecture.md "Every variable",
 tests/unit/plan/test_variables.py, which also compares every documented variable default;
 planner.md's bad inventories and rules, tests/unit/plan/test_checks.py; planner.md "Engine
 backends", tests/unit/plan/test_backends.py; provisioning.md's release tables,
