@@ -54,6 +54,16 @@ options:
         type: list
         elements: str
         default: []
+  file_changes:
+    description:
+      - Entries as M(epd.kit.epd_files) takes them (path, content for a file or none for a
+        directory, owner, group, mode, validate); returns the paths an epd_files run with them
+        would change, found by its own comparison, and writes nothing. A role whose read finds
+        none skips its write (a module run less in a deploy that changes nothing). No secrets
+        here - the read is not no_log, and its arguments show with -v.
+    type: list
+    elements: dict
+    default: []
   listeners:
     description:
       - TCP ports to probe for listeners, as M(epd.kit.epd_listen_probe) does (the same code), so
@@ -118,6 +128,11 @@ unit_changes:
   type: dict
   returned: always
   sample: {"enable": [], "start": ["epd-engine@pd-1.service"]}
+file_changes:
+  description: The paths of C(file_changes) an epd_files run would change (or could not judge without failing).
+  type: list
+  elements: str
+  returned: always
 listeners:
   description:
     - The listeners on the C(listeners) ports, C(conflicts) (not the kit's) and C(own) (the kit's
@@ -146,6 +161,7 @@ import os
 import pwd
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.epd.kit.plugins.module_utils.epd_files import ENTRY_OPTIONS, would_change
 from ansible_collections.epd.kit.plugins.module_utils.epd_listen import probe
 from ansible_collections.epd.kit.plugins.module_utils.epd_systemd import active_states, units_to_change
 
@@ -209,6 +225,7 @@ def main() -> None:
                     "started": {"type": "list", "elements": "str", "default": []},
                 },
             },
+            "file_changes": {"type": "list", "elements": "dict", "default": [], "options": ENTRY_OPTIONS},
             "listeners": {"type": "list", "elements": "int", "default": []},
             "groups": {"type": "list", "elements": "str", "default": []},
             "owners": {"type": "list", "elements": "path", "default": []},
@@ -227,6 +244,7 @@ def main() -> None:
         units=active_states(module, params["units"]),
         unit_patterns={pattern: _running_units(module, pattern) for pattern in params["unit_patterns"]},
         unit_changes={"enable": to_enable, "start": to_start},
+        file_changes=would_change(module, params["file_changes"]),
         listeners=probe(module, params["listeners"]),
         groups={name: _group_exists(name) for name in params["groups"]},
         owners={path: _owner(path) for path in params["owners"]},
