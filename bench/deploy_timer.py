@@ -115,6 +115,8 @@ def timed_deploy(tree: Path, inventory: Path, out: Path, machines: list[str]) ->
         "task_count": len(timer["tasks"]),
         # a module run per host a task ran on (Python started on the host, or on the controller for a delegated one)
         "module_runs": sum(len(t["hosts"]) for t in timer["tasks"] if t["action"] not in CONTROLLER_ACTIONS),
+        # a host whose `when:` was false: a worker forked on the controller, no module run
+        "skipped_forks": sum(len(t.get("skipped", [])) for t in timer["tasks"]),
     }
 
 
@@ -134,6 +136,7 @@ def summary(runs: list[dict]) -> dict:
         "changed_tasks": sorted({t for r in runs for t in r["changed_tasks"]}),
         "tasks_per_run": runs[-1]["task_count"],
         "module_runs": runs[-1]["module_runs"],
+        "skipped_forks": runs[-1]["skipped_forks"],
         "top": [
             {"play": play, "task": task, "mean_s": round(statistics.mean(s), 2), "max_s": round(max(s), 2)}
             for (play, task), s in top
@@ -147,7 +150,7 @@ def report(layout: str, results: dict[str, dict]) -> str:
         lines.append(
             f"{tree}: median {s['median_s']} s over {s['walls_s']} (load {s['loads']}), CPU (controller + hosts) "
             f"median {s['median_cpu_s']} s over {s['cpu_s']}, changed={s['changed']}, "
-            f"{s['tasks_per_run']} tasks, {s['module_runs']} module runs"
+            f"{s['tasks_per_run']} tasks, {s['module_runs']} module runs, {s['skipped_forks']} skipped forks"
             + (f"; changed: {s['changed_tasks']}" if s["changed_tasks"] else "")
         )
     if len(results) == 2:

@@ -59,6 +59,8 @@ class CallbackModule(CallbackBase):
                 "handler": handler,
                 "hosts": [],
                 "changed": [],
+                # hosts whose `when:` was false: a worker forked on the controller, no module run
+                "skipped": [],
                 "t0": now,
             }
         )
@@ -81,6 +83,8 @@ class CallbackModule(CallbackBase):
         entry = self.tasks[-1]
         if status != "skipped" and host not in entry["hosts"]:
             entry["hosts"].append(host)
+        if status == "skipped" and host not in entry["skipped"] + entry["hosts"]:
+            entry["skipped"].append(host)
         if result._result.get("changed") and host not in entry["changed"]:
             entry["changed"].append(host)
 

@@ -83,104 +83,8 @@ changed_paths:
   sample: ["/etc/systemd/system/epd-router.socket"]
 """
 
-import os
-import re
-import shlex
-import tempfile
-
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.common.text.converters import to_bytes
-
-OCTAL_MODE = re.compile(r"^0?[0-7]{3,4}$")
-
-
-def _read(path: bytes) -> bytes | None:
-    try:
-        with open(path, "rb") as handle:
-            return handle.read()
-    except FileNotFoundError:
-        return None
-
-
-def _replace(module: AnsibleModule, path: bytes, content: bytes, validate: str | None) -> None:
-    """Write beside the target, check it (validate), then rename over it: a reader never sees half
-    a file, nor one its checker refused."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=b"." + os.path.basename(path) + b".")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(content)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if validate:
-            argv = [arg.replace("%s", tmp.decode()) for arg in shlex.split(validate)]
-            rc, out, err = module.run_command(argv, check_rc=False)
-            if rc != 0:
-                module.fail_json(
-                    msg=f"{path.decode()}: the new content failed validation ({validate}, rc {rc}): "
-                    f"{(err or out).strip()}",
-                    rc=rc,
-                    stdout=out,
-                    stderr=err,
-                )
-        module.atomic_move(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _made_by(directories: list[bytes], parent: bytes) -> bool:
-    """Whether an earlier directory entry creates `parent` (itself or as one of its parents)."""
-    return any(d == parent or d.startswith(parent.rstrip(b"/") + b"/") for d in directories)
-
-
-def _apply(module: AnsibleModule, entry: dict, diffs: list[dict], directories: list[bytes]) -> bool:
-    path = entry["path"]
-    b_path = to_bytes(path, errors="surrogate_or_strict")
-    if not os.path.isabs(path):
-        module.fail_json(msg=f"{path}: the path must be absolute")
-    if not OCTAL_MODE.match(entry["mode"]):
-        module.fail_json(msg=f"{path}: mode {entry['mode']!r} is not an octal mode such as '0644'")
-    if entry.get("validate") and "%s" not in entry["validate"]:
-        module.fail_json(msg=f"{path}: validate {entry['validate']!r} must name the file to check as %s")
-    is_directory = entry.get("content") is None
-    existed = os.path.lexists(b_path)
-    diff: dict = {"before_header": path, "after_header": path, "before": {}, "after": {}}
-    changed = False
-    if is_directory:
-        directories.append(os.path.normpath(b_path))
-        if os.path.lexists(b_path) and not os.path.isdir(b_path):
-            module.fail_json(msg=f"{path}: exists and is not a directory")
-        if not os.path.isdir(b_path):
-            changed = True
-            diff["before"]["state"], diff["after"]["state"] = "absent", "directory"
-            if not module.check_mode:
-                os.makedirs(b_path)
-    else:
-        if os.path.isdir(b_path):
-            module.fail_json(msg=f"{path}: is a directory, not a file")
-        parent = os.path.dirname(b_path)
-        if not os.path.isdir(parent) and not (module.check_mode and _made_by(directories, parent)):
-            module.fail_json(msg=f"{path}: the directory {os.path.dirname(path)} does not exist")
-        new = to_bytes(entry["content"], errors="surrogate_or_strict")
-        old = _read(b_path) if os.path.isdir(parent) else None
-        if old != new:
-            changed = True
-            diff["before"] = "" if old is None else old.decode("utf-8", "replace")
-            diff["after"] = entry["content"]
-            if not module.check_mode:
-                _replace(module, b_path, new, entry.get("validate"))
-    if os.path.exists(b_path):  # a new path in check mode has no attributes to compare yet
-        attributes = module.load_file_common_arguments(
-            {"path": path, "owner": entry["owner"], "group": entry["group"], "mode": entry["mode"]}
-        )
-        attribute_diff: dict = {}
-        changed = module.set_fs_attributes_if_different(attributes, changed, diff=attribute_diff)
-        if existed and isinstance(diff["before"], dict):
-            diff["before"].update(attribute_diff.get("before", {}))
-            diff["after"].update(attribute_diff.get("after", {}))
-    if changed:
-        diffs.append(diff)
-    return changed
+from ansible_collections.epd.kit.plugins.module_utils.epd_files import ENTRY_OPTIONS, apply_entry
 
 
 def main() -> None:
@@ -190,21 +94,16 @@ def main() -> None:
                 "type": "list",
                 "elements": "dict",
                 "required": True,
-                "options": {
-                    "path": {"type": "path", "required": True},
-                    "content": {"type": "str"},
-                    "owner": {"type": "str", "required": True},
-                    "group": {"type": "str", "required": True},
-                    "mode": {"type": "str", "required": True},
-                    "validate": {"type": "str"},
-                },
+                "options": ENTRY_OPTIONS,
             }
         },
         supports_check_mode=True,
     )
     diffs: list[dict] = []
     directories: list[bytes] = []  # in check mode, a later file's parent may be one of them
-    changed_paths = [entry["path"] for entry in module.params["files"] if _apply(module, entry, diffs, directories)]
+    changed_paths = [
+        entry["path"] for entry in module.params["files"] if apply_entry(module, entry, diffs, directories)
+    ]
     result: dict = {"changed": bool(changed_paths), "changed_paths": changed_paths}
     if module._diff:
         result["diff"] = diffs

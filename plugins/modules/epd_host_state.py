@@ -35,6 +35,42 @@ options:
     type: list
     elements: str
     default: []
+  unit_changes:
+    description:
+      - What M(epd.kit.epd_units) with these C(enabled) and C(started) lists would do, read the
+        same way (one C(systemctl is-enabled), one C(systemctl is-active)) and changing nothing.
+        A role whose read finds nothing to enable or start skips its epd_units run (a module run
+        of about 0.3 s of CPU on the host in every deploy).
+    type: dict
+    default: {}
+    suboptions:
+      enabled:
+        description: Units to enable.
+        type: list
+        elements: str
+        default: []
+      started:
+        description: Units to start.
+        type: list
+        elements: str
+        default: []
+  file_changes:
+    description:
+      - Entries as M(epd.kit.epd_files) takes them (path, content for a file or none for a
+        directory, owner, group, mode, validate); returns the paths an epd_files run with them
+        would change, found by its own comparison, and writes nothing. A role whose read finds
+        none skips its write (a module run less in a deploy that changes nothing). No secrets
+        here - the read is not no_log, and its arguments show with -v.
+    type: list
+    elements: dict
+    default: []
+  listeners:
+    description:
+      - TCP ports to probe for listeners, as M(epd.kit.epd_listen_probe) does (the same code), so
+        that the preflight reads the host and probes its ports in one run.
+    type: list
+    elements: int
+    default: []
   groups:
     description: Group names; each returns whether the host knows it (through NSS, as C(getent group) does).
     type: list
@@ -62,6 +98,7 @@ EXAMPLES = r"""
     files: [/etc/epd/engines/pd0.env]
     globs: {pending: /etc/epd/engines/*.pending}
     unit_patterns: [epd-router@*.service]
+    unit_changes: {enabled: [epd.target, epd-engine@pd0.service], started: [epd-engine@pd0.service]}
     groups: [neuron]
     owners: [/var/cache/epd/compile]
   register: state
@@ -86,6 +123,23 @@ unit_patterns:
   type: dict
   returned: always
   sample: {"epd-router@*.service": ["epd-router@0.service", "epd-router@1.service"]}
+unit_changes:
+  description: The units of C(enabled) that are not enabled, and those of C(started) that do not run or start.
+  type: dict
+  returned: always
+  sample: {"enable": [], "start": ["epd-engine@pd-1.service"]}
+file_changes:
+  description: The paths of C(file_changes) an epd_files run would change (or could not judge without failing).
+  type: list
+  elements: str
+  returned: always
+listeners:
+  description:
+    - The listeners on the C(listeners) ports, C(conflicts) (not the kit's) and C(own) (the kit's
+      units'), as M(epd.kit.epd_listen_probe) returns them; both empty without ports.
+  type: dict
+  returned: always
+  sample: {"conflicts": [{"port": 18100, "address": "0.0.0.0", "pid": 4242, "process": "nc -l 18100"}], "own": []}
 groups:
   description: Group name to whether it exists.
   type: dict
@@ -107,7 +161,9 @@ import os
 import pwd
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.epd.kit.plugins.module_utils.epd_systemd import active_states
+from ansible_collections.epd.kit.plugins.module_utils.epd_files import ENTRY_OPTIONS, would_change
+from ansible_collections.epd.kit.plugins.module_utils.epd_listen import probe
+from ansible_collections.epd.kit.plugins.module_utils.epd_systemd import active_states, units_to_change
 
 
 def _read(path: str) -> str | None:
@@ -161,6 +217,16 @@ def main() -> None:
             "globs": {"type": "dict", "default": {}},
             "units": {"type": "list", "elements": "str", "default": []},
             "unit_patterns": {"type": "list", "elements": "str", "default": []},
+            "unit_changes": {
+                "type": "dict",
+                "default": {},
+                "options": {
+                    "enabled": {"type": "list", "elements": "str", "default": []},
+                    "started": {"type": "list", "elements": "str", "default": []},
+                },
+            },
+            "file_changes": {"type": "list", "elements": "dict", "default": [], "options": ENTRY_OPTIONS},
+            "listeners": {"type": "list", "elements": "int", "default": []},
             "groups": {"type": "list", "elements": "str", "default": []},
             "owners": {"type": "list", "elements": "path", "default": []},
             "users": {"type": "list", "elements": "str", "default": []},
@@ -168,12 +234,18 @@ def main() -> None:
         supports_check_mode=True,
     )
     params = module.params
+    to_enable, to_start, _states = units_to_change(
+        module, params["unit_changes"]["enabled"], params["unit_changes"]["started"]
+    )
     module.exit_json(
         changed=False,
         files={path: _read(path) for path in params["files"]},
         globs={name: sorted(glob.glob(str(pattern))) for name, pattern in params["globs"].items()},
         units=active_states(module, params["units"]),
         unit_patterns={pattern: _running_units(module, pattern) for pattern in params["unit_patterns"]},
+        unit_changes={"enable": to_enable, "start": to_start},
+        file_changes=would_change(module, params["file_changes"]),
+        listeners=probe(module, params["listeners"]),
         groups={name: _group_exists(name) for name in params["groups"]},
         owners={path: _owner(path) for path in params["owners"]},
         users={name: _user(name) for name in params["users"]},

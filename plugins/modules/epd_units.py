@@ -69,26 +69,7 @@ started:
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.epd.kit.plugins.module_utils.epd_systemd import active_states
-
-# `systemctl is-active` states of a unit that runs or is on its way (systemd_service's view)
-RUNNING = {"active", "activating", "reloading"}
-# the `systemctl is-enabled` states it answers with exit code 0 for a unit asked alone
-# (systemctl(1), systemd 252, "is-enabled" output table); every other state is not enabled
-ENABLED = {"enabled", "enabled-runtime", "alias", "static", "indirect", "generated", "transient"}
-
-
-def _not_enabled(module: AnsibleModule, names: list[str]) -> list[str]:
-    """The units that are not enabled, from one `systemctl is-enabled`: it prints a state per unit,
-    and its exit code only says whether any unit is enabled. A unit it cannot find prints nothing
-    (the lines no longer pair with the names), so then each unit is asked alone."""
-    if not names:
-        return []
-    _rc, out, _err = module.run_command(["systemctl", "is-enabled", "--", *names], check_rc=False)
-    states = out.splitlines()
-    if len(states) == len(names):
-        return [name for name, state in zip(names, states, strict=True) if state not in ENABLED]
-    return [name for name in names if module.run_command(["systemctl", "is-enabled", "--", name])[0] != 0]
+from ansible_collections.epd.kit.plugins.module_utils.epd_systemd import units_to_change
 
 
 def _run(module: AnsibleModule, argv: list[str]) -> None:
@@ -107,9 +88,7 @@ def main() -> None:
         supports_check_mode=True,
     )
     params = module.params
-    to_enable = _not_enabled(module, list(dict.fromkeys(params["enabled"])))
-    states = active_states(module, list(dict.fromkeys(params["started"])))
-    to_start = [name for name, state in states.items() if state not in RUNNING]
+    to_enable, to_start, states = units_to_change(module, params["enabled"], params["started"])
     to_reset = [name for name in to_start if states[name] == "failed"]
 
     if not module.check_mode:

@@ -163,3 +163,57 @@ def test_host_state_reads_files_globs_and_unit_states_in_one_run(tmp_path):
     }
     # unit states and patterns are read on the test hosts (tests/e2e), which run systemd
     assert state["units"] == {} and state["unit_patterns"] == {}
+    assert state["unit_changes"] == {"enable": [], "start": []}  # none asked (test_units_module.py asks)
+    assert state["listeners"] == {"conflicts": [], "own": []}  # no port asked: none probed
+
+
+def test_host_state_names_the_paths_epd_files_would_change_and_writes_nothing(tmp_path):
+    """epd.kit.epd_host_state's file_changes, the read a role skips its epd_files write on: the
+    paths epd_files then changes, in check mode or not, nothing written by the read, and none
+    once written; an entry the write would fail on (its directory missing, an owner the host does
+    not know yet) counts as a change instead of failing the read."""
+    root = tmp_path / "etc"
+    root.mkdir(mode=0o750)
+    os.chmod(root, 0o750)
+    (root / "same.env").write_text("X=1\n")
+    os.chmod(root / "same.env", 0o640)
+    (root / "other.env").write_text("X=1\n")
+    os.chmod(root / "other.env", 0o640)
+    (root / "mode.env").write_text("X=1\n")
+    os.chmod(root / "mode.env", 0o644)
+    entries = [
+        _entry(root, "0750"),
+        _entry(root / "same.env", "0640", "X=1\n"),
+        _entry(root / "other.env", "0640", "X=2\n"),
+        _entry(root / "mode.env", "0640", "X=1\n"),
+        _entry(root / "new", "0755"),
+        _entry(root / "new/unit.service", "0644", "[Unit]\n"),
+    ]
+    stranger = {**_entry(root / "same.env", "0640", "X=1\n"), "owner": "epd-no-such-user"}
+    orphan = _entry(tmp_path / "missing/x.env", "0640", "")
+
+    def snapshot():
+        return sorted((str(p), p.stat().st_mode, p.read_text() if p.is_file() else None) for p in tmp_path.rglob("*"))
+
+    def read(name, files, **task):
+        return {"name": name, "epd.kit.epd_host_state": {"file_changes": files}, "register": name, **task}
+
+    reads = [
+        read("read", entries),
+        read("read_checked", entries, check_mode=True),
+        read("unjudged", [stranger, orphan]),
+    ]
+    before = [p for p in snapshot() if "registered.json" not in p[0] and "play.yml" not in p[0]]
+    r = local_play(tmp_path, reads, ["read", "read_checked", "unjudged"])
+    assert [
+        p for p in snapshot() if "registered.json" not in p[0] and "play.yml" not in p[0]
+    ] == before  # wrote nothing
+    expected = [str(root / "other.env"), str(root / "mode.env"), str(root / "new"), str(root / "new/unit.service")]
+    assert r["read"]["changed"] is False
+    assert r["read"]["file_changes"] == expected == r["read_checked"]["file_changes"]
+    assert r["unjudged"]["file_changes"] == [stranger["path"], orphan["path"]] and not r["unjudged"].get("failed")
+
+    write = {"name": "write", "epd.kit.epd_files": {"files": entries}, "register": "write"}
+    r = local_play(tmp_path, [write, read("again", entries)], ["write", "again"])
+    assert r["write"]["changed_paths"] == expected  # what the write then changed: the same paths
+    assert r["again"]["file_changes"] == []

@@ -164,3 +164,52 @@ def test_a_failed_unit_is_reset_before_its_start(tmp_path: Path):
         ["start", "--", *engines],
     ]
     assert {u["active"] for u in json.loads(state.read_text()).values()} == {"active"}
+
+
+def test_host_state_reads_what_epd_units_would_do_and_changes_nothing(tmp_path: Path):
+    """epd.kit.epd_host_state's unit_changes, the read a role skips its epd_units run on: the same
+    two calls (is-enabled, is-active), no enable or start, and the same units epd_units then
+    enables and starts; after that the read finds nothing (the skip of a no-op deploy). A failed
+    unit counts as one to start (epd_units resets it), an unknown one as one to enable."""
+    state, log, bin_dir = fake_systemctl(
+        tmp_path,
+        {
+            "epd.target": {"enabled": True, "active": "active"},
+            "epd-engine@pd-0.service": {"enabled": True, "active": "failed"},
+            "epd-engine@pd-1.service": {"enabled": False, "active": "active"},
+            "epd-engine@ve-0.service": {"enabled": True, "active": "activating"},
+        },
+    )
+    engines = ["epd-engine@pd-0.service", "epd-engine@pd-1.service", "epd-engine@ve-0.service"]
+    wanted = {"enabled": ["epd.target", *engines], "started": engines}
+    path = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+    def read(name: str, **extra) -> dict:
+        return {
+            "name": name,
+            "epd.kit.epd_host_state": {"unit_changes": wanted},
+            "register": name,
+            "environment": path,
+            **extra,
+        }
+
+    def verbs() -> list[str]:
+        lines = log.read_text().splitlines()
+        log.write_text("")
+        return [json.loads(line)[0] for line in lines]
+
+    before = json.loads(state.read_text())
+    r = local_play(tmp_path, [read("read")], ["read"])
+    assert r["read"]["changed"] is False
+    found = r["read"]["unit_changes"]
+    assert found == {"enable": ["epd-engine@pd-1.service"], "start": ["epd-engine@pd-0.service"]}
+    assert verbs() == ["is-enabled", "is-active"] and json.loads(state.read_text()) == before
+
+    task = {"name": "units", "epd.kit.epd_units": wanted, "register": "units", "environment": path}
+    r = local_play(tmp_path, [task, read("again", check_mode=True)], ["units", "again"])
+    assert r["units"]["enabled"] == found["enable"] and r["units"]["started"] == found["start"]
+    assert r["again"]["unit_changes"] == {"enable": [], "start": []}
+
+    unknown = {**read("unknown"), "epd.kit.epd_host_state": {"unit_changes": {"enabled": ["epd-nope.service"]}}}
+    r = local_play(tmp_path, [unknown], ["unknown"])
+    assert r["unknown"]["unit_changes"] == {"enable": ["epd-nope.service"], "start": []}

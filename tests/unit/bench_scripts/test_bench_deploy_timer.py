@@ -54,6 +54,7 @@ def test_the_timer_records_each_task_its_hosts_and_those_that_changed(tmp_path):
     assert list(tasks) == ["Changes", "Skipped", "Reads"]
     assert tasks["Changes"]["changed"] == ["localhost"] and tasks["Changes"]["seconds"] >= 0.3
     assert tasks["Skipped"]["hosts"] == [] and tasks["Reads"]["hosts"] == ["localhost"]
+    assert tasks["Skipped"]["skipped"] == ["localhost"] and tasks["Reads"]["skipped"] == []  # a fork, no module run
     assert tasks["Reads"]["changed"] == []
     assert [p["play"] for p in timer["plays"]] == ["Timed"] and timer["plays"][0]["seconds"] >= 0.3
     assert timer["recap"]["localhost"]["changed"] == 1
@@ -72,11 +73,13 @@ def test_the_summary_ranks_tasks_by_their_mean_over_the_runs():
             "tasks": tasks,
             "task_count": len(tasks),
             "module_runs": 1,
+            "skipped_forks": 2,
         }
 
     summary = deploy_timer.summary(
         [run(10, {"a": 1.0, "b": 3.0}), run(14, {"a": 5.0, "b": 1.0}), run(12, {"a": 0, "b": 2})]
     )
     assert summary["median_s"] == 12 and summary["changed"] == [0, 0, 0]
+    assert summary["module_runs"] == 1 and summary["skipped_forks"] == 2
     assert summary["cpu_s"] == [6.0, 8.0, 7.0] and summary["median_cpu_s"] == 7.0
     assert [(t["task"], t["mean_s"], t["max_s"]) for t in summary["top"]] == [("a", 2.0, 5.0), ("b", 2.0, 3.0)]
