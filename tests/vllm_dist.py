@@ -68,7 +68,10 @@ def compat_python(version: str = "0.24.0") -> str | None:
 # Runs `vllm bench serve` once for each argv of its JSON argument, in one process: the CLI's own
 # main (vllm/entrypoints/cli/main.py, read at v0.24.0: it parses sys.argv and calls the subcommand's
 # function) called again for each, since importing vLLM is most of a small run's CPU (~11 CPU-s of
-# ~13 here). A marker line on stdout and stderr closes each run with its exit status.
+# ~13 here). A marker line on stdout and stderr closes each run with its exit status. Runs that
+# trust a CA through SSL_CERT_FILE (test_tls.py) need a process of their own: aiohttp makes its
+# verified context when it is imported (aiohttp 3.14.5 connector.py `_SSL_CONTEXT_VERIFIED`, in
+# the 0.24.0 env), so a later run's SSL_CERT_FILE would not reach it.
 _BENCH_EACH = """
 import importlib.util, json, sys, traceback
 cli_path, runs, mark = sys.argv[1:4]
