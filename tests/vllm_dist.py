@@ -65,44 +65,97 @@ def compat_python(version: str = "0.24.0") -> str | None:
     return f"{venv}/bin/python"
 
 
+# Runs `vllm bench serve` once for each argv of its JSON argument, in one process: the CLI's own
+# main (vllm/entrypoints/cli/main.py, read at v0.24.0: it parses sys.argv and calls the subcommand's
+# function) called again for each, since importing vLLM is most of a small run's CPU (~11 CPU-s of
+# ~13 here). A marker line on stdout and stderr closes each run with its exit status. Runs that
+# trust a CA through SSL_CERT_FILE (test_tls.py) need a process of their own: aiohttp makes its
+# verified context when it is imported (aiohttp 3.14.5 connector.py `_SSL_CONTEXT_VERIFIED`, in
+# the 0.24.0 env), so a later run's SSL_CERT_FILE would not reach it.
+_BENCH_EACH = """
+import importlib.util, json, sys, traceback
+cli_path, runs, mark = sys.argv[1:4]
+spec = importlib.util.spec_from_file_location("epd_vllm_cli", cli_path)
+cli = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cli)
+for argv in json.loads(runs):
+    sys.argv = ["vllm", *argv]
+    try:
+        cli.main()
+        status = 0
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        print(f"\\n{mark} {status}", file=stream, flush=True)
+"""
+_BENCH_MARK = "=== epd-kit: vllm bench serve exited"
+
+
 def bench_serve(
-    python: str, base_url: str, model: str, tokenizer: str, prompts: int, *, image: bool, cwd: Path
-) -> tuple[int, str, str]:
-    """`vllm bench serve --backend openai-chat` against a router: `prompts` requests at 20/s,
-    at most 8 at once, 16 prompt and 4 output tokens, one random 64x64 image each when `image`.
-    Returns (exit status, its summary, the tail of its stderr)."""
+    python: str, base_url: str, tokenizer: str, prompts: int, *, images: dict[str, bool], cwd: Path
+) -> dict[str, tuple[int, str, str]]:
+    """`vllm bench serve --backend openai-chat` against a router, once per model of `images` (in
+    one process, _BENCH_EACH): `prompts` requests at 20/s, at most 8 at once, 16 prompt and 4
+    output tokens, one random 64x64 image each where `images[model]`.
+    Returns {model: (exit status, its summary, the tail of its stderr)}."""
+    import json
     import os
     import subprocess
 
-    dataset = (
-        [
-            "--dataset-name", "random-mm",
-            "--random-mm-base-items-per-request", "1",
-            "--random-mm-num-mm-items-range-ratio", "0",
-            "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
-            "--random-mm-bucket-config", "{(64, 64, 1): 1.0}",
-        ]
-        if image
-        else ["--dataset-name", "random"]
-    )  # fmt: skip
-    argv = [
-        *vllm_cli(python), "bench", "serve",
-        "--backend", "openai-chat",
-        "--base-url", base_url,
-        "--endpoint", "/v1/chat/completions",
-        "--model", model,
-        "--tokenizer", tokenizer,
-        *dataset,
-        "--num-prompts", str(prompts),
-        "--random-input-len", "16",
-        "--random-output-len", "4",
-        "--random-range-ratio", "0",
-        "--request-rate", "20",
-        "--max-concurrency", "8",
-        "--seed", "7",
-        "--disable-tqdm",
-    ]  # fmt: skip
+    runs = []
+    for model, image in images.items():
+        dataset = (
+            [
+                "--dataset-name", "random-mm",
+                "--random-mm-base-items-per-request", "1",
+                "--random-mm-num-mm-items-range-ratio", "0",
+                "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
+                "--random-mm-bucket-config", "{(64, 64, 1): 1.0}",
+            ]
+            if image
+            else ["--dataset-name", "random"]
+        )  # fmt: skip
+        runs.append(
+            [
+                "bench", "serve",
+                "--backend", "openai-chat",
+                "--base-url", base_url,
+                "--endpoint", "/v1/chat/completions",
+                "--model", model,
+                "--tokenizer", tokenizer,
+                *dataset,
+                "--num-prompts", str(prompts),
+                "--random-input-len", "16",
+                "--random-output-len", "4",
+                "--random-range-ratio", "0",
+                "--request-rate", "20",
+                "--max-concurrency", "8",
+                "--seed", "7",
+                "--disable-tqdm",
+            ]
+        )  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=scaled(240), env=env, check=False, cwd=cwd)
-    summary = done.stdout[done.stdout.find("=====") :] if "=====" in done.stdout else done.stdout[-3000:]
-    return done.returncode, summary, done.stderr[-3000:]
+    done = subprocess.run(
+        [python, "-c", _BENCH_EACH, str(CLI), json.dumps(runs), _BENCH_MARK],
+        capture_output=True,
+        text=True,
+        timeout=scaled(240 * len(runs)),
+        env=env,
+        check=False,
+        cwd=cwd,
+    )
+    outs, errs = done.stdout.split(_BENCH_MARK), done.stderr.split(_BENCH_MARK)
+    results = {}
+    for n, model in enumerate(images):
+        if n + 1 >= len(outs):  # the process ended before this run's marker
+            results[model] = (done.returncode or 1, outs[-1][-3000:], errs[-1][-3000:])
+            continue
+        status = int(outs[n + 1].split(None, 1)[0])
+        out = outs[n].split("\n", 1)[1] if n else outs[n]  # after the previous run's status
+        err = errs[n].split("\n", 1)[1] if n else errs[n]
+        summary = out[out.find("=====") :] if "=====" in out else out[-3000:]
+        results[model] = (status, summary, err[-3000:])
+    return results

@@ -211,30 +211,43 @@ def test_systemd_analyze_harness_catches_a_warning(rendered, tmp_path):
     assert "Failed to parse service restart specifier" in result.stdout + result.stderr
 
 
-def test_a_count_given_on_the_command_line_renders_like_the_same_count_in_the_inventory(tmp_path):
+TRACES_URL = "http://10.213.0.1:4318/v1/traces"
+
+
+@pytest.fixture(scope="module")
+def one_host_from_the_command_line(tmp_path_factory) -> Path:
+    """one-host rendered with two settings given by -e (each test below reads its own; one render
+    instead of two: a render is ~2.5 CPU-s): a router process count and a traces collector."""
+    out = tmp_path_factory.mktemp("render-extra-vars")
+    result = playbook(
+        "-i", str(REPO / "inventory/sandbox/one-host"), "playbooks/render.yml", "-e", f"render_dir={out}",
+        "-e", "epd_router_workers=3", "-e", f"epd_otlp_traces_endpoint={TRACES_URL}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    return out
+
+
+def test_a_count_given_on_the_command_line_renders_like_the_same_count_in_the_inventory(
+    one_host_from_the_command_line,
+):
     """`-e epd_router_workers=3` reaches the roles as the string "3" (the planner accepts digits for
     an integer, docs/planner.md): the router units must still list processes 0..2, where the
     template once failed with "unsupported operand type(s) for -"."""
-    result = playbook(
-        "-i", str(REPO / "inventory/sandbox/one-host"), "playbooks/render.yml",
-        "-e", f"render_dir={tmp_path}", "-e", "epd_router_workers=3",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    tmp_path = one_host_from_the_command_line
     unit = (tmp_path / "n1/etc/systemd/system/epd-router.service").read_text()
     assert "(epd-router@0..2)" in unit, unit
     wants = next(line for line in unit.splitlines() if line.startswith("Wants="))
     assert wants.split("=", 1)[1].split()[:3] == [f"epd-router@{n}.service" for n in range(3)], wants
 
 
-def test_a_named_traces_collector_reaches_the_router_config_and_every_engine_unit(tmp_path):
+def test_a_named_traces_collector_reaches_the_router_config_and_every_engine_unit(
+    one_host_from_the_command_line, rendered
+):
     """epd_otlp_traces_endpoint: router.yaml's tracing and each engine's env file (its argv's role
     arguments and the exporter protocol), as the plan says (docs/observability.md "Traces")."""
-    url = "http://10.213.0.1:4318/v1/traces"
-    result = playbook(
-        "-i", str(REPO / "inventory/sandbox/one-host"), "playbooks/render.yml",
-        "-e", f"render_dir={tmp_path}", "-e", f"epd_otlp_traces_endpoint={url}",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    tmp_path, url = one_host_from_the_command_line, TRACES_URL
+    plain = yaml.safe_load((rendered(REPO / "inventory/sandbox/one-host") / "n1/etc/epd/router.yaml").read_text())
+    assert "tracing" not in plain, plain  # the inventory names no collector: the -e alone set it
     router = yaml.safe_load((tmp_path / "n1/etc/epd/router.yaml").read_text())
     assert router["tracing"] == {"otlp_traces_endpoint": url}
     env_files = sorted((tmp_path / "n1/etc/epd/engines").glob("*.env"))

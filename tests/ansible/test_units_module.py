@@ -97,46 +97,55 @@ def test_units_are_enabled_and_started_in_one_call_per_verb_and_only_when_needed
             **extra,
         }
 
-    def calls() -> list[list[str]]:
-        lines = log.read_text().splitlines() if log.exists() else []
-        log.write_text("")
-        return [json.loads(line) for line in lines]
+    # the five steps run as one play (an ansible-playbook run is ~2.5 CPU-s, a task ~0.3): a task
+    # between two steps writes a line to the call log, which parts it step by step
+    step_end = {"name": "Step end", "ansible.builtin.shell": f"echo '[\"step end\"]' >> {log}"}
+    steps = [
+        task("checked", units, check_mode=True),
+        task("applied", units),
+        task("again", units),
+        task("reached", {"started": ["epd.target"]}),
+        # a unit systemd cannot find: is-enabled prints nothing for it, so each unit is asked alone
+        task("unknown", {"enabled": ["epd.target", "epd-nope.service"]}, ignore_errors=True),
+    ]
+    tasks = [t for step in steps for t in (step, step_end)]
+    r = local_play(tmp_path, tasks, [step["register"] for step in steps])
+    step_calls: list[list[list[str]]] = [[]]
+    for line in log.read_text().splitlines():
+        call = json.loads(line)
+        if call == ["step end"]:
+            step_calls.append([])
+        else:
+            step_calls[-1].append(call)
+    assert len(step_calls) == len(steps) + 1 and step_calls[-1] == [], step_calls
+    checked, applied, again, reached, unknown = step_calls[:-1]
 
-    r = local_play(tmp_path, [task("checked", units, check_mode=True)], ["checked"])
     assert r["checked"]["changed"] is True
     assert r["checked"]["enabled"] == ["epd-engines.target", "epd-engine@pd-0.service"]
     assert r["checked"]["started"] == ["epd-engine@pd-0.service"]
     # the read calls only, one per verb: is-enabled exited 0 (two units are enabled), and only its
     # lines tell which are not
-    assert [call[0] for call in calls()] == ["is-enabled", "is-active"]
+    assert [call[0] for call in checked] == ["is-enabled", "is-active"]
 
-    r = local_play(tmp_path, [task("applied", units)], ["applied"])
     assert r["applied"]["changed"] is True
-    made = [call for call in calls() if call[0] in ("enable", "start")]
+    made = [call for call in applied if call[0] in ("enable", "start")]
     assert made == [
         ["enable", "--", "epd-engines.target", "epd-engine@pd-0.service"],
         ["start", "--no-block", "--", "epd-engine@pd-0.service"],
     ]
-    assert json.loads(state.read_text())["epd-engine@pd-0.service"] == {"enabled": True, "active": "activating"}
 
-    r = local_play(tmp_path, [task("again", units)], ["again"])
     assert r["again"]["changed"] is False and r["again"]["enabled"] == [] and r["again"]["started"] == []
-    assert [call[0] for call in calls()] == ["is-enabled", "is-active"]  # one call per verb, nothing to do
+    assert [call[0] for call in again] == ["is-enabled", "is-active"]  # one call per verb, nothing to do
 
-    r = local_play(tmp_path, [task("reached", {"started": ["epd.target"]})], ["reached"])
     assert r["reached"]["started"] == ["epd.target"]
-    assert calls()[-1] == ["start", "--", "epd.target"]  # without no_block: systemctl waits for the job
+    assert reached[-1] == ["start", "--", "epd.target"]  # without no_block: systemctl waits for the job
 
-    # a unit systemd cannot find: is-enabled prints nothing for it, so each unit is asked alone
-    r = local_play(
-        tmp_path,
-        [task("unknown", {"enabled": ["epd.target", "epd-nope.service"]}, ignore_errors=True)],
-        ["unknown"],
-    )
-    assert [call[0] for call in calls()] == ["is-enabled"] * 3 + ["enable"]
+    assert [call[0] for call in unknown] == ["is-enabled"] * 3 + ["enable"]
     assert r["unknown"]["failed"] is True
     assert "systemctl enable -- epd-nope.service failed (rc 1)" in r["unknown"]["msg"], r["unknown"]
     assert "Unit file epd-nope.service does not exist" in r["unknown"]["msg"], r["unknown"]
+    # what "applied" made, left as it was by the steps after it (none of them touches pd-0)
+    assert json.loads(state.read_text())["epd-engine@pd-0.service"] == {"enabled": True, "active": "activating"}
 
 
 def test_a_failed_unit_is_reset_before_its_start(tmp_path: Path):

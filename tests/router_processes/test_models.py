@@ -110,18 +110,24 @@ def test_a_reload_drains_one_models_engine_and_leaves_the_other(two):
 BENCH_PROMPTS = 20
 
 
-@pytest.mark.parametrize("model", ["vision", "text"])
-def test_vllm_bench_serve_runs_against_each_model(two, ckpt, model):
-    """vLLM's own benchmark client (vllm 0.24.0's `vllm bench serve`, openai-chat backend): the
-    vision model with one random image per request (random-mm), the text model with text
-    (random); every request succeeds."""
+@pytest.fixture(scope="module")
+def bench_runs(two, ckpt):
+    """Both models' `vllm bench serve` runs, one after the other in one vLLM process (each run
+    alone imports vLLM again: ~11 CPU-s)."""
     stack, _ = two
     python = compat_python()
     if python is None:
         pytest.skip("the vLLM-compat venv is not built (yet): scripts/compat-env.sh --vllm 0.24.0 builds it")
-    status, summary, stderr = bench_serve(
-        python, stack.router.url, model, str(ckpt), BENCH_PROMPTS, image=model == "vision", cwd=stack.workdir
-    )
+    images = {"vision": True, "text": False}
+    return bench_serve(python, stack.router.url, str(ckpt), BENCH_PROMPTS, images=images, cwd=stack.workdir)
+
+
+@pytest.mark.parametrize("model", ["vision", "text"])
+def test_vllm_bench_serve_runs_against_each_model(bench_runs, model):
+    """vLLM's own benchmark client (vllm 0.24.0's `vllm bench serve`, openai-chat backend): the
+    vision model with one random image per request (random-mm), the text model with text
+    (random); every request succeeds."""
+    status, summary, stderr = bench_runs[model]
     print(f"vllm bench serve --model {model} (exit {status}):\n{summary}")
     assert status == 0, stderr
     assert re.search(rf"Successful requests:\s+{BENCH_PROMPTS}\b", summary), summary

@@ -58,9 +58,12 @@ def test_placement_is_identical_in_every_process():
     assert len(set(json.loads(answers.pop()).values())) > 1  # the items did spread over several VEs
 
 
-@pytest.fixture
-def engines(ckpt, tmp_path):
-    procs = [engine_proc("ve", 0, ckpt, tmp_path).start(), engine_proc("pd", 0, ckpt, tmp_path).start()]
+@pytest.fixture(scope="module")
+def engines(ckpt, tmp_path_factory):
+    """A VE and a PD for the module's router groups: what the tests count is the routers' own
+    (their metrics files, statuses), so one pair serves them all (~1.2 CPU-s a pair to start)."""
+    workdir = tmp_path_factory.mktemp("engines")
+    procs = [engine_proc("ve", 0, ckpt, workdir).start(), engine_proc("pd", 0, ckpt, workdir).start()]
     try:
         for proc in procs:
             proc.wait_healthy()

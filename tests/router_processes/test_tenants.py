@@ -28,8 +28,11 @@ def tenants_file(path, extra: str = "") -> None:
     path.chmod(0o640)
 
 
-@pytest.fixture
-def stack(ckpt, tmp_path):
+@pytest.fixture(scope="module")
+def stack(ckpt, tmp_path_factory):
+    """One stack for both tests (~2 CPU-s to start): the quota test ends with the noisy tenant's
+    debt honoured, the rotation test uses keys of its own and leaves the running keys as they were."""
+    tmp_path = tmp_path_factory.mktemp("tenants")
     tenants = tmp_path / "tenants"
     tenants_file(tenants)
     s = Stack.start(ckpt, tmp_path, n_ve=1, n_pd=1, auth={"tenants_file": str(tenants)})
