@@ -165,6 +165,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._listen = listen
         self._closed = closed
         self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0  # loop time at which the phase's limit runs out
         self._phase: str | None = None  # "header" or "body" while a deadline runs
         self._head_bytes = 0  # received while the current head is incomplete
         self._head_parsed = 0  # URL and header bytes of the current head, as parsed
@@ -258,7 +259,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         return length
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        self._stop_timer()  # a pending timer would keep this protocol for up to a body timeout
         super().connection_lost(exc)
         cycle = self.cycle
         if cycle is not None and cycle.disconnected:  # what makes its receive() say http.disconnect
@@ -347,27 +348,50 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     # --- deadlines -----------------------------------------------------------------------
 
+    # One timer per connection, not one per phase: a phase's deadline only moves `_deadline`,
+    # and the timer is replaced only when the new deadline comes before it would fire; one that
+    # fires early re-arms for the rest (the header and body timers of every request were three
+    # timer starts and cancels per request, ~2 % of a text request's CPU: docs/benchmarks.md
+    # "Issue 58 item 6"). The deadlines hold exactly as before.
+
     def _arm(self, phase: str, seconds: float) -> None:
-        self._disarm()
         self._phase = phase
-        self._timer = self.loop.call_later(seconds, self._expired)
+        self._deadline = deadline = self.loop.time() + seconds
+        timer = self._timer
+        if timer is not None:
+            if timer.when() <= deadline:
+                return  # it fires first and re-arms for the rest
+            timer.cancel()
+        self._timer = self.loop.call_at(deadline, self._expired)
 
     def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = None
+        """No deadline runs (a pending timer finds none when it fires)."""
         self._phase = None
 
+    def _stop_timer(self) -> None:
+        self._phase = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
     def _expired(self) -> None:
-        phase = self._phase
         self._timer = None
+        phase = self._phase
+        if phase is None:
+            return
+        if self.loop.time() < self._deadline:  # armed for an earlier deadline since replaced
+            self._timer = self.loop.call_at(self._deadline, self._expired)
+            return
         self._phase = None
         if self.transport.is_closing():
             return
         limit = self._listen.header_timeout_s if phase == "header" else self._listen.body_timeout_s
         what = "the request headers" if phase == "header" else "the request body"
         error = RouterError(408, f"{what} did not arrive within {limit:g}s (listen.{phase}_timeout_s)")
-        started = self.cycle is not None and self.cycle.response_started
+        # a response under way cannot take a 408 in its middle; the previous request's
+        # finished one (a kept-alive connection's next head trickling in) can
+        cycle = self.cycle
+        started = cycle is not None and cycle.response_started and not cycle.response_complete
         self._close(f"{phase}_timeout", None if started else error)
 
     def _drop_stalled(self) -> None:

@@ -61,12 +61,12 @@ async def echo_length(scope, receive, send) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serving(closed: list[str], app=echo_length) -> AsyncIterator[int]:
+async def serving(closed: list[str], app=echo_length, listen: Listen | None = None) -> AsyncIterator[int]:
     config = uvicorn.Config(
         app,
         host="127.0.0.1",
         port=0,
-        http=protocol_factory(Listen(), closed.append),
+        http=protocol_factory(listen or Listen(), closed.append),
         lifespan="off",
         log_config=None,
     )
@@ -269,3 +269,37 @@ async def test_a_stream_gets_its_head_before_its_first_frame_is_ready():
                 assert await reader.readuntil(b"0\r\n\r\n") == b"4\r\nlate\r\n0\r\n\r\n"
         finally:
             writer.close()
+
+
+@pytest.mark.parametrize(
+    ("header_s", "body_s", "late"),
+    [(0.4, 30.0, "head"), (30.0, 0.4, "body")],
+    ids=["header-after-a-long-body-limit", "body-before-a-long-header-limit"],
+)
+async def test_each_phase_keeps_its_deadline_on_a_kept_alive_connection(header_s, body_s, late):
+    """The listener keeps one timer per connection and moves its deadline per phase
+    (`_arm`): a later deadline leaves the timer, an earlier one replaces it. Either way the
+    second request on a kept-alive connection gets its 408 at its own phase's limit."""
+    closed: list[str] = []
+    listen = Listen(header_timeout_s=header_s, body_timeout_s=body_s)
+    async with serving(closed, listen=listen) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            for _ in range(3):  # requests that complete: every phase armed and disarmed
+                writer.write(b"POST / HTTP/1.1\r\nhost: r\r\ncontent-length: 2\r\n\r\n{}")
+                assert await read_answer(reader) == (200, {"received": 2})
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            if late == "head":
+                writer.write(b"POST / HTTP/1.1\r\nhost: r\r\n")  # the head never ends
+            else:
+                writer.write(b"POST / HTTP/1.1\r\nhost: r\r\ncontent-length: 10\r\n\r\n{}")
+            async with asyncio.timeout(10):
+                answer = await reader.read()
+            waited = loop.time() - started
+        finally:
+            writer.close()
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:80]
+    limit = header_s if late == "head" else body_s
+    assert limit * 0.9 <= waited < limit + 3.0, waited
+    assert closed == [f"{'header' if late == 'head' else 'body'}_timeout"]
