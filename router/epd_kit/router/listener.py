@@ -344,6 +344,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if arriving:
             self._shutting_down = True
             return
+        joiner = self.cycle.transport if self.cycle is not None else None
+        if isinstance(joiner, HeadJoiner):  # a head held for this turn (a HEAD's) before the close
+            joiner.flush()
         super().shutdown()
 
     # --- deadlines -----------------------------------------------------------------------
