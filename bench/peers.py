@@ -2,7 +2,8 @@
 the same C stub engines behind every proxy, in one run.
 
     stubs   bench/stub_engine.c (built here with cc): canned answers, no work, epoll, keep-alive
-    load    Debian's wrk (C, keep-alive) with bench/wrk/chat.lua for the POST body and summary
+    load    Debian's wrk (C, keep-alive) with bench/wrk/chat.lua for the POST body (each request's
+            prompt numbered: no two alike) and summary
     proxies vllm-router and sglang-router from PyPI (a cached venv under /var/tmp), epd-router
             serve with a router.yaml like the one Ansible renders (tiny checkpoint: real chat
             template and tokenizer), optionally epd-router at an older revision (--baseline)
@@ -48,9 +49,11 @@ STUB_SRC = REPO / "bench" / "stub_engine.c"
 WRK_SCRIPT = REPO / "bench" / "wrk" / "chat.lua"
 LOAD_CPU, PROXY_CPU = "0", "1"
 MAX_TOKENS = 16
+# VARY_N: bench/wrk/chat.lua puts a counter there, so no two requests send the same prompt and
+# no cache keyed on the request (none in any proxy measured today) can flatter a proxy
 BODY = {
     "model": "bench",
-    "messages": [{"role": "user", "content": "Describe a sunrise over the sea in one short sentence."}],
+    "messages": [{"role": "user", "content": "Request VARY_N: describe a sunrise over the sea in one short sentence."}],
     "max_tokens": MAX_TOKENS,
 }
 

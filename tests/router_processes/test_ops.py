@@ -63,6 +63,24 @@ def test_api_keys(engines, ckpt, oracle):
     assert KEY not in router.log() and "sk-other" not in router.log()
 
 
+def test_forwarded_headers_never_change_the_peer(engines, ckpt):
+    """The peer is the TCP peer (docs/router.md "Operator endpoints"): a loopback client's
+    X-Forwarded-For naming another address neither locks it out of the operator endpoints nor
+    (from elsewhere) lets it in. uvicorn believes that header from 127.0.0.1 by default."""
+    ve, pd, d = engines
+    router = RouterProc(d / "xff.yaml", d / "xff.log", free_port())
+    router.write_config(router_config(ckpt, [ve], [pd], router.port))
+    router.start()
+    try:
+        for path in ("/pools", "/metrics"):
+            for header in ("X-Forwarded-For", "X-Forwarded-Proto"):
+                value = "203.0.113.9" if header == "X-Forwarded-For" else "https"
+                r = httpx.get(router.url + path, headers={header: value})
+                assert r.status_code == 200, (path, header, r.status_code)
+    finally:
+        router.stop()
+
+
 def test_world_readable_key_file_refused(engines, ckpt):
     ve, pd, d = engines
     keys = d / "open-keys"

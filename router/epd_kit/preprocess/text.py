@@ -10,6 +10,7 @@ request path.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from datetime import datetime
@@ -47,6 +48,12 @@ class TextCodec:
     jinja2 template hold no per-call state."""
 
     def __init__(self, files: CheckpointFiles) -> None:
+        # every encode here is a batch of one text, which rayon's pool cannot split: with
+        # parallelism on, `tokenizers` still hands it to the pool's threads (huggingface/tokenizers
+        # utils/parallelism.rs: into_maybe_par_iter, TOKENIZERS_PARALLELISM read per call), a
+        # thread hop that cost ~7 µs of CPU per prompt here (docs/benchmarks.md "Issue 58 item 6").
+        # An operator's own setting is kept
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         try:
             self.tokenizer = Tokenizer.from_file(str(files.tokenizer_file))
         except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
@@ -68,6 +75,10 @@ class TextCodec:
         # character boundary is its own characters: IncrementalDetokenizer's shortcut
         self.byte_level = isinstance(self.tokenizer.decoder, decoders.ByteLevel)
         self._special = dict(files.special_tokens)
+        # the variables every render has, the template's globals first (they come first in the
+        # dict jinja2's Template.render builds per call: runtime.new_context, jinja2 3.1), flattened
+        # once: render copies the globals, a ChainMap read key by key in Python, on every call
+        self._fixed_vars = {**self._template.globals, "tools": None, "documents": None, **self._special}
         eos = set(files.eos_token_ids_config)
         for text in files.eos_token_strings:
             if (tid := self.tokenizer.token_to_id(text)) is not None:
@@ -90,14 +101,17 @@ class TextCodec:
         self.max_chars_per_token = max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)))
 
     def render_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
+        template = self._template
+        # what Template.render does, with the context's variables built from `_fixed_vars`
+        # (shared=True: taken as they are, the globals already in them)
+        context = template.new_context(
+            {**self._fixed_vars, "messages": messages, "add_generation_prompt": add_generation_prompt}, shared=True
+        )
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                tools=None,
-                documents=None,
-                **self._special,
-            )
+            try:
+                return template.environment.concat(template.root_render_func(context))  # type: ignore[attr-defined]
+            except Exception:
+                template.environment.handle_exception()  # raises it again, with the template's lines
         except jinja2.TemplateError as exc:
             # templates use raise_exception() to reject message sequences (roles, order)
             raise InvalidMessages(f"the model's chat template rejected the messages: {exc}", param="messages") from exc

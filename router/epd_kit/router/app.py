@@ -13,9 +13,10 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
-from starlette.datastructures import State
+from starlette.datastructures import Headers, State
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -56,6 +57,29 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         await service.stop()
 
 
+class _Headers(Headers):
+    """starlette's Headers whose `get` of a missing header returns the default without raising:
+    Mapping.get, which Headers inherits, catches a KeyError per miss, and a chat request looks
+    up about six headers it usually lacks (x-request-id, authorization, traceparent): 3.2 -> 1.0
+    us per miss (timeit, load ~17). The same values otherwise (the first of repeated names)."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        name = key.lower().encode("latin-1")
+        for header, value in self._list:
+            if header == name:
+                return value.decode("latin-1")
+        return default
+
+
+class _ChatRequest(Request):
+    @property
+    def headers(self) -> Headers:
+        headers = self.__dict__.get("_headers")
+        if headers is None:
+            headers = self._headers = _Headers(scope=self.scope)
+        return headers
+
+
 class RouterApp:
     """The router's ASGI callable: the chat route on a short path, the rest through `api`."""
 
@@ -69,7 +93,7 @@ class RouterApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == CHAT_PATH:
             scope["app"] = self.api  # what `request.app` is on FastAPI's path too
-            request = Request(scope, receive, send)
+            request = _ChatRequest(scope, receive, send)
             tracing = self.api.state.service.tracing
             trace = tracing.begin(request.headers)  # None unless traced or given a traceparent
             response: Response | None = None

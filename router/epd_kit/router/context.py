@@ -112,30 +112,50 @@ class RequestContext:
 
 
 class StageLimit:
-    """`RequestContext.time_limit`: an `asyncio.Timeout` at the request's deadline whose
-    expiry becomes a 504 naming the stage. A class, not a generator context manager: two of
-    them per request. A TimeoutError that is not this limit's own (an engine call's,
-    the engine client's) passes unchanged."""
+    """`RequestContext.time_limit`: the request's deadline over one stage, whose expiry is a
+    504 naming the stage. What an `asyncio.timeout_at` at the deadline did (it cancels the
+    stage's task when the deadline passes; `uncancel` tells its own cancel from another's, as
+    asyncio.Timeout does in Python 3.11, asyncio/timeouts.py), with one timer handle and one
+    look-up of the loop instead of a Timeout, its state machine and three look-ups of the
+    running loop (each a getpid() system call in Python 3.11): two of them per request,
+    docs/benchmarks.md "Issue 58 item 6". A class, not a generator context manager. A
+    TimeoutError that is not this limit's own (an engine call's, the engine client's) passes
+    unchanged."""
 
-    __slots__ = ("_ctx", "_limit", "_stage")
+    __slots__ = ("_ctx", "_expired", "_handle", "_stage", "_task")
 
     def __init__(self, ctx: RequestContext, stage: str) -> None:
         self._ctx = ctx
         self._stage = stage
-        loop = asyncio.get_running_loop()
-        self._limit = asyncio.timeout_at(loop.time() + (ctx.deadline - time.monotonic()))
+        self._expired = False
+        self._handle: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> None:
-        await self._limit.__aenter__()
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
+        if task is None:
+            raise RuntimeError("a stage's time limit must be used inside a task")
+        self._task = task
+        # a deadline already past fires on the loop's next turn, as asyncio.Timeout's does
+        self._handle = loop.call_at(loop.time() + (self._ctx.deadline - time.monotonic()), self._on_timeout)
+
+    def _on_timeout(self) -> None:
+        self._handle = None
+        self._expired = True
+        assert self._task is not None
+        self._task.cancel()
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        try:
-            await self._limit.__aexit__(exc_type, exc, tb)
-        except TimeoutError:
-            if not self._limit.expired():
-                raise
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        if not self._expired:
+            return
+        assert self._task is not None
+        if self._task.uncancel() == 0 and exc_type is asyncio.CancelledError:
             raise self._ctx.stage_timed_out(self._stage) from None
-        if exc_type is not None and issubclass(exc_type, TimeoutError) and self._limit.expired():
+        if exc_type is not None and issubclass(exc_type, TimeoutError):
             raise self._ctx.stage_timed_out(self._stage) from None

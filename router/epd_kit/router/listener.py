@@ -165,6 +165,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._listen = listen
         self._closed = closed
         self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0  # loop time at which the phase's limit runs out
         self._phase: str | None = None  # "header" or "body" while a deadline runs
         self._head_bytes = 0  # received while the current head is incomplete
         self._head_parsed = 0  # URL and header bytes of the current head, as parsed
@@ -258,7 +259,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         return length
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        self._stop_timer()  # a pending timer would keep this protocol for up to a body timeout
         super().connection_lost(exc)
         cycle = self.cycle
         if cycle is not None and cycle.disconnected:  # what makes its receive() say http.disconnect
@@ -320,6 +321,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 )
         self.scope[CLIENT_GONE] = DisconnectSignal(self.flow, self._drop_stalled)  # type: ignore[literal-required]
         super().on_headers_complete()
+        self.cycle.transport = HeadJoiner(self.transport, self.cycle, self.loop)  # type: ignore[assignment]
         if self._shutting_down and self.cycle is not None:
             self.cycle.keep_alive = False
         self._arm("body", self._listen.body_timeout_s)  # disarmed at once when there is none
@@ -342,31 +344,57 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if arriving:
             self._shutting_down = True
             return
+        joiner = self.cycle.transport if self.cycle is not None else None
+        if isinstance(joiner, HeadJoiner):  # a head held for this turn (a HEAD's) before the close
+            joiner.flush()
         super().shutdown()
 
     # --- deadlines -----------------------------------------------------------------------
 
+    # One timer per connection, not one per phase: a phase's deadline only moves `_deadline`,
+    # and the timer is replaced only when the new deadline comes before it would fire; one that
+    # fires early re-arms for the rest (the header and body timers of every request were three
+    # timer starts and cancels per request, ~2 % of a text request's CPU: docs/benchmarks.md
+    # "Issue 58 item 6"). The deadlines hold exactly as before.
+
     def _arm(self, phase: str, seconds: float) -> None:
-        self._disarm()
         self._phase = phase
-        self._timer = self.loop.call_later(seconds, self._expired)
+        self._deadline = deadline = self.loop.time() + seconds
+        timer = self._timer
+        if timer is not None:
+            if timer.when() <= deadline:
+                return  # it fires first and re-arms for the rest
+            timer.cancel()
+        self._timer = self.loop.call_at(deadline, self._expired)
 
     def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = None
+        """No deadline runs (a pending timer finds none when it fires)."""
         self._phase = None
 
+    def _stop_timer(self) -> None:
+        self._phase = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
     def _expired(self) -> None:
-        phase = self._phase
         self._timer = None
+        phase = self._phase
+        if phase is None:
+            return
+        if self.loop.time() < self._deadline:  # armed for an earlier deadline since replaced
+            self._timer = self.loop.call_at(self._deadline, self._expired)
+            return
         self._phase = None
         if self.transport.is_closing():
             return
         limit = self._listen.header_timeout_s if phase == "header" else self._listen.body_timeout_s
         what = "the request headers" if phase == "header" else "the request body"
         error = RouterError(408, f"{what} did not arrive within {limit:g}s (listen.{phase}_timeout_s)")
-        started = self.cycle is not None and self.cycle.response_started
+        # a response under way cannot take a 408 in its middle; the previous request's
+        # finished one (a kept-alive connection's next head trickling in) can
+        cycle = self.cycle
+        started = cycle is not None and cycle.response_started and not cycle.response_complete
         self._close(f"{phase}_timeout", None if started else error)
 
     def _drop_stalled(self) -> None:
@@ -381,6 +409,59 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if error is not None:
             self.transport.write(raw_response(error))
         self.transport.close()  # uvicorn's connection_lost tells a waiting app the client left
+
+
+class HeadJoiner:
+    """A request cycle's transport that sends the response head with the first piece of the
+    body in one write. uvicorn writes the head (`http.response.start`) and the body apart: two
+    socket sends and two TCP segments for a one-piece JSON answer, where one does (each send
+    is a system call and the loopback's delivery to the client, on the router's CPU; about
+    5 % of a text request's CPU, docs/benchmarks.md "Issue 58 item 6"). The head is held only
+    until the body's first write or the end of the event loop's turn, whichever comes first
+    (a stream whose first frame is not ready gets its head at once, as before); a close sends
+    it first, an abort drops it with the connection. Other writes (the `100 Continue` of
+    `receive()`) pass straight through."""
+
+    __slots__ = ("_cycle", "_head", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, cycle: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._cycle = cycle  # until the head is written (then dropped: no reference cycle kept)
+        self._loop = loop
+        self._head: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        head = self._head
+        if head is not None:
+            self._head = None
+            self._transport.write(head + data)
+            return
+        cycle = self._cycle
+        if cycle is not None and cycle.response_started:  # the head: uvicorn writes it right after
+            self._cycle = None
+            self._head = data
+            self._loop.call_soon(self.flush)
+            return
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        head, self._head = self._head, None
+        if head is not None and not self._transport.is_closing():
+            self._transport.write(head)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._head = None
+        self._transport.abort()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 class _Refused(Exception):

@@ -212,6 +212,10 @@ def make_server(
         http=protocol_factory(listen, lambda reason: service.metrics.connections_closed.labels(reason).inc()),
         log_config=None,
         access_log=False,
+        # the peer is the TCP peer (admin.py): uvicorn's default trusts X-Forwarded-For from
+        # 127.0.0.1, which let a loopback client name any address, and its middleware cost
+        # about 3 % of a text request's CPU (docs/benchmarks.md "Issue 58 item 6")
+        proxy_headers=False,
         ws="none",  # no WebSocket upgrade: an Upgrade header is ignored (listener.py)
         lifespan="on",
         # asyncio calls listen() again on an inherited socket: this is the queue for all processes

@@ -15,10 +15,8 @@ OpenAI server would have them.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-from collections.abc import Iterator
 from typing import Any
 
 from epd_kit.preprocess.text import TokenIdOutOfRange
@@ -43,19 +41,32 @@ DONE_FRAME = b"data: [DONE]\n\n"
 LOGPROB_FLOOR = -9999.0
 
 
+# json.dumps(doc, separators=(",", ":"), ensure_ascii=False), without an encoder built per
+# frame (one per token of a stream)
+_frame_json = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
 def sse_frame(doc: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _frame_json(doc).encode() + b"\n\n"
 
 
-@contextlib.contextmanager
-def engine_tokens(engine: Engine) -> Iterator[None]:
+class engine_tokens:
     """Around detokenizing `engine`'s answer: token ids that are not the model's (-1, 2**40, a
     string) are its invalid answer, an `UpstreamError` charged to it (a 502, an error frame
-    in a stream), never a 500."""
-    try:
-        yield
-    except TokenIdOutOfRange as exc:
-        raise upstream.bad_body(engine, str(exc)) from None
+    in a stream), never a 500. A class rather than a generator context manager: it wraps
+    every frame of a stream."""
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc_type is not None and issubclass(exc_type, TokenIdOutOfRange):
+            raise upstream.bad_body(self._engine, str(exc)) from None
 
 
 def client_logprobs(

@@ -359,3 +359,36 @@ async def test_every_special_token_of_the_tokenizer_is_refused_in_message_text(p
     # text that only looks like one, and an image beside plain text, render
     await pre.render([{"role": "user", "content": "<|video pad|> <vision_start> |im_end|"}])
     await pre.render([user_message("describe", image_part(png_data_url(32, 32)))])
+
+
+# A template that uses what render_template puts in its context: the environment's globals
+# (namespace, raise_exception), the special tokens, tools/documents, and the messages
+_PROBE_TEMPLATE = (
+    "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+    "{% if m.role == 'tool' %}{{ raise_exception('no tools here: ' ~ m.role) }}{% endif %}"
+    "{{ eos_token }}|{{ m.role }}:{{ m.content | tojson }}|{{ tools is none }}{{ documents is none }}"
+    "{% endfor %}{{ ns.n }}{% if add_generation_prompt %}>>{% endif %}"
+)
+
+
+def test_the_template_renders_as_jinja2_renders_it_and_its_refusal_is_a_400(checkpoint):
+    """TextCodec renders through Template.new_context with the fixed variables flattened once
+    (not Template.render, which copies the globals per call): the same text as jinja2's own
+    render with the same variables, and raise_exception() is still InvalidMessages."""
+    import dataclasses
+
+    from epd_kit.preprocess.model_files import CheckpointFiles
+    from epd_kit.preprocess.text import TextCodec
+
+    files = dataclasses.replace(CheckpointFiles.load(checkpoint), chat_template=_PROBE_TEMPLATE)
+    codec = TextCodec(files)
+    messages = [{"role": "system", "content": 'é "q"'}, {"role": "user", "content": "hi"}]
+    for add in (True, False):
+        expected = codec._template.render(
+            messages=messages, add_generation_prompt=add, tools=None, documents=None, **files.special_tokens
+        )
+        assert codec.render_template(messages, add_generation_prompt=add) == expected
+        assert expected.startswith(f'{files.special_tokens["eos_token"]}|system:"é \\"q\\""|TrueTrue')
+    with pytest.raises(InvalidMessages, match="no tools here: tool") as raised:
+        codec.render_template([{"role": "tool", "content": "x"}], add_generation_prompt=True)
+    assert raised.value.param == "messages"

@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 from packaging.requirements import Requirement
 
-from epd_kit.router.listener import MAX_HEAD_BYTES, protocol_factory
+from epd_kit.router.listener import MAX_HEAD_BYTES, HeadJoiner, protocol_factory
 from epd_kit.router_yaml import Listen
 from tests.unit.router.raw_http import read_message
 
@@ -61,12 +61,12 @@ async def echo_length(scope, receive, send) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serving(closed: list[str]) -> AsyncIterator[int]:
+async def serving(closed: list[str], app=echo_length, listen: Listen | None = None) -> AsyncIterator[int]:
     config = uvicorn.Config(
-        echo_length,
+        app,
         host="127.0.0.1",
         port=0,
-        http=protocol_factory(Listen(), closed.append),
+        http=protocol_factory(listen or Listen(), closed.append),
         lifespan="off",
         log_config=None,
     )
@@ -176,3 +176,130 @@ async def test_an_unsupported_transfer_coding_is_a_501():
         head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\ntransfer-encoding: gzip, chunked\r\n\r\n"
         answer = await exchange(port, head + b"3\r\nabc\r\n0\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 501 ") and b"transfer coding 'gzip, chunked' is not implemented" in answer
+
+
+class RecordingTransport:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = self.aborted = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def is_closing(self) -> bool:
+        return self.closed or self.aborted
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+class Cycle:
+    response_started = False
+
+
+async def test_the_response_head_goes_out_with_the_first_body_write():
+    """uvicorn writes a response's head and body apart: two sends, two segments for a
+    one-piece answer. The head waits for the body's first write and goes out with it."""
+    transport, cycle = RecordingTransport(), Cycle()
+    joiner = HeadJoiner(transport, cycle, asyncio.get_running_loop())
+    joiner.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # before the response: straight through
+    cycle.response_started = True
+    joiner.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
+    assert transport.writes == [b"HTTP/1.1 100 Continue\r\n\r\n"]
+    joiner.write(b"{}")
+    joiner.write(b"more")  # later writes: as they come
+    assert transport.writes[1:] == [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}", b"more"]
+    await asyncio.sleep(0)  # the end-of-turn flush finds nothing held
+    assert len(transport.writes) == 3
+    assert joiner.get_write_buffer_size() == 0  # anything else is the transport's
+
+
+async def test_a_held_head_goes_out_at_the_end_of_the_turn_or_before_a_close():
+    loop = asyncio.get_running_loop()
+    transport, cycle = RecordingTransport(), Cycle()
+    joiner = HeadJoiner(transport, cycle, loop)
+    cycle.response_started = True
+    joiner.write(b"head")
+    await asyncio.sleep(0)  # no body this turn (a stream's first frame not ready): the head alone
+    assert transport.writes == [b"head"]
+    transport, cycle = RecordingTransport(), Cycle()
+    joiner = HeadJoiner(transport, cycle, loop)
+    cycle.response_started = True
+    joiner.write(b"head")
+    joiner.close()
+    assert transport.writes == [b"head"] and transport.closed
+    await asyncio.sleep(0)
+    assert transport.writes == [b"head"]  # not twice
+    transport, cycle = RecordingTransport(), Cycle()
+    joiner = HeadJoiner(transport, cycle, loop)
+    cycle.response_started = True
+    joiner.write(b"head")
+    joiner.abort()  # a dropped client: nothing more is sent
+    await asyncio.sleep(0)
+    assert transport.writes == [] and transport.aborted
+
+
+async def test_a_stream_gets_its_head_before_its_first_frame_is_ready():
+    """A real server: the head of a response whose body comes later is not held back for it."""
+    release = asyncio.Event()
+
+    async def late_body(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await release.wait()
+        await send({"type": "http.response.body", "body": b"late"})
+
+    async with serving([], late_body) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET / HTTP/1.1\r\nhost: r\r\n\r\n")
+            async with asyncio.timeout(5):
+                head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200 ") and b"transfer-encoding: chunked" in head
+            release.set()
+            async with asyncio.timeout(5):
+                assert await reader.readuntil(b"0\r\n\r\n") == b"4\r\nlate\r\n0\r\n\r\n"
+        finally:
+            writer.close()
+
+
+@pytest.mark.parametrize(
+    ("header_s", "body_s", "late"),
+    [(0.4, 30.0, "head"), (30.0, 0.4, "body")],
+    ids=["header-after-a-long-body-limit", "body-before-a-long-header-limit"],
+)
+async def test_each_phase_keeps_its_deadline_on_a_kept_alive_connection(header_s, body_s, late):
+    """The listener keeps one timer per connection and moves its deadline per phase
+    (`_arm`): a later deadline leaves the timer, an earlier one replaces it. Either way the
+    second request on a kept-alive connection gets its 408 at its own phase's limit."""
+    closed: list[str] = []
+    listen = Listen(header_timeout_s=header_s, body_timeout_s=body_s)
+    async with serving(closed, listen=listen) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            for _ in range(3):  # requests that complete: every phase armed and disarmed
+                writer.write(b"POST / HTTP/1.1\r\nhost: r\r\ncontent-length: 2\r\n\r\n{}")
+                assert await read_answer(reader) == (200, {"received": 2})
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            if late == "head":
+                writer.write(b"POST / HTTP/1.1\r\nhost: r\r\n")  # the head never ends
+            else:
+                writer.write(b"POST / HTTP/1.1\r\nhost: r\r\ncontent-length: 10\r\n\r\n{}")
+            async with asyncio.timeout(10):
+                answer = await reader.read()
+            waited = loop.time() - started
+        finally:
+            writer.close()
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:80]
+    limit = header_s if late == "head" else body_s
+    assert limit * 0.9 <= waited < limit + 3.0, waited
+    assert closed == [f"{'header' if late == 'head' else 'body'}_timeout"]

@@ -219,3 +219,18 @@ async def test_a_text_only_fleet_is_ready_answers_text_and_refuses_an_image_with
     assert error["type"] == "invalid_request_error" and error["param"] == "messages[0].content[1]"
     assert error["message"] == "this fleet is text-only: it has no encoder (VE) for images; send text only"
     assert len(ENGINE_CALLS) == 1  # nothing reached a PD
+
+
+def test_the_chat_requests_header_lookup_answers_as_starlettes():
+    """app._Headers.get skips Mapping.get's KeyError per missing header; every answer is
+    starlette's own: any case of the name, the first of repeated ones, the default on a miss."""
+    from starlette.datastructures import Headers
+
+    from epd_kit.router.app import _Headers
+
+    raw = [(b"x-request-id", b"abc"), (b"authorization", b"Bearer k1"), (b"authorization", b"Bearer k2")]
+    ours, theirs = _Headers(raw=raw), Headers(raw=raw)
+    for name in ("x-request-id", "X-Request-ID", "authorization", "AUTHORIZATION", "traceparent", "content-length"):
+        assert ours.get(name) == theirs.get(name), name
+        assert ours.get(name, "dflt") == theirs.get(name, "dflt"), name
+    assert ours.getlist("authorization") == ["Bearer k1", "Bearer k2"]
