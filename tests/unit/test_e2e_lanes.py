@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.conftest import CONTINUES, FIRST, LANE_B
+from tests.e2e.conftest import CONTINUES, FIRST, LANE_B, LAST
 from tests.hosts import durations
 from tests.hosts.harness import (
     LANE_HOST_OFFSET,
@@ -83,6 +83,25 @@ def test_every_e2e_module_has_a_lane_and_a_continued_stack_stays_in_its_lane():
     assert set(FIRST) <= modules, f"FIRST names modules that do not exist: {set(FIRST) - modules}"
     for follower, leader in CONTINUES.items():
         assert (follower in LANE_B) == (leader in LANE_B), f"{follower} continues {leader}'s stack: one lane"
+
+
+def test_the_docs_e2e_table_names_the_lane_each_module_runs_in():
+    """docs/sandbox.md "The end-to-end tests": a row per module, its lane cell `a` or `b` as LANE_B
+    says, the FIRST modules' places, the LAST ones' `last`, a CONTINUES follower `right after` its
+    leader."""
+    text = (REPO / "docs/sandbox.md").read_text()
+    table = text.split("## The end-to-end tests", 1)[1].split("\n\n", 2)[1]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| `test_")]
+    lanes = {row[0].split("`")[1].removesuffix(".py"): row[1] for row in rows}
+    assert set(lanes) == {path.stem for path in E2E.glob("test_*.py")}, "a row per module, no other"
+    for module, cell in lanes.items():
+        assert cell.split(",")[0].split()[0] == ("b" if module in LANE_B else "a"), (module, cell)
+    for place, module in zip(("first", "second"), FIRST, strict=True):
+        assert place in lanes[module], (module, lanes[module])
+    for module in LAST:
+        assert "last" in lanes[module], (module, lanes[module])
+    for follower, leader in CONTINUES.items():
+        assert f"right after {leader}" in lanes[follower], (follower, lanes[follower])
 
 
 def junit(path: Path, cases: list[tuple[str, str, float]]) -> None:
