@@ -117,7 +117,8 @@ teardown() {
   local rc=$? pid
   trap - EXIT INT TERM
   for pid in "${background_pids[@]}"; do kill -- "-$pid" 2>/dev/null || true; done   # lanes still running
-  "$HOSTS" down "${OUR_HOSTS[@]}" >/dev/null 2>&1 || true
+  # stopped hard (no poweroff): every boot wipes a host's disk, so nothing of it is kept
+  HARD=1 "$HOSTS" down "${OUR_HOSTS[@]}" >/dev/null 2>&1 || true
   "$HOSTS" net-down || true
   summary
   [ -z "$CPU_CG" ] || rmdir "$CPU_CG"/* "$CPU_CG" 2>/dev/null || true   # empty once the hosts are down
@@ -153,7 +154,7 @@ if ! flock -n 8; then
   flock 8
 fi
 # leftovers of an interrupted earlier run (CI kills processes, not namespaces or cgroups)
-"$HOSTS" down "${OUR_HOSTS[@]}" >/dev/null 2>&1 || true
+HARD=1 "$HOSTS" down "${OUR_HOSTS[@]}" >/dev/null 2>&1 || true
 trap teardown EXIT
 trap 'exit 130' INT TERM
 # the lane cgroups of earlier runs that ended without their teardown (only empty ones go)
