@@ -103,24 +103,13 @@ summary() {
 }
 # Every pytest process of the run writes a JUnit report into DURATIONS (pytest_run); at the end
 # the 20 slowest tests of all lanes together, each with its setup and teardown (a module's first
-# test carries the boot and first deploy of its stack), so the budget's big items are in one list.
+# test carries the boot and first deploy of its stack), so the budget's big items are in one list,
+# then each lane's modules with their summed time, so the e2e lanes' balance shows in every run's
+# log (tests/e2e/conftest.py LANE_B; tests/hosts/durations.py)
 DURATIONS=""
 slowest() {
   [ -n "$DURATIONS" ] && [ -d "$DURATIONS" ] || return 0
-  echo "== slowest 20 tests (setup + call + teardown, all lanes)"
-  python3 - "$DURATIONS" <<'PY' || true
-import pathlib, sys, xml.etree.ElementTree as ET
-rows = []
-for report in sorted(pathlib.Path(sys.argv[1]).glob("*.xml")):
-    try:
-        cases = ET.parse(report).getroot().iter("testcase")
-    except ET.ParseError:
-        continue  # a lane that was stopped before pytest wrote it
-    rows += [(float(c.get("time", 0)), report.stem, f"{c.get('classname')}::{c.get('name')}") for c in cases]
-for seconds, lane, test in sorted(rows, reverse=True)[:20]:
-    print(f"   {seconds:8.1f}s  {lane:<10} {test}")
-print(f"   ({len(rows)} tests, {sum(r[0] for r in rows):.0f} s in all)")
-PY
+  python3 tests/hosts/durations.py "$DURATIONS" || true
   rm -rf "$DURATIONS"
 }
 background_pids=()
@@ -128,7 +117,8 @@ teardown() {
   local rc=$? pid
   trap - EXIT INT TERM
   for pid in "${background_pids[@]}"; do kill -- "-$pid" 2>/dev/null || true; done   # lanes still running
-  "$HOSTS" down "${OUR_HOSTS[@]}" >/dev/null 2>&1 || true
+  # stopped hard (no poweroff): every boot wipes a host's disk, so nothing of it is kept
+  HARD=1 "$HOSTS" down "${OUR_HOSTS[@]}" >/dev/null 2>&1 || true
   "$HOSTS" net-down || true
   summary
   [ -z "$CPU_CG" ] || rmdir "$CPU_CG"/* "$CPU_CG" 2>/dev/null || true   # empty once the hosts are down
@@ -164,7 +154,7 @@ if ! flock -n 8; then
   flock 8
 fi
 # leftovers of an interrupted earlier run (CI kills processes, not namespaces or cgroups)
-"$HOSTS" down "${OUR_HOSTS[@]}" >/dev/null 2>&1 || true
+HARD=1 "$HOSTS" down "${OUR_HOSTS[@]}" >/dev/null 2>&1 || true
 trap teardown EXIT
 trap 'exit 130' INT TERM
 # the lane cgroups of earlier runs that ended without their teardown (only empty ones go)

@@ -5,8 +5,8 @@ units: models[0] keeps no prefix), router.yaml is written once in the one-list s
 router reloads at most once. The new kit itself rolls the router's processes once (roles/epd_deps
 install.yml: a new kit restarts the router, which would run the old code); so a second re-deploy
 starts from the old-shape file under the same kit and shows the shape change alone: one reload,
-no process restarted. inventory/sandbox/two-models (two models, the router on n1). Lane a (not in
-tests/e2e/conftest.py LANE_B)."""
+no process restarted. inventory/sandbox/two-models (two models, the router on n1). Lane b
+(tests/e2e/conftest.py LANE_B)."""
 
 from __future__ import annotations
 

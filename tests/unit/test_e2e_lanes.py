@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.conftest import CONTINUES, FIRST, LANE_B
+from tests.e2e.conftest import CONTINUES, FIRST, LANE_B, LAST
+from tests.hosts import durations
 from tests.hosts.harness import (
     LANE_HOST_OFFSET,
     REPO,
@@ -82,3 +83,84 @@ def test_every_e2e_module_has_a_lane_and_a_continued_stack_stays_in_its_lane():
     assert set(FIRST) <= modules, f"FIRST names modules that do not exist: {set(FIRST) - modules}"
     for follower, leader in CONTINUES.items():
         assert (follower in LANE_B) == (leader in LANE_B), f"{follower} continues {leader}'s stack: one lane"
+
+
+def test_the_docs_e2e_table_names_the_lane_each_module_runs_in():
+    """docs/sandbox.md "The end-to-end tests": a row per module, its lane cell `a` or `b` as LANE_B
+    says, the FIRST modules' places, the LAST ones' `last`, a CONTINUES follower `right after` its
+    leader."""
+    text = (REPO / "docs/sandbox.md").read_text()
+    table = text.split("## The end-to-end tests", 1)[1].split("\n\n", 2)[1]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| `test_")]
+    lanes = {row[0].split("`")[1].removesuffix(".py"): row[1] for row in rows}
+    assert set(lanes) == {path.stem for path in E2E.glob("test_*.py")}, "a row per module, no other"
+    for module, cell in lanes.items():
+        assert cell.split(",")[0].split()[0] == ("b" if module in LANE_B else "a"), (module, cell)
+    for place, module in zip(("first", "second"), FIRST, strict=True):
+        assert place in lanes[module], (module, lanes[module])
+    for module in LAST:
+        assert "last" in lanes[module], (module, lanes[module])
+    for follower, leader in CONTINUES.items():
+        assert f"right after {leader}" in lanes[follower], (follower, lanes[follower])
+
+
+def junit(path: Path, cases: list[tuple[str, str, float]]) -> None:
+    """A JUnit report as pytest writes one (--junitxml): a testsuite of testcases with their time."""
+    rows = "".join(f'<testcase classname="{c}" name="{n}" time="{t}"/>' for c, n, t in cases)
+    path.write_text(f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{rows}</testsuite></testsuites>')
+
+
+def test_the_runs_durations_sum_each_lanes_modules_and_list_the_slowest_tests(tmp_path: Path):
+    junit(
+        tmp_path / "e2e-a.xml",
+        [
+            ("tests.e2e.test_one_host", "test_deploy", 226.6),
+            ("tests.e2e.test_one_host", "test_teardown", 43.1),
+            ("tests.e2e.test_two_models", "test_each_model", 33.6),
+        ],
+    )
+    junit(tmp_path / "e2e-b.xml", [("tests.e2e.test_day2", "test_roll", 138.8), ("tests.e2e.test_day2", "test_x", 1.2)])
+    junit(
+        tmp_path / "host-free.xml",
+        [("tests.unit.test_wire.TestFrames", "test_a", 0.5), ("tests.unit.test_wire", "test_b", 0.25)],
+    )
+    (tmp_path / "real-engines.xml").write_text("<testsuites><testsuite")  # a lane stopped mid-write
+    cases = durations.read_reports(tmp_path)
+    assert len(cases) == 7
+    totals = durations.module_totals(cases)
+    assert list(totals) == ["e2e-a", "e2e-b", "host-free"]
+    assert [(m.module, round(m.seconds, 1), m.tests) for m in totals["e2e-a"]] == [
+        ("tests.e2e.test_one_host", 269.7, 2),
+        ("tests.e2e.test_two_models", 33.6, 1),
+    ]
+    assert [(m.module, m.seconds, m.tests) for m in totals["e2e-b"]] == [("tests.e2e.test_day2", 140.0, 2)]
+    # a class's tests count to their module
+    assert [(m.module, m.seconds, m.tests) for m in totals["host-free"]] == [("tests.unit.test_wire", 0.75, 2)]
+    lines = durations.summary(cases, slowest=2)
+    assert lines[1:3] == [
+        "      226.6s  e2e-a      tests.e2e.test_one_host::test_deploy",
+        "      138.8s  e2e-b      tests.e2e.test_day2::test_roll",
+    ]
+    assert lines[3] == "   (7 tests, 444 s in all)"
+    assert "   e2e-a         303.3s  = the lane: 3 tests in 2 modules" in lines
+    assert "   e2e-a         269.7s  tests.e2e.test_one_host (2 tests)" in lines
+    assert "   e2e-b         140.0s  tests.e2e.test_day2 (2 tests)" in lines
+
+
+def test_a_background_lanes_many_modules_are_cut_to_the_longest_and_the_rest_summed(tmp_path: Path):
+    junit(tmp_path / "host-free.xml", [(f"tests.unit.test_m{i}", "test_a", float(i)) for i in range(1, 6)])
+    lines = durations.summary(durations.read_reports(tmp_path), modules_per_lane=2)
+    lanes = [line for line in lines if line.startswith("   host-free")]
+    assert lanes == [
+        "   host-free      15.0s  = the lane: 5 tests in 5 modules",
+        "   host-free       5.0s  tests.unit.test_m5 (1 tests)",
+        "   host-free       4.0s  tests.unit.test_m4 (1 tests)",
+        "   host-free       6.0s  (3 more modules)",
+    ]
+
+
+def test_the_durations_script_refuses_a_missing_directory(tmp_path: Path, capsys):
+    assert durations.main([str(tmp_path / "nothing")]) == 2
+    assert "usage: durations.py DIR" in capsys.readouterr().err
+    assert durations.main([str(tmp_path)]) == 0  # an empty directory: a run that wrote no report yet
+    assert "(0 tests, 0 s in all)" in capsys.readouterr().out
