@@ -78,18 +78,24 @@ def test_an_unknown_model_is_openai_404_and_the_text_model_refuses_images(stack:
         assert http.get("/ready", params={"model": "text"}).json() == {"ready": True}
 
 
-@pytest.mark.parametrize("model", ["vision", "text"])
-def test_vllm_bench_serve_runs_against_each_deployed_model(stack: Stack, host_pool: HostPool, tmp_path: Path, model):
+@pytest.fixture(scope="module")
+def bench_runs(stack: Stack, host_pool: HostPool, tmp_path_factory) -> dict[str, tuple[int, str, str]]:
     """vLLM's own benchmark client (vllm 0.24.0's `vllm bench serve`, the compat env) against the
-    deployed router: 10 requests to each model (one random image each for `vision`), all answered."""
+    deployed router, both models' runs in one vLLM process (tests/vllm_dist.py bench_serve): 10
+    requests to each model, one random image each for `vision`."""
     python = compat_python()
     if python is None:
         pytest.skip("the vLLM-compat venv is not built (yet): scripts/compat-env.sh --vllm 0.24.0 builds it")
     assert host_pool.seed is not None
     tokenizer = str(host_pool.seed / "models/tiny-qwen3-vl")  # what the hosts carry at /models/tiny-qwen3-vl
-    status, summary, stderr = bench_serve(
-        python, stack.router_url, model, tokenizer, 10, image=model == "vision", cwd=tmp_path
-    )
+    images = {"vision": True, "text": False}
+    return bench_serve(python, stack.router_url, tokenizer, 10, images=images, cwd=tmp_path_factory.mktemp("bench"))
+
+
+@pytest.mark.parametrize("model", ["vision", "text"])
+def test_vllm_bench_serve_runs_against_each_deployed_model(bench_runs: dict[str, tuple[int, str, str]], model):
+    """`vllm bench serve` against each deployed model through the router: all 10 answered."""
+    status, summary, stderr = bench_runs[model]
     print(f"vllm bench serve --model {model} against the sandbox (exit {status}):\n{summary}")
     assert status == 0, stderr
     assert re.search(r"Successful requests:\s+10\b", summary) and re.search(r"Failed requests:\s+0\b", summary), summary
