@@ -29,22 +29,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "router")]
 
 from tests.real_engines.stack import ENGINE_KEY, RealStack, install_plugin
-from tests.vllm_dist import installed_vllm, vllm_cli
+from tests.vllm_dist import bench_dataset, installed_vllm, vllm_cli
 
 
 def bench_serve(base_url: str, model: str, workdir: Path, name: str, args: argparse.Namespace, *, images: bool) -> dict:
     """One `vllm bench serve` run; its saved result (per-request ttfts included)."""
-    dataset = (
-        [
-            "--dataset-name", "random-mm",
-            "--random-mm-base-items-per-request", "1",
-            "--random-mm-num-mm-items-range-ratio", "0",
-            "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
-            "--random-mm-bucket-config", "{(64, 64, 1): 1.0}",
-        ]
-        if images
-        else ["--dataset-name", "random"]
-    )  # fmt: skip
+    dataset = bench_dataset(images)
     argv = [
         *vllm_cli(sys.executable), "bench", "serve",
         "--backend", "openai-chat", "--base-url", base_url, "--endpoint", "/v1/chat/completions",

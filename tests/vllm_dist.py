@@ -94,6 +94,19 @@ for argv in json.loads(runs):
 _BENCH_MARK = "=== epd-kit: vllm bench serve exited"
 
 
+def bench_dataset(images: bool) -> list[str]:
+    """`vllm bench serve`'s dataset flags: one random 64x64 image per request, or text only."""
+    if not images:
+        return ["--dataset-name", "random"]
+    return [
+        "--dataset-name", "random-mm",
+        "--random-mm-base-items-per-request", "1",
+        "--random-mm-num-mm-items-range-ratio", "0",
+        "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
+        "--random-mm-bucket-config", "{(64, 64, 1): 1.0}",
+    ]  # fmt: skip
+
+
 def bench_serve(
     python: str, base_url: str, tokenizer: str, prompts: int, *, images: dict[str, bool], cwd: Path
 ) -> dict[str, tuple[int, str, str]]:
@@ -107,17 +120,7 @@ def bench_serve(
 
     runs = []
     for model, image in images.items():
-        dataset = (
-            [
-                "--dataset-name", "random-mm",
-                "--random-mm-base-items-per-request", "1",
-                "--random-mm-num-mm-items-range-ratio", "0",
-                "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
-                "--random-mm-bucket-config", "{(64, 64, 1): 1.0}",
-            ]
-            if image
-            else ["--dataset-name", "random"]
-        )  # fmt: skip
+        dataset = bench_dataset(image)
         runs.append(
             [
                 "bench", "serve",
