@@ -7,43 +7,58 @@
 #   scripts/load.sh                        8 burners for 30 min (the suite's length and some)
 #   scripts/load.sh --procs 12 --seconds 600
 #   scripts/load.sh --procs 8 --seconds 2400 & CI=true .ci/run; kill %1
+#   scripts/load.sh --procs 5 --hold 8     5 burners, and one more each minute the 1-minute load
+#                                          average is under 8 (the suite's own load falls in its
+#                                          last tier; up to 64 burners)
 set -euo pipefail
 
 PROCS=8          # runnable processes: the load average climbs to about this plus what else runs
 SECONDS_MAX=1800
 LIMIT_S=7200     # no burner outlives two hours, whatever --seconds says
 REPORT_S=60      # how often the load average is printed
+HOLD=""          # --hold L: add a burner whenever the 1-minute load average reads under L
+MAX_PROCS=64
 
-usage() { echo "usage: scripts/load.sh [--procs N (1-64)] [--seconds S (1-$LIMIT_S)]" >&2; exit 2; }
+usage() { echo "usage: scripts/load.sh [--procs N (1-64; 0 with --hold)] [--seconds S (1-$LIMIT_S)] [--hold L (1-64)]" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case $1 in
     --procs) PROCS=${2:-}; shift 2 || usage ;;
     --seconds) SECONDS_MAX=${2:-}; shift 2 || usage ;;
-    -h | --help) sed -n '2,10p' "$0"; exit 0 ;;
+    --hold) HOLD=${2:-}; shift 2 || usage ;;
+    -h | --help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "scripts/load.sh: unknown argument $1" >&2; usage ;;
   esac
 done
-[[ $PROCS =~ ^[0-9]+$ ]] && [ "$PROCS" -ge 1 ] && [ "$PROCS" -le 64 ] ||
-  { echo "scripts/load.sh: --procs must be a whole number from 1 to 64, got '$PROCS'" >&2; exit 2; }
+[[ $PROCS =~ ^[0-9]+$ ]] && [ "$PROCS" -ge "$([ -n "$HOLD" ] && echo 0 || echo 1)" ] && [ "$PROCS" -le 64 ] ||
+  { echo "scripts/load.sh: --procs must be a whole number from 1 to 64 (0 with --hold), got '$PROCS'" >&2; exit 2; }
 [[ $SECONDS_MAX =~ ^[0-9]+$ ]] && [ "$SECONDS_MAX" -ge 1 ] && [ "$SECONDS_MAX" -le $LIMIT_S ] ||
   { echo "scripts/load.sh: --seconds must be a whole number from 1 to $LIMIT_S, got '$SECONDS_MAX'" >&2; exit 2; }
+[ -z "$HOLD" ] || { [[ $HOLD =~ ^[0-9]+$ ]] && [ "$HOLD" -ge 1 ] && [ "$HOLD" -le 64 ]; } ||
+  { echo "scripts/load.sh: --hold must be a whole number from 1 to 64, got '$HOLD'" >&2; exit 2; }
 
 pids=()
 stop() { trap - EXIT INT TERM; [ ${#pids[@]} -eq 0 ] || kill "${pids[@]}" 2>/dev/null || true; }
 trap stop EXIT
 trap 'exit 130' INT TERM
-for _ in $(seq "$PROCS"); do
-  timeout "$SECONDS_MAX" sh -c 'while :; do :; done' &
+burner() {   # burner SECONDS: one busy loop that stops by itself
+  timeout "$1" sh -c 'while :; do :; done' &
   pids+=($!)
-done
+}
+for _ in $(seq "$PROCS"); do burner "$SECONDS_MAX"; done
 echo "load.sh: $PROCS CPU burners for at most ${SECONDS_MAX}s (pids ${pids[*]}); $(nproc) cores; load average now $(cut -d' ' -f1-3 /proc/loadavg)"
 end=$((SECONDS + SECONDS_MAX))
-while [ $SECONDS -lt $end ] && kill -0 "${pids[@]}" 2>/dev/null; do
+while [ $SECONDS -lt $end ] && { [ ${#pids[@]} -eq 0 ] || kill -0 "${pids[@]}" 2>/dev/null; }; do
   # in the background: `wait` returns at once for a signal, so Ctrl-C/TERM stop the burners now
   sleep $((end - SECONDS < REPORT_S ? (end - SECONDS > 0 ? end - SECONDS : 1) : REPORT_S)) &
   wait $! || true
-  echo "load.sh: $(date -u +%H:%M:%S) load average $(cut -d' ' -f1-3 /proc/loadavg)"
+  read -r load1 _ </proc/loadavg
+  echo "load.sh: $(date -u +%H:%M:%S) load average $(cut -d' ' -f1-3 /proc/loadavg) (${#pids[@]} burners)"
+  # --hold: the 1-minute average lags a minute, so at most one burner a reading
+  if [ -n "$HOLD" ] && [ "${load1%.*}" -lt "$HOLD" ] && [ ${#pids[@]} -lt $MAX_PROCS ] && [ $SECONDS -lt $end ]; then
+    burner $((end - SECONDS))
+    echo "load.sh: load $load1 under $HOLD: one more burner (${#pids[@]})"
+  fi
 done
-wait "${pids[@]}" 2>/dev/null || true   # timeout exits 124 when it stopped a burner: expected
+[ ${#pids[@]} -eq 0 ] || wait "${pids[@]}" 2>/dev/null || true   # timeout exits 124 when it stopped a burner: expected
 pids=()
 echo "load.sh: done after ${SECONDS}s"
