@@ -130,7 +130,11 @@ def run_load(stack, oracle, n, workers, stream_every=0, max_tokens=24, during=No
 
 
 def test_kill_a_pd_under_load(make_stack, oracle):
-    stack = make_stack(2, 3, sim_env={f"epd-pd-{i}": SLOW_PD for i in range(3)})
+    # epd-pd-0 (the one killed) decodes at 100 ms a token, 4 s a request, so polling /pools sees a
+    # request in flight there: at 8 ms a token (0.3 s a request) the whole load once finished
+    # between two polls (a loaded run beside CPU burners, load ~20, the lane at nice 5)
+    sim_env = {"epd-pd-0": {"EPD_SIM_DECODE_MS_PER_TOKEN": "100"}} | {f"epd-pd-{i}": SLOW_PD for i in (1, 2)}
+    stack = make_stack(2, 3, sim_env=sim_env)
     router = stack.router
     results, killed_at = run_load(
         stack,
