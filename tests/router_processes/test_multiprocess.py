@@ -95,7 +95,7 @@ async def _chats(url: str, count: int, concurrency: int) -> list[int]:
     gate = asyncio.Semaphore(concurrency)
 
     async def one() -> int:
-        async with gate, httpx.AsyncClient(base_url=url, timeout=30, trust_env=False) as client:
+        async with gate, httpx.AsyncClient(base_url=url, timeout=scaled(30), trust_env=False) as client:
             try:
                 return (await client.post("/v1/chat/completions", json=CHAT)).status_code
             except httpx.HTTPError:
@@ -233,9 +233,11 @@ def test_a_sigterm_while_the_process_starts_stops_it_once_it_serves(config, tmp_
 
 @pytest.fixture
 def slow_pd_config(ckpt, tmp_path) -> Iterator[tuple[Path, dict]]:
-    """A VE and a PD that answers every request 10 s late: requests stay in flight while the test
-    reads /pools. Yields the config path and the config itself."""
-    slow = ["--sim-profile", "zero", "--sim-extra-latency-ms", "10000"]
+    """A VE and a PD that answers every request 10 s late on the quiet machine, later on a slow one
+    (tests/budget.py): requests stay in flight while the test reads /pools. Yields the config path
+    and the config itself."""
+    late_s = scaled(10)
+    slow = ["--sim-profile", "zero", "--sim-extra-latency-ms", str(round(late_s * 1000))]
     procs = [engine_proc("ve", 0, ckpt, tmp_path).start(), engine_proc("pd", 0, ckpt, tmp_path, sim_flags=slow).start()]
     try:
         for proc in procs:
@@ -245,6 +247,8 @@ def slow_pd_config(ckpt, tmp_path) -> Iterator[tuple[Path, dict]]:
             "model": str(ckpt),
             "listen": {"host": "127.0.0.1", "port": 0},
             "endpoints": {"ve": [{"id": ve.name, "url": ve.url}], "pd": [{"id": pd.name, "url": pd.url}]},
+            # the first-token deadline (15 s by default) past the PD's lateness: late, not hung
+            "timeouts": {"first_token_base_s": late_s + 15},
         }
         path = tmp_path / "router.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -289,27 +293,38 @@ def test_pools_answers_for_the_whole_group_so_a_drain_waits_for_every_process(sl
                     await asyncio.sleep(0.1)
                 return [status for statuses in await asyncio.gather(*tasks) for status in statuses]
 
+            async def until(what: str, holds, base_s: float = 5) -> None:
+                """Poll until holds() (bounded, scaled): each step waits on what it needs, not on a
+                fixed sleep a loaded machine outruns (the PD's 10 s would pass first)."""
+                deadline = time.monotonic() + scaled(base_s)
+                while not await holds():
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"not within {scaled(base_s):.0f} s: {what}")
+                    await asyncio.sleep(0.1)
+
+            async def first_view(predicate) -> bool:
+                return predicate((await _pd_views(group.url, 1))[0])
+
             load = asyncio.create_task(spaced_load())
             seen: dict[str, list[dict]] = {}
-            for _ in range(50):  # 5 s at most
-                if (await _pd_views(group.url, 1))[0]["inflight"] == 10:
-                    break
-                await asyncio.sleep(0.1)
-            else:
-                raise AssertionError("the 10 requests were never in flight together")
-            await asyncio.sleep(1.2)  # every process has published its count since
+            await until("the 10 requests in flight together", lambda: first_view(lambda v: v["inflight"] == 10))
+
+            async def published() -> bool:  # every process has published its count
+                return sum(_inflight_per_worker(group.metrics_dir, pd).values()) == 10
+
+            await until("both processes' counts published", published)
             split = _inflight_per_worker(group.metrics_dir, pd)
             seen["loaded"] = await _pd_views(group.url, 6)
             config["endpoints"]["pd"][0]["state"] = "draining"
             path.write_text(yaml.safe_dump(config))
             group.processes[0].send_signal(signal.SIGHUP)  # process 1 has not reloaded yet
-            await asyncio.sleep(1.2)
+            await until("process 0 reloaded", lambda: first_view(lambda v: v["state"] != "active"))
             seen["half_reloaded"] = await _pd_views(group.url, 6)
             group.processes[1].send_signal(signal.SIGHUP)
-            await asyncio.sleep(1.2)
+            await until("process 1 reloaded", lambda: first_view(lambda v: v["state"] == "draining"))
             seen["reloaded"] = await _pd_views(group.url, 6)
             statuses = await load
-            await asyncio.sleep(1.2)
+            await until("the load's end seen", lambda: first_view(lambda v: v["inflight"] == 0))
             seen["drained"] = await _pd_views(group.url, 6)
             return statuses, seen, split
 
