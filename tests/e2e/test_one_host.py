@@ -517,7 +517,15 @@ def test_after_the_change_encode_time_falls_and_no_change_is_recommended(one_hos
     # the predicted direction: queueing in front of the VE pool shrinks (the bench measures the size)
     assert doc["pools"]["ve"]["time_in_stage_s"] < 0.8 * before["pools"]["ve"]["time_in_stage_s"], (before, doc)
     assert doc["pools"]["ve"]["busy"] < before["pools"]["ve"]["busy"]
-    assert doc["ttft_p50_s"] < before["ttft_p50_s"], (before, doc)
+    # TTFT falls in the mean, the figure the advisor predicts (recommendation.predicted_ttft_mean_s):
+    # what the second VE removes is queueing, which the mean and the tail carry, not the median (at
+    # ~80 % busy most requests find the VE free). The median rose 0.324 -> 0.332 s in the loaded run
+    # of afc6af1 (load ~20) while the VE's time in stage fell: the second VE process slows every
+    # stage's service a little on 2 shared cores
+    mean_before, mean_after = before["recommendation"]["ttft_mean_s"], doc["recommendation"]["ttft_mean_s"]
+    record_timing("advisor: 1E2PD TTFT mean (router)", mean_before)
+    record_timing("advisor: 2E2PD TTFT mean (router)", mean_after)
+    assert mean_after < mean_before, (before, doc)
     assert doc["recommendation"] is not None and doc["recommendation"]["action"] == "none", doc
 
 
