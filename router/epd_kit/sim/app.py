@@ -15,6 +15,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..asgi import app as asgi_app
+from ..asgi import route
 from ..wire import (
     ENGINE_DEAD_MESSAGE,
     GENERATE_PATH,
@@ -31,8 +33,6 @@ from ..wire import (
     sse_frame,
     stream_request_id,
 )
-from .asgi import app as asgi_app
-from .asgi import route
 from .config import VLLM_VERSION, EngineConfig
 from .errors import EngineDeadError, InputRejected, RequestRejected
 from .faults import FaultInjector, Faults

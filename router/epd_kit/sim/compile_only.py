@@ -17,8 +17,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ..asgi import app, route
 from .app import error_response
-from .asgi import app, route
 from .config import VLLM_VERSION, EngineConfig
 
 log = logging.getLogger("epd_sim.compile_only")

@@ -33,7 +33,7 @@ def embedding_bytes(mm_hash: str) -> bytes:
 
 def generation_seed(prompt_ids: Sequence[int], embeddings: Iterable[bytes]) -> bytes:
     h = blake3(b"epd-sim/generate\x00")
-    # the ids as little-endian int64s (struct, not numpy: the sim starts without numpy, asgi.py)
+    # the ids as little-endian int64s (struct, not numpy: the sim starts without numpy, epd_kit/asgi.py)
     h.update(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids))
     for emb in embeddings:
         h.update(b"\x00")

@@ -101,7 +101,7 @@ def build_sequence(
     items = req.features.items() if req.features else []
     merge = cfg.vision.merge_factor
     if items:
-        from .. import mm_serde  # numpy: loaded by the first image, not at start (asgi.py says why)
+        from .. import mm_serde  # numpy: loaded by the first image, not at start (epd_kit/asgi.py says why)
 
     for i, (_m, mm_hash, ph, kwargs_b64) in enumerate(items):
         if ph.offset + ph.length > len(prompt):

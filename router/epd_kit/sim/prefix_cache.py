@@ -24,7 +24,7 @@ BLOCK_TOKENS = 16
 
 
 def _block_hashes(prompt_ids: Sequence[int]) -> list[bytes]:
-    # each block's ids as little-endian int64s (struct, not numpy: the sim starts without numpy, asgi.py)
+    # each block's ids as little-endian int64s (struct, not numpy: the sim starts without numpy, epd_kit/asgi.py)
     block = struct.Struct(f"<{BLOCK_TOKENS}q")
     out, prev = [], b""
     for k in range(len(prompt_ids) // BLOCK_TOKENS):

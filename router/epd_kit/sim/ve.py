@@ -60,7 +60,7 @@ def parse_items(req: GenerateRequest, cfg: EngineConfig) -> list[EncodeItem]:
     geo = cfg.vision
     out = []
     if items:
-        from .. import mm_serde  # numpy: loaded by the first image, not at start (asgi.py says why)
+        from .. import mm_serde  # numpy: loaded by the first image, not at start (epd_kit/asgi.py says why)
 
     for i, (_modality, mm_hash, ph, kwargs_b64) in enumerate(items):
         if ph.offset + ph.length > len(req.token_ids):

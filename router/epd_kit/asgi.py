@@ -1,10 +1,12 @@
-"""The sim's HTTP apps on Starlette, answering as FastAPI (vLLM's framework) answers.
+"""HTTP apps on Starlette with FastAPI's answers: the sim's (`app`) and the router's routes (`route`).
 
-The sim served on FastAPI, as vLLM does, but used nothing FastAPI adds to Starlette (no typed
-parameters, no OpenAPI document), and importing FastAPI builds its OpenAPI models: ~0.4 of the
-~1.1 CPU-s a sim took from its start to a healthy /health (docs/sandbox.md "Where the CPU goes").
-What a client sees stays FastAPI's: a GET route without Starlette's implicit HEAD, 404 and 405 as
-`{"detail": ...}` JSON (405 with its Allow header), a trailing slash redirected.
+The sim and the router served on FastAPI, as vLLM does, but used nothing FastAPI adds to
+Starlette (no typed parameters, no OpenAPI document: every handler reads its Request itself),
+and importing FastAPI builds its OpenAPI models: ~0.4 CPU-s of a sim's ~0.9 from its start to a
+healthy /health, and of a router's ~1.2 (docs/sandbox.md "Where the CPU goes"). What a client
+sees stays FastAPI's: a GET route without Starlette's implicit HEAD, and in the sim 404 and 405
+as `{"detail": ...}` JSON (405 with its Allow header), a trailing slash redirected (the router
+answers these with its own envelopes, router/routes.py).
 """
 
 from __future__ import annotations
