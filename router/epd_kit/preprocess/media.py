@@ -22,13 +22,16 @@ import binascii
 import io
 import logging
 from http.cookiejar import CookieJar, DefaultCookiePolicy
+from typing import TYPE_CHECKING
 from urllib.parse import urljoin, urlsplit
 
-import httpx
 from PIL import Image
 
 from .errors import ImageTooLarge, MalformedImageUrl, MediaFetchFailed, MediaFetchRefused
 from .settings import Limits, Media
+
+if TYPE_CHECKING:  # httpx (and the rich it imports) loads with the first http(s) image URL, not at start
+    import httpx
 
 try:  # SIMD base64 that releases the GIL: a 20 MB image must not stall the event loop
     from pybase64 import b64decode as _b64decode
@@ -96,6 +99,8 @@ class MediaFetcher:
 
     def check_allowed(self, url: str) -> httpx.URL:
         """Raise unless the policy allows fetching `url` (done before any network I/O)."""
+        import httpx
+
         try:
             parsed = httpx.URL(url)
         except Exception as exc:
@@ -126,6 +131,8 @@ class MediaFetcher:
     async def fetch(self, url: str) -> bytes:
         """The body at an allowed URL, or the one uniform `MediaFetchFailed`. The caller
         then runs `check_fetched_image` on it (in a worker thread: Pillow parses the header)."""
+        import httpx
+
         target = self.check_allowed(url)
         timeout = self.policy.fetch_timeout_s
         try:
@@ -140,6 +147,8 @@ class MediaFetcher:
         raise fetch_failed(url, reason)
 
     async def _fetch_following(self, target: httpx.URL) -> bytes:
+        import httpx
+
         client = self._get_client()
         for _ in range(self.policy.max_redirects + 1):
             async with client.stream("GET", target) as response:
@@ -173,6 +182,8 @@ class MediaFetcher:
         return b"".join(chunks)
 
     def _get_client(self) -> httpx.AsyncClient:
+        import httpx
+
         if self._client is None:
             self._client = httpx.AsyncClient(
                 follow_redirects=False,

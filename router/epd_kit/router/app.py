@@ -1,10 +1,11 @@
 """The ASGI app: one `RouterService`, its lifespan, the routes and error handlers of
 routes.py. Wiring only (no module globals: two apps in one process share nothing).
 
-`POST /v1/chat/completions` goes straight to its handler; FastAPI serves everything else
-(operations endpoints, 404/405 envelopes, the lifespan). Its routing and middleware stack
-cost about a seventh of a text request's CPU (docs/benchmarks.md §1), and the chat handler
-needs none of it: it reads the raw body and answers every outcome itself.
+`POST /v1/chat/completions` goes straight to its handler; Starlette serves everything else
+(operations endpoints, 404/405 envelopes, the lifespan; FastAPI's additions were never used and
+cost ~0.4 CPU-s a start to import: epd_kit/asgi.py). Its routing and middleware stack cost
+about a seventh of a text request's CPU (docs/benchmarks.md §1), and the chat handler needs
+none of it: it reads the raw body and answers every outcome itself.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from starlette.applications import Starlette
 from starlette.datastructures import Headers, State
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -37,7 +39,7 @@ def build_renderer(cfg: RouterConfig) -> Renderer:
 
 
 @asynccontextmanager
-async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     service: RouterService = app.state.service
     await service.start()
     for lane in service.lanes.values():
@@ -83,7 +85,7 @@ class _ChatRequest(Request):
 class RouterApp:
     """The router's ASGI callable: the chat route on a short path, the rest through `api`."""
 
-    def __init__(self, api: FastAPI) -> None:
+    def __init__(self, api: Starlette) -> None:
         self.api = api
 
     @property
@@ -92,7 +94,7 @@ class RouterApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == CHAT_PATH:
-            scope["app"] = self.api  # what `request.app` is on FastAPI's path too
+            scope["app"] = self.api  # what `request.app` is on Starlette's path too
             request = _ChatRequest(scope, receive, send)
             tracing = self.api.state.service.tracing
             trace = tracing.begin(request.headers)  # None unless traced or given a traceparent
@@ -117,17 +119,8 @@ def create_app(
     config_path: Path | None = None,
     worker: str | None = None,
 ) -> RouterApp:
-    app = FastAPI(
-        title="epd-router",
-        lifespan=_lifespan,
-        exception_handlers=EXCEPTION_HANDLERS,
-        docs_url=None,
-        redoc_url=None,
-        openapi_url=None,
-        # no 307 to the path with(out) a trailing slash: Starlette builds that Location from
-        # the client's Host header; a wrong path is a 404 naming it
-        redirect_slashes=False,
-    )
+    app = Starlette(routes=routes.routes, lifespan=_lifespan, exception_handlers=EXCEPTION_HANDLERS)
+    app.router.redirect_slashes = routes.redirect_slashes  # False: routes.py says why
     app.state.service = RouterService(
         cfg,
         renderer or build_renderer(cfg.lane_config(cfg.model_name)),
@@ -135,5 +128,4 @@ def create_app(
         worker=worker,
         lane_renderer=None if renderer is not None else build_renderer,
     )
-    app.include_router(routes)
     return RouterApp(app)

@@ -12,7 +12,7 @@ import json
 from enum import StrEnum
 from typing import Any
 
-from fastapi.responses import Response
+from starlette.responses import Response
 
 TYPES = {
     400: "invalid_request_error",

@@ -8,8 +8,7 @@ max_body_bytes): a trickle costs nothing toward it. Decoding the body is body.py
 
 from __future__ import annotations
 
-from fastapi import Request
-from starlette.requests import ClientDisconnect
+from starlette.requests import ClientDisconnect, Request
 
 from epd_kit.router.errors import RouterError
 

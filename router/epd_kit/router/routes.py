@@ -14,11 +14,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
-from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Router
 
+from epd_kit.asgi import route
 from epd_kit.preprocess.fairness import client_identity, current_client
 from epd_kit.preprocess.settings import Limits
 from epd_kit.router import tracing
@@ -38,8 +39,6 @@ log = logging.getLogger("epd_router.app")
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:+=@-]{1,128}$")
 
 T = TypeVar("T")
-
-routes = APIRouter()
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -75,12 +74,11 @@ def _check_operator(request: Request, protected: bool) -> None:
 # --- OpenAI surface ---------------------------------------------------------------------------
 
 
-@routes.post(CHAT_PATH)
 async def chat_completions(request: Request) -> Response:
     """Every outcome is counted once (`RequestOutcome`) and answered with the request id: a
     `RouterError` as its envelope, anything else as a 500 envelope (a router bug, logged with
     its traceback), a client that left as a quiet 499. app.py calls it directly, outside
-    FastAPI's routing and error handlers."""
+    Starlette's routing and error handlers."""
     service = _service(request)
     outcome = service.metrics.track_request()
     given = request.headers.get("x-request-id")
@@ -256,7 +254,6 @@ async def _stream(
     )
 
 
-@routes.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
     _check_key(request)
     return JSONResponse({"object": "list", "data": [lane.card() for lane in _service(request).lanes.values()]})
@@ -265,12 +262,10 @@ async def models(request: Request) -> JSONResponse:
 # --- operations -------------------------------------------------------------------------------
 
 
-@routes.get("/health")
-async def health() -> JSONResponse:
+async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@routes.get("/ready")
 async def ready(request: Request) -> JSONResponse:
     """Ready when every model's lane is (`?model=NAME`: that model's alone; an unknown one is
     the 404 of a request naming it)."""
@@ -291,7 +286,6 @@ async def ready(request: Request) -> JSONResponse:
     )
 
 
-@routes.get("/healthcheck")
 async def healthcheck(request: Request) -> JSONResponse:
     service = _service(request)
     lanes = list(service.lanes.values())
@@ -307,7 +301,6 @@ async def healthcheck(request: Request) -> JSONResponse:
     return JSONResponse(body)
 
 
-@routes.get("/pools")
 async def pools_view(request: Request) -> JSONResponse:
     service = _service(request)
     _check_operator(request, service.state.cfg.auth.protect_pools)
@@ -336,11 +329,28 @@ async def pools_view(request: Request) -> JSONResponse:
     )
 
 
-@routes.get("/metrics")
 async def metrics(request: Request) -> Response:
     service = _service(request)
     _check_operator(request, service.state.cfg.auth.protect_metrics)
     return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+# Starlette, not FastAPI, routes these (epd_kit/asgi.py says why): every handler reads its
+# Request itself, so FastAPI's typed parameters, validation and OpenAPI had nothing to do here
+routes = Router(
+    [
+        route(CHAT_PATH, chat_completions, ["POST"]),  # app.py serves it first; here: 405 for other methods
+        route("/v1/models", models, ["GET"]),
+        route("/health", health, ["GET"]),
+        route("/ready", ready, ["GET"]),
+        route("/healthcheck", healthcheck, ["GET"]),
+        route("/pools", pools_view, ["GET"]),
+        route("/metrics", metrics, ["GET"]),
+    ],
+    # no 307 to the path with(out) a trailing slash: Starlette builds that Location from
+    # the client's Host header; a wrong path is a 404 naming it
+    redirect_slashes=False,
+)
 
 
 # --- error handlers ---------------------------------------------------------------------------
@@ -362,11 +372,6 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
     return RouterError(exc.status_code, messages.get(exc.status_code, str(exc.detail))).response(_request_id(request))
 
 
-async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-    error = RouterError(400, f"invalid request: {exc.errors()[0].get('msg', 'bad input')}")
-    return error.response(_request_id(request))
-
-
 async def _internal(request: Request, exc: Exception) -> Response:
     rid = _request_id(request)
     log.exception("internal error", extra={"path": request.url.path, "request_id": rid})
@@ -376,7 +381,6 @@ async def _internal(request: Request, exc: Exception) -> Response:
 EXCEPTION_HANDLERS: dict[Any, Callable[[Request, Any], Awaitable[Response]]] = {
     RouterError: _router_error,
     StarletteHTTPException: _http_error,
-    RequestValidationError: _validation_error,
     Exception: _internal,
 }
 

@@ -9,12 +9,14 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..asgi import app as asgi_app
+from ..asgi import route
 from ..wire import (
     ENGINE_DEAD_MESSAGE,
     GENERATE_PATH,
@@ -106,45 +108,40 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-def create_app(engine: SimEngine, tracer: SimTracer | None = None) -> FastAPI:
+def create_app(engine: SimEngine, tracer: SimTracer | None = None) -> Starlette:
     """`tracer`: --otlp-traces-endpoint's (tracing.py); None: tracing off."""
-    app = FastAPI(title="epd-sim", docs_url=None, redoc_url=None, openapi_url=None)
     cfg = engine.cfg
 
-    @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         return Response(status_code=503 if engine.is_dead else 200)
 
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": VLLM_VERSION}
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": VLLM_VERSION})
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": cfg.served_model_name,
-                    "object": "model",
-                    "created": engine.created,
-                    "owned_by": "vllm",
-                    "root": cfg.model,
-                    "parent": None,
-                    "max_model_len": cfg.max_model_len,
-                }
-            ],
-        }
+    async def models(request: Request) -> Response:
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": cfg.served_model_name,
+                        "object": "model",
+                        "created": engine.created,
+                        "owned_by": "vllm",
+                        "root": cfg.model,
+                        "parent": None,
+                        "max_model_len": cfg.max_model_len,
+                    }
+                ],
+            }
+        )
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/sim/faults")
-    async def get_faults() -> dict[str, Any]:
-        return engine.faults.model_dump()
+    async def get_faults(request: Request) -> Response:
+        return JSONResponse(engine.faults.model_dump())
 
-    @app.put("/sim/faults")
     async def put_faults(request: Request) -> Response:
         try:
             faults = Faults.model_validate_json(await request.body())
@@ -205,17 +202,23 @@ def create_app(engine: SimEngine, tracer: SimTracer | None = None) -> FastAPI:
             )
         return await _complete(engine.pd, seq, request, engine.answers, cfg.served_model_name)
 
+    routes = [
+        route("/health", health, ["GET"]),
+        route("/version", version, ["GET"]),
+        route("/v1/models", models, ["GET"]),
+        route("/metrics", metrics, ["GET"]),
+        route("/sim/faults", get_faults, ["GET"]),
+        route("/sim/faults", put_faults, ["PUT"]),
+    ]
     if engine.answers.scale_out_opt_in and not cfg.enable_scale_out:
 
-        async def scale_out_disabled() -> Response:
+        async def scale_out_disabled(request: Request) -> Response:
             return error_response(SCALE_OUT_DISABLED, 403, "PermissionDeniedError")
 
         # vLLM >= 0.30 without --enable-scale-out: the route is there and refuses (release.py)
         log.info("%s", SCALE_OUT_DISABLED)
-        app.post(GENERATE_PATH)(scale_out_disabled)
-        return app
-    app.post(GENERATE_PATH)(untraced(generate) if tracer is None else generate)
-    return app
+        return asgi_app([*routes, route(GENERATE_PATH, scale_out_disabled, ["POST"])])
+    return asgi_app([*routes, route(GENERATE_PATH, untraced(generate) if tracer is None else generate, ["POST"])])
 
 
 def _engine_error(seq: Sequence) -> tuple[str, int]:

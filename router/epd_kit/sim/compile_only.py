@@ -13,9 +13,11 @@ from __future__ import annotations
 import logging
 import signal
 
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
+from ..asgi import app, route
 from .app import error_response
 from .config import VLLM_VERSION, EngineConfig
 
@@ -32,24 +34,27 @@ def refusal(target: str) -> str:
     )
 
 
-def create_app(target: str) -> FastAPI:
-    app = FastAPI(title="epd-sim (CPU compile)", docs_url=None, redoc_url=None, openapi_url=None)
+def create_app(target: str) -> Starlette:
     message = refusal(target)
 
-    @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         return Response(status_code=200)
 
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": VLLM_VERSION}
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": VLLM_VERSION})
 
-    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
-    async def refuse(path: str, request: Request) -> Response:
+    async def refuse(request: Request) -> Response:
+        path = request.path_params["path"]
         log.warning("%s /%s refused: CPU compile mode executes nothing", request.method, path)
         return error_response(message, REFUSAL_STATUS, "ServiceUnavailableError")
 
-    return app
+    return app(
+        [
+            route("/health", health, ["GET"]),
+            route("/version", version, ["GET"]),
+            route("/{path:path}", refuse, ["GET", "POST", "PUT", "DELETE", "PATCH"]),
+        ]
+    )
 
 
 async def serve(cfg: EngineConfig, target: str, grace_s: float, access_log: bool) -> int:

@@ -14,10 +14,10 @@ A token from `stop_token_ids` also stops (it is included, finish_reason "stop").
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 from blake3 import blake3
 
 from .checkpoint import VocabSpace
@@ -33,7 +33,8 @@ def embedding_bytes(mm_hash: str) -> bytes:
 
 def generation_seed(prompt_ids: Sequence[int], embeddings: Iterable[bytes]) -> bytes:
     h = blake3(b"epd-sim/generate\x00")
-    h.update(np.asarray(prompt_ids, dtype="<i8").tobytes())
+    # the ids as little-endian int64s (struct, not numpy: the sim starts without numpy, epd_kit/asgi.py)
+    h.update(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids))
     for emb in embeddings:
         h.update(b"\x00")
         h.update(emb)
@@ -69,9 +70,9 @@ def plan_generation(
         n, finish = natural, "stop"
     else:
         n, finish = max_tokens, "length"
-    stream = np.frombuffer(blake3(b"tok\x00" + seed).digest(length=4 * n), dtype="<u4")
+    stream = struct.unpack(f"<{n}I", blake3(b"tok\x00" + seed).digest(length=4 * n))
     allowed = vocab.allowed_ids
-    tokens = [allowed[int(u) % len(allowed)] for u in stream]
+    tokens = [allowed[u % len(allowed)] for u in stream]
     stops = set(stop_token_ids)
     if stops:
         for i, tok in enumerate(tokens):

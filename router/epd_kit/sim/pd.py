@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .. import mm_serde
 from ..wire import (
     EC_LOCATOR,
     EC_TRANSFER_PARAMS,
@@ -101,6 +100,9 @@ def build_sequence(
     # route's pre-built features skip that processor (a real PD with a limit of 2 serves 3)
     items = req.features.items() if req.features else []
     merge = cfg.vision.merge_factor
+    if items:
+        from .. import mm_serde  # numpy: loaded by the first image, not at start (epd_kit/asgi.py says why)
+
     for i, (_m, mm_hash, ph, kwargs_b64) in enumerate(items):
         if ph.offset + ph.length > len(prompt):
             raise RequestRejected(

@@ -12,10 +12,10 @@ exists.
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import numpy as np
 from blake3 import blake3
 
 from ..wire import Placeholder
@@ -24,10 +24,11 @@ BLOCK_TOKENS = 16
 
 
 def _block_hashes(prompt_ids: Sequence[int]) -> list[bytes]:
-    arr = np.asarray(prompt_ids, dtype="<i8")
+    # each block's ids as little-endian int64s (struct, not numpy: the sim starts without numpy, epd_kit/asgi.py)
+    block = struct.Struct(f"<{BLOCK_TOKENS}q")
     out, prev = [], b""
-    for k in range(len(arr) // BLOCK_TOKENS):
-        prev = blake3(prev + arr[k * BLOCK_TOKENS : (k + 1) * BLOCK_TOKENS].tobytes()).digest()
+    for k in range(len(prompt_ids) // BLOCK_TOKENS):
+        prev = blake3(prev + block.pack(*prompt_ids[k * BLOCK_TOKENS : (k + 1) * BLOCK_TOKENS])).digest()
         out.append(prev)
     return out
 

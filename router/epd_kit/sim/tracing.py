@@ -54,7 +54,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Request, Response
+from starlette.requests import Request
+from starlette.responses import Response
 
 from ..wire import GenerateRequest, stream_request_id
 

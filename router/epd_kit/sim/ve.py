@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .. import mm_serde
 from ..wire import (
     EC_LOCATOR,
     EcHandoffItem,
@@ -60,6 +59,9 @@ def parse_items(req: GenerateRequest, cfg: EngineConfig) -> list[EncodeItem]:
     # no --limit-mm-per-prompt check, as on a real VE (pd.build_sequence says why)
     geo = cfg.vision
     out = []
+    if items:
+        from .. import mm_serde  # numpy: loaded by the first image, not at start (epd_kit/asgi.py says why)
+
     for i, (_modality, mm_hash, ph, kwargs_b64) in enumerate(items):
         if ph.offset + ph.length > len(req.token_ids):
             raise RequestRejected(
