@@ -40,8 +40,9 @@ description:
     a controller without it runs the same playbooks with the same results, only with more CPU.
 """
 
-# actions that run no module (the controller's own): before them there is no payload to build
-CONTROLLER_ONLY = frozenset(
+# actions that run no module (the controller's own, the kit's render among them): before them
+# there is no payload to build, and a playbook of only these (render.yml) parses nothing
+CONTROLLER_ONLY = {"epd.kit.epd_render_files"} | frozenset(
     f"{prefix}{name}"
     for prefix in ("", "ansible.builtin.", "ansible.legacy.")
     for name in (
