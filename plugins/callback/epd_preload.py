@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import inspect
 import io
 import zipfile
 
@@ -60,6 +61,8 @@ def _cache_module_ast() -> bool:
     parse = getattr(module_common, "_compile_module_ast", None)
     if parse is None or getattr(parse, "epd_cached", False):
         return False
+    if list(inspect.signature(parse).parameters) != ["module_name", "source_code"]:
+        return False  # another ansible-core's function: left as it is
     trees: dict[tuple[str, str | bytes], object] = {}
 
     def cached(module_name, source_code):
