@@ -88,3 +88,18 @@ def inventory_hostvars(inventory: Path) -> tuple[dict[str, Any], dict[str, list[
     for group in ("epd_engines", "epd_router"):
         groups[group] = hosts_of(group)
     return hostvars, groups
+
+
+def host_output(output: str, host: str) -> str:
+    """What an ansible-playbook run printed about one host of several (tests that batch their cases
+    as hosts of one run read their own host's here): each result block whose header names it
+    (`fatal: [h1]: ...` and its indented lines) and each line that starts with `h1: ` (the inventory
+    check's problems, one a line)."""
+    picked: list[str] = []
+    mine = False
+    for line in output.splitlines():
+        if line and not line[0].isspace():  # a header: a task, a play, or a host's result
+            mine = f"[{host}]" in line or f"[{host} ->" in line
+        if mine or line.strip().startswith(f"{host}: "):
+            picked.append(line)
+    return "\n".join(picked)

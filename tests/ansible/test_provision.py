@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests import repo_modules
-from tests.ansible.helpers import REPO, local_play, playbook
+from tests.ansible.helpers import REPO, host_output, local_play, playbook
 from tests.budget import scaled
 from tests.hosts.standins import build as standins
 
@@ -130,68 +130,104 @@ def test_the_module_reports_versions_nulls_and_drift(tmp_path):
     assert read["changed"] is False
 
 
-def provision_locally(tmp_path: Path, **variables) -> subprocess.CompletedProcess[str]:
-    """provision.yml against this machine, with variables its preflight refuses: nothing runs past it."""
-    inventory = tmp_path / "hosts.yml"
+def provision_locally(root: Path, hosts: dict[str, dict], **variables) -> subprocess.CompletedProcess[str]:
+    """provision.yml against this machine: a local host per case (`hosts`: its variables, as host
+    vars) and `variables` given with -e, all of them ones its preflight refuses: nothing runs past it."""
+    root.mkdir(parents=True, exist_ok=True)
+    inventory = root / "hosts.yml"
     local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
-    inventory.write_text(yaml.safe_dump({"all": {"children": {"epd_engines": {"hosts": {"local": local}}}}}))
-    extra = tmp_path / "vars.json"
+    engines = {name: {**local, **host} for name, host in hosts.items()}
+    inventory.write_text(yaml.safe_dump({"all": {"children": {"epd_engines": {"hosts": engines}}}}))
+    extra = root / "vars.json"
     extra.write_text(json.dumps(variables))
     return playbook("-i", str(inventory), "playbooks/provision.yml", "-e", f"@{extra}")
 
 
-@pytest.mark.parametrize(
-    ("variables", "message"),
-    [
-        # the inventory check refuses these on the controller first (docs/planner.md "Settings checked
-        # by their shape and by each other"); the role's own preflight keeps the same rules
-        (
-            {"epd_provision_engine_pins": {"vllm-neuron": ""}},
-            "epd_provision_engine_pins['vllm-neuron'] is '': write a version",
-        ),
-        (
-            {"epd_provision_efa_installer_sha256": "abc"},
-            "epd_provision_efa_installer_sha256 is 'abc': write 64 lowercase hex",
-        ),
-        (
-            {"epd_provision_efa_installer_key_fingerprint": "4E90 91BC"},
-            "key_fingerprint is '4E90 91BC': write 40 hex digits",
-        ),
-        (
-            {"epd_provision_neuron_driver_version": "latest"},
-            "epd_provision_neuron_driver_version is 'latest': write a version",
-        ),
-        # mistake: the framework of another release (Neuron 2.31's torch-neuronx) pinned as an override
-        (
-            {"epd_provision_engine_pins": {"torch-neuronx": "2.9.0.2.15.32035"}},
-            "epd_provision_engine_pins sets torch-neuronx, which Neuron 2.32.0's engine venv does not list",
-        ),
-        # mistake: a release the kit has no table for
-        ({"epd_neuron_release": "2.31.0"}, "epd_neuron_release must be one of 2.32.0, 2.33.0, 2.33.1, got '2.31.0'"),
-        # mistake: Neuron 2.33.0 without the pins its sources leave unconfirmed (the kit does not guess them)
-        (
-            {"epd_neuron_release": "2.33.0"},
-            "Neuron 2.33.0: no source the kit read settles libtorch-neuronx-lite, nixl, the EFA installer version. "
-            "Set them from that release's documentation: epd_provision_engine_pins (libtorch-neuronx-lite: <version>, "
-            "nixl: <version>) epd_provision_efa_installer_version",
-        ),
-        (
-            {
-                "epd_neuron_release": "2.33.0",
-                "epd_provision_engine_pins": {"nixl": "1.5.1"},
-                "epd_provision_efa": False,
-            },
-            "Neuron 2.33.0: no source the kit read settles libtorch-neuronx-lite. Set them",
-        ),
-        # mistake: --minimal installs no libfabric (efa_installer.sh usage text)
-        ({"epd_provision_efa_installer_options": ["--yes", "--minimal"]}, "remove --minimal"),
-    ],
-)
-def test_the_preflight_refuses_bad_pins_before_reading_the_host(tmp_path, variables, message):
-    result = provision_locally(tmp_path, **variables)
+# (variables, message, run): the cases of one `run` are the hosts of one provision.yml run (a run is
+# ~3 CPU-s), each host carrying its case's variables and read for its own message. Cases share a
+# run only where each host's mistake is reported on its own: the inventory check lists every
+# host's shape problems (run "shape") and its cross-setting rules once no shape problem is left
+# ("rules"); epd_neuron_release is one value for the fleet ("2.31.0" alone), and the role's
+# preflight fails each host on its own ("2.33.0").
+PIN_CASES = [
+    # the inventory check refuses these on the controller first (docs/planner.md "Settings checked
+    # by their shape and by each other"); the role's own preflight keeps the same rules
+    (
+        {"epd_provision_engine_pins": {"vllm-neuron": ""}},
+        "epd_provision_engine_pins['vllm-neuron'] is '': write a version",
+        "shape",
+    ),
+    (
+        {"epd_provision_efa_installer_sha256": "abc"},
+        "epd_provision_efa_installer_sha256 is 'abc': write 64 lowercase hex",
+        "shape",
+    ),
+    (
+        {"epd_provision_efa_installer_key_fingerprint": "4E90 91BC"},
+        "key_fingerprint is '4E90 91BC': write 40 hex digits",
+        "shape",
+    ),
+    (
+        {"epd_provision_neuron_driver_version": "latest"},
+        "epd_provision_neuron_driver_version is 'latest': write a version",
+        "shape",
+    ),
+    # mistake: the framework of another release (Neuron 2.31's torch-neuronx) pinned as an override
+    (
+        {"epd_provision_engine_pins": {"torch-neuronx": "2.9.0.2.15.32035"}},
+        "epd_provision_engine_pins sets torch-neuronx, which Neuron 2.32.0's engine venv does not list",
+        "rules",
+    ),
+    # mistake: a release the kit has no table for
+    (
+        {"epd_neuron_release": "2.31.0"},
+        "epd_neuron_release must be one of 2.32.0, 2.33.0, 2.33.1, got '2.31.0'",
+        "2.31.0",
+    ),
+    # mistake: Neuron 2.33.0 without the pins its sources leave unconfirmed (the kit does not guess them)
+    (
+        {"epd_neuron_release": "2.33.0"},
+        "Neuron 2.33.0: no source the kit read settles libtorch-neuronx-lite, nixl, the EFA installer version. "
+        "Set them from that release's documentation: epd_provision_engine_pins (libtorch-neuronx-lite: <version>, "
+        "nixl: <version>) epd_provision_efa_installer_version",
+        "2.33.0",
+    ),
+    (
+        {
+            "epd_neuron_release": "2.33.0",
+            "epd_provision_engine_pins": {"nixl": "1.5.1"},
+            "epd_provision_efa": False,
+        },
+        "Neuron 2.33.0: no source the kit read settles libtorch-neuronx-lite. Set them",
+        "2.33.0",
+    ),
+    # mistake: --minimal installs no libfabric (efa_installer.sh usage text)
+    ({"epd_provision_efa_installer_options": ["--yes", "--minimal"]}, "remove --minimal", "rules"),
+]
+
+
+@pytest.fixture(scope="module")
+def pin_runs(tmp_path_factory):
+    """case index -> (its run's result, its host): each run of PIN_CASES once, when a case first asks."""
+    runs: dict[str, subprocess.CompletedProcess[str]] = {}
+
+    def outcome(index: int) -> tuple[subprocess.CompletedProcess[str], str]:
+        run = PIN_CASES[index][2]
+        if run not in runs:
+            hosts = {f"case{i}": variables for i, (variables, _, r) in enumerate(PIN_CASES) if r == run}
+            runs[run] = provision_locally(tmp_path_factory.mktemp(f"pins-{run}"), hosts)
+        return runs[run], f"case{index}"
+
+    return outcome
+
+
+@pytest.mark.parametrize(("variables", "message"), [case[:2] for case in PIN_CASES])
+def test_the_preflight_refuses_bad_pins_before_reading_the_host(pin_runs, variables, message):
+    result, host = pin_runs(next(i for i, case in enumerate(PIN_CASES) if case[:2] == (variables, message)))
     output = " ".join((result.stdout + result.stderr).split())
+    mine = " ".join(host_output(result.stdout + result.stderr, host).split())  # this case's host alone
     assert result.returncode != 0, output[-3000:]
-    assert message in output, output[-3000:]
+    assert message in mine, f"{host} ({variables}): {output[-3000:]}"
     assert "Read the installed versions" not in output
 
 
@@ -200,7 +236,9 @@ def test_a_python_below_3_11_is_refused_before_anything_changes(tmp_path):
     python = tmp_path / "python3.10"
     python.write_text("#!/bin/sh\necho 3.10 x86_64 2.35\n")
     python.chmod(0o755)
-    result = provision_locally(tmp_path, epd_provision_engine_python=str(python), epd_provision_extra_os=["Debian 12"])
+    result = provision_locally(
+        tmp_path / "run", {"local": {}}, epd_provision_engine_python=str(python), epd_provision_extra_os=["Debian 12"]
+    )
     output = " ".join((result.stdout + result.stderr).split())
     assert result.returncode != 0, output[-3000:]
     assert "is Python 3.10 on x86_64 with glibc 2.35:" in output, output[-3000:]
