@@ -583,38 +583,49 @@ def test_the_release_set_resolves_and_the_old_set_fails_on_pips_conflict(tmp_pat
     assert "torch-neuronx 2.9.0.2.15.32035+standin depends on torch<2.10" in torch.stderr, torch.stderr[-3000:]
 
 
-@pytest.mark.parametrize(
-    ("facts", "message"),
-    [
-        (
-            {"distribution": "Amazon", "distribution_version": "2023", "distribution_major_version": "2023"},
-            "Currently, PyTorch 2.9 is not available on Amazon Linux 2023 ... Use Ubuntu 24.04",
-        ),
-        (
-            {"distribution": "Ubuntu", "distribution_version": "20.04", "distribution_major_version": "20"},
-            "Neuron 2.32.0 installs on Ubuntu 24.04, Ubuntu 22.04",
-        ),
-        # the sandbox's Debian is refused like any OS no source lists, unless epd_provision_extra_os names it
-        (
-            {"distribution": "Debian", "distribution_version": "12.7", "distribution_major_version": "12"},
-            "Neuron 2.32.0 installs on Ubuntu 24.04, Ubuntu 22.04",
-        ),
-    ],
-)
-def test_an_os_the_release_does_not_list_is_refused_quoting_the_source(tmp_path, facts, message):
-    """Amazon Linux 2023 has no vLLM Neuron path in the sources (manual.rst, dlami.rst): preflight
-    refuses it before anything changes, naming Ubuntu 24.04."""
-    book = tmp_path / "os.yml"
+OS_CASES = [
+    (
+        {"distribution": "Amazon", "distribution_version": "2023", "distribution_major_version": "2023"},
+        "Currently, PyTorch 2.9 is not available on Amazon Linux 2023 ... Use Ubuntu 24.04",
+    ),
+    (
+        {"distribution": "Ubuntu", "distribution_version": "20.04", "distribution_major_version": "20"},
+        "Neuron 2.32.0 installs on Ubuntu 24.04, Ubuntu 22.04",
+    ),
+    # the sandbox's Debian is refused like any OS no source lists, unless epd_provision_extra_os names it
+    (
+        {"distribution": "Debian", "distribution_version": "12.7", "distribution_major_version": "12"},
+        "Neuron 2.32.0 installs on Ubuntu 24.04, Ubuntu 22.04",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def os_run(tmp_path_factory) -> subprocess.CompletedProcess[str]:
+    """The role's preflight once, a local host per OS case (host osN: OS_CASES[N]'s facts): each host
+    fails on its own, and each test reads its own host's output (one run instead of three)."""
+    root = tmp_path_factory.mktemp("os")
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    hosts = {f"os{i}": {**local, "os_case_facts": facts} for i, (facts, _) in enumerate(OS_CASES)}
+    (root / "hosts.yml").write_text(yaml.safe_dump({"all": {"hosts": hosts}}))
     play = {
-        "hosts": "localhost",
-        "connection": "local",
+        "hosts": "all",
         "gather_facts": False,
-        "vars": {"ansible_python_interpreter": sys.executable, "ansible_facts": facts},
+        "vars": {"ansible_facts": "{{ os_case_facts }}"},
         "tasks": [{"ansible.builtin.include_role": {"name": "epd.kit.epd_provision", "tasks_from": "preflight"}}],
     }
+    book = root / "os.yml"
     book.write_text(yaml.safe_dump([play], sort_keys=False))
-    result = playbook(str(book))
+    return playbook("-i", str(root / "hosts.yml"), str(book))
+
+
+@pytest.mark.parametrize(("facts", "message"), OS_CASES)
+def test_an_os_the_release_does_not_list_is_refused_quoting_the_source(os_run, facts, message):
+    """Amazon Linux 2023 has no vLLM Neuron path in the sources (manual.rst, dlami.rst): preflight
+    refuses it before anything changes, naming Ubuntu 24.04."""
+    result, host = os_run, f"os{OS_CASES.index((facts, message))}"
     output = " ".join((result.stdout + result.stderr).split())
+    mine = " ".join(host_output(result.stdout + result.stderr, host).split())  # this case's host alone
     assert result.returncode != 0, output[-3000:]
-    assert message in output, output[-3000:]
+    assert message in mine, f"{host} ({facts['distribution']}): {output[-3000:]}"
     assert "Read the host's Python version" not in output
