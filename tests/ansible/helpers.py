@@ -49,10 +49,11 @@ def playbook(*args: str, timeout: float = 300, **env: str) -> subprocess.Complet
     return run([str(BIN / "ansible-playbook"), *args], timeout=timeout, **env)
 
 
-def local_play(tmp_path: Path, tasks: list[dict[str, Any]], registered: list[str]) -> dict[str, Any]:
-    """`tasks` through ansible-playbook on localhost with this venv's Python (how the kit's own
-    modules are tested without a host); returns the results the tasks registered under the
-    names in `registered`."""
+def _local_run(
+    tmp_path: Path, tasks: list[dict[str, Any]], registered: list[str]
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`tasks` and a last one that saves the results registered under `registered` to a JSON file:
+    (the run, that file)."""
     out = tmp_path / "registered.json"
     content = "{{ {" + ", ".join(f"'{name}': {name}" for name in registered) + "} | to_json }}"
     save = {"name": "Save the registered results", "ansible.builtin.copy": {"content": content, "dest": str(out)}}
@@ -65,9 +66,50 @@ def local_play(tmp_path: Path, tasks: list[dict[str, Any]], registered: list[str
     }
     book = tmp_path / "play.yml"
     book.write_text(yaml.safe_dump([play], sort_keys=False))
-    result = playbook(str(book))
+    return playbook(str(book)), out
+
+
+def local_play(tmp_path: Path, tasks: list[dict[str, Any]], registered: list[str]) -> dict[str, Any]:
+    """`tasks` through ansible-playbook on localhost with this venv's Python (how the kit's own
+    modules are tested without a host); returns the results the tasks registered under the
+    names in `registered`."""
+    result, out = _local_run(tmp_path, tasks, registered)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     return json.loads(out.read_text())
+
+
+def local_plays(tmp_path: Path, cases: dict[str, tuple[list[dict[str, Any]], list[str]]]) -> dict[str, dict[str, Any]]:
+    """Several cases' local_play tasks in one ansible-playbook run (a run costs ~2-4 CPU-s however
+    few its tasks), in the order given: case -> its registered results under its own names (in the
+    run each case's register names carry the case's as a prefix). When that run fails, each case
+    runs alone, so a failure names its own case."""
+    tasks, registered = [], []
+    for case, (case_tasks, names) in cases.items():
+        tasks += [{**t, "register": f"{case}__{t['register']}"} if "register" in t else t for t in case_tasks]
+        registered += [f"{case}__{name}" for name in names]
+    result, out = _local_run(tmp_path, tasks, registered)
+    if result.returncode != 0:
+        return _Alone({case: _alone(tmp_path / f"alone-{case}", *cases[case]) for case in cases})
+    results = json.loads(out.read_text())
+    return {case: {name: results[f"{case}__{name}"] for name in names} for case, (_, names) in cases.items()}
+
+
+def _alone(tmp_path: Path, tasks: list[dict[str, Any]], registered: list[str]) -> dict[str, Any] | AssertionError:
+    tmp_path.mkdir()
+    try:
+        return local_play(tmp_path, tasks, registered)
+    except AssertionError as failure:
+        return failure
+
+
+class _Alone(dict):
+    """local_plays' cases run alone: a case that failed raises its own failure when read."""
+
+    def __getitem__(self, case: str) -> dict[str, Any]:
+        value = super().__getitem__(case)
+        if isinstance(value, AssertionError):
+            raise value
+        return value
 
 
 def inventory_hostvars(inventory: Path) -> tuple[dict[str, Any], dict[str, list[str]]]:
