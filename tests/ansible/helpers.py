@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import subprocess
@@ -113,7 +115,21 @@ class _Alone(dict):
 
 
 def inventory_hostvars(inventory: Path) -> tuple[dict[str, Any], dict[str, list[str]]]:
-    """(hostvars, groups) of an inventory, as ansible-inventory resolves them."""
+    """(hostvars, groups) of an inventory, as ansible-inventory resolves them. The repository's own
+    inventories (inventory/) are read once per pytest process, each caller getting a copy of its
+    own: one ansible-inventory run is ~1.5 CPU-s, and the host-free lane's tests read the same ones
+    from several modules (test_render, test_render_checkable, test_observability_config, unit/plan)."""
+    if Path(inventory).resolve().is_relative_to(REPO / "inventory"):
+        return copy.deepcopy(_repository_inventory(Path(inventory).resolve()))
+    return _read_inventory(inventory)
+
+
+@functools.cache
+def _repository_inventory(inventory: Path) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    return _read_inventory(inventory)
+
+
+def _read_inventory(inventory: Path) -> tuple[dict[str, Any], dict[str, list[str]]]:
     result = run([str(BIN / "ansible-inventory"), "-i", str(inventory), "--list"])
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
