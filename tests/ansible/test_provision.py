@@ -442,54 +442,76 @@ def test_the_engine_wheelhouse_is_built_for_the_hosts_python_and_platform_not_th
     assert json.loads(other.stdout)["key"] != report["key"]
 
 
-@pytest.mark.parametrize(
-    ("loaded", "engines", "modprobe", "reboot"),
-    [
-        ("2.30.2.0", "", [], False),  # the release profile's aws-neuronx-dkms is loaded: nothing to do
-        ("2.30.1.0", "", ["-r neuron", "neuron"], False),  # an older one, no engine: reloaded
-        ("2.30.1.0", "epd-engine@ve-0.service loaded active running", [], True),  # engines hold it: reboot
-    ],
-)
-def test_the_loaded_driver_is_compared_with_the_release_profiles_dkms(tmp_path, loaded, engines, modprobe, reboot):
-    """driver.yml with no epd_provision_neuron_driver_version set (the default): the loaded driver is
-    compared with the release profile's aws-neuronx-dkms (2.32.0: 2.30.2.0), so the pinned driver
-    already loaded is neither reloaded nor waits for a reboot (before, it was compared with "")."""
-    module, devices, bin_dir = tmp_path / "module", tmp_path / "dev", tmp_path / "bin"
-    for directory in (module, devices, bin_dir):
-        directory.mkdir()
-    (module / "version").write_text(loaded + "\n")
-    (devices / "neuron0").write_text("")
-    log = tmp_path / "modprobe.log"
-    for name, body in (("modprobe", f'echo "$*" >> {log}'), ("systemctl", f"echo {engines!r}")):
-        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
-        (bin_dir / name).chmod(0o755)
-    out = tmp_path / "reasons.json"
+DRIVER_CASES = [
+    ("2.30.2.0", "", [], False),  # the release profile's aws-neuronx-dkms is loaded: nothing to do
+    ("2.30.1.0", "", ["-r neuron", "neuron"], False),  # an older one, no engine: reloaded
+    ("2.30.1.0", "epd-engine@ve-0.service loaded active running", [], True),  # engines hold it: reboot
+]
+
+
+@pytest.fixture(scope="module")
+def driver_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """driver.yml once, a local host per case (host driverN: DRIVER_CASES[N], its files under
+    ROOT/driverN): each host reads its own module version and device directory and runs its own
+    stub modprobe and systemctl (its bin first on the play's PATH); one run instead of three."""
+    root = tmp_path_factory.mktemp("driver")
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    hosts = {}
+    for index, (loaded, engines, _, _) in enumerate(DRIVER_CASES):
+        case = root / f"driver{index}"
+        module, devices, bin_dir = case / "module", case / "dev", case / "bin"
+        for directory in (module, devices, bin_dir):
+            directory.mkdir(parents=True)
+        (module / "version").write_text(loaded + "\n")
+        (devices / "neuron0").write_text("")
+        log = case / "modprobe.log"
+        for name, body in (("modprobe", f'echo "$*" >> {log}'), ("systemctl", f"echo {engines!r}")):
+            (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+            (bin_dir / name).chmod(0o755)
+        hosts[f"driver{index}"] = {**local, "driver_case": str(case)}
+    (root / "hosts.yml").write_text(yaml.safe_dump({"all": {"hosts": hosts}}))
     play = {
-        "hosts": "localhost",
-        "connection": "local",
+        "hosts": "all",
         "gather_facts": False,
-        "vars": {"ansible_python_interpreter": sys.executable, "epd_neuron_release": "2.32.0"},
+        "vars": {"epd_neuron_release": "2.32.0"},
+        "environment": {"PATH": f"{{{{ driver_case }}}}/bin:{os.environ['PATH']}"},
         "tasks": [
             {"ansible.builtin.include_role": {"name": "epd.kit.epd_provision", "tasks_from": "driver"}},
             {
                 "ansible.builtin.copy": {
                     "content": "{{ epd_provision_reboot_reasons | default([]) | to_json }}",
-                    "dest": str(out),
+                    "dest": "{{ driver_case }}/reasons.json",
                 }
             },
         ],
     }
-    book = tmp_path / "driver.yml"
+    book = root / "driver.yml"
     book.write_text(yaml.safe_dump([play], sort_keys=False))
-    # extra vars: the role's vars/main.yml outranks play vars
-    paths = tmp_path / "paths.json"
+    # extra vars (the role's vars/main.yml outranks play vars), templated for each host
+    paths = root / "paths.json"
     paths.write_text(
-        json.dumps({"epd_provision_neuron_module_dir": str(module), "epd_provision_neuron_device_dir": str(devices)})
+        json.dumps(
+            {
+                "epd_provision_neuron_module_dir": "{{ driver_case }}/module",
+                "epd_provision_neuron_device_dir": "{{ driver_case }}/dev",
+            }
+        )
     )
-    result = playbook(str(book), "-e", f"@{paths}", PATH=f"{bin_dir}:{os.environ['PATH']}")
-    assert result.returncode == 0, result.stdout[-3000:]
+    return root, playbook("-i", str(root / "hosts.yml"), str(book), "-e", f"@{paths}")
+
+
+@pytest.mark.parametrize(("loaded", "engines", "modprobe", "reboot"), DRIVER_CASES)
+def test_the_loaded_driver_is_compared_with_the_release_profiles_dkms(driver_run, loaded, engines, modprobe, reboot):
+    """driver.yml with no epd_provision_neuron_driver_version set (the default): the loaded driver is
+    compared with the release profile's aws-neuronx-dkms (2.32.0: 2.30.2.0), so the pinned driver
+    already loaded is neither reloaded nor waits for a reboot (before, it was compared with "")."""
+    root, result = driver_run
+    host = f"driver{DRIVER_CASES.index((loaded, engines, modprobe, reboot))}"
+    mine = host_output(result.stdout, host)  # this case's host alone
+    assert mine and "FAILED" not in mine and "UNREACHABLE" not in mine, result.stdout[-3000:]
+    log = root / host / "modprobe.log"
     assert (log.read_text().splitlines() if log.exists() else []) == modprobe
-    reasons = json.loads(out.read_text())
+    reasons = json.loads((root / host / "reasons.json").read_text())
     assert bool(reasons) == reboot, reasons
     if reboot:
         assert reasons == ["Neuron driver 2.30.1.0 is loaded and 2.30.2.0 installed, and engines are running"]
