@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import subprocess
@@ -49,10 +51,11 @@ def playbook(*args: str, timeout: float = 300, **env: str) -> subprocess.Complet
     return run([str(BIN / "ansible-playbook"), *args], timeout=timeout, **env)
 
 
-def local_play(tmp_path: Path, tasks: list[dict[str, Any]], registered: list[str]) -> dict[str, Any]:
-    """`tasks` through ansible-playbook on localhost with this venv's Python (how the kit's own
-    modules are tested without a host); returns the results the tasks registered under the
-    names in `registered`."""
+def _local_run(
+    tmp_path: Path, tasks: list[dict[str, Any]], registered: list[str]
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`tasks` and a last one that saves the results registered under `registered` to a JSON file:
+    (the run, that file)."""
     out = tmp_path / "registered.json"
     content = "{{ {" + ", ".join(f"'{name}': {name}" for name in registered) + "} | to_json }}"
     save = {"name": "Save the registered results", "ansible.builtin.copy": {"content": content, "dest": str(out)}}
@@ -65,13 +68,68 @@ def local_play(tmp_path: Path, tasks: list[dict[str, Any]], registered: list[str
     }
     book = tmp_path / "play.yml"
     book.write_text(yaml.safe_dump([play], sort_keys=False))
-    result = playbook(str(book))
+    return playbook(str(book)), out
+
+
+def local_play(tmp_path: Path, tasks: list[dict[str, Any]], registered: list[str]) -> dict[str, Any]:
+    """`tasks` through ansible-playbook on localhost with this venv's Python (how the kit's own
+    modules are tested without a host); returns the results the tasks registered under the
+    names in `registered`."""
+    result, out = _local_run(tmp_path, tasks, registered)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     return json.loads(out.read_text())
 
 
+def local_plays(tmp_path: Path, cases: dict[str, tuple[list[dict[str, Any]], list[str]]]) -> dict[str, dict[str, Any]]:
+    """Several cases' local_play tasks in one ansible-playbook run (a run costs ~2-4 CPU-s however
+    few its tasks), in the order given: case -> its registered results under its own names (in the
+    run each case's register names carry the case's as a prefix). When that run fails, each case
+    runs alone, so a failure names its own case."""
+    tasks, registered = [], []
+    for case, (case_tasks, names) in cases.items():
+        tasks += [{**t, "register": f"{case}__{t['register']}"} if "register" in t else t for t in case_tasks]
+        registered += [f"{case}__{name}" for name in names]
+    result, out = _local_run(tmp_path, tasks, registered)
+    if result.returncode != 0:
+        return _Alone({case: _alone(tmp_path / f"alone-{case}", *cases[case]) for case in cases})
+    results = json.loads(out.read_text())
+    return {case: {name: results[f"{case}__{name}"] for name in names} for case, (_, names) in cases.items()}
+
+
+def _alone(tmp_path: Path, tasks: list[dict[str, Any]], registered: list[str]) -> dict[str, Any] | AssertionError:
+    tmp_path.mkdir()
+    try:
+        return local_play(tmp_path, tasks, registered)
+    except AssertionError as failure:
+        return failure
+
+
+class _Alone(dict):
+    """local_plays' cases run alone: a case that failed raises its own failure when read."""
+
+    def __getitem__(self, case: str) -> dict[str, Any]:
+        value = super().__getitem__(case)
+        if isinstance(value, AssertionError):
+            raise value
+        return value
+
+
 def inventory_hostvars(inventory: Path) -> tuple[dict[str, Any], dict[str, list[str]]]:
-    """(hostvars, groups) of an inventory, as ansible-inventory resolves them."""
+    """(hostvars, groups) of an inventory, as ansible-inventory resolves them. The repository's own
+    inventories (inventory/) are read once per pytest process, each caller getting a copy of its
+    own: one ansible-inventory run is ~1.5 CPU-s, and the host-free lane's tests read the same ones
+    from several modules (test_render, test_render_checkable, test_observability_config, unit/plan)."""
+    if Path(inventory).resolve().is_relative_to(REPO / "inventory"):
+        return copy.deepcopy(_repository_inventory(Path(inventory).resolve()))
+    return _read_inventory(inventory)
+
+
+@functools.cache
+def _repository_inventory(inventory: Path) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    return _read_inventory(inventory)
+
+
+def _read_inventory(inventory: Path) -> tuple[dict[str, Any], dict[str, list[str]]]:
     result = run([str(BIN / "ansible-inventory"), "-i", str(inventory), "--list"])
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
@@ -88,3 +146,18 @@ def inventory_hostvars(inventory: Path) -> tuple[dict[str, Any], dict[str, list[
     for group in ("epd_engines", "epd_router"):
         groups[group] = hosts_of(group)
     return hostvars, groups
+
+
+def host_output(output: str, host: str) -> str:
+    """What an ansible-playbook run printed about one host of several (tests that batch their cases
+    as hosts of one run read their own host's here): each result block whose header names it
+    (`fatal: [h1]: ...` and its indented lines) and each line that starts with `h1: ` (the inventory
+    check's problems, one a line)."""
+    picked: list[str] = []
+    mine = False
+    for line in output.splitlines():
+        if line and not line[0].isspace():  # a header: a task, a play, or a host's result
+            mine = f"[{host}]" in line or f"[{host} ->" in line
+        if mine or line.strip().startswith(f"{host}: "):
+            picked.append(line)
+    return "\n".join(picked)

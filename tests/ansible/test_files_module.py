@@ -12,7 +12,7 @@ import stat
 
 import pytest
 
-from tests.ansible.helpers import local_play
+from tests.ansible.helpers import local_play, local_plays
 
 pytestmark = pytest.mark.ansible
 
@@ -27,7 +27,17 @@ def _entry(path, mode, content=None):
     return entry
 
 
-def test_files_are_written_once_and_each_change_is_named(tmp_path):
+@pytest.fixture(scope="module")
+def played(tmp_path_factory):
+    """The four cases' tasks in one ansible-playbook run (helpers.local_plays; a run is ~2-4 CPU-s
+    however few its tasks): case -> (what its test checks against, its registered results). Each
+    case prepares its own directory first; each test below checks its own case."""
+    prepared = {case.__name__: case(tmp_path_factory.mktemp(case.__name__)) for case in CASES}
+    results = local_plays(tmp_path_factory.mktemp("played"), {c: (t, names) for c, (t, names, _) in prepared.items()})
+    return {case: (context, results[case]) for case, (_, _, context) in prepared.items()}
+
+
+def written_once(tmp_path):
     root = tmp_path / "etc"
     unit, env, empty = root / "units/a.service", root / "a.env", root / "empty"
     first = [
@@ -57,7 +67,11 @@ def test_files_are_written_once_and_each_change_is_named(tmp_path):
         write("file_as_dir", [_entry(env, "0755")], ignore_errors=True),
         write("empty", [_entry(empty, "0600", "")]),
     ]
-    r = local_play(tmp_path, tasks, [task["register"] for task in tasks if task["register"] != "empty"])
+    return tasks, [task["register"] for task in tasks if task["register"] != "empty"], (root, unit, env, empty, first)
+
+
+def test_files_are_written_once_and_each_change_is_named(played):
+    (root, unit, env, empty, first), r = played["written_once"]
 
     every_path = [e["path"] for e in first]
     assert r["checked"]["changed_paths"] == every_path  # check mode reports all four...
@@ -83,9 +97,7 @@ def test_files_are_written_once_and_each_change_is_named(tmp_path):
     assert r["file_as_dir"]["failed"] and "exists and is not a directory" in r["file_as_dir"]["msg"]
 
 
-def test_files_validate_checks_new_content_before_it_replaces_the_file(tmp_path):
-    """validate (as template's) runs on the written temporary file, only when the content differs;
-    a refusal keeps the old file and names the command's output."""
+def validated(tmp_path):
     target, log = tmp_path / "rules", tmp_path / "validated"
     checker = f"sh -c 'cat %s >> {log}; grep -q ^ok %s'"
     good, bad = _entry(target, "0644", "ok 1\n"), _entry(target, "0644", "no 2\n")
@@ -109,7 +121,13 @@ def test_files_validate_checks_new_content_before_it_replaces_the_file(tmp_path)
             "ignore_errors": True,
         },
     ]
-    r = local_play(tmp_path, tasks, [task["register"] for task in tasks])
+    return tasks, [task["register"] for task in tasks], (tmp_path, target, log)
+
+
+def test_files_validate_checks_new_content_before_it_replaces_the_file(played):
+    """validate (as template's) runs on the written temporary file, only when the content differs;
+    a refusal keeps the old file and names the command's output."""
+    (tmp_path, target, log), r = played["validated"]
 
     assert r["first"]["changed_paths"] == [str(target)]
     assert not r["again"]["changed"]
@@ -120,9 +138,7 @@ def test_files_validate_checks_new_content_before_it_replaces_the_file(tmp_path)
     assert r["no_placeholder"]["failed"] and "%s" in r["no_placeholder"]["msg"]
 
 
-def test_host_state_reads_files_globs_and_unit_states_in_one_run(tmp_path):
-    """epd.kit.epd_host_state, the read side: missing files read as null, globs come back sorted,
-    groups and owners through NSS, and it runs in check mode (the reads a --check deploy decides on)."""
+def host_state_read(tmp_path):
     (tmp_path / "b.env").write_text("B=1\n")
     (tmp_path / "a.env").write_text("A='x y'\n")
     (tmp_path / "a.pending").write_text("")
@@ -139,7 +155,14 @@ def test_host_state_reads_files_globs_and_unit_states_in_one_run(tmp_path):
         "register": "state",
         "check_mode": True,
     }
-    state = local_play(tmp_path, [read], ["state"])["state"]
+    return [read], ["state"], tmp_path
+
+
+def test_host_state_reads_files_globs_and_unit_states_in_one_run(played):
+    """epd.kit.epd_host_state, the read side: missing files read as null, globs come back sorted,
+    groups and owners through NSS, and it runs in check mode (the reads a --check deploy decides on)."""
+    tmp_path, r = played["host_state_read"]
+    state = r["state"]
     assert state["changed"] is False
     assert state["files"] == {str(tmp_path / "a.env"): "A='x y'\n", str(tmp_path / "gone.env"): None}
     assert state["globs"] == {
@@ -167,11 +190,11 @@ def test_host_state_reads_files_globs_and_unit_states_in_one_run(tmp_path):
     assert state["listeners"] == {"conflicts": [], "own": []}  # no port asked: none probed
 
 
-def test_host_state_names_the_paths_epd_files_would_change_and_writes_nothing(tmp_path):
-    """epd.kit.epd_host_state's file_changes, the read a role skips its epd_files write on: the
-    paths epd_files then changes, in check mode or not, nothing written by the read, and none
-    once written; an entry the write would fail on (its directory missing, an owner the host does
-    not know yet) counts as a change instead of failing the read."""
+def snapshot(tmp_path):
+    return sorted((str(p), p.stat().st_mode, p.read_text() if p.is_file() else None) for p in tmp_path.rglob("*"))
+
+
+def file_changes(tmp_path):
     root = tmp_path / "etc"
     root.mkdir(mode=0o750)
     os.chmod(root, 0o750)
@@ -192,21 +215,27 @@ def test_host_state_names_the_paths_epd_files_would_change_and_writes_nothing(tm
     stranger = {**_entry(root / "same.env", "0640", "X=1\n"), "owner": "epd-no-such-user"}
     orphan = _entry(tmp_path / "missing/x.env", "0640", "")
 
-    def snapshot():
-        return sorted((str(p), p.stat().st_mode, p.read_text() if p.is_file() else None) for p in tmp_path.rglob("*"))
-
-    def read(name, files, **task):
-        return {"name": name, "epd.kit.epd_host_state": {"file_changes": files}, "register": name, **task}
-
     reads = [
-        read("read", entries),
-        read("read_checked", entries, check_mode=True),
-        read("unjudged", [stranger, orphan]),
+        read_changes("read", entries),
+        read_changes("read_checked", entries, check_mode=True),
+        read_changes("unjudged", [stranger, orphan]),
     ]
-    before = [p for p in snapshot() if "registered.json" not in p[0] and "play.yml" not in p[0]]
-    r = local_play(tmp_path, reads, ["read", "read_checked", "unjudged"])
+    before = [p for p in snapshot(tmp_path) if "registered.json" not in p[0] and "play.yml" not in p[0]]
+    return reads, ["read", "read_checked", "unjudged"], (tmp_path, root, entries, stranger, orphan, before)
+
+
+def read_changes(name, files, **task):
+    return {"name": name, "epd.kit.epd_host_state": {"file_changes": files}, "register": name, **task}
+
+
+def test_host_state_names_the_paths_epd_files_would_change_and_writes_nothing(played):
+    """epd.kit.epd_host_state's file_changes, the read a role skips its epd_files write on: the
+    paths epd_files then changes, in check mode or not, nothing written by the read, and none
+    once written; an entry the write would fail on (its directory missing, an owner the host does
+    not know yet) counts as a change instead of failing the read."""
+    (tmp_path, root, entries, stranger, orphan, before), r = played["file_changes"]
     assert [
-        p for p in snapshot() if "registered.json" not in p[0] and "play.yml" not in p[0]
+        p for p in snapshot(tmp_path) if "registered.json" not in p[0] and "play.yml" not in p[0]
     ] == before  # wrote nothing
     expected = [str(root / "other.env"), str(root / "mode.env"), str(root / "new"), str(root / "new/unit.service")]
     assert r["read"]["changed"] is False
@@ -214,6 +243,9 @@ def test_host_state_names_the_paths_epd_files_would_change_and_writes_nothing(tm
     assert r["unjudged"]["file_changes"] == [stranger["path"], orphan["path"]] and not r["unjudged"].get("failed")
 
     write = {"name": "write", "epd.kit.epd_files": {"files": entries}, "register": "write"}
-    r = local_play(tmp_path, [write, read("again", entries)], ["write", "again"])
+    r = local_play(tmp_path, [write, read_changes("again", entries)], ["write", "again"])
     assert r["write"]["changed_paths"] == expected  # what the write then changed: the same paths
     assert r["again"]["file_changes"] == []
+
+
+CASES = [written_once, validated, host_state_read, file_changes]

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests import repo_modules
-from tests.ansible.helpers import REPO, local_play, playbook
+from tests.ansible.helpers import REPO, host_output, local_play, playbook
 from tests.budget import scaled
 from tests.hosts.standins import build as standins
 
@@ -130,68 +130,104 @@ def test_the_module_reports_versions_nulls_and_drift(tmp_path):
     assert read["changed"] is False
 
 
-def provision_locally(tmp_path: Path, **variables) -> subprocess.CompletedProcess[str]:
-    """provision.yml against this machine, with variables its preflight refuses: nothing runs past it."""
-    inventory = tmp_path / "hosts.yml"
+def provision_locally(root: Path, hosts: dict[str, dict], **variables) -> subprocess.CompletedProcess[str]:
+    """provision.yml against this machine: a local host per case (`hosts`: its variables, as host
+    vars) and `variables` given with -e, all of them ones its preflight refuses: nothing runs past it."""
+    root.mkdir(parents=True, exist_ok=True)
+    inventory = root / "hosts.yml"
     local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
-    inventory.write_text(yaml.safe_dump({"all": {"children": {"epd_engines": {"hosts": {"local": local}}}}}))
-    extra = tmp_path / "vars.json"
+    engines = {name: {**local, **host} for name, host in hosts.items()}
+    inventory.write_text(yaml.safe_dump({"all": {"children": {"epd_engines": {"hosts": engines}}}}))
+    extra = root / "vars.json"
     extra.write_text(json.dumps(variables))
     return playbook("-i", str(inventory), "playbooks/provision.yml", "-e", f"@{extra}")
 
 
-@pytest.mark.parametrize(
-    ("variables", "message"),
-    [
-        # the inventory check refuses these on the controller first (docs/planner.md "Settings checked
-        # by their shape and by each other"); the role's own preflight keeps the same rules
-        (
-            {"epd_provision_engine_pins": {"vllm-neuron": ""}},
-            "epd_provision_engine_pins['vllm-neuron'] is '': write a version",
-        ),
-        (
-            {"epd_provision_efa_installer_sha256": "abc"},
-            "epd_provision_efa_installer_sha256 is 'abc': write 64 lowercase hex",
-        ),
-        (
-            {"epd_provision_efa_installer_key_fingerprint": "4E90 91BC"},
-            "key_fingerprint is '4E90 91BC': write 40 hex digits",
-        ),
-        (
-            {"epd_provision_neuron_driver_version": "latest"},
-            "epd_provision_neuron_driver_version is 'latest': write a version",
-        ),
-        # mistake: the framework of another release (Neuron 2.31's torch-neuronx) pinned as an override
-        (
-            {"epd_provision_engine_pins": {"torch-neuronx": "2.9.0.2.15.32035"}},
-            "epd_provision_engine_pins sets torch-neuronx, which Neuron 2.32.0's engine venv does not list",
-        ),
-        # mistake: a release the kit has no table for
-        ({"epd_neuron_release": "2.31.0"}, "epd_neuron_release must be one of 2.32.0, 2.33.0, 2.33.1, got '2.31.0'"),
-        # mistake: Neuron 2.33.0 without the pins its sources leave unconfirmed (the kit does not guess them)
-        (
-            {"epd_neuron_release": "2.33.0"},
-            "Neuron 2.33.0: no source the kit read settles libtorch-neuronx-lite, nixl, the EFA installer version. "
-            "Set them from that release's documentation: epd_provision_engine_pins (libtorch-neuronx-lite: <version>, "
-            "nixl: <version>) epd_provision_efa_installer_version",
-        ),
-        (
-            {
-                "epd_neuron_release": "2.33.0",
-                "epd_provision_engine_pins": {"nixl": "1.5.1"},
-                "epd_provision_efa": False,
-            },
-            "Neuron 2.33.0: no source the kit read settles libtorch-neuronx-lite. Set them",
-        ),
-        # mistake: --minimal installs no libfabric (efa_installer.sh usage text)
-        ({"epd_provision_efa_installer_options": ["--yes", "--minimal"]}, "remove --minimal"),
-    ],
-)
-def test_the_preflight_refuses_bad_pins_before_reading_the_host(tmp_path, variables, message):
-    result = provision_locally(tmp_path, **variables)
+# (variables, message, run): the cases of one `run` are the hosts of one provision.yml run (a run is
+# ~3 CPU-s), each host carrying its case's variables and read for its own message. Cases share a
+# run only where each host's mistake is reported on its own: the inventory check lists every
+# host's shape problems (run "shape") and its cross-setting rules once no shape problem is left
+# ("rules"); epd_neuron_release is one value for the fleet ("2.31.0" alone), and the role's
+# preflight fails each host on its own ("2.33.0").
+PIN_CASES = [
+    # the inventory check refuses these on the controller first (docs/planner.md "Settings checked
+    # by their shape and by each other"); the role's own preflight keeps the same rules
+    (
+        {"epd_provision_engine_pins": {"vllm-neuron": ""}},
+        "epd_provision_engine_pins['vllm-neuron'] is '': write a version",
+        "shape",
+    ),
+    (
+        {"epd_provision_efa_installer_sha256": "abc"},
+        "epd_provision_efa_installer_sha256 is 'abc': write 64 lowercase hex",
+        "shape",
+    ),
+    (
+        {"epd_provision_efa_installer_key_fingerprint": "4E90 91BC"},
+        "key_fingerprint is '4E90 91BC': write 40 hex digits",
+        "shape",
+    ),
+    (
+        {"epd_provision_neuron_driver_version": "latest"},
+        "epd_provision_neuron_driver_version is 'latest': write a version",
+        "shape",
+    ),
+    # mistake: the framework of another release (Neuron 2.31's torch-neuronx) pinned as an override
+    (
+        {"epd_provision_engine_pins": {"torch-neuronx": "2.9.0.2.15.32035"}},
+        "epd_provision_engine_pins sets torch-neuronx, which Neuron 2.32.0's engine venv does not list",
+        "rules",
+    ),
+    # mistake: a release the kit has no table for
+    (
+        {"epd_neuron_release": "2.31.0"},
+        "epd_neuron_release must be one of 2.32.0, 2.33.0, 2.33.1, got '2.31.0'",
+        "2.31.0",
+    ),
+    # mistake: Neuron 2.33.0 without the pins its sources leave unconfirmed (the kit does not guess them)
+    (
+        {"epd_neuron_release": "2.33.0"},
+        "Neuron 2.33.0: no source the kit read settles libtorch-neuronx-lite, nixl, the EFA installer version. "
+        "Set them from that release's documentation: epd_provision_engine_pins (libtorch-neuronx-lite: <version>, "
+        "nixl: <version>) epd_provision_efa_installer_version",
+        "2.33.0",
+    ),
+    (
+        {
+            "epd_neuron_release": "2.33.0",
+            "epd_provision_engine_pins": {"nixl": "1.5.1"},
+            "epd_provision_efa": False,
+        },
+        "Neuron 2.33.0: no source the kit read settles libtorch-neuronx-lite. Set them",
+        "2.33.0",
+    ),
+    # mistake: --minimal installs no libfabric (efa_installer.sh usage text)
+    ({"epd_provision_efa_installer_options": ["--yes", "--minimal"]}, "remove --minimal", "rules"),
+]
+
+
+@pytest.fixture(scope="module")
+def pin_runs(tmp_path_factory):
+    """case index -> (its run's result, its host): each run of PIN_CASES once, when a case first asks."""
+    runs: dict[str, subprocess.CompletedProcess[str]] = {}
+
+    def outcome(index: int) -> tuple[subprocess.CompletedProcess[str], str]:
+        run = PIN_CASES[index][2]
+        if run not in runs:
+            hosts = {f"case{i}": variables for i, (variables, _, r) in enumerate(PIN_CASES) if r == run}
+            runs[run] = provision_locally(tmp_path_factory.mktemp(f"pins-{run}"), hosts)
+        return runs[run], f"case{index}"
+
+    return outcome
+
+
+@pytest.mark.parametrize(("variables", "message"), [case[:2] for case in PIN_CASES])
+def test_the_preflight_refuses_bad_pins_before_reading_the_host(pin_runs, variables, message):
+    result, host = pin_runs(next(i for i, case in enumerate(PIN_CASES) if case[:2] == (variables, message)))
     output = " ".join((result.stdout + result.stderr).split())
+    mine = " ".join(host_output(result.stdout + result.stderr, host).split())  # this case's host alone
     assert result.returncode != 0, output[-3000:]
-    assert message in output, output[-3000:]
+    assert message in mine, f"{host} ({variables}): {output[-3000:]}"
     assert "Read the installed versions" not in output
 
 
@@ -200,7 +236,9 @@ def test_a_python_below_3_11_is_refused_before_anything_changes(tmp_path):
     python = tmp_path / "python3.10"
     python.write_text("#!/bin/sh\necho 3.10 x86_64 2.35\n")
     python.chmod(0o755)
-    result = provision_locally(tmp_path, epd_provision_engine_python=str(python), epd_provision_extra_os=["Debian 12"])
+    result = provision_locally(
+        tmp_path / "run", {"local": {}}, epd_provision_engine_python=str(python), epd_provision_extra_os=["Debian 12"]
+    )
     output = " ".join((result.stdout + result.stderr).split())
     assert result.returncode != 0, output[-3000:]
     assert "is Python 3.10 on x86_64 with glibc 2.35:" in output, output[-3000:]
@@ -404,54 +442,76 @@ def test_the_engine_wheelhouse_is_built_for_the_hosts_python_and_platform_not_th
     assert json.loads(other.stdout)["key"] != report["key"]
 
 
-@pytest.mark.parametrize(
-    ("loaded", "engines", "modprobe", "reboot"),
-    [
-        ("2.30.2.0", "", [], False),  # the release profile's aws-neuronx-dkms is loaded: nothing to do
-        ("2.30.1.0", "", ["-r neuron", "neuron"], False),  # an older one, no engine: reloaded
-        ("2.30.1.0", "epd-engine@ve-0.service loaded active running", [], True),  # engines hold it: reboot
-    ],
-)
-def test_the_loaded_driver_is_compared_with_the_release_profiles_dkms(tmp_path, loaded, engines, modprobe, reboot):
-    """driver.yml with no epd_provision_neuron_driver_version set (the default): the loaded driver is
-    compared with the release profile's aws-neuronx-dkms (2.32.0: 2.30.2.0), so the pinned driver
-    already loaded is neither reloaded nor waits for a reboot (before, it was compared with "")."""
-    module, devices, bin_dir = tmp_path / "module", tmp_path / "dev", tmp_path / "bin"
-    for directory in (module, devices, bin_dir):
-        directory.mkdir()
-    (module / "version").write_text(loaded + "\n")
-    (devices / "neuron0").write_text("")
-    log = tmp_path / "modprobe.log"
-    for name, body in (("modprobe", f'echo "$*" >> {log}'), ("systemctl", f"echo {engines!r}")):
-        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
-        (bin_dir / name).chmod(0o755)
-    out = tmp_path / "reasons.json"
+DRIVER_CASES = [
+    ("2.30.2.0", "", [], False),  # the release profile's aws-neuronx-dkms is loaded: nothing to do
+    ("2.30.1.0", "", ["-r neuron", "neuron"], False),  # an older one, no engine: reloaded
+    ("2.30.1.0", "epd-engine@ve-0.service loaded active running", [], True),  # engines hold it: reboot
+]
+
+
+@pytest.fixture(scope="module")
+def driver_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """driver.yml once, a local host per case (host driverN: DRIVER_CASES[N], its files under
+    ROOT/driverN): each host reads its own module version and device directory and runs its own
+    stub modprobe and systemctl (its bin first on the play's PATH); one run instead of three."""
+    root = tmp_path_factory.mktemp("driver")
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    hosts = {}
+    for index, (loaded, engines, _, _) in enumerate(DRIVER_CASES):
+        case = root / f"driver{index}"
+        module, devices, bin_dir = case / "module", case / "dev", case / "bin"
+        for directory in (module, devices, bin_dir):
+            directory.mkdir(parents=True)
+        (module / "version").write_text(loaded + "\n")
+        (devices / "neuron0").write_text("")
+        log = case / "modprobe.log"
+        for name, body in (("modprobe", f'echo "$*" >> {log}'), ("systemctl", f"echo {engines!r}")):
+            (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+            (bin_dir / name).chmod(0o755)
+        hosts[f"driver{index}"] = {**local, "driver_case": str(case)}
+    (root / "hosts.yml").write_text(yaml.safe_dump({"all": {"hosts": hosts}}))
     play = {
-        "hosts": "localhost",
-        "connection": "local",
+        "hosts": "all",
         "gather_facts": False,
-        "vars": {"ansible_python_interpreter": sys.executable, "epd_neuron_release": "2.32.0"},
+        "vars": {"epd_neuron_release": "2.32.0"},
+        "environment": {"PATH": f"{{{{ driver_case }}}}/bin:{os.environ['PATH']}"},
         "tasks": [
             {"ansible.builtin.include_role": {"name": "epd.kit.epd_provision", "tasks_from": "driver"}},
             {
                 "ansible.builtin.copy": {
                     "content": "{{ epd_provision_reboot_reasons | default([]) | to_json }}",
-                    "dest": str(out),
+                    "dest": "{{ driver_case }}/reasons.json",
                 }
             },
         ],
     }
-    book = tmp_path / "driver.yml"
+    book = root / "driver.yml"
     book.write_text(yaml.safe_dump([play], sort_keys=False))
-    # extra vars: the role's vars/main.yml outranks play vars
-    paths = tmp_path / "paths.json"
+    # extra vars (the role's vars/main.yml outranks play vars), templated for each host
+    paths = root / "paths.json"
     paths.write_text(
-        json.dumps({"epd_provision_neuron_module_dir": str(module), "epd_provision_neuron_device_dir": str(devices)})
+        json.dumps(
+            {
+                "epd_provision_neuron_module_dir": "{{ driver_case }}/module",
+                "epd_provision_neuron_device_dir": "{{ driver_case }}/dev",
+            }
+        )
     )
-    result = playbook(str(book), "-e", f"@{paths}", PATH=f"{bin_dir}:{os.environ['PATH']}")
-    assert result.returncode == 0, result.stdout[-3000:]
+    return root, playbook("-i", str(root / "hosts.yml"), str(book), "-e", f"@{paths}")
+
+
+@pytest.mark.parametrize(("loaded", "engines", "modprobe", "reboot"), DRIVER_CASES)
+def test_the_loaded_driver_is_compared_with_the_release_profiles_dkms(driver_run, loaded, engines, modprobe, reboot):
+    """driver.yml with no epd_provision_neuron_driver_version set (the default): the loaded driver is
+    compared with the release profile's aws-neuronx-dkms (2.32.0: 2.30.2.0), so the pinned driver
+    already loaded is neither reloaded nor waits for a reboot (before, it was compared with "")."""
+    root, result = driver_run
+    host = f"driver{DRIVER_CASES.index((loaded, engines, modprobe, reboot))}"
+    mine = host_output(result.stdout, host)  # this case's host alone
+    assert mine and "FAILED" not in mine and "UNREACHABLE" not in mine, result.stdout[-3000:]
+    log = root / host / "modprobe.log"
     assert (log.read_text().splitlines() if log.exists() else []) == modprobe
-    reasons = json.loads(out.read_text())
+    reasons = json.loads((root / host / "reasons.json").read_text())
     assert bool(reasons) == reboot, reasons
     if reboot:
         assert reasons == ["Neuron driver 2.30.1.0 is loaded and 2.30.2.0 installed, and engines are running"]
@@ -545,38 +605,49 @@ def test_the_release_set_resolves_and_the_old_set_fails_on_pips_conflict(tmp_pat
     assert "torch-neuronx 2.9.0.2.15.32035+standin depends on torch<2.10" in torch.stderr, torch.stderr[-3000:]
 
 
-@pytest.mark.parametrize(
-    ("facts", "message"),
-    [
-        (
-            {"distribution": "Amazon", "distribution_version": "2023", "distribution_major_version": "2023"},
-            "Currently, PyTorch 2.9 is not available on Amazon Linux 2023 ... Use Ubuntu 24.04",
-        ),
-        (
-            {"distribution": "Ubuntu", "distribution_version": "20.04", "distribution_major_version": "20"},
-            "Neuron 2.32.0 installs on Ubuntu 24.04, Ubuntu 22.04",
-        ),
-        # the sandbox's Debian is refused like any OS no source lists, unless epd_provision_extra_os names it
-        (
-            {"distribution": "Debian", "distribution_version": "12.7", "distribution_major_version": "12"},
-            "Neuron 2.32.0 installs on Ubuntu 24.04, Ubuntu 22.04",
-        ),
-    ],
-)
-def test_an_os_the_release_does_not_list_is_refused_quoting_the_source(tmp_path, facts, message):
-    """Amazon Linux 2023 has no vLLM Neuron path in the sources (manual.rst, dlami.rst): preflight
-    refuses it before anything changes, naming Ubuntu 24.04."""
-    book = tmp_path / "os.yml"
+OS_CASES = [
+    (
+        {"distribution": "Amazon", "distribution_version": "2023", "distribution_major_version": "2023"},
+        "Currently, PyTorch 2.9 is not available on Amazon Linux 2023 ... Use Ubuntu 24.04",
+    ),
+    (
+        {"distribution": "Ubuntu", "distribution_version": "20.04", "distribution_major_version": "20"},
+        "Neuron 2.32.0 installs on Ubuntu 24.04, Ubuntu 22.04",
+    ),
+    # the sandbox's Debian is refused like any OS no source lists, unless epd_provision_extra_os names it
+    (
+        {"distribution": "Debian", "distribution_version": "12.7", "distribution_major_version": "12"},
+        "Neuron 2.32.0 installs on Ubuntu 24.04, Ubuntu 22.04",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def os_run(tmp_path_factory) -> subprocess.CompletedProcess[str]:
+    """The role's preflight once, a local host per OS case (host osN: OS_CASES[N]'s facts): each host
+    fails on its own, and each test reads its own host's output (one run instead of three)."""
+    root = tmp_path_factory.mktemp("os")
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    hosts = {f"os{i}": {**local, "os_case_facts": facts} for i, (facts, _) in enumerate(OS_CASES)}
+    (root / "hosts.yml").write_text(yaml.safe_dump({"all": {"hosts": hosts}}))
     play = {
-        "hosts": "localhost",
-        "connection": "local",
+        "hosts": "all",
         "gather_facts": False,
-        "vars": {"ansible_python_interpreter": sys.executable, "ansible_facts": facts},
+        "vars": {"ansible_facts": "{{ os_case_facts }}"},
         "tasks": [{"ansible.builtin.include_role": {"name": "epd.kit.epd_provision", "tasks_from": "preflight"}}],
     }
+    book = root / "os.yml"
     book.write_text(yaml.safe_dump([play], sort_keys=False))
-    result = playbook(str(book))
+    return playbook("-i", str(root / "hosts.yml"), str(book))
+
+
+@pytest.mark.parametrize(("facts", "message"), OS_CASES)
+def test_an_os_the_release_does_not_list_is_refused_quoting_the_source(os_run, facts, message):
+    """Amazon Linux 2023 has no vLLM Neuron path in the sources (manual.rst, dlami.rst): preflight
+    refuses it before anything changes, naming Ubuntu 24.04."""
+    result, host = os_run, f"os{OS_CASES.index((facts, message))}"
     output = " ".join((result.stdout + result.stderr).split())
+    mine = " ".join(host_output(result.stdout + result.stderr, host).split())  # this case's host alone
     assert result.returncode != 0, output[-3000:]
-    assert message in output, output[-3000:]
+    assert message in mine, f"{host} ({facts['distribution']}): {output[-3000:]}"
     assert "Read the host's Python version" not in output
