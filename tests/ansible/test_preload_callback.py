@@ -23,8 +23,9 @@ pytestmark = pytest.mark.ansible
 PLANNER_IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+\d+ \|\s+epd_kit\.plan\.variables$", re.M)
 
 
-def test_the_main_process_loads_the_planner_before_the_first_task(tmp_path: Path):
-    # no task uses a filter: whatever imported the planner is the callback, before any fork
+def main_process_imports(tmp_path: Path) -> str:
+    """`python -X importtime`'s lines of a play whose one task (a debug) uses no filter and checks
+    no inventory: whatever imported the kit's modules is the callback, before any fork."""
     book = tmp_path / "play.yml"
     play = {"hosts": "localhost", "connection": "local", "gather_facts": False}
     play["tasks"] = [{"name": "A task a worker runs", "ansible.builtin.debug": {"msg": "ok"}}]
@@ -33,7 +34,11 @@ def test_the_main_process_loads_the_planner_before_the_first_task(tmp_path: Path
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     output = result.stdout + result.stderr
     assert "Skipping callback" not in output, output[-2000:]
-    imported = PLANNER_IMPORTED.findall(result.stderr)
+    return result.stderr
+
+
+def test_the_main_process_loads_the_planner_before_the_first_task(tmp_path: Path):
+    imported = PLANNER_IMPORTED.findall(main_process_imports(tmp_path))
     assert len(imported) == 1, "ansible-playbook's own process did not import epd_kit.plan before the task"
 
 
@@ -42,14 +47,8 @@ ROUTER_MODELS_IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+\d+ \|\s+epd_kit\
 
 
 def test_the_main_process_loads_the_router_models_before_the_first_task(tmp_path: Path):
-    # no task checks the inventory: whatever imported the models is the callback, before any fork
-    book = tmp_path / "play.yml"
-    play = {"hosts": "localhost", "connection": "local", "gather_facts": False}
-    play["tasks"] = [{"name": "A task a worker runs", "ansible.builtin.debug": {"msg": "ok"}}]
-    book.write_text(yaml.safe_dump([play]))
-    result = playbook("-i", "localhost,", str(book), PYTHONPROFILEIMPORTTIME="1")
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert len(ROUTER_MODELS_IMPORTED.findall(result.stderr)) == 1, result.stderr[-2000:]
+    stderr = main_process_imports(tmp_path)
+    assert len(ROUTER_MODELS_IMPORTED.findall(stderr)) == 1, stderr[-2000:]
 
 
 # The callback's hooks as ansible-playbook calls them, in a Python of its own (it replaces a
