@@ -9,7 +9,7 @@
 #   scripts/load.sh --procs 8 --seconds 2400 & CI=true .ci/run; kill %1
 #   scripts/load.sh --procs 5 --hold 8     5 burners, and one more each minute the 1-minute load
 #                                          average is under 8 (the suite's own load falls in its
-#                                          last tier; up to 64 burners)
+#                                          last tier; up to MAX_PROCS, 64, burners)
 set -euo pipefail
 
 PROCS=8          # runnable processes: the load average climbs to about this plus what else runs
@@ -19,7 +19,7 @@ REPORT_S=60      # how often the load average is printed
 HOLD=""          # --hold L: add a burner whenever the 1-minute load average reads under L
 MAX_PROCS=64
 
-usage() { echo "usage: scripts/load.sh [--procs N (1-64; 0 with --hold)] [--seconds S (1-$LIMIT_S)] [--hold L (1-64)]" >&2; exit 2; }
+usage() { echo "usage: scripts/load.sh [--procs N (1-$MAX_PROCS; 0 with --hold)] [--seconds S (1-$LIMIT_S)] [--hold L (1-$MAX_PROCS)]" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case $1 in
     --procs) PROCS=${2:-}; shift 2 || usage ;;
@@ -29,12 +29,17 @@ while [ $# -gt 0 ]; do
     *) echo "scripts/load.sh: unknown argument $1" >&2; usage ;;
   esac
 done
-[[ $PROCS =~ ^[0-9]+$ ]] && [ "$PROCS" -ge "$([ -n "$HOLD" ] && echo 0 || echo 1)" ] && [ "$PROCS" -le 64 ] ||
-  { echo "scripts/load.sh: --procs must be a whole number from 1 to 64 (0 with --hold), got '$PROCS'" >&2; exit 2; }
-[[ $SECONDS_MAX =~ ^[0-9]+$ ]] && [ "$SECONDS_MAX" -ge 1 ] && [ "$SECONDS_MAX" -le $LIMIT_S ] ||
-  { echo "scripts/load.sh: --seconds must be a whole number from 1 to $LIMIT_S, got '$SECONDS_MAX'" >&2; exit 2; }
-[ -z "$HOLD" ] || { [[ $HOLD =~ ^[0-9]+$ ]] && [ "$HOLD" -ge 1 ] && [ "$HOLD" -le 64 ]; } ||
-  { echo "scripts/load.sh: --hold must be a whole number from 1 to 64, got '$HOLD'" >&2; exit 2; }
+whole() {   # whole FLAG VALUE LOW HIGH [NOTE]: VALUE a whole number from LOW to HIGH, or exit 2 naming FLAG
+  [[ $2 =~ ^[0-9]+$ ]] && [ "$2" -ge "$3" ] && [ "$2" -le "$4" ] ||
+    { echo "scripts/load.sh: $1 must be a whole number from $3 to $4${5:-}, got '$2'" >&2; exit 2; }
+}
+if [ -n "$HOLD" ]; then
+  whole --hold "$HOLD" 1 $MAX_PROCS
+  whole --procs "$PROCS" 0 $MAX_PROCS
+else
+  whole --procs "$PROCS" 1 $MAX_PROCS " (0 with --hold)"
+fi
+whole --seconds "$SECONDS_MAX" 1 $LIMIT_S
 
 pids=()
 stop() { trap - EXIT INT TERM; [ ${#pids[@]} -eq 0 ] || kill "${pids[@]}" 2>/dev/null || true; }
