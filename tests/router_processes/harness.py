@@ -6,6 +6,7 @@ process is killed on teardown.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -22,7 +23,18 @@ from epd_kit.sim import launch
 from epd_kit.testing.process import ManagedProcess, free_port, http_ok, stop_all
 from tests.budget import describe, scaled
 
-__all__ = ["ROUTER", "SIM", "RouterProc", "SimEngine", "Stack", "free_port", "http_ok", "router_config", "wait_until"]
+__all__ = [
+    "ROUTER",
+    "SIM",
+    "RouterProc",
+    "SimEngine",
+    "Stack",
+    "free_port",
+    "http_ok",
+    "router_config",
+    "wait_until",
+    "wait_until_async",
+]
 
 BIN = Path(sys.executable).parent
 SIM = str(BIN / "epd-sim")
@@ -38,6 +50,18 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.05) -> 
             return
         time.sleep(interval)
     raise AssertionError(f"timed out after {describe(timeout)} waiting for {what}")
+
+
+async def wait_until_async(predicate, base_s: float, what: str, interval: float = 0.1) -> None:
+    """wait_until for a test whose load runs on the same event loop: `await predicate()` and an
+    asyncio sleep between polls, so the loop keeps serving while it waits; `base_s` is the quiet
+    machine's budget, scaled."""
+    deadline = time.monotonic() + scaled(base_s)
+    while time.monotonic() < deadline:
+        if await predicate():
+            return
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out after {describe(base_s)} waiting for {what}")
 
 
 def engine_argv(

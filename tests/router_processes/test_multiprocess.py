@@ -28,6 +28,7 @@ from bench.router_processes import SOCKET_ACTIVATE, router_group
 from bench.stack import engine_proc
 from epd_kit.testing.process import ManagedProcess
 from tests.budget import scaled
+from tests.router_processes.harness import wait_until_async
 
 CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
 
@@ -293,17 +294,13 @@ def test_pools_answers_for_the_whole_group_so_a_drain_waits_for_every_process(sl
                     await asyncio.sleep(0.1)
                 return [status for statuses in await asyncio.gather(*tasks) for status in statuses]
 
-            async def until(what: str, holds, base_s: float = 5) -> None:
-                """Poll until holds() (bounded, scaled): each step waits on what it needs, not on a
-                fixed sleep a loaded machine outruns (the PD's 10 s would pass first)."""
-                deadline = time.monotonic() + scaled(base_s)
-                while not await holds():
-                    if time.monotonic() > deadline:
-                        raise AssertionError(f"not within {scaled(base_s):.0f} s: {what}")
-                    await asyncio.sleep(0.1)
-
             async def first_view(predicate) -> bool:
                 return predicate((await _pd_views(group.url, 1))[0])
+
+            async def until(what: str, holds) -> None:
+                # each step waits on what it needs, not on a fixed sleep a loaded machine outruns
+                # (the PD's lateness would pass first)
+                await wait_until_async(holds, 5, what)
 
             load = asyncio.create_task(spaced_load())
             seen: dict[str, list[dict]] = {}
