@@ -17,6 +17,9 @@ from tests.budget import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+# an inventory host that is this machine, run by this venv's Python (how the roles' checks are
+# tested without a host)
+LOCAL_HOST = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
 INVENTORIES = sorted(
     [p for p in (REPO / "inventory/examples").iterdir() if (p / "hosts.yml").exists()]
     + [p for p in (REPO / "inventory/sandbox").iterdir() if (p / "hosts.yml").exists()]

@@ -191,7 +191,12 @@ def test_host_state_reads_files_globs_and_unit_states_in_one_run(played):
 
 
 def snapshot(tmp_path):
-    return sorted((str(p), p.stat().st_mode, p.read_text() if p.is_file() else None) for p in tmp_path.rglob("*"))
+    """Every path under tmp_path with its mode and content, but a local play's own files."""
+    return sorted(
+        (str(p), p.stat().st_mode, p.read_text() if p.is_file() else None)
+        for p in tmp_path.rglob("*")
+        if p.name not in ("registered.json", "play.yml")
+    )
 
 
 def file_changes(tmp_path):
@@ -220,7 +225,7 @@ def file_changes(tmp_path):
         read_changes("read_checked", entries, check_mode=True),
         read_changes("unjudged", [stranger, orphan]),
     ]
-    before = [p for p in snapshot(tmp_path) if "registered.json" not in p[0] and "play.yml" not in p[0]]
+    before = snapshot(tmp_path)
     return reads, ["read", "read_checked", "unjudged"], (tmp_path, root, entries, stranger, orphan, before)
 
 
@@ -234,9 +239,7 @@ def test_host_state_names_the_paths_epd_files_would_change_and_writes_nothing(pl
     once written; an entry the write would fail on (its directory missing, an owner the host does
     not know yet) counts as a change instead of failing the read."""
     (tmp_path, root, entries, stranger, orphan, before), r = played["file_changes"]
-    assert [
-        p for p in snapshot(tmp_path) if "registered.json" not in p[0] and "play.yml" not in p[0]
-    ] == before  # wrote nothing
+    assert snapshot(tmp_path) == before  # wrote nothing
     expected = [str(root / "other.env"), str(root / "mode.env"), str(root / "new"), str(root / "new/unit.service")]
     assert r["read"]["changed"] is False
     assert r["read"]["file_changes"] == expected == r["read_checked"]["file_changes"]

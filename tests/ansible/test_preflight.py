@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.ansible.helpers import playbook
+from tests.ansible.helpers import LOCAL_HOST, playbook
 
 pytestmark = pytest.mark.ansible
 
 # Any task that reaches a host fails at once: its interpreter does not exist. So a deploy
 # that got past the controller checks can never touch this machine.
 UNUSABLE_HOST = {"ansible_connection": "local", "ansible_python_interpreter": "/nonexistent/python3"}
-LOCAL_HOST = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
 
 
 def write_inventory(root: Path, hosts: dict[str, dict], router: list[str], group_vars: dict) -> Path:

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests import repo_modules
-from tests.ansible.helpers import REPO, host_output, local_play, playbook
+from tests.ansible.helpers import LOCAL_HOST, REPO, host_output, local_play, playbook
 from tests.budget import scaled
 from tests.hosts.standins import build as standins
 
@@ -135,8 +135,7 @@ def provision_locally(root: Path, hosts: dict[str, dict], **variables) -> subpro
     vars) and `variables` given with -e, all of them ones its preflight refuses: nothing runs past it."""
     root.mkdir(parents=True, exist_ok=True)
     inventory = root / "hosts.yml"
-    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
-    engines = {name: {**local, **host} for name, host in hosts.items()}
+    engines = {name: {**LOCAL_HOST, **host} for name, host in hosts.items()}
     inventory.write_text(yaml.safe_dump({"all": {"children": {"epd_engines": {"hosts": engines}}}}))
     extra = root / "vars.json"
     extra.write_text(json.dumps(variables))
@@ -334,7 +333,7 @@ def test_every_role_variable_is_typed_in_the_argument_spec():
 
 def status_versions(tmp_path: Path, engine: dict) -> str:
     inventory = tmp_path / "hosts.yml"
-    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable, **engine}
+    local = {**LOCAL_HOST, **engine}
     groups = {"epd_engines": {"hosts": {"local": local}}, "epd_router": {"hosts": {"local": None}}}
     inventory.write_text(yaml.safe_dump({"all": {"children": groups}}))
     kit_venv = Path(sys.executable).parent.parent
@@ -455,7 +454,6 @@ def driver_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]
     ROOT/driverN): each host reads its own module version and device directory and runs its own
     stub modprobe and systemctl (its bin first on the play's PATH); one run instead of three."""
     root = tmp_path_factory.mktemp("driver")
-    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
     hosts = {}
     for index, (loaded, engines, _, _) in enumerate(DRIVER_CASES):
         case = root / f"driver{index}"
@@ -468,7 +466,7 @@ def driver_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]
         for name, body in (("modprobe", f'echo "$*" >> {log}'), ("systemctl", f"echo {engines!r}")):
             (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
             (bin_dir / name).chmod(0o755)
-        hosts[f"driver{index}"] = {**local, "driver_case": str(case)}
+        hosts[f"driver{index}"] = {**LOCAL_HOST, "driver_case": str(case)}
     (root / "hosts.yml").write_text(yaml.safe_dump({"all": {"hosts": hosts}}))
     play = {
         "hosts": "all",
@@ -627,8 +625,7 @@ def os_run(tmp_path_factory) -> subprocess.CompletedProcess[str]:
     """The role's preflight once, a local host per OS case (host osN: OS_CASES[N]'s facts): each host
     fails on its own, and each test reads its own host's output (one run instead of three)."""
     root = tmp_path_factory.mktemp("os")
-    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
-    hosts = {f"os{i}": {**local, "os_case_facts": facts} for i, (facts, _) in enumerate(OS_CASES)}
+    hosts = {f"os{i}": {**LOCAL_HOST, "os_case_facts": facts} for i, (facts, _) in enumerate(OS_CASES)}
     (root / "hosts.yml").write_text(yaml.safe_dump({"all": {"hosts": hosts}}))
     play = {
         "hosts": "all",
