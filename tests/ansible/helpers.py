@@ -122,8 +122,9 @@ def inventory_hostvars(inventory: Path) -> tuple[dict[str, Any], dict[str, list[
     inventories (inventory/) are read once per pytest process, each caller getting a copy of its
     own: one ansible-inventory run is ~1.5 CPU-s, and the host-free lane's tests read the same ones
     from several modules (test_render, test_render_checkable, test_observability_config, unit/plan)."""
-    if Path(inventory).resolve().is_relative_to(REPO / "inventory"):
-        return copy.deepcopy(_repository_inventory(Path(inventory).resolve()))
+    resolved = Path(inventory).resolve()
+    if resolved.is_relative_to(REPO / "inventory"):
+        return copy.deepcopy(_repository_inventory(resolved))
     return _read_inventory(inventory)
 
 
