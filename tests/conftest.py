@@ -13,7 +13,7 @@ if str(REPO) not in sys.path:  # `tests.hosts` is importable from any test direc
 
 from tests import budget  # noqa: E402  (after the path above)
 
-pytest_plugins = ["tests.hosts.fixtures"]
+pytest_plugins = ["tests.hosts.fixtures", "tests.hosts.cpu_per_test"]
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -104,9 +104,15 @@ def test_the_docs_e2e_table_names_the_lane_each_module_runs_in():
         assert f"right after {leader}" in lanes[follower], (follower, lanes[follower])
 
 
-def junit(path: Path, cases: list[tuple[str, str, float]]) -> None:
-    """A JUnit report as pytest writes one (--junitxml): a testsuite of testcases with their time."""
-    rows = "".join(f'<testcase classname="{c}" name="{n}" time="{t}"/>' for c, n, t in cases)
+def junit(path: Path, cases: list[tuple[str, str, float]], cpu: dict[str, float] | None = None) -> None:
+    """A JUnit report as pytest writes one (--junitxml): a testsuite of testcases with their time,
+    and where `cpu` names a test, its `cpu_s` property (tests/hosts/cpu_per_test.py)."""
+    cpu = cpu or {}
+
+    def properties(name: str) -> str:
+        return f'<properties><property name="cpu_s" value="{cpu[name]}"/></properties>' if name in cpu else ""
+
+    rows = "".join(f'<testcase classname="{c}" name="{n}" time="{t}">{properties(n)}</testcase>' for c, n, t in cases)
     path.write_text(f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{rows}</testsuite></testsuites>')
 
 
@@ -138,24 +144,48 @@ def test_the_runs_durations_sum_each_lanes_modules_and_list_the_slowest_tests(tm
     assert [(m.module, m.seconds, m.tests) for m in totals["host-free"]] == [("tests.unit.test_wire", 0.75, 2)]
     lines = durations.summary(cases, slowest=2)
     assert lines[1:3] == [
-        "      226.6s  e2e-a      tests.e2e.test_one_host::test_deploy",
-        "      138.8s  e2e-b      tests.e2e.test_day2::test_roll",
+        "      226.6s       ? CPU-s  e2e-a      tests.e2e.test_one_host::test_deploy",
+        "      138.8s       ? CPU-s  e2e-b      tests.e2e.test_day2::test_roll",
     ]
     assert lines[3] == "   (7 tests, 444 s in all)"
-    assert "   e2e-a         303.3s  = the lane: 3 tests in 2 modules" in lines
-    assert "   e2e-a         269.7s  tests.e2e.test_one_host (2 tests)" in lines
-    assert "   e2e-b         140.0s  tests.e2e.test_day2 (2 tests)" in lines
+    assert not any(line.startswith("== most CPU") for line in lines)  # no lane measured its CPU
+    assert "      303.3s       ? CPU-s  e2e-a      = the lane: 3 tests in 2 modules" in lines
+    assert "      269.7s       ? CPU-s  e2e-a      tests.e2e.test_one_host (2 tests)" in lines
+    assert "      140.0s       ? CPU-s  e2e-b      tests.e2e.test_day2 (2 tests)" in lines
+
+
+def test_the_tests_that_cost_the_most_cpu_are_listed_beside_the_slowest(tmp_path: Path):
+    junit(
+        tmp_path / "e2e-a.xml",
+        [("tests.e2e.test_one_host", "test_deploy", 226.6), ("tests.e2e.test_one_host", "test_x", 40.0)],
+        cpu={"test_deploy": 95.5, "test_x": 61.2},
+    )
+    junit(tmp_path / "host-free.xml", [("tests.unit.test_wire", "test_b", 90.0)])  # not measured
+    lines = durations.summary(durations.read_reports(tmp_path), slowest=2)
+    assert lines[1:3] == [
+        "      226.6s    95.5 CPU-s  e2e-a      tests.e2e.test_one_host::test_deploy",
+        "       90.0s       ? CPU-s  host-free  tests.unit.test_wire::test_b",
+    ]
+    most = lines.index("== most CPU: 2 tests (their lane's cgroup from setup to teardown, test hosts included)")
+    assert lines[most + 1 : most + 4] == [
+        "      226.6s    95.5 CPU-s  e2e-a      tests.e2e.test_one_host::test_deploy",
+        "       40.0s    61.2 CPU-s  e2e-a      tests.e2e.test_one_host::test_x",
+        "   (2 tests measured, 157 CPU-s in all)",
+    ]
+    assert "      266.6s   156.7 CPU-s  e2e-a      = the lane: 2 tests in 1 modules" in lines
+    assert "       90.0s       ? CPU-s  host-free  = the lane: 1 tests in 1 modules" in lines
 
 
 def test_a_background_lanes_many_modules_are_cut_to_the_longest_and_the_rest_summed(tmp_path: Path):
     junit(tmp_path / "host-free.xml", [(f"tests.unit.test_m{i}", "test_a", float(i)) for i in range(1, 6)])
     lines = durations.summary(durations.read_reports(tmp_path), modules_per_lane=2)
-    lanes = [line for line in lines if line.startswith("   host-free")]
+    modules = lines.index("== modules per lane (setup + call + teardown summed; a lane's tests run one after another)")
+    lanes = lines[modules + 1 :]
     assert lanes == [
-        "   host-free      15.0s  = the lane: 5 tests in 5 modules",
-        "   host-free       5.0s  tests.unit.test_m5 (1 tests)",
-        "   host-free       4.0s  tests.unit.test_m4 (1 tests)",
-        "   host-free       6.0s  (3 more modules)",
+        "       15.0s       ? CPU-s  host-free  = the lane: 5 tests in 5 modules",
+        "        5.0s       ? CPU-s  host-free  tests.unit.test_m5 (1 tests)",
+        "        4.0s       ? CPU-s  host-free  tests.unit.test_m4 (1 tests)",
+        "        6.0s       ? CPU-s  host-free  (3 more modules)",
     ]
 
 
