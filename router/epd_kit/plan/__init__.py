@@ -185,12 +185,9 @@ def __dir__() -> list[str]:
 
 
 def load_all() -> None:
-    """Every submodule and exported name now: for a process that forks workers which use the
-    planner (plugins/callback/epd_preload.py), so that each inherits it instead of importing it."""
-    import pkgutil
-
-    for info in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{info.name}")
+    """Every exported name now, and so the submodules they need (what importing the package
+    loaded before): for a process that forks workers which use the planner
+    (plugins/callback/epd_preload.py), so that each inherits it instead of importing it."""
     for name in _EXPORTS:
         __getattr__(name)
 
