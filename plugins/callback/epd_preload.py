@@ -104,6 +104,8 @@ class CallbackModule(CallbackBase):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # the planner's modules: its package loads them with their first use (plan/__init__.py)
+        epd_kit.plan.load_all()
         # the router's settings models (plan/router_check.py _load, cached): pydantic builds them
         importlib.import_module(f"{epd_kit.plan.__name__}.router_check").available()
         for loader in (filter_loader, test_loader):

@@ -31,36 +31,75 @@ the collection's filters load its bundled copy when the controller has no epd_ki
 docs/planner.md explains the rules; docs/architecture.md fixes the plan's schema.
 """
 
-from .backends import PROFILES, BackendProfile, EngineProfile, backend_profile
-from .checks import check_inventory, unresolved_problems
-from .command import (
-    ROLE_FLAGS,
-    ROLES,
-    SERVE_LINE,
-    EngineCommand,
-    additional_config,
-    ec_transfer_config,
-    engine_command,
-    engine_env,
-    serve_argv,
-)
-from .defaults import CHECK_DEFAULTS, GLOBAL_DEFAULTS, HOST_DEFAULTS
-from .errors import EpdPlanError
-from .fleet import plan_fleet, plan_table, router_endpoints, unreachable_engines, validate_plan
-from .hosts import HostSpec, read_host
-from .inventory import fleet_settings, plan_from_hostvars
-from .managed import EFA_ENVIRONMENT, MANAGED_ENV, MANAGED_FLAGS, PREFIX_CACHING_OFF
-from .net import probe_url
-from .neuron_releases import RELEASES, engine_requirements, neuron_release, release_profile
-from .operations import deployed_engines, engine_selection, rolling_queue, status_rows, status_table
-from .placement import largest_fits, place, placement_order
-from .rollout import rollout_batches, rollout_plan
-from .router_config import router_config
-from .settings import BACKEND_EXECUTABLES, Settings, read_settings
-from .tenants import placeholder_api_keys_text, placeholder_tenants_text, tenants_file_text
-from .timeouts import START_MARGIN_S, start_timeout_s
-from .unit import engine_unit, exec_start, read_env_file
-from .values import format_cores, plain
+import importlib
+import sys
+import types
+from typing import Any
+
+# public name -> the submodule that defines it (imported with the first use of one of its names)
+_EXPORTS = {
+    "BACKEND_EXECUTABLES": "settings",
+    "CHECK_DEFAULTS": "defaults",
+    "EFA_ENVIRONMENT": "managed",
+    "GLOBAL_DEFAULTS": "defaults",
+    "HOST_DEFAULTS": "defaults",
+    "MANAGED_ENV": "managed",
+    "MANAGED_FLAGS": "managed",
+    "PREFIX_CACHING_OFF": "managed",
+    "PROFILES": "backends",
+    "RELEASES": "neuron_releases",
+    "ROLES": "command",
+    "ROLE_FLAGS": "command",
+    "SERVE_LINE": "command",
+    "START_MARGIN_S": "timeouts",
+    "BackendProfile": "backends",
+    "EngineCommand": "command",
+    "EngineProfile": "backends",
+    "EpdPlanError": "errors",
+    "HostSpec": "hosts",
+    "Settings": "settings",
+    "additional_config": "command",
+    "backend_profile": "backends",
+    "check_inventory": "checks",
+    "deployed_engines": "operations",
+    "ec_transfer_config": "command",
+    "engine_command": "command",
+    "engine_env": "command",
+    "engine_requirements": "neuron_releases",
+    "engine_selection": "operations",
+    "engine_unit": "unit",
+    "exec_start": "unit",
+    "fleet_settings": "inventory",
+    "format_cores": "values",
+    "largest_fits": "placement",
+    "neuron_release": "neuron_releases",
+    "place": "placement",
+    "placeholder_api_keys_text": "tenants",
+    "placeholder_tenants_text": "tenants",
+    "placement_order": "placement",
+    "plain": "values",
+    "plan_fleet": "fleet",
+    "plan_from_hostvars": "inventory",
+    "plan_table": "fleet",
+    "probe_url": "net",
+    "read_env_file": "unit",
+    "read_host": "hosts",
+    "read_settings": "settings",
+    "release_profile": "neuron_releases",
+    "rolling_queue": "operations",
+    "rollout_batches": "rollout",
+    "rollout_plan": "rollout",
+    "router_config": "router_config",
+    "router_endpoints": "fleet",
+    "serve_argv": "command",
+    "start_timeout_s": "timeouts",
+    "status_rows": "operations",
+    "status_table": "operations",
+    "tenants_file_text": "tenants",
+    "unreachable_engines": "fleet",
+    "unresolved_problems": "checks",
+    "validate_plan": "fleet",
+}
 
 __all__ = [
     "BACKEND_EXECUTABLES",
@@ -125,3 +164,44 @@ __all__ = [
     "unresolved_problems",
     "validate_plan",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:  # a submodule read as the package's attribute (plan.router_shape)
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+def load_all() -> None:
+    """Every exported name now, and so the submodules they need (what importing the package
+    loaded before): for a process that forks workers which use the planner
+    (plugins/callback/epd_preload.py), so that each inherits it instead of importing it."""
+    for name in _EXPORTS:
+        __getattr__(name)
+
+
+class _Planner(types.ModuleType):
+    """`router_config` names the submodule and the function it defines: the package's
+    attribute stays the function (as when every submodule loaded with the package), though the
+    import system sets it to the submodule when that loads after the package."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SHADOWED and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+_SHADOWED = frozenset(name for name, module in _EXPORTS.items() if name == module)
+sys.modules[__name__].__class__ = _Planner

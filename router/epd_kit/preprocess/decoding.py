@@ -32,8 +32,9 @@ from multiprocessing.process import BaseProcess
 
 from PIL import Image
 
+from .cancel import WorkCancelled
 from .errors import ImageDecodeTooSlow, NotAnImage, PreprocessError
-from .image import Decoded, WorkCancelled, decode_resized, open_image
+from .image import Decoded, decode_resized, open_image
 from .model_files import VisionSettings
 from .settings import Limits
 

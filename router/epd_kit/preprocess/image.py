@@ -35,6 +35,7 @@ import numpy as np
 from PIL import ExifTags, Image, ImageOps
 
 from .. import mm_serde
+from .cancel import WorkCancelled, stop_if
 from .errors import ImageDimensionsRejected, ImageOverBudget, ImageTooLarge, NotAnImage
 from .model_files import VisionSettings
 from .settings import Limits
@@ -102,16 +103,6 @@ def upright(image: Image.Image) -> Image.Image:
 def _orientation(image: Image.Image) -> int:
     """The EXIF orientation tag (1 = upright, also when absent)."""
     return int(image.getexif().get(ExifTags.Base.Orientation, 1))
-
-
-class WorkCancelled(Exception):
-    """Image work stopped because the request it was for has ended (nobody reads the error)."""
-
-
-def stop_if(cancelled: threading.Event | None) -> None:
-    """Between stages of image work: stop once nobody waits for the image any more."""
-    if cancelled is not None and cancelled.is_set():
-        raise WorkCancelled("the request this image was for has ended")
 
 
 @dataclass(frozen=True)

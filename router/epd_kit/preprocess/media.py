@@ -25,8 +25,6 @@ from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import TYPE_CHECKING
 from urllib.parse import urljoin, urlsplit
 
-from PIL import Image
-
 from .errors import ImageTooLarge, MalformedImageUrl, MediaFetchFailed, MediaFetchRefused
 from .settings import Limits, Media
 
@@ -208,6 +206,8 @@ def _no_cookies() -> CookieJar:
 def check_fetched_image(url: str, data: bytes, limits: Limits) -> bytes:
     """A fetched body must at least have the header of an allowed image format (read only,
     nothing decoded): a server that answers with something else is a failed fetch like any other."""
+    from PIL import Image  # with the first fetched image, not at the router's start
+
     try:
         with Image.open(io.BytesIO(data), formats=limits.image_formats) as image:
             image.size  # noqa: B018 - the header parsed

@@ -22,21 +22,24 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import wire
 from .cache import LruCache
-from .decoding import ImageDecoder
-from .encoder import ItemEncoder, MmSerdeEncoder
+from .cancel import WorkCancelled, stop_if
 from .errors import ModelHasNoVision, PreprocessError, PromptMismatch, TooManyImages
 from .fairness import ClientSlots, current_client
 from .hashing import image_hash, settings_bytes
-from .image import PixelEncoder, WorkCancelled, stop_if
 from .media import MediaFetcher, check_fetched_image, decode_data_url
 from .messages import ImageRef, parse_messages
 from .model_files import CheckpointFiles, VisionSettings
 from .settings import Limits, Media
 from .text import IncrementalDetokenizer, TextCodec
+
+if TYPE_CHECKING:  # numpy and Pillow load with the first image (_image_tools), not at start
+    from .decoding import ImageDecoder
+    from .encoder import ItemEncoder
+    from .image import PixelEncoder
 
 T = TypeVar("T")
 
@@ -150,12 +153,16 @@ class Preprocessor:
         self.vision: VisionSettings | None = files.vision
         if self.vision is not None:
             _check_budget(self.vision, limits)
-        self._pixels = PixelEncoder(self.vision) if self.vision else None
-        self._decoder = ImageDecoder(limits, self.vision) if self.vision else None
+        # built by the first image (_image_tools); nothing in them can fail on what
+        # `files.vision` accepted, so a bad checkpoint still fails here, at start
+        self._pixels: PixelEncoder | None = None
+        self._decoder: ImageDecoder | None = None
+        self._tools_lock = threading.Lock()
+        self._closed = False
         self._settings_blob = settings_bytes(
             {**(self.vision.pixel_settings() if self.vision else {}), "max_image_patches": limits.max_image_patches}
         )
-        self._encoder: ItemEncoder = encoder or MmSerdeEncoder()
+        self._encoder: ItemEncoder | None = encoder
         self._fetcher = MediaFetcher(media, limits)
         self._text_pool = ThreadPoolExecutor(
             max_workers=workers or limits.text_workers, thread_name_prefix="epd-preprocess-text"
@@ -385,19 +392,20 @@ class Preprocessor:
     def _prepare(self, mm_hash: str, data: bytes, cancelled: threading.Event | None = None) -> PreparedImage:
         """Worker thread: decode, resize, pixel_values, serialize; stops between stages once
         `cancelled` is set (nobody waits for the image any more)."""
-        assert self.vision is not None and self._pixels is not None and self._decoder is not None
-        decoded = self._decoder.decode(data, cancelled)
+        assert self.vision is not None
+        pixels, decoder, encoder = self._image_tools(self.vision)
+        decoded = decoder.decode(data, cancelled)
         (width, height), plan = decoded.source_size, decoded.plan
         stop_if(cancelled)
-        fill = functools.partial(self._pixels.pixel_values, decoded.resized)
+        fill = functools.partial(pixels.pixel_values, decoded.resized)
         merge_area = self.vision.merge_size**2
         image = PreparedImage(
             mm_hash=mm_hash,
             grid_thw=plan.grid_thw,
             num_patches=plan.num_patches,
             num_tokens=plan.num_patches // merge_area,
-            ve_kwargs=self._encoder.encode_ve(plan.grid_thw, self._pixels.shape(plan), self._pixels.dtype, fill),
-            pd_kwargs_b64=self._encoder.encode_pd(plan.grid_thw),
+            ve_kwargs=encoder.encode_ve(plan.grid_thw, pixels.shape(plan), pixels.dtype, fill),
+            pd_kwargs_b64=encoder.encode_pd(plan.grid_thw),
             source_size=(width, height),
             resized_size=(plan.width, plan.height),
             downscaled_for_budget=plan.downscaled_for_budget,
@@ -405,6 +413,22 @@ class Preprocessor:
         self._prepared += 1  # int += under the GIL from worker threads: counts may lag, never corrupt
         self._downscaled += plan.downscaled_for_budget
         return image
+
+    def _image_tools(self, vision: VisionSettings) -> tuple[PixelEncoder, ImageDecoder, ItemEncoder]:
+        """The pixel encoder, the decoder and the item encoder, built by the first image's
+        thread: they import numpy and Pillow (~0.2 CPU-s a start), which a router that is
+        never sent an image does not need."""
+        with self._tools_lock:
+            if self._pixels is None or self._decoder is None or self._encoder is None:
+                if self._closed:  # aclose has run: no decoder children after it
+                    raise WorkCancelled("the preprocessor is closed")
+                from .decoding import ImageDecoder
+                from .encoder import MmSerdeEncoder
+                from .image import PixelEncoder
+
+                self._pixels, self._decoder = PixelEncoder(vision), ImageDecoder(self.limits, vision)
+                self._encoder = self._encoder or MmSerdeEncoder()
+            return self._pixels, self._decoder, self._encoder
 
     @staticmethod
     async def _run(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
@@ -434,6 +458,8 @@ class Preprocessor:
         await self._fetcher.aclose()
         for pool in (self._text_pool, self._image_pool):
             pool.shutdown(wait=False, cancel_futures=True)
+        with self._tools_lock:
+            self._closed = True
         if self._decoder is not None:
             self._decoder.close()
 

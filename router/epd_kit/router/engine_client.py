@@ -184,8 +184,7 @@ class EngineClient:
         if engine.role == "pd":
             body = self._probes.pd_body(self._state.cfg.handoff)
             await self._generate(engine, body, len(body["token_ids"]), 1)
-        elif self._probes.item is not None:
-            item = self._probes.item
+        elif (item := await self._probes.image_item()) is not None:
             engine.inflight_work += item.length
             try:
                 await self._encode(engine, [item], ServingProbes.request_id())
