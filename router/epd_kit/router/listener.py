@@ -95,10 +95,11 @@ MAX_DISCARD_BYTES = 256 * 1024
 CLIENT_KEEPALIVE_S = 5.0
 # What a draining process of a group waits on top of that before closing an idle kept-alive
 # connection: the client's delay between taking the connection and sending on it, and between
-# the response's last byte and the client reading it, on a loaded machine (issue 55's run was
-# at load 11 on 2 cores). The linger adds to a process's stop only while a client holds a
-# connection it has not used for less than this; a client under load reuses or expires it first.
-DRAIN_LINGER_MARGIN_S = 5.0
+# the response's last byte and the client reading it, scheduling delays of a loaded machine
+# (issue 55's run was at load 11 on 2 cores: tens of milliseconds; 2 s is far past them). Each
+# second counts: the linger adds to a process's stop, and so to every step of a roll, while a
+# client (HAProxy's pool among them) holds a connection it used less than the linger before.
+DRAIN_LINGER_MARGIN_S = 2.0
 
 
 def drain_linger_s(listen: Listen, shutdown_grace_s: float) -> float:
