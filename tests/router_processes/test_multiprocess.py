@@ -176,6 +176,14 @@ def _read_response(sock: socket.socket) -> tuple[bytes, bytes]:
     return head, body
 
 
+def _until_draining(log: Path) -> None:
+    """Until the process's drain has shut its connections down (its log says so)."""
+    deadline = time.monotonic() + scaled(30)
+    while "stopped accepting from the shared listener" not in log.read_text():
+        assert time.monotonic() < deadline, "the process did not begin to drain in time"
+        time.sleep(0.05)
+
+
 def test_a_request_arriving_on_a_kept_alive_connection_when_the_drain_begins_is_answered(config, tmp_path):
     """A client reuses its kept-alive connection; the first half of its request head is in when
     the process is told to stop. The drain must not close that connection as idle (the request
@@ -191,16 +199,48 @@ def test_a_request_arriving_on_a_kept_alive_connection_when_the_drain_begins_is_
             sock.sendall(request[:20])
             time.sleep(0.5)  # the process reads it: a request head has begun
             process.send_signal(signal.SIGTERM)
-            log = tmp_path / "group/router-0.log"  # the drain has shut the connections down:
-            deadline = time.monotonic() + 30
-            while "stopped accepting from the shared listener" not in log.read_text():
-                assert time.monotonic() < deadline, "the process did not begin to drain within 30 s"
-                time.sleep(0.05)
+            _until_draining(tmp_path / "group/router-0.log")
             sock.sendall(request[20:] + b"\r\n")
             head, _ = _read_response(sock)
         assert head.startswith(b"HTTP/1.1 200"), head
         assert b"connection: close" in head.lower()
         assert process.wait(30) == 0
+
+
+def test_a_client_reusing_its_idle_connection_as_the_drain_begins_is_answered(config, tmp_path):
+    """Issue 55's race (1 of 854 requests reset while a deploy rolled the processes): a client
+    takes its idle kept-alive connection from its pool just as the process starts to drain, and
+    sends on it. The drain closed every idle connection at once, so the request met a closed
+    socket (EOF or a reset, no answer). Now an idle connection stays open until no client would
+    reuse it (listener.py `drain_linger_s`): the request is answered with `Connection: close`
+    and the connection closed after it. A second client that only stays idle is closed at the
+    linger's end, and the process exits within its shutdown grace (no "grace period over")."""
+    cfg = yaml.safe_load(config.read_text())
+    cfg["timeouts"] = {"shutdown_grace_s": 4}  # a linger of 2 s: half the grace
+    config.write_text(yaml.safe_dump(cfg))
+    request = b"GET /v1/models HTTP/1.1\r\nHost: router\r\n\r\n"
+    with router_group(config, 1, tmp_path / "group") as group:
+        process = group.processes[0]
+        with (
+            socket.create_connection(("127.0.0.1", group.port), timeout=scaled(30)) as reusing,
+            socket.create_connection(("127.0.0.1", group.port), timeout=scaled(30)) as idle,
+        ):
+            for sock in (reusing, idle):
+                sock.sendall(request)
+                head, _ = _read_response(sock)
+                assert head.startswith(b"HTTP/1.1 200") and b"connection: close" not in head.lower()  # kept alive
+            process.send_signal(signal.SIGTERM)
+            _until_draining(tmp_path / "group/router-0.log")
+            reusing.sendall(request)
+            head, body = _read_response(reusing)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            assert b"connection: close" in head.lower()
+            assert json.loads(body)["data"], body  # the answer itself, whole
+            assert reusing.recv(1) == b""  # closed after its answer
+            assert idle.recv(1) == b""  # closed by the drain at the linger's end, not kept to the idle timeout
+        assert process.wait(scaled(30)) == 0
+    log = (tmp_path / "group/router-0.log").read_text()
+    assert "grace period over" not in log, log[-2000:]
 
 
 def test_a_sigterm_while_the_process_starts_stops_it_once_it_serves(config, tmp_path):

@@ -32,7 +32,11 @@ short body holds a connection forever), a fresh connection that never sends stay
   be on the wire; it is served and closed after its response (or at its header timeout). The
   same holds for a kept-alive connection whose next request has begun to arrive, or waits
   unread in the socket (a loaded event loop reads it late): closing it would drop a request
-  the client already sent. Only a kept-alive connection with nothing arriving closes at once.
+  the client already sent. A kept-alive connection with nothing arriving closes at once at
+  uvicorn's exit; when a process of a group hands the shared listener over (server.py), it
+  closes only once it has been idle `drain_linger_s` (`shutdown(linger_s)`), since a client may
+  have just taken it from its pool: a request sent meanwhile is answered with `Connection:
+  close` and the connection closed after it (issue 55: a request reset during a roll).
 
 For the app's race against a client that leaves (routes.py `_race_disconnect`), each request's
 scope carries a `DisconnectSignal` (`CLIENT_GONE`) that fires when uvicorn marks the request's
@@ -79,6 +83,31 @@ MAX_HEAD_BYTES = 16 * 1024
 # 429 comes before the body): uvicorn reads and drops the rest to keep the connection, which
 # cost 58 MiB of reading after one 429 (issue 58). Past this the connection is closed.
 MAX_DISCARD_BYTES = 256 * 1024
+
+# How long the common clients keep an idle connection in their pool: httpx's `Limits`
+# (keepalive_expiry=5.0, httpx/_config.py) and the OpenAI Python SDK's, which builds on httpx2
+# and leaves it at that default (openai/_constants.py DEFAULT_CONNECTION_LIMITS sets only the
+# counts; httpx2/_config.py keepalive_expiry=5.0). httpcore counts it from the moment the
+# response was read (`_response_closed` sets `_expire_at`) and checks it when a request takes a
+# connection from the pool (`has_expired`, and a FIN already received), so a connection idle
+# longer than this is never sent on by them. No source found here settles HAProxy's pooled
+# server connections (docs/router.md: HAProxy resends on `retry-on empty-response` anyway).
+CLIENT_KEEPALIVE_S = 5.0
+# What a draining process of a group waits on top of that before closing an idle kept-alive
+# connection: the client's delay between taking the connection and sending on it, and between
+# the response's last byte and the client reading it, scheduling delays of a loaded machine
+# (issue 55's run was at load 11 on 2 cores: tens of milliseconds; 2 s is far past them). Each
+# second counts: the linger adds to a process's stop, and so to every step of a roll, while a
+# client (HAProxy's pool among them) holds a connection it used less than the linger before.
+DRAIN_LINGER_MARGIN_S = 2.0
+
+
+def drain_linger_s(listen: Listen, shutdown_grace_s: float) -> float:
+    """How long a process handing the shared listener over keeps an idle kept-alive connection:
+    past the clients' keep-alive, never past the idle timeout (which closes it anyway), and at
+    most half the shutdown grace, so a request that comes at the linger's end still has the
+    other half to be answered before the grace runs out."""
+    return min(CLIENT_KEEPALIVE_S + DRAIN_LINGER_MARGIN_S, listen.idle_timeout_s, shutdown_grace_s / 2)
 
 
 def _unread_bytes(transport: asyncio.BaseTransport) -> int:
@@ -336,7 +365,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         self._close("malformed", RouterError(400, f"malformed HTTP request: {msg}"))
 
-    def shutdown(self) -> None:
+    def shutdown(self, linger_s: float = 0.0) -> None:
+        """uvicorn's at exit (no argument), or a group's hand-over with `drain_linger_s`."""
         # see the module docstring; the socket is asked only between requests
         arriving = self.cycle is None or (
             self.cycle.response_complete and (self._phase == "header" or _unread_bytes(self.transport) > 0)
@@ -344,10 +374,29 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if arriving:
             self._shutting_down = True
             return
+        if linger_s > 0 and self.cycle.response_complete and self._linger(linger_s):
+            return
         joiner = self.cycle.transport if self.cycle is not None else None
         if isinstance(joiner, HeadJoiner):  # a head held for this turn (a HEAD's) before the close
             joiner.flush()
         super().shutdown()
+
+    def _linger(self, linger_s: float) -> bool:
+        """Keep an idle kept-alive connection until it has been idle `linger_s`: uvicorn's
+        keep-alive timer, armed when the response completed, is moved to then (a request that
+        arrives cancels it, as any; its response closes the connection). False when it has been
+        idle that long already, or no timer runs (the connection is closing)."""
+        timer = self.timeout_keep_alive_task
+        if timer is None:
+            return False
+        close_at = timer.when() - self.timeout_keep_alive + linger_s  # idle since + linger
+        if close_at <= self.loop.time():
+            return False
+        self._shutting_down = True
+        if close_at < timer.when():
+            timer.cancel()
+            self.timeout_keep_alive_task = self.loop.call_at(close_at, self.timeout_keep_alive_handler)
+        return True
 
     # --- deadlines -----------------------------------------------------------------------
 

@@ -6,9 +6,11 @@ forces the exit.
 
 Under systemd socket activation (epd-router.socket, docs/router.md "Scale-out") the listening
 socket belongs to PID 1 and every router process of the host accepts from it. A draining
-process then stops accepting at once and closes its idle keep-alive connections (the others,
-or its successor, take the new ones from the shared queue; nothing is refused), answers what
-it has in flight with `Connection: close`, and exits when that is done. A process that bound
+process then stops accepting at once (the others, or its successor, take the new ones from the
+shared queue; nothing is refused), answers what it has in flight with `Connection: close`,
+closes each idle keep-alive connection once no client would still reuse it (listener.py
+`drain_linger_s`; a request sent on it before then is answered, with `Connection: close`), and
+exits when that is done. A process that bound
 its own socket keeps accepting while it drains (a load balancer moves away on /ready).
 With NOTIFY_SOCKET set it tells systemd when it serves (Type=notify), so `systemctl restart`
 of one process returns when its successor accepts.
@@ -28,7 +30,7 @@ from pathlib import Path
 import uvicorn
 
 from epd_kit.router.app import create_app
-from epd_kit.router.listener import protocol_factory
+from epd_kit.router.listener import drain_linger_s, protocol_factory
 from epd_kit.router.metrics import forget_worker
 from epd_kit.router.rendering import Renderer
 from epd_kit.router.service import RouterService
@@ -136,14 +138,18 @@ class RouterServer(uvicorn.Server):
 
     def _hand_over_listener(self) -> None:
         """Stop accepting from the shared socket (its queue stays with PID 1 and the other
-        processes). Idle keep-alive connections close now; a busy one, or a new one whose first
-        request is still on its way, closes after its response (`_CloseWhileDraining`)."""
+        processes). An idle keep-alive connection closes once it has been idle `drain_linger_s`
+        (a client may have just taken it from its pool); a busy one, one that a request reaches
+        meanwhile, or a new one whose first request is still on its way, closes after its
+        response (`_CloseWhileDraining`)."""
         for server in self.servers:
             server.close()
+        cfg = self.service.state.cfg
+        linger_s = drain_linger_s(cfg.listen, cfg.timeouts.shutdown_grace_s)
         # the listener's protocol keeps a connection whose first request head is still arriving
         # open until that request is answered (listener.py), so every connection gets shutdown()
         for connection in list(self.server_state.connections):
-            connection.shutdown()
+            connection.shutdown(linger_s)  # type: ignore[call-arg] - listener.GuardedHttpProtocol
         log.info("stopped accepting from the shared listener", extra={"worker": self.worker})
 
     async def _drain(self) -> None:

@@ -18,7 +18,13 @@ import pytest
 import uvicorn
 from packaging.requirements import Requirement
 
-from epd_kit.router.listener import MAX_HEAD_BYTES, HeadJoiner, protocol_factory
+from epd_kit.router.listener import (
+    CLIENT_KEEPALIVE_S,
+    MAX_HEAD_BYTES,
+    HeadJoiner,
+    drain_linger_s,
+    protocol_factory,
+)
 from epd_kit.router_yaml import Listen
 from tests.unit.router.raw_http import read_message
 
@@ -62,6 +68,14 @@ async def echo_length(scope, receive, send) -> None:
 
 @contextlib.asynccontextmanager
 async def serving(closed: list[str], app=echo_length, listen: Listen | None = None) -> AsyncIterator[int]:
+    async with running_server(closed, app, listen) as server:
+        yield server.servers[0].sockets[0].getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def running_server(
+    closed: list[str], app=echo_length, listen: Listen | None = None
+) -> AsyncIterator[uvicorn.Server]:
     config = uvicorn.Config(
         app,
         host="127.0.0.1",
@@ -77,7 +91,7 @@ async def serving(closed: list[str], app=echo_length, listen: Listen | None = No
             break
         await asyncio.sleep(0.01)
     try:
-        yield server.servers[0].sockets[0].getsockname()[1]
+        yield server
     finally:
         server.should_exit = True
         await task
@@ -303,3 +317,88 @@ async def test_each_phase_keeps_its_deadline_on_a_kept_alive_connection(header_s
     limit = header_s if late == "head" else body_s
     assert limit * 0.9 <= waited < limit + 3.0, waited
     assert closed == [f"{'header' if late == 'head' else 'body'}_timeout"]
+
+
+# --- a group's hand-over: idle kept-alive connections linger (server.py _hand_over_listener) ---
+
+GET = b"GET / HTTP/1.1\r\nhost: r\r\n\r\n"
+
+
+async def kept_alive(server: uvicorn.Server) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, object]:
+    """A connection with one answered request on it, kept alive, and the server's protocol of it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.servers[0].sockets[0].getsockname()[1])
+    writer.write(GET)
+    async with asyncio.timeout(5):
+        head, _ = await read_message(reader)
+    assert head.startswith(b"HTTP/1.1 200 ") and b"connection: close" not in head.lower()
+    (protocol,) = server.server_state.connections
+    return reader, writer, protocol
+
+
+async def test_a_request_on_an_idle_connection_during_the_linger_is_answered_then_closed():
+    """The race of issue 55: a client takes its idle connection from its pool as the process
+    starts to hand over; closing the connection then met the client's request with a reset.
+    Within the linger the request is answered with `Connection: close`, and the connection
+    closed after it."""
+    closed: list[str] = []
+    async with running_server(closed) as server:
+        reader, writer, protocol = await kept_alive(server)
+        protocol.shutdown(5.0)
+        assert not protocol.transport.is_closing()  # idle for less than the linger: kept
+        writer.write(GET)
+        async with asyncio.timeout(5):
+            head, body = await read_message(reader)
+            rest = await reader.read()
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 200 ") and b"connection: close" in head.lower(), head
+    assert json.loads(body) == {"received": 0}
+    assert rest == b""  # closed after the answer
+    assert closed == []
+
+
+async def test_an_idle_connection_closes_at_the_end_of_the_linger():
+    """A drain with only an idle client ends once the connection has been idle the linger, not at
+    the idle timeout (75 s by default)."""
+    closed: list[str] = []
+    linger_s = 0.5
+    async with running_server(closed) as server:
+        reader, writer, protocol = await kept_alive(server)
+        loop = asyncio.get_running_loop()
+        # the server's response ended then (uvicorn armed its keep-alive timer; same event loop)
+        idle_since = protocol.timeout_keep_alive_task.when() - protocol.timeout_keep_alive
+        protocol.shutdown(linger_s)
+        lingering = not protocol.transport.is_closing()
+        async with asyncio.timeout(linger_s + 10):
+            rest = await reader.read()  # EOF at the linger's end
+        ended = loop.time()
+        writer.close()
+    assert lingering
+    assert rest == b""
+    assert ended >= idle_since + linger_s  # not before it had been idle the linger
+
+
+async def test_a_connection_idle_past_the_linger_or_at_uvicorns_exit_closes_at_once():
+    """A connection idle longer than the linger is one no conforming client sends on any more:
+    the hand-over closes it at once. uvicorn's own shutdown (no linger) closes an idle one at
+    once, as before."""
+    closed: list[str] = []
+    async with running_server(closed) as server:
+        _, writer, protocol = await kept_alive(server)
+        await asyncio.sleep(0.2)  # the idle time is what is tested: longer than the linger below
+        protocol.shutdown(0.1)
+        assert protocol.transport.is_closing()
+        writer.close()
+        _, writer, protocol = await kept_alive(server)
+        protocol.shutdown()
+        assert protocol.transport.is_closing()
+        writer.close()
+
+
+def test_the_linger_outlasts_the_clients_keep_alive_within_the_idle_timeout_and_the_grace():
+    """httpx and the OpenAI SDK drop a pooled connection idle 5 s; the linger is past that, never
+    past listen.idle_timeout_s, and half the shutdown grace at most (a request sent at its end
+    still has time to be answered); no grace, no linger."""
+    assert CLIENT_KEEPALIVE_S < drain_linger_s(Listen(), 30.0) <= 15.0
+    assert drain_linger_s(Listen(idle_timeout_s=3), 30.0) == 3
+    assert drain_linger_s(Listen(), 4.0) == 2
+    assert drain_linger_s(Listen(), 0.0) == 0
