@@ -30,9 +30,10 @@ simulated VE (EPD_SIM_ENCODE_MS_PER_1K_PATCHES, set from the first deploy: about
 256x256 image, 2 ms for the 64x64 images of the tests before) under image-heavy load (every
 request a new image, Poisson arrivals at the rate that keeps the one VE about 80 % busy, from its
 encode time measured on this machine first, then corrected by the busy the advisor's window
-measured, so the pool is where the test wants it on a slow, a fast or a busy machine): the advisor names the VE pool and recommends a
-second VE on the spare cores; deploy.yml applies it under load with no failed request; the same
-load then spends less time in encode and the advisor recommends no change; an idle window is
+measured, so the pool is where the test wants it on a slow, a fast or a busy machine): the
+advisor names the VE pool and recommends a second VE on the spare cores; deploy.yml applies it
+under load with no failed request; the same load then spends less time in encode and the
+advisor recommends no change; an idle window is
 "too little traffic". Load and windows are bounded; all traffic goes to the test host n1."""
 
 from __future__ import annotations
