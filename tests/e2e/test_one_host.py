@@ -492,7 +492,8 @@ def test_image_heavy_load_on_one_ve_names_the_ve_pool_and_recommends_a_second_ve
     encode_s, rate = measured_load(one_host_stack, first_image=60_000)
     record_timing("advisor: VE encode per new image, nothing queued", encode_s)
     doc, rate, windows = calibrated_advice(one_host_stack, rate, first_image=0)
-    record_timing("advisor: windows taken to put one VE in 55-95 % busy", windows, "windows")
+    low, high = (round(100 * edge) for edge in BUSY_BAND)
+    record_timing(f"advisor: windows taken to put one VE in {low}-{high} % busy", windows, "windows")
     seen["rate"] = rate  # the steps after this one load the fleet the same
     record_timing("advisor: load (requests/s, one VE ~80% busy)", rate, "requests/s")
     record_timing("advisor: 1E2PD VE busy", 100 * doc["pools"]["ve"]["busy"], "%")
