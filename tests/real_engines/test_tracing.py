@@ -11,16 +11,14 @@ both), so the receiver holds that module's spans too: a test here reads its own 
 from __future__ import annotations
 
 import secrets
-import threading
 import time
-from http.server import ThreadingHTTPServer
 
 import openai
 import pytest
 
 from epd_kit.router.tracing import REQUEST_SPAN
 from epd_kit.testing.images import image_part, png_data_url
-from epd_kit.testing.otlp import CLIENT, SERVER, OtlpReceiver, Span, client_traceparent
+from epd_kit.testing.otlp import CLIENT, SERVER, Span, client_traceparent
 from tests.budget import scaled
 from tests.router_processes.harness import wait_until
 from tests.vllm_dist import installed_vllm
@@ -135,22 +133,13 @@ def test_a_request_past_the_pds_context_has_the_routers_spans_and_no_engines(tra
     assert not names & {"ve encode", "pd generate", "llm_request"}, names
 
 
-def reopen(receiver: OtlpReceiver) -> None:
-    """The receiver back on its port (the URL the router and the engines export to) after
-    __exit__ closed it, keeping what it holds (OtlpReceiver binds a free port only once)."""
-    closed = receiver._server
-    receiver._server = ThreadingHTTPServer(closed.server_address, closed.RequestHandlerClass)
-    receiver._thread = threading.Thread(target=receiver._server.serve_forever, name="otlp-receiver", daemon=True)
-    receiver.__enter__()
-
-
 def test_requests_are_served_while_the_collector_is_down(traced_pair, client):
     """The exports run beside the requests (the SDK's batch processors): a collector that is
     gone costs the router and the engines failed exports, never a failed request; once it is
     back, the next request's spans reach it. The receiver is back for what runs after (the pair
     is shared: test_serving.py may come next)."""
     stack, receiver = traced_pair
-    receiver.__exit__(None, None, None)  # its port now refuses connections
+    receiver.close()  # its port now refuses connections
     try:
         for seed in (113, 114):
             image = image_part(png_data_url(64, 48, seed=seed))
@@ -158,7 +147,7 @@ def test_requests_are_served_while_the_collector_is_down(traced_pair, client):
             assert usage.completion_tokens == MAX_TOKENS
         assert all(one.process.returncode is None for one in stack.engines), "an engine exited"
     finally:
-        reopen(receiver)
+        receiver.reopen()
     trace_id, _, header = client_traceparent()
     client.chat("Say something.", headers={"traceparent": header})
     # a batch that failed is retried for up to 10 s (the SDK's export timeout) before the next goes

@@ -77,8 +77,20 @@ class OtlpReceiver:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop listening: the port refuses connections (a collector that is down)."""
         self._server.shutdown()
         self._server.server_close()
+
+    def reopen(self) -> None:
+        """Listen again on the same address after close(), keeping what was received (the
+        exporters keep the URL; a new receiver would bind another free port)."""
+        closed = self._server
+        self._server = ThreadingHTTPServer(closed.server_address, closed.RequestHandlerClass)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="otlp-receiver", daemon=True)
+        self._thread.start()
 
     def clear(self) -> None:
         with self._lock:
