@@ -111,13 +111,13 @@ def checkpoint(root: Path, architectures: list[str]) -> Path:
 
 def test_vision_language_checkpoint_passes(tmp_path):
     model = checkpoint(tmp_path / "vl", ["Qwen3VLForConditionalGeneration"])
-    result = host_check(tmp_path, "model", epd_model=str(model))
+    result = host_check(tmp_path, "checks", epd_model=str(model), epd_preflight_check_ports=False)
     assert result.returncode == 0, result.stdout[-3000:]
 
 
 def test_text_only_checkpoint_fails_with_the_tutorial_explanation(tmp_path):
     model = checkpoint(tmp_path / "text", ["Qwen3ForCausalLM"])
-    result = host_check(tmp_path, "model", epd_model=str(model))
+    result = host_check(tmp_path, "checks", epd_model=str(model), epd_preflight_check_ports=False)
     assert result.returncode != 0
     assert (
         "text-only model" in result.stdout and "unexpected" in result.stdout and "text_neuron_config" in result.stdout
@@ -125,7 +125,7 @@ def test_text_only_checkpoint_fails_with_the_tutorial_explanation(tmp_path):
 
 
 def test_missing_checkpoint_fails(tmp_path):
-    result = host_check(tmp_path, "model", epd_model=str(tmp_path / "absent"))
+    result = host_check(tmp_path, "checks", epd_model=str(tmp_path / "absent"), epd_preflight_check_ports=False)
     assert result.returncode != 0
     assert f"{tmp_path / 'absent'}/config.json does not exist on h1" in result.stdout
 
@@ -137,9 +137,9 @@ def test_port_already_bound_fails_naming_the_process(tmp_path):
         port = listener.getsockname()[1]
         result = host_check(
             tmp_path,
-            "ports",
+            "checks",
             {"epd_num_ve": 0},
-            epd_model="/models/m",
+            epd_model=str(checkpoint(tmp_path / "vl", ["Qwen3VLForConditionalGeneration"])),
             epd_text_only=True,
             epd_pd_port_base=port,
             epd_router_port=port + 7,
@@ -154,9 +154,9 @@ def test_free_ports_pass(tmp_path):
         port = probe.getsockname()[1]
     result = host_check(
         tmp_path,
-        "ports",
+        "checks",
         {"epd_num_ve": 0},
-        epd_model="/models/m",
+        epd_model=str(checkpoint(tmp_path / "vl", ["Qwen3VLForConditionalGeneration"])),
         epd_text_only=True,
         epd_pd_port_base=port,
         epd_router_port=port + 7,
