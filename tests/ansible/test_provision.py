@@ -648,3 +648,31 @@ def test_an_os_the_release_does_not_list_is_refused_quoting_the_source(os_run, f
     assert result.returncode != 0, output[-3000:]
     assert message in mine, f"{host} ({facts['distribution']}): {output[-3000:]}"
     assert "Read the host's Python version" not in output
+
+
+def listed_tasks(tmp_path: Path, tag: str) -> list[str]:
+    """The provision role's task names that `provision.yml --tags TAG` runs (--list-tasks: no host
+    is contacted; an include shows as its own task)."""
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(yaml.safe_dump({"all": {"children": {"epd_engines": {"hosts": {"h1": LOCAL_HOST}}}}}))
+    listing = playbook("-i", str(inventory), "playbooks/provision.yml", "--list-tasks", "--tags", tag)
+    assert listing.returncode == 0, listing.stdout + listing.stderr
+    engines = listing.stdout.split("play #2")[1].split("play #3")[0]
+    marker = "epd.kit.epd_provision : "
+    return [line.split(marker)[1].split("\t")[0] for line in engines.splitlines() if marker in line]
+
+
+@pytest.mark.parametrize("tag", ["epd_provision_neuron", "epd_provision_efa", "epd_provision_engine_venv"])
+def test_a_parts_tag_runs_the_checks_the_host_read_and_that_part(tmp_path, tag):
+    """docs/provisioning.md's tags: one part alone still runs the role's checks and the read of what
+    is installed, which the part's include needs (epd_provision_todo), then the part."""
+    tasks = listed_tasks(tmp_path, tag)
+    assert "Check the role's variables and the host's operating system" in tasks, tasks
+    assert "Decide what this host needs" in tasks, tasks
+    assert tasks[-1] == "Validate, install and verify what differs from the pins", tasks
+
+
+def test_the_preflight_tag_reads_and_changes_nothing(tmp_path):
+    tasks = listed_tasks(tmp_path, "epd_provision_preflight")
+    assert "Check the role's variables and the host's operating system" in tasks, tasks
+    assert "Validate, install and verify what differs from the pins" not in tasks, tasks
