@@ -76,10 +76,11 @@ def compat_python(version: str = "0.24.0") -> str | None:
 # env), so a later run's SSL_CERT_FILE would not reach it.
 _WORKER = """
 import importlib.util, json, os, sys, traceback
+control = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)  # what is printed outside a run goes to the process's log, never the status lines
 spec = importlib.util.spec_from_file_location("epd_vllm_cli", sys.argv[1])
 cli = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(cli)
-control = os.fdopen(os.dup(1), "w")
 for line in sys.stdin:
     run = json.loads(line)
     saved = os.dup(1), os.dup(2)
