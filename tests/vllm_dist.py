@@ -7,6 +7,7 @@ name, so `importlib.metadata.version("vllm")` does not find it.
 
 from __future__ import annotations
 
+import contextlib
 from importlib import metadata
 from pathlib import Path
 
@@ -65,33 +66,113 @@ def compat_python(version: str = "0.24.0") -> str | None:
     return f"{venv}/bin/python"
 
 
-# Runs `vllm bench serve` once for each argv of its JSON argument, in one process: the CLI's own
-# main (vllm/entrypoints/cli/main.py, read at v0.24.0: it parses sys.argv and calls the subcommand's
-# function) called again for each, since importing vLLM is most of a small run's CPU (~11 CPU-s of
-# ~13 here). A marker line on stdout and stderr closes each run with its exit status. Runs that
-# trust a CA through SSL_CERT_FILE (test_tls.py) need a process of their own: aiohttp makes its
-# verified context when it is imported (aiohttp 3.14.5 connector.py `_SSL_CONTEXT_VERIFIED`, in
-# the 0.24.0 env), so a later run's SSL_CERT_FILE would not reach it.
-_BENCH_EACH = """
-import importlib.util, json, sys, traceback
-cli_path, runs, mark = sys.argv[1:4]
-spec = importlib.util.spec_from_file_location("epd_vllm_cli", cli_path)
+# A vLLM process that runs `vllm` argvs (`bench serve` ...) one after another, each from a JSON line
+# on its stdin: the CLI's own main (vllm/entrypoints/cli/main.py, read at v0.24.0: it parses sys.argv
+# and calls the subcommand's function) called again for each, since importing vLLM is most of a
+# small run's CPU (~11 CPU-s of ~13 here). Each run's fds 1 and 2 go to files of its own; the
+# status comes back as a line on the process's stdout. Runs that trust a CA through SSL_CERT_FILE
+# (test_tls.py) need it in the process's environment from its start: aiohttp makes its verified
+# context when it is imported (aiohttp 3.14.5 connector.py `_SSL_CONTEXT_VERIFIED`, in the 0.24.0
+# env), so a later run's SSL_CERT_FILE would not reach it.
+_WORKER = """
+import importlib.util, json, os, sys, traceback
+control = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)  # what is printed outside a run goes to the process's log, never the status lines
+spec = importlib.util.spec_from_file_location("epd_vllm_cli", sys.argv[1])
 cli = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(cli)
-for argv in json.loads(runs):
-    sys.argv = ["vllm", *argv]
-    try:
-        cli.main()
-        status = 0
-    except SystemExit as exc:
-        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-        status = 1
-    for stream in (sys.stdout, sys.stderr):
-        print(f"\\n{mark} {status}", file=stream, flush=True)
+for line in sys.stdin:
+    run = json.loads(line)
+    saved = os.dup(1), os.dup(2)
+    with open(run["out"], "w") as out, open(run["err"], "w") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        os.chdir(run["cwd"])
+        sys.argv = ["vllm", *run["argv"]]
+        try:
+            cli.main()
+            status = 0
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+    for fd in saved:
+        os.close(fd)
+    print(status, file=control, flush=True)
 """
-_BENCH_MARK = "=== epd-kit: vllm bench serve exited"
+
+
+class VllmProcess:
+    """One `_WORKER` process of `python`'s vLLM env, with `env` (its whole environment); its own
+    output and each run's go to files in `logs`."""
+
+    def __init__(self, python: str, env: dict[str, str], logs: Path) -> None:
+        import subprocess
+
+        self.logs = logs
+        self.runs = 0
+        with (logs / "vllm-process.log").open("w") as log:
+            self._proc = subprocess.Popen(
+                [python, "-c", _WORKER, str(CLI)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=env,
+            )
+
+    def run(self, argv: list[str], cwd: Path, timeout: float) -> tuple[int, str, str]:
+        """`vllm *argv` in `cwd`: (exit status, stdout, stderr). `timeout` is a quiet machine's
+        budget, scaled; past it, or when the process died, it is killed and the run failed."""
+        import json
+        import select
+        import time
+
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self.runs += 1
+        out, err = self.logs / f"run-{self.runs}.out", self.logs / f"run-{self.runs}.err"
+        line = ""
+        with contextlib.suppress(BrokenPipeError):  # a process that died: no status line
+            self._proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "out": str(out), "err": str(err)}) + "\n")
+            self._proc.stdin.flush()
+            deadline = time.monotonic() + scaled(timeout)
+            while time.monotonic() < deadline and not select.select([self._proc.stdout], [], [], 1.0)[0]:
+                pass
+            if select.select([self._proc.stdout], [], [], 0)[0]:
+                line = self._proc.stdout.readline()
+
+        def read(path: Path) -> str:
+            return path.read_text(errors="replace") if path.exists() else ""
+
+        if not line.strip():
+            self._proc.kill()
+            self.close()
+            ended = f"\n(the vLLM process: no status within {timeout} s (scaled), or it died)\n{self.log()[-3000:]}"
+            return 1, read(out), read(err) + ended
+        return int(line), read(out), read(err)
+
+    def log(self) -> str:
+        """What the process wrote outside its runs (importing vLLM, a crash)."""
+        return (self.logs / "vllm-process.log").read_text(errors="replace")
+
+    def close(self) -> None:
+        """Its stdin closed, the process ends after the run under way; killed if it does not."""
+        import subprocess
+
+        for pipe in (self._proc.stdin, self._proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    pipe.close()
+        try:
+            self._proc.wait(timeout=scaled(10))
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
 
 
 def bench_dataset(images: bool) -> list[str]:
@@ -107,58 +188,54 @@ def bench_dataset(images: bool) -> list[str]:
     ]  # fmt: skip
 
 
-def bench_serve(
-    python: str, base_url: str, tokenizer: str, prompts: int, *, images: dict[str, bool], cwd: Path
-) -> dict[str, tuple[int, str, str]]:
-    """`vllm bench serve --backend openai-chat` against a router, once per model of `images` (in
-    one process, _BENCH_EACH): `prompts` requests at 20/s, at most 8 at once, 16 prompt and 4
-    output tokens, one random 64x64 image each where `images[model]`.
-    Returns {model: (exit status, its summary, the tail of its stderr)}."""
-    import json
-    import os
-    import subprocess
+def bench_argv(base_url: str, tokenizer: str, model: str, prompts: int, *, images: bool) -> list[str]:
+    """`vllm bench serve --backend openai-chat` against a router: `prompts` requests at 20/s, at
+    most 8 at once, 16 prompt and 4 output tokens, one random 64x64 image each with `images`."""
+    return [
+        "bench", "serve",
+        "--backend", "openai-chat",
+        "--base-url", base_url,
+        "--endpoint", "/v1/chat/completions",
+        "--model", model,
+        "--tokenizer", tokenizer,
+        *bench_dataset(images),
+        "--num-prompts", str(prompts),
+        "--random-input-len", "16",
+        "--random-output-len", "4",
+        "--random-range-ratio", "0",
+        "--request-rate", "20",
+        "--max-concurrency", "8",
+        "--seed", "7",
+        "--disable-tqdm",
+    ]  # fmt: skip
 
-    runs = []
-    for model, image in images.items():
-        dataset = bench_dataset(image)
-        runs.append(
-            [
-                "bench", "serve",
-                "--backend", "openai-chat",
-                "--base-url", base_url,
-                "--endpoint", "/v1/chat/completions",
-                "--model", model,
-                "--tokenizer", tokenizer,
-                *dataset,
-                "--num-prompts", str(prompts),
-                "--random-input-len", "16",
-                "--random-output-len", "4",
-                "--random-range-ratio", "0",
-                "--request-rate", "20",
-                "--max-concurrency", "8",
-                "--seed", "7",
-                "--disable-tqdm",
-            ]
-        )  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    done = subprocess.run(
-        [python, "-c", _BENCH_EACH, str(CLI), json.dumps(runs), _BENCH_MARK],
-        capture_output=True,
-        text=True,
-        timeout=scaled(240 * len(runs)),
-        env=env,
-        check=False,
-        cwd=cwd,
-    )
-    outs, errs = done.stdout.split(_BENCH_MARK), done.stderr.split(_BENCH_MARK)
-    results = {}
-    for n, model in enumerate(images):
-        if n + 1 >= len(outs):  # the process ended before this run's marker
-            results[model] = (done.returncode or 1, outs[-1][-3000:], errs[-1][-3000:])
-            continue
-        status = int(outs[n + 1].split(None, 1)[0])
-        out = outs[n].split("\n", 1)[1] if n else outs[n]  # after the previous run's status
-        err = errs[n].split("\n", 1)[1] if n else errs[n]
-        summary = out[out.find("=====") :] if "=====" in out else out[-3000:]
-        results[model] = (status, summary, err[-3000:])
-    return results
+
+def bench_env(**extra: str) -> dict[str, str]:
+    """A vLLM process's environment for `vllm bench serve` against a sandbox router."""
+    import os
+
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", **extra}
+
+
+def bench_summary(out: str) -> str:
+    """The result table `vllm bench serve` prints last (its whole stdout's tail without one)."""
+    return out[out.find("=====") :] if "=====" in out else out[-3000:]
+
+
+def bench_serve(
+    vllm: str | VllmProcess, base_url: str, tokenizer: str, prompts: int, *, images: dict[str, bool], cwd: Path
+) -> dict[str, tuple[int, str, str]]:
+    """bench_argv's run against a router, once per model of `images` (`images[model]`: with
+    images), one after the other in one vLLM process: `vllm`, or one of its own when `vllm` is a
+    Python of a vLLM env. Returns {model: (exit status, its summary, the tail of its stderr)}."""
+    process = VllmProcess(vllm, bench_env(), cwd) if isinstance(vllm, str) else vllm
+    try:
+        results = {}
+        for model, image in images.items():
+            argv = bench_argv(base_url, tokenizer, model, prompts, images=image)
+            status, out, err = process.run(argv, cwd, timeout=240)
+            results[model] = (status, bench_summary(out), err[-3000:])
+        return results
+    finally:
+        if process is not vllm:
+            process.close()

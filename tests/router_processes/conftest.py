@@ -14,6 +14,8 @@ from epd_kit.preprocess import Preprocessor
 from epd_kit.sim.checkpoint import load_checkpoint
 from epd_kit.sim.model import expected_tokens
 from epd_kit.testing.checkpoint import build_tiny_checkpoint
+from tests.hosts.certs import SandboxCa
+from tests.vllm_dist import VllmProcess, bench_env, compat_python
 
 from .harness import Stack
 
@@ -64,3 +66,33 @@ def stack(ckpt, tmp_path_factory) -> Stack:
     s = Stack.start(ckpt, tmp_path_factory.mktemp("stack"), n_ve=3, n_pd=2)
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def sandbox_ca(tmp_path_factory) -> SandboxCa:
+    """The CA test_tls.py's router pairs come from; the vLLM process below trusts it."""
+    return SandboxCa(tmp_path_factory.mktemp("tls") / "ca")
+
+
+@pytest.fixture(scope="session")
+def vllm_process(sandbox_ca, tmp_path_factory):
+    """vllm() -> the session's one vLLM process of the vLLM-compat env (vllm 0.24.0,
+    scripts/compat-env.sh), started at its first use, or None while the env is not built (a full
+    run builds it beside this lane: each call looks again). test_models.py's and test_tls.py's
+    `vllm bench serve` runs share it: each process imports vLLM, ~11 CPU-s. SSL_CERT_FILE is
+    `sandbox_ca` from its start (tests/vllm_dist.py _WORKER: aiohttp reads it when imported);
+    plain-HTTP runs do not read it."""
+    started: list[VllmProcess] = []
+
+    def vllm() -> VllmProcess | None:
+        if not started:
+            python = compat_python()
+            if python is None:
+                return None
+            logs = tmp_path_factory.mktemp("vllm-process")
+            started.append(VllmProcess(python, bench_env(SSL_CERT_FILE=str(sandbox_ca.path)), logs))
+        return started[0]
+
+    yield vllm
+    for process in started:
+        process.close()

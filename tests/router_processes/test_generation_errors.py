@@ -14,19 +14,34 @@ import json
 import httpx
 import pytest
 
-from .harness import Stack
+from .harness import RouterProc, Stack
 
 CLIENT_MESSAGE = "the engine could not complete this request (generate: vLLM generation error)"
 FAILING = 6  # requests that fail: three times failure_threshold
 
 
-@pytest.fixture(params=["0.24", "0.29"])
-def stack(request, ckpt, tmp_path):
-    engines = ("epd-ve-0", "epd-pd-0", "epd-pd-1")
-    env = {name: {"EPD_SIM_VLLM": request.param} for name in engines}
-    s = Stack.start(ckpt, tmp_path, n_ve=1, n_pd=2, sim_env=env)
-    yield s
+@pytest.fixture(scope="module", params=["0.24", "0.29"])
+def engines(request, ckpt, tmp_path_factory):
+    """A stack answering as one vLLM release, for both tests below (its three engines are ~1.4
+    CPU-s to start), and how many tests it served."""
+    env = {name: {"EPD_SIM_VLLM": request.param} for name in ("epd-ve-0", "epd-pd-0", "epd-pd-1")}
+    s = Stack.start(ckpt, tmp_path_factory.mktemp(f"vllm-{request.param}"), n_ve=1, n_pd=2, sim_env=env)
+    served: list[str] = []
+    yield s, served
     s.stop()
+
+
+@pytest.fixture
+def stack(engines, request) -> Stack:
+    """The release's stack as a fresh one: after an earlier test, its PDs' faults off and a router
+    of this test's own (its counters and its log start empty)."""
+    s, served = engines
+    if served:
+        _faults(s)
+        s.router.stop()
+        s.router = RouterProc(s.router.config_path, s.workdir / f"router-{len(served)}.log", s.router.port).start()
+    served.append(request.node.name)
+    return s
 
 
 def _faults(stack: Stack, **faults: object) -> None:

@@ -43,24 +43,37 @@ def _chat(stack: Stack, oracle, seed: int, images: int = 1) -> None:
     assert (choice["token_ids"], choice["finish_reason"]) == (tokens, finish)
 
 
-@pytest.mark.parametrize("handoff", list(FLEETS))
-def test_an_image_chat_crosses_in_the_fleets_handoff(ckpt, oracle, tmp_path, handoff):
-    stack = _start(ckpt, tmp_path, handoff, n_ve=1)
-    try:
-        _chat(stack, oracle, seed=300)
-        _chat(stack, oracle, seed=310, images=3)
-        pd_log = stack.pds[0].process.log()
-        # vLLM logs this for every request whose kv_transfer_params no KV connector takes
-        # (sim/pd.py): only vllm-neuron's hand-off rides there
-        assert ("Got kv_transfer_params" in pd_log) == (handoff == "ec_locator")
-        assert "EngineCore encountered a fatal error" not in pd_log
-    finally:
-        stack.stop()
+@pytest.fixture(scope="module", params=list(FLEETS))
+def fleet(request, ckpt, tmp_path_factory):
+    """(hand-off, two VEs and a PD answering as its vLLM): one fleet per hand-off for the two tests
+    below (a fleet is ~2 CPU-s to start). Its VEs announce every entry; the test that needs
+    epd-ve-0's broken sets that fault at run time (PUT /sim/faults) and heals it after."""
+    handoff = request.param
+    stack = _start(ckpt, tmp_path_factory.mktemp(f"handoff-{handoff}"), handoff, n_ve=2)
+    yield handoff, stack
+    stack.stop()
 
 
-@pytest.mark.parametrize("handoff", list(FLEETS))
-def test_a_ve_answer_without_a_fetchable_entry_is_charged_to_that_ve_and_reencoded(ckpt, oracle, tmp_path, handoff):
-    stack = _start(ckpt, tmp_path, handoff, n_ve=2, broken_ve={"EPD_SIM_HANDOFF_UNANNOUNCED": "1"})
+def _ve_faults(stack: Stack, **faults: object) -> None:
+    """epd-ve-0's fault settings, all of them (what is not named is healthy)."""
+    r = httpx.put(stack.ves[0].url + "/sim/faults", json=faults, timeout=5, trust_env=False)
+    assert r.status_code == 200, r.text
+
+
+def test_an_image_chat_crosses_in_the_fleets_handoff(oracle, fleet):
+    handoff, stack = fleet
+    _chat(stack, oracle, seed=300)
+    _chat(stack, oracle, seed=310, images=3)
+    pd_log = stack.pds[0].process.log()
+    # vLLM logs this for every request whose kv_transfer_params no KV connector takes
+    # (sim/pd.py): only vllm-neuron's hand-off rides there
+    assert ("Got kv_transfer_params" in pd_log) == (handoff == "ec_locator")
+    assert "EngineCore encountered a fatal error" not in pd_log
+
+
+def test_a_ve_answer_without_a_fetchable_entry_is_charged_to_that_ve_and_reencoded(oracle, fleet):
+    handoff, stack = fleet
+    _ve_faults(stack, handoff_unannounced=True)
     try:
         # each image's VE is its HRW choice: up to 16 images until one was placed on the broken
         # VE (each has a 1-in-2 chance); every chat must be answered right regardless
@@ -77,7 +90,7 @@ def test_a_ve_answer_without_a_fetchable_entry_is_charged_to_that_ve_and_reencod
         assert stack.pds[0].proc.poll() is None  # the PD never got an LM-only request
         assert "EngineCore encountered a fatal error" not in stack.pds[0].process.log()
     finally:
-        stack.stop()
+        _ve_faults(stack)
 
 
 def test_a_0_32_pd_that_cannot_fetch_an_item_fails_that_request_and_the_router_encodes_it_elsewhere(

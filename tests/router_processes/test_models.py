@@ -14,7 +14,7 @@ import pytest
 
 from epd_kit.testing.images import image_part, png_data_url, user_message
 from epd_kit.testing.process import stop_all
-from tests.vllm_dist import bench_serve, compat_python
+from tests.vllm_dist import bench_serve
 
 from .harness import SimEngine, Stack, wait_until
 
@@ -111,15 +111,15 @@ BENCH_PROMPTS = 20
 
 
 @pytest.fixture(scope="module")
-def bench_runs(two, ckpt):
-    """Both models' `vllm bench serve` runs, one after the other in one vLLM process (each run
-    alone imports vLLM again: ~11 CPU-s)."""
+def bench_runs(two, ckpt, vllm_process):
+    """Both models' `vllm bench serve` runs, one after the other in the session's vLLM process
+    (conftest.py `vllm_process`: each process imports vLLM again, ~11 CPU-s)."""
     stack, _ = two
-    python = compat_python()
-    if python is None:
+    vllm = vllm_process()
+    if vllm is None:
         pytest.skip("the vLLM-compat venv is not built (yet): scripts/compat-env.sh --vllm 0.24.0 builds it")
     images = {"vision": True, "text": False}
-    return bench_serve(python, stack.router.url, str(ckpt), BENCH_PROMPTS, images=images, cwd=stack.workdir)
+    return bench_serve(vllm, stack.router.url, str(ckpt), BENCH_PROMPTS, images=images, cwd=stack.workdir)
 
 
 @pytest.mark.parametrize("model", ["vision", "text"])

@@ -4,7 +4,6 @@ open connections, a bad new pair kept out, a bad pair at start refused with its 
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
@@ -16,14 +15,15 @@ import pytest
 
 from tests.budget import scaled
 from tests.hosts.certs import SandboxCa, served_serial, trust
-from tests.vllm_dist import vllm_cli
+from tests.vllm_dist import bench_argv, bench_summary
 
 from .harness import HOST, ROUTER, RouterProc, Stack, free_port, wait_until
 
 
 @pytest.fixture(scope="module")
-def ca(tmp_path_factory) -> SandboxCa:
-    return SandboxCa(tmp_path_factory.mktemp("tls") / "ca")
+def ca(sandbox_ca) -> SandboxCa:
+    """The session's CA (conftest.py): the vLLM process trusts it from its start."""
+    return sandbox_ca
 
 
 @pytest.fixture(scope="module")
@@ -183,45 +183,20 @@ def test_the_openai_sdk_over_tls_streaming_and_not_with_images(stack, ca):
 VLLM_BENCH_PROMPTS = 30
 
 
-def test_vllms_own_benchmark_client_over_tls(stack, ca, ckpt):
+def test_vllms_own_benchmark_client_over_tls(stack, ca, ckpt, vllm_process):
     """`vllm bench serve --backend openai-chat --dataset-name random-mm` from the vLLM-compat venv
     (vllm 0.24.0, scripts/compat-env.sh) through the router's TLS listener, trusting the sandbox
     CA through SSL_CERT_FILE: vllm 0.24.0's benchmarks/serve.py gives aiohttp `ssl=True` for an
     https base URL (no CA option besides --insecure), and aiohttp's verified context is
-    ssl.create_default_context(), whose default verify paths OpenSSL takes from SSL_CERT_FILE."""
-    venv = subprocess.run(
-        ["scripts/compat-env.sh", "--vllm", "0.24.0", "--path"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    # the stamp, not the binary: a full run builds the env beside this lane (scripts/test.sh)
-    if subprocess.run(["scripts/compat-env.sh", "--vllm", "0.24.0", "--ready"], check=False).returncode:
-        pytest.skip(f"the vLLM-compat venv {venv} is not built (yet): scripts/compat-env.sh --vllm 0.24.0 builds it")
-    argv = [
-        *vllm_cli(f"{venv}/bin/python"), "bench", "serve",
-        "--backend", "openai-chat",
-        "--base-url", stack.router.url,
-        "--endpoint", "/v1/chat/completions",
-        "--model", "tiny",
-        "--tokenizer", str(ckpt),
-        "--dataset-name", "random-mm",
-        "--num-prompts", str(VLLM_BENCH_PROMPTS),
-        "--random-input-len", "16",
-        "--random-output-len", "4",
-        "--random-range-ratio", "0",
-        "--random-mm-base-items-per-request", "1",
-        "--random-mm-num-mm-items-range-ratio", "0",
-        "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
-        "--random-mm-bucket-config", "{(64, 64, 1): 1.0}",
-        "--request-rate", "20",
-        "--max-concurrency", "8",
-        "--seed", "7",
-        "--disable-tqdm",
-    ]  # fmt: skip
-    env = {**os.environ, "SSL_CERT_FILE": str(ca.path), "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    done = subprocess.run(
-        argv, capture_output=True, text=True, timeout=scaled(240), env=env, check=False, cwd=stack.workdir
-    )
-    summary = done.stdout[done.stdout.find("=====") :] if "=====" in done.stdout else done.stdout[-3000:]
-    print(f"vllm bench serve over TLS (exit {done.returncode}):\n{summary}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert re.search(rf"Successful requests:\s+{VLLM_BENCH_PROMPTS}\b", done.stdout), summary
-    assert re.search(r"Failed requests:\s+0\b", done.stdout), summary
+    ssl.create_default_context(), whose default verify paths OpenSSL takes from SSL_CERT_FILE
+    (the session's vLLM process has `ca` there from its start, conftest.py `vllm_process`)."""
+    vllm = vllm_process()
+    if vllm is None:
+        pytest.skip("the vLLM-compat venv is not built (yet): scripts/compat-env.sh --vllm 0.24.0 builds it")
+    argv = bench_argv(stack.router.url, str(ckpt), "tiny", VLLM_BENCH_PROMPTS, images=True)
+    status, out, err = vllm.run(argv, stack.workdir, timeout=240)
+    summary = bench_summary(out)
+    print(f"vllm bench serve over TLS (exit {status}):\n{summary}")
+    assert status == 0, err[-3000:]
+    assert re.search(rf"Successful requests:\s+{VLLM_BENCH_PROMPTS}\b", out), summary
+    assert re.search(r"Failed requests:\s+0\b", out), summary
