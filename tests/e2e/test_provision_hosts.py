@@ -421,3 +421,19 @@ def test_the_sim_stack_deploys_on_the_provisioned_bare_host(bare, bare_inventory
     status = playbook(bare_inventory, "playbooks/status.yml", pins("a", server))
     assert status.returncode == 0, status.describe()
     assert version_row(status.stdout, bare)[-1] == "ok" and "DRIFT" not in status.stdout, status.describe()
+
+
+def test_a_parts_tag_installs_that_part_alone(bare, bare_inventory, server):
+    """docs/provisioning.md's tags: `--tags epd_provision_efa` with release b's pins on the host of
+    release a runs the role's checks, the read of the host and the EFA part: the EFA software moves to
+    b, the Neuron packages and the engine venv stay a's (their parts are not run)."""
+    assert_release(bare, "a")
+    result = provision(bare_inventory, pins("b", server), "--tags", "epd_provision_efa")
+    assert result.returncode == 0, result.describe()
+    assert "Check the role's variables and the host's operating system" in result.stdout, result.describe()
+    record = bare.run("cat /opt/amazon/efa_installed_packages").stdout
+    assert f"EFA installer version: {standins.RELEASE_B.efa_installer}" in record, record
+    versions = installed(bare)
+    for package, version in standins.RELEASE_A.neuron.items():
+        assert versions.get(package) == f"{version}-{standins.DEB_REVISION}", versions
+    assert engine_versions(bare, tuple(standins.RELEASE_A.engine_venv)) == standins.RELEASE_A.engine_venv
