@@ -8,6 +8,10 @@ name, so `importlib.metadata.version("vllm")` does not find it.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import select
+import subprocess
 from importlib import metadata
 from pathlib import Path
 
@@ -54,8 +58,6 @@ def vllm_cli(python: str) -> list[str]:
 def compat_python(version: str = "0.24.0") -> str | None:
     """The Python of the vLLM-compat env of `version` (scripts/compat-env.sh), or None while it is
     not built (a full run builds it beside the lanes)."""
-    import subprocess
-
     repo = Path(__file__).resolve().parents[1]
     script = str(repo / "scripts/compat-env.sh")
     if subprocess.run([script, "--vllm", version, "--ready"], check=False, cwd=repo).returncode:
@@ -112,8 +114,6 @@ class VllmProcess:
     output and each run's go to files in `logs`."""
 
     def __init__(self, python: str, env: dict[str, str], logs: Path) -> None:
-        import subprocess
-
         self.logs = logs
         self.runs = 0
         with (logs / "vllm-process.log").open("w") as log:
@@ -129,10 +129,6 @@ class VllmProcess:
     def run(self, argv: list[str], cwd: Path, timeout: float) -> tuple[int, str, str]:
         """`vllm *argv` in `cwd`: (exit status, stdout, stderr). `timeout` is a quiet machine's
         budget, scaled; past it, or when the process died, it is killed and the run failed."""
-        import json
-        import select
-        import time
-
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self.runs += 1
         out, err = self.logs / f"run-{self.runs}.out", self.logs / f"run-{self.runs}.err"
@@ -140,10 +136,8 @@ class VllmProcess:
         with contextlib.suppress(BrokenPipeError):  # a process that died: no status line
             self._proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "out": str(out), "err": str(err)}) + "\n")
             self._proc.stdin.flush()
-            deadline = time.monotonic() + scaled(timeout)
-            while time.monotonic() < deadline and not select.select([self._proc.stdout], [], [], 1.0)[0]:
-                pass
-            if select.select([self._proc.stdout], [], [], 0)[0]:
+            # one status line per run, so nothing is left in the pipe's buffer for select to miss
+            if select.select([self._proc.stdout], [], [], scaled(timeout))[0]:
                 line = self._proc.stdout.readline()
 
         def read(path: Path) -> str:
@@ -162,8 +156,6 @@ class VllmProcess:
 
     def close(self) -> None:
         """Its stdin closed, the process ends after the run under way; killed if it does not."""
-        import subprocess
-
         for pipe in (self._proc.stdin, self._proc.stdout):
             if pipe is not None:
                 with contextlib.suppress(BrokenPipeError):
@@ -212,8 +204,6 @@ def bench_argv(base_url: str, tokenizer: str, model: str, prompts: int, *, image
 
 def bench_env(**extra: str) -> dict[str, str]:
     """A vLLM process's environment for `vllm bench serve` against a sandbox router."""
-    import os
-
     return {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", **extra}
 
 
