@@ -150,6 +150,11 @@ class VllmProcess:
             return 1, read(out), read(err) + ended
         return int(line), read(out), read(err)
 
+    @property
+    def alive(self) -> bool:
+        """It takes runs: not closed (run() closes it after a run that gave no status), not dead."""
+        return self._proc.poll() is None and self._proc.stdin is not None and not self._proc.stdin.closed
+
     def log(self) -> str:
         """What the process wrote outside its runs (importing vLLM, a crash)."""
         return (self.logs / "vllm-process.log").read_text(errors="replace")

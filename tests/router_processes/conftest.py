@@ -81,17 +81,18 @@ def vllm_process(sandbox_ca, tmp_path_factory):
     run builds it beside this lane: each call looks again). test_models.py's and test_tls.py's
     `vllm bench serve` runs share it: each process imports vLLM, ~11 CPU-s. SSL_CERT_FILE is
     `sandbox_ca` from its start (tests/vllm_dist.py _WORKER: aiohttp reads it when imported);
-    plain-HTTP runs do not read it."""
+    plain-HTTP runs do not read it. A process that a failed run closed, or that died, is replaced
+    at the next use, so one test's failure is not every later one's."""
     started: list[VllmProcess] = []
 
     def vllm() -> VllmProcess | None:
-        if not started:
+        if not started or not started[-1].alive:
             python = compat_python()
             if python is None:
                 return None
             logs = tmp_path_factory.mktemp("vllm-process")
             started.append(VllmProcess(python, bench_env(SSL_CERT_FILE=str(sandbox_ca.path)), logs))
-        return started[0]
+        return started[-1]
 
     yield vllm
     for process in started:
