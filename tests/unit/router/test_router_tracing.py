@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from epd_kit.router import tracing
 from epd_kit.router_yaml import Tracing as TracingSettings
 from epd_kit.sim.tracing import SimTracer
+from epd_kit.testing.otlp import OtlpReceiver
 
 VALID = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -80,12 +82,6 @@ def test_the_sim_refuses_a_protocol_it_cannot_export(env, message):
 # --- on: who decides sampling, and what a client's bad headers cost ------------------------
 
 
-def traced(invalid=None, **settings) -> tracing.Tracing:
-    """Tracing on, exporting to a port nothing listens on (these tests read no export)."""
-    cfg = TracingSettings(otlp_traces_endpoint="http://127.0.0.1:9/v1/traces", **settings)
-    return tracing.Tracing(cfg, invalid or (lambda header: None))
-
-
 def begun(on: tracing.Tracing, headers) -> tuple[object, bytes]:
     """`begin`'s handle and the trace headers an engine call of that request carries."""
     handle = on.begin(headers)
@@ -106,20 +102,36 @@ SAMPLED = VALID  # flags 01
 TRACE_ID = VALID.split("-")[1]
 
 
-@pytest.fixture
-def closing():
-    made: list[tracing.Tracing] = []
-    yield made
-    import asyncio
+@pytest.fixture(scope="module")
+def collector():
+    """An OTLP/HTTP receiver that takes every export (these tests read none). Not a port nothing
+    listens on: the exporter retries a refused export for up to its 10 s timeout and logs an
+    ERROR when it gives up, and aclose() leaves an unfinished shutdown to its daemon thread
+    (router/tracing.py SHUTDOWN_S), so a test's exports went on failing into a later test's
+    caplog (test_trace_context_errors_are_counted_not_logged failed so in a full run)."""
+    with OtlpReceiver() as receiver:
+        yield receiver
 
+
+@pytest.fixture
+def traced(collector):
+    """traced(invalid=None, **settings) -> tracing on, exporting to `collector`; each closed at
+    the test's end."""
+    made: list[tracing.Tracing] = []
+
+    def make(invalid=None, **settings) -> tracing.Tracing:
+        cfg = TracingSettings(otlp_traces_endpoint=collector.url, **settings)
+        made.append(tracing.Tracing(cfg, invalid or (lambda header: None)))
+        return made[-1]
+
+    yield make
     for on in made:
         asyncio.run(on.aclose())
 
 
-def test_a_client_sampled_flag_cannot_override_sample_ratio_zero(closing):
+def test_a_client_sampled_flag_cannot_override_sample_ratio_zero(traced):
     """Issue 58: `sample_ratio: 0` and a client's sampled traceparent traced every request."""
     on = traced(sample_ratio=0.0)
-    closing.append(on)
     for _ in range(20):
         handle, sent = begun(on, {"traceparent": SAMPLED})
         assert not isinstance(handle, tracing.RequestTrace)
@@ -127,28 +139,25 @@ def test_a_client_sampled_flag_cannot_override_sample_ratio_zero(closing):
         assert sent == f"traceparent: {SAMPLED[:-2]}00\r\n".encode()
 
 
-def test_the_router_samples_by_its_own_draw_not_the_client_trace_id(closing):
+def test_the_router_samples_by_its_own_draw_not_the_client_trace_id(traced):
     """A TraceIdRatioBased sampler keeps low trace ids: a client could pick one. The router draws."""
     on = traced(sample_ratio=0.5)
-    closing.append(on)
     low = "00-00000000000000000000000000000001-00f067aa0ba902b7-01"
     kept = sum(isinstance(begun(on, {"traceparent": low})[0], tracing.RequestTrace) for _ in range(400))
     assert 120 < kept < 280  # binomial(400, 0.5): outside is a 1e-20 event
 
 
-def test_a_sampled_request_joins_the_client_trace(closing):
+def test_a_sampled_request_joins_the_client_trace(traced):
     on = traced(sample_ratio=1.0)
-    closing.append(on)
     handle, sent = begun(on, {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"})
     assert isinstance(handle, tracing.RequestTrace)
     assert sent.startswith(f"traceparent: 00-{TRACE_ID}-".encode()) and sent.endswith(b"-01\r\n")
 
 
-def test_trace_context_errors_are_counted_not_logged(closing, capfd, caplog):
+def test_trace_context_errors_are_counted_not_logged(traced, capfd, caplog):
     """Issue 58: a tracestate of 33 members logged a plain-text line per request."""
     counted: list[str] = []
     on = traced(invalid=counted.append, sample_ratio=1.0)
-    closing.append(on)
     state = ",".join(f"k{i}=v{i}" for i in range(33))
     handle, sent = begun(on, {"traceparent": VALID, "tracestate": state})
     assert isinstance(handle, tracing.RequestTrace)  # the traceparent stands without it
@@ -204,25 +213,23 @@ def test_tracestate_within_the_grammar_is_kept():
     assert tracing.parse_tracestate([" a=1 \t", "t@" + "x" * 14 + "=1"]) == [("a", "1"), ("t@" + "x" * 14, "1")]
 
 
-def test_a_client_sampled_flag_is_ignored_by_default(closing):
+def test_a_client_sampled_flag_is_ignored_by_default(traced):
     """tracing.trust_parent_sampled is off unless set: the router's draw decides both ways."""
     assert TracingSettings().trust_parent_sampled is False
     on = traced(sample_ratio=1.0)
-    closing.append(on)
     unsampled = f"{SAMPLED[:-2]}00"
     handle, sent = begun(on, {"traceparent": unsampled})
     assert isinstance(handle, tracing.RequestTrace)  # the client said "not sampled"; the router traced
     assert sent.endswith(b"-01\r\n")
 
 
-def test_trust_parent_sampled_follows_a_valid_client_flag_and_draws_without_one(closing):
+def test_trust_parent_sampled_follows_a_valid_client_flag_and_draws_without_one(traced):
     """Behind a gateway that samples: a valid traceparent's sampled flag decides (sample_ratio 0 and
     a sampled parent: traced in the client's trace; ratio 1 and an unsampled one: not traced, passed
     on unchanged); without a valid traceparent the router's own draw decides."""
     counted: list[str] = []
     never = traced(invalid=counted.append, sample_ratio=0.0, trust_parent_sampled=True)
     always = traced(sample_ratio=1.0, trust_parent_sampled=True)
-    closing.extend([never, always])
     for _ in range(5):
         handle, sent = begun(never, {"traceparent": SAMPLED})
         assert isinstance(handle, tracing.RequestTrace)
