@@ -8,6 +8,8 @@ the same builder, cache and pins as the role (both pin sets: the sim backend's a
 engines' none): the deploy then finds it cached.
 
     python tests/hosts/wheelhouse.py      prints the builder's JSON line
+    python tests/hosts/wheelhouse.py kit         all but the provisioning stand-ins (no rootfs needed)
+    python tests/hosts/wheelhouse.py standins    the stand-ins alone (they need the bare rootfs)
 
 A fresh clone shares the machine's cache ($KIT_DIR/repo-cache, linked as .cache/): a second
 checkout of the same sources finds its wheelhouse built.
@@ -61,8 +63,23 @@ def share_the_machines_cache() -> None:
     print(f"wheelhouse: {link} -> {shared} (the wheelhouses of this machine's checkouts)")
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    """Both parts, or the one named: scripts/test.sh builds the kit's part beside the test hosts'
+    rootfs (both mostly downloads) and the stand-ins, which read the bare rootfs, after it."""
+    parts = argv or ["kit", "standins"]
+    if not set(parts) <= {"kit", "standins"}:
+        print(f"usage: wheelhouse.py [kit] [standins] (got {' '.join(argv)})", file=sys.stderr)
+        return 2
     share_the_machines_cache()
+    if "kit" in parts:
+        kit_rc = kit_wheelhouses()
+        if kit_rc:
+            return kit_rc
+    return provisioning_standins() if "standins" in parts else 0
+
+
+def kit_wheelhouses() -> int:
+    """The kit's wheelhouses (this tree's, both pin sets; the release before's) and the trace store's."""
     if not BUILDER.exists():
         print(f"wheelhouse: {BUILDER.relative_to(REPO)} not in this checkout; nothing to pre-build")
         return 0
@@ -75,7 +92,7 @@ def main() -> int:
         if kit_rc:
             return kit_rc
     trace_store()
-    return provisioning_standins()
+    return 0
 
 
 def extract_previous_release(tree: Path) -> str | None:
@@ -153,4 +170,4 @@ def provisioning_standins() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
