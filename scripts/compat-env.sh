@@ -51,15 +51,17 @@ env_dir() { echo "$CACHE/$(key "$1")"; }
 # imports for every model, and NIXL for upstream_nixl), checks that vLLM picks its
 # CPU platform (the real engines run on it) and finds OpenTelemetry (the engines' traces), so a
 # broken env never gets a stamp. It runs with bytecode writes on and imports what an engine
-# starts with too (its core and CPU worker, as roles/epd_deps install_vllm_cpu.yml does): the
-# install skips pip's bytecode of all ~16,400 modules, this writes the ~5,600 the tiers import
-# (docs/compat.md; 25 of a build's 73 CPU-s).
+# starts with too (its core and CPU worker: the list the roles' install_vllm_cpu.yml imports,
+# argv[2]): the install skips pip's bytecode of all ~16,400 modules, this writes the ~5,600 the
+# tiers import (docs/compat.md; 25 of a build's 73 CPU-s).
+ENGINE_IMPORTS=$LOCKS/engine-imports.txt
 SMOKE='
-import sys, torch, torchvision, vllm
+import importlib, sys, torch, torchvision, vllm
 from vllm.platforms import current_platform
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.entrypoints.openai.api_server import build_app
-import vllm.v1.engine.core, vllm.v1.worker.cpu_worker, vllm.v1.worker.cpu_model_runner
+for engine_module in open(sys.argv[2]).read().split():
+    importlib.import_module(engine_module)
 try:
     from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
 except ModuleNotFoundError:
@@ -112,7 +114,7 @@ build() {  # build VERSION DIR ARCHIVE
     PIP_FIND_LINKS="$wheels" \
         "$2/bin/python" -m pip install --quiet --no-deps --no-input --no-index --no-compile -r "$(requirements "$1")"
     rm -rf "$wheels"
-    (cd / && HF_HUB_OFFLINE=1 PYTHONDONTWRITEBYTECODE= "$2/bin/python" -W ignore -c "$SMOKE" "$1") >&2
+    (cd / && HF_HUB_OFFLINE=1 PYTHONDONTWRITEBYTECODE= "$2/bin/python" -W ignore -c "$SMOKE" "$1" "$ENGINE_IMPORTS") >&2
     touch "$2/.epd-compat-ok"
     echo "compat-env: built in $(since "$started") s, $(du -sh "$2" | cut -f1) on disk" >&2
 }

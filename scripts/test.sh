@@ -97,6 +97,12 @@ lane_priority_normal() {
   # shellcheck disable=SC2086 # one pid per word
   [ -z "${pids// /}" ] || renice -n 0 -p $pids >/dev/null 2>&1 || true
 }
+lane_run() {   # lane_run LANE CMD...: CMD counted as LANE; "rc seconds CPU-s" to $lanes/LANE
+  local lane=$1 t=$SECONDS rc=0
+  shift
+  in_lane_cgroup "$lane" "$@" || rc=$?
+  echo "$rc $((SECONDS - t)) $(lane_cpu "$lane")" >"$lanes/$lane"
+}
 lane_cpu() {   # lane_cpu LANE: its CPU-s so far, or ?
   local v
   if v=$(cat "$CPU_CG/$1/cpuacct.usage" 2>/dev/null) && [ -n "$v" ]; then
@@ -251,34 +257,30 @@ else
       (scripts/compat-env.sh >"$lanes/compat-env.log" 2>&1; echo "$? $((SECONDS - t))" >"$lanes/compat-env") &
       build_pid=$!
     fi
-    EPD_TEST_LANE=host-free in_lane_cgroup host-free pytest_run --ignore=tests/e2e tests
-    echo "$? $((SECONDS - t)) $(lane_cpu host-free)" >"$lanes/host-free"
+    EPD_TEST_LANE=host-free lane_run host-free pytest_run --ignore=tests/e2e tests
     if [ -n "$build_pid" ]; then
       wait "$build_pid"
       cat "$lanes/compat-env.log"
       read -r env_rc env_s <"$lanes/compat-env"
       echo "== compat-env: rc $env_rc after ${env_s}s"
+      env_lane() {   # env_lane LANE FUNC: FUNC as LANE once the vLLM envs built, its output to LANE.log
+        if [ "$env_rc" -eq 0 ]; then
+          lane_run "$1" "$2"
+        else
+          echo "test.sh: FAILED: $1 not run: scripts/compat-env.sh failed (rc $env_rc, its log above)"
+          echo "$env_rc 0 0" >"$lanes/$1"
+        fi >"$lanes/$1.log" 2>&1
+      }
       # the compat tier (one vLLM import at a time: ~1 core) and the real engines side by side:
       # one after the other they were the last 120 s of a fresh machine's run (2026-12-07)
-      t=$SECONDS
-      (
-        if [ "$env_rc" -eq 0 ]; then in_lane_cgroup compat compat_run; else false; fi >"$lanes/compat.log" 2>&1
-        echo "$? $((SECONDS - t)) $(lane_cpu compat)" >"$lanes/compat"
-      ) &
-      (
-        if [ "$env_rc" -eq 0 ]; then in_lane_cgroup real-engines real_engines_run; else false; fi >"$lanes/real-engines.log" 2>&1
-        echo "$? $((SECONDS - t)) $(lane_cpu real-engines)" >"$lanes/real-engines"
-      ) &
+      env_lane compat compat_run &
+      env_lane real-engines real_engines_run &
       wait
       cat "$lanes/compat.log" "$lanes/real-engines.log"
     fi
   ) >"$lanes/host-free.log" 2>&1 &
   background_pids+=($!)
-  (
-    t=$SECONDS
-    EPD_E2E_LANE=b in_lane_cgroup e2e-b pytest_run tests/e2e
-    echo "$? $((SECONDS - t)) $(lane_cpu e2e-b)" >"$lanes/e2e-b"
-  ) >"$lanes/e2e-b.log" 2>&1 &
+  EPD_E2E_LANE=b lane_run e2e-b pytest_run tests/e2e >"$lanes/e2e-b.log" 2>&1 &
   background_pids+=($!)
   set +m
   EPD_E2E_LANE=a phase pytest-e2e-a in_lane_cgroup e2e-a pytest_run tests/e2e
